@@ -1,0 +1,3 @@
+"""localpd: local LLM inference on one GPU, honest about bandwidth."""
+
+__version__ = "0.1.0"

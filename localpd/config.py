@@ -1,0 +1,27 @@
+"""Model hyper-parameters, independent of where the weights came from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ModelConfig:
+    arch: str  # "llama" (Llama 2/3, SmolLM, Mistral) or "qwen2"
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # Llama 3.1 style scaling: {"factor", "low_freq_factor", "high_freq_factor",
+    # "original_max_position_embeddings"}; None for plain RoPE.
+    rope_scaling: dict | None = None
+    max_context: int = 4096
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    name: str = ""
+    extra: dict = field(default_factory=dict)

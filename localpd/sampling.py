@@ -1,0 +1,83 @@
+"""Turning logits into the next token: greedy, temperature, top-k, top-p, min-p, penalties, seed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from localpd.errors import LocalpdError
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.7  # 0 means greedy
+    top_k: int = 0  # 0 means off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # >1 discourages tokens already in prompt or output (CTRL-style)
+    presence_penalty: float = 0.0  # OpenAI-style, over generated tokens
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 512
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def validate(self) -> "SamplingParams":
+        checks = [
+            (self.temperature >= 0, "temperature must be >= 0"),
+            (self.top_k >= 0, "top_k must be >= 0"),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
+            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
+            (self.max_tokens >= 1, "max_tokens must be >= 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise LocalpdError(message)
+        return self
+
+
+class Sampler:
+    """Samples one sequence's tokens. Holds its own generator so a seed gives the same output every time."""
+
+    def __init__(self, params: SamplingParams, device: torch.device | str = "cpu"):
+        self.params = params.validate()
+        self.generator = torch.Generator(device=device)
+        if params.seed is not None:
+            self.generator.manual_seed(params.seed)
+        else:
+            self.generator.seed()
+
+    def __call__(self, logits: torch.Tensor, prompt_ids: list[int], output_ids: list[int]) -> int:
+        p = self.params
+        logits = logits.float().clone()
+        if p.repetition_penalty != 1.0 and (prompt_ids or output_ids):
+            seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), device=logits.device)
+            vals = logits[seen]
+            logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and output_ids:
+            ids, counts = torch.tensor(output_ids, device=logits.device).unique(return_counts=True)
+            logits[ids] -= p.presence_penalty + p.frequency_penalty * counts.float()
+        if p.temperature == 0:
+            return int(logits.argmax())
+        return int(sample_from(logits / p.temperature, p.top_k, p.top_p, p.min_p, self.generator))
+
+
+def sample_from(logits: torch.Tensor, top_k: int, top_p: float, min_p: float, generator: torch.Generator) -> torch.Tensor:
+    """Draw one index from softmax(logits) restricted by top-k, then top-p (nucleus), then min-p."""
+    probs, order = torch.softmax(logits, dim=-1).sort(descending=True)
+    keep = torch.ones_like(probs, dtype=torch.bool)
+    if top_k > 0:
+        keep[top_k:] = False
+    if top_p < 1.0:
+        before = probs.cumsum(-1) - probs  # mass strictly before each token
+        keep &= before < top_p
+    if min_p > 0:
+        keep &= probs >= min_p * probs[0]
+    keep[0] = True  # the most likely token always survives
+    probs = torch.where(keep, probs, torch.zeros_like(probs))
+    choice = torch.multinomial(probs / probs.sum(), 1, generator=generator)
+    return order[choice[0]]

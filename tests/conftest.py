@@ -1,0 +1,34 @@
+import os
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def default_gguf() -> Path:
+    """Path of the embedded default model (SmolLM2-135M-Instruct Q4_1 GGUF), pulled once."""
+    env = os.environ.get("LOCALPD_TEST_GGUF")
+    if env:
+        return Path(env)
+    from localpd.registry import resolve_model
+
+    return resolve_model("smollm2-135m").path
+
+
+@pytest.fixture(scope="session")
+def hf_reference(default_gguf):
+    """transformers' own model and tokenizer for the same GGUF: the test-only reference."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kw = dict(gguf_file=default_gguf.name)
+    tok = AutoTokenizer.from_pretrained(default_gguf.parent, **kw)
+    model = AutoModelForCausalLM.from_pretrained(default_gguf.parent, torch_dtype=torch.float32, **kw).eval()
+    return model, tok
+
+
+@pytest.fixture(scope="session")
+def engine(default_gguf):
+    from localpd.engine import Engine
+
+    return Engine(default_gguf, device="cpu", max_context=2048)

@@ -1,0 +1,78 @@
+import pytest
+import torch
+
+from localpd.errors import LocalpdError
+from localpd.sampling import Sampler, SamplingParams, sample_from
+
+
+def draws(logits, n=400, **kw):
+    g = torch.Generator().manual_seed(0)
+    p = dict(top_k=0, top_p=1.0, min_p=0.0) | kw
+    return {int(sample_from(logits, p["top_k"], p["top_p"], p["min_p"], g)) for _ in range(n)}
+
+
+def test_greedy_picks_argmax():
+    logits = torch.randn(1000)
+    assert Sampler(SamplingParams(temperature=0))(logits, [], []) == int(logits.argmax())
+
+
+def test_top_k_restricts_to_k_best():
+    logits = torch.randn(50)
+    best = set(logits.topk(3).indices.tolist())
+    seen = draws(logits, top_k=3)
+    assert seen <= best and len(seen) == 3
+
+
+def test_top_p_keeps_smallest_nucleus():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    assert draws(logits, top_p=0.7) == {0, 1}  # 0.5 < 0.7, 0.5 + 0.3 >= 0.7
+    assert draws(logits, top_p=0.4) == {0}
+    assert draws(logits, top_p=1.0) == {0, 1, 2, 3}
+
+
+def test_min_p_drops_tokens_below_fraction_of_best():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    assert draws(logits, min_p=0.25) == {0, 1, 2}  # 0.05 < 0.25 * 0.5
+
+
+def test_sampling_follows_the_distribution():
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    g = torch.Generator().manual_seed(1)
+    counts = torch.zeros(3)
+    for _ in range(3000):
+        counts[sample_from(probs.log(), 0, 1.0, 0.0, g)] += 1
+    assert torch.allclose(counts / 3000, probs, atol=0.03)
+
+
+def test_same_seed_same_tokens_different_seed_differs():
+    logits = [torch.randn(500) for _ in range(30)]
+
+    def run(seed):
+        s = Sampler(SamplingParams(temperature=1.0, top_p=1.0, seed=seed))
+        return [s(l, [], []) for l in logits]
+
+    assert run(7) == run(7)
+    assert run(7) != run(8)
+
+
+def test_repetition_penalty_lowers_seen_tokens():
+    logits = torch.tensor([2.0, 1.9, -1.0, -1.1])
+    s = Sampler(SamplingParams(temperature=0, repetition_penalty=1.5))
+    assert s(logits, [0], []) == 1  # 2.0 / 1.5 < 1.9
+    s = Sampler(SamplingParams(temperature=0, repetition_penalty=1.5))
+    assert s(torch.tensor([-5.0, -1.0, -1.2]), [], [1]) == 2  # negative logits are multiplied
+
+
+def test_frequency_and_presence_penalties():
+    logits = torch.tensor([3.0, 2.5, 0.0])
+    s = Sampler(SamplingParams(temperature=0, frequency_penalty=0.3))
+    assert s(logits, [], [0]) == 0 and s(logits, [], [0, 0]) == 1
+    s = Sampler(SamplingParams(temperature=0, presence_penalty=1.0))
+    assert s(logits, [0], []) == 0 and s(logits, [], [0]) == 1
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(min_p=2),
+                                 dict(top_k=-1), dict(max_tokens=0), dict(repetition_penalty=0)])
+def test_bad_values_are_refused(bad):
+    with pytest.raises(LocalpdError):
+        SamplingParams(**bad).validate()

@@ -1,0 +1,1 @@
+"""The Textual chat app (installed as localpd.tui); arrives with the TUI issue."""
