@@ -1,0 +1,214 @@
+"""`localpd chat`: a terminal REPL, or one answer when a prompt is given or stdin is piped."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import replace
+
+from localpd.engine import Conversation, Engine, GenerationStats
+from localpd.errors import LocalpdError
+from localpd.sampling import SamplingParams
+
+HELP = """commands:
+  /set temperature|top_p|top_k|min_p|max_tokens|seed|repeat_penalty VALUE   change a sampling setting
+  /set verbose on|off   print timings after each reply
+  /system TEXT          set the system prompt (clears the conversation)
+  /clear                forget the conversation
+  /stats                timings of the last reply
+  /bye                  leave (or Ctrl+D)
+  \"\"\"                   begin and end a multi-line message
+Ctrl+C stops a reply without leaving."""
+
+SETTINGS = {  # /set name -> (SamplingParams field, parser)
+    "temperature": ("temperature", float), "top_p": ("top_p", float), "top_k": ("top_k", int),
+    "min_p": ("min_p", float), "max_tokens": ("max_tokens", int), "seed": ("seed", int),
+    "repeat_penalty": ("repetition_penalty", float),
+}
+
+
+def params_from_args(args) -> SamplingParams:
+    return SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        repetition_penalty=args.repeat_penalty, max_tokens=args.max_tokens, seed=args.seed, stop=list(args.stop),
+    ).validate()
+
+
+def format_stats(s: GenerationStats) -> str:
+    return "\n".join([
+        f"prompt tokens:        {s.prompt_tokens} ({s.cached_tokens} cached)",
+        f"time to first token:  {s.ttft * 1000:.0f} ms",
+        f"prefill rate:         {s.prefill_tps:.1f} tokens/s",
+        f"output tokens:        {s.output_tokens}",
+        f"decode rate:          {s.decode_tps:.1f} tokens/s",
+    ])
+
+
+def run_chat(args) -> int:
+    params = params_from_args(args)
+    interactive = args.prompt is None and sys.stdin.isatty()
+    if args.prompt is None and not interactive:
+        args.prompt = sys.stdin.read().strip()
+        if not args.prompt:
+            raise LocalpdError("no prompt: stdin was empty")
+    if interactive:
+        print(f"loading {args.model or 'the default model'} ...", file=sys.stderr)
+    engine = Engine(args.model or default_model(), device=args.device, max_context=args.ctx or 8192,
+                    progress=True)
+    chat = Chat(engine, params, args.system, verbose=args.verbose)
+    if not interactive:
+        chat.reply(args.prompt)
+        return 0
+    print(f"{engine.name} on {engine.device.type}. /? for help, /bye to leave.", file=sys.stderr)
+    chat.repl()
+    return 0
+
+
+def default_model() -> str:
+    from localpd.registry import load_registry
+
+    return load_registry()[0]
+
+
+class Chat:
+    def __init__(self, engine: Engine, params: SamplingParams, system: str | None, verbose: bool = False):
+        self.engine = engine
+        self.params = params
+        self.system = system
+        self.verbose = verbose
+        self.messages: list[dict] = []
+        self.conversation: Conversation = engine.new_conversation()
+
+    def prompt_messages(self, user_text: str) -> list[dict]:
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return head + self.messages + [{"role": "user", "content": user_text}]
+
+    def fit_to_context(self, user_text: str) -> list[int]:
+        """Token ids of the conversation plus the new message, dropping the oldest turns if they don't fit."""
+        limit = self.engine.max_context - min(self.params.max_tokens, self.engine.max_context // 4)
+        while True:
+            ids = self.engine.encode_chat(self.prompt_messages(user_text))
+            if len(ids) <= limit or not self.messages:
+                return ids
+            self.messages = self.messages[2:]
+
+    def reply(self, user_text: str) -> str:
+        parts: list[str] = []
+        interrupted = False
+        try:
+            ids = self.fit_to_context(user_text)
+            for event in self.engine.generate(ids, self.params, self.conversation):
+                parts.append(event.text)
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+        except KeyboardInterrupt:
+            interrupted = True
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        text = "".join(parts)
+        if not interrupted:  # a stopped reply is not part of the conversation
+            self.messages += [{"role": "user", "content": user_text}, {"role": "assistant", "content": text}]
+        if self.verbose:
+            print(format_stats(self.engine.last_stats), file=sys.stderr)
+        return text
+
+    def repl(self) -> None:
+        setup_history()
+        while True:
+            try:
+                line = read_message()
+            except EOFError:
+                print(file=sys.stderr)
+                return
+            except KeyboardInterrupt:
+                print("\n(use Ctrl+D or /bye to leave)", file=sys.stderr)
+                continue
+            if not line.strip():
+                continue
+            if line.startswith("/"):
+                if self.command(line.strip()) == "bye":
+                    return
+                continue
+            try:
+                self.reply(line)
+            except LocalpdError as e:
+                print(f"error: {e}", file=sys.stderr)
+
+    def command(self, line: str) -> str | None:
+        name, _, rest = line.partition(" ")
+        rest = rest.strip()
+        if name in ("/bye", "/exit", "/quit"):
+            return "bye"
+        if name in ("/?", "/help"):
+            print(HELP, file=sys.stderr)
+        elif name == "/clear":
+            self.messages = []
+            print("conversation cleared", file=sys.stderr)
+        elif name == "/system":
+            self.system = rest or None
+            self.messages = []
+            print("system prompt set" if rest else "system prompt removed", file=sys.stderr)
+        elif name == "/stats":
+            print(format_stats(self.engine.last_stats), file=sys.stderr)
+        elif name == "/set":
+            self.set(rest)
+        else:
+            print(f"unknown command {name}; /? lists them", file=sys.stderr)
+        return None
+
+    def set(self, rest: str) -> None:
+        key, _, value = rest.partition(" ")
+        value = value.strip()
+        if key == "verbose":
+            self.verbose = value in ("on", "true", "1", "")
+            return
+        if key not in SETTINGS:
+            print(f"unknown setting '{key}'; settings: verbose, {', '.join(SETTINGS)}", file=sys.stderr)
+            return
+        field, parse = SETTINGS[key]
+        try:
+            self.params = replace(self.params, **{field: parse(value)}).validate()
+        except (ValueError, LocalpdError) as e:
+            print(f"bad value for {key}: {e}", file=sys.stderr)
+            return
+        print(f"{key} = {value}", file=sys.stderr)
+
+
+def read_message() -> str:
+    """One message; one opened with three double quotes runs on until a line that ends with them."""
+    line = input(">>> ")
+    if not line.lstrip().startswith('"""'):
+        return line
+    body = line.lstrip()[3:]
+    if body.rstrip().endswith('"""'):
+        return body.rstrip()[:-3]
+    lines = [body]
+    while not lines[-1].rstrip().endswith('"""'):
+        lines.append(input("... "))
+    lines[-1] = lines[-1].rstrip()[:-3]
+    return "\n".join(lines).strip("\n")
+
+
+def setup_history() -> None:
+    try:
+        import atexit
+        import readline
+    except ImportError:
+        return
+    from localpd.registry import cache_dir
+
+    path = os.path.join(cache_dir(), "chat_history")
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        readline.read_history_file(path)
+    except OSError:
+        pass
+    atexit.register(lambda: _save_history(readline, path))
+
+
+def _save_history(readline, path: str) -> None:
+    try:
+        readline.set_history_length(1000)
+        readline.write_history_file(path)
+    except OSError:
+        pass

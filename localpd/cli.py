@@ -1,0 +1,134 @@
+"""The `localpd` command: chat, pull, models."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from localpd.errors import LocalpdError
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, not a usage dump
+        print(f"localpd: error: {message} (see '{self.prog} --help')", file=sys.stderr)
+        sys.exit(2)
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def add_model_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", choices=["cpu", "cuda"], help="where to run (default: cuda when available)")
+    p.add_argument("--ctx", type=positive_int, help="context length in tokens (default: the model's, at most 8192)")
+
+
+def add_sampling_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, default=0.7, help="0 for greedy (default 0.7)")
+    p.add_argument("--top-p", type=float, default=0.9)
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repeat-penalty", type=float, default=1.0)
+    p.add_argument("--max-tokens", type=positive_int, default=512)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="localpd", description="Local LLM inference that shows how close it comes to the card's limit.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+
+    chat = sub.add_parser("chat", help="chat with a model (one answer when PROMPT is given or stdin is piped)")
+    chat.add_argument("model", nargs="?", help="registry name, .gguf file or model directory (default: the registry's default)")
+    chat.add_argument("prompt", nargs="?", help="answer this once and exit")
+    chat.add_argument("--system", help="system prompt")
+    chat.add_argument("--verbose", action="store_true", help="print timings after each reply")
+    add_model_options(chat)
+    add_sampling_options(chat)
+
+    pull = sub.add_parser("pull", help="download a model from the registry")
+    pull.add_argument("model")
+
+    sub.add_parser("models", help="list the registry's models, and which are present locally")
+
+    ev = sub.add_parser("eval", help="measure a model")
+    ev_sub = ev.add_subparsers(dest="metric", required=True, parser_class=Parser)
+    ppl = ev_sub.add_parser("perplexity", help="perplexity on a text file (sliding window past the context)")
+    ppl.add_argument("model")
+    ppl.add_argument("--text", required=True, help="a UTF-8 text file")
+    ppl.add_argument("--max-tokens", type=positive_int, help="score only the first N tokens of the text")
+    ppl.add_argument("--window", type=positive_int, default=1024, help="tokens per window (default 1024)")
+    add_model_options(ppl)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "chat":
+            from localpd.chat import run_chat
+
+            return run_chat(args)
+        if args.command == "pull":
+            from localpd.registry import pull
+
+            resolved = pull(args.model)
+            print(resolved.path)
+            return 0
+        if args.command == "models":
+            return print_models()
+        if args.command == "eval":
+            return eval_perplexity(args)
+    except LocalpdError as e:
+        print(f"localpd: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    return 2
+
+
+def print_models() -> int:
+    from localpd.registry import list_models, load_registry
+
+    default, _ = load_registry()
+    rows = [("NAME", "SIZE", "LOCAL", "DESCRIPTION")]
+    for entry, path, size in list_models():
+        name = entry.name + (" (default)" if entry.name == default else "")
+        local = f"{size / 1e6:.0f} MB" if size else "-"
+        rows.append((name, entry.size_hint or "", local, entry.description or ""))
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[3])
+    return 0
+
+
+def eval_perplexity(args) -> int:
+    from pathlib import Path
+
+    from localpd.engine import Engine
+    from localpd.perplexity import perplexity
+
+    path = Path(args.text)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise LocalpdError(f"cannot read text file {path}: {e}") from None
+    engine = Engine(args.model, device=args.device, max_context=args.ctx)
+    ids = engine.tokenizer.encode(text)[: args.max_tokens]
+    window = min(args.window, engine.max_context)
+    r = perplexity(engine.model, ids, window=window)
+    print(f"perplexity {r.perplexity:.4f} over {r.tokens_scored} tokens ({r.windows} windows of {window}), "
+          f"model {engine.name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""A model file or directory -> ModelConfig + dense weights under HF-style names. No pickle anywhere."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from localpd.config import ModelConfig
+from localpd.errors import LocalpdError
+
+GGUF_NAMES = {  # GGUF tensor name (after blk.N.) -> HF-style name (after layers.N.)
+    "attn_norm": "input_layernorm", "attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj",
+    "attn_output": "o_proj", "ffn_norm": "post_attention_layernorm", "ffn_gate": "gate_proj",
+    "ffn_up": "up_proj", "ffn_down": "down_proj",
+}
+GGUF_TOP = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head", "rope_freqs": "rope_freqs"}
+ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+
+
+@dataclass
+class GGUFFile:
+    path: Path
+    metadata: dict
+    reader: object
+
+    @classmethod
+    def open(cls, path: Path) -> "GGUFFile":
+        from gguf import GGUFReader
+
+        try:
+            reader = GGUFReader(path)
+        except Exception as e:
+            raise LocalpdError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
+        end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
+        if end > path.stat().st_size:
+            raise LocalpdError(f"{path} is truncated: tensors end at byte {end} but the file has {path.stat().st_size}")
+        meta = {}
+        for k, f in reader.fields.items():
+            try:
+                meta[k] = f.contents()
+            except Exception:
+                pass
+        return cls(path, meta, reader)
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    source: Path
+    gguf: GGUFFile | None = None
+    hf_dir: Path | None = None
+
+
+def load_model(path, dtype: torch.dtype = torch.float32, device="cpu") -> LoadedModel:
+    path = Path(path)
+    if not path.exists():
+        raise LocalpdError(f"model file not found: {path}")
+    if path.is_dir():
+        return load_hf_dir(path, dtype, device)
+    return load_gguf(path, dtype, device)
+
+
+def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's row permutation of q/k (interleaved RoPE pairs) back to HF's half-rotated layout."""
+    rows, cols = w.shape
+    return w.reshape(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def gguf_config(meta: dict, path: Path) -> ModelConfig:
+    arch_name = meta.get("general.architecture", "?")
+    if arch_name not in ARCHS:
+        raise LocalpdError(f"unsupported architecture '{arch_name}' in {path}; supported: {', '.join(ARCHS)}")
+
+    def get(key, default=None):
+        v = meta.get(f"{arch_name}.{key}", default)
+        if v is None:
+            raise LocalpdError(f"{path} lacks metadata {arch_name}.{key}")
+        return v
+
+    dim, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    scaling = None
+    if meta.get(f"{arch_name}.rope.scaling.type") == "llama3":
+        scaling = {"factor": float(get("rope.scaling.factor")),
+                   "original_max_position_embeddings": int(get("rope.scaling.original_context_length"))}
+    vocab = meta.get(f"{arch_name}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
+    return ModelConfig(
+        arch=ARCHS[arch_name], vocab_size=int(vocab), dim=dim, n_layers=int(get("block_count")),
+        n_heads=heads, n_kv_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=int(get("attention.key_length", dim // heads)), ffn_dim=int(get("feed_forward_length")),
+        norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)), rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=scaling, max_context=int(get("context_length", 4096)), qkv_bias=arch_name == "qwen2",
+        name=str(meta.get("general.name", path.stem)),
+    )
+
+
+def gguf_tensor(t) -> torch.Tensor:
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import dequantize
+
+    shape = tuple(int(n) for n in reversed(t.shape.tolist()))
+    try:
+        if t.tensor_type in (Q.F32, Q.F16):
+            arr = np.asarray(t.data)
+        else:
+            arr = dequantize(t.data, t.tensor_type)
+    except NotImplementedError:
+        raise LocalpdError(f"unsupported GGUF tensor type {t.tensor_type.name} in {t.name}") from None
+    return torch.from_numpy(np.array(arr, dtype=np.float32)).reshape(shape)
+
+
+def load_gguf(path: Path, dtype, device) -> LoadedModel:
+    g = GGUFFile.open(path)
+    config = gguf_config(g.metadata, path)
+    weights = {}
+    for t in g.reader.tensors:
+        name = t.name.removesuffix(".weight")
+        bias = name.endswith(".bias")
+        name = name.removesuffix(".bias")
+        if name.startswith("blk."):
+            _, i, part = name.split(".", 2)
+            if part not in GGUF_NAMES:
+                continue
+            key = f"layers.{i}.{GGUF_NAMES[part]}"
+        elif name in GGUF_TOP:
+            key = GGUF_TOP[name]
+        else:
+            continue
+        w = gguf_tensor(t)
+        if config.arch == "llama" and key.endswith(("q_proj", "k_proj")):
+            n = config.n_heads if key.endswith("q_proj") else config.n_kv_heads
+            w = unpermute_qk(w, n) if not bias else unpermute_qk(w[:, None], n)[:, 0]
+        weights[key + (".bias" if bias else "")] = w.to(device=device, dtype=dtype if key != "rope_freqs" else torch.float32)
+    config.tie_embeddings = "lm_head" not in weights
+    return LoadedModel(config, weights, path, gguf=g)
+
+
+HF_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+
+
+def hf_config(cfg: dict, path: Path) -> ModelConfig:
+    mt = cfg.get("model_type", "?")
+    if mt not in HF_ARCHS:
+        raise LocalpdError(f"unsupported architecture '{mt}' in {path}; supported: {', '.join(HF_ARCHS)}")
+    dim, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "llama3", None):
+        raise LocalpdError(f"unsupported RoPE scaling '{rope_type}' in {path}")
+    theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
+    return ModelConfig(
+        arch=HF_ARCHS[mt], vocab_size=cfg["vocab_size"], dim=dim, n_layers=cfg["num_hidden_layers"],
+        n_heads=heads, n_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or dim // heads, ffn_dim=cfg["intermediate_size"],
+        norm_eps=cfg.get("rms_norm_eps", 1e-5), rope_theta=float(theta),
+        rope_scaling=dict(rope) if rope_type == "llama3" else None,
+        max_context=cfg.get("max_position_embeddings", 4096), tie_embeddings=bool(cfg.get("tie_word_embeddings")),
+        qkv_bias=mt == "qwen2", name=path.name,
+    )
+
+
+def load_hf_dir(path: Path, dtype, device) -> LoadedModel:
+    from safetensors import safe_open
+
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise LocalpdError(f"{path} has no config.json; not a Hugging Face model directory")
+    config = hf_config(json.loads(cfg_file.read_text()), path)
+    index = path / "model.safetensors.index.json"
+    files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists()
+             else [p.name for p in sorted(path.glob("*.safetensors"))])
+    if not files:
+        raise LocalpdError(f"{path} has no .safetensors weights")
+    weights = {}
+    for fname in files:
+        with safe_open(path / fname, framework="pt") as f:
+            for k in f.keys():
+                name = k.removeprefix("model.").removesuffix(".weight")
+                name = name.replace(".self_attn.", ".").replace(".mlp.", ".")
+                if "rotary_emb" in name:
+                    continue
+                weights[name] = f.get_tensor(k).to(device=device, dtype=dtype)
+    if config.tie_embeddings:
+        weights.pop("lm_head", None)
+    return LoadedModel(config, weights, path, hf_dir=path)

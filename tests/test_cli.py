@@ -1,0 +1,119 @@
+"""`localpd` as a user runs it: subprocesses, real model, real terminal for the REPL."""
+
+import os
+import subprocess
+import sys
+
+import pexpect
+import pytest
+
+PARIS = ["chat", "smollm2-135m", "What is the capital of France?", "--temperature", "0", "--max-tokens", "48"]
+
+
+def localpd(args, env=None, stdin=None, timeout=300):
+    return subprocess.run([sys.executable, "-m", "localpd.cli", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, input=stdin, timeout=timeout)
+
+
+def one_line_error(result, code=1):
+    assert result.returncode == code, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    return lines[0]
+
+
+def test_readme_command_answers_paris_from_an_empty_cache(tmp_path):
+    env = {"LOCALPD_HOME": str(tmp_path / "localpd"), "HF_HOME": str(tmp_path / "hf")}
+    r = localpd(PARIS, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+    assert "Traceback" not in r.stderr
+
+
+def test_piped_stdin_answers_once_with_the_reply_alone(default_gguf):
+    r = localpd(["chat", str(default_gguf), "--temperature", "0", "--max-tokens", "16"],
+                stdin="What is the capital of France?\n")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().startswith("The capital of France is Paris")
+
+
+def test_verbose_prints_timings(default_gguf):
+    r = localpd(["chat", str(default_gguf), "Hi", "--temperature", "0", "--max-tokens", "8", "--verbose"])
+    assert r.returncode == 0, r.stderr
+    for key in ("prompt tokens", "time to first token", "prefill rate", "decode rate"):
+        assert key in r.stderr
+
+
+def test_unknown_model_lists_known_ones():
+    line = one_line_error(localpd(["chat", "no-such-model", "hi"]))
+    assert "unknown model" in line and "smollm2-135m" in line
+
+
+def test_missing_file(tmp_path):
+    assert "not found" in one_line_error(localpd(["chat", str(tmp_path / "missing.gguf"), "hi"]))
+
+
+def test_truncated_gguf(tmp_path, default_gguf):
+    bad = tmp_path / "truncated.gguf"
+    with open(default_gguf, "rb") as f:
+        bad.write_bytes(f.read(5_000_000))
+    assert str(bad) in one_line_error(localpd(["chat", str(bad), "hi"]))
+
+
+def test_not_a_gguf(tmp_path):
+    bad = tmp_path / "junk.gguf"
+    bad.write_bytes(b"this is not a model" * 100)
+    one_line_error(localpd(["chat", str(bad), "hi"]))
+
+
+@pytest.mark.parametrize("option", [["--temperature", "hot"], ["--max-tokens", "0"], ["--device", "tpu"]])
+def test_bad_option_values_exit_2_with_one_line(option, default_gguf):
+    one_line_error(localpd(["chat", str(default_gguf), "hi", *option]), code=2)
+
+
+def test_out_of_range_sampling_value(default_gguf):
+    assert "top_p" in one_line_error(localpd(["chat", str(default_gguf), "hi", "--top-p", "5"]))
+
+
+def test_prompt_longer_than_the_context(default_gguf):
+    line = one_line_error(localpd(["chat", str(default_gguf), "word " * 200, "--ctx", "64"]))
+    assert "context" in line
+
+
+def test_repl_session(default_gguf):
+    child = pexpect.spawn(sys.executable, ["-m", "localpd.cli", "chat", str(default_gguf), "--max-tokens", "24"],
+                          encoding="utf-8", timeout=120, env={**os.environ, "TERM": "dumb"})
+    child.expect(">>> ")
+    child.sendline("/set temperature 0")
+    child.expect("temperature = 0")
+    child.sendline("/set top_p 7")
+    child.expect("bad value for top_p")
+    child.sendline("What is the capital of France?")
+    child.expect("Paris")
+    child.expect(">>> ")
+    child.sendline('"""And what is')
+    child.expect(r"\.\.\. ")
+    child.sendline('the capital of Germany?"""')
+    child.expect(">>> ")
+    child.sendline("/stats")
+    child.expect(r"prompt tokens:\s+\d+ \((\d+) cached\)")
+    assert int(child.match.group(1)) > 20  # the second turn reused the first turn's KV cache
+    child.sendline("/bye")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+
+def test_ctrl_c_stops_a_reply_but_not_the_repl(default_gguf):
+    child = pexpect.spawn(sys.executable, ["-m", "localpd.cli", "chat", str(default_gguf), "--max-tokens", "2000",
+                                           "--ctx", "4096"], encoding="utf-8", timeout=120, env={**os.environ, "TERM": "dumb"})
+    child.expect(">>> ")
+    child.sendline("Write a very long essay about the history of Europe.")
+    child.expect("Europe.\r\n")  # the echo of the line typed
+    child.expect(r"\w+ \w+ \w+")  # the reply is streaming
+    child.sendintr()
+    child.expect(">>> ")
+    child.sendline("/bye")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
