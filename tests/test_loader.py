@@ -1,0 +1,126 @@
+"""Loading GGUF files and safetensors directories."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from localpd.errors import LocalpdError
+from localpd.loader import load_model
+
+
+@pytest.fixture(scope="module")
+def loaded(default_gguf):
+    return load_model(default_gguf)
+
+
+def test_gguf_config(loaded):
+    c = loaded.config
+    assert (c.arch, c.n_layers, c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim) == ("llama", 30, 576, 9, 3, 64, 1536)
+    assert c.tie_embeddings and "lm_head" not in loaded.weights
+    assert c.vocab_size == 49152 and c.rope_theta == 100000.0
+    assert loaded.weights["layers.0.k_proj"].shape == (192, 576)
+
+
+def test_every_gguf_weight_equals_transformers_dequantized_weight(loaded, hf_reference):
+    hf_model, _ = hf_reference
+    ref = {k.removeprefix("model.").removesuffix(".weight").replace(".self_attn.", ".").replace(".mlp.", "."): v
+           for k, v in hf_model.state_dict().items()}
+    ref.pop("lm_head", None)  # tied
+    assert set(ref) == set(loaded.weights)
+    for name, w in loaded.weights.items():
+        assert torch.equal(w, ref[name].float()), name  # includes the q/k row un-permutation
+
+
+def tiny_hf_model(kind, tmp_path, shard=False):
+    import transformers
+
+    common = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=128, max_position_embeddings=256)
+    if kind == "qwen2":
+        cfg, cls = transformers.Qwen2Config(**common), transformers.Qwen2ForCausalLM
+    else:
+        cfg, cls = transformers.LlamaConfig(**common, tie_word_embeddings=False), transformers.LlamaForCausalLM
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    model.save_pretrained(tmp_path, max_shard_size="100KB" if shard else "10GB")
+    return model
+
+
+@pytest.mark.parametrize("kind,shard", [("llama", False), ("llama", True), ("qwen2", False)])
+def test_safetensors_directory_matches_transformers_logits(kind, shard, tmp_path):
+    from localpd.model import Transformer
+
+    ref = tiny_hf_model(kind, tmp_path, shard)
+    if shard:
+        assert (tmp_path / "model.safetensors.index.json").exists()
+    lm = load_model(tmp_path)
+    assert lm.config.qkv_bias == (kind == "qwen2")
+    ids = torch.randint(0, 128, (17,))
+    with torch.no_grad():
+        want = ref(ids[None]).logits[0]
+    model = Transformer(lm.config, lm.weights)
+    got = model.prefill(ids, model.new_cache(32), all_logits=True)
+    assert (got - want).abs().max() < 1e-4
+
+
+def test_k_quant_tensors_load_with_their_shape_and_values(tmp_path):
+    import gguf
+    from gguf.quants import dequantize
+
+    from localpd.loader import GGUFFile, gguf_tensor
+
+    rng = np.random.default_rng(0)
+    path = tmp_path / "k.gguf"
+    w = gguf.GGUFWriter(path, "llama")
+    raws = {}
+    for qtype in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K, gguf.GGMLQuantizationType.Q6_K):
+        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        raw = rng.integers(0, 256, size=(2, 2 * type_size), dtype=np.uint8)
+        raw.view(np.uint8)  # random bytes; the f16 scales are overwritten with small finite values below
+        for r in range(2):
+            for b in range(2):
+                off = b * type_size + (type_size - 2 if qtype == gguf.GGMLQuantizationType.Q6_K else 0)
+                n = 1 if qtype == gguf.GGMLQuantizationType.Q6_K else 2
+                raw[r, off:off + 2 * n] = np.frombuffer(rng.uniform(0.01, 0.1, n).astype(np.float16).tobytes(), np.uint8)
+        raws[qtype.name] = raw
+        w.add_tensor(qtype.name, raw, raw_dtype=qtype)
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    g = GGUFFile.open(path)
+    for t in g.reader.tensors:
+        got = gguf_tensor(t)
+        want = dequantize(raws[t.name], t.tensor_type)
+        assert got.shape == (2, 512) and np.isfinite(want).all()
+        assert np.array_equal(got.numpy(), want.astype(np.float32))
+
+
+def test_missing_path(tmp_path):
+    with pytest.raises(LocalpdError, match="not found"):
+        load_model(tmp_path / "nope.gguf")
+
+
+def test_truncated_and_junk_gguf(tmp_path, default_gguf):
+    bad = tmp_path / "t.gguf"
+    bad.write_bytes(default_gguf.read_bytes()[:3_000_000])
+    with pytest.raises(LocalpdError, match="truncated|not a readable"):
+        load_model(bad)
+    bad.write_bytes(b"GGUF" + b"\xff" * 64)
+    with pytest.raises(LocalpdError):
+        load_model(bad)
+
+
+def test_unsupported_architectures(tmp_path):
+    import gguf
+
+    path = tmp_path / "gpt2.gguf"
+    w = gguf.GGUFWriter(path, "gpt2")
+    w.add_tensor("x", np.ones(4, dtype=np.float32))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    with pytest.raises(LocalpdError, match="unsupported architecture 'gpt2'"):
+        load_model(path)
+    d = tmp_path / "hf"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(LocalpdError, match="unsupported architecture 'gpt2'"):
+        load_model(d)
