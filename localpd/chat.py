@@ -53,8 +53,8 @@ def run_chat(args) -> int:
             raise LocalpdError("no prompt: stdin was empty")
     if interactive:
         print(f"loading {args.model or 'the default model'} ...", file=sys.stderr)
-    engine = Engine(args.model or default_model(), device=args.device, max_context=args.ctx or 8192,
-                    progress=True)
+    engine = Engine(args.model or default_model(), device=args.device, quant=args.quant,
+                    max_context=args.ctx or 8192, progress=True)
     chat = Chat(engine, params, args.system, verbose=args.verbose)
     if not interactive:
         chat.reply(args.prompt)

@@ -7,6 +7,7 @@ import os
 import sys
 
 from localpd.errors import LocalpdError
+from localpd.schemes import SCHEMES
 
 
 class Parser(argparse.ArgumentParser):
@@ -25,6 +26,8 @@ def positive_int(text: str) -> int:
 def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=["cpu", "cuda"], help="where to run (default: cuda when available)")
     p.add_argument("--ctx", type=positive_int, help="context length in tokens (default: the model's, at most 8192)")
+    p.add_argument("--quant", choices=SCHEMES, metavar="SCHEME",
+                   help="weight scheme: " + ", ".join(SCHEMES) + " (default: native on a GPU, fp32 on the CPU)")
 
 
 def add_sampling_options(p: argparse.ArgumentParser) -> None:
@@ -121,7 +124,7 @@ def eval_perplexity(args) -> int:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise LocalpdError(f"cannot read text file {path}: {e}") from None
-    engine = Engine(args.model, device=args.device, max_context=args.ctx)
+    engine = Engine(args.model, device=args.device, quant=args.quant, max_context=args.ctx)
     ids = engine.tokenizer.encode(text)[: args.max_tokens]
     window = min(args.window, engine.max_context)
     r = perplexity(engine.model, ids, window=window)

@@ -19,6 +19,7 @@ from localpd.loader import load_model
 from localpd.model import KVCache, Transformer
 from localpd.registry import resolve_model
 from localpd.sampling import Sampler, SamplingParams
+from localpd.schemes import check_scheme, compute_dtype
 from localpd.stops import StopMatcher
 from localpd.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -81,15 +82,17 @@ def default_device() -> str:
 
 
 class Engine:
-    def __init__(self, model: str | Path = "smollm2-135m", device: str | None = None,
-                 dtype: torch.dtype | None = None, max_context: int | None = None, progress: bool = False):
+    def __init__(self, model: str | Path = "smollm2-135m", device: str | None = None, quant: str | None = None,
+                 max_context: int | None = None, progress: bool = False):
+        """quant: a weight scheme (localpd.schemes.SCHEMES). By default the file's own format on a GPU
+        ("native"), and float32 on the CPU, where there are no quantized kernels and dense weights run fastest."""
         self.device = torch.device(device or default_device())
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise LocalpdError("--device cuda asked for, but torch sees no CUDA GPU")
-        if dtype is None:
-            dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
+        self.quant = check_scheme(quant or ("fp32" if self.device.type == "cpu" else "native"))
         self.resolved = resolve_model(str(model), pull=True, progress=progress)
-        loaded = load_model(self.resolved.path, dtype=dtype, device=self.device)
+        loaded = load_model(self.resolved.path, dtype=compute_dtype(self.quant, self.device), device=self.device,
+                            scheme=self.quant)
         self.config = loaded.config
         self.tokenizer = (Tokenizer.from_gguf_metadata(loaded.gguf.metadata) if loaded.gguf is not None
                           else Tokenizer.from_dir(loaded.hf_dir))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +11,8 @@ import torch
 
 from localpd.config import ModelConfig
 from localpd.errors import LocalpdError
+from localpd.quant.weights import Weight, from_gguf
+from localpd.schemes import GGUF_REQUANT, check_scheme, head_scheme, imports_exactly, is_matrix, quantize
 
 GGUF_NAMES = {  # GGUF tensor name (after blk.N.) -> HF-style name (after layers.N.)
     "attn_norm": "input_layernorm", "attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj",
@@ -56,17 +58,22 @@ class LoadedModel:
     hf_dir: Path | None = None
 
 
-def load_model(path, dtype: torch.dtype = torch.float32, device="cpu") -> LoadedModel:
+def load_model(path, dtype: torch.dtype = torch.float32, device="cpu", scheme: str = "native") -> LoadedModel:
+    """Load tensor by tensor, each moved to the device and converted to the scheme at once, so peak memory
+    stays near the converted size. Norms and the (untied) embeddings stay dense in dtype."""
     path = Path(path)
+    check_scheme(scheme)
     if not path.exists():
         raise LocalpdError(f"model file not found: {path}")
     if path.is_dir():
-        return load_hf_dir(path, dtype, device)
-    return load_gguf(path, dtype, device)
+        return load_hf_dir(path, dtype, device, scheme)
+    return load_gguf(path, dtype, device, scheme)
 
 
 def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Undo llama.cpp's row permutation of q/k (interleaved RoPE pairs) back to HF's half-rotated layout."""
+    if not isinstance(w, torch.Tensor):  # a quantized weight: every per-row tensor moves the same way
+        return replace(w, **{f.name: unpermute_qk(getattr(w, f.name), n_heads) for f in fields(w)})
     rows, cols = w.shape
     return w.reshape(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
 
@@ -113,9 +120,10 @@ def gguf_tensor(t) -> torch.Tensor:
     return torch.from_numpy(np.array(arr, dtype=np.float32)).reshape(shape)
 
 
-def load_gguf(path: Path, dtype, device) -> LoadedModel:
+def load_gguf(path: Path, dtype, device, scheme: str = "native") -> LoadedModel:
     g = GGUFFile.open(path)
     config = gguf_config(g.metadata, path)
+    config.tie_embeddings = not any(t.name == "output.weight" for t in g.reader.tensors)
     weights = {}
     for t in g.reader.tensors:
         name = t.name.removesuffix(".weight")
@@ -130,13 +138,31 @@ def load_gguf(path: Path, dtype, device) -> LoadedModel:
             key = GGUF_TOP[name]
         else:
             continue
-        w = gguf_tensor(t)
-        if config.arch == "llama" and key.endswith(("q_proj", "k_proj")):
-            n = config.n_heads if key.endswith("q_proj") else config.n_kv_heads
-            w = unpermute_qk(w, n) if not bias else unpermute_qk(w[:, None], n)[:, 0]
-        weights[key + (".bias" if bias else "")] = w.to(device=device, dtype=dtype if key != "rope_freqs" else torch.float32)
-    config.tie_embeddings = "lm_head" not in weights
+        heads = {"q_proj": config.n_heads, "k_proj": config.n_kv_heads}.get(key.rsplit(".", 1)[-1])
+        if config.arch != "llama":
+            heads = None  # only llama-arch GGUFs have permuted q/k rows
+        if bias or not is_matrix(key, config.tie_embeddings):
+            w = gguf_tensor(t)
+            if heads:
+                w = unpermute_qk(w[:, None], heads)[:, 0] if bias else unpermute_qk(w, heads)
+            weights[key + (".bias" if bias else "")] = w.to(device=device, dtype=torch.float32 if key == "rope_freqs" else dtype)
+            continue
+        weights[key] = gguf_matrix(t, head_scheme(key, scheme, config.tie_embeddings), dtype, device, heads)
     return LoadedModel(config, weights, path, gguf=g)
+
+
+def gguf_matrix(t, scheme: str, dtype, device, heads: int | None) -> Weight:
+    """A GGUF weight matrix in the scheme; blocks already in the scheme's format are imported exactly."""
+    kind = t.tensor_type.name
+    if imports_exactly(kind, scheme):
+        shape = tuple(int(n) for n in reversed(t.shape.tolist()))
+        w = from_gguf(kind, torch.from_numpy(np.array(t.data, dtype=np.uint8)), shape)
+        w = replace(w, **{f.name: getattr(w, f.name).to(device) for f in fields(w)})
+        return unpermute_qk(w, heads) if heads else w
+    dense = gguf_tensor(t).to(device)
+    if heads:
+        dense = unpermute_qk(dense, heads)
+    return quantize(dense, GGUF_REQUANT.get(kind, "native") if scheme == "native" else scheme, dtype)
 
 
 HF_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
@@ -163,7 +189,7 @@ def hf_config(cfg: dict, path: Path) -> ModelConfig:
     )
 
 
-def load_hf_dir(path: Path, dtype, device) -> LoadedModel:
+def load_hf_dir(path: Path, dtype, device, scheme: str = "native") -> LoadedModel:
     from safetensors import safe_open
 
     cfg_file = path / "config.json"
@@ -183,7 +209,9 @@ def load_hf_dir(path: Path, dtype, device) -> LoadedModel:
                 name = name.replace(".self_attn.", ".").replace(".mlp.", ".")
                 if "rotary_emb" in name:
                     continue
-                weights[name] = f.get_tensor(k).to(device=device, dtype=dtype)
-    if config.tie_embeddings:
-        weights.pop("lm_head", None)
+                if config.tie_embeddings and name == "lm_head":
+                    continue
+                t = f.get_tensor(k).to(device)
+                tied = config.tie_embeddings
+                weights[name] = quantize(t, head_scheme(name, scheme, tied), dtype) if is_matrix(name, tied) else t.to(dtype)
     return LoadedModel(config, weights, path, hf_dir=path)

@@ -15,40 +15,64 @@ import torch.nn.functional as F
 
 from localpd.config import ModelConfig
 from localpd.errors import LocalpdError
+from localpd.kernels.dispatch import linear_int4, linear_int8
+from localpd.quant.weights import Int4Weight, Int8Weight, Weight, cat_rows, take_rows, weight_nbytes
 
 
-class Linear:
-    """y = x @ W.T (+ b). The one place model code touches a weight matrix."""
+class QuantLinear:
+    """y = x @ W.T (+ b) for a dense, int8 or int4 weight: the one place model code touches a weight matrix,
+    so the model never branches on the format."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: Weight, bias: torch.Tensor | None = None):
         self.weight = weight
         self.bias = bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        w = self.weight
+        if isinstance(w, Int4Weight):
+            return linear_int4(x, w, self.bias)
+        if isinstance(w, Int8Weight):
+            return linear_int8(x, w, self.bias)
+        return F.linear(x, w, self.bias)
 
     @property
     def nbytes(self) -> int:
-        n = self.weight.numel() * self.weight.element_size()
-        return n + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
+        return weight_nbytes(self.weight) + (0 if self.bias is None else weight_nbytes(self.bias))
 
 
-def fuse(parts: list[Linear]) -> Linear:
+class StackedLinear:
+    """Projections of one input whose weights cannot share one matrix (different formats): outputs concatenated."""
+
+    def __init__(self, parts: list[QuantLinear]):
+        self.parts = parts
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+
+def fuse(parts: list[QuantLinear]) -> QuantLinear | StackedLinear:
     """One matrix for projections that read the same input (q/k/v, gate/up): one launch instead of several."""
-    weight = torch.cat([p.weight for p in parts])
+    weights = [p.weight for p in parts]
+    kinds = {(type(w), getattr(w, "group", None), getattr(w, "dtype", None)) for w in weights}
+    if len(kinds) > 1:
+        return StackedLinear(parts)
     biases = [p.bias for p in parts]
-    bias = None if biases[0] is None else torch.cat(biases)
-    return Linear(weight, bias)
+    bias = None if any(b is None for b in biases) else torch.cat(biases)
+    return QuantLinear(cat_rows(weights), bias)
 
 
 @dataclass
 class Layer:
     attn_norm: torch.Tensor
-    qkv: Linear  # q, k and v stacked along the output dimension
-    o: Linear
+    qkv: QuantLinear | StackedLinear  # q, k and v stacked along the output dimension
+    o: QuantLinear
     mlp_norm: torch.Tensor
-    gate_up: Linear  # gate and up stacked along the output dimension
-    down: Linear
+    gate_up: QuantLinear | StackedLinear  # gate and up stacked along the output dimension
+    down: QuantLinear
 
 
 class KVCache:
@@ -108,8 +132,8 @@ class Transformer:
                 raise LocalpdError(f"model weights lack tensor '{name}'")
             return w.pop(name)
 
-        def linear(name: str) -> Linear:
-            return Linear(take(name), w.pop(name + ".bias", None))
+        def linear(name: str) -> QuantLinear:
+            return QuantLinear(take(name), w.pop(name + ".bias", None))
 
         self.embed = take("embed_tokens")
         self.layers = [
@@ -124,10 +148,10 @@ class Transformer:
             for i in range(config.n_layers)
         ]
         self.norm = take("norm")
-        self.lm_head = Linear(self.embed) if config.tie_embeddings else linear("lm_head")
-        self.inv_freq = rope_inv_freq(config, w.pop("rope_freqs", None)).to(self.embed.device)
-        self.device = self.embed.device
-        self.dtype = self.embed.dtype
+        self.lm_head = QuantLinear(self.embed) if config.tie_embeddings else linear("lm_head")
+        self.dtype = self.norm.dtype
+        self.device = self.norm.device
+        self.inv_freq = rope_inv_freq(config, w.pop("rope_freqs", None)).to(self.device)
 
     def new_cache(self, max_len: int | None = None) -> KVCache:
         return KVCache(self.config, max_len or self.config.max_context, self.dtype, self.device)
@@ -169,7 +193,7 @@ class Transformer:
         cos, sin = self._rope(start, T)
         # causal over prefix + chunk: query i (absolute start + i) sees keys 0 .. start + i
         mask = torch.ones(T, end, dtype=torch.bool, device=self.device).tril(diagonal=start)
-        x = self.embed[tokens]
+        x = take_rows(self.embed, tokens, self.dtype)
         for li, layer in enumerate(self.layers):
             h = rms_norm(x, layer.attn_norm, c.norm_eps)
             q, k, v = self._qkv(layer, h, cos, sin)
@@ -194,7 +218,7 @@ class Transformer:
         pos = self._check_room(cache, 1)
         end = pos + 1
         cos, sin = self._rope(pos, 1)
-        x = self.embed[token].view(1, c.dim)
+        x = take_rows(self.embed, torch.tensor([token], device=self.device), self.dtype)
         for li, layer in enumerate(self.layers):
             h = rms_norm(x, layer.attn_norm, c.norm_eps)
             q, k, v = self._qkv(layer, h, cos, sin)
@@ -213,4 +237,4 @@ class Transformer:
     def weight_bytes(self) -> int:
         linears = [self.lm_head] + [l for L in self.layers for l in (L.qkv, L.o, L.gate_up, L.down)]
         norms = [self.norm] + [t for L in self.layers for t in (L.attn_norm, L.mlp_norm)]
-        return sum(l.nbytes for l in linears) + sum(t.numel() * t.element_size() for t in norms)
+        return sum(l.nbytes for l in linears) + sum(weight_nbytes(t) for t in norms)

@@ -12,7 +12,7 @@ from localpd.loader import load_model
 
 @pytest.fixture(scope="module")
 def loaded(default_gguf):
-    return load_model(default_gguf)
+    return load_model(default_gguf, scheme="fp32")  # every matrix dequantized to float32
 
 
 def test_gguf_config(loaded):

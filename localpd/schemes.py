@@ -1,0 +1,59 @@
+"""Weight schemes (`--quant`): how each matrix of a model is stored once loaded."""
+
+from __future__ import annotations
+
+import torch
+
+from localpd.errors import LocalpdError
+from localpd.quant.weights import Int4Weight, Int8Weight, Weight
+
+DENSE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+INT4 = {"int4-g32": 32, "int4-g64": 64, "int4-g128": 128}
+SCHEMES = ("native", *DENSE, "int8", *INT4, "bnb-nf4", "bnb-int8")
+# GGUF block types that map exactly onto our formats; other quantized types are re-quantized to these
+GGUF_NATIVE = {"Q4_0", "Q4_1", "Q8_0"}
+GGUF_REQUANT = {"Q4_K": "int4-g32", "Q5_K": "int8", "Q6_K": "int8"}
+
+
+def check_scheme(scheme: str) -> str:
+    if scheme not in SCHEMES:
+        raise LocalpdError(f"unknown weight scheme '{scheme}'; schemes: {', '.join(SCHEMES)}")
+    if scheme.startswith("bnb-"):
+        raise LocalpdError(f"{scheme} (bitsandbytes) is not available in this version of localpd; "
+                           f"use int8 or int4-g128 (Triton kernels)")
+    return scheme
+
+
+def compute_dtype(scheme: str, device: torch.device) -> torch.dtype:
+    """The dtype of activations (and of dense weights): a dense scheme's own, else fp32 on CPU, bf16 on GPU."""
+    if scheme in DENSE:
+        return DENSE[scheme]
+    return torch.float32 if device.type == "cpu" else torch.bfloat16
+
+
+def is_matrix(name: str, tied: bool) -> bool:
+    """Weights that a scheme quantizes: the projections, the output head, and the embeddings when they double
+    as the output head."""
+    return name.endswith("_proj") or name == "lm_head" or (tied and name == "embed_tokens")
+
+
+def head_scheme(name: str, scheme: str, tied: bool) -> str:
+    """The output head (lm_head, or the embeddings tied to it) stays at int8 under the int4 schemes: its error
+    lands directly on the logits, and it is one matrix of many (llama.cpp's Q4 files keep it at 6-8 bits too)."""
+    head = name == "lm_head" or (tied and name == "embed_tokens")
+    return "int8" if head and scheme in INT4 else scheme
+
+
+def imports_exactly(gguf_type: str, scheme: str) -> bool:
+    """Whether a GGUF block type already is the scheme's format, so it is imported as stored, not re-quantized."""
+    return gguf_type in GGUF_NATIVE and (scheme == "native" or (scheme == "int8" and gguf_type == "Q8_0")
+                                         or (scheme == "int4-g32" and gguf_type in ("Q4_0", "Q4_1")))
+
+
+def quantize(dense: torch.Tensor, scheme: str, dtype: torch.dtype) -> Weight:
+    """A dense matrix in the given scheme ("native" keeps it dense)."""
+    if scheme == "int8":
+        return Int8Weight.quantize(dense)
+    if scheme in INT4:
+        return Int4Weight.quantize(dense, INT4[scheme])
+    return dense.to(dtype)

@@ -1,0 +1,268 @@
+"""Weight-only quantized formats as plain data: int8 (symmetric) and int4 (group-wise, scale + bias).
+
+A weight W has shape [N, K] (N outputs, K inputs) and is used as y = x @ W.T. Groups run along K.
+
+Int4 packed layout (what the GPU kernels read)
+----------------------------------------------
+`packed` is int32 [N, K // 8]. Word j of row n holds columns 8j .. 8j+7, column 8j + s in bits 4s .. 4s+3
+(nibble s, least significant first). Seen as bytes (little-endian), byte b of a row holds column 2b in its
+low nibble and column 2b + 1 in its high nibble, so `packed.view(torch.uint8)` is the plain [N, K // 2]
+layout. Four consecutive words (one 16-byte load) hold 32 consecutive columns.
+The value of column k is q * scales[n, k // group] + biases[n, k // group], with q in 0..15.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from localpd.errors import LocalpdError
+
+INT4_GROUPS = (32, 64, 128)
+CLIP_RATIOS = torch.linspace(1.0, 0.8, 20).tolist()  # 1.0 first: plain min/max round-to-nearest
+_CHUNK_ELEMENTS = 1 << 23  # rows quantized at a time, to bound temporary memory
+
+
+def _check_group(kind: str, group: int, k: int) -> None:
+    if group <= 0 or k % group:
+        raise LocalpdError(f"{kind}-g{group} needs the input dimension ({k}) to be a multiple of {group}")
+
+
+def _row_chunks(w: torch.Tensor):
+    rows = max(1, _CHUNK_ELEMENTS // max(1, w.shape[1]))
+    for start in range(0, w.shape[0], rows):
+        yield w[start:start + rows]
+
+
+@dataclass
+class Int8Weight:
+    """Symmetric int8: value = data * scales[n, k // group]. group = K means one scale per output row."""
+
+    data: torch.Tensor    # int8 [N, K]
+    scales: torch.Tensor  # float16 [N, K // group]
+
+    def __post_init__(self):
+        if self.data.dtype != torch.int8 or self.data.dim() != 2:
+            raise LocalpdError(f"int8 weight data must be a 2-D int8 tensor, got {self.data.dtype} {tuple(self.data.shape)}")
+        n, k = self.data.shape
+        if self.scales.dim() != 2 or self.scales.shape[0] != n or self.scales.shape[1] == 0 or k % self.scales.shape[1]:
+            raise LocalpdError(f"int8 scales of shape {tuple(self.scales.shape)} do not fit weight data {n}x{k}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.data.shape)
+
+    @property
+    def group(self) -> int:
+        return self.data.shape[1] // self.scales.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size() + self.scales.numel() * self.scales.element_size()
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor, group: int | None = None) -> Int8Weight:
+        """Round-to-nearest with scale = absmax / 127 per group (per output row when group is None)."""
+        n, k = w.shape
+        group = k if group is None else group
+        _check_group("int8", group, k)
+        g = w.detach().float().reshape(n, k // group, group)
+        scales = (g.abs().amax(dim=-1) / 127).half()
+        safe = torch.where(scales > 0, scales.float(), torch.ones_like(scales, dtype=torch.float32))
+        q = torch.round(g / safe[..., None]).clamp(-127, 127).to(torch.int8)
+        return cls(q.reshape(n, k).contiguous(), scales.contiguous())
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        n, k = self.shape
+        g = self.data.float().reshape(n, k // self.group, self.group) * self.scales.float()[..., None]
+        return g.reshape(n, k).to(dtype)
+
+
+@dataclass
+class Int4Weight:
+    """Group-wise asymmetric int4: value = q * scale + bias per group of `group` columns, q in 0..15."""
+
+    packed: torch.Tensor  # int32 [N, K // 8], layout in the module docstring
+    scales: torch.Tensor  # float16 [N, K // group]
+    biases: torch.Tensor  # float16 [N, K // group]
+
+    def __post_init__(self):
+        if self.packed.dtype != torch.int32 or self.packed.dim() != 2:
+            raise LocalpdError(f"int4 packed weights must be a 2-D int32 tensor, got {self.packed.dtype} {tuple(self.packed.shape)}")
+        n, k = self.shape
+        for name, t in (("scales", self.scales), ("biases", self.biases)):
+            if t.dim() != 2 or t.shape[0] != n or t.shape[1] == 0 or k % t.shape[1]:
+                raise LocalpdError(f"int4 {name} of shape {tuple(t.shape)} do not fit a {n}x{k} weight")
+        if self.scales.shape != self.biases.shape:
+            raise LocalpdError("int4 scales and biases must have the same shape")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.packed.shape[0], self.packed.shape[1] * 8
+
+    @property
+    def group(self) -> int:
+        return self.shape[1] // self.scales.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales, self.biases))
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor, group: int = 128) -> Int4Weight:
+        """Per group, try clipping ratios r of [min, max] and keep the one with least squared error, then refine
+        scale and bias by alternating least squares (_refit_int4).
+
+        Scale and bias are rounded to float16 before the error is measured, so the choice is made on what
+        is stored. Ratio 1.0 is tried first, so the result is never worse than plain round-to-nearest.
+        """
+        n, k = w.shape
+        if group not in INT4_GROUPS:
+            raise LocalpdError(f"int4 group size must be one of {INT4_GROUPS}, got {group}")
+        _check_group("int4", group, k)
+        parts = [_quantize_int4_rows(rows.detach().float(), group) for rows in _row_chunks(w)]
+        q = torch.cat([p[0] for p in parts])
+        return cls(pack_int4(q), torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts]))
+
+    @classmethod
+    def quantize_rtn(cls, w: torch.Tensor, group: int = 128) -> Int4Weight:
+        """Plain min/max round-to-nearest (no clipping search): the baseline `quantize` improves on."""
+        n, k = w.shape
+        _check_group("int4", group, k)
+        q, scales, biases = _quantize_int4_rows(w.detach().float(), group, ratios=(1.0,))
+        return cls(pack_int4(q), scales, biases)
+
+    def unpack(self) -> torch.Tensor:
+        """The 4-bit codes q as uint8 [N, K]."""
+        return unpack_int4(self.packed)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        n, k = self.shape
+        q = self.unpack().float().reshape(n, k // self.group, self.group)
+        g = q * self.scales.float()[..., None] + self.biases.float()[..., None]
+        return g.reshape(n, k).to(dtype)
+
+
+def _quantize_int4_rows(w: torch.Tensor, group: int, ratios=CLIP_RATIOS):
+    n, k = w.shape
+    g = w.reshape(n, k // group, group)
+    wmin, wmax = g.amin(dim=-1), g.amax(dim=-1)
+    best_err = best_q = best_s = best_b = None
+    for r in ratios:
+        scales = ((wmax - wmin) * r / 15).half()
+        biases = (wmin * r).half()
+        s, b = scales.float()[..., None], biases.float()[..., None]
+        safe = torch.where(s > 0, s, torch.ones_like(s))
+        q = torch.round((g - b) / safe).clamp(0, 15)
+        err = ((q * s + b - g) ** 2).sum(dim=-1)
+        if best_err is None:
+            best_err, best_q, best_s, best_b = err, q, scales, biases
+            continue
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_q = torch.where(better[..., None], q, best_q)
+        best_s = torch.where(better, scales, best_s)
+        best_b = torch.where(better, biases, best_b)
+    if len(ratios) > 1:
+        best_q, best_s, best_b = _refit_int4(g, best_q, best_s, best_b, best_err)
+    return best_q.to(torch.uint8).reshape(n, k), best_s.contiguous(), best_b.contiguous()
+
+
+def _refit_int4(g, q, scales, biases, err, rounds: int = 8):
+    """Alternate: least-squares scale and bias for the current codes, then re-round the codes. A group takes a
+    round's result only where it lowers the (float16-rounded) reconstruction error."""
+    for _ in range(rounds):
+        q_mean, g_mean = q.mean(-1, keepdim=True), g.mean(-1, keepdim=True)
+        var = ((q - q_mean) ** 2).sum(-1, keepdim=True)
+        s = ((q - q_mean) * (g - g_mean)).sum(-1, keepdim=True) / var.clamp_min(1e-12)
+        s = torch.where(var > 0, s, torch.zeros_like(s))
+        new_s, new_b = s[..., 0].half(), (g_mean - s * q_mean)[..., 0].half()
+        sf, bf = new_s.float()[..., None], new_b.float()[..., None]
+        new_q = torch.round((g - bf) / torch.where(sf > 0, sf, torch.ones_like(sf))).clamp(0, 15)
+        new_err = ((new_q * sf + bf - g) ** 2).sum(dim=-1)
+        better = (new_err < err) & (new_s > 0)
+        err = torch.where(better, new_err, err)
+        q = torch.where(better[..., None], new_q, q)
+        scales = torch.where(better, new_s, scales)
+        biases = torch.where(better, new_b, biases)
+    return q, scales, biases
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [N, K] (values 0..15, K a multiple of 8) -> int32 [N, K // 8] in the documented layout."""
+    n, k = q.shape
+    if k % 8:
+        raise LocalpdError(f"int4 needs the input dimension ({k}) to be a multiple of 8")
+    q = q.to(torch.uint8)
+    pairs = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()  # byte b: column 2b low, 2b + 1 high
+    return pairs.view(torch.int32)  # little-endian: byte b of word j is bits 8b .. 8b+7
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    n = packed.shape[0]
+    pairs = packed.contiguous().view(torch.uint8)
+    return torch.stack((pairs & 15, pairs >> 4), dim=-1).reshape(n, -1)
+
+
+# GGUF blocks of 32 values: Q8_0 = f16 d + 32 int8; Q4_0 = f16 d + 16 bytes; Q4_1 = f16 d + f16 m + 16 bytes.
+GGUF_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+
+
+def from_gguf(type_name: str, raw_blocks_uint8: torch.Tensor, shape: tuple[int, int]) -> Int4Weight | Int8Weight:
+    """Lossless import of GGUF Q8_0 (-> Int8Weight, group 32), Q4_0 and Q4_1 (-> Int4Weight, group 32).
+
+    `raw_blocks_uint8` holds the tensor's blocks as stored (any shape, N * K / 32 blocks); `shape` is
+    (N rows, K columns) with blocks running along K.
+    """
+    type_name = type_name.upper()
+    if type_name not in GGUF_BLOCK_BYTES:
+        raise LocalpdError(f"GGUF type {type_name} cannot be imported as int4/int8 (supported: Q4_0, Q4_1, Q8_0)")
+    n, k = shape
+    if k % 32:
+        raise LocalpdError(f"GGUF {type_name} needs the input dimension ({k}) to be a multiple of 32")
+    size = GGUF_BLOCK_BYTES[type_name]
+    raw = raw_blocks_uint8.reshape(-1)
+    if raw.dtype != torch.uint8 or raw.numel() != n * (k // 32) * size:
+        raise LocalpdError(f"GGUF {type_name} data for a {n}x{k} tensor must be {n * (k // 32) * size} uint8 bytes, "
+                           f"got {raw.numel()} {raw.dtype}")
+    blocks = raw.reshape(n, k // 32, size)
+
+    def f16(lo: int) -> torch.Tensor:
+        return blocks[..., lo:lo + 2].contiguous().view(torch.float16).reshape(n, k // 32)
+
+    if type_name == "Q8_0":
+        data = blocks[..., 2:].contiguous().view(torch.int8).reshape(n, k)
+        return Int8Weight(data, f16(0).contiguous())
+    qs = blocks[..., size - 16:]                             # byte j: element j low, element j + 16 high
+    q = torch.cat((qs & 15, qs >> 4), dim=-1).reshape(n, k)  # element order within the block
+    d = f16(0)
+    if type_name == "Q4_0":
+        bias = d * -8  # exact in float16 unless |d| > 8188 overflows
+        if not torch.isfinite(bias).all():
+            raise LocalpdError("GGUF Q4_0 scale too large to import (|d| > 8188)")
+        return Int4Weight(pack_int4(q), d.contiguous(), bias.contiguous())
+    return Int4Weight(pack_int4(q), d.contiguous(), f16(2).contiguous())
+
+
+Weight = torch.Tensor | Int4Weight | Int8Weight  # a weight matrix in any format
+
+
+def weight_nbytes(w: Weight) -> int:
+    """Bytes a kernel reads to use all of w."""
+    return w.numel() * w.element_size() if isinstance(w, torch.Tensor) else w.nbytes
+
+
+def cat_rows(weights: list[Weight]) -> Weight:
+    """Stack matrices of one format (and group) along the output dimension: [N1, K] + [N2, K] -> [N1 + N2, K]."""
+    first = weights[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(weights)
+    return type(first)(*(torch.cat([getattr(w, f) for w in weights]) for f in first.__dataclass_fields__))
+
+
+def take_rows(w: Weight, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Dense rows of w (an embedding lookup), dequantizing only those rows."""
+    if isinstance(w, torch.Tensor):
+        return w[rows].to(dtype)
+    return type(w)(*(getattr(w, f)[rows] for f in w.__dataclass_fields__)).dequantize(dtype)

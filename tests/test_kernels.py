@@ -1,0 +1,126 @@
+"""Triton int4/int8 matmul kernels against their torch references, on the CPU through Triton's interpreter.
+
+TRITON_INTERPRET must be set before the kernel modules are imported (Triton reads it when a kernel is
+decorated), so it is set here, before anything imports triton.
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from localpd.errors import LocalpdError  # noqa: E402
+from localpd.kernels.dispatch import (gemv_block_m, int4_matmul_ref, int8_matmul_ref, linear_int4,  # noqa: E402
+                                      linear_int8, pick_split_k)
+from localpd.kernels.int4_matmul import int4_matmul  # noqa: E402
+from localpd.kernels.int8_matmul import int8_matmul  # noqa: E402
+from localpd.quant.weights import Int4Weight, Int8Weight  # noqa: E402
+
+TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+NS = (40, 72, 200)
+KS = (128, 256, 384)
+
+
+def rel_err(out, ref):
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def make_case(fmt, n, k, group, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.1
+    if fmt == "int4":
+        q = Int4Weight.quantize(w, group)
+        args = (q.packed, q.scales, q.biases, group)
+        return args, int4_matmul, int4_matmul_ref
+    q = Int8Weight.quantize(w, group)
+    args = (q.data, q.scales, q.group)
+    return args, int8_matmul, int8_matmul_ref
+
+
+def check(fmt, m, n, k, group, dtype, seed, **kw):
+    args, kernel, ref_fn = make_case(fmt, n, k, group, seed)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    out = torch.full((m, n), float("nan"), dtype=dtype)  # poison: every element must be written
+    y = kernel(x, *args, out=out, **kw)
+    ref = ref_fn(x, *args)
+    assert y is out and y.dtype == dtype and y.shape == (m, n)
+    assert not torch.isnan(y).any()
+    assert rel_err(y, ref) < TOL[dtype], (fmt, m, n, k, group, dtype, kw)
+
+
+def dtypes_for(m):
+    # the interpreter multiplies bf16 tiles in tl.dot as raw uint16 bits, so bf16 is checked on the
+    # FMA path only (M <= 4); on the GPU tl.dot takes bf16 natively
+    return (torch.float32, torch.float16) + ((torch.bfloat16,) if m <= 4 else ())
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+@pytest.mark.parametrize("m", [1, 3, 16, 33])
+def test_matches_reference(fmt, m):
+    """Every K with every group size dividing it; N cycles through odd sizes; dtypes rotate."""
+    groups = (32, 64, 128) if fmt == "int4" else (32, 128, None)
+    dts = dtypes_for(m)
+    i = 0
+    for k in KS:
+        for group in groups:
+            check(fmt, m, NS[i % 3], k, group or k, dts[i % len(dts)], seed=100 * m + i)
+            i += 1
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_dtypes_gemv(fmt, dtype):
+    check(fmt, 2, 72, 256, 64, dtype, seed=7)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+@pytest.mark.parametrize("m,split_k", [(1, 2), (3, 3), (12, 4), (1, 5)])
+def test_split_k(fmt, m, split_k):
+    # K = 384 is 3 chunks of the interpreter's BLOCK_K = 128: uneven splits, and empty ones for 4 and 5
+    check(fmt, m, 200, 384, 32, torch.float32, seed=split_k, split_k=split_k)
+    check(fmt, m, 40, 384, 128, torch.float16, seed=split_k + 10, split_k=split_k)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_k_tail_and_forced_paths(fmt):
+    # K = 160 leaves a partial K chunk for both paths; the GEMM path also for small M
+    check(fmt, 1, 40, 160, 32, torch.float32, seed=1)
+    check(fmt, 3, 40, 160, 32, torch.float32, seed=2, split_k=2)
+    check(fmt, 3, 72, 160, 32, torch.float32, seed=3, path="gemm")
+    check(fmt, 16, 40, 256, 64, torch.float16, seed=4, path="gemm")
+    check(fmt, 40, 200, 160, 32, torch.float16, seed=5)
+
+
+def test_gemv_path_refuses_large_m():
+    args, kernel, _ = make_case("int4", 40, 128, 32, 0)
+    with pytest.raises(LocalpdError, match="gemv"):
+        kernel(torch.randn(17, 128), *args, path="gemv")
+
+
+@pytest.mark.parametrize("interpret", [True, False])
+def test_linear_dispatch(monkeypatch, interpret):
+    if not interpret:  # plain CPU: the torch reference runs
+        monkeypatch.delenv("TRITON_INTERPRET")
+        monkeypatch.delenv("LOCALPD_TRITON_INTERPRET", raising=False)
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(2, 3, 128, generator=g)
+    bias = torch.randn(72, generator=g)
+    w4 = Int4Weight.quantize(torch.randn(72, 128, generator=g), 64)
+    w8 = Int8Weight.quantize(torch.randn(72, 128, generator=g))
+    y4, y8 = linear_int4(x, w4, bias), linear_int8(x, w8, bias)
+    assert y4.shape == y8.shape == (2, 3, 72)
+    ref4 = x @ w4.dequantize().T + bias
+    ref8 = x @ w8.dequantize().T + bias
+    assert rel_err(y4, ref4) < 1e-5 and rel_err(y8, ref8) < 1e-5
+    with pytest.raises(LocalpdError, match="features"):
+        linear_int4(torch.randn(1, 64), w4)
+
+
+def test_launch_heuristics():
+    assert gemv_block_m(1) == (1, False) and gemv_block_m(3) == (4, False) and gemv_block_m(5) == (16, True)
+    assert pick_split_k(4096, 4096, 132) > 1           # 64 tiles of 64 on 132 SMs: split
+    assert pick_split_k(14336, 4096, 132) == 1         # enough tiles already
+    assert pick_split_k(1024, 128, 132) == 1           # too little K to split
+    assert pick_split_k(4096, 4096, 1) == 1            # interpreter / CPU

@@ -1,0 +1,128 @@
+"""Weight formats: quantization error, the packed int4 layout, exact byte counts, lossless GGUF import."""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+
+from localpd.errors import LocalpdError
+from localpd.quant.weights import Int4Weight, Int8Weight, from_gguf, pack_int4, unpack_int4
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_int8_per_channel_error(seed):
+    w = torch.randn(72, 384, generator=torch.Generator().manual_seed(seed)) * 0.05
+    q = Int8Weight.quantize(w)
+    assert q.group == 384 and q.data.dtype == torch.int8 and q.scales.shape == (72, 1)
+    assert rel_err(q.dequantize(), w) < 0.01
+    assert rel_err(Int8Weight.quantize(w, group=32).dequantize(), w) < 0.01
+
+
+@pytest.mark.parametrize("group,bound", [(32, 0.09), (64, 0.10), (128, 0.11)])
+def test_int4_error_and_clipping_never_worse_than_rtn(group, bound):
+    w = torch.randn(200, 384, generator=torch.Generator().manual_seed(group))
+    q, rtn = Int4Weight.quantize(w, group), Int4Weight.quantize_rtn(w, group)
+    assert q.group == group and q.packed.shape == (200, 48) and q.scales.dtype == torch.float16
+    assert rel_err(q.dequantize(), w) < bound
+    # per group, the search keeps ratio 1.0 (= RTN) unless another ratio is strictly better
+    err = ((q.dequantize() - w) ** 2).reshape(200, -1, group).sum(-1)
+    err_rtn = ((rtn.dequantize() - w) ** 2).reshape(200, -1, group).sum(-1)
+    assert (err <= err_rtn + 1e-6).all()
+    assert err.sum() < err_rtn.sum()
+
+
+def test_int4_clipping_helps_heavy_tails():
+    torch.manual_seed(5)
+    w = torch.distributions.StudentT(3.0).sample((64, 256))
+    q, rtn = Int4Weight.quantize(w, 32), Int4Weight.quantize_rtn(w, 32)
+    assert rel_err(q.dequantize(), w) < 0.99 * rel_err(rtn.dequantize(), w)
+
+
+def test_int4_packed_layout():
+    q = torch.randint(0, 16, (5, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    packed = pack_int4(q)
+    assert packed.dtype == torch.int32 and packed.shape == (5, 8)
+    words = packed.to(torch.int64) & 0xFFFFFFFF
+    for j in range(8):
+        for s in range(8):  # column 8j + s in bits 4s .. 4s+3 of word j
+            assert torch.equal((words[:, j] >> (4 * s)) & 15, q[:, 8 * j + s].to(torch.int64))
+    as_bytes = packed.view(torch.uint8)  # byte b: column 2b low nibble, 2b + 1 high nibble
+    assert torch.equal(as_bytes & 15, q[:, 0::2]) and torch.equal(as_bytes >> 4, q[:, 1::2])
+    assert torch.equal(unpack_int4(packed), q)
+
+
+def test_nbytes_exact():
+    w = torch.randn(40, 256)
+    for g in (32, 64, 128):
+        assert Int4Weight.quantize(w, g).nbytes == 40 * 256 // 2 + 2 * 2 * 40 * (256 // g)
+    assert Int8Weight.quantize(w).nbytes == 40 * 256 + 2 * 40
+    assert Int8Weight.quantize(w, 32).nbytes == 40 * 256 + 2 * 40 * 8
+
+
+def test_zero_and_constant_rows_stay_finite():
+    w = torch.zeros(3, 64)
+    w[1] = 0.25
+    for q in (Int4Weight.quantize(w, 32), Int8Weight.quantize(w)):
+        d = q.dequantize()
+        assert torch.isfinite(d).all() and torch.allclose(d, w, rtol=0, atol=1e-4)
+
+
+def test_dequantize_dtype():
+    w = torch.randn(8, 128)
+    q = Int4Weight.quantize(w, 64)
+    assert q.dequantize(torch.float16).dtype == torch.float16
+    assert torch.equal(q.dequantize(torch.float16), q.dequantize().half())
+
+
+def test_group_errors():
+    with pytest.raises(LocalpdError, match=r"int4-g128 needs the input dimension \(576\) to be a multiple of 128"):
+        Int4Weight.quantize(torch.randn(4, 576), 128)
+    with pytest.raises(LocalpdError, match=r"int8-g32 needs the input dimension \(100\) to be a multiple of 32"):
+        Int8Weight.quantize(torch.randn(4, 100), 32)
+    with pytest.raises(LocalpdError, match="group size"):
+        Int4Weight.quantize(torch.randn(4, 96), 48)
+    with pytest.raises(LocalpdError, match="multiple of 8"):
+        pack_int4(torch.zeros(2, 12, dtype=torch.uint8))
+
+
+def _random_blocks(type_name, n_blocks, rng):
+    """GGUF blocks with random finite f16 scales (and mins) and random quant bytes."""
+    def f16(lo, hi):
+        mag = np.exp(rng.uniform(np.log(lo), np.log(hi), n_blocks)) * rng.choice([-1, 1], n_blocks)
+        return mag.astype(np.float16).view(np.uint8).reshape(n_blocks, 2)
+
+    if type_name == "Q8_0":
+        parts = [f16(1e-6, 10), rng.integers(0, 256, (n_blocks, 32), dtype=np.uint8)]
+    elif type_name == "Q4_0":
+        parts = [f16(1e-6, 100), rng.integers(0, 256, (n_blocks, 16), dtype=np.uint8)]
+    else:
+        parts = [f16(1e-6, 10), f16(1e-6, 10), rng.integers(0, 256, (n_blocks, 16), dtype=np.uint8)]
+    return np.concatenate(parts, axis=1)
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_gguf_import_is_exact(type_name, seed):
+    rng = np.random.default_rng(seed)
+    n, k = 24, 96 * (seed + 1)
+    blocks = _random_blocks(type_name, n * k // 32, rng)
+    expected = gguf_dequantize(blocks.reshape(-1), GGMLQuantizationType[type_name]).reshape(n, k)
+    w = from_gguf(type_name, torch.from_numpy(blocks.reshape(-1).copy()), (n, k))
+    assert isinstance(w, Int8Weight if type_name == "Q8_0" else Int4Weight)
+    assert w.group == 32 and w.shape == (n, k)
+    assert torch.equal(w.dequantize(torch.float32), torch.from_numpy(expected.astype(np.float32)))
+    assert w.nbytes <= blocks.nbytes + n * k // 32 * 2  # Q4_0 gains a stored bias per block
+
+
+def test_gguf_import_errors():
+    with pytest.raises(LocalpdError, match="Q6_K"):
+        from_gguf("Q6_K", torch.zeros(210, dtype=torch.uint8), (1, 256))
+    with pytest.raises(LocalpdError, match="multiple of 32"):
+        from_gguf("Q8_0", torch.zeros(34, dtype=torch.uint8), (1, 48))
+    with pytest.raises(LocalpdError, match="bytes"):
+        from_gguf("Q4_1", torch.zeros(18, dtype=torch.uint8), (1, 32))
