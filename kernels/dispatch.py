@@ -30,16 +30,22 @@ INTERPRET_GEMV = dict(BLOCK_N=32, BLOCK_K=128)
 INTERPRET_GEMM = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64)
 
 
+def _on(name: str) -> bool:
+    return os.environ.get(name, "").lower() in ("1", "true", "yes")
+
+
 def triton_interpreting() -> bool:
-    on = ("1", "true", "yes")
-    if os.environ.get("LOCALPD_TRITON_INTERPRET", "").lower() in on:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-        return True
-    return os.environ.get("TRITON_INTERPRET", "").lower() in on
+    """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1, read by Triton itself)."""
+    return _on("TRITON_INTERPRET") or _on("LOCALPD_TRITON_INTERPRET")
 
 
 def use_triton(x: torch.Tensor) -> bool:
-    return x.is_cuda or triton_interpreting()
+    """Triton on CUDA tensors; on CPU tensors only when LOCALPD_TRITON_INTERPRET=1 asks for the interpreter
+    (tests), so a process that merely has TRITON_INTERPRET set keeps the fast torch reference on the CPU."""
+    if _on("LOCALPD_TRITON_INTERPRET"):
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        return True
+    return x.is_cuda
 
 
 def gemv_block_m(m: int) -> tuple[int, bool]:

@@ -101,9 +101,18 @@ def test_gemv_path_refuses_large_m():
 
 @pytest.mark.parametrize("interpret", [True, False])
 def test_linear_dispatch(monkeypatch, interpret):
-    if not interpret:  # plain CPU: the torch reference runs
-        monkeypatch.delenv("TRITON_INTERPRET")
+    import localpd.kernels.dispatch as dispatch
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the other path ran")
+
+    if interpret:  # LOCALPD_TRITON_INTERPRET=1: the Triton kernels run on CPU tensors, not the references
+        monkeypatch.setenv("LOCALPD_TRITON_INTERPRET", "1")
+        monkeypatch.setattr(dispatch, "int4_matmul_ref", forbidden)
+        monkeypatch.setattr(dispatch, "int8_matmul_ref", forbidden)
+    else:  # plain CPU, even with TRITON_INTERPRET set: the torch references run
         monkeypatch.delenv("LOCALPD_TRITON_INTERPRET", raising=False)
+        monkeypatch.setattr(dispatch, "_triton_fn", forbidden)
     g = torch.Generator().manual_seed(11)
     x = torch.randn(2, 3, 128, generator=g)
     bias = torch.randn(72, generator=g)

@@ -24,7 +24,7 @@ def test_native_import_keeps_gguf_blocks_and_dequantizes_to_the_dense_weights(de
         assert torch.equal(native[name].dequantize(torch.float32), dense[name]), name
 
 
-@pytest.mark.parametrize("quant", ["native", "int8", "int4-g128"])
+@pytest.mark.parametrize("quant", ["native", "int8", "int4-g32", "int4-g64"])
 def test_quantized_model_still_answers(default_gguf, quant):
     engine = Engine(default_gguf, device="cpu", quant=quant, max_context=256)
     text = "".join(e.text for e in engine.chat(Q, SamplingParams(temperature=0, max_tokens=16)))
@@ -36,6 +36,8 @@ def test_unknown_and_unavailable_schemes(default_gguf):
         load_model(default_gguf, scheme="int3")
     with pytest.raises(LocalpdError, match="bitsandbytes"):
         load_model(default_gguf, scheme="bnb-nf4")
+    with pytest.raises(LocalpdError, match=r"int4-g128 needs the input dimension \(576\) to be a multiple of 128"):
+        load_model(default_gguf, scheme="int4-g128")  # SmolLM2-135M's hidden size is 4.5 groups of 128
 
 
 def test_perplexity_equals_transformers_loss_in_one_window(engine, hf_reference):
