@@ -165,13 +165,10 @@ def gguf_matrix(t, scheme: str, dtype, device, heads: int | None) -> Weight:
     return quantize(dense, GGUF_REQUANT.get(kind, "native") if scheme == "native" else scheme, dtype)
 
 
-HF_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
-
-
 def hf_config(cfg: dict, path: Path) -> ModelConfig:
     mt = cfg.get("model_type", "?")
-    if mt not in HF_ARCHS:
-        raise LocalpdError(f"unsupported architecture '{mt}' in {path}; supported: {', '.join(HF_ARCHS)}")
+    if mt not in ARCHS:
+        raise LocalpdError(f"unsupported architecture '{mt}' in {path}; supported: {', '.join(ARCHS)}")
     dim, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -179,7 +176,7 @@ def hf_config(cfg: dict, path: Path) -> ModelConfig:
         raise LocalpdError(f"unsupported RoPE scaling '{rope_type}' in {path}")
     theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
     return ModelConfig(
-        arch=HF_ARCHS[mt], vocab_size=cfg["vocab_size"], dim=dim, n_layers=cfg["num_hidden_layers"],
+        arch=ARCHS[mt], vocab_size=cfg["vocab_size"], dim=dim, n_layers=cfg["num_hidden_layers"],
         n_heads=heads, n_kv_heads=cfg.get("num_key_value_heads") or heads,
         head_dim=cfg.get("head_dim") or dim // heads, ffn_dim=cfg["intermediate_size"],
         norm_eps=cfg.get("rms_norm_eps", 1e-5), rope_theta=float(theta),
