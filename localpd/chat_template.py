@@ -6,23 +6,41 @@ import json
 from datetime import datetime
 from functools import lru_cache
 
-from jinja2 import TemplateError
+from jinja2 import nodes
+from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from localpd.errors import LocalpdError
 
 
+class _TemplateRaised(LocalpdError):
+    """The template itself called raise_exception(msg)."""
+
+
 def _raise(message: str):
-    raise LocalpdError(f"chat template refused the conversation: {message}")
+    raise _TemplateRaised(f"chat template error: {message}")
 
 
 def _tojson(value, indent=None, ensure_ascii=False, separators=None, sort_keys=False):
+    # Like transformers: no HTML escaping (jinja's own tojson has it) and non-ASCII kept as is.
     return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, separators=separators, sort_keys=sort_keys)
+
+
+class _Generation(Extension):
+    """`{% generation %}...{% endgeneration %}` (marks assistant text for training masks): render the body."""
+
+    tags = frozenset({"generation"})
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body, lineno=lineno)
 
 
 @lru_cache(maxsize=8)
 def _compile(template: str):
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols", _Generation])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -31,10 +49,12 @@ def _compile(template: str):
 
 def render(template: str, messages: list[dict], add_generation_prompt: bool = True, bos_token: str = "",
            eos_token: str = "", **extra) -> str:
+    """The prompt text `template` makes of `messages`; any failure is a one-line LocalpdError."""
     try:
         return _compile(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
                                          bos_token=bos_token, eos_token=eos_token, **extra)
-    except LocalpdError:
+    except _TemplateRaised:
         raise
-    except (TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
-        raise LocalpdError(f"chat template error: {type(e).__name__}: {e}") from None
+    except Exception as e:  # noqa: BLE001 -- syntax errors, sandbox refusals, and whatever the template's own code trips on
+        message = str(e).splitlines()[0] if str(e) else ""
+        raise LocalpdError(f"chat template error: {type(e).__name__}: {message}") from None

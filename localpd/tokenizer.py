@@ -5,37 +5,97 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from localpd.chat_template import render
 from localpd.errors import LocalpdError
 
-GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+# GGUF token types (llama.cpp's llama_token_type)
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+# Split regexes of the byte-level BPE vocabularies, by tokenizer.ggml.pre (the ones of their tokenizer.json files).
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "<end_of_turn>", "</s>", "<|end|>")
+SPLITS = {"llama-bpe": LLAMA3_SPLIT, "llama3": LLAMA3_SPLIT, "llama-v3": LLAMA3_SPLIT, "smaug-bpe": LLAMA3_SPLIT,
+          "falcon3": LLAMA3_SPLIT, "qwen2": QWEN2_SPLIT, "deepseek-r1-qwen": QWEN2_SPLIT}
+DIGIT_SPLIT_PRES = ("smollm", "starcoder", "refact")  # GPT-2's regex after splitting every digit apart
+IGNORE_MERGES_PRES = ("llama-bpe", "llama3", "llama-v3", "smaug-bpe", "falcon3")  # whole-word vocab hits win
+
+# Tokens that end a turn besides eos, when the vocabulary has them.
+END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|endoftext|>", "<end_of_turn>",
+              "<|end|>")
 
 
-def _bpe_pre_tokenizer(pre: str):
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    if pre in ("llama-bpe", "llama3", "smaug-bpe"):
-        split = LLAMA3_SPLIT
-    elif pre == "qwen2":
-        split = QWEN2_SPLIT
-    else:
-        split = None
-    if split is None:
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's spelling of each byte as a printable character."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    spelled, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            spelled[b] = chr(b)
+        else:
+            spelled[b] = chr(256 + extra)
+            extra += 1
+    return spelled
+
+
+def _bpe_from_gguf(tokens: list[str], types: list[int], meta: dict) -> HFTokenizer:
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    spelled = _byte_alphabet()
+    alphabet = set(spelled.values())
+    # Some converters store a normal token as raw UTF-8 instead of in the byte alphabet: respell it.
+    vocab = {}
+    for i, (t, ty) in enumerate(zip(tokens, types)):
+        if ty in (NORMAL, UNUSED) and not set(t) <= alphabet:
+            t = "".join(spelled[b] for b in t.encode("utf-8"))
+        vocab.setdefault(t, i)
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+    tok = HFTokenizer(models.BPE(vocab, merges, ignore_merges=pre in IGNORE_MERGES_PRES))
+    if pre in SPLITS:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(SPLITS[pre]), behavior="isolated"),
+                                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    else:  # "default", "gpt-2" and other GPT-2 style vocabularies: GPT-2's own regex
         steps = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
-        if pre in ("smollm", "default", "starcoder", "refact"):
+        if pre in DIGIT_SPLIT_PRES:
             steps.insert(0, pre_tokenizers.Digits(individual_digits=True))
-        return pre_tokenizers.Sequence(steps)
-    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level])
+        tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _spm_from_gguf(tokens: list[str], types: list[int], meta: dict) -> HFTokenizer:
+    """SentencePiece BPE as llama.cpp runs it: merge the best-scoring adjacent pair first; bytes as <0xNN>."""
+    scores = meta.get("tokenizer.ggml.scores") or [-float(i) for i in range(len(tokens))]
+    vocab = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)
+    mergeable = {t for t, ty in zip(tokens, types) if ty in (NORMAL, USER_DEFINED, UNUSED)}
+    merges = []  # (score, left id, right id, left, right): every split of a token into two tokens
+    for t, score in zip(tokens, scores):
+        if t not in mergeable or len(t) < 2:
+            continue
+        for k in range(1, len(t)):
+            left, right = t[:k], t[k:]
+            if left in mergeable and right in mergeable:
+                merges.append((-score, vocab[left], vocab[right], left, right))
+    merges.sort()
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id", 0)
+    tok = HFTokenizer(models.BPE(vocab, [(m[3], m[4]) for m in merges], unk_token=tokens[unk_id],
+                                 fuse_unk=True, byte_fallback=True))
+    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first" if prefix else "never",
+                                                 split=False)
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+    return tok
 
 
 class Tokenizer:
+    """Text <-> token ids, the model's special ids, and its chat template."""
+
     def __init__(self, tok: HFTokenizer, bos_id: int | None, eos_ids: frozenset[int], add_bos: bool,
                  chat_template: str | None, bos_token: str = "", eos_token: str = ""):
         self.tok = tok
@@ -46,42 +106,38 @@ class Tokenizer:
         self.bos_token, self.eos_token = bos_token, eos_token
 
     @classmethod
-    def from_gguf_metadata(cls, meta: dict) -> "Tokenizer":
+    def from_gguf_metadata(cls, meta: dict) -> Tokenizer:
         kind = meta.get("tokenizer.ggml.model")
-        tokens = meta.get("tokenizer.ggml.tokens")
+        tokens = list(meta.get("tokenizer.ggml.tokens") or [])
         if not tokens:
             raise LocalpdError("the GGUF file has no tokenizer vocabulary")
-        types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        types = list(meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
         if kind == "gpt2":
-            merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
-            vocab = {t: i for i, t in enumerate(tokens)}
-            tok = HFTokenizer(models.BPE(vocab, merges, ignore_merges=meta.get("tokenizer.ggml.pre") in ("llama-bpe", "llama3")))
-            tok.pre_tokenizer = _bpe_pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"))
-            tok.decoder = decoders.ByteLevel()
+            tok = _bpe_from_gguf(tokens, types, meta)
         elif kind == "llama":
-            scores = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
-            unk = meta.get("tokenizer.ggml.unknown_token_id", 0)
-            tok = HFTokenizer(models.Unigram(list(zip(tokens, scores)), unk_id=unk, byte_fallback=True))
-            prefix = meta.get("tokenizer.ggml.add_space_prefix", True)
-            tok.normalizer = normalizers.Sequence(
-                ([normalizers.Prepend("▁")] if prefix else []) + [normalizers.Replace(" ", "▁")])
-            tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-                                            + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+            tok = _spm_from_gguf(tokens, types, meta)
         else:
             raise LocalpdError(f"unsupported GGUF tokenizer model '{kind}'; supported: gpt2 (BPE), llama (SentencePiece)")
-        specials = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty in (3, 4)]
-        tok.add_special_tokens(specials)
-        bos = meta.get("tokenizer.ggml.bos_token_id")
-        eos = meta.get("tokenizer.ggml.eos_token_id")
-        ends = {i for i, t in enumerate(tokens) if t in END_TOKENS and types[i] in (3, 4)}
-        if eos is not None:
-            ends.add(int(eos))
-        return cls(tok, bos, frozenset(ends), bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama")),
-                   meta.get("tokenizer.chat_template"),
+        # Control tokens are special (skipped when decoding); user-defined ones (like <think>) are kept in the text.
+        # Both are matched whole in the input text.
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, ty in zip(tokens, types) if ty == CONTROL])
+        tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, ty in zip(tokens, types) if ty == USER_DEFINED])
+
+        def token_id(key):
+            i = meta.get(f"tokenizer.ggml.{key}")
+            return int(i) if i is not None and 0 <= int(i) < len(tokens) else None
+
+        bos, eos = token_id("bos_token_id"), token_id("eos_token_id")
+        ends = {i for i, t in enumerate(tokens) if t in END_TOKENS and types[i] in (CONTROL, USER_DEFINED)}
+        ends |= {i for i in (eos, token_id("eot_token_id"), token_id("eom_token_id")) if i is not None}
+        add_bos = meta.get("tokenizer.ggml.add_bos_token", kind == "llama")
+        return cls(tok, bos, frozenset(ends), bool(add_bos) and bos is not None, meta.get("tokenizer.chat_template"),
                    tokens[bos] if bos is not None else "", tokens[eos] if eos is not None else "")
 
     @classmethod
-    def from_dir(cls, path: Path) -> "Tokenizer":
+    def from_dir(cls, path: str | Path) -> Tokenizer:
         path = Path(path)
         if not (path / "tokenizer.json").exists():
             raise LocalpdError(f"{path} has no tokenizer.json")
@@ -89,21 +145,24 @@ class Tokenizer:
         cfg = _read_json(path / "tokenizer_config.json")
         gen = _read_json(path / "generation_config.json")
 
-        def token_text(v):
+        def text_of(v):
             return v.get("content", "") if isinstance(v, dict) else (v or "")
 
-        bos_t, eos_t = token_text(cfg.get("bos_token")), token_text(cfg.get("eos_token"))
-        ends = {tok.token_to_id(t) for t in (eos_t, *END_TOKENS) if t and tok.token_to_id(t) is not None}
+        bos_t, eos_t = text_of(cfg.get("bos_token")), text_of(cfg.get("eos_token"))
+        bos_id = tok.token_to_id(bos_t) if bos_t else None
+        ends = {tok.token_to_id(t) for t in (eos_t, *END_TOKENS) if t}
         gen_eos = gen.get("eos_token_id")
-        ends |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
+        ends |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+        ends.discard(None)
+        add_bos = cfg.get("add_bos_token")
+        if add_bos is None:  # no flag: does the tokenizer.json's post-processor put bos in front?
+            add_bos = bos_id is not None and tok.encode("a", add_special_tokens=True).ids[:1] == [bos_id]
         template = cfg.get("chat_template")
         if isinstance(template, list):  # named templates: take the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         if template is None and (path / "chat_template.jinja").exists():
             template = (path / "chat_template.jinja").read_text()
-        bos_id = tok.token_to_id(bos_t) if bos_t else None
-        return cls(tok, bos_id, frozenset(ends), bool(cfg.get("add_bos_token", False)) and bos_id is not None,
-                   template, bos_t, eos_t)
+        return cls(tok, bos_id, frozenset(ends), bool(add_bos) and bos_id is not None, template, bos_t, eos_t)
 
     @property
     def vocab_size(self) -> int:
@@ -122,7 +181,7 @@ class Tokenizer:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        if not self.chat_template:
+        if not self.chat_template:  # no template in the model: plain ChatML
             text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
             return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
         return render(self.chat_template, messages, add_generation_prompt, self.bos_token, self.eos_token)
@@ -136,27 +195,30 @@ class IncrementalDetokenizer:
     """Turns a stream of token ids into text deltas that never end inside a UTF-8 sequence.
 
     It decodes a short window of earlier tokens together with the new ones and emits what was added, so that
-    tokenizers whose pieces depend on their neighbours (SentencePiece's leading space) come out right."""
+    tokenizers whose pieces depend on their neighbours (SentencePiece's leading space) come out right:
+    ids[prefix:read] is the window whose text is already out, ids[read:] is not out yet."""
 
     def __init__(self, tokenizer: Tokenizer, skip_special: bool = True):
         self.tokenizer = tokenizer
         self.skip_special = skip_special
         self.ids: list[int] = []
-        self.prefix = 0  # start of the window whose text is already emitted up to read
-        self.read = 0  # ids[:read] are fully emitted
+        self.prefix = 0
+        self.read = 0
+
+    def _decode(self, start: int, end: int) -> str:
+        return self.tokenizer.decode(self.ids[start:end], self.skip_special)
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        decode = lambda a, b: self.tokenizer.decode(self.ids[a:b], self.skip_special)
-        done = decode(self.prefix, self.read)
-        text = decode(self.prefix, len(self.ids))
+        done = self._decode(self.prefix, self.read)
+        text = self._decode(self.prefix, len(self.ids))
         if text.endswith("\ufffd") or len(text) <= len(done):
-            return ""  # an incomplete UTF-8 sequence: wait for the rest
+            return ""  # an incomplete UTF-8 sequence (or nothing visible yet): wait for more
         self.prefix, self.read = self.read, len(self.ids)
         return text[len(done):]
 
     def flush(self) -> str:
-        done = self.tokenizer.decode(self.ids[self.prefix:self.read], self.skip_special)
-        text = self.tokenizer.decode(self.ids[self.prefix:], self.skip_special)
+        done = self._decode(self.prefix, self.read)
+        text = self._decode(self.prefix, len(self.ids))
         self.prefix = self.read = len(self.ids)
         return text[len(done):]
