@@ -11,6 +11,7 @@ import torch
 
 from localpd.config import ModelConfig
 from localpd.errors import LocalpdError
+from localpd.gguf import GGUFFile
 from localpd.quant.weights import Weight, from_gguf
 from localpd.schemes import GGUF_REQUANT, check_scheme, head_scheme, imports_exactly, is_matrix, quantize
 
@@ -21,32 +22,6 @@ GGUF_NAMES = {  # GGUF tensor name (after blk.N.) -> HF-style name (after layers
 }
 GGUF_TOP = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head", "rope_freqs": "rope_freqs"}
 ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
-
-
-@dataclass
-class GGUFFile:
-    path: Path
-    metadata: dict
-    reader: object
-
-    @classmethod
-    def open(cls, path: Path) -> "GGUFFile":
-        from gguf import GGUFReader
-
-        try:
-            reader = GGUFReader(path)
-        except Exception as e:
-            raise LocalpdError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
-        end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
-        if end > path.stat().st_size:
-            raise LocalpdError(f"{path} is truncated: tensors end at byte {end} but the file has {path.stat().st_size}")
-        meta = {}
-        for k, f in reader.fields.items():
-            try:
-                meta[k] = f.contents()
-            except Exception:
-                pass
-        return cls(path, meta, reader)
 
 
 @dataclass
@@ -105,23 +80,8 @@ def gguf_config(meta: dict, path: Path) -> ModelConfig:
     )
 
 
-def gguf_tensor(t) -> torch.Tensor:
-    from gguf import GGMLQuantizationType as Q
-    from gguf.quants import dequantize
-
-    shape = tuple(int(n) for n in reversed(t.shape.tolist()))
-    try:
-        if t.tensor_type in (Q.F32, Q.F16):
-            arr = np.asarray(t.data)
-        else:
-            arr = dequantize(t.data, t.tensor_type)
-    except NotImplementedError:
-        raise LocalpdError(f"unsupported GGUF tensor type {t.tensor_type.name} in {t.name}") from None
-    return torch.from_numpy(np.array(arr, dtype=np.float32)).reshape(shape)
-
-
 def load_gguf(path: Path, dtype, device, scheme: str = "native") -> LoadedModel:
-    g = GGUFFile.open(path)
+    g = GGUFFile(path)
     config = gguf_config(g.metadata, path)
     config.tie_embeddings = not any(t.name == "output.weight" for t in g.reader.tensors)
     weights = {}
@@ -142,16 +102,16 @@ def load_gguf(path: Path, dtype, device, scheme: str = "native") -> LoadedModel:
         if config.arch != "llama":
             heads = None  # only llama-arch GGUFs have permuted q/k rows
         if bias or not is_matrix(key, config.tie_embeddings):
-            w = gguf_tensor(t)
+            w = g.dequantize(t.name)
             if heads:
                 w = unpermute_qk(w[:, None], heads)[:, 0] if bias else unpermute_qk(w, heads)
             weights[key + (".bias" if bias else "")] = w.to(device=device, dtype=torch.float32 if key == "rope_freqs" else dtype)
             continue
-        weights[key] = gguf_matrix(t, head_scheme(key, scheme, config.tie_embeddings), dtype, device, heads)
+        weights[key] = gguf_matrix(g, t, head_scheme(key, scheme, config.tie_embeddings), dtype, device, heads)
     return LoadedModel(config, weights, path, gguf=g)
 
 
-def gguf_matrix(t, scheme: str, dtype, device, heads: int | None) -> Weight:
+def gguf_matrix(g: GGUFFile, t, scheme: str, dtype, device, heads: int | None) -> Weight:
     """A GGUF weight matrix in the scheme; blocks already in the scheme's format are imported exactly."""
     kind = t.tensor_type.name
     if imports_exactly(kind, scheme):
@@ -159,7 +119,7 @@ def gguf_matrix(t, scheme: str, dtype, device, heads: int | None) -> Weight:
         w = from_gguf(kind, torch.from_numpy(np.array(t.data, dtype=np.uint8)), shape)
         w = replace(w, **{f.name: getattr(w, f.name).to(device) for f in fields(w)})
         return unpermute_qk(w, heads) if heads else w
-    dense = gguf_tensor(t).to(device)
+    dense = g.dequantize(t.name).to(device)
     if heads:
         dense = unpermute_qk(dense, heads)
     return quantize(dense, GGUF_REQUANT.get(kind, "native") if scheme == "native" else scheme, dtype)
