@@ -6,7 +6,7 @@ import os
 import sys
 from dataclasses import replace
 
-from localpd.engine import Conversation, Engine, GenerationStats
+from localpd.engine import Engine, GenerationStats
 from localpd.errors import LocalpdError
 from localpd.sampling import SamplingParams
 
@@ -53,15 +53,18 @@ def run_chat(args) -> int:
             raise LocalpdError("no prompt: stdin was empty")
     if interactive:
         print(f"loading {args.model or 'the default model'} ...", file=sys.stderr)
-    engine = Engine(args.model or default_model(), device=args.device, quant=args.quant,
-                    max_context=args.ctx or 8192, progress=True)
-    chat = Chat(engine, params, args.system, verbose=args.verbose)
-    if not interactive:
-        chat.reply(args.prompt)
+    engine = Engine(args.model or default_model(), device=args.device, quant=args.quant, kv=args.kv,
+                    max_context=args.ctx or 8192, kv_memory=args.kv_memory, progress=True)
+    try:
+        chat = Chat(engine, params, args.system, verbose=args.verbose)
+        if not interactive:
+            chat.reply(args.prompt)
+            return 0
+        print(f"{engine.name} on {engine.device.type}. /? for help, /bye to leave.", file=sys.stderr)
+        chat.repl()
         return 0
-    print(f"{engine.name} on {engine.device.type}. /? for help, /bye to leave.", file=sys.stderr)
-    chat.repl()
-    return 0
+    finally:
+        engine.close()  # the engine thread must not be mid-step while the interpreter shuts down
 
 
 def default_model() -> str:
@@ -77,7 +80,7 @@ class Chat:
         self.system = system
         self.verbose = verbose
         self.messages: list[dict] = []
-        self.conversation: Conversation = engine.new_conversation()
+        self.last_stats = GenerationStats()
 
     def prompt_messages(self, user_text: str) -> list[dict]:
         head = [{"role": "system", "content": self.system}] if self.system else []
@@ -97,7 +100,11 @@ class Chat:
         interrupted = False
         try:
             ids = self.fit_to_context(user_text)
-            for event in self.engine.generate(ids, self.params, self.conversation):
+            handle = self.engine.submit(ids, self.params)
+            self.last_stats = handle.stats
+            for event in handle:
+                if event.finish_reason == "error":
+                    raise LocalpdError(event.error)
                 parts.append(event.text)
                 sys.stdout.write(event.text)
                 sys.stdout.flush()
@@ -109,7 +116,7 @@ class Chat:
         if not interrupted:  # a stopped reply is not part of the conversation
             self.messages += [{"role": "user", "content": user_text}, {"role": "assistant", "content": text}]
         if self.verbose:
-            print(format_stats(self.engine.last_stats), file=sys.stderr)
+            print(format_stats(self.last_stats), file=sys.stderr)
         return text
 
     def repl(self) -> None:
@@ -149,7 +156,7 @@ class Chat:
             self.messages = []
             print("system prompt set" if rest else "system prompt removed", file=sys.stderr)
         elif name == "/stats":
-            print(format_stats(self.engine.last_stats), file=sys.stderr)
+            print(format_stats(self.last_stats), file=sys.stderr)
         elif name == "/set":
             self.set(rest)
         else:

@@ -7,6 +7,7 @@ import os
 import sys
 
 from localpd.errors import LocalpdError
+from localpd.quant.kv import KV_DTYPES
 from localpd.schemes import SCHEMES
 
 
@@ -28,6 +29,10 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ctx", type=positive_int, help="context length in tokens (default: the model's, at most 8192)")
     p.add_argument("--quant", choices=SCHEMES, metavar="SCHEME",
                    help="weight scheme: " + ", ".join(SCHEMES) + " (default: native on a GPU, fp32 on the CPU)")
+    p.add_argument("--kv", choices=KV_DTYPES, metavar="DTYPE",
+                   help="KV cache dtype: " + ", ".join(KV_DTYPES) + " (default: the compute dtype)")
+    p.add_argument("--kv-memory", metavar="SIZE",
+                   help="bytes for the KV cache, e.g. 4GiB (default: most of the free GPU memory; two contexts on CPU)")
 
 
 def add_sampling_options(p: argparse.ArgumentParser) -> None:
@@ -124,10 +129,11 @@ def eval_perplexity(args) -> int:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise LocalpdError(f"cannot read text file {path}: {e}") from None
-    engine = Engine(args.model, device=args.device, quant=args.quant, max_context=args.ctx)
+    engine = Engine(args.model, device=args.device, quant=args.quant, kv=args.kv, max_context=args.ctx,
+                    kv_memory=args.kv_memory)
     ids = engine.tokenizer.encode(text)[: args.max_tokens]
     window = min(args.window, engine.max_context)
-    r = perplexity(engine.model, ids, window=window)
+    r = perplexity(engine.model, ids, window=window, kv_dtype=engine.kv_dtype)
     print(f"perplexity {r.perplexity:.4f} over {r.tokens_scored} tokens ({r.windows} windows of {window}), "
           f"model {engine.name}")
     return 0

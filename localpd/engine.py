@@ -1,53 +1,74 @@
-"""The engine: one model, its tokenizer, and generation as a stream of TokenEvents.
+"""The engine: one model, a paged KV cache and a scheduler, running many requests at once on its own thread.
 
-Front doors (chat, tui, server) never touch tensors: they hand the engine token ids or chat messages and
-consume TokenEvents. A Conversation keeps its KV cache between turns, so a later turn prefills only the
-tokens that differ from what is already cached.
+Front doors (chat, tui, server, bench) never touch tensors: they submit token ids or chat messages and consume a
+RequestHandle's TokenEvents, from a plain thread or from asyncio. A request's prompt is matched against the
+prefix cache first, so a repeated system prompt or the earlier turns of a chat are not computed again.
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+import logging
+import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import AsyncIterator, Iterator
 
 import torch
 
 from localpd.errors import LocalpdError
-from localpd.loader import load_model
-from localpd.model import KVCache, Transformer
+from localpd.kvcache import PagePool
+from localpd.loader import LoadedModel, load_model
+from localpd.model import Batch, Transformer
+from localpd.quant.kv import check_kv_dtype, kv_bytes_per_token, new_kv_pool
 from localpd.registry import resolve_model
 from localpd.sampling import Sampler, SamplingParams
+from localpd.scheduler import Scheduler, Sequence, Work
 from localpd.schemes import check_scheme, compute_dtype
 from localpd.stops import StopMatcher
 from localpd.tokenizer import IncrementalDetokenizer, Tokenizer
 
-PREFILL_CHUNK = 512  # prompt tokens per prefill call: bounds the attention scores' memory
+log = logging.getLogger("localpd.engine")
+
+PAGE_SIZE = 16
+MAX_STEP_TOKENS = 512  # tokens one step pushes through the model: bounds activation memory and decode stalls
+MAX_RUNNING = 64
 
 
 @dataclass
 class StepStats:
-    phase: str  # "prefill" or "decode"
-    tokens: int  # tokens this step pushed through the model
+    phase: str  # "prefill", "decode" or "mixed"
+    tokens: int  # tokens this step pushed through the model, all sequences together
     seconds: float
+    batch: int = 1  # sequences in the step
+    bytes: int | None = None  # weight and KV bytes the step moved (None where not counted)
+    flops: int | None = None
 
 
 @dataclass
 class TokenEvent:
-    token_id: int | None  # None on the final event of a stream that ended without a new token
+    token_id: int | None  # None on a final event that carries no new token
     text: str  # the new text, UTF-8 safe, stop strings removed
-    finish_reason: str | None = None  # "stop", "length" or None while running
+    finish_reason: str | None = None  # None while running; "stop", "length", "cancelled" or "error"
     stats: StepStats | None = None
+    logprob: float | None = None  # of the chosen token, when SamplingParams.logprobs is set
+    top_logprobs: list[tuple[int, float]] | None = None
+    error: str | None = None
 
 
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens whose KV was already in the cache
-    prefill_seconds: float = 0.0  # prompt processing up to the first sampled token
+    cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    prefill_seconds: float = 0.0  # from submission to the first token (queueing included)
     output_tokens: int = 0
-    decode_seconds: float = 0.0
+    decode_seconds: float = 0.0  # from the first token to the last
+    decode_step_seconds: float = 0.0  # time of the steps that produced tokens 2..n
+    decode_bytes: int = 0  # bytes those steps moved
+    bytes_moved: int = 0  # bytes of every step this request took part in
     finish_reason: str | None = None
 
     @property
@@ -66,127 +87,383 @@ class GenerationStats:
 
 
 @dataclass
-class Conversation:
-    """A KV cache kept across turns, and the token ids whose keys and values it holds."""
+class EngineStats:
+    running: int
+    waiting: int
+    kv_pages_used: int
+    kv_pages_total: int
+    kv_pages_cached: int  # pages holding prefix-cache entries (referenced or not)
+    kv_dtype: str
+    page_size: int
+    prefix_hit_tokens: int
+    prefix_query_tokens: int
+    weight_bytes: int
 
-    cache: KVCache
-    ids: list[int] = field(default_factory=list)
 
-    def reset(self) -> None:
-        self.cache.length = 0
-        self.ids = []
+class RequestHandle:
+    """One request's event stream, readable from a thread (iterate) or from asyncio (async for)."""
+
+    def __init__(self, request_id: str, prompt_tokens: int, engine: Engine):
+        self.id = request_id
+        self.prompt_tokens = prompt_tokens
+        self.stats = GenerationStats(prompt_tokens=prompt_tokens)
+        self.finished = False
+        self._engine = engine
+        self._lock = threading.Lock()
+        self._ready = threading.Condition(self._lock)
+        self._events: deque[TokenEvent] = deque()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._aqueue: asyncio.Queue | None = None
+
+    def cancel(self) -> None:
+        """Stop the request; its pages are released at the engine's next step. Safe from any thread."""
+        if not self.finished:
+            self._engine._cancel(self)
+
+    def _push(self, event: TokenEvent) -> None:
+        with self._lock:
+            if event.finish_reason is not None:
+                self.finished = True
+            if self._loop is None:
+                self._events.append(event)
+                self._ready.notify_all()
+                return
+            try:
+                self._loop.call_soon_threadsafe(self._aqueue.put_nowait, event)
+            except RuntimeError:  # the listener's event loop is gone
+                pass
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        done = False
+        try:
+            while not done:
+                with self._lock:
+                    while not self._events:
+                        self._ready.wait()
+                    event = self._events.popleft()
+                done = event.finish_reason is not None
+                yield event
+        finally:
+            if not done:  # the consumer walked away: free the request's pages
+                self.cancel()
+
+    def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        return self._aiter()
+
+    async def _aiter(self) -> AsyncIterator[TokenEvent]:
+        with self._lock:
+            self._loop = asyncio.get_running_loop()
+            self._aqueue = asyncio.Queue()
+            while self._events:
+                self._aqueue.put_nowait(self._events.popleft())
+        done = False
+        try:
+            while not done:
+                event = await self._aqueue.get()
+                done = event.finish_reason is not None
+                yield event
+        finally:
+            if not done:
+                self.cancel()
+
+
+@dataclass(eq=False)
+class Request:
+    seq: Sequence
+    handle: RequestHandle
+    params: SamplingParams
+    sampler: Sampler
+    detok: IncrementalDetokenizer | None
+    stops: StopMatcher
+    eos: set[int]
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
 
 
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def parse_bytes(text: str | int | None) -> int | None:
+    """'4GiB', '512MB', '2g', or a plain number of bytes."""
+    if text is None or isinstance(text, int):
+        return text
+    units = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
+             "g": 2**30, "gb": 10**9, "gib": 2**30}
+    t = text.strip().lower()
+    num = t.rstrip("kmgib")
+    try:
+        return int(float(num) * units[t[len(num):]])
+    except (ValueError, KeyError):
+        raise LocalpdError(f"cannot read '{text}' as a size (examples: 2GiB, 512MB, 1000000)") from None
+
+
 class Engine:
     def __init__(self, model: str | Path = "smollm2-135m", device: str | None = None, quant: str | None = None,
-                 max_context: int | None = None, progress: bool = False):
-        """quant: a weight scheme (localpd.schemes.SCHEMES). By default the file's own format on a GPU
-        ("native"), and float32 on the CPU, where there are no quantized kernels and dense weights run fastest."""
+                 kv: str | None = None, max_context: int | None = None, kv_memory: str | int | None = None,
+                 progress: bool = False, max_step_tokens: int = MAX_STEP_TOKENS, max_running: int = MAX_RUNNING):
+        """quant: a weight scheme (localpd.schemes.SCHEMES); by default the file's own format on a GPU ("native")
+        and float32 on the CPU. kv: the KV cache dtype (localpd.quant.kv.KV_DTYPES); by default the compute
+        dtype. kv_memory: bytes for the KV cache (default: most of the free GPU memory; on the CPU room for
+        two full contexts)."""
         self.device = torch.device(device or default_device())
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise LocalpdError("--device cuda asked for, but torch sees no CUDA GPU")
         self.quant = check_scheme(quant or ("fp32" if self.device.type == "cpu" else "native"))
-        self.resolved = resolve_model(str(model), pull=True, progress=progress)
-        loaded = load_model(self.resolved.path, dtype=compute_dtype(self.quant, self.device), device=self.device,
-                            scheme=self.quant)
+        self.compute_dtype = compute_dtype(self.quant, self.device)
+        loaded = self._load(str(model), progress)
         self.config = loaded.config
-        self.tokenizer = (Tokenizer.from_gguf_metadata(loaded.gguf.metadata) if loaded.gguf is not None
-                          else Tokenizer.from_dir(loaded.hf_dir))
+        self.tokenizer: Tokenizer | None = None
+        if loaded.gguf is not None:
+            self.tokenizer = Tokenizer.from_gguf_metadata(loaded.gguf.metadata)
+        elif loaded.hf_dir is not None:
+            self.tokenizer = Tokenizer.from_dir(loaded.hf_dir)
         self.model = Transformer(loaded.config, loaded.weights)
         self.max_context = min(max_context or self.config.max_context, self.config.max_context)
         if self.max_context < 2:
             raise LocalpdError(f"context length must be at least 2, got {self.max_context}")
-        self.name = self.resolved.name
-        self.last_stats = GenerationStats()
+        default_kv = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[self.compute_dtype]
+        self.kv_dtype = check_kv_dtype(kv or default_kv, self.device)
+        c = self.config
+        self.kv_token_bytes = kv_bytes_per_token(self.kv_dtype, c.n_layers, c.n_kv_heads, c.head_dim)
+        n_pages = self._kv_pages(parse_bytes(kv_memory))
+        self.kv = new_kv_pool(self.kv_dtype, c.n_layers, n_pages, PAGE_SIZE, c.n_kv_heads, c.head_dim,
+                              self.compute_dtype, self.device)
+        self.pages = PagePool(n_pages, PAGE_SIZE, salt=f"{self.name}|{self.quant}|{self.kv_dtype}")
+        self.scheduler = Scheduler(self.pages, max_step_tokens, max_running)
+        self._requests: dict[Sequence, Request] = {}
+        self._inbox: deque[Request] = deque()
+        self._cancels: set[RequestHandle] = set()
+        self._wake = threading.Condition()
+        self._closed = False
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._run, name="localpd-engine", daemon=True)
+        self._thread.start()
 
-    def new_conversation(self) -> Conversation:
-        return Conversation(self.model.new_cache(self.max_context))
+    def _load(self, model: str, progress: bool) -> LoadedModel:
+        if model.startswith("synthetic:"):
+            from localpd.synthetic import synthetic_model
 
+            self.name = model
+            return synthetic_model(model.split(":", 1)[1], self.quant, self.compute_dtype, self.device)
+        resolved = resolve_model(model, pull=True, progress=progress)
+        self.name = resolved.name
+        self.resolved = resolved
+        return load_model(resolved.path, dtype=self.compute_dtype, device=self.device, scheme=self.quant)
+
+    def _kv_pages(self, kv_memory: int | None) -> int:
+        page_bytes = self.kv_token_bytes * PAGE_SIZE
+        need = -(-(self.max_context + 1) // PAGE_SIZE)  # one full context must fit
+        if kv_memory is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                kv_memory = int(free * 0.9) - (1 << 30)  # leave room for activations and the allocator
+            else:
+                kv_memory = 2 * need * page_bytes
+        pages = kv_memory // page_bytes
+        if pages < need:
+            raise LocalpdError(
+                f"the KV cache budget ({kv_memory / 2**20:.0f} MiB, {pages} pages) does not hold one context of "
+                f"{self.max_context} tokens ({need} pages of {page_bytes / 2**10:.0f} KiB in {self.kv_dtype}); "
+                f"lower --ctx or raise --kv-memory")
+        return int(pages)
+
+    # -- front-door API ----------------------------------------------------------------------------------------
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise LocalpdError(f"{self.name} has no tokenizer")
+        for m in messages:
+            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
+                raise LocalpdError(f"unknown message role {m.get('role') if isinstance(m, dict) else m!r}; "
+                                   f"expected system, user, assistant or tool")
+            if not isinstance(m.get("content", ""), str):
+                raise LocalpdError("message content must be a string")
         text = self.tokenizer.render_chat(messages, add_generation_prompt=add_generation_prompt)
         return self.tokenizer.encode(text, add_bos=False)
 
-    def chat(self, messages: list[dict], params: SamplingParams,
-             conversation: Conversation | None = None) -> Iterator[TokenEvent]:
-        return self.generate(self.encode_chat(messages), params, conversation)
-
-    def generate(self, prompt_ids: list[int], params: SamplingParams,
-                 conversation: Conversation | None = None) -> Iterator[TokenEvent]:
-        """Stream the reply to prompt_ids. Checks the input before the first event is produced."""
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> RequestHandle:
+        """Queue a request; the checks run here, so bad input raises before any event."""
         params.validate()
         if not prompt_ids:
             raise LocalpdError("the prompt is empty")
         if len(prompt_ids) >= self.max_context:
             raise LocalpdError(f"the prompt has {len(prompt_ids)} tokens, more than the context of "
                                f"{self.max_context} allows (leave room for at least one reply token)")
-        bad = [t for t in prompt_ids if not 0 <= t < self.config.vocab_size]
+        bad = [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < self.config.vocab_size)]
         if bad:
             raise LocalpdError(f"token id {bad[0]} is outside the vocabulary of {self.config.vocab_size}")
-        return self._stream(list(prompt_ids), params, conversation or self.new_conversation())
+        if self._closed:
+            raise LocalpdError("the engine is closed")
+        prompt = list(prompt_ids)
+        rid = request_id or f"req-{next(self._ids)}"
+        handle = RequestHandle(rid, len(prompt), self)
+        budget = min(params.max_tokens, self.max_context - len(prompt))
+        req = Request(
+            seq=Sequence(rid, prompt, budget), handle=handle, params=params,
+            sampler=Sampler(params, device=self.device),
+            detok=IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None,
+            stops=StopMatcher(params.stop),
+            eos=set() if params.ignore_eos or self.tokenizer is None else set(self.tokenizer.eos_ids),
+        )
+        with self._wake:
+            self._inbox.append(req)
+            self._wake.notify()
+        return handle
 
-    def _sync(self) -> None:
+    def submit_chat(self, messages: list[dict], params: SamplingParams, request_id: str | None = None):
+        return self.submit(self.encode_chat(messages), params, request_id)
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[TokenEvent]:
+        return iter(self.submit(prompt_ids, params))
+
+    def chat(self, messages: list[dict], params: SamplingParams) -> Iterator[TokenEvent]:
+        return iter(self.submit_chat(messages, params))
+
+    def stats(self) -> EngineStats:
+        p = self.pages
+        return EngineStats(
+            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting) + len(self._inbox),
+            kv_pages_used=p.used, kv_pages_total=p.n_pages, kv_pages_cached=len(p.cached), kv_dtype=self.kv_dtype,
+            page_size=p.page_size, prefix_hit_tokens=p.hit_tokens, prefix_query_tokens=p.query_tokens,
+            weight_bytes=self.model.weight_bytes)
+
+    def close(self) -> None:
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=30)
+
+    def __del__(self):
+        self._closed = True
+
+    def _cancel(self, handle: RequestHandle) -> None:
+        with self._wake:
+            self._cancels.add(handle)
+            self._wake.notify()
+
+    # -- the engine thread -------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while True:
+                with self._wake:
+                    while not (self._closed or self._inbox or self._cancels or self.scheduler.running
+                               or self.scheduler.waiting):
+                        self._wake.wait()
+                    if self._closed:
+                        break
+                    inbox, self._inbox = list(self._inbox), deque()
+                    cancels, self._cancels = self._cancels, set()
+                for req in inbox:
+                    self._requests[req.seq] = req
+                    self.scheduler.add(req.seq)
+                for req in [r for r in self._requests.values() if r.handle in cancels]:
+                    self._finish(req, TokenEvent(None, "", "cancelled"))
+                self._step()
+        for req in list(self._requests.values()):
+            self._finish(req, TokenEvent(None, "", "cancelled", error="the engine was closed"))
+
+    def _finish(self, req: Request, event: TokenEvent) -> None:
+        self.scheduler.remove(req.seq)
+        self._requests.pop(req.seq, None)
+        req.handle.stats.finish_reason = event.finish_reason
+        req.handle._push(event)
+
+    def _step(self) -> None:
+        work = self.scheduler.step()
+        if not work:
+            if self.scheduler.waiting and not self.scheduler.running:  # the head cannot fit even alone
+                req = self._requests[self.scheduler.waiting[0]]
+                if req.seq.output:
+                    self._finish(req, TokenEvent(None, self._flush(req), "length"))
+                else:
+                    self._finish(req, TokenEvent(None, "", "error", error="the prompt does not fit in the KV cache"))
+            return
+        t0 = time.perf_counter()
+        try:
+            logits = self.model.forward(self._batch(work), self.kv)
+            self.scheduler.finish_step(work)
+            samples = [w for w in work if w.sample]
+            tokens = [self._sample(self._requests[w.seq], row) for w, row in zip(samples, logits)]
+        except Exception as e:  # a failed step fails its requests, never the engine
+            log.exception("engine step failed")
+            for w in work:
+                if w.seq in self._requests:
+                    self._finish(self._requests[w.seq], TokenEvent(None, "", "error", error=f"{type(e).__name__}: {e}"))
+            return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        step = StepStats(phase_of(work), sum(w.n for w in work), now - t0, len(work))
+        for w, (token, lp, top) in zip(samples, tokens):
+            self._emit(self._requests[w.seq], token, lp, top, step, now)
+        for w in work:
+            if w.seq in self._requests:
+                self._requests[w.seq].handle.stats.bytes_moved += step.bytes or 0
 
-    def _stream(self, prompt: list[int], params: SamplingParams, conv: Conversation) -> Iterator[TokenEvent]:
-        cache = conv.cache
-        reuse = min(common_prefix(conv.ids, prompt), len(prompt) - 1)
-        cache.truncate(reuse)
-        stats = GenerationStats(prompt_tokens=len(prompt), cached_tokens=reuse)
-        self.last_stats = stats
-        sampler = Sampler(params, device=self.device)
-        detok = IncrementalDetokenizer(self.tokenizer)
-        stops = StopMatcher(params.stop)
-        eos = set() if params.ignore_eos else self.tokenizer.eos_ids
-        budget = min(params.max_tokens, self.max_context - len(prompt))
-        output: list[int] = []
-        try:
-            t0 = time.perf_counter()
-            for start in range(reuse, len(prompt), PREFILL_CHUNK):
-                chunk = torch.tensor(prompt[start:start + PREFILL_CHUNK], device=self.device)
-                logits = self.model.prefill(chunk, cache)
-            conv.ids = prompt[:cache.length]
-            phase, n_in = "prefill", len(prompt) - reuse
-            while True:
-                token = sampler(logits, prompt, output)
-                self._sync()
-                seconds = time.perf_counter() - t0
-                step = StepStats(phase, n_in, seconds)
-                if phase == "prefill":
-                    stats.prefill_seconds = seconds
-                else:
-                    stats.decode_seconds += seconds
-                if token in eos:
-                    stats.finish_reason = "stop"
-                    yield TokenEvent(None, stops.flush(detok.flush()), "stop", step)
-                    return
-                output.append(token)
-                stats.output_tokens = len(output)
-                text, hit = stops.push(detok.push(token))
-                if hit:
-                    stats.finish_reason = "stop"
-                    yield TokenEvent(token, text, "stop", step)
-                    return
-                if len(output) >= budget:
-                    stats.finish_reason = "length"
-                    yield TokenEvent(token, text + stops.flush(detok.flush()), "length", step)
-                    return
-                yield TokenEvent(token, text, None, step)
-                t0 = time.perf_counter()
-                logits = self.model.decode(token, cache)
-                conv.ids = (prompt + output)[:cache.length]
-                phase, n_in = "decode", 1
-        finally:
-            conv.ids = (prompt + output)[:cache.length]
+    def _batch(self, work: list[Work]) -> Batch:
+        ps = self.pages.page_size
+        ids, positions, slots, starts, lens, rows = [], [], [], [0], [], []
+        for w in work:
+            seq_tokens = w.seq.tokens
+            ids += seq_tokens[w.start:w.start + w.n]
+            pages = w.seq.table.pages
+            for pos in range(w.start, w.start + w.n):
+                slots.append(pages[pos // ps] * ps + pos % ps)
+            positions += range(w.start, w.start + w.n)
+            starts.append(starts[-1] + w.n)
+            lens.append(w.start + w.n)
+            if w.sample:
+                rows.append(starts[-1] - 1)
+        width = max(len(w.seq.table.pages) for w in work)
+        table = [w.seq.table.pages + [0] * (width - len(w.seq.table.pages)) for w in work]
+
+        def t(x, dtype=torch.int32):
+            return torch.tensor(x, dtype=dtype, device=self.device)
+
+        return Batch(tokens=t(ids, torch.long), positions=t(positions, torch.long), slots=t(slots, torch.long),
+                     page_table=t(table), seq_lens=t(lens), q_starts=t(starts), logit_rows=t(rows, torch.long))
+
+    def _sample(self, req: Request, logits: torch.Tensor):
+        token = req.sampler(logits, req.seq.prompt, req.seq.output)
+        k = req.params.logprobs
+        if k is None:
+            return token, None, None
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        top = None
+        if k > 0:
+            vals, idx = lp.topk(k)
+            top = list(zip(idx.tolist(), vals.tolist()))
+        return token, float(lp[token]), top
+
+    def _flush(self, req: Request) -> str:
+        return req.stops.flush(req.detok.flush() if req.detok else "")
+
+    def _emit(self, req: Request, token: int, lp, top, step: StepStats, now: float) -> None:
+        s = req.handle.stats
+        if req.first_token_at is None:
+            req.first_token_at = now
+            s.prefill_seconds = now - req.arrival
+            s.cached_tokens = req.seq.cached_tokens
+        else:
+            s.decode_seconds = now - req.first_token_at
+            s.decode_step_seconds += step.seconds
+            s.decode_bytes += step.bytes or 0
+        if token in req.eos:
+            self._finish(req, TokenEvent(None, self._flush(req), "stop", step))
+            return
+        req.seq.output.append(token)
+        s.output_tokens = len(req.seq.output)
+        text, hit = req.stops.push(req.detok.push(token) if req.detok else "")
+        if hit:
+            self._finish(req, TokenEvent(token, text, "stop", step, lp, top))
+        elif len(req.seq.output) >= req.seq.max_tokens:
+            self._finish(req, TokenEvent(token, text + self._flush(req), "length", step, lp, top))
+        else:
+            req.handle._push(TokenEvent(token, text, None, step, lp, top))
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+def phase_of(work: list[Work]) -> str:
+    decode = [w.n == 1 and w.start >= len(w.seq.prompt) for w in work]
+    return "decode" if all(decode) else "prefill" if not any(decode) else "mixed"
+

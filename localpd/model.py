@@ -1,8 +1,8 @@
 """The Llama-family transformer (Llama 2/3, SmolLM, Mistral, Qwen2) with separate prefill and decode paths.
 
-Weights arrive as a flat dict with HF-style names (see localpd.loader). Prefill runs a whole chunk of prompt
-tokens through the layers and attends causally over the cached prefix plus the chunk; decode runs one token
-and attends over everything cached. Both write their keys and values into the KV cache.
+Weights arrive as a flat dict with HF-style names (see localpd.loader). One forward call runs an engine step: any
+mix of prompt chunks (attending causally to their cached prefix plus themselves) and single decode tokens of
+several sequences, whose keys and values live in a paged KV cache.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from localpd.config import ModelConfig
 from localpd.errors import LocalpdError
 from localpd.kernels.dispatch import linear_int4, linear_int8
+from localpd.kernels.kv_dispatch import paged_attention, write_kv
+from localpd.quant.kv import KVPool
 from localpd.quant.weights import Int4Weight, Int8Weight, Weight, cat_rows, take_rows, weight_nbytes
 
 
@@ -75,18 +77,32 @@ class Layer:
     down: QuantLinear
 
 
-class KVCache:
-    """One sequence's keys and values, contiguous: [layers, max_len, kv_heads, head_dim]."""
+@dataclass
+class Batch:
+    """One engine step: the new tokens of several sequences, concatenated, and where their keys and values go.
 
-    def __init__(self, config: ModelConfig, max_len: int, dtype: torch.dtype, device: torch.device | str):
-        shape = (config.n_layers, max_len, config.n_kv_heads, config.head_dim)
-        self.k = torch.empty(shape, dtype=dtype, device=device)  # only [:length] is ever read
-        self.v = torch.empty(shape, dtype=dtype, device=device)
-        self.max_len = max_len
-        self.length = 0  # tokens whose K/V are valid
+    Sequence b owns rows q_starts[b]:q_starts[b + 1]; its keys are positions 0 .. seq_lens[b] - 1, at page
+    page_table[b, pos // page_size]. slots[i] = page * page_size + offset is where token i's K/V are written.
+    logit_rows: the rows whose next-token logits are wanted."""
 
-    def truncate(self, length: int) -> None:
-        self.length = min(self.length, length)
+    tokens: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slots: torch.Tensor  # [T] int64
+    page_table: torch.Tensor  # [B, max_pages] int32
+    seq_lens: torch.Tensor  # [B] int32
+    q_starts: torch.Tensor  # [B + 1] int32
+    logit_rows: torch.Tensor  # [R] int64
+
+    @classmethod
+    def single(cls, tokens: list[int], start: int, n_pages: int, page_size: int, device, all_logits: bool = False):
+        """One sequence whose pages are 0 .. n_pages - 1 in order (position p at slot p): perplexity, tests."""
+        n = len(tokens)
+        positions = torch.arange(start, start + n, device=device)
+        rows = torch.arange(n, device=device) if all_logits else torch.tensor([n - 1], device=device)
+        return cls(torch.tensor(tokens, device=device), positions, positions.clone(),
+                   torch.arange(n_pages, dtype=torch.int32, device=device)[None],
+                   torch.tensor([start + n], dtype=torch.int32, device=device),
+                   torch.tensor([0, n], dtype=torch.int32, device=device), rows)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -153,12 +169,8 @@ class Transformer:
         self.device = self.norm.device
         self.inv_freq = rope_inv_freq(config, w.pop("rope_freqs", None)).to(self.device)
 
-    def new_cache(self, max_len: int | None = None) -> KVCache:
-        return KVCache(self.config, max_len or self.config.max_context, self.dtype, self.device)
-
-    def _rope(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        pos = torch.arange(start, start + n, device=self.device, dtype=torch.float32)
-        angles = torch.outer(pos, self.inv_freq)
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = torch.outer(positions.float(), self.inv_freq)
         return angles.cos(), angles.sin()
 
     def _qkv(self, layer: Layer, x: torch.Tensor, cos, sin):
@@ -176,62 +188,25 @@ class Transformer:
         gate, up = layer.gate_up(h).chunk(2, dim=-1)
         return layer.down(F.silu(gate) * up)
 
-    def _check_room(self, cache: KVCache, n: int) -> int:
-        start = cache.length
-        if start + n > cache.max_len:
-            raise LocalpdError(f"context full: {start} cached + {n} new tokens exceed the context of {cache.max_len}")
-        return start
-
     @torch.inference_mode()
-    def prefill(self, tokens: torch.Tensor, cache: KVCache, all_logits: bool = False) -> torch.Tensor:
-        """Run a chunk of prompt tokens [T] after the cache's contents. Returns logits of the last position
-        ([vocab], float32), or of every position ([T, vocab]) with all_logits."""
+    def forward(self, batch: Batch, kv: KVPool) -> torch.Tensor:
+        """Run a step's tokens, writing their keys and values into the paged cache; returns the float32 logits
+        of batch.logit_rows ([R, vocab])."""
         c = self.config
-        T = tokens.shape[0]
-        start = self._check_room(cache, T)
-        end = start + T
-        cos, sin = self._rope(start, T)
-        # causal over prefix + chunk: query i (absolute start + i) sees keys 0 .. start + i
-        mask = torch.ones(T, end, dtype=torch.bool, device=self.device).tril(diagonal=start)
-        x = take_rows(self.embed, tokens, self.dtype)
+        T = batch.tokens.shape[0]
+        cos, sin = self._rope(batch.positions)
+        scale = 1.0 / math.sqrt(c.head_dim)
+        x = take_rows(self.embed, batch.tokens, self.dtype)
         for li, layer in enumerate(self.layers):
             h = rms_norm(x, layer.attn_norm, c.norm_eps)
             q, k, v = self._qkv(layer, h, cos, sin)
-            cache.k[li, start:end] = k
-            cache.v[li, start:end] = v
-            keys, values = cache.k[li, :end], cache.v[li, :end]
-            attn = F.scaled_dot_product_attention(
-                q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-                attn_mask=mask, enable_gqa=True,
-            )
-            x = x + layer.o(attn.transpose(0, 1).reshape(T, c.n_heads * c.head_dim))
+            pages = kv.layer(li)
+            write_kv(pages, k, v, batch.slots)
+            attn = paged_attention(q, pages, batch.page_table, batch.seq_lens, batch.q_starts, scale)
+            x = x + layer.o(attn.reshape(T, c.n_heads * c.head_dim))
             x = x + self._mlp(layer, x)
-        cache.length = end
-        x = rms_norm(x if all_logits else x[-1:], self.norm, c.norm_eps)
-        logits = self.lm_head(x).float()
-        return logits if all_logits else logits[0]
-
-    @torch.inference_mode()
-    def decode(self, token: int, cache: KVCache) -> torch.Tensor:
-        """Run one token after the cache's contents; returns its logits ([vocab], float32)."""
-        c = self.config
-        pos = self._check_room(cache, 1)
-        end = pos + 1
-        cos, sin = self._rope(pos, 1)
-        x = take_rows(self.embed, torch.tensor([token], device=self.device), self.dtype)
-        for li, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.attn_norm, c.norm_eps)
-            q, k, v = self._qkv(layer, h, cos, sin)
-            cache.k[li, pos] = k[0]
-            cache.v[li, pos] = v[0]
-            attn = F.scaled_dot_product_attention(
-                q.transpose(0, 1), cache.k[li, :end].transpose(0, 1), cache.v[li, :end].transpose(0, 1),
-                enable_gqa=True,
-            )
-            x = x + layer.o(attn.transpose(0, 1).reshape(1, c.n_heads * c.head_dim))
-            x = x + self._mlp(layer, x)
-        cache.length = end
-        return self.lm_head(rms_norm(x, self.norm, c.norm_eps)).float()[0]
+        x = rms_norm(x[batch.logit_rows], self.norm, c.norm_eps)
+        return self.lm_head(x).float()
 
     @property
     def weight_bytes(self) -> int:

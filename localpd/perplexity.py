@@ -9,7 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from localpd.errors import LocalpdError
-from localpd.model import Transformer
+from localpd.model import Batch, Transformer
+from localpd.quant.kv import new_kv_pool
+
+PAGE_SIZE = 16
 
 
 @dataclass
@@ -20,7 +23,7 @@ class PerplexityResult:
 
 
 def perplexity(model: Transformer, ids: list[int], window: int = 1024, stride: int | None = None,
-               chunk: int = 512) -> PerplexityResult:
+               chunk: int = 512, kv_dtype: str | None = None) -> PerplexityResult:
     """exp(mean NLL) of ids[1:] given what precedes them. Each window scores only the tokens no earlier window
     scored, so every token but the first is scored exactly once, with up to window - stride tokens of context."""
     if len(ids) < 2:
@@ -28,14 +31,19 @@ def perplexity(model: Transformer, ids: list[int], window: int = 1024, stride: i
     if window < 2:
         raise LocalpdError(f"window must be at least 2 tokens, got {window}")
     stride = stride or window // 2
+    c = model.config
+    kv_dtype = kv_dtype or {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[model.dtype]
+    n_pages = -(-window // PAGE_SIZE)
+    kv = new_kv_pool(kv_dtype, c.n_layers, n_pages, PAGE_SIZE, c.n_kv_heads, c.head_dim, model.dtype, model.device)
     nll, scored, windows = 0.0, 0, 0
     end_scored = 1  # ids[:end_scored] need no (more) scoring
     start = 0
     while end_scored < len(ids):
         end = min(start + window, len(ids))
-        cache = model.new_cache(end - start)
-        logits = torch.cat([model.prefill(torch.tensor(ids[s:min(s + chunk, end)], device=model.device), cache,
-                                          all_logits=True) for s in range(start, end, chunk)])
+        logits = torch.cat([
+            model.forward(Batch.single(ids[s:min(s + chunk, end)], s - start, n_pages, PAGE_SIZE, model.device,
+                                       all_logits=True), kv)
+            for s in range(start, end, chunk)])
         targets = torch.tensor(ids[start + 1:end], device=logits.device)
         first = end_scored - start - 1  # index into logits of the first new prediction
         losses = F.cross_entropy(logits[:-1].float(), targets, reduction="none")[first:]

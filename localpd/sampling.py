@@ -22,6 +22,7 @@ class SamplingParams:
     max_tokens: int = 512
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: off; 0: the chosen token's log-probability; k: also the k most likely
 
     def validate(self) -> "SamplingParams":
         checks = [
@@ -33,6 +34,7 @@ class SamplingParams:
             (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
             (self.max_tokens >= 1, "max_tokens must be >= 1"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be between 0 and 20"),
         ]
         for ok, message in checks:
             if not ok:

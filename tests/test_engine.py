@@ -1,100 +1,213 @@
-"""Generation behaviour on the real default model."""
+"""Generation behaviour on the real default model: the request API, the prefix cache, concurrency."""
+
+import asyncio
+import threading
 
 import pytest
 
+from localpd.engine import Engine
 from localpd.errors import LocalpdError
 from localpd.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
 Q = [{"role": "user", "content": "What is the capital of France?"}]
+LOGPROB_ATOL = 2e-3  # float32 throughout: batch composition changes only the order of additions
 
 
-def run(engine, ids, params=GREEDY, conversation=None):
-    events = list(engine.generate(ids, params, conversation))
-    return [e.token_id for e in events if e.token_id is not None], "".join(e.text for e in events), events
+def run(engine, ids, params=GREEDY):
+    handle = engine.submit(ids, params)
+    events = list(handle)
+    return [e.token_id for e in events if e.token_id is not None], "".join(e.text for e in events), events, handle
 
 
-def test_later_turn_prefills_only_new_tokens_and_matches_a_cold_run(engine):
-    conv = engine.new_conversation()
+def idle(engine):
+    s = engine.stats()
+    return s.running == 0 and s.waiting == 0 and s.kv_pages_used == 0
+
+
+def test_later_turn_is_served_by_the_prefix_cache_and_matches_a_cold_run(engine, default_gguf):
     first_ids = engine.encode_chat(Q)
-    _, reply, _ = run(engine, first_ids, conversation=conv)
+    _, reply, _, _ = run(engine, first_ids)
     turn2 = Q + [{"role": "assistant", "content": reply}, {"role": "user", "content": "And of Germany?"}]
     ids2 = engine.encode_chat(turn2)
-    warm_tokens, warm_text, _ = run(engine, ids2, conversation=conv)
-    stats = engine.last_stats
-    assert stats.cached_tokens >= len(first_ids)  # the whole first turn came from the kept cache
-    assert stats.prompt_tokens == len(ids2)
-    cold_tokens, _, _ = run(engine, ids2)
-    assert warm_tokens == cold_tokens
-    assert engine.last_stats.cached_tokens == 0
+    warm_tokens, _, _, handle = run(engine, ids2)
+    assert handle.stats.cached_tokens >= len(first_ids) // 16 * 16  # every full page of the first turn
+    assert handle.stats.prompt_tokens == len(ids2)
+    cold = Engine(default_gguf, device="cpu", max_context=2048)
+    cold_tokens, _, _, cold_handle = run(cold, ids2)
+    cold.close()
+    assert warm_tokens == cold_tokens and cold_handle.stats.cached_tokens == 0
+    assert idle(engine)
 
 
-def test_interrupted_stream_leaves_conversation_usable(engine):
-    conv = engine.new_conversation()
+def logprob_trace(engine, ids, n=12):
+    p = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=3)
+    events = list(engine.submit(ids, p))
+    return [e.token_id for e in events], [[lp for _, lp in e.top_logprobs] for e in events]
+
+
+def assert_same_trace(a, b):
+    assert a[0] == b[0]
+    worst = max(abs(x - y) for ra, rb in zip(a[1], b[1]) for x, y in zip(ra, rb))
+    assert worst < LOGPROB_ATOL, worst
+
+
+def test_cold_warm_chunked_and_concurrent_runs_give_the_same_tokens_and_logprobs(engine, default_gguf):
+    ids = engine.encode_chat([{"role": "system", "content": "You are a careful assistant. " * 8}] + Q)
+    alone = logprob_trace(engine, ids)  # may be warm from earlier tests: compared with a cold engine below
+    cold_engine = Engine(default_gguf, device="cpu", max_context=2048)
+    assert_same_trace(logprob_trace(cold_engine, ids), alone)
+    assert_same_trace(logprob_trace(cold_engine, ids), alone)  # now warm: the prompt's full pages are cached
+    cold_engine.close()
+    for chunk in (7, 16, 33):  # prompts spread over several steps, cut mid-page and at page boundaries
+        chunked = Engine(default_gguf, device="cpu", max_context=2048, max_step_tokens=chunk)
+        assert_same_trace(logprob_trace(chunked, ids), alone)
+        chunked.close()
+    others = [engine.encode_chat([{"role": "user", "content": f"Count to {n}."}]) for n in (3, 5, 7)]
+    results = {}
+
+    def go(key, prompt):
+        results[key] = logprob_trace(engine, prompt)
+
+    threads = [threading.Thread(target=go, args=(i, p)) for i, p in enumerate([ids] + others)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert_same_trace(results[0], alone)
+    for i, p in enumerate(others, start=1):
+        assert_same_trace(results[i], logprob_trace(engine, p))
+    assert idle(engine)
+
+
+def test_async_stream_and_cancel_free_pages(engine):
+    ids = engine.encode_chat([{"role": "user", "content": "Tell me a long story about a dragon."}])
+
+    async def consume():
+        handle = engine.submit(ids, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+        got = []
+        async for event in handle:
+            got.append(event)
+            if len(got) == 3:
+                handle.cancel()
+        return got
+
+    events = asyncio.run(consume())
+    assert events[-1].finish_reason == "cancelled" and len(events) < 20
+    assert idle(engine)
+
+
+def test_abandoned_iterator_cancels_the_request(engine):
     ids = engine.encode_chat(Q)
-    stream = engine.generate(ids, SamplingParams(temperature=0, max_tokens=40), conv)
+    stream = engine.generate(ids, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     next(stream), next(stream), next(stream)
     stream.close()  # what Ctrl+C does to the consumer
-    assert conv.cache.length == len(conv.ids) and conv.ids[: len(ids)] == ids
-    assert run(engine, ids, conversation=conv)[0] == run(engine, ids)[0]
+    for _ in range(200):
+        if idle(engine):
+            break
+        threading.Event().wait(0.01)
+    assert idle(engine)
+    assert run(engine, ids)[0] == run(engine, ids)[0]
 
 
 def test_stop_string_cuts_the_reply(engine):
     ids = engine.encode_chat(Q)
-    _, full, _ = run(engine, ids)
+    _, full, _, _ = run(engine, ids)
     assert "Paris" in full
-    _, text, events = run(engine, ids, SamplingParams(temperature=0, max_tokens=24, stop=["Paris"]))
+    _, text, events, _ = run(engine, ids, SamplingParams(temperature=0, max_tokens=24, stop=["Paris"]))
     assert text == full[: full.index("Paris")]
     assert events[-1].finish_reason == "stop"
 
 
 def test_max_tokens_and_length_finish(engine):
-    tokens, _, events = run(engine, engine.encode_chat(Q), SamplingParams(temperature=0, max_tokens=3))
+    tokens, _, events, _ = run(engine, engine.encode_chat(Q), SamplingParams(temperature=0, max_tokens=3))
     assert len(tokens) == 3 and events[-1].finish_reason == "length"
 
 
 def test_eos_ends_the_reply_unless_ignored(engine):
     ids = engine.encode_chat(Q)
-    tokens, _, events = run(engine, ids, SamplingParams(temperature=0, max_tokens=64))
+    tokens, _, events, _ = run(engine, ids, SamplingParams(temperature=0, max_tokens=64))
     assert events[-1].finish_reason == "stop" and events[-1].token_id is None
     assert not set(tokens) & engine.tokenizer.eos_ids
-    more, _, _ = run(engine, ids, SamplingParams(temperature=0, max_tokens=len(tokens) + 3, ignore_eos=True))
+    more, _, _, _ = run(engine, ids, SamplingParams(temperature=0, max_tokens=len(tokens) + 3, ignore_eos=True))
     assert more[: len(tokens)] == tokens and more[len(tokens)] in engine.tokenizer.eos_ids
 
 
 def test_seed_gives_the_same_sample(engine):
     ids = engine.encode_chat([{"role": "user", "content": "Tell me a story about a cat."}])
     p = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=16, seed=1234)
-    a, _, _ = run(engine, ids, p)
+    a = run(engine, ids, p)[0]
     assert run(engine, ids, p)[0] == a
     others = {tuple(run(engine, ids, SamplingParams(temperature=1.0, max_tokens=16, seed=s))[0]) for s in (1, 2, 3)}
     assert len(others | {tuple(a)}) > 1
 
 
+def test_logprobs_are_log_softmax_of_the_chosen_and_top_tokens(engine):
+    _, _, events, _ = run(engine, engine.encode_chat(Q), SamplingParams(temperature=0, max_tokens=4, logprobs=5))
+    for e in events:
+        if e.token_id is None:
+            continue
+        top = e.top_logprobs
+        assert len(top) == 5 and top[0][0] == e.token_id  # greedy picks the most likely
+        assert abs(top[0][1] - e.logprob) < 1e-6
+        assert all(a[1] >= b[1] for a, b in zip(top, top[1:])) and top[0][1] <= 0
+
+
 def test_event_stats_are_real(engine):
-    _, _, events = run(engine, engine.encode_chat(Q), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
-    assert events[0].stats.phase == "prefill" and events[0].stats.tokens == engine.last_stats.prompt_tokens
-    assert all(e.stats.phase == "decode" and e.stats.tokens == 1 for e in events[1:])
+    ids = engine.encode_chat([{"role": "user", "content": "Say something new about stats."}])
+    _, _, events, handle = run(engine, ids, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    s = handle.stats
+    assert events[0].stats.phase == "prefill"
+    assert events[0].stats.tokens == s.prompt_tokens - s.cached_tokens
+    assert all(e.stats.phase == "decode" and e.stats.tokens == 1 and e.stats.batch == 1 for e in events[1:])
     assert all(e.stats.seconds > 0 for e in events)
-    s = engine.last_stats
     assert s.output_tokens == 6 and s.decode_tps > 0 and s.prefill_tps > 0
 
 
 def test_bad_prompts_get_clear_errors(engine):
     with pytest.raises(LocalpdError, match="empty"):
-        engine.generate([], GREEDY)
+        engine.submit([], GREEDY)
     with pytest.raises(LocalpdError, match="context"):
-        engine.generate([1] * engine.max_context, GREEDY)
+        engine.submit([1] * engine.max_context, GREEDY)
     with pytest.raises(LocalpdError, match="vocabulary"):
-        engine.generate([10**7], GREEDY)
+        engine.submit([10**7], GREEDY)
     with pytest.raises(LocalpdError, match="temperature"):
-        engine.generate([1, 2], SamplingParams(temperature=-1))
+        engine.submit([1, 2], SamplingParams(temperature=-1))
+    with pytest.raises(LocalpdError, match="role"):
+        engine.submit_chat([{"role": "wizard", "content": "hi"}], GREEDY)
+    assert idle(engine)
 
 
 def test_reply_is_cut_at_the_context_limit(engine):
-    from localpd.engine import Engine
-
     small = Engine(engine.resolved.path, device="cpu", max_context=40)
     ids = small.encode_chat(Q)
-    tokens, _, events = run(small, ids, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+    tokens, _, events, _ = run(small, ids, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
     assert len(ids) + len(tokens) == 40 and events[-1].finish_reason == "length"
+    small.close()
+
+
+def test_kv_budget_too_small_for_one_context_is_refused(default_gguf):
+    with pytest.raises(LocalpdError, match="KV cache budget"):
+        Engine(default_gguf, device="cpu", max_context=2048, kv_memory="1MiB")
+
+
+def test_preemption_under_page_pressure_keeps_outputs_exact(default_gguf):
+    """Eight streams in a cache that holds about two of them: preempted ones are recomputed and still produce
+    what they produce alone."""
+    tight = Engine(default_gguf, device="cpu", max_context=160, kv_memory=tight_bytes(default_gguf))
+    prompts = [tight.encode_chat([{"role": "user", "content": f"List {n} colours."}]) for n in range(2, 10)]
+    p = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    alone = [run(tight, ids, p)[0] for ids in prompts]
+    handles = [tight.submit(ids, p) for ids in prompts]
+    outs = [[e.token_id for e in h if e.token_id is not None] for h in handles]
+    assert outs == alone
+    assert idle(tight)
+    tight.close()
+
+
+def tight_bytes(path):
+    from localpd.quant.kv import kv_bytes_per_token
+    from localpd.loader import load_model
+
+    c = load_model(path).config
+    return kv_bytes_per_token("fp32", c.n_layers, c.n_kv_heads, c.head_dim) * 16 * 22  # 22 pages of 16 tokens

@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from localpd.model import Batch
+from localpd.quant.kv import new_kv_pool
 from localpd.sampling import SamplingParams
 
 # Both sides dequantize the same blocks to float32 and run float32 arithmetic in a different order, so the
@@ -20,6 +22,17 @@ CONVERSATIONS = [
 ]
 
 
+def new_pool(model, tokens, kv_dtype="fp32", page_size=16):
+    c = model.config
+    n_pages = -(-tokens // page_size)
+    return new_kv_pool(kv_dtype, c.n_layers, n_pages, page_size, c.n_kv_heads, c.head_dim, model.dtype, model.device)
+
+
+def run_chunk(model, pool, ids, start, all_logits=False):
+    batch = Batch.single(ids, start, pool.k.shape[1], pool.page_size, model.device, all_logits=all_logits)
+    return model.forward(batch, pool)
+
+
 def hf_ids(tok, messages):
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tok(text, add_special_tokens=False).input_ids
@@ -31,8 +44,7 @@ def test_last_position_logits_match_transformers(engine, hf_reference, messages)
     ids = hf_ids(tok, messages)
     with torch.no_grad():
         ref = hf_model(torch.tensor([ids])).logits[0, -1]
-    cache = engine.model.new_cache(len(ids) + 1)
-    ours = engine.model.prefill(torch.tensor(ids), cache)
+    ours = run_chunk(engine.model, new_pool(engine.model, len(ids)), ids, 0)[0]
     assert (ours - ref).abs().max().item() < LOGIT_ATOL
     assert int(ours.argmax()) == int(ref.argmax())
 
@@ -43,11 +55,11 @@ def test_chunked_prefill_and_decode_match_one_full_pass(engine, hf_reference):
     with torch.no_grad():
         ref = hf_model(torch.tensor([ids])).logits[0]
     model = engine.model
-    cache = model.new_cache(len(ids))
+    pool = new_pool(model, len(ids))
     n = len(ids)
-    first = model.prefill(torch.tensor(ids[: n // 3]), cache, all_logits=True)  # odd-sized chunks
-    second = model.prefill(torch.tensor(ids[n // 3: n - 5]), cache, all_logits=True)
-    tail = [model.decode(t, cache) for t in ids[n - 5:]]
+    first = run_chunk(model, pool, ids[: n // 3], 0, all_logits=True)  # odd-sized chunks
+    second = run_chunk(model, pool, ids[n // 3: n - 5], n // 3, all_logits=True)
+    tail = [run_chunk(model, pool, [t], i)[0] for i, t in enumerate(ids[n - 5:], start=n - 5)]
     ours = torch.cat([first, second, torch.stack(tail)])
     assert ours.shape == ref.shape
     assert (ours - ref).abs().max().item() < LOGIT_ATOL

@@ -1,0 +1,170 @@
+"""Page allocator, prefix cache and scheduler without a model: a shadow KV array records which token each slot
+holds, so every step can check that a sequence attends to exactly its own tokens and that cached pages are
+never overwritten."""
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from localpd.kvcache import PagePool, PageTable
+from localpd.scheduler import Scheduler, Sequence
+
+
+def test_prefix_match_needs_the_same_chain_and_full_pages():
+    pool = PagePool(8, 4, salt="m")
+    a = PageTable()
+    assert pool.allocate(a, 10)
+    tokens = list(range(10))
+    pool.register(a, tokens, 10)  # pages 0-3 and 4-7 are full; 8-9 are not
+    assert len(pool.cached) == 2
+    pool.release(a)
+    pool.check()
+    b = PageTable()
+    assert pool.match(b, tokens) == 8
+    pool.release(b)
+    c = PageTable()
+    assert pool.match(c, [99] + tokens[1:]) == 0  # a different first page breaks the whole chain
+    pool.release(c)
+    other = PagePool(8, 4, salt="other model")
+    d = PageTable()
+    other.allocate(d, 8)
+    other.register(d, tokens, 8)
+    assert other.by_key.keys().isdisjoint(pool.by_key.keys())  # the salt separates models and dtypes
+    pool.check()
+
+
+def test_eviction_takes_the_least_recently_released_page():
+    pool = PagePool(3, 2)
+    tables = []
+    for first in (10, 20, 30):
+        t = PageTable()
+        pool.allocate(t, 2)
+        pool.register(t, [first, first + 1], 2)
+        tables.append(t)
+    for t in tables:
+        pool.release(t)
+    assert pool.available == 3 and len(pool.cached) == 3
+    fresh = PageTable()
+    pool.allocate(fresh, 2)  # needs one page: evicts the first released (tokens 10, 11)
+    probe = PageTable()
+    assert pool.match(probe, [10, 11]) == 0
+    assert pool.match(PageTable(), [20, 21]) == 2
+    pool.check()
+
+
+def test_allocation_fails_whole_when_pages_run_out():
+    pool = PagePool(2, 4)
+    t = PageTable()
+    assert not pool.allocate(t, 9)
+    assert t.pages == [] and pool.available == 2
+
+
+class Shadow:
+    """What the model would have written: token id per (page, offset)."""
+
+    def __init__(self, pool: PagePool):
+        self.slots = {}
+        self.pool = pool
+
+    def run(self, work):
+        ps = self.pool.page_size
+        for w in work:
+            seq = w.seq
+            pages = seq.table.pages
+            assert len(pages) * ps >= w.start + w.n
+            for pos in range(w.start):  # the context it attends to is its own tokens
+                assert self.slots.get((pages[pos // ps], pos % ps)) == seq.tokens[pos], (seq.id, pos)
+            for pos in range(w.start, w.start + w.n):
+                page = pages[pos // ps]
+                assert page not in self.pool.cached, "wrote into a cached page"
+                assert self.pool.refs[page] == 1, "wrote into a shared page"
+                self.slots[(page, pos % ps)] = seq.tokens[pos]
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31), n_pages=st.integers(4, 40), page_size=st.sampled_from([2, 4, 16]),
+       budget=st.integers(1, 64), max_running=st.integers(1, 8))
+def test_random_traffic_never_leaks_or_corrupts(seed, n_pages, page_size, budget, max_running):
+    rng = random.Random(seed)
+    pool = PagePool(n_pages, page_size, salt="s")
+    sched = Scheduler(pool, budget, max_running)
+    shadow = Shadow(pool)
+    capacity = n_pages * page_size
+    prefixes = [[rng.randrange(5) for _ in range(rng.randrange(1, 3 * page_size))] for _ in range(3)]
+    live, done, n_submitted = [], [], 0
+    for step in range(400):
+        if n_submitted < 25 and rng.random() < 0.3:
+            prompt = rng.choice(prefixes) + [rng.randrange(5) for _ in range(rng.randrange(0, 2 * page_size))]
+            if len(prompt) + 1 <= capacity:  # the engine rejects what cannot fit even alone
+                seq = Sequence(f"s{n_submitted}", prompt, max_tokens=rng.randrange(1, 2 * page_size))
+                sched.add(seq)
+                live.append(seq)
+                n_submitted += 1
+        if live and rng.random() < 0.05:  # cancellation, running or waiting
+            seq = live.pop(rng.randrange(len(live)))
+            sched.remove(seq)
+            done.append(seq)
+        work = sched.step()
+        if not work and sched.waiting and not sched.running:  # the engine ends a sequence that cannot fit alone
+            seq = sched.waiting[0]
+            assert len(seq.tokens) + 1 > capacity
+            sched.remove(seq)
+            live.remove(seq)
+            done.append(seq)
+        shadow.run(work)
+        sched.finish_step(work)
+        for w in work:
+            if w.sample:
+                w.seq.output.append(rng.randrange(5))
+                if len(w.seq.output) >= w.seq.max_tokens:
+                    sched.remove(w.seq)
+                    live.remove(w.seq)
+                    done.append(w.seq)
+        pool.check()
+        if not live and n_submitted >= 25:
+            break
+    for seq in live:  # drain: finish what is left
+        sched.remove(seq)
+    pool.check()
+    assert all(r == 0 for r in pool.refs), "references left behind"
+    assert pool.available == n_pages
+    assert not sched.running and not sched.waiting
+
+
+def test_decodes_keep_running_while_a_long_prompt_is_chunked():
+    pool = PagePool(64, 4)
+    sched = Scheduler(pool, max_step_tokens=8, max_running=4)
+    a = Sequence("a", [1, 2, 3], 10)
+    sched.add(a)
+    work = sched.step()
+    sched.finish_step(work)
+    a.output.append(7)
+    long = Sequence("long", list(range(40)), 5)
+    sched.add(long)
+    chunks = []
+    for _ in range(6):
+        work = sched.step()
+        assert work[0].seq is a and work[0].n == 1  # the decode is never starved
+        chunks += [w.n for w in work if w.seq is long]
+        sched.finish_step(work)
+        a.output.append(7)
+    assert chunks[:5] == [7, 7, 7, 7, 7]
+    assert sum(chunks) == 40
+
+
+def test_preemption_when_pages_run_out_then_recompute():
+    pool = PagePool(4, 2)
+    sched = Scheduler(pool, max_step_tokens=16, max_running=4)
+    a, b = Sequence("a", [1, 2, 3], 8), Sequence("b", [4, 5, 6], 8)
+    sched.add(a)
+    sched.add(b)
+    for _ in range(6):
+        work = sched.step()
+        sched.finish_step(work)
+        for w in work:
+            if w.sample:
+                w.seq.output.append(9)
+        pool.check()
+    assert b.preemptions >= 1 and a.preemptions == 0  # the later admission yields
+    assert len(a.output) == 6
