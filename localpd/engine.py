@@ -97,6 +97,7 @@ class EngineStats:
     page_size: int
     prefix_hit_tokens: int
     prefix_query_tokens: int
+    preemptions: int
     weight_bytes: int
 
 
@@ -325,7 +326,7 @@ class Engine:
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting) + len(self._inbox),
             kv_pages_used=p.used, kv_pages_total=p.n_pages, kv_pages_cached=len(p.cached), kv_dtype=self.kv_dtype,
             page_size=p.page_size, prefix_hit_tokens=p.hit_tokens, prefix_query_tokens=p.query_tokens,
-            weight_bytes=self.model.weight_bytes)
+            preemptions=self.scheduler.preemptions, weight_bytes=self.model.weight_bytes)
 
     def close(self) -> None:
         with self._wake:

@@ -51,6 +51,7 @@ class Scheduler:
         self.max_running = max_running
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the last is preempted first
+        self.preemptions = 0  # since the start
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -69,6 +70,7 @@ class Scheduler:
         self.pool.release(seq.table)
         seq.computed = 0
         seq.preemptions += 1
+        self.preemptions += 1
         self.waiting.appendleft(seq)
 
     def step(self) -> list[Work]:

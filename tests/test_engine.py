@@ -192,15 +192,16 @@ def test_kv_budget_too_small_for_one_context_is_refused(default_gguf):
 
 
 def test_preemption_under_page_pressure_keeps_outputs_exact(default_gguf):
-    """Eight streams in a cache that holds about two of them: preempted ones are recomputed and still produce
+    """Six streams in a cache that holds about three of them: preempted ones are recomputed and still produce
     what they produce alone."""
     tight = Engine(default_gguf, device="cpu", max_context=160, kv_memory=tight_bytes(default_gguf))
-    prompts = [tight.encode_chat([{"role": "user", "content": f"List {n} colours."}]) for n in range(2, 10)]
-    p = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    prompts = [tight.encode_chat([{"role": "user", "content": f"List {n} colours."}]) for n in range(2, 8)]
+    p = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     alone = [run(tight, ids, p)[0] for ids in prompts]
     handles = [tight.submit(ids, p) for ids in prompts]
     outs = [[e.token_id for e in h if e.token_id is not None] for h in handles]
     assert outs == alone
+    assert tight.stats().preemptions > 0
     assert idle(tight)
     tight.close()
 
@@ -210,4 +211,4 @@ def tight_bytes(path):
     from localpd.loader import load_model
 
     c = load_model(path).config
-    return kv_bytes_per_token("fp32", c.n_layers, c.n_kv_heads, c.head_dim) * 16 * 22  # 22 pages of 16 tokens
+    return kv_bytes_per_token("fp32", c.n_layers, c.n_kv_heads, c.head_dim) * 16 * 16  # 16 pages of 16 tokens
