@@ -1,4 +1,13 @@
-"""Paged KV-cache storage: per-layer pages of keys and values, stored as is (fp32/fp16/bf16) or quantized."""
+"""Paged KV-cache storage: every layer's keys and values in fixed-size pages, stored as is or quantized.
+
+Formats (per token and kv head, along head_dim):
+- fp32 / fp16 / bf16: the values themselves, no scales.
+- int8: symmetric, one scale per (token, head) = amax / 127.
+- fp8: float8 e4m3 with one scale per (token, head) = amax / 448 (the format's largest normal value).
+- int4: asymmetric groups of 32 along head_dim, scale = (max - min) / 15 and zero = min per group; two values per
+  byte, element 2i in the low nibble and 2i + 1 in the high nibble.
+Scales and zeros are float16: they are read every decode step, so they are kept small.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +19,16 @@ from localpd.errors import LocalpdError
 
 KV_DTYPES = ("fp32", "fp16", "bf16", "int8", "int4", "fp8")
 FLOAT = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+INT4_GROUP = 32
+FP8_MAX = 448.0
+SCALE_DTYPE = torch.float16
 
 
 @dataclass
 class KVLayer:
-    k: torch.Tensor  # [n_pages, page_size, n_kv_heads, packed_dim]
+    """One layer's pages: views [n_pages, page_size, n_kv_heads, ...] into a KVPool."""
+
+    k: torch.Tensor
     v: torch.Tensor
     k_scale: torch.Tensor | None
     v_scale: torch.Tensor | None
@@ -27,13 +41,16 @@ class KVLayer:
 
 @dataclass
 class KVPool:
+    """All layers' paged keys and values. Page p holds tokens [p * page_size, (p + 1) * page_size) of whatever
+    sequence owns it (localpd.kvcache decides who)."""
+
     kv_dtype: str
     page_size: int
-    k: torch.Tensor  # [n_layers, n_pages, page_size, n_kv_heads, packed_dim]
+    k: torch.Tensor  # [n_layers, n_pages, page_size, n_kv_heads, packed_dim], storage dtype
     v: torch.Tensor
-    k_scale: torch.Tensor | None
+    k_scale: torch.Tensor | None  # [n_layers, n_pages, page_size, n_kv_heads, n_groups] float16
     v_scale: torch.Tensor | None
-    k_zero: torch.Tensor | None
+    k_zero: torch.Tensor | None  # int4 only
     v_zero: torch.Tensor | None
     compute_dtype: torch.dtype
 
@@ -44,21 +61,106 @@ class KVPool:
         return KVLayer(self.k[i], self.v[i], pick(self.k_scale), pick(self.v_scale), pick(self.k_zero),
                        pick(self.v_zero), self.kv_dtype, self.page_size, self.compute_dtype)
 
+    @property
+    def n_pages(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def head_dim(self) -> int:
+        return self.k.shape[4] * (2 if self.kv_dtype == "int4" else 1)
+
+    def bytes_per_token(self) -> int:
+        """Storage bytes of one token's keys and values over all layers, scales and zeros included."""
+        tensors = [t for t in (self.k, self.v, self.k_scale, self.v_scale, self.k_zero, self.v_zero) if t is not None]
+        return sum(t.numel() * t.element_size() for t in tensors) // (self.n_pages * self.page_size)
+
+
+def has_fp8(device) -> bool:
+    if not hasattr(torch, "float8_e4m3fn"):
+        return False
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 9)
+    return True  # the CPU converts in software
+
 
 def check_kv_dtype(kv_dtype: str, device) -> str:
     if kv_dtype not in KV_DTYPES:
         raise LocalpdError(f"unknown KV dtype '{kv_dtype}'; choose one of {', '.join(KV_DTYPES)}")
-    if kv_dtype not in FLOAT:
-        raise LocalpdError(f"KV dtype '{kv_dtype}' is not available yet")
+    if kv_dtype == "fp8" and not has_fp8(device):
+        raise LocalpdError("--kv fp8 needs float8 e4m3 support (an sm_89 or newer GPU, torch >= 2.1); "
+                           "use int8 instead")
     return kv_dtype
 
 
+def _layout(kv_dtype: str, head_dim: int) -> tuple[torch.dtype, int, int, bool]:
+    """(storage dtype, packed dim, scale groups, has zeros) of a format."""
+    if kv_dtype in FLOAT:
+        return FLOAT[kv_dtype], head_dim, 0, False
+    if kv_dtype == "int8":
+        return torch.int8, head_dim, 1, False
+    if kv_dtype == "fp8":
+        return torch.float8_e4m3fn, head_dim, 1, False
+    if head_dim % INT4_GROUP:
+        raise LocalpdError(f"--kv int4 needs a head dimension divisible by {INT4_GROUP}, this model has {head_dim}")
+    return torch.uint8, head_dim // 2, head_dim // INT4_GROUP, True
+
+
 def kv_bytes_per_token(kv_dtype: str, n_layers: int, n_kv_heads: int, head_dim: int) -> int:
-    return 2 * n_layers * n_kv_heads * head_dim * FLOAT[kv_dtype].itemsize
+    """What bytes_per_token() of a pool would say, without allocating one."""
+    storage, packed, groups, zeros = _layout(kv_dtype, head_dim)
+    per_head = packed * storage.itemsize + groups * SCALE_DTYPE.itemsize * (2 if zeros else 1)
+    return 2 * n_layers * n_kv_heads * per_head
 
 
-def new_kv_pool(kv_dtype, n_layers, n_pages, page_size, n_kv_heads, head_dim, compute_dtype, device) -> KVPool:
-    shape = (n_layers, n_pages, page_size, n_kv_heads, head_dim)
-    dt = FLOAT[kv_dtype]
-    return KVPool(kv_dtype, page_size, torch.zeros(shape, dtype=dt, device=device),
-                  torch.zeros(shape, dtype=dt, device=device), None, None, None, None, compute_dtype)
+def new_kv_pool(kv_dtype: str, n_layers: int, n_pages: int, page_size: int, n_kv_heads: int, head_dim: int,
+                compute_dtype: torch.dtype, device) -> KVPool:
+    storage, packed, groups, zeros = _layout(kv_dtype, head_dim)
+    base = (n_layers, n_pages, page_size, n_kv_heads)
+
+    def make(shape, dtype):
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    def scales():
+        return make(base + (groups,), SCALE_DTYPE) if groups else None
+
+    return KVPool(kv_dtype, page_size, make(base + (packed,), storage), make(base + (packed,), storage),
+                  scales(), scales(), scales() if zeros else None, scales() if zeros else None, compute_dtype)
+
+
+def quantize_kv(x: torch.Tensor, kv_dtype: str):
+    """x [..., head_dim] -> (data, scale, zero) in the storage format (scale/zero None where the format has none)."""
+    if kv_dtype in FLOAT:
+        return x.to(FLOAT[kv_dtype]), None, None
+    xf = x.float()
+    if kv_dtype in ("int8", "fp8"):
+        top = 127.0 if kv_dtype == "int8" else FP8_MAX
+        scale = (xf.abs().amax(-1, keepdim=True) / top).to(SCALE_DTYPE)
+        s = scale.float()
+        safe = torch.where(s > 0, s, torch.ones_like(s))
+        y = xf / safe
+        data = y.round().clamp(-127, 127).to(torch.int8) if kv_dtype == "int8" else y.clamp(-top, top).to(torch.float8_e4m3fn)
+        return data, scale, None
+    g = xf.unflatten(-1, (-1, INT4_GROUP))
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).to(SCALE_DTYPE)
+    zero = lo.to(SCALE_DTYPE)
+    s = scale.float()[..., None]
+    safe = torch.where(s > 0, s, torch.ones_like(s))
+    q = ((g - zero.float()[..., None]) / safe).round().clamp(0, 15).to(torch.uint8).flatten(-2)
+    return q[..., 0::2] | (q[..., 1::2] << 4), scale, zero
+
+
+def dequantize_kv(data: torch.Tensor, scale, zero, kv_dtype: str, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of quantize_kv, in dtype; [..., packed] -> [..., head_dim]."""
+    if kv_dtype in FLOAT:
+        return data.to(dtype)
+    if kv_dtype in ("int8", "fp8"):
+        return (data.float() * scale.float()).to(dtype)
+    q = torch.stack((data & 15, data >> 4), dim=-1).flatten(-2).float()
+    g = q.unflatten(-1, (-1, INT4_GROUP))
+    return (g * scale.float()[..., None] + zero.float()[..., None]).flatten(-2).to(dtype)

@@ -212,3 +212,18 @@ def tight_bytes(path):
 
     c = load_model(path).config
     return kv_bytes_per_token("fp32", c.n_layers, c.n_kv_heads, c.head_dim) * 16 * 16  # 16 pages of 16 tokens
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8", "int4"])
+def test_quantized_kv_cache_still_answers(default_gguf, kv):
+    e = Engine(default_gguf, device="cpu", max_context=512, kv=kv)
+    _, text, _, handle = run(e, e.encode_chat(Q))
+    assert "Paris" in text
+    s = e.stats()
+    assert s.kv_dtype == kv and e.kv.bytes_per_token() == e.kv_token_bytes < kv_fp32_bytes(e)
+    e.close()
+
+
+def kv_fp32_bytes(e):
+    c = e.config
+    return 2 * c.n_layers * c.n_kv_heads * c.head_dim * 4
