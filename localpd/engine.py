@@ -25,6 +25,7 @@ from localpd.loader import LoadedModel, load_model
 from localpd.model import Batch, Transformer
 from localpd.quant.kv import check_kv_dtype, kv_bytes_per_token, new_kv_pool
 from localpd.registry import resolve_model
+from localpd.roofline import step_cost
 from localpd.sampling import Sampler, SamplingParams
 from localpd.scheduler import Scheduler, Sequence, Work
 from localpd.schemes import check_scheme, compute_dtype
@@ -44,8 +45,8 @@ class StepStats:
     tokens: int  # tokens this step pushed through the model, all sequences together
     seconds: float
     batch: int = 1  # sequences in the step
-    bytes: int | None = None  # weight and KV bytes the step moved (None where not counted)
-    flops: int | None = None
+    bytes: int = 0  # weight and KV bytes the step moved (localpd.roofline.step_cost)
+    flops: int = 0
 
 
 @dataclass
@@ -395,12 +396,13 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         now = time.perf_counter()
-        step = StepStats(phase_of(work), sum(w.n for w in work), now - t0, len(work))
+        cost = step_cost(self.model, [(w.start, w.n) for w in work], self.kv_token_bytes, len(samples))
+        step = StepStats(phase_of(work), sum(w.n for w in work), now - t0, len(work), cost.bytes, cost.flops)
         for w, (token, lp, top) in zip(samples, tokens):
             self._emit(self._requests[w.seq], token, lp, top, step, now)
         for w in work:
             if w.seq in self._requests:
-                self._requests[w.seq].handle.stats.bytes_moved += step.bytes or 0
+                self._requests[w.seq].handle.stats.bytes_moved += step.bytes
 
     def _batch(self, work: list[Work]) -> Batch:
         ps = self.pages.page_size
@@ -449,7 +451,7 @@ class Engine:
         else:
             s.decode_seconds = now - req.first_token_at
             s.decode_step_seconds += step.seconds
-            s.decode_bytes += step.bytes or 0
+            s.decode_bytes += step.bytes
         if token in req.eos:
             self._finish(req, TokenEvent(None, self._flush(req), "stop", step))
             return

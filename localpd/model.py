@@ -41,6 +41,11 @@ class QuantLinear:
     def nbytes(self) -> int:
         return weight_nbytes(self.weight) + (0 if self.bias is None else weight_nbytes(self.bias))
 
+    @property
+    def params(self) -> int:
+        n, k = self.weight.shape
+        return n * k
+
 
 class StackedLinear:
     """Projections of one input whose weights cannot share one matrix (different formats): outputs concatenated."""
@@ -54,6 +59,10 @@ class StackedLinear:
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
+
+    @property
+    def params(self) -> int:
+        return sum(p.params for p in self.parts)
 
 
 def fuse(parts: list[QuantLinear]) -> QuantLinear | StackedLinear:
@@ -208,8 +217,27 @@ class Transformer:
         x = rms_norm(x[batch.logit_rows], self.norm, c.norm_eps)
         return self.lm_head(x).float()
 
+    def _body(self):
+        linears = [l for L in self.layers for l in (L.qkv, L.o, L.gate_up, L.down)]
+        norms = [self.norm] + [t for L in self.layers for t in (L.attn_norm, L.mlp_norm)]
+        return linears, norms
+
+    @property
+    def body_bytes(self) -> int:
+        """Bytes every step reads whatever its size: all layers' matrices and norms (not the embedding or head)."""
+        linears, norms = self._body()
+        return sum(l.nbytes for l in linears) + sum(weight_nbytes(t) for t in norms)
+
+    @property
+    def body_params(self) -> int:
+        return sum(l.params for l in self._body()[0])
+
+    @property
+    def embed_row_bytes(self) -> int:
+        """Bytes of one token's embedding row (scales included for a quantized embedding)."""
+        return weight_nbytes(self.embed) // self.config.vocab_size
+
     @property
     def weight_bytes(self) -> int:
-        linears = [self.lm_head] + [l for L in self.layers for l in (L.qkv, L.o, L.gate_up, L.down)]
-        norms = [self.norm] + [t for L in self.layers for t in (L.attn_norm, L.mlp_norm)]
-        return sum(l.nbytes for l in linears) + sum(weight_nbytes(t) for t in norms)
+        """The bytes of one decode step's weights: the body, the output head and one embedding row."""
+        return self.body_bytes + self.lm_head.nbytes + self.embed_row_bytes

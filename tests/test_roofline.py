@@ -1,0 +1,76 @@
+"""Step accounting against independent counts: the sizes of the tensors the model holds, and FLOPs from the
+config's shapes."""
+
+import pytest
+import torch
+
+from localpd.model import QuantLinear, StackedLinear
+from localpd.roofline import decode_ceiling_tps, step_cost, utilisation
+from localpd.sampling import SamplingParams
+
+
+def tensor_bytes(obj) -> int:
+    """Bytes of every tensor reachable from a weight (a tensor, an Int4/Int8Weight, a QuantLinear...)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, StackedLinear):
+        return sum(tensor_bytes(p) for p in obj.parts)
+    if isinstance(obj, QuantLinear):
+        return tensor_bytes(obj.weight) + (tensor_bytes(obj.bias) if obj.bias is not None else 0)
+    return sum(tensor_bytes(getattr(obj, f)) for f in obj.__dataclass_fields__)
+
+
+def matmul_params(c) -> int:
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    per_layer = c.dim * (q + 2 * kv) + q * c.dim + 3 * c.dim * c.ffn_dim
+    return c.n_layers * per_layer
+
+
+@pytest.mark.parametrize("ctx", [0, 100])
+def test_decode_step_bytes_and_flops_match_an_independent_count(engine, ctx):
+    m, c = engine.model, engine.config
+    layers = sum(tensor_bytes(getattr(L, f)) for L in m.layers for f in L.__dataclass_fields__)
+    head = tensor_bytes(m.lm_head)
+    row = tensor_bytes(m.embed) // c.vocab_size
+    kv_token = engine.kv.bytes_per_token()
+    cost = step_cost(m, [(ctx, 1)], kv_token, logit_rows=1)
+    assert cost.weight_bytes == layers + tensor_bytes(m.norm) + head + row
+    assert cost.kv_read_bytes == (ctx + 1) * kv_token and cost.kv_write_bytes == kv_token
+    attention = 4 * c.n_layers * c.n_heads * c.head_dim * (ctx + 1)
+    assert cost.flops == 2 * matmul_params(c) + 2 * c.vocab_size * c.dim + attention
+
+
+def test_prefill_chunk_counts_causal_pairs_and_skips_the_head_without_logits(engine):
+    m, c = engine.model, engine.config
+    kv_token = engine.kv.bytes_per_token()
+    full = step_cost(m, [(32, 10)], kv_token, logit_rows=1)
+    no_head = step_cost(m, [(32, 10)], kv_token, logit_rows=0)
+    assert full.weight_bytes - no_head.weight_bytes == tensor_bytes(m.lm_head)
+    pairs = sum(32 + j + 1 for j in range(10))
+    assert no_head.flops == 2 * 10 * matmul_params(c) + 4 * c.n_layers * c.n_heads * c.head_dim * pairs
+    batch = step_cost(m, [(32, 10), (5, 1)], kv_token, logit_rows=2)
+    assert batch.kv_read_bytes == (42 + 6) * kv_token and batch.kv_write_bytes == 11 * kv_token
+    assert batch.weight_bytes == full.weight_bytes + m.embed_row_bytes  # weights are read once for the batch
+
+
+def test_engine_events_carry_the_step_cost(engine):
+    ids = engine.encode_chat([{"role": "user", "content": "Count the bytes, please."}])
+    handle = engine.submit(ids, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    events = list(handle)
+    kv_token = engine.kv.bytes_per_token()
+    cached = handle.stats.cached_tokens
+    first = step_cost(engine.model, [(cached, len(ids) - cached)], kv_token, 1)
+    assert events[0].stats.bytes == first.bytes and events[0].stats.flops == first.flops
+    second = step_cost(engine.model, [(len(ids), 1)], kv_token, 1)
+    assert events[1].stats.bytes == second.bytes
+    assert handle.stats.decode_bytes == sum(e.stats.bytes for e in events[1:])
+
+
+def test_ceiling_and_utilisation_arithmetic(engine):
+    m = engine.model
+    kv_token = engine.kv.bytes_per_token()
+    step = step_cost(m, [(1000, 1)], kv_token, 1).bytes
+    assert decode_ceiling_tps(m, 1000, kv_token, 1e12) == pytest.approx(1e12 / step)
+    assert decode_ceiling_tps(m, 4000, kv_token, 1e12) < decode_ceiling_tps(m, 1000, kv_token, 1e12)
+    assert utilisation(5e11, 1.0, 1e12) == 0.5
+    assert utilisation(1.0, 1.0, None) is None
