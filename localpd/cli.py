@@ -58,6 +58,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_options(chat)
     add_sampling_options(chat)
 
+    serve = sub.add_parser("serve", help="an OpenAI-compatible API on localhost (/v1/chat/completions ...)")
+    serve.add_argument("model", nargs="?", help="registry name, .gguf file or model directory (default: the registry's default)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    serve.add_argument("--port", type=positive_int, default=8000)
+    serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health")
+    serve.add_argument("--max-waiting", type=positive_int, default=64, help="queued requests before answering 503")
+    add_model_options(serve)
+
     pull = sub.add_parser("pull", help="download a model from the registry")
     pull.add_argument("model")
 
@@ -81,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
             from localpd.chat import run_chat
 
             return run_chat(args)
+        if args.command == "serve":
+            from localpd.server import serve
+
+            return serve(args)
         if args.command == "pull":
             from localpd.registry import pull
 

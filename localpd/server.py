@@ -1,0 +1,349 @@
+"""`localpd serve`: an OpenAI-compatible HTTP API over the engine, on loopback by default.
+
+Every request becomes an engine request; streams are server-sent events ending with `data: [DONE]`. A client
+that goes away mid-stream cancels its request, which frees its KV pages at the engine's next step. Errors
+always have OpenAI's shape {"error": {"message", "type", "param", "code"}}.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from typing import Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from localpd.engine import Engine, RequestHandle, TokenEvent
+from localpd.errors import LocalpdError
+from localpd.roofline import decode_ceiling_tps, utilisation
+from localpd.sampling import SamplingParams
+from localpd.server_schema import ChatRequest, CompletionRequest, Sampling, error_body
+
+log = logging.getLogger("localpd.server")
+
+MAX_BODY = 10 * 2**20
+TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.body = status, error_body(message, type_, param, code)
+
+
+class Histogram:
+    def __init__(self, buckets: tuple[float, ...]):
+        self.buckets, self.counts, self.sum, self.count = buckets, [0] * len(buckets), 0.0, 0
+
+    def observe(self, value: float) -> None:
+        for i, b in enumerate(self.buckets):
+            if value <= b:
+                self.counts[i] += 1
+        self.sum += value
+        self.count += 1
+
+    def lines(self, name: str) -> list[str]:
+        out = [f"# TYPE {name} histogram"]
+        out += [f'{name}_bucket{{le="{b}"}} {c}' for b, c in zip(self.buckets, self.counts)]
+        return out + [f'{name}_bucket{{le="+Inf"}} {self.count}', f"{name}_sum {self.sum}", f"{name}_count {self.count}"]
+
+
+class Metrics:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.ttft, self.tpot = Histogram(TTFT_BUCKETS), Histogram(TPOT_BUCKETS)
+        self.requests = {}  # finish reason -> count
+        self.prompt_tokens = self.generation_tokens = 0
+        self.last_mbu: float | None = None
+
+    def record(self, handle: RequestHandle, mbu: float | None) -> None:
+        s = handle.stats
+        with self.lock:
+            self.requests[s.finish_reason] = self.requests.get(s.finish_reason, 0) + 1
+            self.prompt_tokens += s.prompt_tokens
+            self.generation_tokens += s.output_tokens
+            if s.output_tokens:
+                self.ttft.observe(s.ttft)
+            if s.output_tokens > 1:
+                self.tpot.observe(s.decode_seconds / (s.output_tokens - 1))
+            if mbu is not None:
+                self.last_mbu = mbu
+
+    def render(self, engine: Engine | None) -> str:
+        with self.lock:
+            lines = self.ttft.lines("localpd_time_to_first_token_seconds")
+            lines += self.tpot.lines("localpd_time_per_output_token_seconds")
+            lines.append("# TYPE localpd_requests_total counter")
+            lines += [f'localpd_requests_total{{finish_reason="{k}"}} {v}' for k, v in self.requests.items()]
+            lines += ["# TYPE localpd_prompt_tokens_total counter", f"localpd_prompt_tokens_total {self.prompt_tokens}",
+                      "# TYPE localpd_generation_tokens_total counter",
+                      f"localpd_generation_tokens_total {self.generation_tokens}"]
+            if self.last_mbu is not None:
+                lines += ["# TYPE localpd_decode_mbu gauge", f"localpd_decode_mbu {self.last_mbu:.4f}"]
+        if engine is not None:
+            s = engine.stats()
+            for name, value in (("requests_running", s.running), ("requests_waiting", s.waiting),
+                                ("kv_pages_used", s.kv_pages_used), ("kv_pages_total", s.kv_pages_total),
+                                ("prefix_cache_hit_tokens_total", s.prefix_hit_tokens),
+                                ("prefix_cache_query_tokens_total", s.prefix_query_tokens),
+                                ("preemptions_total", s.preemptions)):
+                kind = "counter" if name.endswith("_total") else "gauge"
+                lines += [f"# TYPE localpd_{name} {kind}", f"localpd_{name} {value}"]
+        return "\n".join(lines) + "\n"
+
+
+def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None = None, api_key: str | None = None,
+               max_waiting: int = 64, bandwidth: float | None = None) -> FastAPI:
+    """engine: a loaded engine; or load: called on a background thread at startup (/health says 503 until then).
+    bandwidth: bytes/s the MBU in `timings` and /metrics is measured against (None: MBU is left out)."""
+    app = FastAPI(title="localpd", version="0.1.0", description="OpenAI-compatible local inference")
+    state = {"engine": engine, "error": None}
+    metrics = Metrics()
+
+    if load is not None and engine is None:
+        def loader():
+            try:
+                state["engine"] = load()
+            except Exception as e:  # noqa: BLE001 - reported by /health and every route
+                log.exception("loading the model failed")
+                state["error"] = str(e)
+
+        threading.Thread(target=loader, name="localpd-load", daemon=True).start()
+
+    def ready() -> Engine:
+        if state["engine"] is None:
+            message = f"the model failed to load: {state['error']}" if state["error"] else "the model is loading"
+            raise ApiError(503, message, "server_error", code="model_not_ready")
+        return state["engine"]
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, e: ApiError):
+        return JSONResponse(e.body, status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, e: RequestValidationError):
+        first = e.errors()[0] if e.errors() else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        message = f"{'.'.join(loc) + ': ' if loc else ''}{first.get('msg', 'invalid request')}"
+        return JSONResponse(error_body(message, "invalid_request_error", ".".join(loc) or None), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException):
+        type_ = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(e.detail), type_), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, e: Exception):
+        rid = uuid.uuid4().hex[:12]
+        log.exception("request %s %s failed (id %s)", request.method, request.url.path, rid)
+        return JSONResponse(error_body(f"internal error (request id {rid})", "server_error"), status_code=500)
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        if api_key and request.url.path != "/health":
+            if request.headers.get("authorization", "") != f"Bearer {api_key}":
+                return JSONResponse(error_body("invalid or missing API key (Authorization: Bearer KEY)",
+                                               "authentication_error", code="invalid_api_key"), status_code=401)
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > MAX_BODY:
+            return JSONResponse(error_body(f"request body larger than {MAX_BODY} bytes", "invalid_request_error",
+                                           code="request_too_large"), status_code=413)
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        if state["engine"] is None:
+            return JSONResponse({"status": "error" if state["error"] else "loading", "error": state["error"]},
+                                status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        e = ready()
+        return {"object": "list", "data": [{"id": e.name, "object": "model", "created": 0, "owned_by": "localpd"}]}
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def prometheus():
+        return PlainTextResponse(metrics.render(state["engine"]), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest):
+        e = ready()
+        log_unknown(body)
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+        try:
+            ids = e.encode_chat(messages)
+        except LocalpdError as err:
+            raise ApiError(400, str(err), param="messages") from None
+        top = body.top_logprobs if body.logprobs else None
+        limit = body.max_completion_tokens or body.max_tokens
+        return await respond(e, body, ids, limit, None if not body.logprobs else (top or 0), chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        e = ready()
+        log_unknown(body)
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise ApiError(400, "only one prompt per request is supported", param="prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = e.tokenizer.encode(prompt) if e.tokenizer is not None else []
+        else:
+            ids = list(prompt)
+        return await respond(e, body, ids, body.max_tokens or 16, body.logprobs, chat=False)
+
+    async def respond(e: Engine, body: Sampling, ids: list[int], limit: int | None, logprobs: int | None,
+                      chat: bool):
+        if body.n != 1:
+            raise ApiError(400, "n > 1 is not supported; send several requests", param="n")
+        if not ids:
+            raise ApiError(400, "the prompt is empty", param="messages" if chat else "prompt")
+        room = e.max_context - len(ids)
+        if room < 1 or (limit is not None and limit > room):
+            raise ApiError(400, f"this model's context is {e.max_context} tokens; the prompt has {len(ids)} and "
+                                f"{limit or 1} more were asked for", param="max_tokens" if room >= 1 else "messages",
+                           code="context_length_exceeded")
+        if e.stats().waiting >= max_waiting:
+            raise ApiError(503, "too many requests are waiting; try again shortly", "server_error",
+                           code="overloaded")
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        params = SamplingParams(
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=body.top_p or 1.0, top_k=max(body.top_k or 0, 0), min_p=body.min_p or 0.0,
+            repetition_penalty=body.repetition_penalty or 1.0, presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty, seed=body.seed, max_tokens=limit or room, stop=stop,
+            logprobs=logprobs)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        try:
+            handle = e.submit(ids, params, request_id=rid)
+        except LocalpdError as err:
+            raise ApiError(400, str(err)) from None
+        created = int(time.time())
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(stream(e, handle, rid, created, chat, include_usage),
+                                     media_type="text/event-stream")
+        text, lps, reason = [], [], None
+        try:
+            async for ev in handle:
+                text.append(ev.text)
+                if logprobs is not None and ev.token_id is not None:
+                    lps.append(ev)
+                reason = ev.finish_reason
+        finally:
+            handle.cancel()
+        finished(e, handle, reason)
+        choice = {"index": 0, "finish_reason": reason}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": "".join(text)}
+            choice["logprobs"] = chat_logprobs(e, lps) if logprobs is not None else None
+        else:
+            choice["text"] = "".join(text)
+            choice["logprobs"] = completion_logprobs(e, lps) if logprobs is not None else None
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                "model": e.name, "choices": [choice], "usage": usage(handle), "timings": timings(e, handle)}
+
+    async def stream(e: Engine, handle: RequestHandle, rid: str, created: int, chat: bool, include_usage: bool):
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(choice: dict | None, **extra) -> str:
+            data = {"id": rid, "object": kind, "created": created, "model": e.name,
+                    "choices": [choice] if choice else [], **extra}
+            return f"data: {json.dumps(data)}\n\n"
+
+        reason = None
+        try:
+            if chat:
+                yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+            async for ev in handle:
+                reason = ev.finish_reason
+                if reason == "error":
+                    yield f"data: {json.dumps(error_body(ev.error or 'generation failed', 'server_error'))}\n\n"
+                    break
+                choice = {"index": 0, "finish_reason": reason}
+                if chat:
+                    choice["delta"] = {"content": ev.text} if ev.text or reason is None else {}
+                    if ev.logprob is not None and ev.token_id is not None:
+                        choice["logprobs"] = chat_logprobs(e, [ev])
+                else:
+                    choice["text"] = ev.text
+                if ev.text or reason is not None or "logprobs" in choice:
+                    yield chunk(choice)
+            if include_usage:
+                yield chunk(None, usage=usage(handle), timings=timings(e, handle))
+            yield "data: [DONE]\n\n"
+        finally:
+            handle.cancel()  # no-op when finished; frees the pages of a client that went away
+            finished(e, handle, reason)
+
+    def finished(e: Engine, handle: RequestHandle, reason: str | None) -> None:
+        t = timings(e, handle)
+        metrics.record(handle, t.get("decode_mbu"))
+
+    def usage(handle: RequestHandle) -> dict:
+        s = handle.stats
+        return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.output_tokens,
+                "total_tokens": s.prompt_tokens + s.output_tokens,
+                "prompt_tokens_details": {"cached_tokens": s.cached_tokens}}
+
+    def timings(e: Engine, handle: RequestHandle) -> dict:
+        s = handle.stats
+        out = {"ttft_ms": round(s.ttft * 1000, 3), "prefill_tokens_per_s": round(s.prefill_tps, 2),
+               "decode_tokens_per_s": round(s.decode_tps, 2),
+               "decode_bytes_per_s": round(s.decode_bytes / s.decode_step_seconds) if s.decode_step_seconds else 0}
+        if bandwidth:
+            mbu = utilisation(s.decode_bytes, s.decode_step_seconds, bandwidth)
+            out["decode_mbu"] = None if mbu is None else round(mbu, 4)
+            context = s.prompt_tokens + s.output_tokens
+            out["ceiling_tokens_per_s"] = round(decode_ceiling_tps(e.model, context, e.kv_token_bytes, bandwidth), 2)
+        return out
+
+    def token_text(e: Engine, token: int) -> str:
+        return e.tokenizer.decode([token], skip_special=False) if e.tokenizer is not None else str(token)
+
+    def chat_logprobs(e: Engine, events: list[TokenEvent]) -> dict:
+        def entry(token: int, lp: float) -> dict:
+            text = token_text(e, token)
+            return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+        return {"content": [{**entry(ev.token_id, ev.logprob),
+                             "top_logprobs": [entry(t, lp) for t, lp in (ev.top_logprobs or [])]} for ev in events]}
+
+    def completion_logprobs(e: Engine, events: list[TokenEvent]) -> dict:
+        return {"tokens": [token_text(e, ev.token_id) for ev in events],
+                "token_logprobs": [ev.logprob for ev in events],
+                "top_logprobs": [{token_text(e, t): lp for t, lp in (ev.top_logprobs or [])} for ev in events]}
+
+    return app
+
+
+def log_unknown(body: Sampling) -> None:
+    if body.model_extra:
+        log.info("ignoring unknown request fields: %s", ", ".join(sorted(body.model_extra)))
+
+
+def serve(args) -> int:
+    import uvicorn
+
+    from localpd.chat import default_model
+
+    def load() -> Engine:
+        return Engine(args.model or default_model(), device=args.device, quant=args.quant, kv=args.kv,
+                      max_context=args.ctx, kv_memory=args.kv_memory)
+
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        log.warning("listening on %s without --api-key: anyone who can reach this port can use the model", args.host)
+    app = create_app(load=load, api_key=args.api_key, max_waiting=args.max_waiting)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    return 0

@@ -1,0 +1,201 @@
+"""`localpd serve` through the official openai client against a live server on loopback, real default model."""
+
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from localpd.engine import Engine
+from localpd.server import create_app
+
+Q = [{"role": "user", "content": "What is the capital of France?"}]
+KEY = "test-key"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    def __init__(self, app):
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def served(default_gguf):
+    engine = Engine(default_gguf, device="cpu", max_context=1024)
+    live = LiveServer(create_app(engine, api_key=KEY, bandwidth=10e9))
+    yield engine, live
+    live.stop()
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served[1].url + "/v1", api_key=KEY, max_retries=0)
+
+
+def idle(engine):
+    for _ in range(300):
+        s = engine.stats()
+        if s.running == 0 and s.waiting == 0 and s.kv_pages_used == 0:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_models_and_a_greedy_chat_completion(served, client):
+    engine, _ = served
+    assert [m.id for m in client.models.list().data] == [engine.name]
+    r = client.chat.completions.create(model=engine.name, messages=Q, temperature=0, max_tokens=24)
+    assert "Paris" in r.choices[0].message.content and r.choices[0].finish_reason == "stop"
+    assert r.usage.prompt_tokens == len(engine.encode_chat(Q)) and r.usage.completion_tokens > 3
+    t = r.model_extra["timings"]
+    assert t["decode_tokens_per_s"] > 0 and 0 < t["decode_mbu"] and t["ceiling_tokens_per_s"] > 0
+
+
+def test_streaming_with_usage_equals_the_plain_answer(client):
+    plain = client.chat.completions.create(model="x", messages=Q, temperature=0, max_tokens=24)
+    chunks = list(client.chat.completions.create(model="x", messages=Q, temperature=0, max_tokens=24, stream=True,
+                                                 stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == plain.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+
+
+def test_stop_strings_seed_and_a_plain_completion(client):
+    r = client.chat.completions.create(model="x", messages=Q, temperature=0, max_tokens=24, stop=["Paris"])
+    assert "Paris" not in r.choices[0].message.content and r.choices[0].finish_reason == "stop"
+    story = [{"role": "user", "content": "Tell me a story about a cat."}]
+    a, b = (client.chat.completions.create(model="x", messages=story, temperature=1.0, seed=7, max_tokens=16)
+            for _ in range(2))
+    assert a.choices[0].message.content == b.choices[0].message.content
+    c = client.completions.create(model="x", prompt="The capital of France is", temperature=0, max_tokens=5)
+    assert c.choices[0].text.strip() and c.choices[0].finish_reason == "length"
+
+
+def test_logprobs(client):
+    r = client.chat.completions.create(model="x", messages=Q, temperature=0, max_tokens=3, logprobs=True,
+                                       top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in content)
+    assert content[0].token == content[0].top_logprobs[0].token
+
+
+def test_repeated_system_prompt_is_served_from_the_prefix_cache(client):
+    system = {"role": "system", "content": "You are a geography tutor who answers briefly. " * 6}
+    client.chat.completions.create(model="x", messages=[system] + Q, temperature=0, max_tokens=4)
+    r = client.chat.completions.create(model="x", messages=[system, {"role": "user", "content": "And Spain?"}],
+                                       temperature=0, max_tokens=4)
+    assert r.usage.prompt_tokens_details.cached_tokens >= 48
+
+
+def status_and_error(response):
+    body = response.json()
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    return response.status_code, body["error"]
+
+
+@pytest.mark.parametrize("payload, status, fragment", [
+    ({"messages": Q, "n": 2}, 400, "n > 1"),
+    ({"messages": []}, 400, "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
+    ({"messages": Q, "max_tokens": -5}, 400, "max_tokens"),
+    ({"messages": Q, "max_tokens": 10**9}, 400, "context"),
+    ({"messages": [{"role": "user", "content": "word " * 2000}]}, 400, "context"),
+    ({"messages": Q, "temperature": "hot"}, 400, "temperature"),
+    ({"messages": "hello"}, 400, "messages"),
+])
+def test_bad_requests_get_openai_shaped_4xx(served, payload, status, fragment):
+    r = httpx.post(served[1].url + "/v1/chat/completions", json=payload, headers={"Authorization": f"Bearer {KEY}"})
+    code, err = status_and_error(r)
+    assert code == status and fragment in err["message"]
+
+
+def test_transport_level_errors(served):
+    url, auth = served[1].url, {"Authorization": f"Bearer {KEY}"}
+    assert status_and_error(httpx.get(url + "/v1/models"))[0] == 401
+    assert status_and_error(httpx.get(url + "/v1/models", headers={"Authorization": "Bearer nope"}))[0] == 401
+    assert httpx.get(url + "/health").status_code == 200  # no key needed
+    assert status_and_error(httpx.get(url + "/v1/nothing", headers=auth))[0] == 404
+    bad_json = httpx.post(url + "/v1/chat/completions", content=b"{not json", headers=auth)
+    assert status_and_error(bad_json)[0] == 400
+    not_utf8 = httpx.post(url + "/v1/chat/completions", content=b'{"messages": "\xff\xfe"}',
+                          headers={**auth, "content-type": "application/json"})
+    assert status_and_error(not_utf8)[0] == 400
+    huge = httpx.post(url + "/v1/chat/completions", content=b" " * (11 * 2**20), headers=auth)
+    assert status_and_error(huge)[0] == 413
+    assert httpx.get(url + "/health").status_code == 200  # still serving
+
+
+def test_sixteen_concurrent_streams_match_their_single_answers(served, client):
+    engine, _ = served
+    prompts = [[{"role": "user", "content": f"Name {n} animals."}] for n in range(2, 18)]
+    alone = [client.chat.completions.create(model="x", messages=p, temperature=0, max_tokens=12)
+             .choices[0].message.content for p in prompts]
+    results = [None] * len(prompts)
+
+    def go(i):
+        stream = client.chat.completions.create(model="x", messages=prompts[i], temperature=0, max_tokens=12,
+                                                stream=True)
+        results[i] = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == alone
+    assert idle(engine)
+
+
+def test_a_dropped_stream_frees_its_pages(served, client):
+    engine, live = served
+    with httpx.stream("POST", live.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"messages": [{"role": "user", "content": "Write a long essay about rivers."}],
+                            "max_tokens": 500, "stream": True, "temperature": 0}) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 6:
+                break  # the client goes away mid-stream
+    assert idle(engine)
+    metrics = httpx.get(live.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    assert "localpd_kv_pages_used 0" in metrics and "localpd_time_to_first_token_seconds_count" in metrics
+
+
+def test_health_is_503_while_loading_then_200(default_gguf):
+    gate = threading.Event()
+
+    def slow_load():
+        gate.wait(10)
+        return Engine(default_gguf, device="cpu", max_context=256)
+
+    live = LiveServer(create_app(load=slow_load))
+    try:
+        assert httpx.get(live.url + "/health").status_code == 503
+        code, err = status_and_error(httpx.get(live.url + "/v1/models"))
+        assert code == 503 and "loading" in err["message"]
+        gate.set()
+        for _ in range(200):
+            if httpx.get(live.url + "/health").status_code == 200:
+                break
+            time.sleep(0.05)
+        assert httpx.get(live.url + "/v1/models").status_code == 200
+    finally:
+        live.stop()
