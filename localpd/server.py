@@ -19,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from localpd.device import device_info
 from localpd.engine import Engine, RequestHandle, TokenEvent
 from localpd.errors import LocalpdError
 from localpd.roofline import decode_ceiling_tps, utilisation
@@ -103,9 +104,10 @@ class Metrics:
 def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None = None, api_key: str | None = None,
                max_waiting: int = 64, bandwidth: float | None = None) -> FastAPI:
     """engine: a loaded engine; or load: called on a background thread at startup (/health says 503 until then).
-    bandwidth: bytes/s the MBU in `timings` and /metrics is measured against (None: MBU is left out)."""
+    bandwidth: bytes/s the MBU in `timings` and /metrics is measured against (default: the device's measured
+    copy bandwidth, else its datasheet peak; localpd.device)."""
     app = FastAPI(title="localpd", version="0.1.0", description="OpenAI-compatible local inference")
-    state = {"engine": engine, "error": None}
+    state = {"engine": engine, "error": None, "bandwidth": bandwidth}
     metrics = Metrics()
 
     if load is not None and engine is None:
@@ -301,6 +303,9 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
         out = {"ttft_ms": round(s.ttft * 1000, 3), "prefill_tokens_per_s": round(s.prefill_tps, 2),
                "decode_tokens_per_s": round(s.decode_tps, 2),
                "decode_bytes_per_s": round(s.decode_bytes / s.decode_step_seconds) if s.decode_step_seconds else 0}
+        if state["bandwidth"] is None:
+            state["bandwidth"] = device_info(e.device).bandwidth or 0.0
+        bandwidth = state["bandwidth"]
         if bandwidth:
             mbu = utilisation(s.decode_bytes, s.decode_step_seconds, bandwidth)
             out["decode_mbu"] = None if mbu is None else round(mbu, 4)
