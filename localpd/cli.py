@@ -66,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-waiting", type=positive_int, default=64, help="queued requests before answering 503")
     add_model_options(serve)
 
+    bench = sub.add_parser("bench", help="prefill/decode speed, MBU and MFU against the device's ceilings")
+    from localpd.bench import add_arguments
+
+    add_arguments(bench)
+    add_model_options(bench)
+
     pull = sub.add_parser("pull", help="download a model from the registry")
     pull.add_argument("model")
 
@@ -93,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
             from localpd.server import serve
 
             return serve(args)
+        if args.command == "bench":
+            from localpd.bench import run
+
+            return run(args)
         if args.command == "pull":
             from localpd.registry import pull
 

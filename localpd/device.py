@@ -81,6 +81,17 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int, reps: int = 5) -> 
     return 2 * src.numel() * 4 / best
 
 
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "CPU"
+
+
 def cache_file() -> Path:
     from localpd.registry import cache_dir
 
@@ -96,7 +107,7 @@ def device_info(device: torch.device | str = "cpu", measure: bool = True) -> Dev
         nbytes = 1 << 30
     else:
         index = None
-        name = platform.processor() or platform.machine() or "CPU"
+        name = cpu_name()
         key = f"cpu {name}|{os.cpu_count()} cores|torch {torch.__version__}"
         nbytes = 1 << 28
     entry = card_entry(name) if device.type == "cuda" else None

@@ -203,11 +203,11 @@ def parse_bytes(text: str | int | None) -> int | None:
 class Engine:
     def __init__(self, model: str | Path = "smollm2-135m", device: str | None = None, quant: str | None = None,
                  kv: str | None = None, max_context: int | None = None, kv_memory: str | int | None = None,
-                 progress: bool = False, max_step_tokens: int = MAX_STEP_TOKENS, max_running: int = MAX_RUNNING):
+                 kv_tokens: int | None = None, progress: bool = False, max_step_tokens: int = MAX_STEP_TOKENS, max_running: int = MAX_RUNNING):
         """quant: a weight scheme (localpd.schemes.SCHEMES); by default the file's own format on a GPU ("native")
         and float32 on the CPU. kv: the KV cache dtype (localpd.quant.kv.KV_DTYPES); by default the compute
         dtype. kv_memory: bytes for the KV cache (default: most of the free GPU memory; on the CPU room for
-        two full contexts)."""
+        two full contexts); or kv_tokens: room for that many tokens."""
         self.device = torch.device(device or default_device())
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise LocalpdError("--device cuda asked for, but torch sees no CUDA GPU")
@@ -228,6 +228,8 @@ class Engine:
         self.kv_dtype = check_kv_dtype(kv or default_kv, self.device)
         c = self.config
         self.kv_token_bytes = kv_bytes_per_token(self.kv_dtype, c.n_layers, c.n_kv_heads, c.head_dim)
+        if kv_tokens is not None and kv_memory is None:
+            kv_memory = -(-max(kv_tokens, self.max_context + 1) // PAGE_SIZE) * PAGE_SIZE * self.kv_token_bytes
         n_pages = self._kv_pages(parse_bytes(kv_memory))
         self.kv = new_kv_pool(self.kv_dtype, c.n_layers, n_pages, PAGE_SIZE, c.n_kv_heads, c.head_dim,
                               self.compute_dtype, self.device)

@@ -1,0 +1,103 @@
+"""Random weights with real models' shapes, built directly in a weight scheme, for benchmarks that must run
+anywhere with no download: decode speed depends on the bytes moved, not on the values."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from localpd.config import ModelConfig
+from localpd.errors import LocalpdError
+from localpd.loader import LoadedModel
+from localpd.quant.weights import Int4Weight, Int8Weight, Weight
+from localpd.schemes import DENSE, INT4, head_scheme
+
+# shapes from each model's config.json
+SYNTHETIC = {
+    "llama3-8b": ModelConfig("llama", 128256, 4096, 32, 32, 8, 128, 14336, 1e-5, 500000.0, max_context=8192),
+    "llama3.2-3b": ModelConfig("llama", 128256, 3072, 28, 24, 8, 128, 8192, 1e-5, 500000.0, max_context=8192,
+                               tie_embeddings=True),
+    "llama3.2-1b": ModelConfig("llama", 128256, 2048, 16, 32, 8, 64, 8192, 1e-5, 500000.0, max_context=8192,
+                               tie_embeddings=True),
+    "qwen2.5-7b": ModelConfig("qwen2", 152064, 3584, 28, 28, 4, 128, 18944, 1e-6, 1000000.0, max_context=8192,
+                              qkv_bias=True),
+    "qwen2.5-0.5b": ModelConfig("qwen2", 151936, 896, 24, 14, 2, 64, 4864, 1e-6, 1000000.0, max_context=8192,
+                                tie_embeddings=True, qkv_bias=True),
+    "smollm2-135m": ModelConfig("llama", 49152, 576, 30, 9, 3, 64, 1536, 1e-5, 100000.0, max_context=8192,
+                                tie_embeddings=True),
+}
+
+
+def matrix_shapes(c: ModelConfig) -> dict[str, tuple[int, int]]:
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    shapes = {}
+    for i in range(c.n_layers):
+        p = f"layers.{i}."
+        shapes.update({p + "q_proj": (q, c.dim), p + "k_proj": (kv, c.dim), p + "v_proj": (kv, c.dim),
+                       p + "o_proj": (c.dim, q), p + "gate_proj": (c.ffn_dim, c.dim),
+                       p + "up_proj": (c.ffn_dim, c.dim), p + "down_proj": (c.dim, c.ffn_dim)})
+    if not c.tie_embeddings:
+        shapes["lm_head"] = (c.vocab_size, c.dim)
+    return shapes
+
+
+def random_weight(shape: tuple[int, int], scheme: str, dtype: torch.dtype, device, g: torch.Generator) -> Weight:
+    """Values of about +-0.02 in the scheme's own format, without a dense copy first."""
+    n, k = shape
+    if scheme in INT4:
+        group = INT4[scheme]
+        if k % group:
+            raise LocalpdError(f"{scheme} needs input dimensions divisible by {group}; {k} is not")
+        packed = torch.randint(-2**31, 2**31 - 1, (n, k // 8), dtype=torch.int32, device=device, generator=g)
+        scales = torch.full((n, k // group), 0.02 / 7.5, dtype=torch.float16, device=device)
+        return Int4Weight(packed, scales, torch.full_like(scales, -0.02))
+    if scheme == "int8":
+        data = torch.randint(-127, 128, (n, k), dtype=torch.int8, device=device, generator=g)
+        return Int8Weight(data, torch.full((n, 1), 0.02 / 127, dtype=torch.float16, device=device))
+    return (torch.randn(n, k, device=device, generator=g, dtype=torch.float32) * 0.02).to(dtype)
+
+
+def synthetic_model(name: str, scheme: str, dtype: torch.dtype, device, seed: int = 0) -> LoadedModel:
+    if name not in SYNTHETIC:
+        raise LocalpdError(f"unknown synthetic model '{name}'; choose one of {', '.join(SYNTHETIC)}")
+    if scheme.startswith("bnb-"):
+        raise LocalpdError("synthetic models support native, fp32, fp16, bf16, int8 and int4 schemes")
+    c = SYNTHETIC[name]
+    c = ModelConfig(**{**c.__dict__, "name": name})
+    scheme = "bf16" if scheme == "native" else scheme
+    dense = DENSE.get(scheme, dtype)
+    g = torch.Generator(device=device).manual_seed(seed)
+    weights: dict[str, Weight] = {}
+    for wname, shape in matrix_shapes(c).items():
+        weights[wname] = random_weight(shape, head_scheme(wname, scheme, c.tie_embeddings), dense, device, g)
+    embed_scheme = head_scheme("embed_tokens", scheme, True) if c.tie_embeddings else "dense"
+    weights["embed_tokens"] = random_weight((c.vocab_size, c.dim), embed_scheme, dense, device, g)
+    if c.qkv_bias:
+        for i in range(c.n_layers):
+            for proj, n in (("q", c.n_heads), ("k", c.n_kv_heads), ("v", c.n_kv_heads)):
+                weights[f"layers.{i}.{proj}_proj.bias"] = torch.zeros(n * c.head_dim, dtype=dense, device=device)
+    ones = torch.ones(c.dim, dtype=dense, device=device)
+    for i in range(c.n_layers):
+        weights[f"layers.{i}.input_layernorm"] = ones
+        weights[f"layers.{i}.post_attention_layernorm"] = ones
+    weights["norm"] = ones
+    return LoadedModel(c, weights, Path(f"synthetic:{name}"))
+
+
+def synthetic_nbytes(name: str, scheme: str) -> int:
+    """Bytes the weights will take, to skip what does not fit before building it."""
+    c = SYNTHETIC[name]
+    scheme = "bf16" if scheme == "native" else scheme
+
+    def size(shape, s):
+        n, k = shape
+        if s in INT4:
+            return n * k // 2 + 4 * n * (k // INT4[s])
+        if s == "int8":
+            return n * k + 2 * n
+        return n * k * (4 if s == "fp32" else 2)
+
+    total = sum(size(shape, head_scheme(w, scheme, c.tie_embeddings)) for w, shape in matrix_shapes(c).items())
+    embed = head_scheme("embed_tokens", scheme, True) if c.tie_embeddings else "bf16"
+    return total + size((c.vocab_size, c.dim), embed)

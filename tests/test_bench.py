@@ -1,0 +1,55 @@
+"""`localpd bench` on the CPU: the table, the JSON and the roofline PNG, on the real model and on synthetic shapes."""
+
+import json
+
+import torch
+
+from localpd.cli import main
+from localpd.engine import Engine
+from localpd.model import Transformer
+from localpd.synthetic import SYNTHETIC, matrix_shapes, synthetic_model, synthetic_nbytes
+from localpd.sampling import SamplingParams
+
+
+def test_bench_prints_the_table_and_writes_json_and_png(default_gguf, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("LOCALPD_HOME", str(tmp_path))
+    out_json, out_png = tmp_path / "b.json", tmp_path / "b.png"
+    assert main(["bench", str(default_gguf), "--prompt-len", "16,40", "--batch", "1,2", "--gen-len", "6",
+                 "--json", str(out_json), "--plot", str(out_png)]) == 0
+    text = capsys.readouterr().out
+    assert "decode tok/s" in text and "MBU" in text and "measured" in text
+    data = json.loads(out_json.read_text())
+    points = data["points"]
+    assert [(p["prompt_len"], p["batch"]) for p in points] == [(16, 1), (16, 2), (40, 1), (40, 2)]
+    for p in points:
+        assert p["decode_tps"] > 0 and p["prefill_tps"] > 0 and 0 < p["decode_mbu"] < 1.5
+        assert p["ceiling_tps"] > p["decode_tps"] * 0.5
+    assert data["device"]["measured_bandwidth"] > 0
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_synthetic_bench_runs_and_oversized_models_are_skipped(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("LOCALPD_HOME", str(tmp_path))
+    assert main(["bench", "--synthetic", "smollm2-135m", "--quant", "int8", "--prompt-len", "8", "--gen-len", "3"]) == 0
+    assert "synthetic:smollm2-135m" in capsys.readouterr().out
+    monkeypatch.setattr("os.sysconf", lambda name: 1024)  # pretend the machine has almost no memory
+    assert main(["bench", "--synthetic", "llama3-8b", "--quant", "int4-g128"]) == 0
+    assert "skipped" in capsys.readouterr().out
+
+
+def test_synthetic_shapes_follow_the_config_and_run():
+    c = SYNTHETIC["qwen2.5-0.5b"]
+    loaded = synthetic_model("qwen2.5-0.5b", "int4-g32", torch.float32, "cpu")
+    for name, shape in matrix_shapes(c).items():
+        assert tuple(loaded.weights[name].shape) == shape
+    assert loaded.weights["layers.0.q_proj.bias"].shape == (c.n_heads * c.head_dim,)
+    model = Transformer(loaded.config, loaded.weights)
+    nbytes = synthetic_nbytes("qwen2.5-0.5b", "int4-g32")
+    assert abs(model.body_bytes + model.lm_head.nbytes - nbytes) / nbytes < 0.01
+
+
+def test_engine_runs_a_synthetic_model_without_a_tokenizer():
+    engine = Engine("synthetic:smollm2-135m", device="cpu", quant="int8", max_context=64)
+    events = list(engine.generate([1, 2, 3], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)))
+    assert len(events) == 4 and events[-1].finish_reason == "length" and engine.tokenizer is None
+    engine.close()
