@@ -58,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_options(chat)
     add_sampling_options(chat)
 
+    tui = sub.add_parser("tui", help="the chat app: saved conversations and the live bandwidth panel")
+    tui.add_argument("model", nargs="?", help="registry name, .gguf file or model directory (default: the registry's default)")
+    tui.add_argument("--system", help="system prompt for new conversations")
+    add_model_options(tui)
+    add_sampling_options(tui)
+
     serve = sub.add_parser("serve", help="an OpenAI-compatible API on localhost (/v1/chat/completions ...)")
     serve.add_argument("model", nargs="?", help="registry name, .gguf file or model directory (default: the registry's default)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
@@ -95,6 +101,10 @@ def main(argv: list[str] | None = None) -> int:
             from localpd.chat import run_chat
 
             return run_chat(args)
+        if args.command == "tui":
+            from localpd.tui.app import run_tui
+
+            return run_tui(args)
         if args.command == "serve":
             from localpd.server import serve
 

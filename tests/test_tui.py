@@ -1,0 +1,120 @@
+"""The Textual app driven by Pilot with the real default model: replies stream and persist, stop, switch,
+reopen, and the panel's numbers are the engine's own."""
+
+import asyncio
+import time
+
+import pytest
+
+from localpd.engine import Engine
+from localpd.sampling import SamplingParams
+from localpd.tui.app import LocalpdApp, MessageView
+from localpd.tui.panel import BandwidthPanel
+from localpd.tui.store import Store
+
+SIZE = (140, 40)
+
+
+def make_app(default_gguf, db, **kw):
+    def load(name):
+        return Engine(default_gguf, device="cpu", max_context=1024)
+
+    return LocalpdApp(load, db, params=SamplingParams(temperature=0, max_tokens=kw.pop("max_tokens", 24)), **kw)
+
+
+async def until(pilot, condition, timeout=60.0):
+    end = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > end:
+            raise AssertionError("timed out waiting for the app")
+        await pilot.pause(0.05)
+
+
+async def send(pilot, app, text):
+    await until(pilot, lambda: app.engine is not None)
+    prompt = app.query_one("#prompt")
+    prompt.value = text
+    await pilot.press("enter")
+    await until(pilot, lambda: app.last_handle is not None and app.handle is None)
+
+
+def test_reply_streams_persists_and_panel_matches_the_engine(default_gguf, tmp_path):
+    db = tmp_path / "c.db"
+
+    async def scenario():
+        app = make_app(default_gguf, db)
+        async with app.run_test(size=SIZE) as pilot:
+            await send(pilot, app, "What is the capital of France?")
+            views = app.query(MessageView)
+            assert [v.role for v in views] == ["user", "assistant"] and "Paris" in views[-1].text
+            panel = app.query_one(BandwidthPanel)
+            s = app.last_handle.stats
+            assert panel.data.decode_bytes == s.decode_bytes and panel.data.decode_seconds == pytest.approx(
+                s.decode_step_seconds)
+            decode_steps = s.output_tokens - 1 + (s.finish_reason == "stop")  # the step that sampled EOS counts
+            assert len(panel.data.token_gbs) == decode_steps
+            assert panel.data.prompt_tokens == s.prompt_tokens and panel.data.ttft == s.ttft
+            assert panel.data.pct_measured is not None and panel.data.ceiling_tps > 0
+        store = Store(db)
+        [conv] = store.conversations()
+        msgs = store.messages(conv.id)
+        assert [m.role for m in msgs] == ["user", "assistant"] and "Paris" in msgs[1].content
+        assert msgs[1].stats["finish_reason"] == "stop" and conv.title.startswith("What is the capital")
+        store.close()
+
+    asyncio.run(scenario())
+
+
+def test_stop_switch_and_reopen(default_gguf, tmp_path):
+    db = tmp_path / "c.db"
+
+    async def first_session():
+        app = make_app(default_gguf, db, max_tokens=400)
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.engine is not None)
+            app.query_one("#prompt").value = "Write a very long essay about the history of rivers."
+            await pilot.press("enter")
+            await until(pilot, lambda: len(app.query_one(BandwidthPanel).data.token_gbs) >= 3)
+            await pilot.press("escape")
+            await until(pilot, lambda: app.handle is None)
+            assert app.last_handle.stats.finish_reason == "cancelled"
+            assert app.last_handle.stats.output_tokens < 400
+            engine = app.engine
+            await until(pilot, lambda: engine.stats().kv_pages_used == 0)
+            await pilot.press("ctrl+n")
+            await send(pilot, app, "Name a colour.")
+            items = app.query_one("#conversations").children
+            assert len(items) == 2
+            app.query_one("#conversations").index = 1  # the older conversation
+            app.query_one("#conversations").action_select_cursor()
+            await until(pilot, lambda: any("rivers" in v.text for v in app.query(MessageView)))
+
+    async def second_session():
+        app = make_app(default_gguf, db)
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.pause(0.2)
+            titles = [c.title for c in app.store.conversations()]
+            assert len(titles) == 2 and any(t.startswith("Write a very long essay") for t in titles)
+            assert any(v.role == "assistant" for v in app.query(MessageView))
+
+    asyncio.run(first_session())
+    store = Store(db)
+    stopped = [m for c in store.conversations() for m in store.messages(c.id) if m.role == "assistant"
+               and m.stats["finish_reason"] == "cancelled"]
+    assert len(stopped) == 1 and stopped[0].content
+    store.close()
+    asyncio.run(second_session())
+
+
+def test_a_corrupt_database_is_moved_aside(default_gguf, tmp_path):
+    db = tmp_path / "c.db"
+    db.write_bytes(b"this is not a database" * 100)
+
+    async def scenario():
+        app = make_app(default_gguf, db)
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.pause(0.2)
+            assert app.store.recovered_from is not None and app.store.recovered_from.exists()
+            assert app.store.conversations()
+
+    asyncio.run(scenario())
