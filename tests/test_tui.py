@@ -2,7 +2,12 @@
 reopen, and the panel's numbers are the engine's own."""
 
 import asyncio
+import os
+import shutil
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -118,3 +123,15 @@ def test_a_corrupt_database_is_moved_aside(default_gguf, tmp_path):
             assert app.store.conversations()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+def test_real_terminal_capture_after_one_reply(default_gguf, tmp_path):
+    out = tmp_path / "screen.txt"
+    script = Path(__file__).parent.parent / "scripts" / "tui_tmux_capture.sh"
+    done = subprocess.run([str(script), str(default_gguf), str(out)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHON": sys.executable})
+    screen = out.read_text()
+    assert done.returncode == 0, done.stderr + screen
+    assert "What is the capital of France?" in screen and "Paris" in screen
+    assert "GB/s" in screen and "pages" in screen  # the panel is on screen with live numbers

@@ -99,7 +99,7 @@ def roofline_chart(data: PanelData, info: DeviceInfo | None, width: int = 26, he
         put(x, y, "·")
     for (x, y), ch in zip(zip(xs, ys), "PD" if data.prefill_point else "D"):
         put(x, y, ch)
-    return "\n".join("".join(r) for r in grid) + "\nFLOP/byte →  (P prefill, D decode)"
+    return "\n".join("".join(r) for r in grid) + "\nFLOP/byte → · roof P prefill D decode"
 
 
 class BandwidthPanel(Vertical):
@@ -134,8 +134,9 @@ class BandwidthPanel(Vertical):
                       f"KV       {s.kv_pages_used}/{s.kv_pages_total} pages, {s.kv_dtype}"]
         lines += [
             f"token    {num(d.last_gbs, '.1f', ' GB/s')}",
-            f"         {pct(d.pct_measured)} of measured, {pct(d.pct_peak)} of peak",
-            f"decode   {num(d.decode_tps, '.1f', ' tok/s')} / ceiling {num(d.ceiling_tps, '.0f')}",
+            f"         {pct(d.pct_measured)} measured, {pct(d.pct_peak)} peak",
+            f"decode   {num(d.decode_tps, '.1f', ' tok/s')}",
+            f"ceiling  {num(d.ceiling_tps, '.0f', ' tok/s')}",
             f"TTFT     {num(None if d.ttft is None else d.ttft * 1000, '.0f', ' ms')}, MFU {pct(d.prefill_mfu)}",
             f"cached   {d.cached_tokens}/{d.prompt_tokens} prompt tokens",
         ]
