@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from localpd.kernels.dispatch import cdiv, sm_count, use_triton
 from localpd.quant.kv import KVLayer, dequantize_kv, quantize_kv
 
 
@@ -60,10 +61,77 @@ def paged_attention_ref(q: torch.Tensor, layer: KVLayer, page_table: torch.Tenso
     return out
 
 
+KINDS = {"fp32": 0, "fp16": 0, "bf16": 0, "int8": 1, "fp8": 2, "int4": 3}
+BLOCK_M = 16  # query rows per prefill program (tl.dot needs 16)
+
+
+def triton_supports(layer: KVLayer, head_dim: int) -> bool:
+    """Head dims 64 and 128 (powers of two the kernels tile), pages of 16 or 32 tokens."""
+    return head_dim in (64, 128) and layer.page_size in (16, 32)
+
+
+def _strides(layer: KVLayer):
+    c = layer.k_scale.stride()[:3] if layer.k_scale is not None else (0, 0, 0)
+    return (*layer.k.stride()[:3], *c)
+
+
+def _scales(layer: KVLayer):
+    dummy = layer.k  # never read for formats without scales
+    return tuple(dummy if t is None else t for t in (layer.k_scale, layer.v_scale, layer.k_zero, layer.v_zero))
+
+
 def write_kv(layer: KVLayer, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    write_kv_ref(layer, k, v, slots)
+    """In place: k, v [T, H, D] into their slots, quantized to the layer's format."""
+    # fp8 pages are written by torch: Triton's interpreter converts some values to e4m3 wrongly, so a Triton fp8
+    # write could not be checked here (reading fp8 in the attention kernels is checked)
+    if not (use_triton(k) and triton_supports(layer, k.shape[-1])) or layer.kv_dtype == "fp8":
+        return write_kv_ref(layer, k, v, slots)
+    from localpd.kernels.paged_attention import write_kv_kernel
+
+    T, H, D = k.shape
+    ks, vs, kz, vz = _scales(layer)
+    for x, data, scale, zero in ((k, layer.k, ks, kz), (v, layer.v, vs, vz)):
+        x = x.contiguous()
+        write_kv_kernel[(T, H)](x, slots, data, scale, zero, x.stride(0), x.stride(1), *_strides(layer),
+                                KIND=KINDS[layer.kv_dtype], PS=layer.page_size, D=D)
+
+
+def decode_splits(batch_heads: int, max_pages: int, device: torch.device) -> int:
+    """Partitions of each sequence's pages, so that short batches still fill the GPU at long contexts."""
+    target = 2 * sm_count(device) if device.type == "cuda" else 4
+    return max(1, min(max_pages, cdiv(target, batch_heads)))
 
 
 def paged_attention(q: torch.Tensor, layer: KVLayer, page_table: torch.Tensor, seq_lens: torch.Tensor,
                     q_starts: torch.Tensor, scale: float) -> torch.Tensor:
-    return paged_attention_ref(q, layer, page_table, seq_lens, q_starts, scale)
+    """q [T, Hq, D] -> [T, Hq, D] (see the module docstring). Decode kernel when every sequence has one query
+    row (T == B, known without reading the device), else the prefill kernel."""
+    T, Hq, D = q.shape
+    if not (use_triton(q) and triton_supports(layer, D)):
+        return paged_attention_ref(q, layer, page_table, seq_lens, q_starts, scale)
+    from localpd.kernels.paged_attention import decode_kernel, decode_reduce_kernel, prefill_kernel
+
+    B, H = seq_lens.shape[0], layer.k.shape[2]
+    group = Hq // H
+    out = torch.empty_like(q)
+    ks, vs, kz, vz = _scales(layer)
+    kind = KINDS[layer.kv_dtype]
+    if T == B:
+        max_pages = page_table.shape[1]
+        splits = decode_splits(B * H, max_pages, q.device)
+        per_split = cdiv(max_pages, splits)
+        gp = 1 << (group - 1).bit_length()  # the group padded to a power of two
+        part_acc = torch.empty(B * H * splits * gp, D, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(B * H * splits * gp, 2, dtype=torch.float32, device=q.device)
+        decode_kernel[(B, H, splits)](q, layer.k, layer.v, ks, vs, kz, vz, page_table, seq_lens, part_acc, part_ml,
+                                      scale, q.stride(0), q.stride(1), page_table.stride(0), *_strides(layer),
+                                      per_split, KIND=kind, PS=layer.page_size, D=D, GROUP=group, GP=gp,
+                                      SPLITS=splits)
+        decode_reduce_kernel[(B, H)](part_acc, part_ml, out, out.stride(0), out.stride(1), D=D, GROUP=group, GP=gp,
+                                     SPLITS=splits)
+        return out
+    prefill_kernel[(B, cdiv(T, BLOCK_M), Hq)](q, layer.k, layer.v, ks, vs, kz, vz, page_table, seq_lens, q_starts,
+                                              out, scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+                                              page_table.stride(0), *_strides(layer), KIND=kind, PS=layer.page_size,
+                                              D=D, GROUP=group, BLOCK_M=BLOCK_M)
+    return out
