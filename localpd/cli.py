@@ -78,6 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(bench)
     add_model_options(bench)
 
+    quant = sub.add_parser("quantize", help="quantize a model once and save it (loads memory-mapped afterwards)")
+    quant.add_argument("model", help="registry name, .gguf file or model directory")
+    quant.add_argument("--scheme", required=True, choices=SCHEMES, metavar="SCHEME", help=", ".join(SCHEMES))
+    quant.add_argument("--out", help="output directory (default: $LOCALPD_HOME/quantized/NAME-SCHEME)")
+
     pull = sub.add_parser("pull", help="download a model from the registry")
     pull.add_argument("model")
 
@@ -113,6 +118,10 @@ def main(argv: list[str] | None = None) -> int:
             from localpd.bench import run
 
             return run(args)
+        if args.command == "quantize":
+            from localpd.quantize import run_quantize
+
+            return run_quantize(args)
         if args.command == "pull":
             from localpd.registry import pull
 

@@ -25,3 +25,17 @@ class ModelConfig:
     qkv_bias: bool = False
     name: str = ""
     extra: dict = field(default_factory=dict)
+
+
+def matrix_shapes(c: ModelConfig) -> dict[str, tuple[int, int]]:
+    """[out, in] of every projection the model multiplies by (the tied output head is the embedding)."""
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    shapes = {}
+    for i in range(c.n_layers):
+        p = f"layers.{i}."
+        shapes.update({p + "q_proj": (q, c.dim), p + "k_proj": (kv, c.dim), p + "v_proj": (kv, c.dim),
+                       p + "o_proj": (c.dim, q), p + "gate_proj": (c.ffn_dim, c.dim),
+                       p + "up_proj": (c.ffn_dim, c.dim), p + "down_proj": (c.dim, c.ffn_dim)})
+    if not c.tie_embeddings:
+        shapes["lm_head"] = (c.vocab_size, c.dim)
+    return shapes

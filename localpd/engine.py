@@ -24,6 +24,7 @@ from localpd.kvcache import PagePool
 from localpd.loader import LoadedModel, load_model
 from localpd.model import Batch, Transformer
 from localpd.quant.kv import check_kv_dtype, kv_bytes_per_token, new_kv_pool
+from localpd.quant.store import is_quantized_dir
 from localpd.registry import resolve_model
 from localpd.roofline import step_cost
 from localpd.sampling import Sampler, SamplingParams
@@ -211,13 +212,16 @@ class Engine:
         self.device = torch.device(device or default_device())
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise LocalpdError("--device cuda asked for, but torch sees no CUDA GPU")
-        self.quant = check_scheme(quant or ("fp32" if self.device.type == "cpu" else "native"))
+        prequantized = is_quantized_dir(Path(str(model)))  # `localpd quantize` output: run as stored
+        self.quant = check_scheme(quant or ("fp32" if self.device.type == "cpu" and not prequantized else "native"))
         self.compute_dtype = compute_dtype(self.quant, self.device)
         loaded = self._load(str(model), progress)
         self.config = loaded.config
         self.tokenizer: Tokenizer | None = None
         if loaded.gguf is not None:
             self.tokenizer = Tokenizer.from_gguf_metadata(loaded.gguf.metadata)
+        elif loaded.tokenizer_meta is not None:
+            self.tokenizer = Tokenizer.from_gguf_metadata(loaded.tokenizer_meta)
         elif loaded.hf_dir is not None:
             self.tokenizer = Tokenizer.from_dir(loaded.hf_dir)
         self.model = Transformer(loaded.config, loaded.weights)

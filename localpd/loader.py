@@ -9,9 +9,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from localpd.config import ModelConfig
+from localpd.config import ModelConfig, matrix_shapes
 from localpd.errors import LocalpdError
 from localpd.gguf import GGUFFile
+from localpd.quant.store import is_quantized_dir, load_quantized, tokenizer_meta
 from localpd.quant.weights import Weight, from_gguf
 from localpd.schemes import GGUF_REQUANT, check_scheme, head_scheme, imports_exactly, is_matrix, quantize
 
@@ -30,7 +31,8 @@ class LoadedModel:
     weights: dict[str, torch.Tensor]
     source: Path
     gguf: GGUFFile | None = None
-    hf_dir: Path | None = None
+    hf_dir: Path | None = None  # where tokenizer.json lies
+    tokenizer_meta: dict | None = None  # GGUF tokenizer metadata kept by `localpd quantize`
 
 
 def load_model(path, dtype: torch.dtype = torch.float32, device="cpu", scheme: str = "native") -> LoadedModel:
@@ -41,8 +43,25 @@ def load_model(path, dtype: torch.dtype = torch.float32, device="cpu", scheme: s
     if not path.exists():
         raise LocalpdError(f"model file not found: {path}")
     if path.is_dir():
+        if is_quantized_dir(path):
+            return load_quantized_dir(path, dtype, device, scheme)
         return load_hf_dir(path, dtype, device, scheme)
     return load_gguf(path, dtype, device, scheme)
+
+
+def load_quantized_dir(path: Path, dtype, device, scheme: str) -> LoadedModel:
+    """What `localpd quantize` wrote: weights as stored, dense ones (norms) in the compute dtype."""
+    config, weights, _ = load_quantized(path, device, scheme)
+    for name, w in weights.items():
+        if isinstance(w, torch.Tensor) and name != "rope_freqs":
+            weights[name] = w.to(dtype)
+    for name, shape in matrix_shapes(config).items():
+        if name not in weights or tuple(weights[name].shape) != shape:
+            got = tuple(weights[name].shape) if name in weights else "nothing"
+            raise LocalpdError(f"{path}: weight {name} is {got}, the model's config says {shape}: the files do "
+                               f"not belong together; quantize the model again")
+    meta = tokenizer_meta(path)
+    return LoadedModel(config, weights, path, hf_dir=None if meta else path, tokenizer_meta=meta)
 
 
 def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from localpd.config import ModelConfig
+from localpd.config import ModelConfig, matrix_shapes
 from localpd.errors import LocalpdError
 from localpd.loader import LoadedModel
 from localpd.quant.weights import Int4Weight, Int8Weight, Weight
@@ -27,19 +27,6 @@ SYNTHETIC = {
     "smollm2-135m": ModelConfig("llama", 49152, 576, 30, 9, 3, 64, 1536, 1e-5, 100000.0, max_context=8192,
                                 tie_embeddings=True),
 }
-
-
-def matrix_shapes(c: ModelConfig) -> dict[str, tuple[int, int]]:
-    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-    shapes = {}
-    for i in range(c.n_layers):
-        p = f"layers.{i}."
-        shapes.update({p + "q_proj": (q, c.dim), p + "k_proj": (kv, c.dim), p + "v_proj": (kv, c.dim),
-                       p + "o_proj": (c.dim, q), p + "gate_proj": (c.ffn_dim, c.dim),
-                       p + "up_proj": (c.ffn_dim, c.dim), p + "down_proj": (c.dim, c.ffn_dim)})
-    if not c.tie_embeddings:
-        shapes["lm_head"] = (c.vocab_size, c.dim)
-    return shapes
 
 
 def random_weight(shape: tuple[int, int], scheme: str, dtype: torch.dtype, device, g: torch.Generator) -> Weight:
