@@ -100,6 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["bench", "kernels"]:  # its own options; `bench MODEL` takes the rest
+        from localpd.bench_kernels import main as bench_kernels
+
+        return bench_kernels(argv[2:])
     args = build_parser().parse_args(argv)
     try:
         if args.command == "chat":

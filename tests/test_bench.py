@@ -53,3 +53,13 @@ def test_engine_runs_a_synthetic_model_without_a_tokenizer():
     events = list(engine.generate([1, 2, 3], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)))
     assert len(events) == 4 and events[-1].finish_reason == "length" and engine.tokenizer is None
     engine.close()
+
+
+def test_bench_kernels_without_a_gpu_runs_the_references_and_says_so(tmp_path, capsys):
+    out = tmp_path / "k.json"
+    assert main(["bench", "kernels", "--m", "1", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "no GPU" in text and "tinygemm int4-g128: n/a (GPU only)" in text
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["shape"] for r in rows] == ["qkv", "o", "gate_up", "down", "lm_head"]
+    assert all(r["rel_err"]["int8"] < 1e-6 and r["cells"]["int4-g128"][0] > 0 for r in rows)
