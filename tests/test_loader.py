@@ -50,7 +50,8 @@ def tiny_hf_model(kind, tmp_path, shard=False):
 
 @pytest.mark.parametrize("kind,shard", [("llama", False), ("llama", True), ("qwen2", False)])
 def test_safetensors_directory_matches_transformers_logits(kind, shard, tmp_path):
-    from localpd.model import Transformer
+    from localpd.model import Batch, Transformer
+    from localpd.quant.kv import new_kv_pool
 
     ref = tiny_hf_model(kind, tmp_path, shard)
     if shard:
@@ -61,7 +62,9 @@ def test_safetensors_directory_matches_transformers_logits(kind, shard, tmp_path
     with torch.no_grad():
         want = ref(ids[None]).logits[0]
     model = Transformer(lm.config, lm.weights)
-    got = model.prefill(ids, model.new_cache(32), all_logits=True)
+    c = lm.config
+    pool = new_kv_pool("fp32", c.n_layers, 2, 16, c.n_kv_heads, c.head_dim, model.dtype, model.device)
+    got = model.forward(Batch.single(ids.tolist(), 0, 2, 16, model.device, all_logits=True), pool)
     assert (got - want).abs().max() < 1e-4
 
 
