@@ -1,4 +1,5 @@
-"""Triton int4/int8 matmul kernels against their torch references, on the CPU through Triton's interpreter.
+"""Triton int4/int8 matmul kernels against their torch references: on the CPU through Triton's interpreter, or
+compiled on a GPU with LOCALPD_TEST_DEVICE=cuda (the same checks, the same references).
 
 TRITON_INTERPRET must be set before the kernel modules are imported (Triton reads it when a kernel is
 decorated), so it is set here, before anything imports triton.
@@ -6,7 +7,9 @@ decorated), so it is set here, before anything imports triton.
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"
+DEV = os.environ.get("LOCALPD_TEST_DEVICE", "cpu")
+if DEV == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -32,17 +35,17 @@ def make_case(fmt, n, k, group, seed):
     w = torch.randn(n, k, generator=g) * 0.1
     if fmt == "int4":
         q = Int4Weight.quantize(w, group)
-        args = (q.packed, q.scales, q.biases, group)
+        args = (q.packed.to(DEV), q.scales.to(DEV), q.biases.to(DEV), group)
         return args, int4_matmul, int4_matmul_ref
     q = Int8Weight.quantize(w, group)
-    args = (q.data, q.scales, q.group)
+    args = (q.data.to(DEV), q.scales.to(DEV), q.group)
     return args, int8_matmul, int8_matmul_ref
 
 
 def check(fmt, m, n, k, group, dtype, seed, **kw):
     args, kernel, ref_fn = make_case(fmt, n, k, group, seed)
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
-    out = torch.full((m, n), float("nan"), dtype=dtype)  # poison: every element must be written
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed + 1)).to(dtype).to(DEV)
+    out = torch.full((m, n), float("nan"), dtype=dtype, device=DEV)  # poison: every element must be written
     y = kernel(x, *args, out=out, **kw)
     ref = ref_fn(x, *args)
     assert y is out and y.dtype == dtype and y.shape == (m, n)
@@ -53,7 +56,7 @@ def check(fmt, m, n, k, group, dtype, seed, **kw):
 def dtypes_for(m):
     # the interpreter multiplies bf16 tiles in tl.dot as raw uint16 bits, so bf16 is checked on the
     # FMA path only (M <= 4); on the GPU tl.dot takes bf16 natively
-    return (torch.float32, torch.float16) + ((torch.bfloat16,) if m <= 4 else ())
+    return (torch.float32, torch.float16) + ((torch.bfloat16,) if m <= 4 or DEV != "cpu" else ())
 
 
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
@@ -96,9 +99,10 @@ def test_k_tail_and_forced_paths(fmt):
 def test_gemv_path_refuses_large_m():
     args, kernel, _ = make_case("int4", 40, 128, 32, 0)
     with pytest.raises(LocalpdError, match="gemv"):
-        kernel(torch.randn(17, 128), *args, path="gemv")
+        kernel(torch.randn(17, 128, device=DEV), *args, path="gemv")
 
 
+@pytest.mark.skipif(DEV != "cpu", reason="CPU dispatch")
 @pytest.mark.parametrize("interpret", [True, False])
 def test_linear_dispatch(monkeypatch, interpret):
     import localpd.kernels.dispatch as dispatch
@@ -133,3 +137,12 @@ def test_launch_heuristics():
     assert pick_split_k(14336, 4096, 132) == 1         # enough tiles already
     assert pick_split_k(1024, 128, 132) == 1           # too little K to split
     assert pick_split_k(4096, 4096, 1) == 1            # interpreter / CPU
+
+
+@pytest.mark.skipif(DEV == "cpu", reason="real model sizes need a GPU")
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+@pytest.mark.parametrize("m", [1, 2, 4, 7, 16, 17, 512])
+def test_model_sized_shapes(fmt, m):
+    """Llama-3-8B and SmolLM2 shapes (autotuned configs, split-K chosen by the SM count) and an odd N."""
+    for i, (n, k) in enumerate([(6144, 4096), (4096, 14336), (1536, 576), (49152 + 7, 576)]):
+        check(fmt, m, n, k, 32 if k % 128 else 128, (torch.bfloat16, torch.float16)[i % 2], seed=m * 10 + i)

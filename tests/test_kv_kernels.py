@@ -1,11 +1,14 @@
-"""Triton KV kernels against their torch references, on the CPU through Triton's interpreter.
+"""Triton KV kernels against their torch references: on the CPU through Triton's interpreter, or compiled on a
+GPU with LOCALPD_TEST_DEVICE=cuda.
 
 LOCALPD_TRITON_INTERPRET makes the dispatcher launch Triton on CPU tensors (and sets TRITON_INTERPRET); it must
 be set before triton is imported."""
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"
+DEV = os.environ.get("LOCALPD_TEST_DEVICE", "cpu")
+if DEV == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -18,11 +21,12 @@ DTYPES = ["fp32", "bf16", "int8", "fp8", "int4"]
 
 @pytest.fixture(autouse=True)
 def interpret(monkeypatch):
-    monkeypatch.setenv("LOCALPD_TRITON_INTERPRET", "1")
+    if DEV == "cpu":
+        monkeypatch.setenv("LOCALPD_TRITON_INTERPRET", "1")
 
 
 def pools(kv_dtype, n_pages, page_size, H, D, compute=torch.float32):
-    return [new_kv_pool(kv_dtype, 1, n_pages, page_size, H, D, compute, "cpu") for _ in range(2)]
+    return [new_kv_pool(kv_dtype, 1, n_pages, page_size, H, D, compute, DEV) for _ in range(2)]
 
 
 def dequantized(layer):
@@ -36,8 +40,8 @@ def test_write_kv_matches_the_reference(kv_dtype, D):
     g = torch.Generator().manual_seed(3)
     ps, H, T = 16, 2, 37
     tri, ref = pools(kv_dtype, 6, ps, H, D)
-    slots = torch.randperm(6 * ps, generator=g)[:T]  # scattered, crossing pages
-    k, v = torch.randn(2, T, H, D, generator=g) * 2
+    slots = torch.randperm(6 * ps, generator=g)[:T].to(DEV)  # scattered, crossing pages
+    k, v = (torch.randn(2, T, H, D, generator=g) * 2).to(DEV)
     k[4] = 0.0  # constant rows: no NaN
     write_kv(tri.layer(0), k, v, slots)
     write_kv_ref(ref.layer(0), k, v, slots)
@@ -57,21 +61,22 @@ def test_write_kv_matches_the_reference(kv_dtype, D):
 def build_case(kv_dtype, page_size, H, group, lens, q_lens, D=64, dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
     n_pages = sum(-(-n // page_size) for n in lens) + 2
-    pool = new_kv_pool(kv_dtype, 1, n_pages, page_size, H, D, dtype, "cpu")
+    pool = new_kv_pool(kv_dtype, 1, n_pages, page_size, H, D, dtype, DEV)
     layer = pool.layer(0)
     order = torch.randperm(n_pages, generator=g).tolist()
     tables, starts = [], [0]
     for n, t in zip(lens, q_lens):
         pages = [order.pop() for _ in range(-(-n // page_size))]
         tables.append(pages)
-        k, v = torch.randn(2, n, H, D, generator=g)
-        slots = torch.tensor([pages[p // page_size] * page_size + p % page_size for p in range(n)])
+        k, v = torch.randn(2, n, H, D, generator=g).to(DEV)
+        slots = torch.tensor([pages[p // page_size] * page_size + p % page_size for p in range(n)], device=DEV)
         write_kv_ref(layer, k, v, slots)
         starts.append(starts[-1] + t)
     width = max(map(len, tables))
-    table = torch.tensor([p + [p[0]] * (width - len(p)) for p in tables], dtype=torch.int32)
-    q = torch.randn(starts[-1], H * group, D, generator=g).to(dtype)
-    return q, layer, table, torch.tensor(lens, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32)
+    table = torch.tensor([p + [p[0]] * (width - len(p)) for p in tables], dtype=torch.int32, device=DEV)
+    q = torch.randn(starts[-1], H * group, D, generator=g).to(dtype).to(DEV)
+    return (q, layer, table, torch.tensor(lens, dtype=torch.int32, device=DEV),
+            torch.tensor(starts, dtype=torch.int32, device=DEV))
 
 
 def check(case, atol):
@@ -109,3 +114,11 @@ def test_decode_splits_including_empty_partitions(kv_dtype, lens):
 
     assert decode_splits(len(lens), 7, torch.device("cpu")) > 1  # the partitions really are exercised
     check(build_case(kv_dtype, 16, 1, 4, lens, [1] * len(lens), seed=5), 1e-4)
+
+
+@pytest.mark.skipif(DEV == "cpu", reason="long contexts need a GPU")
+@pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "fp8", "int4"])
+def test_long_contexts_on_the_gpu(kv_dtype):
+    """Llama-3-8B heads (8 KV heads, GQA 4, D 128) at thousands of tokens, decode and a prefill chunk."""
+    check(build_case(kv_dtype, 16, 8, 4, [4099, 1, 777], [1, 1, 1], D=128, dtype=torch.bfloat16, seed=9), 2e-2)
+    check(build_case(kv_dtype, 16, 8, 4, [2100, 300], [64, 300], D=128, dtype=torch.bfloat16, seed=10), 2e-2)

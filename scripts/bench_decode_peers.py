@@ -1,0 +1,172 @@
+"""Batch-1 decode of Llama-3-8B shapes (random weights): localpd beside plain-torch peers, measured in one run.
+
+Peers: a plain torch bf16 decode loop (eager), and a gpt-fast-style loop with torch's int4 tinygemm kernel
+(`aten._weight_int4pack_mm`, group 128), eager and replayed as a CUDA graph. localpd runs its engine on
+`synthetic:llama3-8b` with int4-g128 (and bf16). Each line prints tok/s, the weight bytes streamed per second and
+that as a share of the measured copy bandwidth (MBU), and the ratio to localpd int4-g128.
+
+    python scripts/bench_decode_peers.py [--model llama3-8b] [--steps 128] [--context 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+import torch.nn.functional as F
+
+from localpd.bench_kernels import tinygemm
+from localpd.device import measure_copy_bandwidth
+from localpd.synthetic import SYNTHETIC
+
+
+class TorchLlama:
+    """The smallest Llama decode loop: static KV cache [L, 2, Hkv, ctx, D], SDPA, bf16 or tinygemm int4."""
+
+    def __init__(self, c, int4: bool, ctx: int, device="cuda"):
+        self.c, self.ctx = c, ctx
+        d, hd = c.dim, c.head_dim
+        nq, nkv = c.n_heads * hd, c.n_kv_heads * hd
+        self.nbytes = 0
+
+        def lin(n, k):
+            if int4:
+                fn, nbytes = tinygemm(torch.empty(n, k, device=device, dtype=torch.bfloat16), 128)
+            else:
+                w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
+                fn, nbytes = (lambda x, w=w: F.linear(x, w)), w.numel() * 2
+            self.nbytes += nbytes
+            return fn
+
+        self.layers = [dict(qkv=lin(nq + 2 * nkv, d), o=lin(d, nq), w13=lin(2 * c.ffn_dim, d), w2=lin(d, c.ffn_dim),
+                            n1=torch.ones(d, device=device, dtype=torch.bfloat16),
+                            n2=torch.ones(d, device=device, dtype=torch.bfloat16)) for _ in range(c.n_layers)]
+        self.embed = torch.randn(c.vocab_size, d, device=device, dtype=torch.bfloat16) * 0.02
+        self.head = lin(c.vocab_size, d)
+        self.norm = torch.ones(d, device=device, dtype=torch.bfloat16)
+        self.nbytes += 2 * d * (2 * c.n_layers + 1) + 2 * d  # norms and one embedding row
+        self.cache = torch.zeros(c.n_layers, 2, c.n_kv_heads, ctx, hd, device=device, dtype=torch.bfloat16)
+        inv = 1.0 / (c.rope_theta ** (torch.arange(0, hd, 2, device=device, dtype=torch.float32) / hd))
+        self.inv_freq = inv
+
+    def step(self, token: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """token [1] int64, pos [1] int64 (device tensors, so the step can be captured) -> next token [1]."""
+        c = self.c
+        hd = c.head_dim
+        x = self.embed[token]
+        ang = pos.float()[:, None] * self.inv_freq[None]
+        cos, sin = ang.cos(), ang.sin()
+        mask = (torch.arange(self.ctx, device=token.device) <= pos)[None, None, None]
+
+        def rope(t):
+            t1, t2 = t[..., : hd // 2].float(), t[..., hd // 2:].float()
+            return torch.cat((t1 * cos - t2 * sin, t2 * cos + t1 * sin), -1).to(t.dtype)
+
+        for i, L in enumerate(self.layers):
+            h = F.rms_norm(x, (c.dim,), L["n1"], c.norm_eps)
+            q, k, v = L["qkv"](h).split([c.n_heads * hd, c.n_kv_heads * hd, c.n_kv_heads * hd], -1)
+            q, k = rope(q.view(1, c.n_heads, hd)), rope(k.view(1, c.n_kv_heads, hd))
+            self.cache[i, 0].index_copy_(1, pos, k.transpose(0, 1))
+            self.cache[i, 1].index_copy_(1, pos, v.view(1, c.n_kv_heads, hd).transpose(0, 1))
+            o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], self.cache[i, 0][None], self.cache[i, 1][None],
+                                               attn_mask=mask, enable_gqa=True)
+            x = x + L["o"](o[0].transpose(0, 1).reshape(1, -1))
+            h = F.rms_norm(x, (c.dim,), L["n2"], c.norm_eps)
+            g, u = L["w13"](h).chunk(2, -1)
+            x = x + L["w2"](F.silu(g) * u)
+        return self.head(F.rms_norm(x, (c.dim,), self.norm, c.norm_eps)).argmax(-1)
+
+
+def time_loop(step, steps: int, start: int) -> float:
+    """Seconds per token over `steps` greedy steps, CUDA events, after warm-up."""
+    token = torch.zeros(1, dtype=torch.long, device="cuda")
+    pos = torch.full((1,), start, dtype=torch.long, device="cuda")
+    for _ in range(3):
+        step(token, pos)
+    torch.cuda.synchronize()
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0.record()
+    for i in range(steps):
+        pos.fill_(start + i)
+        token = step(token, pos)
+    t1.record()
+    t1.synchronize()
+    return t0.elapsed_time(t1) / 1000 / steps
+
+
+def graphed(model: TorchLlama):
+    token = torch.zeros(1, dtype=torch.long, device="cuda")
+    pos = torch.zeros(1, dtype=torch.long, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            model.step(token, pos)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = model.step(token, pos)
+
+    def step(t, p):
+        token.copy_(t)
+        pos.copy_(p)
+        g.replay()
+        return out
+
+    return step
+
+
+def localpd_decode(name: str, quant: str, steps: int, context: int) -> tuple[float, int]:
+    from localpd.engine import Engine
+    from localpd.sampling import SamplingParams
+
+    engine = Engine(f"synthetic:{name}", device="cuda", quant=quant, max_context=context + steps + 16,
+                    kv_memory="2GiB")
+    try:
+        params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
+        prompt = torch.randint(0, engine.config.vocab_size, (context,)).tolist()
+        list(engine.submit(prompt, params))  # warm-up: compiles, autotunes, captures
+        h = engine.submit(torch.randint(0, engine.config.vocab_size, (context,)).tolist(), params)
+        list(h)
+        return h.stats.decode_seconds / max(1, h.stats.output_tokens - 1), engine.model.weight_bytes
+    finally:
+        engine.close()
+
+
+@torch.inference_mode()
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama3-8b")
+    ap.add_argument("--steps", type=int, default=128)
+    ap.add_argument("--context", type=int, default=128)
+    args = ap.parse_args()
+    c = SYNTHETIC[args.model]
+    bw = measure_copy_bandwidth(torch.device("cuda"), 1 << 30)
+    print(f"# {torch.cuda.get_device_name()} | measured copy bandwidth {bw / 1e9:.0f} GB/s | {args.model} B=1, "
+          f"context {args.context}, {args.steps} steps")
+    rows = []
+    for quant in ("int4-g128", "bf16"):
+        sec, nbytes = localpd_decode(args.model, quant, args.steps, args.context)
+        rows.append((f"localpd {quant} (engine, wall clock per token)", sec, nbytes))
+        torch.cuda.empty_cache()
+    for int4 in (False, True):
+        model = TorchLlama(c, int4, ctx=math.ceil((args.context + args.steps + 8) / 256) * 256)
+        label = "torch int4 tinygemm g128" if int4 else "torch bf16"
+        rows.append((f"{label} eager", time_loop(model.step, args.steps, args.context), model.nbytes))
+        try:
+            rows.append((f"{label} CUDA graph", time_loop(graphed(model), args.steps, args.context), model.nbytes))
+        except Exception as e:  # noqa: BLE001 - reported, not fatal
+            print(f"{label} CUDA graph: failed ({type(e).__name__}: {str(e)[:100]})")
+        del model
+        torch.cuda.empty_cache()
+    ours = rows[0][1]
+    print("| decode loop | tok/s | weight GB/s | MBU (measured copy bw) | vs localpd int4-g128 |")
+    print("|---|---|---|---|---|")
+    for label, sec, nbytes in rows:
+        print(f"| {label} | {1 / sec:.1f} | {nbytes / sec / 1e9:.0f} | {nbytes / sec / bw:.1%} | "
+              f"{ours / sec:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
