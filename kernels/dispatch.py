@@ -4,7 +4,7 @@ Nothing here imports Triton: on a CPU-only install the references run; the Trito
 only when a kernel is launched (CUDA tensors, or the Triton interpreter switched on for tests).
 
 The Triton interpreter is chosen by TRITON_INTERPRET=1 (or LOCALPD_TRITON_INTERPRET=1, which sets it). Triton
-reads it when a kernel is decorated, so it must be set before localpd.kernels.int4_matmul / int8_matmul are
+reads it when a kernel is decorated, so it must be set before localpd.kernels.quant_matmul is
 imported (safest: before anything imports triton).
 """
 
@@ -17,17 +17,14 @@ import torch
 from localpd.errors import LocalpdError
 from localpd.quant.weights import Int4Weight, Int8Weight
 
-GEMV_MAX_M = 16  # decode and small batches: weight streaming, optional split-K
+GEMV_MAX_M = 16  # decode and small batches: weight streaming, optional split-K; larger M dequantizes + cuBLAS
 
-# Autotune candidates, shared by the int4 and int8 kernels; chosen to fit sm_80/86/89 (~100 KB shared memory
-# on consumer cards) as well as sm_90. GEMV: (BLOCK_N, BLOCK_K, num_warps, num_stages).
-GEMV_CONFIGS = [(32, 256, 4, 3), (64, 128, 4, 3), (16, 512, 4, 3), (32, 512, 8, 2), (64, 256, 8, 3), (128, 128, 8, 2)]
-# GEMM: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages).
-GEMM_CONFIGS = [(64, 64, 64, 4, 3), (128, 64, 64, 4, 3), (64, 128, 64, 4, 3), (128, 128, 64, 8, 3),
-                (128, 128, 32, 4, 4), (32, 64, 128, 4, 3)]
-# Under the interpreter (slow, CPU): one small config each, no autotuning.
+# GEMV autotune candidates (BLOCK_N, BLOCK_K, num_warps, num_stages), chosen to fit sm_80/86/89 (~100 KB shared
+# memory on consumer cards) as well as sm_90; tiles too large for the row count are pruned before tuning.
+GEMV_CONFIGS = [(16, 256, 4, 3), (16, 512, 4, 3), (32, 256, 4, 3), (32, 512, 8, 3), (8, 512, 2, 4), (64, 256, 8, 2),
+                (16, 1024, 8, 2), (8, 1024, 4, 3), (32, 128, 4, 4)]
+# Under the interpreter (slow, CPU): one small config, no autotuning.
 INTERPRET_GEMV = dict(BLOCK_N=32, BLOCK_K=128)
-INTERPRET_GEMM = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64)
 
 
 def _on(name: str) -> bool:
@@ -48,11 +45,10 @@ def use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda
 
 
-def gemv_block_m(m: int) -> tuple[int, bool]:
-    """Rows a GEMV program covers and whether it uses tl.dot (which needs 16 rows on the GPU)."""
-    if m <= 4:
-        return 1 << (m - 1).bit_length(), False
-    return 16, True
+def gemv_block_m(m: int) -> int:
+    """Rows a GEMV program covers: M rounded up to a power of two (at most 16); every row reuses the dequantized
+    weights."""
+    return min(16, 1 << (m - 1).bit_length())
 
 
 def sm_count(device: torch.device) -> int:
@@ -61,7 +57,7 @@ def sm_count(device: torch.device) -> int:
     return 1  # interpreter: no point in splitting unless asked
 
 
-def pick_split_k(n: int, k: int, sms: int, block_n: int = 64, min_k_per_split: int = 256) -> int:
+def pick_split_k(n: int, k: int, sms: int, block_n: int = 16, min_k_per_split: int = 512) -> int:
     """Split K when there are fewer output tiles than SMs, so every SM streams part of the weights."""
     tiles = -(-n // block_n)
     if tiles >= sms:
@@ -92,51 +88,12 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def launch_matmul(kernels, x, weight_args, n: int, k: int, group: int, out=None, split_k=None, path=None):
-    """Run one of a format's two Triton paths; `kernels` = (gemv, gemm), autotuned or plain (interpreter).
-
-    Both are the same kernel signature: (x, y, M, N, K, stride_xm, stride_ym, *weight_args, SPLIT_K, GROUP,
-    BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, ATOMIC, DOT_PRECISION). GEMV (M <= 16): one program per BLOCK_N outputs
-    and K slice, split-K partial sums atomically added into a zeroed fp32 buffer. GEMM: 2-D tiles, tl.dot.
-    """
-    if x.dim() != 2 or x.shape[1] != k:
-        raise LocalpdError(f"expected activations of shape [M, {k}], got {tuple(x.shape)}")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    m = x.shape[0]
-    path = path or ("gemv" if m <= GEMV_MAX_M else "gemm")
-    if path not in ("gemv", "gemm") or (path == "gemv" and m > GEMV_MAX_M):
-        raise LocalpdError(f"no {path} path for M = {m}")
-    if out is None:
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    elif out.shape != (m, n) or out.dtype != x.dtype or out.stride() != (n, 1):
-        raise LocalpdError(f"out must be a contiguous [{m}, {n}] {x.dtype} tensor")
-    if m == 0 or n == 0:
-        return out
-    meta = dict(GROUP=group, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
-    interpreting = triton_interpreting()
-    if path == "gemv":
-        block_m, use_dot = gemv_block_m(m)
-        split_k = pick_split_k(n, k, sm_count(x.device)) if split_k is None else split_k
-        y = torch.zeros((m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
-        meta.update(BLOCK_M=block_m, USE_DOT=use_dot, ATOMIC=split_k > 1, **(INTERPRET_GEMV if interpreting else {}))
-        grid = lambda META: (1, cdiv(n, META["BLOCK_N"]), split_k)  # noqa: E731
-        kernels[0][grid](x, y, m, n, k, x.stride(0), y.stride(0), *weight_args, split_k, **meta)
-        if y is not out:
-            out.copy_(y)
-    else:
-        meta.update(USE_DOT=True, ATOMIC=False, **(INTERPRET_GEMM if interpreting else {}))
-        grid = lambda META: (cdiv(m, META["BLOCK_M"]), cdiv(n, META["BLOCK_N"]), 1)  # noqa: E731
-        kernels[1][grid](x, out, m, n, k, x.stride(0), out.stride(0), *weight_args, 1, **meta)
-    return out
-
-
 def _triton_fn(name: str):
     try:
         if name == "int4":
-            from localpd.kernels.int4_matmul import int4_matmul as fn
+            from localpd.kernels.quant_matmul import int4_matmul as fn
         else:
-            from localpd.kernels.int8_matmul import int8_matmul as fn
+            from localpd.kernels.quant_matmul import int8_matmul as fn
     except ImportError as e:
         raise LocalpdError(f"quantized matmul on the GPU needs Triton ({e}); install it with: pip install triton")
     return fn

@@ -21,6 +21,7 @@ def _load_page(data, scale, zero, page, tok, head, s_page, s_tok, s_head, c_page
                KIND: tl.constexpr, PS: tl.constexpr, D: tl.constexpr):
     """One page of one KV head, dequantized to float32: [PS, D]."""
     t = tl.arange(0, PS)
+    # no early return: Triton would still compile the code after a returning constexpr branch
     if KIND == 3:
         half = tl.arange(0, D // 2)
         p = tl.load(data + page * s_page + t[:, None] * s_tok + head * s_head + half[None, :]).to(tl.int32)
@@ -29,13 +30,13 @@ def _load_page(data, scale, zero, page, tok, head, s_page, s_tok, s_head, c_page
         off = page * c_page + t[:, None] * c_tok + head * c_head + g[None, :]
         s = tl.load(scale + off).to(tl.float32)
         z = tl.load(zero + off).to(tl.float32)
-        x = tl.reshape(q, (PS, D // 32, 32)) * s[:, :, None] + z[:, :, None]
-        return tl.reshape(x, (PS, D))
-    d = tl.arange(0, D)
-    x = tl.load(data + page * s_page + t[:, None] * s_tok + head * s_head + d[None, :]).to(tl.float32)
-    if KIND == 1 or KIND == 2:
-        s = tl.load(scale + page * c_page + t * c_tok + head * c_head).to(tl.float32)
-        x = x * s[:, None]
+        x = tl.reshape(tl.reshape(q, (PS, D // 32, 32)) * s[:, :, None] + z[:, :, None], (PS, D))
+    else:
+        d = tl.arange(0, D)
+        x = tl.load(data + page * s_page + t[:, None] * s_tok + head * s_head + d[None, :]).to(tl.float32)
+        if KIND == 1 or KIND == 2:
+            s = tl.load(scale + page * c_page + t * c_tok + head * c_head).to(tl.float32)
+            x = x * s[:, None]
     return x
 
 
@@ -75,22 +76,21 @@ def write_kv_kernel(src, slots, data, scale, zero, s_src_t, s_src_h, s_page, s_t
         tl.store(base + g[:, None] * 16 + j[None, :], packed)
         tl.store(scale + cbase + g, sc)
         tl.store(zero + cbase + g, zr)
-        return
-    d = tl.arange(0, D)
-    if KIND == 0:
+    elif KIND == 0:
+        d = tl.arange(0, D)
         tl.store(base + d, tl.load(src + t * s_src_t + h * s_src_h + d).to(data.dtype.element_ty))
-        return
-    x = tl.load(src + t * s_src_t + h * s_src_h + d).to(tl.float32)
-    top = 127.0 if KIND == 1 else 448.0
-    sc = (tl.max(tl.abs(x), axis=0) / top).to(tl.float16)
-    sf = sc.to(tl.float32)
-    y = x / tl.where(sf > 0, sf, 1.0)
-    if KIND == 1:
-        y = tl.clamp(_rint(y), -127, 127).to(tl.int8)
     else:
-        y = tl.clamp(y, -448.0, 448.0).to(tl.float8e4nv)
-    tl.store(base + d, y)
-    tl.store(scale + cbase, sc)
+        d = tl.arange(0, D)
+        x = tl.load(src + t * s_src_t + h * s_src_h + d).to(tl.float32)
+        top = 127.0 if KIND == 1 else 448.0
+        sc = (tl.max(tl.abs(x), axis=0) / top).to(tl.float16)
+        sf = sc.to(tl.float32)
+        y = x / tl.where(sf > 0, sf, 1.0)
+        if KIND == 1:
+            tl.store(base + d, tl.clamp(_rint(y), -127, 127).to(tl.int8))
+        else:
+            tl.store(base + d, tl.clamp(y, -448.0, 448.0).to(tl.float8e4nv))
+        tl.store(scale + cbase, sc)
 
 
 @triton.jit

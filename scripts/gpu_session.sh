@@ -12,7 +12,7 @@ stage() { local name=$1 limit=$2; shift 2; echo "=== $name (limit ${limit}s)"; l
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?; tail -n "${TAIL:-25}" "$OUT/$name.log"
   echo "=== $name rc=$rc in $((SECONDS - t0))s"; }
 for s in "$@"; do case $s in
-  tests) stage gpu_tests 180 env LOCALPD_TEST_DEVICE=cuda python3 -m pytest -q -x -n 8 -p no:cacheprovider \
+  tests) stage gpu_tests 200 env LOCALPD_TEST_DEVICE=cuda python3 -m pytest -q -n 12 -W ignore -p no:cacheprovider \
            tests/test_kernels.py tests/test_kv_kernels.py ;;
   check) stage gpu_check 100 python3 scripts/gpu_check.py ;;
   kernels) stage bench_kernels 200 localpd bench kernels --json "$OUT/bench_kernels.json" ;;

@@ -17,8 +17,7 @@ import torch  # noqa: E402
 from localpd.errors import LocalpdError  # noqa: E402
 from localpd.kernels.dispatch import (gemv_block_m, int4_matmul_ref, int8_matmul_ref, linear_int4,  # noqa: E402
                                       linear_int8, pick_split_k)
-from localpd.kernels.int4_matmul import int4_matmul  # noqa: E402
-from localpd.kernels.int8_matmul import int8_matmul  # noqa: E402
+from localpd.kernels.quant_matmul import int4_matmul, int8_matmul  # noqa: E402
 from localpd.quant.weights import Int4Weight, Int8Weight  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
@@ -54,13 +53,11 @@ def check(fmt, m, n, k, group, dtype, seed, **kw):
 
 
 def dtypes_for(m):
-    # the interpreter multiplies bf16 tiles in tl.dot as raw uint16 bits, so bf16 is checked on the
-    # FMA path only (M <= 4); on the GPU tl.dot takes bf16 natively
-    return (torch.float32, torch.float16) + ((torch.bfloat16,) if m <= 4 or DEV != "cpu" else ())
+    return (torch.float32, torch.float16, torch.bfloat16)
 
 
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
-@pytest.mark.parametrize("m", [1, 3, 16, 33])
+@pytest.mark.parametrize("m", [1, 3, 6, 16, 33])
 def test_matches_reference(fmt, m):
     """Every K with every group size dividing it; N cycles through odd sizes; dtypes rotate."""
     groups = (32, 64, 128) if fmt == "int4" else (32, 128, None)
@@ -81,7 +78,7 @@ def test_dtypes_gemv(fmt, dtype):
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
 @pytest.mark.parametrize("m,split_k", [(1, 2), (3, 3), (12, 4), (1, 5)])
 def test_split_k(fmt, m, split_k):
-    # K = 384 is 3 chunks of the interpreter's BLOCK_K = 128: uneven splits, and empty ones for 4 and 5
+    # K = 384 is 3 chunks of the interpreter's BLOCK_K = 128 (more on the GPU): uneven splits, empty ones for 4, 5
     check(fmt, m, 200, 384, 32, torch.float32, seed=split_k, split_k=split_k)
     check(fmt, m, 40, 384, 128, torch.float16, seed=split_k + 10, split_k=split_k)
 
@@ -132,10 +129,10 @@ def test_linear_dispatch(monkeypatch, interpret):
 
 
 def test_launch_heuristics():
-    assert gemv_block_m(1) == (1, False) and gemv_block_m(3) == (4, False) and gemv_block_m(5) == (16, True)
-    assert pick_split_k(4096, 4096, 132) > 1           # 64 tiles of 64 on 132 SMs: split
-    assert pick_split_k(14336, 4096, 132) == 1         # enough tiles already
-    assert pick_split_k(1024, 128, 132) == 1           # too little K to split
+    assert [gemv_block_m(m) for m in (1, 2, 3, 5, 9, 16)] == [1, 2, 4, 8, 16, 16]
+    assert pick_split_k(576, 1536, 132) > 1            # 36 tiles of 16 on 132 SMs: split
+    assert pick_split_k(4096, 4096, 132) == 1          # 256 tiles: enough already
+    assert pick_split_k(576, 256, 132) == 1            # too little K to split
     assert pick_split_k(4096, 4096, 1) == 1            # interpreter / CPU
 
 

@@ -199,3 +199,15 @@ def test_health_is_503_while_loading_then_200(default_gguf):
         assert httpx.get(live.url + "/v1/models").status_code == 200
     finally:
         live.stop()
+
+
+def test_a_full_waiting_queue_answers_503(served):
+    engine, _ = served
+    live = LiveServer(create_app(engine, max_waiting=0))  # every request finds the queue full
+    try:
+        r = httpx.post(live.url + "/v1/chat/completions", json={"messages": Q})
+        code, err = status_and_error(r)
+        assert code == 503 and err["code"] == "overloaded"
+        assert httpx.get(live.url + "/health").status_code == 200
+    finally:
+        live.stop()

@@ -1,0 +1,222 @@
+"""y = x @ W.T for weight-only quantized W (int4 group-wise with scale and bias, int8 with scales), in Triton.
+
+Both formats are read as int32 words: int4 packs 8 columns a word (column 8j + s in bits 4s..4s+3), int8 4
+columns (its int8 matrix viewed as int32). Two launch paths (dispatch.launch_matmul):
+
+- GEMV (M <= 16, decode): each program streams a [BLOCK_N, BLOCK_K] weight tile as [BLOCK_N, G, WPG] words (G
+  groups of WPG words), turns every field into an exact float with one AND and one float subtract (the field,
+  left where it sits in its half-word, OR-ed into the mantissa of 2**23; the activation is pre-scaled by the field's
+  power of two instead of shifting the weight), multiplies it by all M activation rows, and applies scale and
+  bias once per group: y = sum_g scale_g * (q . x)_g + bias_g * sum(x)_g. Optional split-K (atomic fp32 adds).
+- GEMM (M > 16, prefill): a dequantize kernel writes bf16/fp16/fp32 weight rows (in chunks of at most 32M
+  values) and cuBLAS multiplies; prefill is compute-bound, so the extra weight traffic costs little.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from localpd.kernels.dispatch import GEMV_CONFIGS, INTERPRET_GEMV, cdiv, gemv_block_m, pick_split_k, sm_count, \
+    triton_interpreting
+from localpd.errors import LocalpdError
+
+INT8_XOR = tl.constexpr(-2139062144)  # 0x80808080 as int32: flips each byte's sign bit, so a byte reads q + 128
+DEQUANT_CHUNK = 1 << 25  # weights dequantized at a time on the GEMM path
+
+
+@triton.jit
+def _field(w, hi, F: tl.constexpr, BITS: tl.constexpr):
+    """Field F of each word as an exact float v * 2**p, p its bit position in w (fields in the low half) or in
+    hi = the word's high half (the rest): a field must stay inside the 23 mantissa bits."""
+    if F * BITS + BITS <= 16:
+        bits = w & (((1 << BITS) - 1) << (F * BITS))
+    else:
+        bits = hi & (((1 << BITS) - 1) << (F * BITS - 16))
+    return (bits | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _field_scaled(x, F: tl.constexpr, BITS: tl.constexpr):
+    """x * 2**-p for _field's p (exact), so that _field(...) * _field_scaled(x, ...) = v * x."""
+    if F * BITS + BITS <= 16:
+        y = x * (1.0 / (1 << (F * BITS)))
+    else:
+        y = x * (1.0 / (1 << (F * BITS - 16)))
+    return y
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, y_ptr, M, N, K, stride_xm, stride_ym, w_ptr, s_ptr, b_ptr, stride_wn, stride_sn, K_GROUPS,
+                 SPLIT_K, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr):
+    FIELDS: tl.constexpr = 32 // BITS
+    G: tl.constexpr = (BLOCK_K + GROUP - 1) // GROUP  # groups in a tile (1 when a group spans several tiles)
+    WPG: tl.constexpr = BLOCK_K // FIELDS // G  # words of one group in a tile
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    word = tl.arange(0, G)[:, None] * WPG + tl.arange(0, WPG)[None, :]  # [G, WPG]
+    kw = K // FIELDS
+    chunks = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(chunks, SPLIT_K)
+    c0 = pid_k * per_split
+    c1 = tl.minimum(chunks, c0 + per_split)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for c in range(c0, c1):
+        wk = c * (BLOCK_K // FIELDS) + word  # [G, WPG] word columns
+        w = tl.load(w_ptr + offs_n[:, None, None] * stride_wn + wk[None], mask=n_mask[:, None, None] & (wk < kw)[None],
+                    other=0)
+        if BITS == 8:
+            w = w ^ INT8_XOR
+        hi = (w >> 16) & 0xFFFF
+        gk = (c * BLOCK_K) // GROUP + tl.arange(0, G)
+        s_off = offs_n[:, None] * stride_sn + gk[None, :]
+        s_mask = n_mask[:, None] & (gk < K_GROUPS)[None, :]
+        xrow = x_ptr + offs_m[:, None, None] * stride_xm
+        x_mask = (offs_m < M)[:, None, None] & (wk < kw)[None]
+        part = tl.zeros((BLOCK_M, BLOCK_N, G, WPG), tl.float32)
+        xsum = tl.zeros((BLOCK_M, G, WPG), tl.float32)
+        for f in tl.static_range(FIELDS):
+            xs = tl.load(xrow + (wk * FIELDS + f)[None], mask=x_mask, other=0.0).to(tl.float32)
+            xsum += xs
+            part += _field(w, hi, f, BITS)[None] * _field_scaled(xs, f, BITS)[:, None]
+        dot = tl.sum(part, axis=3)  # [BLOCK_M, BLOCK_N, G]
+        xg = tl.sum(xsum, axis=2)  # [BLOCK_M, G]
+        if BITS == 8:
+            dot = dot - 128.0 * xg[:, None, :]
+        t = dot * tl.load(s_ptr + s_off, mask=s_mask, other=0.0).to(tl.float32)[None]
+        if HAS_BIAS:
+            t += tl.load(b_ptr + s_off, mask=s_mask, other=0.0).to(tl.float32)[None] * xg[:, None, :]
+        acc += tl.sum(t, axis=2)
+    ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    mask = (offs_m[:, None] < M) & n_mask[None, :]
+    if ATOMIC:  # split-K: partial sums into a zeroed fp32 buffer
+        tl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
+    else:
+        tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dequant_kernel(w_ptr, s_ptr, b_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on, BITS: tl.constexpr,
+                    GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Rows of W in out's dtype: program (n tile, word tile) writes [BLOCK_N, BLOCK_W * fields] values."""
+    FIELDS: tl.constexpr = 32 // BITS
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    wk = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    mask = (offs_n < N)[:, None] & (wk < K // FIELDS)[None, :]
+    w = tl.load(w_ptr + offs_n[:, None] * stride_wn + wk[None, :], mask=mask, other=0)
+    if BITS == 8:
+        w = w ^ INT8_XOR
+    hi = (w >> 16) & 0xFFFF
+    for f in tl.static_range(FIELDS):
+        col = wk * FIELDS + f
+        s_off = offs_n[:, None] * stride_sn + (col // GROUP)[None, :]
+        v = _field_scaled(_field(w, hi, f, BITS), f, BITS)
+        if BITS == 8:
+            v = v - 128.0
+        v = v * tl.load(s_ptr + s_off, mask=mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            v += tl.load(b_ptr + s_off, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offs_n[:, None] * stride_on + col[None, :], v.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _prune(configs, named_args, **kwargs):
+    """Drop GEMV tiles whose per-row partial sums would not fit in registers for this many rows."""
+    bm = kwargs.get("BLOCK_M", named_args.get("BLOCK_M", 1))
+    bits = kwargs.get("BITS", named_args.get("BITS", 4))
+    keep = [c for c in configs if bm * c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"] * bits // 32 <= 8192]
+    return keep or configs[:1]
+
+
+def _gemv_launcher():
+    if triton_interpreting():
+        return _gemv_kernel
+    return triton.autotune(
+        configs=[triton.Config(dict(BLOCK_N=bn, BLOCK_K=bk), num_warps=w, num_stages=s) for bn, bk, w, s in GEMV_CONFIGS],
+        key=["N", "K", "GROUP", "BITS", "BLOCK_M", "SPLIT_K"], reset_to_zero=["y_ptr"],
+        prune_configs_by={"early_config_prune": _prune})(_gemv_kernel)
+
+
+_GEMV = _gemv_launcher()
+
+
+def quant_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor | None, bits: int,
+                 group: int, *, out: torch.Tensor | None = None, split_k: int | None = None,
+                 path: str | None = None) -> torch.Tensor:
+    """x [M, K] @ W.T -> [M, N] in x.dtype; W given as int32 words [N, K * bits / 32], scales (and int4 biases)
+    [N, K / group]. `out`, `split_k` and `path` ("gemv"/"gemm") override the defaults, for tests and benchmarks."""
+    n, k = words.shape[0], words.shape[1] * 32 // bits
+    if x.dim() != 2 or x.shape[1] != k:
+        raise LocalpdError(f"expected activations of shape [M, {k}], got {tuple(x.shape)}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m = x.shape[0]
+    path = path or ("gemv" if m <= 16 else "gemm")
+    if path not in ("gemv", "gemm") or (path == "gemv" and m > 16):
+        raise LocalpdError(f"no {path} path for M = {m}")
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    elif out.shape != (m, n) or out.dtype != x.dtype or out.stride() != (n, 1):
+        raise LocalpdError(f"out must be a contiguous [{m}, {n}] {x.dtype} tensor")
+    if m == 0 or n == 0:
+        return out
+    words, scales = words.contiguous(), scales.contiguous()
+    has_bias = biases is not None
+    biases = biases.contiguous() if has_bias else scales
+    # a single group per row (per-channel int8) is passed as a group no tile reaches past
+    kernel_group = group if group < k else 1 << 30
+    if path == "gemm":
+        return _dequant_matmul(x, words, scales, biases, bits, kernel_group, has_bias, out)
+    block_m = gemv_block_m(m)
+    split_k = pick_split_k(n, k, sm_count(x.device)) if split_k is None else split_k
+    y = torch.zeros((m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
+    meta = dict(BITS=bits, GROUP=kernel_group, HAS_BIAS=has_bias, BLOCK_M=block_m, ATOMIC=split_k > 1)
+    if triton_interpreting():
+        meta.update(INTERPRET_GEMV)
+    grid = lambda META: (cdiv(m, block_m), cdiv(n, META["BLOCK_N"]), split_k)  # noqa: E731
+    _GEMV[grid](x, y, m, n, k, x.stride(0), y.stride(0), words, scales, biases, words.stride(0), scales.stride(0),
+                scales.shape[1], split_k, **meta)
+    if y is not out:
+        out.copy_(y)
+    return out
+
+
+def _dequant_matmul(x, words, scales, biases, bits, group, has_bias, out):
+    n, k = out.shape[1], x.shape[1]
+    rows = max(1, min(n, DEQUANT_CHUNK // k))
+    w = torch.empty((rows, k), dtype=x.dtype, device=x.device)
+    bn, bw = 32, 64
+    for a in range(0, n, rows):
+        b = min(n, a + rows)
+        grid = (cdiv(b - a, bn), cdiv(k * bits // 32, bw))
+        _dequant_kernel[grid](words[a:], scales[a:], biases[a:], w, b - a, k, words.stride(0), scales.stride(0),
+                              w.stride(0), BITS=bits, GROUP=group, HAS_BIAS=has_bias, BLOCK_N=bn, BLOCK_W=bw)
+        if a == 0 and b == n:
+            torch.mm(x, w.T, out=out)
+        else:
+            out[:, a:b] = x @ w[:b - a].T
+    return out
+
+
+def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, group: int, *,
+                out=None, split_k=None, path=None) -> torch.Tensor:
+    """x @ dequant(packed, scales, biases).T; the arguments of int4_matmul_ref, plus the overrides."""
+    n, k = packed.shape[0], packed.shape[1] * 8
+    if scales.shape != (n, k // group) or biases.shape != scales.shape:
+        raise ValueError(f"scales/biases must be [{n}, {k // group}] for group {group}")
+    return quant_matmul(x, packed, scales, biases, 4, group, out=out, split_k=split_k, path=path)
+
+
+def int8_matmul(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, group: int, *,
+                out=None, split_k=None, path=None) -> torch.Tensor:
+    """x @ (data * scales).T; the arguments of int8_matmul_ref, plus the overrides."""
+    n, k = data.shape
+    if scales.shape != (n, k // group):
+        raise ValueError(f"scales must be [{n}, {k // group}] for group {group}")
+    if k % 4:
+        raise LocalpdError(f"int8 kernels need an input dimension divisible by 4, got {k}")
+    return quant_matmul(x, data.contiguous().view(torch.int32), scales, None, 8, group, out=out, split_k=split_k,
+                        path=path)
