@@ -3,12 +3,12 @@
 Both formats are read as int32 words: int4 packs 8 columns a word (column 8j + s in bits 4s..4s+3), int8 4
 columns (its int8 matrix viewed as int32). Two launch paths (dispatch.launch_matmul):
 
-- GEMV (M <= 16, decode): each program streams a [BLOCK_N, BLOCK_K] weight tile as [BLOCK_N, G, WPG] words (G
+- GEMV (M <= 8 by default, up to 16 when asked; decode): each program streams a [BLOCK_N, BLOCK_K] weight tile as [BLOCK_N, G, WPG] words (G
   groups of WPG words), turns every field into an exact float with one AND and one float subtract (the field,
   left where it sits in its half-word, OR-ed into the mantissa of 2**23; the activation is pre-scaled by the field's
   power of two instead of shifting the weight), multiplies it by all M activation rows, and applies scale and
   bias once per group: y = sum_g scale_g * (q . x)_g + bias_g * sum(x)_g. Optional split-K (atomic fp32 adds).
-- GEMM (M > 16, prefill): a dequantize kernel writes bf16/fp16/fp32 weight rows (in chunks of at most 32M
+- GEMM (larger M, prefill): a dequantize kernel writes bf16/fp16/fp32 weight rows (in chunks of at most 32M
   values) and cuBLAS multiplies; prefill is compute-bound, so the extra weight traffic costs little.
 """
 
@@ -24,6 +24,7 @@ from localpd.errors import LocalpdError
 
 INT8_XOR = tl.constexpr(-2139062144)  # 0x80808080 as int32: flips each byte's sign bit, so a byte reads q + 128
 DEQUANT_CHUNK = 1 << 25  # weights dequantized at a time on the GEMM path
+GEMV_AUTO_M = 8  # above this the GEMV's per-row work outweighs dequantizing once for cuBLAS (H100, 2026-11-23)
 
 
 @triton.jit
@@ -101,26 +102,22 @@ def _gemv_kernel(x_ptr, y_ptr, M, N, K, stride_xm, stride_ym, w_ptr, s_ptr, b_pt
 
 @triton.jit
 def _dequant_kernel(w_ptr, s_ptr, b_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on, BITS: tl.constexpr,
-                    GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
-    """Rows of W in out's dtype: program (n tile, word tile) writes [BLOCK_N, BLOCK_W * fields] values."""
+                    GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rows of W in out's dtype: program (n tile, k tile) writes [BLOCK_N, BLOCK_K] values contiguously (each
+    word and scale is read once per field it holds, from L1)."""
     FIELDS: tl.constexpr = 32 // BITS
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    wk = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
-    mask = (offs_n < N)[:, None] & (wk < K // FIELDS)[None, :]
-    w = tl.load(w_ptr + offs_n[:, None] * stride_wn + wk[None, :], mask=mask, other=0)
+    col = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (offs_n < N)[:, None] & (col < K)[None, :]
+    w = tl.load(w_ptr + offs_n[:, None] * stride_wn + (col // FIELDS)[None, :], mask=mask, other=0)
+    v = ((w >> ((col % FIELDS) * BITS)[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
     if BITS == 8:
-        w = w ^ INT8_XOR
-    hi = (w >> 16) & 0xFFFF
-    for f in tl.static_range(FIELDS):
-        col = wk * FIELDS + f
-        s_off = offs_n[:, None] * stride_sn + (col // GROUP)[None, :]
-        v = _field_scaled(_field(w, hi, f, BITS), f, BITS)
-        if BITS == 8:
-            v = v - 128.0
-        v = v * tl.load(s_ptr + s_off, mask=mask, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            v += tl.load(b_ptr + s_off, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + offs_n[:, None] * stride_on + col[None, :], v.to(out_ptr.dtype.element_ty), mask=mask)
+        v = v - 256.0 * (v >= 128.0)  # two's complement byte
+    s_off = offs_n[:, None] * stride_sn + (col // GROUP)[None, :]
+    v = v * tl.load(s_ptr + s_off, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        v += tl.load(b_ptr + s_off, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs_n[:, None] * stride_on + col[None, :], v.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _prune(configs, named_args, **kwargs):
@@ -154,7 +151,7 @@ def quant_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bia
     if x.stride(-1) != 1:
         x = x.contiguous()
     m = x.shape[0]
-    path = path or ("gemv" if m <= 16 else "gemm")
+    path = path or ("gemv" if m <= GEMV_AUTO_M or split_k is not None else "gemm")
     if path not in ("gemv", "gemm") or (path == "gemv" and m > 16):
         raise LocalpdError(f"no {path} path for M = {m}")
     if out is None:
@@ -188,12 +185,12 @@ def _dequant_matmul(x, words, scales, biases, bits, group, has_bias, out):
     n, k = out.shape[1], x.shape[1]
     rows = max(1, min(n, DEQUANT_CHUNK // k))
     w = torch.empty((rows, k), dtype=x.dtype, device=x.device)
-    bn, bw = 32, 64
+    bn, bk = 16, 256
     for a in range(0, n, rows):
         b = min(n, a + rows)
-        grid = (cdiv(b - a, bn), cdiv(k * bits // 32, bw))
+        grid = (cdiv(b - a, bn), cdiv(k, bk))
         _dequant_kernel[grid](words[a:], scales[a:], biases[a:], w, b - a, k, words.stride(0), scales.stride(0),
-                              w.stride(0), BITS=bits, GROUP=group, HAS_BIAS=has_bias, BLOCK_N=bn, BLOCK_W=bw)
+                              w.stride(0), BITS=bits, GROUP=group, HAS_BIAS=has_bias, BLOCK_N=bn, BLOCK_K=bk)
         if a == 0 and b == n:
             torch.mm(x, w.T, out=out)
         else:

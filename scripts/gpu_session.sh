@@ -9,17 +9,19 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 git rev-parse --short HEAD 2>/dev/null
 stage() { local name=$1 limit=$2; shift 2; echo "=== $name (limit ${limit}s)"; local t0=$SECONDS
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?; tail -n "${TAIL:-25}" "$OUT/$name.log"
+  timeout ${TO:-} "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?; tail -n "${TAIL:-25}" "$OUT/$name.log"
   echo "=== $name rc=$rc in $((SECONDS - t0))s"; }
 for s in "$@"; do case $s in
-  tests) stage gpu_tests 200 env LOCALPD_TEST_DEVICE=cuda python3 -m pytest -q -n 12 -W ignore -p no:cacheprovider \
-           tests/test_kernels.py tests/test_kv_kernels.py ;;
-  check) stage gpu_check 100 python3 scripts/gpu_check.py ;;
+  tests) TO="-s INT" stage gpu_kv_tests 70 env LOCALPD_TEST_DEVICE=cuda python3 -m pytest -q -n 12 -W ignore \
+           -p no:cacheprovider -rf --tb=line tests/test_kv_kernels.py
+         TO="-s INT" stage gpu_mm_tests 100 env LOCALPD_TEST_DEVICE=cuda python3 -m pytest -q -n 14 -W ignore \
+           -p no:cacheprovider -rf --tb=line tests/test_kernels.py ;;
+  check) stage gpu_check 90 python3 scripts/gpu_check.py ;;
   kernels) stage bench_kernels 200 localpd bench kernels --json "$OUT/bench_kernels.json" ;;
   bench) TAIL=12 stage bench_e2e 300 localpd bench --synthetic llama3-8b --quant int4-g128 --prompt-len 128 \
            --gen-len 64 --batch 1,4,16 --json "$OUT/bench_e2e.json" --plot "$OUT/roofline.png" ;;
-  peers) stage bench_peers 300 python3 scripts/bench_decode_peers.py ;;
-  kv) stage bench_kv 80 python3 scripts/bench_kv.py --model llama3-8b --attention-only --batch 1 ;;
+  peers) TAIL=12 stage bench_peers 150 python3 scripts/bench_decode_peers.py ;;
+  kv) stage bench_kv 50 python3 scripts/bench_kv.py --model llama3-8b --attention-only --batch 1 ;;
   kvfull) TAIL=30 stage bench_kv_full 400 python3 scripts/bench_kv.py --model synthetic:llama3-8b --contexts 4096 --streams 2 ;;
   *) echo "unknown stage $s" ;;
 esac; done
