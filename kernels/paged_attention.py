@@ -22,15 +22,12 @@ def _load_page(data, scale, zero, page, tok, head, s_page, s_tok, s_head, c_page
     """One page of one KV head, dequantized to float32: [PS, D]."""
     t = tl.arange(0, PS)
     # no early return: Triton would still compile the code after a returning constexpr branch
-    if KIND == 3:
-        half = tl.arange(0, D // 2)
-        p = tl.load(data + page * s_page + t[:, None] * s_tok + head * s_head + half[None, :]).to(tl.int32)
-        q = tl.reshape(tl.join(p & 15, p >> 4), (PS, D)).to(tl.float32)
-        g = tl.arange(0, D // 32)
-        off = page * c_page + t[:, None] * c_tok + head * c_head + g[None, :]
-        s = tl.load(scale + off).to(tl.float32)
-        z = tl.load(zero + off).to(tl.float32)
-        x = tl.reshape(tl.reshape(q, (PS, D // 32, 32)) * s[:, :, None] + z[:, :, None], (PS, D))
+    if KIND == 3:  # per element: its byte (d // 2), its nibble (d % 2) and its group's scale and zero (d // 32)
+        d = tl.arange(0, D)
+        p = tl.load(data + page * s_page + t[:, None] * s_tok + head * s_head + (d // 2)[None, :]).to(tl.int32)
+        q = ((p >> ((d % 2) * 4)[None, :]) & 15).to(tl.float32)
+        off = page * c_page + t[:, None] * c_tok + head * c_head + (d // 32)[None, :]
+        x = q * tl.load(scale + off).to(tl.float32) + tl.load(zero + off).to(tl.float32)
     else:
         d = tl.arange(0, D)
         x = tl.load(data + page * s_page + t[:, None] * s_tok + head * s_head + d[None, :]).to(tl.float32)

@@ -204,11 +204,13 @@ def parse_bytes(text: str | int | None) -> int | None:
 class Engine:
     def __init__(self, model: str | Path = "smollm2-135m", device: str | None = None, quant: str | None = None,
                  kv: str | None = None, max_context: int | None = None, kv_memory: str | int | None = None,
-                 kv_tokens: int | None = None, progress: bool = False, max_step_tokens: int = MAX_STEP_TOKENS, max_running: int = MAX_RUNNING):
+                 kv_tokens: int | None = None, progress: bool = False, max_step_tokens: int = MAX_STEP_TOKENS,
+                 max_running: int = MAX_RUNNING, cuda_graphs: bool = True):
         """quant: a weight scheme (localpd.schemes.SCHEMES); by default the file's own format on a GPU ("native")
         and float32 on the CPU. kv: the KV cache dtype (localpd.quant.kv.KV_DTYPES); by default the compute
         dtype. kv_memory: bytes for the KV cache (default: most of the free GPU memory; on the CPU room for
-        two full contexts); or kv_tokens: room for that many tokens."""
+        two full contexts); or kv_tokens: room for that many tokens. cuda_graphs: replay decode steps as CUDA
+        graphs on a GPU (localpd.cuda_graph)."""
         self.device = torch.device(device or default_device())
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise LocalpdError("--device cuda asked for, but torch sees no CUDA GPU")
@@ -235,8 +237,16 @@ class Engine:
         if kv_tokens is not None and kv_memory is None:
             kv_memory = -(-max(kv_tokens, self.max_context + 1) // PAGE_SIZE) * PAGE_SIZE * self.kv_token_bytes
         n_pages = self._kv_pages(parse_bytes(kv_memory))
-        self.kv = new_kv_pool(self.kv_dtype, c.n_layers, n_pages, PAGE_SIZE, c.n_kv_heads, c.head_dim,
+        graphs = cuda_graphs and self.device.type == "cuda"
+        # with graphs, one more page than the allocator hands out: the scratch page of padded decode rows
+        self.kv = new_kv_pool(self.kv_dtype, c.n_layers, n_pages + graphs, PAGE_SIZE, c.n_kv_heads, c.head_dim,
                               self.compute_dtype, self.device)
+        self.graphs = None
+        if graphs:
+            from localpd.cuda_graph import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self.model, self.kv, -(-(self.max_context + 1) // PAGE_SIZE), n_pages,
+                                       min(max_running, 64))
         self.pages = PagePool(n_pages, PAGE_SIZE, salt=f"{self.name}|{self.quant}|{self.kv_dtype}")
         self.scheduler = Scheduler(self.pages, max_step_tokens, max_running)
         self._requests: dict[Sequence, Request] = {}
@@ -389,7 +399,11 @@ class Engine:
             return
         t0 = time.perf_counter()
         try:
-            logits = self.model.forward(self._batch(work), self.kv)
+            logits = None
+            if self.graphs is not None and all(w.n == 1 and w.sample for w in work):
+                logits = self.graphs.run(*self._decode_inputs(work))
+            if logits is None:
+                logits = self.model.forward(self._batch(work), self.kv)
             self.scheduler.finish_step(work)
             samples = [w for w in work if w.sample]
             tokens = [self._sample(self._requests[w.seq], row) for w, row in zip(samples, logits)]
@@ -432,6 +446,19 @@ class Engine:
 
         return Batch(tokens=t(ids, torch.long), positions=t(positions, torch.long), slots=t(slots, torch.long),
                      page_table=t(table), seq_lens=t(lens), q_starts=t(starts), logit_rows=t(rows, torch.long))
+
+    def _decode_inputs(self, work: list[Work]):
+        """(tokens, positions, slots, page lists, lengths) of a step in which every sequence decodes one token."""
+        ps = self.pages.page_size
+        tokens, positions, slots, tables, lens = [], [], [], [], []
+        for w in work:
+            p, pages = w.start, w.seq.table.pages
+            tokens.append(w.seq.tokens[p])
+            positions.append(p)
+            slots.append(pages[p // ps] * ps + p % ps)
+            tables.append(pages)
+            lens.append(p + 1)
+        return tokens, positions, slots, tables, lens
 
     def _sample(self, req: Request, logits: torch.Tensor):
         token = req.sampler(logits, req.seq.prompt, req.seq.output)

@@ -117,12 +117,12 @@ def graphed(model: TorchLlama):
     return step
 
 
-def localpd_decode(name: str, quant: str, steps: int, context: int) -> tuple[float, int]:
+def localpd_decode(name: str, quant: str, steps: int, context: int, graphs: bool = True) -> tuple[float, int]:
     from localpd.engine import Engine
     from localpd.sampling import SamplingParams
 
     engine = Engine(f"synthetic:{name}", device="cuda", quant=quant, max_context=context + steps + 16,
-                    kv_memory="2GiB")
+                    kv_memory="2GiB", cuda_graphs=graphs)
     try:
         params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
         prompt = torch.randint(0, engine.config.vocab_size, (context,)).tolist()
@@ -146,9 +146,10 @@ def main() -> None:
     print(f"# {torch.cuda.get_device_name()} | measured copy bandwidth {bw / 1e9:.0f} GB/s | {args.model} B=1, "
           f"context {args.context}, {args.steps} steps")
     rows = []
-    for quant in ("int4-g128", "bf16"):
-        sec, nbytes = localpd_decode(args.model, quant, args.steps, args.context)
-        rows.append((f"localpd {quant} (engine, wall clock per token)", sec, nbytes))
+    for quant, graphs in (("int4-g128", True), ("int8", True), ("bf16", True), ("int4-g128", False)):
+        sec, nbytes = localpd_decode(args.model, quant, args.steps, args.context, graphs)
+        how = "CUDA graphs" if graphs else "eager"
+        rows.append((f"localpd {quant} (engine, {how}, wall clock per token)", sec, nbytes))
         torch.cuda.empty_cache()
     for int4 in (False, True):
         model = TorchLlama(c, int4, ctx=math.ceil((args.context + args.steps + 8) / 256) * 256)

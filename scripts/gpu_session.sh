@@ -16,7 +16,7 @@ for s in "$@"; do case $s in
            -p no:cacheprovider -rf --tb=line tests/test_kv_kernels.py
          TO="-s INT" stage gpu_mm_tests 100 env LOCALPD_TEST_DEVICE=cuda python3 -m pytest -q -n 14 -W ignore \
            -p no:cacheprovider -rf --tb=line tests/test_kernels.py ;;
-  check) stage gpu_check 90 python3 scripts/gpu_check.py ;;
+  check) stage gpu_check 120 python3 scripts/gpu_check.py ;;
   kernels) stage bench_kernels 200 localpd bench kernels --json "$OUT/bench_kernels.json" ;;
   bench) TAIL=12 stage bench_e2e 300 localpd bench --synthetic llama3-8b --quant int4-g128 --prompt-len 128 \
            --gen-len 64 --batch 1,4,16 --json "$OUT/bench_e2e.json" --plot "$OUT/roofline.png" ;;

@@ -80,6 +80,8 @@ def build_case(kv_dtype, page_size, H, group, lens, q_lens, D=64, dtype=torch.fl
 
 
 def check(case, atol):
+    if DEV != "cpu":  # the prefill kernel's tl.dot takes float32 as tf32 on the GPU
+        atol = max(atol, 5e-3)
     q, layer, table, lens, starts = case
     out = paged_attention(q, layer, table, lens, starts, q.shape[-1] ** -0.5)
     ref = paged_attention_ref(q, layer, table, lens, starts, q.shape[-1] ** -0.5)
