@@ -17,7 +17,7 @@ import torch
 from localpd.errors import LocalpdError
 from localpd.quant.weights import Int4Weight, Int8Weight
 
-GEMV_MAX_M = 16  # decode and small batches: weight streaming, optional split-K; larger M dequantizes + cuBLAS
+GEMV_MAX_M = 16  # the most rows the GEMV path takes (it is the default only up to quant_matmul.GEMV_AUTO_M)
 
 # GEMV autotune candidates (BLOCK_N, BLOCK_K, num_warps, num_stages), chosen to fit sm_80/86/89 (~100 KB shared
 # memory on consumer cards) as well as sm_90; tiles too large for the row count are pruned before tuning.

@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from localpd.kernels.dispatch import GEMV_CONFIGS, INTERPRET_GEMV, cdiv, gemv_block_m, pick_split_k, sm_count, \
-    triton_interpreting
+from localpd.kernels.dispatch import (GEMV_CONFIGS, GEMV_MAX_M, INTERPRET_GEMV, cdiv, gemv_block_m, pick_split_k,
+                                     sm_count, triton_interpreting)
 from localpd.errors import LocalpdError
 
 INT8_XOR = tl.constexpr(-2139062144)  # 0x80808080 as int32: flips each byte's sign bit, so a byte reads q + 128
@@ -152,7 +152,7 @@ def quant_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bia
         x = x.contiguous()
     m = x.shape[0]
     path = path or ("gemv" if m <= GEMV_AUTO_M or split_k is not None else "gemm")
-    if path not in ("gemv", "gemm") or (path == "gemv" and m > 16):
+    if path not in ("gemv", "gemm") or (path == "gemv" and m > GEMV_MAX_M):
         raise LocalpdError(f"no {path} path for M = {m}")
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
