@@ -431,8 +431,7 @@ class Engine:
             seq_tokens = w.seq.tokens
             ids += seq_tokens[w.start:w.start + w.n]
             pages = w.seq.table.pages
-            for pos in range(w.start, w.start + w.n):
-                slots.append(pages[pos // ps] * ps + pos % ps)
+            slots += (slot_of(pages, pos, ps) for pos in range(w.start, w.start + w.n))
             positions += range(w.start, w.start + w.n)
             starts.append(starts[-1] + w.n)
             lens.append(w.start + w.n)
@@ -455,7 +454,7 @@ class Engine:
             p, pages = w.start, w.seq.table.pages
             tokens.append(w.seq.tokens[p])
             positions.append(p)
-            slots.append(pages[p // ps] * ps + p % ps)
+            slots.append(slot_of(pages, p, ps))
             tables.append(pages)
             lens.append(p + 1)
         return tokens, positions, slots, tables, lens
@@ -497,6 +496,11 @@ class Engine:
             self._finish(req, TokenEvent(token, text + self._flush(req), "length", step, lp, top))
         else:
             req.handle._push(TokenEvent(token, text, None, step, lp, top))
+
+
+def slot_of(pages: list[int], pos: int, page_size: int) -> int:
+    """Where position pos of a sequence with these pages keeps its key and value: page * page_size + offset."""
+    return pages[pos // page_size] * page_size + pos % page_size
 
 
 def phase_of(work: list[Work]) -> str:
