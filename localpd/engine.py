@@ -44,10 +44,11 @@ MAX_RUNNING = 64
 class StepStats:
     phase: str  # "prefill", "decode" or "mixed"
     tokens: int  # tokens this step pushed through the model, all sequences together
-    seconds: float
+    seconds: float  # the step's time on the device: CUDA events on a GPU, the wall clock on the CPU
     batch: int = 1  # sequences in the step
     bytes: int = 0  # weight and KV bytes the step moved (localpd.roofline.step_cost)
     flops: int = 0
+    wall_seconds: float = 0.0  # the step on the host's clock, Python and sampling included
 
 
 @dataclass
@@ -398,12 +399,18 @@ class Engine:
                     self._finish(req, TokenEvent(None, "", "error", error="the prompt does not fit in the KV cache"))
             return
         t0 = time.perf_counter()
+        timer = StepTimer(self.device)
         try:
             logits = None
             if self.graphs is not None and all(w.n == 1 and w.sample for w in work):
-                logits = self.graphs.run(*self._decode_inputs(work))
+                inputs = self._decode_inputs(work)
+                timer.start()
+                logits = self.graphs.run(*inputs)
             if logits is None:
-                logits = self.model.forward(self._batch(work), self.kv)
+                batch = self._batch(work)
+                timer.start()
+                logits = self.model.forward(batch, self.kv)
+            timer.stop()
             self.scheduler.finish_step(work)
             samples = [w for w in work if w.sample]
             tokens = [self._sample(self._requests[w.seq], row) for w, row in zip(samples, logits)]
@@ -413,11 +420,10 @@ class Engine:
                 if w.seq in self._requests:
                     self._finish(self._requests[w.seq], TokenEvent(None, "", "error", error=f"{type(e).__name__}: {e}"))
             return
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
         now = time.perf_counter()
         cost = step_cost(self.model, [(w.start, w.n) for w in work], self.kv_token_bytes, len(samples))
-        step = StepStats(phase_of(work), sum(w.n for w in work), now - t0, len(work), cost.bytes, cost.flops)
+        step = StepStats(phase_of(work), sum(w.n for w in work), timer.seconds(now - t0), len(work), cost.bytes,
+                         cost.flops, now - t0)
         for w, (token, lp, top) in zip(samples, tokens):
             self._emit(self._requests[w.seq], token, lp, top, step, now)
         for w in work:
@@ -496,6 +502,34 @@ class Engine:
             self._finish(req, TokenEvent(token, text + self._flush(req), "length", step, lp, top))
         else:
             req.handle._push(TokenEvent(token, text, None, step, lp, top))
+
+
+class StepTimer:
+    """A step's device time. On a GPU, CUDA events around the step's forward (its inputs already built), read
+    after sampling has copied the tokens to the host (which waits for those kernels anyway), so timing adds no
+    synchronisation of its own; only a step that samples nothing (a prompt chunk) waits for its end event. On the
+    CPU, the wall clock of the whole step."""
+
+    def __init__(self, device: torch.device):
+        self.events = None
+        if device.type == "cuda":
+            self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+
+    def start(self) -> None:
+        if self.events:
+            self.events[0].record()
+
+    def stop(self) -> None:
+        if self.events:
+            self.events[1].record()
+
+    def seconds(self, wall: float) -> float:
+        if not self.events:
+            return wall
+        start, end = self.events
+        if not end.query():
+            end.synchronize()
+        return start.elapsed_time(end) / 1e3
 
 
 def slot_of(pages: list[int], pos: int, page_size: int) -> int:

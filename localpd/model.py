@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from localpd.config import ModelConfig
 from localpd.errors import LocalpdError
 from localpd.kernels.dispatch import linear_int4, linear_int8
+from localpd.kernels.fused_dispatch import add_rms_norm, rope, silu_mul
 from localpd.kernels.kv_dispatch import paged_attention, write_kv
 from localpd.quant.kv import KVPool
 from localpd.quant.weights import Int4Weight, Int8Weight, Weight, cat_rows, take_rows, weight_nbytes
@@ -114,12 +115,6 @@ class Batch:
                    torch.tensor([0, n], dtype=torch.int32, device=device), rows)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * weight.float()).to(x.dtype)
-
-
 def rope_inv_freq(config: ModelConfig, rope_freqs: torch.Tensor | None = None) -> torch.Tensor:
     """Inverse frequencies of RoPE for half the head dimension, with Llama 3.1 scaling where configured."""
     hd = config.head_dim
@@ -137,14 +132,6 @@ def rope_inv_freq(config: ModelConfig, rope_freqs: torch.Tensor | None = None) -
         mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
         inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
     return inv.float()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim] in HF's half-rotated layout; cos/sin: [T, head_dim // 2]."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    c, s = cos[:, None, :], sin[:, None, :]
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
 
 
 class Transformer:
@@ -182,40 +169,37 @@ class Transformer:
         angles = torch.outer(positions.float(), self.inv_freq)
         return angles.cos(), angles.sin()
 
-    def _qkv(self, layer: Layer, x: torch.Tensor, cos, sin):
+    def _qkv(self, layer: Layer, h: torch.Tensor, cos, sin):
+        """q, k (rotated in place, views of the qkv output) and v, as [T, heads, head_dim]."""
         c = self.config
-        T = x.shape[0]
-        nq, nkv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-        q, k, v = layer.qkv(x).split([nq, nkv, nkv], dim=-1)
-        q = q.view(T, c.n_heads, c.head_dim)
-        k = k.view(T, c.n_kv_heads, c.head_dim)
-        v = v.reshape(T, c.n_kv_heads, c.head_dim)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-
-    def _mlp(self, layer: Layer, x: torch.Tensor) -> torch.Tensor:
-        h = rms_norm(x, layer.mlp_norm, self.config.norm_eps)
-        gate, up = layer.gate_up(h).chunk(2, dim=-1)
-        return layer.down(F.silu(gate) * up)
+        T, D = h.shape[0], c.head_dim
+        qkv = layer.qkv(h)
+        rotated = rope(qkv[:, :(c.n_heads + c.n_kv_heads) * D].view(T, -1, D), cos, sin)
+        return rotated[:, :c.n_heads], rotated[:, c.n_heads:], qkv[:, (c.n_heads + c.n_kv_heads) * D:].view(T, -1, D)
 
     @torch.inference_mode()
     def forward(self, batch: Batch, kv: KVPool) -> torch.Tensor:
         """Run a step's tokens, writing their keys and values into the paged cache; returns the float32 logits
-        of batch.logit_rows ([R, vocab])."""
+        of batch.logit_rows ([R, vocab]). x is the residual stream; each add into it is fused with the RMSNorm
+        that follows."""
         c = self.config
         T = batch.tokens.shape[0]
         cos, sin = self._rope(batch.positions)
         scale = 1.0 / math.sqrt(c.head_dim)
         x = take_rows(self.embed, batch.tokens, self.dtype)
+        h, _ = add_rms_norm(x, None, self.layers[0].attn_norm, c.norm_eps)
         for li, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.attn_norm, c.norm_eps)
             q, k, v = self._qkv(layer, h, cos, sin)
             pages = kv.layer(li)
             write_kv(pages, k, v, batch.slots)
             attn = paged_attention(q, pages, batch.page_table, batch.seq_lens, batch.q_starts, scale)
-            x = x + layer.o(attn.reshape(T, c.n_heads * c.head_dim))
-            x = x + self._mlp(layer, x)
-        x = rms_norm(x[batch.logit_rows], self.norm, c.norm_eps)
-        return self.lm_head(x).float()
+            h, x = add_rms_norm(layer.o(attn.reshape(T, c.n_heads * c.head_dim)), x, layer.mlp_norm, c.norm_eps)
+            out = layer.down(silu_mul(layer.gate_up(h)))
+            if li + 1 < len(self.layers):
+                h, x = add_rms_norm(out, x, self.layers[li + 1].attn_norm, c.norm_eps)
+        rows = batch.logit_rows
+        h, _ = add_rms_norm(out[rows], x[rows], self.norm, c.norm_eps)
+        return self.lm_head(h).float()
 
     def _body(self):
         linears = [l for L in self.layers for l in (L.qkv, L.o, L.gate_up, L.down)]

@@ -1,0 +1,61 @@
+"""Triton kernels that fuse the small elementwise steps between a layer's matmuls, so a decode step launches a
+few kernels per layer instead of dozens (each torch op is its own kernel; in a CUDA graph their launch cost is
+gone but each still reads and writes its tensors and takes a few microseconds).
+
+- add_rms_norm: residual add and RMSNorm in one pass over a row (the sum is rounded to the activation dtype
+  first, as the unfused torch code does, so both paths normalise the same residual stream).
+- silu_mul: SiLU(gate) * up from the gate/up matmul's [T, 2I] output.
+- rope: rotates query and key heads in place (HF's half-rotated layout), reading cos/sin per token.
+
+Their torch references (same signatures) are in fused_dispatch.py.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def add_rms_norm_kernel(x, res, w, out_h, out_x, N, eps, s_x, s_r, s_h, s_ox, HAS_RES: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    """Program t: s = x[t] (+ res[t]) rounded to x's dtype; out_x[t] = s; out_h[t] = s * rsqrt(mean(s^2) + eps) * w."""
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK)
+    mask = d < N
+    s = tl.load(x + t * s_x + d, mask=mask, other=0.0)
+    if HAS_RES:
+        s = (s.to(tl.float32) + tl.load(res + t * s_r + d, mask=mask, other=0.0).to(tl.float32))
+        s = s.to(x.dtype.element_ty)
+        tl.store(out_x + t * s_ox + d, s, mask=mask)
+    sf = s.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / N + eps)
+    h = (sf * inv).to(tl.float32) * tl.load(w + d, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_h + t * s_h + d, h.to(out_h.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def silu_mul_kernel(gu, out, I, s_gu, s_o, BLOCK: tl.constexpr):
+    """Program (t, block): out[t, j] = silu(gu[t, j]) * gu[t, I + j], silu rounded to the dtype first as torch does."""
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = j < I
+    g = tl.load(gu + t * s_gu + j, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu + t * s_gu + I + j, mask=mask, other=0.0)
+    silu = (g / (1.0 + tl.exp(-g))).to(u.dtype).to(tl.float32)
+    tl.store(out + t * s_o + j, (silu * u.to(tl.float32)).to(out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def rope_kernel(x, cos, sin, s_t, s_h, s_c, HALF: tl.constexpr):
+    """Program (t, head): x[t, head] = (x1 * c - x2 * s, x2 * c + x1 * s) in place, x1/x2 its two halves."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    i = tl.arange(0, HALF)
+    base = x + t * s_t + h * s_h
+    x1 = tl.load(base + i).to(tl.float32)
+    x2 = tl.load(base + HALF + i).to(tl.float32)
+    c = tl.load(cos + t * s_c + i).to(tl.float32)
+    s = tl.load(sin + t * s_c + i).to(tl.float32)
+    tl.store(base + i, (x1 * c - x2 * s).to(x.dtype.element_ty))
+    tl.store(base + HALF + i, (x2 * c + x1 * s).to(x.dtype.element_ty))

@@ -1,0 +1,90 @@
+"""The small fused steps of a layer (residual add + RMSNorm, SiLU * mul, RoPE): torch references, and launchers
+of their Triton kernels (kernels/fused.py) for CUDA tensors or under the interpreter (see dispatch.use_triton).
+Nothing here imports Triton unless a kernel is launched."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from localpd.kernels.dispatch import cdiv, use_triton
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * weight.float()).to(x.dtype)
+
+
+def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(s) * weight, s) for s = x + residual in x's dtype (s = x without a residual); x, residual [T, N]."""
+    s = x if residual is None else x + residual
+    return rms_norm_ref(s, weight, eps), s
+
+
+def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up for gate_up = [gate | up] along the last dimension."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE in place on x [T, heads, head_dim] (HF's half-rotated layout); cos/sin [T, head_dim // 2]. Returns x."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    c, s = cos[:, None, :].float(), sin[:, None, :].float()
+    x.copy_(torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1))
+    return x
+
+
+def _warps(block: int) -> int:
+    return 1 if block <= 256 else 4 if block <= 2048 else 8
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    if not use_triton(x) or x.dim() != 2 or x.stride(-1) != 1 or (residual is not None and residual.stride(-1) != 1):
+        return add_rms_norm_ref(x, residual, weight, eps)
+    from localpd.kernels.fused import add_rms_norm_kernel
+
+    T, N = x.shape
+    h = torch.empty_like(x)
+    s = x if residual is None else torch.empty_like(x)
+    r = x if residual is None else residual
+    if T:
+        block = triton_block(N)
+        add_rms_norm_kernel[(T,)](x, r, weight, h, s, N, eps, x.stride(0), r.stride(0), h.stride(0), s.stride(0),
+                                  HAS_RES=residual is not None, BLOCK=block, num_warps=_warps(block))
+    return h, s
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    if not use_triton(gate_up) or gate_up.dim() != 2 or gate_up.stride(-1) != 1:
+        return silu_mul_ref(gate_up)
+    from localpd.kernels.fused import silu_mul_kernel
+
+    T, I = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((T, I), dtype=gate_up.dtype, device=gate_up.device)
+    block = min(1024, triton_block(I))
+    if T:
+        silu_mul_kernel[(T, cdiv(I, block))](gate_up, out, I, gate_up.stride(0), out.stride(0), BLOCK=block,
+                                             num_warps=_warps(block))
+    return out
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE in place on x [T, heads, head_dim] (a strided view is fine: the q and k heads of a qkv output)."""
+    T, H, D = x.shape
+    if not use_triton(x) or x.stride(-1) != 1 or D & (D - 1) or D < 4 or cos.stride(-1) != 1:
+        return rope_ref(x, cos, sin)
+    from localpd.kernels.fused import rope_kernel
+
+    if T and H:
+        rope_kernel[(T, H)](x, cos, sin, x.stride(0), x.stride(1), cos.stride(0), HALF=D // 2, num_warps=1)
+    return x
+
+
+def triton_block(n: int) -> int:
+    """The power of two that covers n (a Triton tile size)."""
+    return 1 << max(0, (n - 1).bit_length())
