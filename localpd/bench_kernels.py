@@ -1,6 +1,8 @@
 """`localpd bench kernels`: our W4A16/W8A16 matmuls beside torch bf16, torch's int4 tinygemm and bitsandbytes NF4,
 on Llama-3-8B shapes, in one run: time, achieved GB/s and % of the measured copy bandwidth, plus a correctness
-check of each of our kernels against its torch reference on the same shapes.
+check of each of our kernels against its torch reference on the same shapes. On a GPU every kernel is timed as
+CUDA-graph replays (decode runs as a graph, so Python launch overhead is left out, for peers alike) over enough
+weight copies that none is read from L2.
 
 Without a GPU it runs the torch references on shapes scaled down 16x and says so: the numbers then only show
 that the command works.
@@ -35,22 +37,60 @@ def random_int8(n: int, k: int, device) -> Int8Weight:
     return Int8Weight(data, (torch.rand(n, 1, device=device) * 0.001 + 0.0005).half())
 
 
-def timer(device: torch.device):
-    if device.type == "cuda":
-        import triton.testing
+def copies_for(nbytes: int, device: torch.device) -> int:
+    """Weight copies to rotate through so that no timed launch finds its weights in L2 (2x the L2 size)."""
+    if device.type != "cuda":
+        return 1
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
+    return max(1, -(-2 * l2 // nbytes))
 
-        return lambda fn: triton.testing.do_bench(fn, warmup=10, rep=50) / 1000  # flushes L2 between runs
 
-    def cpu(fn):
+def graph_time(fns: list, reps: int = 20) -> float:
+    """Seconds per call of fns (one per weight copy, called in turn), timed as CUDA-graph replays so that Python
+    launch overhead is not counted (decode runs as a graph); falls back to events around eager calls when a
+    function cannot be captured."""
+    for fn in fns:  # compile and autotune outside the capture
         fn()
-        best = float("inf")
-        for _ in range(3):
-            t0 = time.perf_counter()
-            fn()
-            best = min(best, time.perf_counter() - t0)
-        return best
+    torch.cuda.synchronize()
+    calls = max(len(fns), reps)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for fn in fns:
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(graph):
+            for i in range(calls):
+                fns[i % len(fns)]()
+        run = graph.replay
+    except Exception:  # noqa: BLE001 - not capturable: time eager calls (launch overhead included)
+        torch.cuda.synchronize()
 
-    return cpu
+        def run():
+            for i in range(calls):
+                fns[i % len(fns)]()
+    run()
+    times = []
+    for _ in range(7):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def cpu_time(fns: list) -> float:
+    fns[0]()
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fns[0]()
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def tinygemm(w_dense: torch.Tensor, group: int):
@@ -85,15 +125,20 @@ def run(args) -> int:
     info = device_info(device, measure=False)
     print(f"# {info.name}: measured copy bandwidth {copy_bw / 1e9:.0f} GB/s"
           + ("" if gpu else " | no GPU: CPU torch reference timings on shapes / 16, not kernel numbers"))
-    bench = timer(device)
+    bench = graph_time if gpu else cpu_time
     rows = []
     for name, n, k in SHAPES:
         n, k = n // scale, k // scale
         w_dense = (torch.randn(n, k, device=device) * 0.02).to(dtype)
-        ours = {"int4-g128": random_int4(n, k, 128, device), "int4-g32": random_int4(n, k, 32, device),
-                "int8": random_int8(n, k, device)}
+        makers = {"int4-g128": lambda: random_int4(n, k, 128, device),
+                  "int4-g32": lambda: random_int4(n, k, 32, device), "int8": lambda: random_int8(n, k, device)}
+        ours = {}
+        for label, make in makers.items():
+            first = make()
+            ours[label] = [first] + [make() for _ in range(copies_for(first.nbytes, device) - 1)]
         errors = {}
-        for label, w in ours.items():  # correctness against the reference on this shape, same run
+        for label, ws in ours.items():  # correctness against the reference on this shape, same run
+            w = ws[0]
             x = torch.randn(max(ms), k, device=device, dtype=dtype)
             if isinstance(w, Int4Weight):
                 got, ref = linear_int4(x, w), int4_matmul_ref(x, w.packed, w.scales, w.biases, w.group)
@@ -101,28 +146,31 @@ def run(args) -> int:
                 got, ref = linear_int8(x, w), int8_matmul_ref(x, w.data, w.scales, w.group)
             errors[label] = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
         dense = "torch bf16" if gpu else "torch fp32"
-        peers = {dense: ((lambda x: torch.nn.functional.linear(x, w_dense)), n * k * w_dense.element_size())}
-        for label, make in (("tinygemm int4-g128", lambda: tinygemm(w_dense, 128)), ("bnb nf4", lambda: bnb_nf4(w_dense))):
+        dense_ws = [w_dense] + [w_dense.clone() for _ in range(copies_for(w_dense.nbytes, device) - 1)]
+        peers = {dense: ([lambda x, w=w: torch.nn.functional.linear(x, w) for w in dense_ws], w_dense.nbytes)}
+        for label, make in (("tinygemm int4-g128", lambda: tinygemm(w_dense, 128)),
+                            ("bnb nf4", lambda: bnb_nf4(w_dense))):
             if not gpu:
                 peers[label] = (None, "n/a (GPU only)")
                 continue
             try:
-                peers[label] = make()
+                fn, nbytes = make()
+                peers[label] = ([fn] + [make()[0] for _ in range(copies_for(nbytes, device) - 1)], nbytes)
             except Exception as e:  # noqa: BLE001 - a peer that cannot run is reported, not fatal
                 peers[label] = (None, f"n/a ({type(e).__name__}: {str(e)[:60]})")
         for m in ms:
             x = torch.randn(m, k, device=device, dtype=dtype)
             io = (m * k + m * n) * x.element_size()
             cells = {}
-            for label, w in ours.items():
-                fn = (lambda w=w: linear_int4(x, w)) if isinstance(w, Int4Weight) else (lambda w=w: linear_int8(x, w))
-                cells[label] = (bench(fn), w.nbytes + io)
-            for label, (fn, nbytes) in peers.items():
-                if fn is None:
+            for label, ws in ours.items():
+                linear = linear_int4 if isinstance(ws[0], Int4Weight) else linear_int8
+                cells[label] = (bench([lambda w=w: linear(x, w) for w in ws]), ws[0].nbytes + io)
+            for label, (fns, nbytes) in peers.items():
+                if fns is None:
                     cells[label] = nbytes
                     continue
                 try:
-                    cells[label] = (bench(lambda fn=fn: fn(x)), nbytes + io)
+                    cells[label] = (bench([lambda fn=fn: fn(x) for fn in fns]), nbytes + io)
                 except Exception as e:  # noqa: BLE001
                     cells[label] = f"n/a ({type(e).__name__})"
             rows.append({"shape": name, "n": n, "k": k, "m": m, "cells": cells, "rel_err": errors})

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device-tool call: install, then the named stages, each under its own time limit, logs under $OUT.
-# Usage (on the GPU machine, repo root): scripts/gpu_session.sh tests check kernels bench kv graphs
+# Usage (on the GPU machine, repo root): scripts/gpu_session.sh tests fused check sweep kernels bench peers kv kvfull
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -17,6 +17,9 @@ for s in "$@"; do case $s in
          TO="-s INT" stage gpu_mm_tests 100 env LOCALPD_TEST_DEVICE=cuda python3 -m pytest -q -n 14 -W ignore \
            -p no:cacheprovider -rf --tb=line tests/test_kernels.py ;;
   check) stage gpu_check 120 python3 scripts/gpu_check.py ;;
+  sweep) TAIL=80 stage sweep_gemv 500 python3 scripts/sweep_gemv.py --json "$OUT/sweep_gemv.json" ;;
+  fused) TO="-s INT" stage gpu_fused_tests 90 env LOCALPD_TEST_DEVICE=cuda python3 -m pytest -q -W ignore \
+           -p no:cacheprovider -rf --tb=line tests/test_fused_kernels.py ;;
   kernels) stage bench_kernels 200 localpd bench kernels --json "$OUT/bench_kernels.json" ;;
   bench) TAIL=12 stage bench_e2e 300 localpd bench --synthetic llama3-8b --quant int4-g128 --prompt-len 128 \
            --gen-len 64 --batch 1,4,16 --json "$OUT/bench_e2e.json" --plot "$OUT/roofline.png" ;;

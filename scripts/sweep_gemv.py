@@ -1,0 +1,104 @@
+"""Sweep the GEMV kernel's launch configurations on a GPU: every (BLOCK_N, BLOCK_K, num_warps, num_stages, split-K)
+for Llama-3-8B's decode shapes at M = 1 (and --m), timed as CUDA-graph replays over weight copies larger than L2,
+beside what quant_matmul's autotuner picks. Prints the best configurations per shape with % of the measured copy
+bandwidth, checks the best one against the torch reference, and writes everything as JSON.
+
+    python scripts/sweep_gemv.py --json $OUT/sweep.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+
+import torch
+
+from localpd.bench_kernels import SHAPES, copies_for, graph_time, random_int4, random_int8
+from localpd.device import measure_copy_bandwidth
+from localpd.kernels.dispatch import cdiv, int4_matmul_ref, int8_matmul_ref, linear_int4, linear_int8
+from localpd.kernels.quant_matmul import _gemv_kernel
+from localpd.quant.weights import Int4Weight
+
+BLOCK_N = (16, 32, 64, 128, 256)
+BLOCK_K = (128, 256, 512, 1024)
+WARPS = (4, 8)
+STAGES = (1, 3)
+SPLITS = (1, 2, 4, 8, 16)
+MAX_WORDS = 8192  # per program tile (words): beyond this the tile spills registers
+
+
+def launch(x, y, w, cfg):
+    bn, bk, warps, stages, split = cfg
+    m, k = x.shape
+    if isinstance(w, Int4Weight):
+        words, scales, biases, bits, group, has_bias = w.packed, w.scales, w.biases, 4, w.group, True
+    else:
+        words, scales, biases, bits, has_bias = w.data.view(torch.int32), w.scales, w.scales, 8, False
+        group = w.group if w.group < k else 1 << 30
+    n = words.shape[0]
+    if split > 1:
+        y.zero_()
+    _gemv_kernel[(1, cdiv(n, bn), split)](x, y, m, n, k, x.stride(0), y.stride(0), words, scales, biases,
+                                          words.stride(0), scales.stride(0), scales.shape[1], split, BITS=bits,
+                                          GROUP=group, HAS_BIAS=has_bias, BLOCK_M=max(1, m), BLOCK_N=bn, BLOCK_K=bk,
+                                          ATOMIC=split > 1, num_warps=warps, num_stages=stages)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--m", type=int, default=1)
+    p.add_argument("--formats", default="int4-g128,int8")
+    p.add_argument("--shapes", default="qkv,o,gate_up,down")
+    p.add_argument("--json")
+    args = p.parse_args()
+    dev = torch.device("cuda")
+    copy_bw = measure_copy_bandwidth(dev, 1 << 30)
+    print(f"# {torch.cuda.get_device_name(dev)}: copy bandwidth {copy_bw / 1e9:.0f} GB/s, M={args.m}")
+    results = []
+    for fmt, (name, n, k) in itertools.product(args.formats.split(","), SHAPES):
+        if name not in args.shapes.split(","):
+            continue
+        make = (lambda: random_int4(n, k, 128, dev)) if fmt == "int4-g128" else (lambda: random_int8(n, k, dev))
+        ws = [make()]
+        ws += [make() for _ in range(copies_for(ws[0].nbytes, dev) - 1)]
+        bits = 4 if fmt.startswith("int4") else 8
+        x = torch.randn(args.m, k, device=dev, dtype=torch.bfloat16)
+        y = torch.empty(args.m, n, device=dev, dtype=torch.float32)
+        nbytes = ws[0].nbytes + 2 * (args.m * k + args.m * n)
+        linear = linear_int4 if fmt.startswith("int4") else linear_int8
+        rows = [("autotuned default", graph_time([lambda w=w: linear(x, w) for w in ws]))]
+        t0 = time.time()
+        for cfg in itertools.product(BLOCK_N, BLOCK_K, WARPS, STAGES, SPLITS):
+            bn, bk, _, _, split = cfg
+            if bn * bk * bits // 32 * args.m > MAX_WORDS or cdiv(k, bk) < split or (bk * bits // 32) % 4:
+                continue
+            try:
+                rows.append((cfg, graph_time([lambda w=w, cfg=cfg: launch(x, y, w, cfg) for w in ws], reps=10)))
+            except Exception as e:  # noqa: BLE001 - a config that does not compile or fit is skipped
+                print(f"  {cfg}: {type(e).__name__}: {str(e)[:80]}")
+        rows.sort(key=lambda r: r[1])
+        best = next(r for r in rows if r[0] != "autotuned default")
+        w = ws[0]
+        launch(x, y, w, best[0])
+        ref = (int4_matmul_ref(x, w.packed, w.scales, w.biases, w.group) if fmt.startswith("int4")
+               else int8_matmul_ref(x, w.data, w.scales, w.group))
+        err = ((y.float() - ref.float()).norm() / ref.float().norm()).item()
+        print(f"{fmt:>9} {name:>7} N={n} K={k}: {len(rows)} configs in {time.time() - t0:.0f} s; "
+              f"best rel err {err:.1e}")
+        for cfg, sec in rows[:6] + [r for r in rows if r[0] == "autotuned default"]:
+            print(f"    {str(cfg):<28} {sec * 1e6:7.1f} us {nbytes / sec / 1e9:6.0f} GB/s "
+                  f"({nbytes / sec / copy_bw:.0%})")
+        results.append({"format": fmt, "shape": name, "n": n, "k": k, "m": args.m, "bytes": nbytes, "rel_err": err,
+                        "timings": [[str(c), s] for c, s in rows]})
+        del ws
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(dev), "copy_bandwidth": copy_bw, "results": results}, f)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
