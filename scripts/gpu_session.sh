@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device-tool call: install, then the named stages, each under its own time limit, logs under $OUT.
-# Usage (on the GPU machine, repo root): scripts/gpu_session.sh tests fused check sweep kernels bench peers kv kvfull
+# Usage (on the GPU machine, repo root): scripts/gpu_session.sh tests fused check sweep ncu kernels bench peers kv kvfull
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -20,6 +20,9 @@ for s in "$@"; do case $s in
   sweep) TAIL=80 stage sweep_gemv 500 python3 scripts/sweep_gemv.py --json "$OUT/sweep_gemv.json" ;;
   fused) TO="-s INT" stage gpu_fused_tests 90 env LOCALPD_TEST_DEVICE=cuda python3 -m pytest -q -W ignore \
            -p no:cacheprovider -rf --tb=line tests/test_fused_kernels.py ;;
+  ncu) stage ncu_step 240 ncu --profile-from-start off --metrics dram__bytes_read.sum,dram__bytes_write.sum --csv \
+         --log-file "$OUT/ncu.csv" python3 scripts/ncu_step_bytes.py run --json "$OUT/step.json"
+       stage ncu_compare 20 python3 scripts/ncu_step_bytes.py compare "$OUT/ncu.csv" "$OUT/step.json" ;;
   kernels) stage bench_kernels 200 localpd bench kernels --json "$OUT/bench_kernels.json" ;;
   bench) TAIL=12 stage bench_e2e 300 localpd bench --synthetic llama3-8b --quant int4-g128 --prompt-len 128 \
            --gen-len 64 --batch 1,4,16 --json "$OUT/bench_e2e.json" --plot "$OUT/roofline.png" ;;
