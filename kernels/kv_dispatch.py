@@ -91,7 +91,7 @@ def write_kv(layer: KVLayer, k: torch.Tensor, v: torch.Tensor, slots: torch.Tens
     T, H, D = k.shape
     ks, vs, kz, vz = _scales(layer)
     for x, data, scale, zero in ((k, layer.k, ks, kz), (v, layer.v, vs, vz)):
-        x = x.contiguous()
+        x = x if x.stride(-1) == 1 else x.contiguous()  # token and head strides are the kernel's arguments
         write_kv_kernel[(T, H)](x, slots, data, scale, zero, x.stride(0), x.stride(1), *_strides(layer),
                                 KIND=KINDS[layer.kv_dtype], PS=layer.page_size, D=D)
 
