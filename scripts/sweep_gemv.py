@@ -1,7 +1,8 @@
-"""Sweep the GEMV kernel's launch configurations on a GPU: every (BLOCK_N, BLOCK_K, num_warps, num_stages, split-K)
-for Llama-3-8B's decode shapes at M = 1 (and --m), timed as CUDA-graph replays over weight copies larger than L2,
-beside what quant_matmul's autotuner picks. Prints the best configurations per shape with % of the measured copy
-bandwidth, checks the best one against the torch reference, and writes everything as JSON.
+"""Sweep the GEMV kernel's launch configurations on a GPU: every (BLOCK_N, BLOCK_K, num_warps, num_stages,
+split-K) for Llama-3-8B's decode shapes at M = 1 (and --m), timed as CUDA-graph replays over weight copies larger
+than L2, beside what quant_matmul's autotuner picks and, at M = 1, the experimental K-major kernel (gemv_kmajor).
+Prints the best configurations per shape with % of the measured copy bandwidth, checks the best ones against the
+torch reference, and writes every timing as JSON.
 
     python scripts/sweep_gemv.py --json $OUT/sweep.json
 """
@@ -18,7 +19,7 @@ import torch
 from localpd.bench_kernels import SHAPES, copies_for, graph_time, random_int4, random_int8
 from localpd.device import measure_copy_bandwidth
 from localpd.kernels.dispatch import cdiv, int4_matmul_ref, int8_matmul_ref, linear_int4, linear_int8
-from localpd.kernels.quant_matmul import _gemv_kernel
+from localpd.kernels.quant_matmul import _gemv_kernel, gemv_kmajor
 from localpd.quant.weights import Int4Weight
 
 BLOCK_N = (16, 32, 64, 128, 256)
@@ -27,6 +28,14 @@ WARPS = (4, 8)
 STAGES = (1, 3)
 SPLITS = (1, 2, 4, 8, 16)
 MAX_WORDS = 8192  # per program tile (words): beyond this the tile spills registers
+KMAJOR_MAX_WORDS = 4096  # the K-major tile keeps its partial sums elementwise: three tile-sized register arrays
+
+
+def kmajor(w):
+    """The K-major transposes gemv_kmajor reads (words, scales, biases)."""
+    if isinstance(w, Int4Weight):
+        return w.packed.T.contiguous(), w.scales.T.contiguous(), w.biases.T.contiguous(), 4, w.group
+    return w.data.view(torch.int32).T.contiguous(), w.scales.T.contiguous(), None, 8, w.group
 
 
 def launch(x, y, w, cfg):
@@ -46,11 +55,18 @@ def launch(x, y, w, cfg):
                                           ATOMIC=split > 1, num_warps=warps, num_stages=stages)
 
 
+def rel(y, w, x, fmt) -> float:
+    ref = (int4_matmul_ref(x, w.packed, w.scales, w.biases, w.group) if fmt.startswith("int4")
+           else int8_matmul_ref(x, w.data, w.scales, w.group))
+    return ((y.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--m", type=int, default=1)
     p.add_argument("--formats", default="int4-g128,int8")
     p.add_argument("--shapes", default="qkv,o,gate_up,down")
+    p.add_argument("--no-kmajor", action="store_true", help="skip the experimental K-major kernel")
     p.add_argument("--json")
     args = p.parse_args()
     dev = torch.device("cuda")
@@ -78,13 +94,30 @@ def main() -> int:
                 rows.append((cfg, graph_time([lambda w=w, cfg=cfg: launch(x, y, w, cfg) for w in ws], reps=10)))
             except Exception as e:  # noqa: BLE001 - a config that does not compile or fit is skipped
                 print(f"  {cfg}: {type(e).__name__}: {str(e)[:80]}")
+        if args.m == 1 and not args.no_kmajor:
+            for w in ws:
+                w.kmajor = kmajor(w)
+            for bn, bk, warps, stages, split in itertools.product((32, 64, 128, 256), (64, 128, 256, 512), WARPS,
+                                                                  STAGES, SPLITS):
+                if bn * bk * bits // 32 > KMAJOR_MAX_WORDS or cdiv(k, bk) < split:
+                    continue
+                cfg = ("kmajor", bn, bk, warps, stages, split)
+                kw = dict(block_n=bn, block_k=bk, split_k=split, num_warps=warps, num_stages=stages)
+                try:
+                    rows.append((cfg, graph_time([lambda w=w, kw=kw: gemv_kmajor(x, *w.kmajor, **kw) for w in ws],
+                                                 reps=10)))
+                except Exception as e:  # noqa: BLE001
+                    print(f"  {cfg}: {type(e).__name__}: {str(e)[:80]}")
+            best_k = min((r for r in rows if r[0][0] == "kmajor"), key=lambda r: r[1], default=None)
+            if best_k:
+                _, bn, bk, warps, stages, split = best_k[0]
+                got = gemv_kmajor(x, *ws[0].kmajor, block_n=bn, block_k=bk, split_k=split, num_warps=warps,
+                                  num_stages=stages)
+                print(f"  kmajor best {best_k[0]} rel err {rel(got, ws[0], x, fmt):.1e}")
         rows.sort(key=lambda r: r[1])
-        best = next(r for r in rows if r[0] != "autotuned default")
-        w = ws[0]
-        launch(x, y, w, best[0])
-        ref = (int4_matmul_ref(x, w.packed, w.scales, w.biases, w.group) if fmt.startswith("int4")
-               else int8_matmul_ref(x, w.data, w.scales, w.group))
-        err = ((y.float() - ref.float()).norm() / ref.float().norm()).item()
+        best = next(r for r in rows if r[0] != "autotuned default" and r[0][0] != "kmajor")
+        launch(x, y, ws[0], best[0])
+        err = rel(y, ws[0], x, fmt)
         print(f"{fmt:>9} {name:>7} N={n} K={k}: {len(rows)} configs in {time.time() - t0:.0f} s; "
               f"best rel err {err:.1e}")
         for cfg, sec in rows[:6] + [r for r in rows if r[0] == "autotuned default"]:
