@@ -2,7 +2,9 @@
 
 Each sweep point submits `batch` requests of random token ids at once (so nothing comes from the prefix cache),
 greedy, ignoring EOS, and reads the engine's own step accounting: bytes and FLOPs of every step, and its time.
-MBU = decode bytes / decode time / bandwidth; MFU = prefill FLOPs / prefill time / peak FLOP/s.
+MBU = decode bytes / decode time / bandwidth; MFU = prefill FLOPs / prefill time / peak FLOP/s, with the steps'
+device time (CUDA events on a GPU: what the kernels achieve). Decode tok/s is over the steps' wall time (Python,
+sampling and detokenizing included: what a user gets); on a CPU the two clocks are the same.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ def run_point(engine: Engine, info: DeviceInfo, prompt_len: int, batch: int, gen
 
     pb, pf, ps, _ = totals(prefill)
     db, df, ds, dt = totals(decode)
+    decode_wall = sum(s.wall_seconds or s.seconds for s in decode)
     bw = info.bandwidth
     mid = prompt_len + gen_len // 2
     one_step = step_cost(engine.model, [(mid, 1)] * batch, engine.kv_token_bytes, batch).bytes
@@ -90,7 +93,7 @@ def run_point(engine: Engine, info: DeviceInfo, prompt_len: int, batch: int, gen
         prefill_tps=batch * prompt_len / ps if ps else 0.0,
         prefill_mfu=utilisation(pf, ps, info.peak_flops),
         prefill_flops_per_byte=pf / pb if pb else 0.0, prefill_flops_per_s=pf / ps if ps else 0.0,
-        decode_tps=dt / ds if ds else 0.0, decode_bytes_per_s=db / ds if ds else 0.0,
+        decode_tps=dt / decode_wall if decode_wall else 0.0, decode_bytes_per_s=db / ds if ds else 0.0,
         decode_mbu=utilisation(db, ds, bw), decode_mbu_peak=utilisation(db, ds, info.peak_bandwidth),
         decode_flops_per_byte=df / db if db else 0.0, decode_flops_per_s=df / ds if ds else 0.0,
         ceiling_tps=batch * bw / one_step if bw else None, peak_memory_mb=peak_mem)
