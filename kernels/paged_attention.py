@@ -2,10 +2,11 @@
 
 KIND selects the page format (quant/kv.py): 0 float (fp32/fp16/bf16), 1 int8, 2 fp8 e4m3, 3 int4 (groups of 32,
 two values a byte). Packed values are read directly and dequantized in registers, so quantized KV moves fewer
-bytes. Decode (every sequence one query) splits each sequence's pages over several programs (flash-decoding)
-and a reduce kernel merges their partial softmaxes; prefill chunks tile queries by BLOCK_M and walk the key
-pages with an online softmax and a causal mask. All query heads that share a KV head are one program (GQA):
-its keys and values are loaded once for the group.
+bytes. Decode (every sequence one query) splits each sequence's pages over several programs (flash-decoding),
+each walking its tokens a tile of several pages at a time (scores and weighted sums as tl.dot, the query group
+padded to 16 rows), and a reduce kernel merges their partial softmaxes; prefill chunks tile queries by BLOCK_M
+and walk the key pages with an online softmax and a causal mask. All query heads that share a KV head are one
+program (GQA): its keys and values are loaded once for the group.
 """
 
 from __future__ import annotations
@@ -17,22 +18,24 @@ FLOAT, INT8, FP8, INT4 = 0, 1, 2, 3
 
 
 @triton.jit
-def _load_page(data, scale, zero, page, tok, head, s_page, s_tok, s_head, c_page, c_tok, c_head,
-               KIND: tl.constexpr, PS: tl.constexpr, D: tl.constexpr):
-    """One page of one KV head, dequantized to float32: [PS, D]."""
-    t = tl.arange(0, PS)
+def _load_tokens(data, scale, zero, pages, offs, mask, head, s_page, s_tok, s_head, c_page, c_tok, c_head,
+                 KIND: tl.constexpr, D: tl.constexpr):
+    """Tokens (pages[i], offs[i]) of one KV head, dequantized to float32: [len(pages), D]; masked tokens read 0,
+    so stale or never-written memory past a sequence's end cannot turn into NaN."""
+    d = tl.arange(0, D)
+    tok = pages[:, None] * s_page + offs[:, None] * s_tok + head * s_head
+    m = mask[:, None]
     # no early return: Triton would still compile the code after a returning constexpr branch
     if KIND == 3:  # per element: its byte (d // 2), its nibble (d % 2) and its group's scale and zero (d // 32)
-        d = tl.arange(0, D)
-        p = tl.load(data + page * s_page + t[:, None] * s_tok + head * s_head + (d // 2)[None, :]).to(tl.int32)
+        p = tl.load(data + tok + (d // 2)[None, :], mask=m, other=0).to(tl.int32)
         q = ((p >> ((d % 2) * 4)[None, :]) & 15).to(tl.float32)
-        off = page * c_page + t[:, None] * c_tok + head * c_head + (d // 32)[None, :]
-        x = q * tl.load(scale + off).to(tl.float32) + tl.load(zero + off).to(tl.float32)
+        off = pages[:, None] * c_page + offs[:, None] * c_tok + head * c_head + (d // 32)[None, :]
+        x = q * tl.load(scale + off, mask=m, other=0.0).to(tl.float32) + tl.load(zero + off, mask=m,
+                                                                                 other=0.0).to(tl.float32)
     else:
-        d = tl.arange(0, D)
-        x = tl.load(data + page * s_page + t[:, None] * s_tok + head * s_head + d[None, :]).to(tl.float32)
+        x = tl.load(data + tok + d[None, :], mask=m, other=0.0).to(tl.float32)
         if KIND == 1 or KIND == 2:
-            s = tl.load(scale + page * c_page + t * c_tok + head * c_head).to(tl.float32)
+            s = tl.load(scale + pages * c_page + offs * c_tok + head * c_head, mask=mask, other=0.0).to(tl.float32)
             x = x * s[:, None]
     return x
 
@@ -94,40 +97,46 @@ def write_kv_kernel(src, slots, data, scale, zero, s_src_t, s_src_h, s_page, s_t
 def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_lens, part_acc, part_ml, sm_scale,
                   s_q_t, s_q_h, s_pt_b, s_page, s_tok, s_head, c_page, c_tok, c_head, pages_per_split,
                   KIND: tl.constexpr, PS: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr,
-                  SPLITS: tl.constexpr):
-    """Program (b, kv head, split): the group's queries against this split's pages; partial results out."""
+                  SPLITS: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Program (b, kv head, split): the group's queries (padded to GP >= 16 rows for tl.dot) against this split's
+    tokens, BLOCK_T at a time across several pages; partial softmax results out."""
     b = tl.program_id(0)
     kh = tl.program_id(1)
     sp = tl.program_id(2)
     n = tl.load(seq_lens + b)
-    n_pages = tl.cdiv(n, PS)
-    first = sp * pages_per_split
-    last = tl.minimum(first + pages_per_split, n_pages)
+    first = sp * pages_per_split * PS
+    last = tl.minimum(first + pages_per_split * PS, n)
     g = tl.arange(0, GP)
     d = tl.arange(0, D)
     gmask = g < GROUP
+    # float32 operands: tf32 on the GPU, which holds bf16/fp16 queries and keys exactly (and the interpreter has
+    # no bf16 dot)
     qv = tl.load(q + b * s_q_t + (kh * GROUP + g)[:, None] * s_q_h + d[None, :], mask=gmask[:, None], other=0.0)
-    qv = qv.to(tl.float32) * sm_scale
+    qv = qv.to(tl.float32)
     m = tl.full((GP,), float("-inf"), tl.float32)
     l = tl.zeros((GP,), tl.float32)
     acc = tl.zeros((GP, D), tl.float32)
-    t = tl.arange(0, PS)
-    for p in range(first, last):
-        page = tl.load(page_table + b * s_pt_b + p).to(tl.int64)
-        kt = _load_page(k, k_scale, k_zero, page, 0, kh, s_page, s_tok, s_head, c_page, c_tok, c_head, KIND, PS, D)
-        s = tl.sum(qv[:, None, :] * kt[None, :, :], axis=2)  # [GP, PS]
-        s = tl.where((p * PS + t)[None, :] < n, s, float("-inf"))
+    t = tl.arange(0, BLOCK_T)
+    for t0 in range(first, last, BLOCK_T):
+        pos = t0 + t
+        tmask = pos < last
+        pages = tl.load(page_table + b * s_pt_b + pos // PS, mask=tmask, other=0).to(tl.int64)
+        kt = _load_tokens(k, k_scale, k_zero, pages, pos % PS, tmask, kh, s_page, s_tok, s_head, c_page, c_tok,
+                          c_head, KIND, D)
+        s = tl.dot(qv, tl.trans(kt)) * sm_scale  # [GP, BLOCK_T]; every tile has a valid token
+        s = tl.where(tmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp(m - m_new)
         w = tl.exp(s - m_new[:, None])
-        vt = _load_page(v, v_scale, v_zero, page, 0, kh, s_page, s_tok, s_head, c_page, c_tok, c_head, KIND, PS, D)
-        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * vt[None, :, :], axis=1)
+        vt = _load_tokens(v, v_scale, v_zero, pages, pos % PS, tmask, kh, s_page, s_tok, s_head, c_page, c_tok,
+                          c_head, KIND, D)
+        acc = acc * alpha[:, None] + tl.dot(w, vt)
         l = l * alpha + tl.sum(w, axis=1)
         m = m_new
-    row = (b * tl.num_programs(1) + kh) * SPLITS + sp
-    tl.store(part_acc + (row * GP + g)[:, None] * D + d[None, :], acc)
-    tl.store(part_ml + (row * GP + g) * 2, m)
-    tl.store(part_ml + (row * GP + g) * 2 + 1, l)
+    row = ((b * tl.num_programs(1) + kh) * SPLITS + sp) * GROUP + g  # only the group's real rows are stored
+    tl.store(part_acc + row[:, None] * D + d[None, :], acc, mask=gmask[:, None])
+    tl.store(part_ml + row * 2, m, mask=gmask)
+    tl.store(part_ml + row * 2 + 1, l, mask=gmask)
 
 
 @triton.jit
@@ -139,17 +148,19 @@ def decode_reduce_kernel(part_acc, part_ml, out, s_o_t, s_o_h, D: tl.constexpr, 
     g = tl.arange(0, GP)
     d = tl.arange(0, D)
     base = (b * tl.num_programs(1) + kh) * SPLITS
+    gmask = g < GROUP
     m = tl.full((GP,), float("-inf"), tl.float32)
     for sp in range(SPLITS):
-        m = tl.maximum(m, tl.load(part_ml + ((base + sp) * GP + g) * 2))
+        m = tl.maximum(m, tl.load(part_ml + ((base + sp) * GROUP + g) * 2, mask=gmask, other=float("-inf")))
     l = tl.zeros((GP,), tl.float32)
     acc = tl.zeros((GP, D), tl.float32)
     for sp in range(SPLITS):
-        ms = tl.load(part_ml + ((base + sp) * GP + g) * 2)
+        ms = tl.load(part_ml + ((base + sp) * GROUP + g) * 2, mask=gmask, other=float("-inf"))
         f = tl.where(ms == float("-inf"), 0.0, tl.exp(ms - m))
-        l += f * tl.load(part_ml + ((base + sp) * GP + g) * 2 + 1)
-        acc += f[:, None] * tl.load(part_acc + ((base + sp) * GP + g)[:, None] * D + d[None, :])
-    o = acc / l[:, None]
+        l += f * tl.load(part_ml + ((base + sp) * GROUP + g) * 2 + 1, mask=gmask, other=0.0)
+        acc += f[:, None] * tl.load(part_acc + ((base + sp) * GROUP + g)[:, None] * D + d[None, :],
+                                    mask=gmask[:, None], other=0.0)
+    o = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(out + b * s_o_t + (kh * GROUP + g)[:, None] * s_o_h + d[None, :], o.to(out.dtype.element_ty),
              mask=(g < GROUP)[:, None])
 
@@ -182,7 +193,9 @@ def prefill_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_le
     last_pos = n - q_len + tl.minimum(mb * BLOCK_M + BLOCK_M, q_len) - 1
     for p in range(0, last_pos // PS + 1):
         page = tl.load(page_table + b * s_pt_b + p).to(tl.int64)
-        kt = _load_page(k, k_scale, k_zero, page, 0, kh, s_page, s_tok, s_head, c_page, c_tok, c_head, KIND, PS, D)
+        pages = page + tl.zeros((PS,), tl.int64)
+        kt = _load_tokens(k, k_scale, k_zero, pages, t, p * PS + t < n, kh, s_page, s_tok, s_head, c_page, c_tok,
+                          c_head, KIND, D)
         s = tl.dot(qv, tl.trans(kt))  # [BLOCK_M, PS]
         kpos = p * PS + t
         s = tl.where((kpos[None, :] <= pos[:, None]) & rmask[:, None], s, float("-inf"))
@@ -190,7 +203,8 @@ def prefill_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_le
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m - m_safe)
         w = tl.exp(s - m_safe[:, None])
-        vt = _load_page(v, v_scale, v_zero, page, 0, kh, s_page, s_tok, s_head, c_page, c_tok, c_head, KIND, PS, D)
+        vt = _load_tokens(v, v_scale, v_zero, pages, t, p * PS + t < n, kh, s_page, s_tok, s_head, c_page, c_tok,
+                          c_head, KIND, D)
         acc = acc * alpha[:, None] + tl.dot(w, vt)
         l = l * alpha + tl.sum(w, axis=1)
         m = m_new

@@ -58,11 +58,17 @@ def test_write_kv_matches_the_reference(kv_dtype, D):
         assert (diff > 1e-6).float().mean().item() < 0.01
 
 
-def build_case(kv_dtype, page_size, H, group, lens, q_lens, D=64, dtype=torch.float32, seed=0):
+def build_case(kv_dtype, page_size, H, group, lens, q_lens, D=64, dtype=torch.float32, seed=0, poison=False):
+    """Sequences of the given lengths on shuffled pages; poison fills the pool first with NaN/inf (or, for integer
+    storage, extreme values) so that reading past a sequence's end shows up in the output."""
     g = torch.Generator().manual_seed(seed)
     n_pages = sum(-(-n // page_size) for n in lens) + 2
     pool = new_kv_pool(kv_dtype, 1, n_pages, page_size, H, D, dtype, DEV)
     layer = pool.layer(0)
+    if poison:
+        for t in (layer.k, layer.v, layer.k_scale, layer.v_scale, layer.k_zero, layer.v_zero):
+            if t is not None:
+                t.view(torch.uint8).fill_(0xFF)  # NaN for float storage, -1 / 255 for integer storage
     order = torch.randperm(n_pages, generator=g).tolist()
     tables, starts = [], [0]
     for n, t in zip(lens, q_lens):
@@ -97,6 +103,16 @@ def test_decode_batches_match_the_reference(kv_dtype, page_size, group):
 
 
 @pytest.mark.parametrize("kv_dtype", DTYPES)
+@pytest.mark.parametrize("page_size", [16, 32])
+def test_decode_tiles_across_pages_with_garbage_past_the_end(kv_dtype, page_size):
+    """Tiles span several pages: lengths ending mid-tile and mid-page, exactly one tile, under one page, very
+    different lengths in one batch, GQA groups of 1, 4 and 7 (odd, padded); the pool starts as NaN garbage."""
+    for group, lens in ((1, [64, 3]), (4, [130, 1, 63]), (7, [65, 200])):
+        check(build_case(kv_dtype, page_size, 2, group, lens, [1] * len(lens), seed=group, poison=True), 1e-4)
+    check(build_case(kv_dtype, page_size, 2, 3, [70, 33], [6, 33], seed=8, poison=True), 1e-4)  # prefill too
+
+
+@pytest.mark.parametrize("kv_dtype", DTYPES)
 def test_prefill_chunks_after_a_cached_prefix_and_mixed_batches(kv_dtype):
     # a chunk after a prefix, a whole prompt, a decode row and a 40-row chunk in one step
     check(build_case(kv_dtype, 16, 2, 3, [33, 17, 50, 97], [7, 17, 1, 40]), 1e-4)
@@ -114,7 +130,7 @@ def test_half_precision_queries(dtype):
 def test_decode_splits_including_empty_partitions(kv_dtype, lens):
     from localpd.kernels.kv_dispatch import decode_splits
 
-    assert decode_splits(len(lens), 7, torch.device("cpu")) > 1  # the partitions really are exercised
+    assert decode_splits(len(lens), 7, 16, torch.device("cpu")) > 1  # the partitions really are exercised
     check(build_case(kv_dtype, 16, 1, 4, lens, [1] * len(lens), seed=5), 1e-4)
 
 
