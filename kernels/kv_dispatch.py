@@ -96,19 +96,29 @@ def write_kv(layer: KVLayer, k: torch.Tensor, v: torch.Tensor, slots: torch.Tens
                                 KIND=KINDS[layer.kv_dtype], PS=layer.page_size, D=D)
 
 
-# Decode attention walks DECODE_TILE tokens (several pages) per loop iteration: one page (16 tokens) at a time
-# left too few bytes in flight per SM (H100, 2026-11-23: 18% of bandwidth at 32k); 64 tokens of 128-dim K and V
-# are 32 KB of bf16 per iteration. The query group is padded to 16 rows for tl.dot.
-DECODE_TILE = 64
+# Decode attention walks each split a tile at a time, BLOCK_T tokens spanning BLOCK_T // page_size pages: one page
+# (16 tokens) per iteration left too few bytes in flight per SM (H100, 2026-11-23: 18% of bandwidth at 32k). A tile
+# is DECODE_TILE_ELEMS elements of K (and as many of V): 64 tokens at head dim 128, 128 at 64, so 16 KB of bf16 or
+# 8 KB of int8 K per iteration at either size, and always whole pages. The query group is padded to 16 rows for
+# tl.dot. Unmeasured first choices, to tune on a GPU with scripts/bench_kv.py --attention-only.
+DECODE_TILE_ELEMS = 8192
 DECODE_WARPS = 4
+DECODE_PROGRAMS_PER_SM = 2  # what the splits aim at when batch x kv heads alone leave SMs idle
+DECODE_MAX_SPLITS = 64  # the reduce holds all of a head's splits in one [splits, head_dim] tile
 
 
-def decode_splits(batch_heads: int, max_pages: int, page_size: int, device: torch.device) -> int:
-    """Partitions of each sequence's pages (flash-decoding), so that short batches still fill the GPU at long
-    contexts: about two programs per SM, and no partition shorter than one tile."""
-    target = 2 * sm_count(device) if device.type == "cuda" else 4
-    tiles = cdiv(max_pages * page_size, DECODE_TILE)
-    return max(1, min(tiles, cdiv(target, batch_heads)))
+def decode_block_t(page_size: int, head_dim: int) -> int:
+    """Tokens per decode tile: DECODE_TILE_ELEMS elements, and at least one page."""
+    return max(page_size, DECODE_TILE_ELEMS // head_dim)
+
+
+def decode_splits(batch_heads: int, tiles: int, device: torch.device) -> tuple[int, int]:
+    """(splits, tiles per split) of each sequence's `tiles` tiles (flash-decoding): about DECODE_PROGRAMS_PER_SM
+    programs per SM at long contexts, but no split shorter than a tile (short contexts get few) and no split that
+    every sequence leaves empty."""
+    target = DECODE_PROGRAMS_PER_SM * sm_count(device) if device.type == "cuda" else 4
+    per = cdiv(tiles, max(1, min(tiles, cdiv(target, batch_heads), DECODE_MAX_SPLITS)))
+    return cdiv(tiles, per), per
 
 
 def paged_attention(q: torch.Tensor, layer: KVLayer, page_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -126,23 +136,21 @@ def paged_attention(q: torch.Tensor, layer: KVLayer, page_table: torch.Tensor, s
     ks, vs, kz, vz = _scales(layer)
     kind = KINDS[layer.kv_dtype]
     if T == B:
-        max_pages = page_table.shape[1]
         ps = layer.page_size
-        splits = decode_splits(B * H, max_pages, ps, q.device)
-        tile_pages = DECODE_TILE // ps
-        per_split = cdiv(cdiv(max_pages, splits), tile_pages) * tile_pages  # whole tiles per partition
+        block_t = decode_block_t(ps, D)
+        splits, per_split = decode_splits(B * H, cdiv(page_table.shape[1] * ps, block_t), q.device)
         gp = max(16, 1 << (group - 1).bit_length())  # the group padded for tl.dot
-        part_acc = torch.empty(B * H * splits * group, D, dtype=torch.float32, device=q.device)
-        part_ml = torch.empty(B * H * splits * group, 2, dtype=torch.float32, device=q.device)
+        part_acc = torch.empty(B * Hq * splits, D, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(B * Hq * splits, 2, dtype=torch.float32, device=q.device)
         decode_kernel[(B, H, splits)](q, layer.k, layer.v, ks, vs, kz, vz, page_table, seq_lens, part_acc, part_ml,
                                       scale, q.stride(0), q.stride(1), page_table.stride(0), *_strides(layer),
-                                      per_split, KIND=kind, PS=ps, D=D, GROUP=group, GP=gp, SPLITS=splits,
-                                      BLOCK_T=DECODE_TILE, num_warps=DECODE_WARPS)
-        decode_reduce_kernel[(B, H)](part_acc, part_ml, out, out.stride(0), out.stride(1), D=D, GROUP=group, GP=gp,
-                                     SPLITS=splits)
+                                      per_split * block_t // ps, KIND=kind, PS=ps, D=D, GROUP=group, GP=gp,
+                                      SPLITS=splits, BLOCK_T=block_t, num_warps=DECODE_WARPS)
+        decode_reduce_kernel[(B, Hq)](part_acc, part_ml, out, out.stride(0), out.stride(1), D=D, SPLITS=splits,
+                                      SP=1 << (splits - 1).bit_length(), num_warps=4)
         return out
     prefill_kernel[(B, cdiv(T, BLOCK_M), Hq)](q, layer.k, layer.v, ks, vs, kz, vz, page_table, seq_lens, q_starts,
                                               out, scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                                               page_table.stride(0), *_strides(layer), KIND=kind, PS=layer.page_size,
-                                              D=D, GROUP=group, BLOCK_M=BLOCK_M)
+                                              D=D, GROUP=group, BLOCK_M=BLOCK_M, num_warps=4)
     return out

@@ -4,9 +4,10 @@ KIND selects the page format (quant/kv.py): 0 float (fp32/fp16/bf16), 1 int8, 2 
 two values a byte). Packed values are read directly and dequantized in registers, so quantized KV moves fewer
 bytes. Decode (every sequence one query) splits each sequence's pages over several programs (flash-decoding),
 each walking its tokens a tile of several pages at a time (scores and weighted sums as tl.dot, the query group
-padded to 16 rows), and a reduce kernel merges their partial softmaxes; prefill chunks tile queries by BLOCK_M
-and walk the key pages with an online softmax and a causal mask. All query heads that share a KV head are one
-program (GQA): its keys and values are loaded once for the group.
+padded to 16 rows), and a reduce kernel merges each query head's partial softmaxes in one step; prefill chunks
+tile queries by BLOCK_M and walk the key pages with an online softmax and a causal mask. All query heads that
+share a KV head are one program (GQA): its keys and values are loaded once for the group. Loads are masked at the
+sequence's end, so whatever lies past it (stale or never-written slots, padding in the page table) is not read.
 """
 
 from __future__ import annotations
@@ -121,48 +122,43 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
         pos = t0 + t
         tmask = pos < last
         pages = tl.load(page_table + b * s_pt_b + pos // PS, mask=tmask, other=0).to(tl.int64)
+        # V is requested with K, before the math, so both tiles are in flight together
         kt = _load_tokens(k, k_scale, k_zero, pages, pos % PS, tmask, kh, s_page, s_tok, s_head, c_page, c_tok,
+                          c_head, KIND, D)
+        vt = _load_tokens(v, v_scale, v_zero, pages, pos % PS, tmask, kh, s_page, s_tok, s_head, c_page, c_tok,
                           c_head, KIND, D)
         s = tl.dot(qv, tl.trans(kt)) * sm_scale  # [GP, BLOCK_T]; every tile has a valid token
         s = tl.where(tmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp(m - m_new)
         w = tl.exp(s - m_new[:, None])
-        vt = _load_tokens(v, v_scale, v_zero, pages, pos % PS, tmask, kh, s_page, s_tok, s_head, c_page, c_tok,
-                          c_head, KIND, D)
         acc = acc * alpha[:, None] + tl.dot(w, vt)
         l = l * alpha + tl.sum(w, axis=1)
         m = m_new
-    row = ((b * tl.num_programs(1) + kh) * SPLITS + sp) * GROUP + g  # only the group's real rows are stored
+    # [B, query heads, SPLITS]: the group's real rows only, each head's splits side by side for the reduce
+    row = ((b * tl.num_programs(1) + kh) * GROUP + g) * SPLITS + sp
     tl.store(part_acc + row[:, None] * D + d[None, :], acc, mask=gmask[:, None])
     tl.store(part_ml + row * 2, m, mask=gmask)
     tl.store(part_ml + row * 2 + 1, l, mask=gmask)
 
 
 @triton.jit
-def decode_reduce_kernel(part_acc, part_ml, out, s_o_t, s_o_h, D: tl.constexpr, GROUP: tl.constexpr,
-                         GP: tl.constexpr, SPLITS: tl.constexpr):
-    """Program (b, kv head): merge the splits' partial softmaxes into the output rows of the group."""
+def decode_reduce_kernel(part_acc, part_ml, out, s_o_t, s_o_h, D: tl.constexpr, SPLITS: tl.constexpr,
+                         SP: tl.constexpr):
+    """Program (b, query head): merge the head's SPLITS partial softmaxes (padded to SP, a power of two) into its
+    output row. They are loaded as one tile: a loop over the splits would wait on a round trip for each."""
     b = tl.program_id(0)
-    kh = tl.program_id(1)
-    g = tl.arange(0, GP)
+    h = tl.program_id(1)
+    sp = tl.arange(0, SP)
     d = tl.arange(0, D)
-    base = (b * tl.num_programs(1) + kh) * SPLITS
-    gmask = g < GROUP
-    m = tl.full((GP,), float("-inf"), tl.float32)
-    for sp in range(SPLITS):
-        m = tl.maximum(m, tl.load(part_ml + ((base + sp) * GROUP + g) * 2, mask=gmask, other=float("-inf")))
-    l = tl.zeros((GP,), tl.float32)
-    acc = tl.zeros((GP, D), tl.float32)
-    for sp in range(SPLITS):
-        ms = tl.load(part_ml + ((base + sp) * GROUP + g) * 2, mask=gmask, other=float("-inf"))
-        f = tl.where(ms == float("-inf"), 0.0, tl.exp(ms - m))
-        l += f * tl.load(part_ml + ((base + sp) * GROUP + g) * 2 + 1, mask=gmask, other=0.0)
-        acc += f[:, None] * tl.load(part_acc + ((base + sp) * GROUP + g)[:, None] * D + d[None, :],
-                                    mask=gmask[:, None], other=0.0)
-    o = acc / tl.where(l > 0, l, 1.0)[:, None]
-    tl.store(out + b * s_o_t + (kh * GROUP + g)[:, None] * s_o_h + d[None, :], o.to(out.dtype.element_ty),
-             mask=(g < GROUP)[:, None])
+    live = sp < SPLITS
+    row = (b * tl.num_programs(1) + h) * SPLITS + sp
+    ms = tl.load(part_ml + row * 2, mask=live, other=float("-inf"))
+    f = tl.where(ms == float("-inf"), 0.0, tl.exp(ms - tl.max(ms, axis=0)))  # empty splits weigh nothing
+    l = tl.sum(f * tl.load(part_ml + row * 2 + 1, mask=live, other=0.0), axis=0)
+    acc = tl.load(part_acc + row[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
+    o = tl.sum(f[:, None] * acc, axis=0) / tl.where(l > 0, l, 1.0)
+    tl.store(out + b * s_o_t + h * s_o_h + d, o.to(out.dtype.element_ty))
 
 
 @triton.jit
@@ -191,7 +187,7 @@ def prefill_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_le
     acc = tl.zeros((BLOCK_M, D), tl.float32)
     t = tl.arange(0, PS)
     last_pos = n - q_len + tl.minimum(mb * BLOCK_M + BLOCK_M, q_len) - 1
-    for p in range(0, last_pos // PS + 1):
+    for p in range(last_pos // PS + 1):
         page = tl.load(page_table + b * s_pt_b + p).to(tl.int64)
         pages = page + tl.zeros((PS,), tl.int64)
         kt = _load_tokens(k, k_scale, k_zero, pages, t, p * PS + t < n, kh, s_page, s_tok, s_head, c_page, c_tok,

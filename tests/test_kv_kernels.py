@@ -13,7 +13,8 @@ if DEV == "cpu":
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from localpd.kernels.kv_dispatch import paged_attention, paged_attention_ref, write_kv, write_kv_ref  # noqa: E402
+from localpd.kernels.kv_dispatch import (decode_block_t, decode_splits, paged_attention,  # noqa: E402
+                                         paged_attention_ref, write_kv, write_kv_ref)
 from localpd.quant.kv import dequantize_kv, new_kv_pool  # noqa: E402
 
 DTYPES = ["fp32", "bf16", "int8", "fp8", "int4"]
@@ -59,17 +60,20 @@ def test_write_kv_matches_the_reference(kv_dtype, D):
 
 
 def build_case(kv_dtype, page_size, H, group, lens, q_lens, D=64, dtype=torch.float32, seed=0, poison=False):
-    """Sequences of the given lengths on shuffled pages; poison fills the pool first with NaN/inf (or, for integer
-    storage, extreme values) so that reading past a sequence's end shows up in the output."""
+    """Sequences of the given lengths on shuffled pages. No sequence owns page 0, which pads the page table (and is
+    where masked page-id loads point); poison fills the pool first with NaN, inf and -inf (all bits set for integer
+    storage), so that reading past a sequence's end shows up in the output."""
     g = torch.Generator().manual_seed(seed)
-    n_pages = sum(-(-n // page_size) for n in lens) + 2
+    n_pages = sum(-(-n // page_size) for n in lens) + 1
     pool = new_kv_pool(kv_dtype, 1, n_pages, page_size, H, D, dtype, DEV)
     layer = pool.layer(0)
-    if poison:
-        for t in (layer.k, layer.v, layer.k_scale, layer.v_scale, layer.k_zero, layer.v_zero):
-            if t is not None:
-                t.view(torch.uint8).fill_(0xFF)  # NaN for float storage, -1 / 255 for integer storage
-    order = torch.randperm(n_pages, generator=g).tolist()
+    for t in (layer.k, layer.v, layer.k_scale, layer.v_scale, layer.k_zero, layer.v_zero) if poison else ():
+        if t is not None and t.is_floating_point():
+            bad = torch.tensor([float("nan"), float("inf"), float("-inf")]).repeat(-(-t.numel() // 3))
+            t.copy_(bad[:t.numel()].view(t.shape))
+        elif t is not None:
+            t.view(torch.uint8).fill_(0xFF)
+    order = (torch.randperm(n_pages - 1, generator=g) + 1).tolist()
     tables, starts = [], [0]
     for n, t in zip(lens, q_lens):
         pages = [order.pop() for _ in range(-(-n // page_size))]
@@ -79,14 +83,14 @@ def build_case(kv_dtype, page_size, H, group, lens, q_lens, D=64, dtype=torch.fl
         write_kv_ref(layer, k, v, slots)
         starts.append(starts[-1] + t)
     width = max(map(len, tables))
-    table = torch.tensor([p + [p[0]] * (width - len(p)) for p in tables], dtype=torch.int32, device=DEV)
+    table = torch.tensor([p + [0] * (width - len(p)) for p in tables], dtype=torch.int32, device=DEV)
     q = torch.randn(starts[-1], H * group, D, generator=g).to(dtype).to(DEV)
     return (q, layer, table, torch.tensor(lens, dtype=torch.int32, device=DEV),
             torch.tensor(starts, dtype=torch.int32, device=DEV))
 
 
 def check(case, atol):
-    if DEV != "cpu":  # the prefill kernel's tl.dot takes float32 as tf32 on the GPU
+    if DEV != "cpu":  # the kernels' tl.dot takes float32 as tf32 on the GPU
         atol = max(atol, 5e-3)
     q, layer, table, lens, starts = case
     out = paged_attention(q, layer, table, lens, starts, q.shape[-1] ** -0.5)
@@ -98,16 +102,19 @@ def check(case, atol):
 @pytest.mark.parametrize("kv_dtype", DTYPES)
 @pytest.mark.parametrize("page_size, group", [(16, 1), (32, 3), (16, 4)])
 def test_decode_batches_match_the_reference(kv_dtype, page_size, group):
-    lens = [1, 15, 16, 17, 100]  # odd lengths, page boundaries; 100 tokens spread over split partitions
+    lens = [1, 15, 16, 17, 100]  # odd lengths, page boundaries
     check(build_case(kv_dtype, page_size, 2, group, lens, [1] * len(lens)), 1e-4)
 
 
-@pytest.mark.parametrize("kv_dtype", DTYPES)
+@pytest.mark.parametrize("kv_dtype", ["fp32", "fp16", "bf16", "int8", "fp8", "int4"])
 @pytest.mark.parametrize("page_size", [16, 32])
 def test_decode_tiles_across_pages_with_garbage_past_the_end(kv_dtype, page_size):
-    """Tiles span several pages: lengths ending mid-tile and mid-page, exactly one tile, under one page, very
-    different lengths in one batch, GQA groups of 1, 4 and 7 (odd, padded); the pool starts as NaN garbage."""
-    for group, lens in ((1, [64, 3]), (4, [130, 1, 63]), (7, [65, 200])):
+    """Tiles span several pages (8 or 4 here): lengths of exactly one tile, under one page, ending mid-tile and
+    mid-page or mid-tile on a page boundary, very different lengths in one batch, GQA groups of 1, 4 and 7 (odd,
+    padded); the pool starts as NaN/inf garbage."""
+    bt = decode_block_t(page_size, 64)
+    assert bt // page_size > 1
+    for group, lens in ((1, [bt, 3]), (4, [2 * bt + page_size + 3, 1, bt - 1]), (7, [bt + 1, bt + bt // 2])):
         check(build_case(kv_dtype, page_size, 2, group, lens, [1] * len(lens), seed=group, poison=True), 1e-4)
     check(build_case(kv_dtype, page_size, 2, 3, [70, 33], [6, 33], seed=8, poison=True), 1e-4)  # prefill too
 
@@ -126,12 +133,13 @@ def test_half_precision_queries(dtype):
 
 
 @pytest.mark.parametrize("kv_dtype", DTYPES)
-@pytest.mark.parametrize("lens", [[100], [100, 5]])
-def test_decode_splits_including_empty_partitions(kv_dtype, lens):
-    from localpd.kernels.kv_dispatch import decode_splits
-
-    assert decode_splits(len(lens), 7, 16, torch.device("cpu")) > 1  # the partitions really are exercised
-    check(build_case(kv_dtype, 16, 1, 4, lens, [1] * len(lens), seed=5), 1e-4)
+@pytest.mark.parametrize("group, batch, splits, per_split", [(4, 1, 4, 1), (7, 2, 2, 2)])
+def test_decode_splits_including_empty_partitions(kv_dtype, group, batch, splits, per_split):
+    """A sequence of 4 tiles, alone (a tile per split) or beside one of 5 tokens (two splits of two tiles, the short
+    sequence's second split empty); one KV head, so batch x kv heads is the batch. The pool starts as garbage."""
+    assert decode_splits(batch, 4, torch.device("cpu")) == (splits, per_split)
+    lens = [3 * decode_block_t(16, 64) + 5, 5][:batch]
+    check(build_case(kv_dtype, 16, 1, group, lens, [1] * batch, seed=5, poison=True), 1e-4)
 
 
 @pytest.mark.skipif(DEV == "cpu", reason="long contexts need a GPU")
