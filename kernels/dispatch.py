@@ -1,7 +1,8 @@
 """Which implementation runs a quantized linear layer, the torch references, and launch heuristics.
 
 Nothing here imports Triton: on a CPU-only install the references run; the Triton modules are imported
-only when a kernel is launched (CUDA tensors, or the Triton interpreter switched on for tests).
+only when a kernel is launched (CUDA tensors, or the Triton interpreter switched on for tests). The bitsandbytes
+formats (quant/bnb.py) always run on bitsandbytes' own matmuls, on the CPU or GPU; it too is imported only then.
 
 The Triton interpreter is chosen by TRITON_INTERPRET=1 (or LOCALPD_TRITON_INTERPRET=1, which sets it). Triton
 reads it when a kernel is decorated, so it must be set before localpd.kernels.quant_matmul is
@@ -15,6 +16,7 @@ import os
 import torch
 
 from localpd.errors import LocalpdError
+from localpd.quant.bnb import LLM_INT8_THRESHOLD, BnbInt8Weight, Nf4Weight, bitsandbytes, nf4_code
 from localpd.quant.weights import Int4Weight, Int8Weight
 
 GEMV_MAX_M = 16  # the most rows the GEMV path takes (it is the default only up to quant_matmul.GEMV_AUTO_M)
@@ -117,3 +119,34 @@ def linear_int4(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None
 def linear_int8(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     fn = _triton_fn("int8") if use_triton(x) else int8_matmul_ref
     return _linear(x, w.shape, lambda x2: fn(x2, w.data, w.scales, w.group), bias)
+
+
+def bnb_matmul_ref(x: torch.Tensor, w: Nf4Weight | BnbInt8Weight) -> torch.Tensor:
+    """y = x @ W.T with a bitsandbytes weight dequantized in fp32 (plain torch); output in x.dtype."""
+    return _matmul_ref(x, w.dequantize(torch.float32))
+
+
+def bnb_nf4_matmul(x: torch.Tensor, w: Nf4Weight) -> torch.Tensor:
+    """y = x @ W.T by bitsandbytes' matmul_4bit (its GEMV/GEMM kernels for the device); output in x.dtype."""
+    bnb = bitsandbytes("bnb-nf4")
+    state = bnb.functional.QuantState(w.absmax.reshape(-1), shape=torch.Size(w.shape), code=nf4_code(x.device),
+                                      blocksize=w.blocksize, quant_type="nf4", dtype=x.dtype)
+    return bnb.matmul_4bit(x, w.data.reshape(-1, 1).t(), quant_state=state)  # B transposed, as Linear4bit passes it
+
+
+def bnb_int8_matmul(x: torch.Tensor, w: BnbInt8Weight) -> torch.Tensor:
+    """y = x @ W.T by bitsandbytes' LLM.int8 matmul (what Linear8bitLt runs for inference, outlier threshold
+    6.0). Activations go through fp16, as bitsandbytes casts them; output in x.dtype."""
+    bnb = bitsandbytes("bnb-int8")
+    state = bnb.MatmulLtState()  # a fresh one per call: bitsandbytes keeps the step's outlier columns in it
+    state.CB, state.SCB = w.data, w.scales.reshape(-1)
+    state.has_fp16_weights = state.is_training = False
+    return bnb.matmul(x.half(), w.data, state=state, threshold=LLM_INT8_THRESHOLD).to(x.dtype)
+
+
+def linear_bnb_nf4(x: torch.Tensor, w: Nf4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return _linear(x, w.shape, lambda x2: bnb_nf4_matmul(x2, w), bias)
+
+
+def linear_bnb_int8(x: torch.Tensor, w: BnbInt8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return _linear(x, w.shape, lambda x2: bnb_int8_matmul(x2, w), bias)

@@ -15,15 +15,16 @@ import torch.nn.functional as F
 
 from localpd.config import ModelConfig
 from localpd.errors import LocalpdError
-from localpd.kernels.dispatch import linear_int4, linear_int8
+from localpd.kernels.dispatch import linear_bnb_int8, linear_bnb_nf4, linear_int4, linear_int8
 from localpd.kernels.fused_dispatch import add_rms_norm, rope, silu_mul
 from localpd.kernels.kv_dispatch import paged_attention, write_kv
+from localpd.quant.bnb import BnbInt8Weight, Nf4Weight
 from localpd.quant.kv import KVPool
 from localpd.quant.weights import Int4Weight, Int8Weight, Weight, cat_rows, take_rows, weight_nbytes
 
 
 class QuantLinear:
-    """y = x @ W.T (+ b) for a dense, int8 or int4 weight: the one place model code touches a weight matrix,
+    """y = x @ W.T (+ b) for a dense, int8, int4 or bitsandbytes weight: the one place model code touches a weight matrix,
     so the model never branches on the format."""
 
     def __init__(self, weight: Weight, bias: torch.Tensor | None = None):
@@ -36,6 +37,10 @@ class QuantLinear:
             return linear_int4(x, w, self.bias)
         if isinstance(w, Int8Weight):
             return linear_int8(x, w, self.bias)
+        if isinstance(w, Nf4Weight):
+            return linear_bnb_nf4(x, w, self.bias)
+        if isinstance(w, BnbInt8Weight):
+            return linear_bnb_int8(x, w, self.bias)
         return F.linear(x, w, self.bias)
 
     @property

@@ -5,11 +5,13 @@ from __future__ import annotations
 import torch
 
 from localpd.errors import LocalpdError
+from localpd.quant.bnb import BnbInt8Weight, Nf4Weight, bitsandbytes
 from localpd.quant.weights import Int4Weight, Int8Weight, Weight
 
 DENSE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 INT4 = {"int4-g32": 32, "int4-g64": 64, "int4-g128": 128}
-SCHEMES = ("native", *DENSE, "int8", *INT4, "bnb-nf4", "bnb-int8")
+BNB = {"bnb-nf4": Nf4Weight, "bnb-int8": BnbInt8Weight}  # bitsandbytes' formats and matmuls (optional)
+SCHEMES = ("native", *DENSE, "int8", *INT4, *BNB)
 # GGUF block types that map exactly onto our formats; other quantized types are re-quantized to these
 GGUF_NATIVE = {"Q4_0", "Q4_1", "Q8_0"}
 GGUF_REQUANT = {"Q4_K": "int4-g32", "Q5_K": "int8", "Q6_K": "int8"}
@@ -18,9 +20,8 @@ GGUF_REQUANT = {"Q4_K": "int4-g32", "Q5_K": "int8", "Q6_K": "int8"}
 def check_scheme(scheme: str) -> str:
     if scheme not in SCHEMES:
         raise LocalpdError(f"unknown weight scheme '{scheme}'; schemes: {', '.join(SCHEMES)}")
-    if scheme.startswith("bnb-"):
-        raise LocalpdError(f"{scheme} (bitsandbytes) is not available in this version of localpd; "
-                           f"use int8 or int4-g128 (Triton kernels)")
+    if scheme in BNB:
+        bitsandbytes(scheme)  # fail now, with how to install it, rather than at the first matrix
     return scheme
 
 
@@ -38,10 +39,12 @@ def is_matrix(name: str, tied: bool) -> bool:
 
 
 def head_scheme(name: str, scheme: str, tied: bool) -> str:
-    """The output head (lm_head, or the embeddings tied to it) stays at int8 under the int4 schemes: its error
-    lands directly on the logits, and it is one matrix of many (llama.cpp's Q4 files keep it at 6-8 bits too)."""
+    """The output head (lm_head, or the embeddings tied to it) stays at int8 under the int4 and bitsandbytes
+    schemes: its error lands directly on the logits, and it is one matrix of many (llama.cpp's Q4 files keep it at
+    6-8 bits too). Under bnb-int8 too: LLM.int8 also rounds the head's input to 8 bits, which flips greedy answers of
+    small models (SmolLM2-135M's), and transformers leaves lm_head out of bitsandbytes as well."""
     head = name == "lm_head" or (tied and name == "embed_tokens")
-    return "int8" if head and scheme in INT4 else scheme
+    return "int8" if head and (scheme in INT4 or scheme in BNB) else scheme
 
 
 def imports_exactly(gguf_type: str, scheme: str) -> bool:
@@ -56,4 +59,6 @@ def quantize(dense: torch.Tensor, scheme: str, dtype: torch.dtype) -> Weight:
         return Int8Weight.quantize(dense)
     if scheme in INT4:
         return Int4Weight.quantize(dense, INT4[scheme])
+    if scheme in BNB:
+        return BNB[scheme].quantize(dense)
     return dense.to(dtype)

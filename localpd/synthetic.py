@@ -10,6 +10,7 @@ import torch
 from localpd.config import ModelConfig, matrix_shapes
 from localpd.errors import LocalpdError
 from localpd.loader import LoadedModel
+from localpd.quant.bnb import NF4_BLOCKSIZE, BnbInt8Weight, Nf4Weight
 from localpd.quant.weights import Int4Weight, Int8Weight, Weight
 from localpd.schemes import DENSE, INT4, head_scheme
 
@@ -42,14 +43,20 @@ def random_weight(shape: tuple[int, int], scheme: str, dtype: torch.dtype, devic
     if scheme == "int8":
         data = torch.randint(-127, 128, (n, k), dtype=torch.int8, device=device, generator=g)
         return Int8Weight(data, torch.full((n, 1), 0.02 / 127, dtype=torch.float16, device=device))
+    if scheme == "bnb-nf4":
+        if k % NF4_BLOCKSIZE:
+            raise LocalpdError(f"bnb-nf4 needs input dimensions divisible by {NF4_BLOCKSIZE}; {k} is not")
+        data = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=device, generator=g)
+        return Nf4Weight(data, torch.full((n, k // NF4_BLOCKSIZE), 0.02, device=device))
+    if scheme == "bnb-int8":
+        data = torch.randint(-127, 128, (n, k), dtype=torch.int8, device=device, generator=g)
+        return BnbInt8Weight(data, torch.full((n, 1), 0.02, device=device))
     return (torch.randn(n, k, device=device, generator=g, dtype=torch.float32) * 0.02).to(dtype)
 
 
 def synthetic_model(name: str, scheme: str, dtype: torch.dtype, device, seed: int = 0) -> LoadedModel:
     if name not in SYNTHETIC:
         raise LocalpdError(f"unknown synthetic model '{name}'; choose one of {', '.join(SYNTHETIC)}")
-    if scheme.startswith("bnb-"):
-        raise LocalpdError("synthetic models support native, fp32, fp16, bf16, int8 and int4 schemes")
     c = SYNTHETIC[name]
     c = ModelConfig(**{**c.__dict__, "name": name})
     scheme = "bf16" if scheme == "native" else scheme
@@ -83,6 +90,10 @@ def synthetic_nbytes(name: str, scheme: str) -> int:
             return n * k // 2 + 4 * n * (k // INT4[s])
         if s == "int8":
             return n * k + 2 * n
+        if s == "bnb-nf4":
+            return n * k // 2 + 4 * n * (k // NF4_BLOCKSIZE)
+        if s == "bnb-int8":
+            return n * k + 4 * n
         return n * k * (4 if s == "fp32" else 2)
 
     total = sum(size(shape, head_scheme(w, scheme, c.tie_embeddings)) for w, shape in matrix_shapes(c).items())

@@ -17,11 +17,12 @@ from safetensors.torch import save_file
 
 from localpd.config import ModelConfig
 from localpd.errors import LocalpdError
+from localpd.quant.bnb import BnbInt8Weight, Nf4Weight, bitsandbytes
 from localpd.quant.weights import Int4Weight, Int8Weight, Weight
 
 FORMAT, VERSION = "localpd-quantized", 1
 MARKER, TENSORS, TOKENIZER = "localpd.json", "model.safetensors", "tokenizer_gguf.json"
-KINDS = {"int4": Int4Weight, "int8": Int8Weight}
+KINDS = {"int4": Int4Weight, "int8": Int8Weight, "bnb-nf4": Nf4Weight, "bnb-int8": BnbInt8Weight}
 
 
 def is_quantized_dir(path: Path) -> bool:
@@ -80,6 +81,8 @@ def load_quantized(path: Path, device, scheme: str = "native") -> tuple[ModelCon
     if scheme not in ("native", meta["scheme"]):
         raise LocalpdError(f"{path} holds {meta['scheme']} weights; --quant {scheme} would need the original model "
                            f"(use --quant native or {meta['scheme']}, or quantize the source again)")
+    if meta["scheme"].startswith("bnb-"):
+        bitsandbytes(meta["scheme"])  # its weights run only on its matmuls
     config = ModelConfig(**meta["config"])
     weights: dict[str, Weight] = {}
     try:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from localpd.errors import LocalpdError
+from localpd.quant.bnb import BnbInt8Weight, Nf4Weight
 
 INT4_GROUPS = (32, 64, 128)
 CLIP_RATIOS = torch.linspace(1.0, 0.8, 20).tolist()  # 1.0 first: plain min/max round-to-nearest
@@ -245,7 +246,7 @@ def from_gguf(type_name: str, raw_blocks_uint8: torch.Tensor, shape: tuple[int, 
     return Int4Weight(pack_int4(q), d.contiguous(), f16(2).contiguous())
 
 
-Weight = torch.Tensor | Int4Weight | Int8Weight  # a weight matrix in any format
+Weight = torch.Tensor | Int4Weight | Int8Weight | Nf4Weight | BnbInt8Weight  # a weight matrix in any format
 
 
 def weight_nbytes(w: Weight) -> int:
@@ -254,7 +255,8 @@ def weight_nbytes(w: Weight) -> int:
 
 
 def cat_rows(weights: list[Weight]) -> Weight:
-    """Stack matrices of one format (and group) along the output dimension: [N1, K] + [N2, K] -> [N1 + N2, K]."""
+    """Stack matrices of one format (and group) along the output dimension: [N1, K] + [N2, K] -> [N1 + N2, K].
+    Every quantized format (bitsandbytes' too) is a dataclass of tensors indexed by output row."""
     first = weights[0]
     if isinstance(first, torch.Tensor):
         return torch.cat(weights)

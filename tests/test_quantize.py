@@ -1,6 +1,8 @@
 """`localpd quantize`: save once, load without re-quantizing, same logits; damaged or mismatched files fail clearly."""
 
+import importlib.util
 import json
+import sys
 
 import pytest
 import torch
@@ -10,12 +12,14 @@ from localpd.engine import Engine
 from localpd.errors import LocalpdError
 from localpd.loader import load_model
 from localpd.model import Batch, Transformer
+from localpd.quant.bnb import BnbInt8Weight, Nf4Weight
 from localpd.quant.kv import new_kv_pool
 from localpd.quant.weights import Int4Weight, Int8Weight
 from localpd.quantize import quantize_model
 from localpd.sampling import SamplingParams
 
 Q = [{"role": "user", "content": "What is the capital of France?"}]
+needs_bnb = pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes not installed")
 
 
 def logits(loaded, ids):
@@ -25,8 +29,10 @@ def logits(loaded, ids):
     return model.forward(Batch.single(ids, 0, 4, 16, model.device, all_logits=True), pool)
 
 
-@pytest.mark.parametrize("scheme, kind", [("int4-g32", Int4Weight), ("int8", Int8Weight)])
-def test_saved_model_gives_the_same_logits_and_answers(default_gguf, tmp_path, scheme, kind):
+@pytest.mark.parametrize("scheme, kind", [("int4-g32", Int4Weight), ("int8", Int8Weight),
+                                          pytest.param("bnb-nf4", Nf4Weight, marks=needs_bnb),
+                                          pytest.param("bnb-int8", BnbInt8Weight, marks=needs_bnb)])
+def test_saved_model_gives_the_same_logits_and_answers(default_gguf, tmp_path, monkeypatch, scheme, kind):
     out = quantize_model(str(default_gguf), scheme, tmp_path / scheme)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no partial directory left
     meta = json.loads((out / "localpd.json").read_text())
@@ -42,6 +48,10 @@ def test_saved_model_gives_the_same_logits_and_answers(default_gguf, tmp_path, s
     engine.close()
     with pytest.raises(LocalpdError, match="would need the original model"):
         load_model(out, scheme="int4-g128")
+    if scheme.startswith("bnb-"):  # bitsandbytes' weights need it to run: said at once, not at the first matmul
+        monkeypatch.setitem(sys.modules, "bitsandbytes", None)
+        with pytest.raises(LocalpdError, match=f"^{scheme} needs bitsandbytes: pip install bitsandbytes$"):
+            load_model(out)
 
 
 def test_cli_writes_into_the_cache_and_reports_it(default_gguf, tmp_path, monkeypatch, capsys):

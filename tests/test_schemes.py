@@ -1,14 +1,20 @@
 """Weight schemes on the real default model: exact native import, quantized answers, perplexity."""
 
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+from localpd.cli import main
 from localpd.engine import Engine
 from localpd.errors import LocalpdError
 from localpd.loader import load_model
+from localpd.model import Batch
 from localpd.perplexity import perplexity
+from localpd.quant.bnb import BnbInt8Weight, Nf4Weight
+from localpd.quant.kv import new_kv_pool
 from localpd.quant.weights import Int4Weight, Int8Weight
 from localpd.sampling import SamplingParams
 
@@ -31,13 +37,50 @@ def test_quantized_model_still_answers(default_gguf, quant):
     assert "Paris" in text
 
 
-def test_unknown_and_unavailable_schemes(default_gguf):
+def last_logits(model, ids):
+    c = model.config
+    pool = new_kv_pool("fp32", c.n_layers, 8, 16, c.n_kv_heads, c.head_dim, model.dtype, model.device)
+    return model.forward(Batch.single(ids, 0, 8, 16, model.device), pool)[0]
+
+
+# Measured on SmolLM2-135M Q4_1 against the fp32 model (the `engine` fixture), CPU: relative error of the chat
+# prompt's last-position logits, and perplexity over the apache-2.0.txt window below as a ratio to fp32's (18.03).
+#   int8:     0.074, ppl x0.995    int4-g64 (re-quantized, clipping search): 0.142, ppl x1.25
+#   bnb-int8: 0.102, ppl x1.002    (LLM.int8's 8-bit activations; the int8 head keeps greedy answers)
+#   bnb-nf4:  0.177, ppl x1.42     (plain absmax NF4 re-quantizes the 4-bit Q4_1 weights: a second rounding)
+# Bounds: about 1.5x the measured logit error, the perplexity ratio with a few percent to spare.
+@pytest.mark.parametrize("quant, kind, max_err, max_ppl", [("bnb-int8", BnbInt8Weight, 0.15, 1.05),
+                                                           ("bnb-nf4", Nf4Weight, 0.27, 1.5)])
+def test_bitsandbytes_schemes_answer_and_stay_near_the_dense_model(default_gguf, engine, quant, kind, max_err,
+                                                                   max_ppl):
+    pytest.importorskip("bitsandbytes")
+    bnb = Engine(default_gguf, device="cpu", quant=quant, max_context=512)
+    layer = bnb.model.layers[3]
+    assert isinstance(layer.qkv.weight, kind) and isinstance(layer.down.weight, kind)  # q/k/v: one fused matrix
+    assert isinstance(bnb.model.lm_head.weight, Int8Weight)  # the (tied) head stays at int8
+    text = "".join(e.text for e in bnb.chat(Q, SamplingParams(temperature=0, max_tokens=16)))
+    assert "Paris" in text
+    ids = bnb.encode_chat(Q)
+    got, ref = last_logits(bnb.model, ids), last_logits(engine.model, ids)
+    assert got.argmax() == ref.argmax() and ((got - ref).norm() / ref.norm()).item() < max_err
+    ids = engine.tokenizer.encode(Path("tests/data/apache-2.0.txt").read_text()[:1500])
+    dense_ppl = perplexity(engine.model, ids, window=len(ids)).perplexity
+    assert perplexity(bnb.model, ids, window=len(ids)).perplexity < dense_ppl * max_ppl
+    bnb.close()
+
+
+def test_unknown_and_unavailable_schemes(default_gguf, monkeypatch, capsys):
     with pytest.raises(LocalpdError, match="unknown weight scheme"):
         load_model(default_gguf, scheme="int3")
-    with pytest.raises(LocalpdError, match="bitsandbytes"):
-        load_model(default_gguf, scheme="bnb-nf4")
     with pytest.raises(LocalpdError, match=r"int4-g128 needs the input dimension \(576\) to be a multiple of 128"):
         load_model(default_gguf, scheme="int4-g128")  # SmolLM2-135M's hidden size is 4.5 groups of 128
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # as if it were not installed
+    for scheme in ("bnb-nf4", "bnb-int8"):
+        with pytest.raises(LocalpdError) as e:
+            load_model(default_gguf, scheme=scheme)
+        assert str(e.value) == f"{scheme} needs bitsandbytes: pip install bitsandbytes"
+    assert main(["quantize", str(default_gguf), "--scheme", "bnb-nf4"]) == 1  # before touching the model
+    assert capsys.readouterr().err == "localpd: error: bnb-nf4 needs bitsandbytes: pip install bitsandbytes\n"
 
 
 def test_perplexity_equals_transformers_loss_in_one_window(engine, hf_reference):
