@@ -24,8 +24,8 @@ from localpd.quant.weights import Int4Weight, Int8Weight, Weight, cat_rows, take
 
 
 class QuantLinear:
-    """y = x @ W.T (+ b) for a dense, int8, int4 or bitsandbytes weight: the one place model code touches a weight matrix,
-    so the model never branches on the format."""
+    """y = x @ W.T (+ b) for a dense, int8, int4 or bitsandbytes weight: the one place model code touches a weight
+    matrix, so the model never branches on the format."""
 
     def __init__(self, weight: Weight, bias: torch.Tensor | None = None):
         self.weight = weight
