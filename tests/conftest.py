@@ -1,7 +1,13 @@
 import os
 from pathlib import Path
 
-import pytest
+# Triton decides interpreter or compiler when it is first imported (bitsandbytes imports it at collection), so
+# the CPU test session switches the interpreter on before any test module loads; the app's CPU path still runs
+# the torch references unless LOCALPD_TRITON_INTERPRET asks for the kernels.
+if os.environ.get("LOCALPD_TEST_DEVICE", "cpu") == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session")
