@@ -53,6 +53,15 @@ def _field_scaled(x, F: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
+def _split_chunks(K, BLOCK_K: tl.constexpr, SPLIT_K, pid_k):
+    """The K chunks [c0, c1) of split pid_k: ceil(chunks / SPLIT_K) each, the last ones shorter or empty."""
+    chunks = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(chunks, SPLIT_K)
+    c0 = pid_k * per_split
+    return c0, tl.minimum(chunks, c0 + per_split)
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, y_ptr, M, N, K, stride_xm, stride_ym, w_ptr, s_ptr, b_ptr, stride_wn, stride_sn, K_GROUPS,
                  SPLIT_K, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr):
@@ -65,10 +74,7 @@ def _gemv_kernel(x_ptr, y_ptr, M, N, K, stride_xm, stride_ym, w_ptr, s_ptr, b_pt
     n_mask = offs_n < N
     word = tl.arange(0, G)[:, None] * WPG + tl.arange(0, WPG)[None, :]  # [G, WPG]
     kw = K // FIELDS
-    chunks = tl.cdiv(K, BLOCK_K)
-    per_split = tl.cdiv(chunks, SPLIT_K)
-    c0 = pid_k * per_split
-    c1 = tl.minimum(chunks, c0 + per_split)
+    c0, c1 = _split_chunks(K, BLOCK_K, SPLIT_K, pid_k)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for c in range(c0, c1):
         wk = c * (BLOCK_K // FIELDS) + word  # [G, WPG] word columns
@@ -121,10 +127,7 @@ def _gemv_kmajor_kernel(x_ptr, y_ptr, N, K, wt_ptr, st_ptr, bt_ptr, stride_wk, s
     n_mask = offs_n < N
     word = tl.arange(0, G)[:, None] * WPG + tl.arange(0, WPG)[None, :]  # [G, WPG]
     kw = K // FIELDS
-    chunks = tl.cdiv(K, BLOCK_K)
-    per_split = tl.cdiv(chunks, SPLIT_K)
-    c0 = pid_k * per_split
-    c1 = tl.minimum(chunks, c0 + per_split)
+    c0, c1 = _split_chunks(K, BLOCK_K, SPLIT_K, pid_k)
     acc = tl.zeros((G, WPG, BLOCK_N), tl.float32)
     for c in range(c0, c1):
         wk = c * (BLOCK_K // FIELDS) + word
