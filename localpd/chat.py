@@ -57,6 +57,9 @@ def run_chat(args) -> int:
                     max_context=args.ctx or 8192, kv_memory=args.kv_memory, progress=True)
     try:
         chat = Chat(engine, params, args.system, verbose=args.verbose)
+        if interactive or args.verbose:
+            for note in engine.notes:
+                print(note, file=sys.stderr)
         if not interactive:
             chat.reply(args.prompt)
             return 0

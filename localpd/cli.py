@@ -177,6 +177,8 @@ def eval_perplexity(args) -> int:
         raise LocalpdError(f"cannot read text file {path}: {e}") from None
     engine = Engine(args.model, device=args.device, quant=args.quant, kv=args.kv, max_context=args.ctx,
                     kv_memory=args.kv_memory)
+    for note in engine.notes:
+        print(note, file=sys.stderr)
     ids = engine.tokenizer.encode(text)[: args.max_tokens]
     window = min(args.window, engine.max_context)
     r = perplexity(engine.model, ids, window=window, kv_dtype=engine.kv_dtype)

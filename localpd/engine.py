@@ -29,7 +29,7 @@ from localpd.registry import resolve_model
 from localpd.roofline import step_cost
 from localpd.sampling import Sampler, SamplingParams
 from localpd.scheduler import Scheduler, Sequence, Work
-from localpd.schemes import check_scheme, compute_dtype
+from localpd.schemes import check_scheme, compute_dtype, group_notes
 from localpd.stops import StopMatcher
 from localpd.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -228,6 +228,7 @@ class Engine:
         elif loaded.hf_dir is not None:
             self.tokenizer = Tokenizer.from_dir(loaded.hf_dir)
         self.model = Transformer(loaded.config, loaded.weights)
+        self.notes = group_notes(loaded.weights, self.quant)  # how the scheme had to adapt to this model
         self.max_context = min(max_context or self.config.max_context, self.config.max_context)
         if self.max_context < 2:
             raise LocalpdError(f"context length must be at least 2, got {self.max_context}")

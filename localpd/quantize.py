@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import sys
 from pathlib import Path
 
 import torch
@@ -10,7 +11,7 @@ import torch
 from localpd.loader import load_model
 from localpd.quant.store import save_quantized
 from localpd.registry import cache_dir, resolve_model
-from localpd.schemes import check_scheme, compute_dtype
+from localpd.schemes import check_scheme, compute_dtype, group_notes
 
 
 def source_hash(path: Path) -> str:
@@ -31,6 +32,9 @@ def quantize_model(model: str, scheme: str, out: Path | None = None, progress: b
     resolved = resolve_model(model, pull=True, progress=progress)
     cpu = torch.device("cpu")
     loaded = load_model(resolved.path, dtype=compute_dtype(scheme, cpu), device=cpu, scheme=scheme)
+    if progress:
+        for note in group_notes(loaded.weights, scheme):
+            print(note, file=sys.stderr)
     out = Path(out) if out else Path(cache_dir()) / "quantized" / f"{resolved.name}-{scheme}"
     source = {"name": resolved.name, "path": str(resolved.path), "sha256": source_hash(Path(resolved.path))}
     tokenizer = None

@@ -6,7 +6,7 @@ import torch
 
 from localpd.errors import LocalpdError
 from localpd.quant.bnb import BnbInt8Weight, Nf4Weight, bitsandbytes
-from localpd.quant.weights import Int4Weight, Int8Weight, Weight
+from localpd.quant.weights import INT4_GROUPS, Int4Weight, Int8Weight, Weight
 
 DENSE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 INT4 = {"int4-g32": 32, "int4-g64": 64, "int4-g128": 128}
@@ -53,12 +53,34 @@ def imports_exactly(gguf_type: str, scheme: str) -> bool:
                                          or (scheme == "int4-g32" and gguf_type in ("Q4_0", "Q4_1")))
 
 
+def int4_group(scheme: str, k: int) -> int:
+    """The group an int4 scheme uses for a matrix with k inputs: the scheme's own, or, where k is not a multiple of
+    it, the largest smaller group that divides k (as llama.cpp falls back to another type for rows its blocks do not
+    divide). SmolLM2-135M's hidden size 576 = 4.5 x 128 takes int4-g128 as g64 there, and g128 in down_proj."""
+    for group in sorted((g for g in INT4_GROUPS if g <= INT4[scheme]), reverse=True):
+        if k % group == 0:
+            return group
+    raise LocalpdError(f"{scheme} needs the input dimension ({k}) to be a multiple of {min(INT4_GROUPS)}")
+
+
+def group_notes(weights: dict[str, Weight], scheme: str) -> list[str]:
+    """One line per fallback group that an int4 scheme had to take (see int4_group), naming the matrices."""
+    if scheme not in INT4:
+        return []
+    fell_back: dict[int, set[str]] = {}
+    for name, w in weights.items():
+        if isinstance(w, Int4Weight) and w.group != INT4[scheme]:
+            fell_back.setdefault(w.group, set()).add(name.rsplit(".", 1)[-1])
+    return [f"{scheme}: {', '.join(sorted(names))} use groups of {group} (input dimension not a multiple of "
+            f"{INT4[scheme]})" for group, names in sorted(fell_back.items())]
+
+
 def quantize(dense: torch.Tensor, scheme: str, dtype: torch.dtype) -> Weight:
     """A dense matrix in the given scheme ("native" keeps it dense)."""
     if scheme == "int8":
         return Int8Weight.quantize(dense)
     if scheme in INT4:
-        return Int4Weight.quantize(dense, INT4[scheme])
+        return Int4Weight.quantize(dense, int4_group(scheme, dense.shape[1]))
     if scheme in BNB:
         return BNB[scheme].quantize(dense)
     return dense.to(dtype)

@@ -343,8 +343,11 @@ def serve(args) -> int:
     from localpd.chat import default_model
 
     def load() -> Engine:
-        return Engine(args.model or default_model(), device=args.device, quant=args.quant, kv=args.kv,
-                      max_context=args.ctx, kv_memory=args.kv_memory)
+        engine = Engine(args.model or default_model(), device=args.device, quant=args.quant, kv=args.kv,
+                        max_context=args.ctx, kv_memory=args.kv_memory)
+        for note in engine.notes:
+            log.info(note)
+        return engine
 
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         log.warning("listening on %s without --api-key: anyone who can reach this port can use the model", args.host)

@@ -12,7 +12,7 @@ from localpd.errors import LocalpdError
 from localpd.loader import LoadedModel
 from localpd.quant.bnb import NF4_BLOCKSIZE, BnbInt8Weight, Nf4Weight
 from localpd.quant.weights import Int4Weight, Int8Weight, Weight
-from localpd.schemes import DENSE, INT4, head_scheme
+from localpd.schemes import DENSE, INT4, head_scheme, int4_group
 
 # shapes from each model's config.json
 SYNTHETIC = {
@@ -34,9 +34,7 @@ def random_weight(shape: tuple[int, int], scheme: str, dtype: torch.dtype, devic
     """Values of about +-0.02 in the scheme's own format, without a dense copy first."""
     n, k = shape
     if scheme in INT4:
-        group = INT4[scheme]
-        if k % group:
-            raise LocalpdError(f"{scheme} needs input dimensions divisible by {group}; {k} is not")
+        group = int4_group(scheme, k)
         packed = torch.randint(-2**31, 2**31 - 1, (n, k // 8), dtype=torch.int32, device=device, generator=g)
         scales = torch.full((n, k // group), 0.02 / 7.5, dtype=torch.float16, device=device)
         return Int4Weight(packed, scales, torch.full_like(scales, -0.02))
@@ -87,7 +85,7 @@ def synthetic_nbytes(name: str, scheme: str) -> int:
     def size(shape, s):
         n, k = shape
         if s in INT4:
-            return n * k // 2 + 4 * n * (k // INT4[s])
+            return n * k // 2 + 4 * n * (k // int4_group(s, k))
         if s == "int8":
             return n * k + 2 * n
         if s == "bnb-nf4":

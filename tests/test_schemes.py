@@ -17,6 +17,7 @@ from localpd.quant.bnb import BnbInt8Weight, Nf4Weight
 from localpd.quant.kv import new_kv_pool
 from localpd.quant.weights import Int4Weight, Int8Weight
 from localpd.sampling import SamplingParams
+from localpd.schemes import int4_group
 
 Q = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -30,11 +31,31 @@ def test_native_import_keeps_gguf_blocks_and_dequantizes_to_the_dense_weights(de
         assert torch.equal(native[name].dequantize(torch.float32), dense[name]), name
 
 
-@pytest.mark.parametrize("quant", ["native", "int8", "int4-g32", "int4-g64"])
+@pytest.mark.parametrize("quant", ["native", "int8", "int4-g32", "int4-g64", "int4-g128"])
 def test_quantized_model_still_answers(default_gguf, quant):
     engine = Engine(default_gguf, device="cpu", quant=quant, max_context=256)
     text = "".join(e.text for e in engine.chat(Q, SamplingParams(temperature=0, max_tokens=16)))
     assert "Paris" in text
+    engine.close()
+
+
+def test_int4_g128_falls_back_to_g64_where_128_does_not_divide_the_input(default_gguf):
+    # SmolLM2-135M: hidden size 576 = 4.5 x 128 (q/k/v/o/gate/up inputs), ffn size 1536 = 12 x 128 (down_proj)
+    engine = Engine(default_gguf, device="cpu", quant="int4-g128", max_context=64)
+    layer = engine.model.layers[5]
+    assert layer.down.weight.group == 128
+    assert layer.qkv.weight.group == layer.o.weight.group == layer.gate_up.weight.group == 64
+    assert engine.notes == ["int4-g128: gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj use groups of 64 "
+                            "(input dimension not a multiple of 128)"]
+    engine.close()
+    assert Engine(default_gguf, device="cpu", quant="int4-g64", max_context=64).notes == []
+
+
+def test_int4_group_fallback_rules():
+    assert [int4_group("int4-g128", k) for k in (4096, 576, 1536, 96, 160)] == [128, 64, 128, 32, 32]
+    assert int4_group("int4-g32", 4096) == 32  # never a coarser group than asked for
+    with pytest.raises(LocalpdError, match=r"int4-g64 needs the input dimension \(100\) to be a multiple of 32"):
+        int4_group("int4-g64", 100)
 
 
 def last_logits(model, ids):
@@ -72,8 +93,6 @@ def test_bitsandbytes_schemes_answer_and_stay_near_the_dense_model(default_gguf,
 def test_unknown_and_unavailable_schemes(default_gguf, monkeypatch, capsys):
     with pytest.raises(LocalpdError, match="unknown weight scheme"):
         load_model(default_gguf, scheme="int3")
-    with pytest.raises(LocalpdError, match=r"int4-g128 needs the input dimension \(576\) to be a multiple of 128"):
-        load_model(default_gguf, scheme="int4-g128")  # SmolLM2-135M's hidden size is 4.5 groups of 128
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # as if it were not installed
     for scheme in ("bnb-nf4", "bnb-int8"):
         with pytest.raises(LocalpdError) as e:
