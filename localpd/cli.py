@@ -82,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument("model", help="registry name, .gguf file or model directory")
     quant.add_argument("--scheme", required=True, choices=SCHEMES, metavar="SCHEME", help=", ".join(SCHEMES))
     quant.add_argument("--out", help="output directory (default: $LOCALPD_HOME/quantized/NAME-SCHEME)")
+    quant.add_argument("--calibration", metavar="FILE",
+                       help="text whose activations weigh the int4 rounding error (default: localpd's own text)")
+    quant.add_argument("--no-calibration", action="store_true",
+                       help="int4 without activation importance (clipping search and refit alone)")
 
     pull = sub.add_parser("pull", help="download a model from the registry")
     pull.add_argument("model")

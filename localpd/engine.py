@@ -220,13 +220,7 @@ class Engine:
         self.compute_dtype = compute_dtype(self.quant, self.device)
         loaded = self._load(str(model), progress)
         self.config = loaded.config
-        self.tokenizer: Tokenizer | None = None
-        if loaded.gguf is not None:
-            self.tokenizer = Tokenizer.from_gguf_metadata(loaded.gguf.metadata)
-        elif loaded.tokenizer_meta is not None:
-            self.tokenizer = Tokenizer.from_gguf_metadata(loaded.tokenizer_meta)
-        elif loaded.hf_dir is not None:
-            self.tokenizer = Tokenizer.from_dir(loaded.hf_dir)
+        self.tokenizer: Tokenizer | None = loaded.tokenizer()
         self.model = Transformer(loaded.config, loaded.weights)
         self.notes = group_notes(loaded.weights, self.quant)  # how the scheme had to adapt to this model
         self.max_context = min(max_context or self.config.max_context, self.config.max_context)

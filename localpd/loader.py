@@ -15,6 +15,7 @@ from localpd.gguf import GGUFFile
 from localpd.quant.store import is_quantized_dir, load_quantized, tokenizer_meta
 from localpd.quant.weights import Weight, from_gguf
 from localpd.schemes import GGUF_REQUANT, check_scheme, head_scheme, imports_exactly, is_matrix, quantize
+from localpd.tokenizer import Tokenizer
 
 GGUF_NAMES = {  # GGUF tensor name (after blk.N.) -> HF-style name (after layers.N.)
     "attn_norm": "input_layernorm", "attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj",
@@ -34,10 +35,20 @@ class LoadedModel:
     hf_dir: Path | None = None  # where tokenizer.json lies
     tokenizer_meta: dict | None = None  # GGUF tokenizer metadata kept by `localpd quantize`
 
+    def tokenizer(self) -> Tokenizer | None:
+        """The model's own tokenizer: from the GGUF metadata, the kept metadata or tokenizer.json (None if none)."""
+        if self.gguf is not None:
+            return Tokenizer.from_gguf_metadata(self.gguf.metadata)
+        if self.tokenizer_meta is not None:
+            return Tokenizer.from_gguf_metadata(self.tokenizer_meta)
+        return Tokenizer.from_dir(self.hf_dir) if self.hf_dir is not None else None
 
-def load_model(path, dtype: torch.dtype = torch.float32, device="cpu", scheme: str = "native") -> LoadedModel:
+
+def load_model(path, dtype: torch.dtype = torch.float32, device="cpu", scheme: str = "native",
+               importance: dict[str, torch.Tensor] | None = None) -> LoadedModel:
     """Load tensor by tensor, each moved to the device and converted to the scheme at once, so peak memory
-    stays near the converted size. Norms and the (untied) embeddings stay dense in dtype."""
+    stays near the converted size. Norms and the (untied) embeddings stay dense in dtype. importance: per weight
+    name, its input columns' activation importance (localpd.calibrate) for the schemes that re-quantize."""
     path = Path(path)
     check_scheme(scheme)
     if not path.exists():
@@ -45,8 +56,8 @@ def load_model(path, dtype: torch.dtype = torch.float32, device="cpu", scheme: s
     if path.is_dir():
         if is_quantized_dir(path):
             return load_quantized_dir(path, dtype, device, scheme)
-        return load_hf_dir(path, dtype, device, scheme)
-    return load_gguf(path, dtype, device, scheme)
+        return load_hf_dir(path, dtype, device, scheme, importance or {})
+    return load_gguf(path, dtype, device, scheme, importance or {})
 
 
 def load_quantized_dir(path: Path, dtype, device, scheme: str) -> LoadedModel:
@@ -99,7 +110,7 @@ def gguf_config(meta: dict, path: Path) -> ModelConfig:
     )
 
 
-def load_gguf(path: Path, dtype, device, scheme: str = "native") -> LoadedModel:
+def load_gguf(path: Path, dtype, device, scheme: str = "native", importance: dict | None = None) -> LoadedModel:
     g = GGUFFile(path)
     config = gguf_config(g.metadata, path)
     config.tie_embeddings = not any(t.name == "output.weight" for t in g.reader.tensors)
@@ -124,13 +135,16 @@ def load_gguf(path: Path, dtype, device, scheme: str = "native") -> LoadedModel:
             w = g.dequantize(t.name)
             if heads:
                 w = unpermute_qk(w[:, None], heads)[:, 0] if bias else unpermute_qk(w, heads)
-            weights[key + (".bias" if bias else "")] = w.to(device=device, dtype=torch.float32 if key == "rope_freqs" else dtype)
+            w = w.to(device=device, dtype=torch.float32 if key == "rope_freqs" else dtype)
+            weights[key + (".bias" if bias else "")] = w
             continue
-        weights[key] = gguf_matrix(g, t, head_scheme(key, scheme, config.tie_embeddings), dtype, device, heads)
+        weights[key] = gguf_matrix(g, t, head_scheme(key, scheme, config.tie_embeddings), dtype, device, heads,
+                                   (importance or {}).get(key))
     return LoadedModel(config, weights, path, gguf=g)
 
 
-def gguf_matrix(g: GGUFFile, t, scheme: str, dtype, device, heads: int | None) -> Weight:
+def gguf_matrix(g: GGUFFile, t, scheme: str, dtype, device, heads: int | None,
+                importance: torch.Tensor | None = None) -> Weight:
     """A GGUF weight matrix in the scheme; blocks already in the scheme's format are imported exactly."""
     kind = t.tensor_type.name
     if imports_exactly(kind, scheme):
@@ -141,7 +155,7 @@ def gguf_matrix(g: GGUFFile, t, scheme: str, dtype, device, heads: int | None) -
     dense = g.dequantize(t.name).to(device)
     if heads:
         dense = unpermute_qk(dense, heads)
-    return quantize(dense, GGUF_REQUANT.get(kind, "native") if scheme == "native" else scheme, dtype)
+    return quantize(dense, GGUF_REQUANT.get(kind, "native") if scheme == "native" else scheme, dtype, importance)
 
 
 def hf_config(cfg: dict, path: Path) -> ModelConfig:
@@ -165,7 +179,7 @@ def hf_config(cfg: dict, path: Path) -> ModelConfig:
     )
 
 
-def load_hf_dir(path: Path, dtype, device, scheme: str = "native") -> LoadedModel:
+def load_hf_dir(path: Path, dtype, device, scheme: str = "native", importance: dict | None = None) -> LoadedModel:
     from safetensors import safe_open
 
     cfg_file = path / "config.json"
@@ -189,5 +203,8 @@ def load_hf_dir(path: Path, dtype, device, scheme: str = "native") -> LoadedMode
                     continue
                 t = f.get_tensor(k).to(device)
                 tied = config.tie_embeddings
-                weights[name] = quantize(t, head_scheme(name, scheme, tied), dtype) if is_matrix(name, tied) else t.to(dtype)
+                if is_matrix(name, tied):
+                    weights[name] = quantize(t, head_scheme(name, scheme, tied), dtype, (importance or {}).get(name))
+                else:
+                    weights[name] = t.to(dtype)
     return LoadedModel(config, weights, path, hf_dir=path)

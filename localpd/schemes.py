@@ -75,12 +75,13 @@ def group_notes(weights: dict[str, Weight], scheme: str) -> list[str]:
             f"{INT4[scheme]})" for group, names in sorted(fell_back.items())]
 
 
-def quantize(dense: torch.Tensor, scheme: str, dtype: torch.dtype) -> Weight:
-    """A dense matrix in the given scheme ("native" keeps it dense)."""
+def quantize(dense: torch.Tensor, scheme: str, dtype: torch.dtype, importance: torch.Tensor | None = None) -> Weight:
+    """A dense matrix in the given scheme ("native" keeps it dense). importance: per input column, from
+    localpd.calibrate; the int4 schemes weigh their rounding error by it, the others do not use it."""
     if scheme == "int8":
         return Int8Weight.quantize(dense)
     if scheme in INT4:
-        return Int4Weight.quantize(dense, int4_group(scheme, dense.shape[1]))
+        return Int4Weight.quantize(dense, int4_group(scheme, dense.shape[1]), importance)
     if scheme in BNB:
         return BNB[scheme].quantize(dense)
     return dense.to(dtype)

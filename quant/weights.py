@@ -111,18 +111,27 @@ class Int4Weight:
         return sum(t.numel() * t.element_size() for t in (self.packed, self.scales, self.biases))
 
     @classmethod
-    def quantize(cls, w: torch.Tensor, group: int = 128) -> Int4Weight:
+    def quantize(cls, w: torch.Tensor, group: int = 128, importance: torch.Tensor | None = None) -> Int4Weight:
         """Per group, try clipping ratios r of [min, max] and keep the one with least squared error, then refine
         scale and bias by alternating least squares (_refit_int4).
 
         Scale and bias are rounded to float16 before the error is measured, so the choice is made on what
         is stored. Ratio 1.0 is tried first, so the result is never worse than plain round-to-nearest.
+        importance: optional non-negative weights per input column [K] (the mean square of the activations that
+        meet that column, localpd.calibrate), so the error is measured where the activations make it count:
+        sum_k importance[k] * (w[n, k] - w_hat[n, k])^2 (llama.cpp's importance matrix does the same).
         """
         n, k = w.shape
         if group not in INT4_GROUPS:
             raise LocalpdError(f"int4 group size must be one of {INT4_GROUPS}, got {group}")
         _check_group("int4", group, k)
-        parts = [_quantize_int4_rows(rows.detach().float(), group) for rows in _row_chunks(w)]
+        h = None
+        if importance is not None:
+            if importance.shape != (k,):
+                raise LocalpdError(f"importance must have one value per input column ({k}), got {tuple(importance.shape)}")
+            h = importance.detach().float().to(w.device).clamp_min(0).reshape(1, k // group, group)
+            h = h + 1e-3 * h.mean()  # columns never seen active still count a little
+        parts = [_quantize_int4_rows(rows.detach().float(), group, h=h) for rows in _row_chunks(w)]
         q = torch.cat([p[0] for p in parts])
         return cls(pack_int4(q), torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts]))
 
@@ -145,9 +154,11 @@ class Int4Weight:
         return g.reshape(n, k).to(dtype)
 
 
-def _quantize_int4_rows(w: torch.Tensor, group: int, ratios=CLIP_RATIOS):
+def _quantize_int4_rows(w: torch.Tensor, group: int, ratios=CLIP_RATIOS, h: torch.Tensor | None = None):
+    """Codes, scales and biases of rows w; h: error weights per column as [1, K // group, group], or None."""
     n, k = w.shape
     g = w.reshape(n, k // group, group)
+    h = torch.ones(1, k // group, group, device=w.device) if h is None else h
     wmin, wmax = g.amin(dim=-1), g.amax(dim=-1)
     best_err = best_q = best_s = best_b = None
     for r in ratios:
@@ -156,7 +167,7 @@ def _quantize_int4_rows(w: torch.Tensor, group: int, ratios=CLIP_RATIOS):
         s, b = scales.float()[..., None], biases.float()[..., None]
         safe = torch.where(s > 0, s, torch.ones_like(s))
         q = torch.round((g - b) / safe).clamp(0, 15)
-        err = ((q * s + b - g) ** 2).sum(dim=-1)
+        err = (h * (q * s + b - g) ** 2).sum(dim=-1)
         if best_err is None:
             best_err, best_q, best_s, best_b = err, q, scales, biases
             continue
@@ -166,22 +177,23 @@ def _quantize_int4_rows(w: torch.Tensor, group: int, ratios=CLIP_RATIOS):
         best_s = torch.where(better, scales, best_s)
         best_b = torch.where(better, biases, best_b)
     if len(ratios) > 1:
-        best_q, best_s, best_b = _refit_int4(g, best_q, best_s, best_b, best_err)
+        best_q, best_s, best_b = _refit_int4(g, h, best_q, best_s, best_b, best_err)
     return best_q.to(torch.uint8).reshape(n, k), best_s.contiguous(), best_b.contiguous()
 
 
-def _refit_int4(g, q, scales, biases, err, rounds: int = 8):
-    """Alternate: least-squares scale and bias for the current codes, then re-round the codes. A group takes a
-    round's result only where it lowers the (float16-rounded) reconstruction error."""
+def _refit_int4(g, h, q, scales, biases, err, rounds: int = 8):
+    """Alternate: (h-weighted) least-squares scale and bias for the current codes, then re-round the codes. A
+    group takes a round's result only where it lowers the (float16-rounded) reconstruction error."""
+    h_sum = h.sum(-1, keepdim=True)
     for _ in range(rounds):
-        q_mean, g_mean = q.mean(-1, keepdim=True), g.mean(-1, keepdim=True)
-        var = ((q - q_mean) ** 2).sum(-1, keepdim=True)
-        s = ((q - q_mean) * (g - g_mean)).sum(-1, keepdim=True) / var.clamp_min(1e-12)
+        q_mean, g_mean = (h * q).sum(-1, keepdim=True) / h_sum, (h * g).sum(-1, keepdim=True) / h_sum
+        var = (h * (q - q_mean) ** 2).sum(-1, keepdim=True)
+        s = (h * (q - q_mean) * (g - g_mean)).sum(-1, keepdim=True) / var.clamp_min(1e-12)
         s = torch.where(var > 0, s, torch.zeros_like(s))
         new_s, new_b = s[..., 0].half(), (g_mean - s * q_mean)[..., 0].half()
         sf, bf = new_s.float()[..., None], new_b.float()[..., None]
         new_q = torch.round((g - bf) / torch.where(sf > 0, sf, torch.ones_like(sf))).clamp(0, 15)
-        new_err = ((new_q * sf + bf - g) ** 2).sum(dim=-1)
+        new_err = (h * (new_q * sf + bf - g) ** 2).sum(dim=-1)
         better = (new_err < err) & (new_s > 0)
         err = torch.where(better, new_err, err)
         q = torch.where(better[..., None], new_q, q)
