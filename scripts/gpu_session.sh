@@ -6,6 +6,8 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
+# peers the device lacks (bitsandbytes, for bench kernels' NF4 column): wheels carried in .whl/ (pip download --no-deps)
+ls .whl/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-deps .whl/*.whl 2>&1 | tail -2
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 git rev-parse --short HEAD 2>/dev/null
 stage() { local name=$1 limit=$2; shift 2; echo "=== $name (limit ${limit}s)"; local t0=$SECONDS
