@@ -110,24 +110,27 @@ def gguf_config(meta: dict, path: Path) -> ModelConfig:
     )
 
 
+def gguf_key(tensor_name: str) -> tuple[str, bool] | None:
+    """A GGUF tensor's HF-style name and whether it is a bias (blk.3.attn_q.weight -> layers.3.q_proj, False);
+    None for tensors the model does not use."""
+    name = tensor_name.removesuffix(".weight")
+    bias = name.endswith(".bias")
+    name = name.removesuffix(".bias")
+    if name.startswith("blk."):
+        _, i, part = name.split(".", 2)
+        return (f"layers.{i}.{GGUF_NAMES[part]}", bias) if part in GGUF_NAMES else None
+    return (GGUF_TOP[name], bias) if name in GGUF_TOP else None
+
+
 def load_gguf(path: Path, dtype, device, scheme: str = "native", importance: dict | None = None) -> LoadedModel:
     g = GGUFFile(path)
     config = gguf_config(g.metadata, path)
     config.tie_embeddings = not any(t.name == "output.weight" for t in g.reader.tensors)
     weights = {}
     for t in g.reader.tensors:
-        name = t.name.removesuffix(".weight")
-        bias = name.endswith(".bias")
-        name = name.removesuffix(".bias")
-        if name.startswith("blk."):
-            _, i, part = name.split(".", 2)
-            if part not in GGUF_NAMES:
-                continue
-            key = f"layers.{i}.{GGUF_NAMES[part]}"
-        elif name in GGUF_TOP:
-            key = GGUF_TOP[name]
-        else:
+        if not (found := gguf_key(t.name)):
             continue
+        key, bias = found
         heads = {"q_proj": config.n_heads, "k_proj": config.n_kv_heads}.get(key.rsplit(".", 1)[-1])
         if config.arch != "llama":
             heads = None  # only llama-arch GGUFs have permuted q/k rows
@@ -141,6 +144,19 @@ def load_gguf(path: Path, dtype, device, scheme: str = "native", importance: dic
         weights[key] = gguf_matrix(g, t, head_scheme(key, scheme, config.tie_embeddings), dtype, device, heads,
                                    (importance or {}).get(key))
     return LoadedModel(config, weights, path, gguf=g)
+
+
+def imports_every_matrix_exactly(path: Path, scheme: str) -> bool:
+    """Whether a GGUF file's matrices are all stored in the scheme's own format already (Q4_1 under int4-g32),
+    so loading it re-quantizes nothing (and calibrating for the scheme would be wasted)."""
+    if Path(path).suffix != ".gguf":
+        return False
+    g = GGUFFile(Path(path))
+    tied = not any(t.name == "output.weight" for t in g.reader.tensors)
+    keys = {t.name: gguf_key(t.name) for t in g.reader.tensors}
+    return all(imports_exactly(t.tensor_type.name, head_scheme(keys[t.name][0], scheme, tied))
+               for t in g.reader.tensors
+               if keys[t.name] and not keys[t.name][1] and is_matrix(keys[t.name][0], tied))
 
 
 def gguf_matrix(g: GGUFFile, t, scheme: str, dtype, device, heads: int | None,

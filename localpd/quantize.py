@@ -10,7 +10,7 @@ import torch
 
 from localpd.calibrate import Calibration, calibrate_text
 from localpd.errors import LocalpdError
-from localpd.loader import load_model
+from localpd.loader import imports_every_matrix_exactly, load_model
 from localpd.model import Transformer
 from localpd.quant.store import is_quantized_dir, save_quantized
 from localpd.registry import cache_dir, resolve_model
@@ -49,7 +49,7 @@ def quantize_model(model: str, scheme: str, out: Path | None = None, progress: b
     resolved = resolve_model(model, pull=True, progress=progress)
     path, cpu = Path(resolved.path), torch.device("cpu")
     calib = None
-    if calibrate and scheme in INT4 and not is_quantized_dir(path):
+    if calibrate and scheme in INT4 and not is_quantized_dir(path) and not imports_every_matrix_exactly(path, scheme):
         calib = calibration_for(path, calibration, cpu)
         if progress:
             print(f"calibrated on {calib.tokens} tokens", file=sys.stderr)

@@ -11,7 +11,7 @@ from localpd.calibrate import calibrate, calibrate_text, default_text
 from localpd.cli import main
 from localpd.engine import Engine
 from localpd.errors import LocalpdError
-from localpd.loader import load_model
+from localpd.loader import imports_every_matrix_exactly, load_model
 from localpd.model import QuantLinear, Transformer
 from localpd.perplexity import perplexity
 from localpd.sampling import SamplingParams
@@ -73,6 +73,16 @@ def test_calibrated_int4_is_closer_to_the_dense_model(default_gguf, engine, tmp_
     # measured (CPU, 2026-11-23): dense 15.67, plain 19.62 (x1.25), calibrated 16.89 (x1.08) on this window
     assert calibrated_ppl < dense_ppl * 1.15 and calibrated_ppl < plain_ppl * 0.9, (dense_ppl, plain_ppl,
                                                                                     calibrated_ppl)
+
+
+def test_no_calibration_where_nothing_is_requantized(default_gguf, tmp_path, capsys):
+    assert imports_every_matrix_exactly(default_gguf, "int4-g32")
+    assert imports_every_matrix_exactly(default_gguf, "native")
+    assert not imports_every_matrix_exactly(default_gguf, "int4-g64")
+    assert not imports_every_matrix_exactly(default_gguf, "int8")  # Q4_1 matrices become int8: re-quantized
+    assert main(["quantize", str(default_gguf), "--scheme", "int4-g32", "--out", str(tmp_path / "q")]) == 0
+    assert "calibrated" not in capsys.readouterr().err  # the Q4_1 blocks are imported as they are
+    assert json.loads((tmp_path / "q" / "localpd.json").read_text())["source"]["calibration"] is None
 
 
 def test_calibration_file_errors(default_gguf, tmp_path, capsys):
