@@ -2,6 +2,8 @@
 inputs (the CPU's name, measured bandwidth, what is downloaded) are fixed here so the frames are the same on
 every machine; the live numbers themselves are tested against the engine in test_tui.py."""
 
+from textual.widgets import Input
+
 from localpd.device import DeviceInfo
 from localpd.tui.app import LocalpdApp
 from localpd.tui.panel import BandwidthPanel, PanelData
@@ -22,6 +24,8 @@ def test_main_screen(snap_compare, tmp_path):
 
 
 async def settle(pilot):
+    for field in pilot.app.query(Input):
+        field.cursor_blink = False  # a blinking cursor is drawn or not by timing: a frame would differ under load
     await pilot.pause(0.3)
     pilot.app.clear_notifications()
     await pilot.pause(0.1)
