@@ -20,28 +20,39 @@ def _pick(t, pages, offs):
     return None if t is None else t[pages, offs]
 
 
+def _sides(layer: KVLayer):
+    """(data, scale, zero, format) of the keys, then of the values."""
+    return ((layer.k, layer.k_scale, layer.k_zero, layer.k_format),
+            (layer.v, layer.v_scale, layer.v_zero, layer.v_format))
+
+
+def _write_side_ref(x, data, scale, zero, fmt, slots, page_size) -> None:
+    pages, offs = slots // page_size, slots % page_size
+    q, s, z = quantize_kv(x, fmt)
+    data[pages, offs] = q
+    if s is not None:
+        scale[pages, offs] = s
+    if z is not None:
+        zero[pages, offs] = z
+
+
 def write_kv_ref(layer: KVLayer, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    """k, v [T, H, D] into the slots (page * page_size + offset) [T], quantized to the layer's format."""
-    pages, offs = slots // layer.page_size, slots % layer.page_size
-    for x, data, scale, zero in ((k, layer.k, layer.k_scale, layer.k_zero), (v, layer.v, layer.v_scale, layer.v_zero)):
-        q, s, z = quantize_kv(x, layer.kv_dtype)
-        data[pages, offs] = q
-        if s is not None:
-            scale[pages, offs] = s
-        if z is not None:
-            zero[pages, offs] = z
+    """k, v [T, H, D] into the slots (page * page_size + offset) [T], quantized to the layer's formats."""
+    for x, side in zip((k, v), _sides(layer)):
+        _write_side_ref(x, *side, slots, layer.page_size)
 
 
 def gather_kv(layer: KVLayer, pages: torch.Tensor, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """The first n positions of a sequence whose pages are `pages`, dequantized: K, V [n, H, D]."""
 
-    def one(data, scale, zero):
+    def one(data, scale, zero, fmt):
         d = data[pages].flatten(0, 1)[:n]
         s = None if scale is None else scale[pages].flatten(0, 1)[:n]
         z = None if zero is None else zero[pages].flatten(0, 1)[:n]
-        return dequantize_kv(d, s, z, layer.kv_dtype, dtype)
+        return dequantize_kv(d, s, z, fmt, dtype)
 
-    return one(layer.k, layer.k_scale, layer.k_zero), one(layer.v, layer.v_scale, layer.v_zero)
+    k, v = (one(*side) for side in _sides(layer))
+    return k, v
 
 
 def paged_attention_ref(q: torch.Tensor, layer: KVLayer, page_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -70,9 +81,9 @@ def triton_supports(layer: KVLayer, head_dim: int) -> bool:
     return head_dim in (64, 128) and layer.page_size in (16, 32)
 
 
-def _strides(layer: KVLayer):
-    c = layer.k_scale.stride()[:3] if layer.k_scale is not None else (0, 0, 0)
-    return (*layer.k.stride()[:3], *c)
+def _strides(data: torch.Tensor, scale: torch.Tensor | None):
+    """Page, token and head strides of one side's data, then of its scales (zeros share them)."""
+    return (*data.stride()[:3], *(scale.stride()[:3] if scale is not None else (0, 0, 0)))
 
 
 def _scales(layer: KVLayer):
@@ -81,19 +92,23 @@ def _scales(layer: KVLayer):
 
 
 def write_kv(layer: KVLayer, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    """In place: k, v [T, H, D] into their slots, quantized to the layer's format."""
-    # fp8 pages are written by torch: Triton's interpreter converts some values to e4m3 wrongly, so a Triton fp8
-    # write could not be checked here (reading fp8 in the attention kernels is checked)
-    if not (use_triton(k) and triton_supports(layer, k.shape[-1])) or layer.kv_dtype == "fp8":
+    """In place: k, v [T, H, D] into their slots, quantized to the layer's formats."""
+    if not (use_triton(k) and triton_supports(layer, k.shape[-1])):
         return write_kv_ref(layer, k, v, slots)
     from localpd.kernels.paged_attention import write_kv_kernel
 
     T, H, D = k.shape
-    ks, vs, kz, vz = _scales(layer)
-    for x, data, scale, zero in ((k, layer.k, ks, kz), (v, layer.v, vs, vz)):
+    for x, (data, scale, zero, fmt) in zip((k, v), _sides(layer)):
+        # fp8 pages are written by torch: Triton's interpreter converts some values to e4m3 wrongly, so a Triton
+        # fp8 write could not be checked here (reading fp8 in the attention kernels is checked)
+        if fmt == "fp8":
+            _write_side_ref(x, data, scale, zero, fmt, slots, layer.page_size)
+            continue
         x = x if x.stride(-1) == 1 else x.contiguous()  # token and head strides are the kernel's arguments
-        write_kv_kernel[(T, H)](x, slots, data, scale, zero, x.stride(0), x.stride(1), *_strides(layer),
-                                KIND=KINDS[layer.kv_dtype], PS=layer.page_size, D=D)
+        dummy = data  # never read for formats without scales or zeros
+        write_kv_kernel[(T, H)](x, slots, data, dummy if scale is None else scale, dummy if zero is None else zero,
+                                x.stride(0), x.stride(1), *_strides(data, scale), KIND=KINDS[fmt],
+                                PS=layer.page_size, D=D)
 
 
 # Decode attention walks each split a tile at a time, BLOCK_T tokens spanning BLOCK_T // page_size pages: one page
@@ -134,7 +149,8 @@ def paged_attention(q: torch.Tensor, layer: KVLayer, page_table: torch.Tensor, s
     group = Hq // H
     out = torch.empty_like(q)
     ks, vs, kz, vz = _scales(layer)
-    kind = KINDS[layer.kv_dtype]
+    kinds = dict(K_KIND=KINDS[layer.k_format], V_KIND=KINDS[layer.v_format])
+    strides = (*_strides(layer.k, layer.k_scale), *_strides(layer.v, layer.v_scale))
     if T == B:
         ps = layer.page_size
         block_t = decode_block_t(ps, D)
@@ -143,14 +159,14 @@ def paged_attention(q: torch.Tensor, layer: KVLayer, page_table: torch.Tensor, s
         part_acc = torch.empty(B * Hq * splits, D, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(B * Hq * splits, 2, dtype=torch.float32, device=q.device)
         decode_kernel[(B, H, splits)](q, layer.k, layer.v, ks, vs, kz, vz, page_table, seq_lens, part_acc, part_ml,
-                                      scale, q.stride(0), q.stride(1), page_table.stride(0), *_strides(layer),
-                                      per_split * block_t // ps, KIND=kind, PS=ps, D=D, GROUP=group, GP=gp,
+                                      scale, q.stride(0), q.stride(1), page_table.stride(0), *strides,
+                                      per_split * block_t // ps, **kinds, PS=ps, D=D, GROUP=group, GP=gp,
                                       SPLITS=splits, BLOCK_T=block_t, num_warps=DECODE_WARPS)
         decode_reduce_kernel[(B, Hq)](part_acc, part_ml, out, out.stride(0), out.stride(1), D=D, SPLITS=splits,
                                       SP=1 << (splits - 1).bit_length(), num_warps=4)
         return out
     prefill_kernel[(B, cdiv(T, BLOCK_M), Hq)](q, layer.k, layer.v, ks, vs, kz, vz, page_table, seq_lens, q_starts,
                                               out, scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-                                              page_table.stride(0), *_strides(layer), KIND=kind, PS=layer.page_size,
+                                              page_table.stride(0), *strides, **kinds, PS=layer.page_size,
                                               D=D, GROUP=group, BLOCK_M=BLOCK_M, num_warps=4)
     return out

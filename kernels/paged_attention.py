@@ -1,7 +1,8 @@
 """Triton kernels over the paged KV cache: writing keys/values (quantizing on the way in) and attention.
 
 KIND selects the page format (quant/kv.py): 0 float (fp32/fp16/bf16), 1 int8, 2 fp8 e4m3, 3 int4 (groups of 32,
-two values a byte). Packed values are read directly and dequantized in registers, so quantized KV moves fewer
+two values a byte); the attention kernels take one for the keys (K_KIND) and one for the values (V_KIND), each
+with its own strides. Packed values are read directly and dequantized in registers, so quantized KV moves fewer
 bytes. Decode (every sequence one query) splits each sequence's pages over several programs (flash-decoding),
 each walking its tokens a tile of several pages at a time (scores and weighted sums as tl.dot, the query group
 padded to 16 rows), and a reduce kernel merges each query head's partial softmaxes in one step; prefill chunks
@@ -96,8 +97,10 @@ def write_kv_kernel(src, slots, data, scale, zero, s_src_t, s_src_h, s_page, s_t
 
 @triton.jit
 def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_lens, part_acc, part_ml, sm_scale,
-                  s_q_t, s_q_h, s_pt_b, s_page, s_tok, s_head, c_page, c_tok, c_head, pages_per_split,
-                  KIND: tl.constexpr, PS: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr,
+                  s_q_t, s_q_h, s_pt_b, sk_page, sk_tok, sk_head, ck_page, ck_tok, ck_head,
+                  sv_page, sv_tok, sv_head, cv_page, cv_tok, cv_head, pages_per_split,
+                  K_KIND: tl.constexpr, V_KIND: tl.constexpr, PS: tl.constexpr, D: tl.constexpr,
+                  GROUP: tl.constexpr, GP: tl.constexpr,
                   SPLITS: tl.constexpr, BLOCK_T: tl.constexpr):
     """Program (b, kv head, split): the group's queries (padded to GP >= 16 rows for tl.dot) against this split's
     tokens, BLOCK_T at a time across several pages; partial softmax results out."""
@@ -123,10 +126,10 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
         tmask = pos < last
         pages = tl.load(page_table + b * s_pt_b + pos // PS, mask=tmask, other=0).to(tl.int64)
         # V is requested with K, before the math, so both tiles are in flight together
-        kt = _load_tokens(k, k_scale, k_zero, pages, pos % PS, tmask, kh, s_page, s_tok, s_head, c_page, c_tok,
-                          c_head, KIND, D)
-        vt = _load_tokens(v, v_scale, v_zero, pages, pos % PS, tmask, kh, s_page, s_tok, s_head, c_page, c_tok,
-                          c_head, KIND, D)
+        kt = _load_tokens(k, k_scale, k_zero, pages, pos % PS, tmask, kh, sk_page, sk_tok, sk_head, ck_page,
+                          ck_tok, ck_head, K_KIND, D)
+        vt = _load_tokens(v, v_scale, v_zero, pages, pos % PS, tmask, kh, sv_page, sv_tok, sv_head, cv_page,
+                          cv_tok, cv_head, V_KIND, D)
         s = tl.dot(qv, tl.trans(kt)) * sm_scale  # [GP, BLOCK_T]; every tile has a valid token
         s = tl.where(tmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -163,9 +166,10 @@ def decode_reduce_kernel(part_acc, part_ml, out, s_o_t, s_o_h, D: tl.constexpr, 
 
 @triton.jit
 def prefill_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_lens, q_starts, out, sm_scale,
-                   s_q_t, s_q_h, s_o_t, s_o_h, s_pt_b, s_page, s_tok, s_head, c_page, c_tok, c_head,
-                   KIND: tl.constexpr, PS: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
-                   BLOCK_M: tl.constexpr):
+                   s_q_t, s_q_h, s_o_t, s_o_h, s_pt_b, sk_page, sk_tok, sk_head, ck_page, ck_tok, ck_head,
+                   sv_page, sv_tok, sv_head, cv_page, cv_tok, cv_head,
+                   K_KIND: tl.constexpr, V_KIND: tl.constexpr, PS: tl.constexpr, D: tl.constexpr,
+                   GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
     """Program (b, query block, query head): BLOCK_M query rows of one sequence against its pages, causal."""
     b = tl.program_id(0)
     mb = tl.program_id(1)
@@ -190,8 +194,8 @@ def prefill_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_le
     for p in range(last_pos // PS + 1):
         page = tl.load(page_table + b * s_pt_b + p).to(tl.int64)
         pages = page + tl.zeros((PS,), tl.int64)
-        kt = _load_tokens(k, k_scale, k_zero, pages, t, p * PS + t < n, kh, s_page, s_tok, s_head, c_page, c_tok,
-                          c_head, KIND, D)
+        kt = _load_tokens(k, k_scale, k_zero, pages, t, p * PS + t < n, kh, sk_page, sk_tok, sk_head, ck_page,
+                          ck_tok, ck_head, K_KIND, D)
         s = tl.dot(qv, tl.trans(kt))  # [BLOCK_M, PS]
         kpos = p * PS + t
         s = tl.where((kpos[None, :] <= pos[:, None]) & rmask[:, None], s, float("-inf"))
@@ -199,8 +203,8 @@ def prefill_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_le
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m - m_safe)
         w = tl.exp(s - m_safe[:, None])
-        vt = _load_tokens(v, v_scale, v_zero, pages, t, p * PS + t < n, kh, s_page, s_tok, s_head, c_page, c_tok,
-                          c_head, KIND, D)
+        vt = _load_tokens(v, v_scale, v_zero, pages, t, p * PS + t < n, kh, sv_page, sv_tok, sv_head, cv_page,
+                          cv_tok, cv_head, V_KIND, D)
         acc = acc * alpha[:, None] + tl.dot(w, vt)
         l = l * alpha + tl.sum(w, axis=1)
         m = m_new

@@ -7,7 +7,7 @@ import os
 import sys
 
 from localpd.errors import LocalpdError
-from localpd.quant.kv import KV_DTYPES
+from localpd.quant.kv import FORMATS, kv_formats
 from localpd.schemes import SCHEMES
 
 
@@ -29,8 +29,9 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ctx", type=positive_int, help="context length in tokens (default: the model's, at most 8192)")
     p.add_argument("--quant", choices=SCHEMES, metavar="SCHEME",
                    help="weight scheme: " + ", ".join(SCHEMES) + " (default: native on a GPU, fp32 on the CPU)")
-    p.add_argument("--kv", choices=KV_DTYPES, metavar="DTYPE",
-                   help="KV cache dtype: " + ", ".join(KV_DTYPES) + " (default: the compute dtype)")
+    p.add_argument("--kv", type=kv_dtype_arg, metavar="DTYPE",
+                   help="KV cache dtype: " + ", ".join(FORMATS) + ", or KEYS/VALUES such as int8/int4 "
+                   "(default: the compute dtype)")
     p.add_argument("--kv-memory", metavar="SIZE",
                    help="bytes for the KV cache, e.g. 4GiB (default: most of the free GPU memory; two contexts on CPU)")
 
@@ -44,6 +45,14 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=positive_int, default=512)
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def kv_dtype_arg(text: str) -> str:
+    try:
+        kv_formats(text)
+    except LocalpdError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,7 +6,8 @@ import torch.nn.functional as F
 
 from localpd.errors import LocalpdError
 from localpd.kernels.kv_dispatch import paged_attention_ref, write_kv_ref
-from localpd.quant.kv import KV_DTYPES, dequantize_kv, kv_bytes_per_token, new_kv_pool, quantize_kv
+from localpd.quant.kv import (FORMATS, KV_DTYPES, check_kv_dtype, dequantize_kv, kv_bytes_per_token, kv_formats,
+                              new_kv_pool, quantize_kv)
 
 # relative error of one quantize/dequantize round trip on Gaussian data
 ROUND_TRIP = {"fp32": 0, "fp16": 1e-3, "bf16": 5e-3, "int8": 1e-2, "fp8": 7e-2, "int4": 1.2e-1}
@@ -16,7 +17,7 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("kv_dtype", FORMATS)
 def test_round_trip_error_and_zero_rows(kv_dtype):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(37, 3, 64, generator=g) * 3
@@ -36,17 +37,27 @@ def test_bytes_per_token_is_the_storage(kv_dtype):
     pool = new_kv_pool(kv_dtype, 3, 5, 16, 2, 64, torch.float32, "cpu")
     assert pool.bytes_per_token() == kv_bytes_per_token(kv_dtype, 3, 2, 64)
     per_value = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1 + 2 / 64, "fp8": 1 + 2 / 64, "int4": 0.5 + 4 / 32}
-    assert pool.bytes_per_token() == 2 * 3 * 2 * 64 * per_value[kv_dtype]
+    assert pool.bytes_per_token() == sum(3 * 2 * 64 * per_value[f] for f in kv_formats(kv_dtype))
     assert pool.head_dim == 64 and pool.n_pages == 5
 
 
 def test_int4_needs_a_head_dim_of_whole_groups():
     with pytest.raises(LocalpdError, match="divisible by 32"):
         new_kv_pool("int4", 1, 1, 16, 1, 80, torch.float32, "cpu")
-    with pytest.raises(LocalpdError, match="unknown KV dtype"):
-        from localpd.quant.kv import check_kv_dtype
+    for bad in ("int3", "int8/int3", "int8/int4/int4", "/int4", ""):
+        with pytest.raises(LocalpdError, match="unknown KV dtype"):
+            check_kv_dtype(bad, "cpu")
 
-        check_kv_dtype("int3", "cpu")
+
+def test_key_and_value_formats():
+    assert kv_formats("int8/int4") == ("int8", "int4") and kv_formats("bf16") == ("bf16", "bf16")
+    assert check_kv_dtype("int8/int8", "cpu") == "int8" and check_kv_dtype("int8/int4", "cpu") == "int8/int4"
+    pool = new_kv_pool("int8/int4", 2, 3, 16, 3, 64, torch.float32, "cpu")
+    assert pool.k.dtype == torch.int8 and pool.k.shape[-1] == 64 and pool.k_zero is None
+    assert pool.v.dtype == torch.uint8 and pool.v.shape[-1] == 32 and pool.v_zero.shape[-1] == 2
+    assert pool.head_dim == 64 and pool.layer(1).k_format == "int8" and pool.layer(1).v_format == "int4"
+    # SmolLM2-135M (30 layers, 3 KV heads of 64): 66 + 40 bytes per token and head, between int4's 80 and int8's 132
+    assert kv_bytes_per_token("int8/int4", 30, 3, 64) == 90 * 106
 
 
 def dense_attention(q, k, v, q_len, scale):
@@ -76,8 +87,9 @@ def test_paged_reference_equals_dense_attention_on_scattered_pages(kv_dtype, pag
         slots = torch.tensor([pages[p // page_size] * page_size + p % page_size for p in range(n)])
         write_kv_ref(layer, k, v, slots)
         q = torch.randn(t, Hq, D, generator=g)
-        k_seen = dequantize_kv(*quantize_kv(k, kv_dtype), kv_dtype, torch.float32)
-        v_seen = dequantize_kv(*quantize_kv(v, kv_dtype), kv_dtype, torch.float32)
+        kf, vf = kv_formats(kv_dtype)
+        k_seen = dequantize_kv(*quantize_kv(k, kf), kf, torch.float32)
+        v_seen = dequantize_kv(*quantize_kv(v, vf), vf, torch.float32)
         refs.append(dense_attention(q, k_seen, v_seen, t, D ** -0.5))
         qs.append(q)
         starts.append(starts[-1] + t)

@@ -15,9 +15,9 @@ import torch  # noqa: E402
 
 from localpd.kernels.kv_dispatch import (decode_block_t, decode_splits, paged_attention,  # noqa: E402
                                          paged_attention_ref, write_kv, write_kv_ref)
-from localpd.quant.kv import dequantize_kv, new_kv_pool  # noqa: E402
+from localpd.quant.kv import dequantize_kv, kv_formats, new_kv_pool  # noqa: E402
 
-DTYPES = ["fp32", "bf16", "int8", "fp8", "int4"]
+DTYPES = ["fp32", "bf16", "int8", "fp8", "int4", "int8/int4"]
 
 
 @pytest.fixture(autouse=True)
@@ -31,11 +31,12 @@ def pools(kv_dtype, n_pages, page_size, H, D, compute=torch.float32):
 
 
 def dequantized(layer):
-    return [dequantize_kv(d, s, z, layer.kv_dtype, torch.float32)
-            for d, s, z in ((layer.k, layer.k_scale, layer.k_zero), (layer.v, layer.v_scale, layer.v_zero))]
+    return [dequantize_kv(d, s, z, f, torch.float32)
+            for d, s, z, f in ((layer.k, layer.k_scale, layer.k_zero, layer.k_format),
+                               (layer.v, layer.v_scale, layer.v_zero, layer.v_format))]
 
 
-@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "int8", "int4"])
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "int8", "int4", "int8/int4", "int4/bf16"])
 @pytest.mark.parametrize("D", [64, 128])
 def test_write_kv_matches_the_reference(kv_dtype, D):
     g = torch.Generator().manual_seed(3)
@@ -46,13 +47,13 @@ def test_write_kv_matches_the_reference(kv_dtype, D):
     k[4] = 0.0  # constant rows: no NaN
     write_kv(tri.layer(0), k, v, slots)
     write_kv_ref(ref.layer(0), k, v, slots)
-    for a, b in zip(dequantized(tri.layer(0)), dequantized(ref.layer(0))):
+    for a, b, fmt in zip(dequantized(tri.layer(0)), dequantized(ref.layer(0)), kv_formats(kv_dtype)):
         assert torch.isfinite(a).all()
-        if kv_dtype in ("fp32", "bf16"):  # the interpreter truncates to bf16 where torch rounds: 1 ulp
-            ulp = {"fp32": 0, "bf16": 2**-7}[kv_dtype]
+        if fmt in ("fp32", "bf16"):  # the interpreter truncates to bf16 where torch rounds: 1 ulp
+            ulp = {"fp32": 0, "bf16": 2**-7}[fmt]
             assert ((a - b).abs() <= b.abs() * ulp + b.abs().amax() * 2**-9).all()
             continue
-        step = (b.abs().amax() / (7 if kv_dtype == "int4" else 127)).item()
+        step = (b.abs().amax() / (7 if fmt == "int4" else 127)).item()
         diff = (a - b).abs()
         # identical up to a rounding tie or a scale's last float16 bit (at most one quantum, rarely)
         assert diff.max().item() <= step * 1.01 + 1e-6
@@ -106,7 +107,7 @@ def test_decode_batches_match_the_reference(kv_dtype, page_size, group):
     check(build_case(kv_dtype, page_size, 2, group, lens, [1] * len(lens)), 1e-4)
 
 
-@pytest.mark.parametrize("kv_dtype", ["fp32", "fp16", "bf16", "int8", "fp8", "int4"])
+@pytest.mark.parametrize("kv_dtype", ["fp32", "fp16", "bf16", "int8", "fp8", "int4", "int8/int4", "int4/bf16"])
 @pytest.mark.parametrize("page_size", [16, 32])
 def test_decode_tiles_across_pages_with_garbage_past_the_end(kv_dtype, page_size):
     """Tiles span several pages (8 or 4 here): lengths of exactly one tile, under one page, ending mid-tile and
@@ -143,7 +144,7 @@ def test_decode_splits_including_empty_partitions(kv_dtype, group, batch, splits
 
 
 @pytest.mark.skipif(DEV == "cpu", reason="long contexts need a GPU")
-@pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "fp8", "int4"])
+@pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "fp8", "int4", "int8/int4"])
 def test_long_contexts_on_the_gpu(kv_dtype):
     """Llama-3-8B heads (8 KV heads, GQA 4, D 128) at thousands of tokens, decode and a prefill chunk."""
     check(build_case(kv_dtype, 16, 8, 4, [4099, 1, 777], [1, 1, 1], D=128, dtype=torch.bfloat16, seed=9), 2e-2)
