@@ -60,13 +60,14 @@ def main() -> int:
                 gpu_w = {k: v.to(compute) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
                          for k, v in gpu_w.items()}
             gpu = Transformer(loaded.config, gpu_w)
-            kvs = ("fp32", "int8", "int4", "int4/torch-write", "fp8") if compute == torch.float32 else ("bf16", "int8", "int4")
+            kvs = (("fp32", "int8", "int4", "int4+torch-write", "fp8", "int8/int4") if compute == torch.float32
+                   else ("bf16", "int8", "int4", "int8/int4"))
             for kv in kvs:
-                ref_kv = "fp32" if kv == "bf16" else kv.split("/")[0]
+                ref_kv = "fp32" if kv == "bf16" else kv.split("+")[0]
                 ref = run(cpu, ref_kv, prompt, decode, "cpu")
-                if kv.endswith("/torch-write"):  # which half of the GPU path is at fault, if any
+                if kv.endswith("+torch-write"):  # which half of the GPU path is at fault, if any
                     model_module.write_kv = write_kv_ref
-                got = run(gpu, kv.split("/")[0], prompt, decode, "cuda")
+                got = run(gpu, kv.split("+")[0], prompt, decode, "cuda")
                 model_module.write_kv = write_kv
                 errs = [((a - b).norm() / b.norm()).item() for a, b in zip(got, ref)]
                 tol = (2e-3 if kv in ("fp32", "bf16") else 3e-2) if compute == torch.float32 else 5e-2
