@@ -11,7 +11,10 @@ imported (safest: before anything imports triton).
 
 from __future__ import annotations
 
+import functools
+import json
 import os
+from pathlib import Path
 
 import torch
 
@@ -27,6 +30,12 @@ GEMV_CONFIGS = [(16, 256, 4, 3), (16, 512, 4, 3), (32, 256, 4, 3), (32, 512, 8, 
                 (16, 1024, 8, 2), (8, 1024, 4, 3), (32, 128, 4, 4)]
 # Under the interpreter (slow, CPU): one small config, no autotuning.
 INTERPRET_GEMV = dict(BLOCK_N=32, BLOCK_K=128)
+# Measured GEMV launch configurations, written by scripts/sweep_gemv.py --table: per device ("sm_90", or
+# "interpreter" in tests) and "bits:group:N:K:BLOCK_M", the fastest BLOCK_N, BLOCK_K, num_warps, num_stages and
+# split_k found. A shape found there skips the autotuner (whose choices were far from the best, and which times
+# its candidates eagerly); any other shape is autotuned as before.
+GEMV_TABLE = Path(__file__).with_name("gemv_tuned.json")
+TUNED_FIELDS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "split_k")
 
 
 def _on(name: str) -> bool:
@@ -45,6 +54,28 @@ def use_triton(x: torch.Tensor) -> bool:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         return True
     return x.is_cuda
+
+
+@functools.cache
+def gemv_table() -> dict:
+    """The measured GEMV configurations ({} when none are shipped, or the file is unreadable)."""
+    try:
+        return json.loads(GEMV_TABLE.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def device_key(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "interpreter"
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
+
+
+def tuned_gemv(device: torch.device, bits: int, group: int, n: int, k: int, block_m: int) -> dict | None:
+    """The measured launch configuration of this GEMV shape on this kind of device, or None."""
+    entry = gemv_table().get(device_key(device), {}).get(f"{bits}:{group}:{n}:{k}:{block_m}")
+    return {f: entry[f] for f in TUNED_FIELDS} if entry else None
 
 
 def gemv_block_m(m: int) -> int:

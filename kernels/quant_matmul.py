@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from localpd.kernels.dispatch import (GEMV_CONFIGS, GEMV_MAX_M, INTERPRET_GEMV, cdiv, gemv_block_m, pick_split_k,
-                                     sm_count, triton_interpreting)
+                                     sm_count, triton_interpreting, tuned_gemv)
 from localpd.errors import LocalpdError
 
 INT8_XOR = tl.constexpr(-2139062144)  # 0x80808080 as int32: flips each byte's sign bit, so a byte reads q + 128
@@ -246,14 +246,20 @@ def quant_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bia
     if path == "gemm":
         return _dequant_matmul(x, words, scales, biases, bits, kernel_group, has_bias, out)
     block_m = gemv_block_m(m)
-    split_k = pick_split_k(n, k, sm_count(x.device)) if split_k is None else split_k
+    kernel, tuned = _GEMV, None
+    if split_k is None:  # a measured configuration (kernels/gemv_tuned.json), else the heuristic and autotuner
+        tuned = tuned_gemv(x.device, bits, group, n, k, block_m)
+        split_k = tuned.pop("split_k") if tuned else pick_split_k(n, k, sm_count(x.device))
     y = torch.zeros((m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
     meta = dict(BITS=bits, GROUP=kernel_group, HAS_BIAS=has_bias, BLOCK_M=block_m, ATOMIC=split_k > 1)
-    if triton_interpreting():
+    if tuned:
+        kernel = _gemv_kernel
+        meta.update(tuned)
+    elif triton_interpreting():
         meta.update(INTERPRET_GEMV)
     grid = lambda META: (cdiv(m, block_m), cdiv(n, META["BLOCK_N"]), split_k)  # noqa: E731
-    _GEMV[grid](x, y, m, n, k, x.stride(0), y.stride(0), words, scales, biases, words.stride(0), scales.stride(0),
-                scales.shape[1], split_k, **meta)
+    kernel[grid](x, y, m, n, k, x.stride(0), y.stride(0), words, scales, biases, words.stride(0), scales.stride(0),
+                 scales.shape[1], split_k, **meta)
     if y is not out:
         out.copy_(y)
     return out

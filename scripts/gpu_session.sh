@@ -19,7 +19,9 @@ for s in "$@"; do case $s in
          TO="-s INT" stage gpu_mm_tests 100 env LOCALPD_TEST_DEVICE=cuda python3 -m pytest -q -n 14 -W ignore \
            -p no:cacheprovider -rf --tb=line tests/test_kernels.py ;;
   check) stage gpu_check 120 python3 scripts/gpu_check.py ;;
-  sweep) TAIL=80 stage sweep_gemv 500 python3 scripts/sweep_gemv.py --json "$OUT/sweep_gemv.json" ;;
+  sweep) TAIL=80 stage sweep_gemv 500 python3 scripts/sweep_gemv.py --json "$OUT/sweep_gemv.json" \
+           --table kernels/gemv_tuned.json  # later stages of this call launch the measured configurations
+         cp kernels/gemv_tuned.json "$OUT/" 2>/dev/null ;;
   fused) TO="-s INT" stage gpu_fused_tests 90 env LOCALPD_TEST_DEVICE=cuda python3 -m pytest -q -W ignore \
            -p no:cacheprovider -rf --tb=line tests/test_fused_kernels.py ;;
   ncu) stage ncu_step 240 ncu --profile-from-start off --metrics dram__bytes_read.sum,dram__bytes_write.sum --csv \

@@ -2,23 +2,29 @@
 split-K) for Llama-3-8B's decode shapes at M = 1 (and --m), timed as CUDA-graph replays over weight copies larger
 than L2, beside what quant_matmul's autotuner picks and, at M = 1, the experimental K-major kernel (gemv_kmajor).
 Prints the best configurations per shape with % of the measured copy bandwidth, checks the best ones against the
-torch reference, and writes every timing as JSON.
+torch reference, and writes every timing as JSON. --table adds each shape's fastest row-major configuration
+(where it beats the autotuner) to a table of measured configurations, which quant_matmul then launches without
+autotuning (kernels/gemv_tuned.json is the one shipped).
 
-    python scripts/sweep_gemv.py --json $OUT/sweep.json
+    python scripts/sweep_gemv.py --json $OUT/sweep.json --table $OUT/gemv_tuned.json
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import itertools
 import json
+import subprocess
 import time
+from pathlib import Path
 
 import torch
 
 from localpd.bench_kernels import SHAPES, copies_for, graph_time, random_int4, random_int8
 from localpd.device import measure_copy_bandwidth
-from localpd.kernels.dispatch import cdiv, int4_matmul_ref, int8_matmul_ref, linear_int4, linear_int8
+from localpd.kernels.dispatch import (cdiv, device_key, gemv_block_m, int4_matmul_ref, int8_matmul_ref, linear_int4,
+                                     linear_int8)
 from localpd.kernels.quant_matmul import _gemv_kernel, gemv_kmajor
 from localpd.quant.weights import Int4Weight
 
@@ -51,7 +57,8 @@ def launch(x, y, w, cfg):
         y.zero_()
     _gemv_kernel[(1, cdiv(n, bn), split)](x, y, m, n, k, x.stride(0), y.stride(0), words, scales, biases,
                                           words.stride(0), scales.stride(0), scales.shape[1], split, BITS=bits,
-                                          GROUP=group, HAS_BIAS=has_bias, BLOCK_M=max(1, m), BLOCK_N=bn, BLOCK_K=bk,
+                                          GROUP=group, HAS_BIAS=has_bias, BLOCK_M=gemv_block_m(m), BLOCK_N=bn,
+                                          BLOCK_K=bk,
                                           ATOMIC=split > 1, num_warps=warps, num_stages=stages)
 
 
@@ -68,11 +75,12 @@ def main() -> int:
     p.add_argument("--shapes", default="qkv,o,gate_up,down")
     p.add_argument("--no-kmajor", action="store_true", help="skip the experimental K-major kernel")
     p.add_argument("--json")
+    p.add_argument("--table", help="add the fastest configurations to this table of measured ones (JSON)")
     args = p.parse_args()
     dev = torch.device("cuda")
     copy_bw = measure_copy_bandwidth(dev, 1 << 30)
     print(f"# {torch.cuda.get_device_name(dev)}: copy bandwidth {copy_bw / 1e9:.0f} GB/s, M={args.m}")
-    results = []
+    results, tuned = [], {}
     for fmt, (name, n, k) in itertools.product(args.formats.split(","), SHAPES):
         if name not in args.shapes.split(","):
             continue
@@ -125,12 +133,30 @@ def main() -> int:
                   f"({nbytes / sec / copy_bw:.0%})")
         results.append({"format": fmt, "shape": name, "n": n, "k": k, "m": args.m, "bytes": nbytes, "rel_err": err,
                         "timings": [[str(c), s] for c, s in rows]})
+        default = next(s for c, s in rows if c == "autotuned default")
+        if best[1] < default and err < 1e-2:
+            bn, bk, warps, stages, split = best[0]
+            tuned[f"{bits}:{ws[0].group}:{n}:{k}:{gemv_block_m(args.m)}"] = dict(
+                BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, split_k=split,
+                us=round(best[1] * 1e6, 2), pct_copy=round(nbytes / best[1] / copy_bw, 3))
         del ws
         torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(dev), "copy_bandwidth": copy_bw, "results": results}, f)
+    if args.table:
+        write_table(Path(args.table), device_key(dev), tuned, torch.cuda.get_device_name(dev))
     return 0
+
+
+def write_table(path: Path, key: str, tuned: dict, device_name: str) -> None:
+    """Merge this run's configurations into the table under the device's key, with where and when measured."""
+    table = json.loads(path.read_text()) if path.exists() else {}
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    source = f"{device_name}, {datetime.date.today()}, commit {commit or '?'}"
+    table.setdefault(key, {}).update({shape: {**cfg, "measured": source} for shape, cfg in tuned.items()})
+    path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    print(f"{len(tuned)} configurations for {key} in {path}")
 
 
 if __name__ == "__main__":

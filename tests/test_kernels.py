@@ -147,6 +147,50 @@ def test_linear_dispatch(monkeypatch, interpret):
         linear_int4(torch.randn(1, 64), w4)
 
 
+@pytest.mark.skipif(DEV != "cpu", reason="a table for the interpreter")
+def test_measured_gemv_configurations_replace_the_heuristics(monkeypatch):
+    """A shape in the table of measured configurations (scripts/sweep_gemv.py --table) launches with its tile
+    sizes and split-K, never asking the split-K heuristic; other shapes go on as before."""
+    import localpd.kernels.dispatch as dispatch
+    import localpd.kernels.quant_matmul as qm
+
+    cfg = dict(BLOCK_N=16, BLOCK_K=64, num_warps=2, num_stages=1, split_k=3, us=1.0, measured="test")
+    table = {"interpreter": {"4:32:40:384:1": cfg, "8:384:72:384:2": {**cfg, "BLOCK_N": 64, "split_k": 1}}}
+    monkeypatch.setattr(dispatch, "gemv_table", lambda: table)
+    assert dispatch.tuned_gemv(torch.device("cpu"), 4, 32, 40, 384, 1) == dict(BLOCK_N=16, BLOCK_K=64, num_warps=2,
+                                                                               num_stages=1, split_k=3)
+    assert dispatch.tuned_gemv(torch.device("cpu"), 4, 32, 40, 384, 2) is None
+    launches = []
+    real = qm._gemv_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **meta):
+                launches.append((args[-1], meta["BLOCK_N"], meta["BLOCK_K"]))  # split_k (the last argument), tile
+                return real[grid](*args, **meta)
+            return launch
+
+    monkeypatch.setattr(qm, "_gemv_kernel", Spy())
+    monkeypatch.setattr(qm, "_GEMV", Spy())
+    monkeypatch.setattr(qm, "pick_split_k", lambda *a: pytest.fail("the heuristic ran for a measured shape"))
+    check("int4", 1, 40, 384, 32, torch.float32, 5)
+    check("int8", 2, 72, 384, 384, torch.bfloat16, 6)
+    assert launches == [(3, 16, 64), (1, 64, 64)]
+    monkeypatch.setattr(qm, "pick_split_k", lambda *a: 2)
+    check("int4", 1, 40, 384, 64, torch.float32, 7)  # not in the table: heuristic split, interpreter tile
+    assert launches[-1] == (2, 32, 128)
+
+
+def test_shipped_gemv_table_is_well_formed():
+    from localpd.kernels.dispatch import GEMV_TABLE, TUNED_FIELDS, gemv_table
+
+    for device, shapes in gemv_table().items():
+        for shape, cfg in shapes.items():
+            bits, group, n, k, block_m = map(int, shape.split(":"))
+            assert bits in (4, 8) and k % group == 0 and block_m in (1, 2, 4, 8, 16), (GEMV_TABLE, device, shape)
+            assert all(isinstance(cfg[f], int) and cfg[f] > 0 for f in TUNED_FIELDS) and cfg["measured"]
+
+
 def test_launch_heuristics():
     assert [gemv_block_m(m) for m in (1, 2, 3, 5, 9, 16)] == [1, 2, 4, 8, 16, 16]
     assert pick_split_k(576, 1536, 132) > 1            # 36 tiles of 16 on 132 SMs: split
