@@ -187,6 +187,8 @@ def run(args) -> int:
     info = device_info(engine.device)
     print(f"# {engine.name} | weights {engine.quant} ({engine.model.weight_bytes / 2**20:.0f} MiB per decode step) | "
           f"kv {engine.kv_dtype} | {describe(info)}")
+    for note in engine.notes:
+        print(f"# {note}")
     points = []
     try:
         run_point(engine, info, min(prompts), 1, 2, seed=0)  # warm-up: first-call costs stay out of the table
