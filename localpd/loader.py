@@ -56,8 +56,8 @@ def load_model(path, dtype: torch.dtype = torch.float32, device="cpu", scheme: s
     if path.is_dir():
         if is_quantized_dir(path):
             return load_quantized_dir(path, dtype, device, scheme)
-        return load_hf_dir(path, dtype, device, scheme, importance or {})
-    return load_gguf(path, dtype, device, scheme, importance or {})
+        return load_hf_dir(path, dtype, device, scheme, importance)
+    return load_gguf(path, dtype, device, scheme, importance)
 
 
 def load_quantized_dir(path: Path, dtype, device, scheme: str) -> LoadedModel:
@@ -122,10 +122,15 @@ def gguf_key(tensor_name: str) -> tuple[str, bool] | None:
     return (GGUF_TOP[name], bias) if name in GGUF_TOP else None
 
 
+def gguf_tied(g: GGUFFile) -> bool:
+    """Whether the output head is the token embeddings (the file has no output.weight)."""
+    return not any(t.name == "output.weight" for t in g.reader.tensors)
+
+
 def load_gguf(path: Path, dtype, device, scheme: str = "native", importance: dict | None = None) -> LoadedModel:
     g = GGUFFile(path)
     config = gguf_config(g.metadata, path)
-    config.tie_embeddings = not any(t.name == "output.weight" for t in g.reader.tensors)
+    config.tie_embeddings = gguf_tied(g)
     weights = {}
     for t in g.reader.tensors:
         if not (found := gguf_key(t.name)):
@@ -152,11 +157,14 @@ def imports_every_matrix_exactly(path: Path, scheme: str) -> bool:
     if Path(path).suffix != ".gguf":
         return False
     g = GGUFFile(Path(path))
-    tied = not any(t.name == "output.weight" for t in g.reader.tensors)
-    keys = {t.name: gguf_key(t.name) for t in g.reader.tensors}
-    return all(imports_exactly(t.tensor_type.name, head_scheme(keys[t.name][0], scheme, tied))
-               for t in g.reader.tensors
-               if keys[t.name] and not keys[t.name][1] and is_matrix(keys[t.name][0], tied))
+    tied = gguf_tied(g)
+    for t in g.reader.tensors:
+        key, bias = gguf_key(t.name) or (None, True)
+        if bias or not is_matrix(key, tied):
+            continue
+        if not imports_exactly(t.tensor_type.name, head_scheme(key, scheme, tied)):
+            return False
+    return True
 
 
 def gguf_matrix(g: GGUFFile, t, scheme: str, dtype, device, heads: int | None,
