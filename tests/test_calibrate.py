@@ -85,6 +85,16 @@ def test_no_calibration_where_nothing_is_requantized(default_gguf, tmp_path, cap
     assert json.loads((tmp_path / "q" / "localpd.json").read_text())["source"]["calibration"] is None
 
 
+def test_no_calibration_flag_gives_the_load_time_weights(default_gguf, tmp_path, capsys):
+    out = tmp_path / "q"
+    assert main(["quantize", str(default_gguf), "--scheme", "int4-g64", "--out", str(out), "--no-calibration"]) == 0
+    assert "calibrated" not in capsys.readouterr().err
+    assert json.loads((out / "localpd.json").read_text())["source"]["calibration"] is None
+    saved, fresh = load_model(out).weights, load_model(default_gguf, scheme="int4-g64").weights
+    assert torch.equal(saved["layers.4.o_proj"].packed, fresh["layers.4.o_proj"].packed)
+    assert torch.equal(saved["layers.4.o_proj"].scales, fresh["layers.4.o_proj"].scales)
+
+
 def test_calibration_file_errors(default_gguf, tmp_path, capsys):
     args = ["quantize", str(default_gguf), "--scheme", "int4-g64", "--calibration", str(tmp_path / "none.txt")]
     assert main(args) == 1
