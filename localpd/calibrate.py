@@ -16,7 +16,7 @@ import torch
 
 from localpd.errors import LocalpdError
 from localpd.model import Batch, Transformer
-from localpd.quant.kv import new_kv_pool
+from localpd.quant.kv import new_kv_pool, same_kv
 
 PAGE_SIZE, CHUNK = 16, 512
 # the model's fused projections -> the weight matrices that read the same input
@@ -56,8 +56,8 @@ def calibrate(model: Transformer, ids: list[int], text_sha256: str = "") -> Cali
     c = model.config
     ids = ids[:c.max_context]
     n_pages = -(-len(ids) // PAGE_SIZE)
-    kv = new_kv_pool({torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[model.dtype],
-                     c.n_layers, n_pages, PAGE_SIZE, c.n_kv_heads, c.head_dim, model.dtype, model.device)
+    kv = new_kv_pool(same_kv(model.dtype), c.n_layers, n_pages, PAGE_SIZE, c.n_kv_heads, c.head_dim, model.dtype,
+                     model.device)
     recorders = {}
     for i, layer in enumerate(model.layers):
         for attr in INPUTS:

@@ -23,7 +23,7 @@ from localpd.errors import LocalpdError
 from localpd.kvcache import PagePool
 from localpd.loader import LoadedModel, load_model
 from localpd.model import Batch, Transformer
-from localpd.quant.kv import check_kv_dtype, kv_bytes_per_token, new_kv_pool
+from localpd.quant.kv import check_kv_dtype, kv_bytes_per_token, new_kv_pool, same_kv
 from localpd.quant.store import is_quantized_dir
 from localpd.registry import resolve_model
 from localpd.roofline import step_cost
@@ -226,7 +226,7 @@ class Engine:
         self.max_context = min(max_context or self.config.max_context, self.config.max_context)
         if self.max_context < 2:
             raise LocalpdError(f"context length must be at least 2, got {self.max_context}")
-        default_kv = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[self.compute_dtype]
+        default_kv = same_kv(self.compute_dtype)
         self.kv_dtype = check_kv_dtype(kv or default_kv, self.device)
         c = self.config
         self.kv_token_bytes = kv_bytes_per_token(self.kv_dtype, c.n_layers, c.n_kv_heads, c.head_dim)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from localpd.errors import LocalpdError
 from localpd.model import Batch, Transformer
-from localpd.quant.kv import new_kv_pool
+from localpd.quant.kv import new_kv_pool, same_kv
 
 PAGE_SIZE = 16
 
@@ -32,7 +32,7 @@ def perplexity(model: Transformer, ids: list[int], window: int = 1024, stride: i
         raise LocalpdError(f"window must be at least 2 tokens, got {window}")
     stride = stride or window // 2
     c = model.config
-    kv_dtype = kv_dtype or {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[model.dtype]
+    kv_dtype = kv_dtype or same_kv(model.dtype)
     n_pages = -(-window // PAGE_SIZE)
     kv = new_kv_pool(kv_dtype, c.n_layers, n_pages, PAGE_SIZE, c.n_kv_heads, c.head_dim, model.dtype, model.device)
     nll, scored, windows = 0.0, 0, 0

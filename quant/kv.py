@@ -93,6 +93,11 @@ class KVPool:
         return sum(t.numel() * t.element_size() for t in tensors) // (self.n_pages * self.page_size)
 
 
+def same_kv(dtype: torch.dtype) -> str:
+    """The KV format that stores values as they are computed in dtype: torch.bfloat16 -> "bf16"."""
+    return next(name for name, d in FLOAT.items() if d == dtype)
+
+
 def has_fp8(device) -> bool:
     if not hasattr(torch, "float8_e4m3fn"):
         return False
