@@ -6,8 +6,10 @@ import os
 import sys
 from dataclasses import replace
 
+from localpd.device import DeviceInfo, device_info
 from localpd.engine import Engine, GenerationStats
 from localpd.errors import LocalpdError
+from localpd.roofline import decode_ceiling_tps
 from localpd.sampling import SamplingParams
 
 HELP = """commands:
@@ -15,7 +17,7 @@ HELP = """commands:
   /set verbose on|off   print timings after each reply
   /system TEXT          set the system prompt (clears the conversation)
   /clear                forget the conversation
-  /stats                timings of the last reply
+  /stats                timings and decode bandwidth of the last reply
   /bye                  leave (or Ctrl+D)
   \"\"\"                   begin and end a multi-line message
 Ctrl+C stops a reply without leaving."""
@@ -34,14 +36,30 @@ def params_from_args(args) -> SamplingParams:
     ).validate()
 
 
-def format_stats(s: GenerationStats) -> str:
-    return "\n".join([
+def format_stats(s: GenerationStats, engine: Engine | None = None, info: DeviceInfo | None = None) -> str:
+    """The last reply's timings; with the engine and its device's ceilings, also the bandwidth its decode steps
+    reached and the tokens/s the device could reach at this context if every byte moved at that ceiling."""
+    lines = [
         f"prompt tokens:        {s.prompt_tokens} ({s.cached_tokens} cached)",
         f"time to first token:  {s.ttft * 1000:.0f} ms",
         f"prefill rate:         {s.prefill_tps:.1f} tokens/s",
         f"output tokens:        {s.output_tokens}",
         f"decode rate:          {s.decode_tps:.1f} tokens/s",
-    ])
+    ]
+    if s.decode_step_seconds <= 0 or not s.decode_bytes:
+        return "\n".join(lines)
+    rate = s.decode_bytes / s.decode_step_seconds
+    line = f"decode bandwidth:     {rate / 1e9:.1f} GB/s"
+    if info is not None and info.bandwidth:
+        which = "measured copy" if info.measured_bandwidth else f"{info.peak_source} peak"
+        line += f" ({rate / info.bandwidth:.0%} of {info.bandwidth / 1e9:.0f} GB/s, {which})"
+        if engine is not None:
+            context = s.prompt_tokens + s.output_tokens
+            ceiling = decode_ceiling_tps(engine.model, context, engine.kv_token_bytes, info.bandwidth)
+            lines += [line, f"decode ceiling:       {ceiling:.1f} tokens/s at {context} tokens of context"]
+            return "\n".join(lines)
+    lines.append(line)
+    return "\n".join(lines)
 
 
 def run_chat(args) -> int:
@@ -84,6 +102,13 @@ class Chat:
         self.verbose = verbose
         self.messages: list[dict] = []
         self.last_stats = GenerationStats()
+        self._info: DeviceInfo | None = None
+
+    def device_info(self) -> DeviceInfo:
+        """The device's bandwidth ceilings, measured (or read from the cache) the first time stats are shown."""
+        if self._info is None:
+            self._info = device_info(self.engine.device)
+        return self._info
 
     def prompt_messages(self, user_text: str) -> list[dict]:
         head = [{"role": "system", "content": self.system}] if self.system else []
@@ -119,7 +144,7 @@ class Chat:
         if not interrupted:  # a stopped reply is not part of the conversation
             self.messages += [{"role": "user", "content": user_text}, {"role": "assistant", "content": text}]
         if self.verbose:
-            print(format_stats(self.last_stats), file=sys.stderr)
+            print(format_stats(self.last_stats, self.engine, self.device_info()), file=sys.stderr)
         return text
 
     def repl(self) -> None:
@@ -159,7 +184,7 @@ class Chat:
             self.messages = []
             print("system prompt set" if rest else "system prompt removed", file=sys.stderr)
         elif name == "/stats":
-            print(format_stats(self.last_stats), file=sys.stderr)
+            print(format_stats(self.last_stats, self.engine, self.device_info()), file=sys.stderr)
         elif name == "/set":
             self.set(rest)
         else:

@@ -40,7 +40,8 @@ def test_piped_stdin_answers_once_with_the_reply_alone(default_gguf):
 def test_verbose_prints_timings(default_gguf):
     r = localpd(["chat", str(default_gguf), "Hi", "--temperature", "0", "--max-tokens", "8", "--verbose"])
     assert r.returncode == 0, r.stderr
-    for key in ("prompt tokens", "time to first token", "prefill rate", "decode rate"):
+    for key in ("prompt tokens", "time to first token", "prefill rate", "decode rate", "decode bandwidth",
+                "decode ceiling"):
         assert key in r.stderr
 
 

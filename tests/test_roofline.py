@@ -74,3 +74,23 @@ def test_ceiling_and_utilisation_arithmetic(engine):
     assert decode_ceiling_tps(m, 4000, kv_token, 1e12) < decode_ceiling_tps(m, 1000, kv_token, 1e12)
     assert utilisation(5e11, 1.0, 1e12) == 0.5
     assert utilisation(1.0, 1.0, None) is None
+
+
+def test_chat_stats_show_the_decode_bandwidth_against_the_ceiling(engine):
+    from localpd.chat import format_stats
+    from localpd.device import DeviceInfo
+
+    ids = engine.encode_chat([{"role": "user", "content": "Name a colour."}])
+    handle = engine.submit(ids, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    list(handle)
+    s = handle.stats
+    rate = s.decode_bytes / s.decode_step_seconds
+    info = DeviceInfo("test", "cpu", None, "unknown", 4 * rate, "measured", None, "unknown")
+    lines = format_stats(s, engine, info).splitlines()
+    assert lines[-2] == f"decode bandwidth:     {rate / 1e9:.1f} GB/s (25% of {4 * rate / 1e9:.0f} GB/s, measured copy)"
+    ceiling = decode_ceiling_tps(engine.model, len(ids) + 4, engine.kv.bytes_per_token(), 4 * rate)
+    assert lines[-1] == f"decode ceiling:       {ceiling:.1f} tokens/s at {len(ids) + 4} tokens of context"
+    datasheet = DeviceInfo("test", "cuda", 2 * rate, "table", None, "not measured", None, "unknown")
+    line = format_stats(s, engine, datasheet).splitlines()[-2]
+    assert line.endswith(f"(50% of {2 * rate / 1e9:.0f} GB/s, table peak)")
+    assert "bandwidth" not in format_stats(type(s)(), engine, info)  # no decode step yet: no rate to show
