@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from localpd.errors import LocalpdError
 from localpd.quant.bnb import LLM_INT8_THRESHOLD, BnbInt8Weight, Nf4Weight, bitsandbytes, nf4_code
@@ -102,19 +103,28 @@ def _matmul_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (x.float() @ w.T).to(x.dtype)
 
 
-def int4_matmul_ref(x, packed, scales, biases, group: int) -> torch.Tensor:
-    """y = x @ W.T with W dequantized in fp32; output in x.dtype. The kernels are tested against this."""
+def _gate(x: torch.Tensor, gated: bool) -> torch.Tensor:
+    """The activation a gated matmul multiplies: silu(gate) * up of x = [gate | up], rounded to x's dtype."""
+    if not gated:
+        return x
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def int4_matmul_ref(x, packed, scales, biases, group: int, gated: bool = False) -> torch.Tensor:
+    """y = x @ W.T with W dequantized in fp32; output in x.dtype. gated: x = [gate | up] and y = (silu(gate) *
+    up) @ W.T. The kernels are tested against this."""
     w = Int4Weight(packed, scales, biases)
     if w.group != group:
         raise LocalpdError(f"int4 weights have group {w.group}, not {group}")
-    return _matmul_ref(x, w.dequantize(torch.float32))
+    return _matmul_ref(_gate(x, gated), w.dequantize(torch.float32))
 
 
-def int8_matmul_ref(x, data, scales, group: int) -> torch.Tensor:
+def int8_matmul_ref(x, data, scales, group: int, gated: bool = False) -> torch.Tensor:
     w = Int8Weight(data, scales)
     if w.group != group:
         raise LocalpdError(f"int8 weights have group {w.group}, not {group}")
-    return _matmul_ref(x, w.dequantize(torch.float32))
+    return _matmul_ref(_gate(x, gated), w.dequantize(torch.float32))
 
 
 def cdiv(a: int, b: int) -> int:
@@ -132,24 +142,25 @@ def _triton_fn(name: str):
     return fn
 
 
-def _linear(x, w_shape, run, bias):
+def _linear(x, w_shape, run, bias, gated=False):
     lead, k = x.shape[:-1], x.shape[-1]
-    if k != w_shape[1]:
-        raise LocalpdError(f"input has {k} features but the weight expects {w_shape[1]}")
+    if k != w_shape[1] * (2 if gated else 1):
+        raise LocalpdError(f"input has {k} features but the weight expects {w_shape[1]}{' twice (gated)' * gated}")
     y = run(x.reshape(-1, k))
     if bias is not None:
         y = y + bias
     return y.reshape(*lead, w_shape[0])
 
 
-def linear_int4(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear_int4(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+    """x @ W.T (+ bias); gated: x = [gate | up] and the product is (silu(gate) * up) @ W.T."""
     fn = _triton_fn("int4") if use_triton(x) else int4_matmul_ref
-    return _linear(x, w.shape, lambda x2: fn(x2, w.packed, w.scales, w.biases, w.group), bias)
+    return _linear(x, w.shape, lambda x2: fn(x2, w.packed, w.scales, w.biases, w.group, gated=gated), bias, gated)
 
 
-def linear_int8(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear_int8(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
     fn = _triton_fn("int8") if use_triton(x) else int8_matmul_ref
-    return _linear(x, w.shape, lambda x2: fn(x2, w.data, w.scales, w.group), bias)
+    return _linear(x, w.shape, lambda x2: fn(x2, w.data, w.scales, w.group, gated=gated), bias, gated)
 
 
 def bnb_matmul_ref(x: torch.Tensor, w: Nf4Weight | BnbInt8Weight) -> torch.Tensor:

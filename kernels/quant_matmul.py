@@ -8,7 +8,8 @@ columns (its int8 matrix viewed as int32). Two launch paths (quant_matmul picks 
   one float subtract (the field, left where it sits in its half-word, OR-ed into the mantissa of 2**23; the
   activation is pre-scaled by the field's power of two instead of shifting the weight), multiplies it by all M
   activation rows, and applies scale and bias once per group: y = sum_g scale_g * (q . x)_g + bias_g * sum(x)_g.
-  Optional split-K (atomic fp32 adds).
+  Optional split-K (atomic fp32 adds). Gated: the input is an MLP's [gate | up] and the GEMV multiplies
+  silu(gate) * up, computed as it loads it, so the down projection needs no activation kernel before it.
 - GEMM (larger M, prefill): a dequantize kernel writes bf16/fp16/fp32 weight rows (in chunks of at most 32M
   values) and cuBLAS multiplies; prefill is compute-bound, so the extra weight traffic costs little.
 
@@ -25,6 +26,7 @@ import triton.language as tl
 from localpd.kernels.dispatch import (GEMV_CONFIGS, GEMV_MAX_M, INTERPRET_GEMV, cdiv, gemv_block_m, pick_split_k,
                                      sm_count, triton_interpreting, tuned_gemv)
 from localpd.errors import LocalpdError
+from localpd.kernels.fused_dispatch import silu_mul
 
 INT8_XOR = tl.constexpr(-2139062144)  # 0x80808080 as int32: flips each byte's sign bit, so a byte reads q + 128
 DEQUANT_CHUNK = 1 << 25  # weights dequantized at a time on the GEMM path
@@ -64,7 +66,9 @@ def _split_chunks(K, BLOCK_K: tl.constexpr, SPLIT_K, pid_k):
 @triton.jit
 def _gemv_kernel(x_ptr, y_ptr, M, N, K, stride_xm, stride_ym, w_ptr, s_ptr, b_ptr, stride_wn, stride_sn, K_GROUPS,
                  SPLIT_K, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr, GATED: tl.constexpr = False):
+    """GATED: x rows are [gate | up] (2K wide) and the activation is silu(gate) * up, computed as it is loaded
+    and rounded to x's dtype exactly as silu_mul_kernel writes it (the down projection without its own kernel)."""
     FIELDS: tl.constexpr = 32 // BITS
     G: tl.constexpr = (BLOCK_K + GROUP - 1) // GROUP  # groups in a tile (1 when a group spans several tiles)
     WPG: tl.constexpr = BLOCK_K // FIELDS // G  # words of one group in a tile
@@ -91,7 +95,13 @@ def _gemv_kernel(x_ptr, y_ptr, M, N, K, stride_xm, stride_ym, w_ptr, s_ptr, b_pt
         part = tl.zeros((BLOCK_M, BLOCK_N, G, WPG), tl.float32)
         xsum = tl.zeros((BLOCK_M, G, WPG), tl.float32)
         for f in tl.static_range(FIELDS):
-            xs = tl.load(xrow + (wk * FIELDS + f)[None], mask=x_mask, other=0.0).to(tl.float32)
+            xs = tl.load(xrow + (wk * FIELDS + f)[None], mask=x_mask, other=0.0)
+            if GATED:
+                up = tl.load(xrow + K + (wk * FIELDS + f)[None], mask=x_mask, other=0.0)
+                g = xs.to(tl.float32)
+                silu = (g / (1.0 + tl.exp(-g))).to(up.dtype).to(tl.float32)
+                xs = (silu * up.to(tl.float32)).to(up.dtype)
+            xs = xs.to(tl.float32)
             xsum += xs
             part += _field(w, hi, f, BITS)[None] * _field_scaled(xs, f, BITS)[:, None]
         dot = tl.sum(part, axis=3)  # [BLOCK_M, BLOCK_N, G]
@@ -211,7 +221,7 @@ def _gemv_launcher():
     return triton.autotune(
         configs=[triton.Config(dict(BLOCK_N=bn, BLOCK_K=bk), num_warps=w, num_stages=s)
                  for bn, bk, w, s in GEMV_CONFIGS],
-        key=["N", "K", "GROUP", "BITS", "BLOCK_M", "SPLIT_K"], reset_to_zero=["y_ptr"],
+        key=["N", "K", "GROUP", "BITS", "BLOCK_M", "SPLIT_K", "GATED"], reset_to_zero=["y_ptr"],
         prune_configs_by={"early_config_prune": _prune})(_gemv_kernel)
 
 
@@ -220,18 +230,23 @@ _GEMV = _gemv_launcher()
 
 def quant_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor | None, bits: int,
                  group: int, *, out: torch.Tensor | None = None, split_k: int | None = None,
-                 path: str | None = None) -> torch.Tensor:
+                 path: str | None = None, gated: bool = False) -> torch.Tensor:
     """x [M, K] @ W.T -> [M, N] in x.dtype; W given as int32 words [N, K * bits / 32], scales (and int4 biases)
-    [N, K / group]. `out`, `split_k` and `path` ("gemv"/"gemm") override the defaults, for tests and benchmarks."""
+    [N, K / group]. gated: x is [M, 2K] = [gate | up] and the product is silu(gate) * up @ W.T (an MLP's down
+    projection; the GEMV computes the activation as it loads it). `out`, `split_k` and `path` ("gemv"/"gemm")
+    override the defaults, for tests and benchmarks."""
     n, k = words.shape[0], words.shape[1] * 32 // bits
-    if x.dim() != 2 or x.shape[1] != k:
-        raise LocalpdError(f"expected activations of shape [M, {k}], got {tuple(x.shape)}")
+    width = 2 * k if gated else k
+    if x.dim() != 2 or x.shape[1] != width:
+        raise LocalpdError(f"expected activations of shape [M, {width}], got {tuple(x.shape)}")
     if x.stride(-1) != 1:
         x = x.contiguous()
     m = x.shape[0]
     path = path or ("gemv" if m <= GEMV_AUTO_M or split_k is not None else "gemm")
     if path not in ("gemv", "gemm") or (path == "gemv" and m > GEMV_MAX_M):
         raise LocalpdError(f"no {path} path for M = {m}")
+    if gated and path == "gemm":  # prefill: one elementwise pass is cheap beside the GEMM
+        x, gated = silu_mul(x), False
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     elif out.shape != (m, n) or out.dtype != x.dtype or out.stride() != (n, 1):
@@ -251,7 +266,7 @@ def quant_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bia
         tuned = tuned_gemv(x.device, bits, group, n, k, block_m)
         split_k = tuned.pop("split_k") if tuned else pick_split_k(n, k, sm_count(x.device))
     y = torch.zeros((m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
-    meta = dict(BITS=bits, GROUP=kernel_group, HAS_BIAS=has_bias, BLOCK_M=block_m, ATOMIC=split_k > 1)
+    meta = dict(BITS=bits, GROUP=kernel_group, HAS_BIAS=has_bias, BLOCK_M=block_m, ATOMIC=split_k > 1, GATED=gated)
     if tuned:
         kernel = _gemv_kernel
         meta.update(tuned)
@@ -283,16 +298,16 @@ def _dequant_matmul(x, words, scales, biases, bits, group, has_bias, out):
 
 
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, group: int, *,
-                out=None, split_k=None, path=None) -> torch.Tensor:
+                out=None, split_k=None, path=None, gated: bool = False) -> torch.Tensor:
     """x @ dequant(packed, scales, biases).T; the arguments of int4_matmul_ref, plus the overrides."""
     n, k = packed.shape[0], packed.shape[1] * 8
     if scales.shape != (n, k // group) or biases.shape != scales.shape:
         raise ValueError(f"scales/biases must be [{n}, {k // group}] for group {group}")
-    return quant_matmul(x, packed, scales, biases, 4, group, out=out, split_k=split_k, path=path)
+    return quant_matmul(x, packed, scales, biases, 4, group, out=out, split_k=split_k, path=path, gated=gated)
 
 
 def int8_matmul(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, group: int, *,
-                out=None, split_k=None, path=None) -> torch.Tensor:
+                out=None, split_k=None, path=None, gated: bool = False) -> torch.Tensor:
     """x @ (data * scales).T; the arguments of int8_matmul_ref, plus the overrides."""
     n, k = data.shape
     if scales.shape != (n, k // group):
@@ -300,4 +315,4 @@ def int8_matmul(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, group
     if k % 4:
         raise LocalpdError(f"int8 kernels need an input dimension divisible by 4, got {k}")
     return quant_matmul(x, data.contiguous().view(torch.int32), scales, None, 8, group, out=out, split_k=split_k,
-                        path=path)
+                        path=path, gated=gated)

@@ -43,6 +43,16 @@ class QuantLinear:
             return linear_bnb_int8(x, w, self.bias)
         return F.linear(x, w, self.bias)
 
+    def gated(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """self(silu(gate) * up) for gate_up = [gate | up]: the int4/int8 GEMVs compute the activation as they
+        load it, so a decode step launches no kernel of its own for it."""
+        w = self.weight
+        if isinstance(w, Int4Weight):
+            return linear_int4(gate_up, w, self.bias, gated=True)
+        if isinstance(w, Int8Weight):
+            return linear_int8(gate_up, w, self.bias, gated=True)
+        return self(silu_mul(gate_up))
+
     @property
     def nbytes(self) -> int:
         return weight_nbytes(self.weight) + (0 if self.bias is None else weight_nbytes(self.bias))
@@ -199,7 +209,7 @@ class Transformer:
             write_kv(pages, k, v, batch.slots)
             attn = paged_attention(q, pages, batch.page_table, batch.seq_lens, batch.q_starts, scale)
             h, x = add_rms_norm(layer.o(attn.reshape(T, c.n_heads * c.head_dim)), x, layer.mlp_norm, c.norm_eps)
-            out = layer.down(silu_mul(layer.gate_up(h)))
+            out = layer.down.gated(layer.gate_up(h))
             if li + 1 < len(self.layers):
                 h, x = add_rms_norm(out, x, self.layers[li + 1].attn_norm, c.norm_eps)
         rows = batch.logit_rows
