@@ -6,7 +6,8 @@ gone but each still reads and writes its tensors and takes a few microseconds).
   first, as the unfused torch code does, so both paths normalise the same residual stream).
 - silu_mul: SiLU(gate) * up from the gate/up matmul's [T, 2I] output, where the down projection is dense or
   prefill-sized; the int4/int8 GEMVs compute it themselves as they load their input (quant_matmul's gated).
-- rope: rotates query and key heads in place (HF's half-rotated layout), reading cos/sin per token.
+- rope: rotates query and key heads in place (HF's half-rotated layout), reading cos/sin per token. The model
+  runs it only where rope_write_kv_kernel (paged_attention.py), which also writes the KV pages, cannot.
 
 Their torch references (same signatures) are in fused_dispatch.py.
 """

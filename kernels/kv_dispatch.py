@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from localpd.kernels.dispatch import cdiv, sm_count, use_triton
+from localpd.kernels.fused_dispatch import rope
 from localpd.quant.kv import KVLayer, dequantize_kv, quantize_kv
 
 
@@ -109,6 +110,36 @@ def write_kv(layer: KVLayer, k: torch.Tensor, v: torch.Tensor, slots: torch.Tens
         write_kv_kernel[(T, H)](x, slots, data, dummy if scale is None else scale, dummy if zero is None else zero,
                                 x.stride(0), x.stride(1), *_strides(data, scale), KIND=KINDS[fmt],
                                 PS=layer.page_size, D=D)
+
+
+def rope_write_kv_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: KVLayer, slots: torch.Tensor,
+                      n_heads: int, n_kv_heads: int) -> torch.Tensor:
+    """qkv [T, (n_heads + 2 * n_kv_heads) * D], one projection's output: rotates the query heads in place, writes
+    the key heads rotated and the value heads into their slots; returns the query heads [T, n_heads, D] (a view).
+    The key heads left in qkv are unspecified (the Triton kernel leaves them unrotated)."""
+    T, D = qkv.shape[0], qkv.shape[1] // (n_heads + 2 * n_kv_heads)
+    heads = qkv.view(T, -1, D)
+    rope(heads[:, :n_heads + n_kv_heads], cos, sin)
+    write_kv(layer, heads[:, n_heads:n_heads + n_kv_heads], heads[:, n_heads + n_kv_heads:], slots)
+    return heads[:, :n_heads]
+
+
+def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: KVLayer, slots: torch.Tensor,
+                  n_heads: int, n_kv_heads: int) -> torch.Tensor:
+    """rope_write_kv_ref in one kernel launch (where three would run: RoPE, the key write, the value write)."""
+    T = qkv.shape[0]
+    D = qkv.shape[1] // (n_heads + 2 * n_kv_heads)
+    if (not (use_triton(qkv) and triton_supports(layer, D)) or qkv.stride(-1) != 1 or cos.stride(-1) != 1
+            or "fp8" in (layer.k_format, layer.v_format)):  # fp8 pages are written by torch (see write_kv)
+        return rope_write_kv_ref(qkv, cos, sin, layer, slots, n_heads, n_kv_heads)
+    from localpd.kernels.paged_attention import rope_write_kv_kernel
+
+    if T:
+        rope_write_kv_kernel[(T, n_heads + 2 * n_kv_heads)](
+            qkv, cos, sin, slots, layer.k, layer.v, *_scales(layer), qkv.stride(0), cos.stride(0),
+            *_strides(layer.k, layer.k_scale), *_strides(layer.v, layer.v_scale), n_heads, n_kv_heads,
+            K_KIND=KINDS[layer.k_format], V_KIND=KINDS[layer.v_format], PS=layer.page_size, D=D, num_warps=1)
+    return qkv.view(T, -1, D)[:, :n_heads]
 
 
 # Decode attention walks each split a tile at a time, BLOCK_T tokens spanning BLOCK_T // page_size pages: one page

@@ -9,6 +9,8 @@ padded to 16 rows), and a reduce kernel merges each query head's partial softmax
 tile queries by BLOCK_M and walk the key pages with an online softmax and a causal mask. All query heads that
 share a KV head are one program (GQA): its keys and values are loaded once for the group. Loads are masked at the
 sequence's end, so whatever lies past it (stale or never-written slots, padding in the page table) is not read.
+rope_write_kv_kernel is a layer's whole step between its qkv projection and attention: RoPE on the query heads
+in place, and the key heads rotated and the value heads written into their pages, in one launch.
 """
 
 from __future__ import annotations
@@ -51,12 +53,23 @@ def _rint(y):
 
 
 @triton.jit
-def write_kv_kernel(src, slots, data, scale, zero, s_src_t, s_src_h, s_page, s_tok, s_head, c_page, c_tok, c_head,
-                    KIND: tl.constexpr, PS: tl.constexpr, D: tl.constexpr):
-    """One program per (token, head): quantize x[D] into its slot."""
-    t = tl.program_id(0)
-    h = tl.program_id(1)
-    slot = tl.load(slots + t)
+def _head_values(src, idx, cos_row, sin_row, ROPE: tl.constexpr, HALF: tl.constexpr):
+    """Elements idx of the head at src as float32; with ROPE rotated (HF's half-rotated layout: element i pairs
+    with i +- HALF) and rounded to src's dtype, exactly as rope_kernel would store them."""
+    x = tl.load(src + idx).to(tl.float32)
+    if ROPE:
+        first = idx < HALF
+        other = tl.load(src + tl.where(first, idx + HALF, idx - HALF)).to(tl.float32)
+        c = tl.load(cos_row + idx % HALF).to(tl.float32)
+        s = tl.load(sin_row + idx % HALF).to(tl.float32)
+        x = tl.where(first, x * c - other * s, x * c + other * s).to(src.dtype.element_ty).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _write_head(src, cos_row, sin_row, data, scale, zero, slot, h, s_page, s_tok, s_head, c_page, c_tok, c_head,
+                KIND: tl.constexpr, PS: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr):
+    """Quantize the head at src (rotated first with ROPE) into kv head h of its slot."""
     page, off = slot // PS, slot % PS
     base = data + page * s_page + off * s_tok + h * s_head
     cbase = page * c_page + off * c_tok + h * c_head
@@ -64,8 +77,8 @@ def write_kv_kernel(src, slots, data, scale, zero, s_src_t, s_src_h, s_page, s_t
         g = tl.arange(0, D // 32)
         j = tl.arange(0, 16)
         idx = g[:, None] * 32 + 2 * j[None, :]  # [G, 16]: the even element of each byte
-        lo = tl.load(src + t * s_src_t + h * s_src_h + idx).to(tl.float32)
-        hi = tl.load(src + t * s_src_t + h * s_src_h + idx + 1).to(tl.float32)
+        lo = _head_values(src, idx, cos_row, sin_row, ROPE, D // 2)
+        hi = _head_values(src, idx + 1, cos_row, sin_row, ROPE, D // 2)
         mn = tl.minimum(tl.min(lo, axis=1), tl.min(hi, axis=1))
         mx = tl.maximum(tl.max(lo, axis=1), tl.max(hi, axis=1))
         sc = ((mx - mn) / 15).to(tl.float16)
@@ -80,10 +93,10 @@ def write_kv_kernel(src, slots, data, scale, zero, s_src_t, s_src_h, s_page, s_t
         tl.store(zero + cbase + g, zr)
     elif KIND == 0:
         d = tl.arange(0, D)
-        tl.store(base + d, tl.load(src + t * s_src_t + h * s_src_h + d).to(data.dtype.element_ty))
+        tl.store(base + d, _head_values(src, d, cos_row, sin_row, ROPE, D // 2).to(data.dtype.element_ty))
     else:
         d = tl.arange(0, D)
-        x = tl.load(src + t * s_src_t + h * s_src_h + d).to(tl.float32)
+        x = _head_values(src, d, cos_row, sin_row, ROPE, D // 2)
         top = 127.0 if KIND == 1 else 448.0
         sc = (tl.max(tl.abs(x), axis=0) / top).to(tl.float16)
         sf = sc.to(tl.float32)
@@ -93,6 +106,40 @@ def write_kv_kernel(src, slots, data, scale, zero, s_src_t, s_src_h, s_page, s_t
         else:
             tl.store(base + d, tl.clamp(y, -448.0, 448.0).to(tl.float8e4nv))
         tl.store(scale + cbase, sc)
+
+
+@triton.jit
+def write_kv_kernel(src, slots, data, scale, zero, s_src_t, s_src_h, s_page, s_tok, s_head, c_page, c_tok, c_head,
+                    KIND: tl.constexpr, PS: tl.constexpr, D: tl.constexpr):
+    """One program per (token, head): quantize x[D] into its slot."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    _write_head(src + t * s_src_t + h * s_src_h, src, src, data, scale, zero, tl.load(slots + t), h, s_page, s_tok,
+                s_head, c_page, c_tok, c_head, KIND, PS, D, False)
+
+
+@triton.jit
+def rope_write_kv_kernel(qkv, cos, sin, slots, k, v, k_scale, v_scale, k_zero, v_zero, s_t, s_c,
+                         sk_page, sk_tok, sk_head, ck_page, ck_tok, ck_head, sv_page, sv_tok, sv_head, cv_page, cv_tok,
+                         cv_head, HQ, H, K_KIND: tl.constexpr, V_KIND: tl.constexpr, PS: tl.constexpr,
+                         D: tl.constexpr):
+    """Program (token, head) over a qkv row's HQ query, H key and H value heads: rotates a query head in place,
+    writes a key head rotated and a value head as is into the token's slot (RoPE and the KV write in one launch;
+    the key heads of qkv are left unrotated)."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    row = qkv + t * s_t
+    cos_row, sin_row = cos + t * s_c, sin + t * s_c
+    if h < HQ:
+        d = tl.arange(0, D)
+        x = _head_values(row + h * D, d, cos_row, sin_row, True, D // 2)
+        tl.store(row + h * D + d, x.to(qkv.dtype.element_ty))
+    elif h < HQ + H:
+        _write_head(row + h * D, cos_row, sin_row, k, k_scale, k_zero, tl.load(slots + t), h - HQ, sk_page, sk_tok,
+                    sk_head, ck_page, ck_tok, ck_head, K_KIND, PS, D, True)
+    else:
+        _write_head(row + h * D, cos_row, sin_row, v, v_scale, v_zero, tl.load(slots + t), h - HQ - H, sv_page,
+                    sv_tok, sv_head, cv_page, cv_tok, cv_head, V_KIND, PS, D, False)
 
 
 @triton.jit

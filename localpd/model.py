@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from localpd.config import ModelConfig
 from localpd.errors import LocalpdError
 from localpd.kernels.dispatch import linear_bnb_int8, linear_bnb_nf4, linear_int4, linear_int8
-from localpd.kernels.fused_dispatch import add_rms_norm, rope, silu_mul
-from localpd.kernels.kv_dispatch import paged_attention, write_kv
+from localpd.kernels.fused_dispatch import add_rms_norm, silu_mul
+from localpd.kernels.kv_dispatch import paged_attention, rope_write_kv
 from localpd.quant.bnb import BnbInt8Weight, Nf4Weight
 from localpd.quant.kv import KVPool
 from localpd.quant.weights import Int4Weight, Int8Weight, Weight, cat_rows, take_rows, weight_nbytes
@@ -184,14 +184,6 @@ class Transformer:
         angles = torch.outer(positions.float(), self.inv_freq)
         return angles.cos(), angles.sin()
 
-    def _qkv(self, layer: Layer, h: torch.Tensor, cos, sin):
-        """q, k (rotated in place, views of the qkv output) and v, as [T, heads, head_dim]."""
-        c = self.config
-        T, D = h.shape[0], c.head_dim
-        qkv = layer.qkv(h)
-        rotated = rope(qkv[:, :(c.n_heads + c.n_kv_heads) * D].view(T, -1, D), cos, sin)
-        return rotated[:, :c.n_heads], rotated[:, c.n_heads:], qkv[:, (c.n_heads + c.n_kv_heads) * D:].view(T, -1, D)
-
     @torch.inference_mode()
     def forward(self, batch: Batch, kv: KVPool) -> torch.Tensor:
         """Run a step's tokens, writing their keys and values into the paged cache; returns the float32 logits
@@ -204,9 +196,8 @@ class Transformer:
         x = take_rows(self.embed, batch.tokens, self.dtype)
         h, _ = add_rms_norm(x, None, self.layers[0].attn_norm, c.norm_eps)
         for li, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, h, cos, sin)
             pages = kv.layer(li)
-            write_kv(pages, k, v, batch.slots)
+            q = rope_write_kv(layer.qkv(h), cos, sin, pages, batch.slots, c.n_heads, c.n_kv_heads)
             attn = paged_attention(q, pages, batch.page_table, batch.seq_lens, batch.q_starts, scale)
             h, x = add_rms_norm(layer.o(attn.reshape(T, c.n_heads * c.head_dim)), x, layer.mlp_norm, c.norm_eps)
             out = layer.down.gated(layer.gate_up(h))

@@ -13,8 +13,10 @@ if DEV == "cpu":
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from localpd.kernels.fused_dispatch import rope_ref  # noqa: E402
 from localpd.kernels.kv_dispatch import (decode_block_t, decode_splits, paged_attention,  # noqa: E402
-                                         paged_attention_ref, write_kv, write_kv_ref)
+                                         paged_attention_ref, rope_write_kv, rope_write_kv_ref, write_kv,
+                                         write_kv_ref)
 from localpd.quant.kv import dequantize_kv, kv_formats, new_kv_pool  # noqa: E402
 
 DTYPES = ["fp32", "bf16", "int8", "fp8", "int4", "int8/int4"]
@@ -58,6 +60,39 @@ def test_write_kv_matches_the_reference(kv_dtype, D):
         # identical up to a rounding tie or a scale's last float16 bit (at most one quantum, rarely)
         assert diff.max().item() <= step * 1.01 + 1e-6
         assert (diff > 1e-6).float().mean().item() < 0.01
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "int8", "int4", "int8/int4", "int4/bf16", "fp8/int8"])
+@pytest.mark.parametrize("D,Hq,H,ps,T,dtype", [(64, 9, 3, 16, 37, torch.float32), (128, 4, 4, 32, 5, torch.bfloat16),
+                                                (64, 7, 1, 16, 1, torch.float16)])
+def test_rope_and_kv_write_in_one_kernel(monkeypatch, kv_dtype, D, Hq, H, ps, T, dtype):
+    """rope_write_kv (one launch) writes what RoPE then write_kv write as separate kernels, bit for bit, and the
+    torch reference within the formats' rounding; the query heads come back rotated."""
+    g = torch.Generator().manual_seed(T + D)
+    qkv = (torch.randn(T, (Hq + 2 * H) * D, generator=g) * 2).to(dtype).to(DEV)
+    angles = torch.outer(torch.randint(0, 5000, (T,), generator=g).float(), torch.rand(D // 2, generator=g))
+    cos, sin = angles.cos().to(DEV), angles.sin().to(DEV)
+    slots = torch.randperm(4 * 64, generator=g)[:T].to(DEV)
+    fused, separate, torch_ref = [new_kv_pool(kv_dtype, 1, 4 * 64 // ps, ps, H, D, dtype, DEV) for _ in range(3)]
+    q = rope_write_kv(qkv.clone(), cos, sin, fused.layer(0), slots, Hq, H)
+    q_sep = rope_write_kv_ref(qkv.clone(), cos, sin, separate.layer(0), slots, Hq, H)
+    assert q.shape == (T, Hq, D) and torch.equal(q, q_sep)
+    for a, b in zip(dequantized(fused.layer(0)), dequantized(separate.layer(0))):
+        assert torch.equal(a, b)
+    monkeypatch.delenv("LOCALPD_TRITON_INTERPRET", raising=False)  # plain torch: rope_ref and write_kv_ref
+    q_ref = rope_write_kv_ref(qkv.clone(), cos, sin, torch_ref.layer(0), slots, Hq, H)
+    expected = rope_ref(qkv.clone().view(T, -1, D)[:, :Hq + H], cos, sin)
+    assert torch.allclose(q_ref, expected[:, :Hq])
+    assert (q.float() - q_ref.float()).abs().max() <= q_ref.float().abs().max() * 2**-7
+    k_rot = expected[:, Hq:].float()
+    for a, b, x, fmt in zip(dequantized(fused.layer(0)), dequantized(torch_ref.layer(0)),
+                            (k_rot, qkv.view(T, -1, D)[:, Hq + H:].float()), kv_formats(kv_dtype)):
+        a, b = a.flatten(0, 1)[slots.long()], b.flatten(0, 1)[slots.long()]
+        # one quantum of the format, plus (half precision) the interpreter's truncating where torch rounds
+        amax = x.abs().amax().item()
+        tol = {"int4": 1 / 7, "int8": 1 / 127, "fp8": 1 / 8}.get(fmt, 2**-7) * amax * 1.01
+        tol += 0 if dtype == torch.float32 else amax * 2**-6
+        assert (a - b).abs().max() <= tol and (a - x).abs().max() <= tol
 
 
 def build_case(kv_dtype, page_size, H, group, lens, q_lens, D=64, dtype=torch.float32, seed=0, poison=False):
