@@ -135,3 +135,28 @@ def test_whole_model_on_triton_kernels_matches_the_references(monkeypatch, schem
     for o, r in zip(out, ref):
         assert o.shape == r.shape
         assert rel_err(o, r) < 1e-4
+
+
+@pytest.mark.skipif(DEV != "cpu", reason="counts the Triton interpreter's launches")
+def test_a_decode_step_launches_nine_kernels_per_layer(monkeypatch):
+    """The fusions hold: per layer one GEMV each for qkv, o, gate_up and down (SiLU * mul inside down's), one
+    kernel for RoPE and the KV write, the decode attention and its reduce, and two residual-add + RMSNorms."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    monkeypatch.setenv("LOCALPD_TRITON_INTERPRET", "1")
+    model, ps = tiny_model("int4-g32", torch.float32, "cpu"), 16
+    c = model.config
+    pool = new_kv_pool("int8", c.n_layers, 2, ps, c.n_kv_heads, c.head_dim, model.dtype, "cpu")
+    model.forward(Batch.single(list(range(1, 20)), 0, 2, ps, "cpu"), pool)
+    launched, run = [], InterpretedFunction.run
+
+    def counting_run(self, *args, **kwargs):
+        launched.append(self.fn.__name__)
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", counting_run)
+    model.forward(Batch.single([7], 19, 2, ps, "cpu"), pool)
+    layer = ["_gemv_kernel", "rope_write_kv_kernel", "decode_kernel", "decode_reduce_kernel", "_gemv_kernel",
+             "add_rms_norm_kernel", "_gemv_kernel", "_gemv_kernel", "add_rms_norm_kernel"]
+    # the last layer's second norm is the final norm; then the output head
+    assert launched == ["add_rms_norm_kernel"] + layer * c.n_layers + ["_gemv_kernel"]
