@@ -134,8 +134,9 @@ def test_gated_matmul_is_the_down_projection_of_silu_mul(monkeypatch, fmt, group
     if DEV == "cpu":
         monkeypatch.setenv("LOCALPD_TRITON_INTERPRET", "1")  # the silu_mul kernel, not its torch reference
     separate = kernel(silu_mul(gate_up), *args, split_k=split_k, path=path)
-    if path == "gemv" or m <= 8:
+    if DEV == "cpu" and (path == "gemv" or m <= 8):  # compiled, the two may contract multiply-adds differently
         assert torch.equal(y, separate)
+    assert rel_err(y, separate) < tol
     with pytest.raises(LocalpdError, match=f"expected activations of shape \\[M, {2 * k}\\]"):
         kernel(gate_up[:, :k], *args, gated=True)
 
