@@ -15,6 +15,7 @@ from importlib import resources
 import torch
 
 from localpd.errors import LocalpdError
+from localpd.kernels.fused_dispatch import silu_mul
 from localpd.model import Batch, Transformer
 from localpd.quant.kv import new_kv_pool, same_kv
 
@@ -46,6 +47,10 @@ class _Recorder:
         self.sum_sq = sq if self.sum_sq is None else self.sum_sq + sq
         self.rows += x.shape[0]
         return self.linear(x)
+
+    def gated(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The down projection's call (QuantLinear.gated): its input is silu(gate) * up."""
+        return self(silu_mul(gate_up))
 
 
 def calibrate(model: Transformer, ids: list[int], text_sha256: str = "") -> Calibration:
