@@ -141,11 +141,13 @@ def main() -> int:
                 us=round(best[1] * 1e6, 2), pct_copy=round(nbytes / best[1] / copy_bw, 3))
         del ws
         torch.cuda.empty_cache()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(dev), "copy_bandwidth": copy_bw, "results": results}, f)
-    if args.table:
-        write_table(Path(args.table), device_key(dev), tuned, torch.cuda.get_device_name(dev))
+        # after every shape, so that a run stopped by its time limit keeps what it measured
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(dev), "copy_bandwidth": copy_bw, "results": results},
+                          f)
+        if args.table:
+            write_table(Path(args.table), device_key(dev), tuned, torch.cuda.get_device_name(dev))
     return 0
 
 
