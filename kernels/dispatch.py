@@ -17,7 +17,6 @@ import os
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from localpd.errors import LocalpdError
 from localpd.quant.bnb import LLM_INT8_THRESHOLD, BnbInt8Weight, Nf4Weight, bitsandbytes, nf4_code
@@ -105,10 +104,9 @@ def _matmul_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def _gate(x: torch.Tensor, gated: bool) -> torch.Tensor:
     """The activation a gated matmul multiplies: silu(gate) * up of x = [gate | up], rounded to x's dtype."""
-    if not gated:
-        return x
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    from localpd.kernels.fused_dispatch import silu_mul_ref  # it imports this module
+
+    return silu_mul_ref(x) if gated else x
 
 
 def int4_matmul_ref(x, packed, scales, biases, group: int, gated: bool = False) -> torch.Tensor:
