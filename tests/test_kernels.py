@@ -130,7 +130,6 @@ def test_gated_matmul_is_the_down_projection_of_silu_mul(monkeypatch, fmt, group
     # rounded twice more than in a plain matmul, so bf16 gets twice the tolerance on the CPU
     tol = TOL[dtype] * (2 if DEV == "cpu" and dtype == torch.bfloat16 else 1)
     assert rel_err(y, ref_fn(gate_up, *args, gated=True)) < tol
-    assert torch.equal(ref_fn(gate_up, *args, gated=True), ref_fn(silu_mul(gate_up.cpu()).to(DEV), *args))
     if DEV == "cpu":
         monkeypatch.setenv("LOCALPD_TRITON_INTERPRET", "1")  # the silu_mul kernel, not its torch reference
     separate = kernel(silu_mul(gate_up), *args, split_k=split_k, path=path)
