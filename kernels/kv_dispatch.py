@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from localpd.kernels.dispatch import cdiv, sm_count, use_triton
 from localpd.kernels.fused_dispatch import rope
-from localpd.quant.kv import KVLayer, dequantize_kv, quantize_kv
+from localpd.quant.kv import PER_PAGE, KVLayer, dequantize_kv, quantize_kv
 
 
 def _pick(t, pages, offs):
@@ -27,7 +27,31 @@ def _sides(layer: KVLayer):
             (layer.v, layer.v_scale, layer.v_zero, layer.v_format))
 
 
+def _write_pages_ref(x, data, scale, zero, slots, page_size) -> None:
+    """int4ch: every page a write touches is re-quantized whole, its earlier tokens (dequantized) with the new
+    ones, over each channel's range across them; offsets past the last new token are left as they were."""
+    pages, offs = slots // page_size, slots % page_size
+    scale, zero = scale[:, 0], zero[:, 0]  # [n_pages, heads, head_dim]: the storage behind the per-token view
+    touched, which = torch.unique(pages, return_inverse=True)
+    last = torch.zeros(touched.shape, dtype=offs.dtype, device=offs.device).scatter_reduce(0, which, offs, "amax")
+    vals = dequantize_kv(data[touched], scale[touched, None], zero[touched, None], "int4ch", torch.float32)
+    vals[which, offs] = x.float()
+    # a page belongs to one sequence, which fills it in order: every offset up to the last new one holds a token
+    valid = (torch.arange(page_size, device=offs.device)[None] <= last[:, None])[:, :, None, None]
+    lo = torch.where(valid, vals, torch.inf).amin(1)
+    hi = torch.where(valid, vals, -torch.inf).amax(1)
+    s = ((hi - lo) / 15).to(scale.dtype)
+    z = lo.to(zero.dtype)
+    sf = s.float()[:, None]
+    q = ((vals - z.float()[:, None]) / torch.where(sf > 0, sf, torch.ones_like(sf))).round().clamp(0, 15)
+    q = torch.where(valid, q, 0).to(torch.uint8)
+    data[touched] = torch.where(valid, q[..., 0::2] | (q[..., 1::2] << 4), data[touched])
+    scale[touched], zero[touched] = s, z
+
+
 def _write_side_ref(x, data, scale, zero, fmt, slots, page_size) -> None:
+    if fmt in PER_PAGE:
+        return _write_pages_ref(x, data, scale, zero, slots, page_size)
     pages, offs = slots // page_size, slots % page_size
     q, s, z = quantize_kv(x, fmt)
     data[pages, offs] = q
@@ -73,7 +97,7 @@ def paged_attention_ref(q: torch.Tensor, layer: KVLayer, page_table: torch.Tenso
     return out
 
 
-KINDS = {"fp32": 0, "fp16": 0, "bf16": 0, "int8": 1, "fp8": 2, "int4": 3}
+KINDS = {"fp32": 0, "fp16": 0, "bf16": 0, "int8": 1, "fp8": 2, "int4": 3, "int4ch": 4}
 BLOCK_M = 16  # query rows per prefill program (tl.dot needs 16)
 
 
@@ -108,7 +132,7 @@ def write_kv(layer: KVLayer, k: torch.Tensor, v: torch.Tensor, slots: torch.Tens
         x = x if x.stride(-1) == 1 else x.contiguous()  # token and head strides are the kernel's arguments
         dummy = data  # never read for formats without scales or zeros
         write_kv_kernel[(T, H)](x, slots, data, dummy if scale is None else scale, dummy if zero is None else zero,
-                                x.stride(0), x.stride(1), *_strides(data, scale), KIND=KINDS[fmt],
+                                T, x.stride(0), x.stride(1), *_strides(data, scale), KIND=KINDS[fmt],
                                 PS=layer.page_size, D=D)
 
 
@@ -137,7 +161,7 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer
     if T:
         rope_write_kv_kernel[(T, n_heads + 2 * n_kv_heads)](
             qkv, cos, sin, slots, layer.k, layer.v, *_scales(layer), qkv.stride(0), cos.stride(0),
-            *_strides(layer.k, layer.k_scale), *_strides(layer.v, layer.v_scale), n_heads, n_kv_heads,
+            *_strides(layer.k, layer.k_scale), *_strides(layer.v, layer.v_scale), n_heads, n_kv_heads, T,
             K_KIND=KINDS[layer.k_format], V_KIND=KINDS[layer.v_format], PS=layer.page_size, D=D, num_warps=1)
     return qkv.view(T, -1, D)[:, :n_heads]
 

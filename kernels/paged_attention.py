@@ -30,10 +30,14 @@ def _load_tokens(data, scale, zero, pages, offs, mask, head, s_page, s_tok, s_he
     tok = pages[:, None] * s_page + offs[:, None] * s_tok + head * s_head
     m = mask[:, None]
     # no early return: Triton would still compile the code after a returning constexpr branch
-    if KIND == 3:  # per element: its byte (d // 2), its nibble (d % 2) and its group's scale and zero (d // 32)
+    if KIND == 3 or KIND == 4:  # per element: its byte (d // 2), its nibble (d % 2) and its scale and zero
         p = tl.load(data + tok + (d // 2)[None, :], mask=m, other=0).to(tl.int32)
         q = ((p >> ((d % 2) * 4)[None, :]) & 15).to(tl.float32)
-        off = pages[:, None] * c_page + offs[:, None] * c_tok + head * c_head + (d // 32)[None, :]
+        if KIND == 3:  # its group's (d // 32), per token
+            sd = d // 32
+        else:  # its channel's, per page (c_tok is 0)
+            sd = d
+        off = pages[:, None] * c_page + offs[:, None] * c_tok + head * c_head + sd[None, :]
         x = q * tl.load(scale + off, mask=m, other=0.0).to(tl.float32) + tl.load(zero + off, mask=m,
                                                                                  other=0.0).to(tl.float32)
     else:
@@ -64,6 +68,53 @@ def _head_values(src, idx, cos_row, sin_row, ROPE: tl.constexpr, HALF: tl.conste
         s = tl.load(sin_row + idx % HALF).to(tl.float32)
         x = tl.where(first, x * c - other * s, x * c + other * s).to(src.dtype.element_ty).to(tl.float32)
     return x
+
+
+@triton.jit
+def _write_page_run(src, s_src_t, cos, sin, s_c, slots, t, T, data, scale, zero, h, s_page, s_tok, s_head, c_page,
+                    c_head, PS: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr):
+    """int4ch, the program of token t (src: its head at token 0, rows s_src_t apart): if t is the first new token
+    of its page in this step, re-quantize the page's earlier tokens together with the step's new ones over each
+    channel's range across them (write_kv_pages_ref); any other token's program does nothing."""
+    slot = tl.load(slots + t)
+    prev = tl.load(slots + t - 1, mask=t > 0, other=0)
+    if (t == 0) | (prev // PS != slot // PS):
+        page, off0 = slot // PS, slot % PS
+        o = tl.arange(0, PS)
+        j = tl.arange(0, D // 2)
+        r = t + o - off0  # the row that would hold offset o if this page's new tokens are consecutive rows
+        cand = (o >= off0) & (r < T)
+        new = cand & (tl.load(slots + r, mask=cand, other=-1) == slot + o - off0)
+        valid = (o < off0) | new
+        r = tl.where(new, r, t)  # keep every pointer in bounds
+        base = data + page * s_page + h * s_head
+        cb = page * c_page + h * c_head
+        byte = tl.load(base + o[:, None] * s_tok + j[None, :], mask=(o < off0)[:, None], other=0).to(tl.int32)
+        even = tl.where(new[:, None], _head_values(src + r[:, None] * s_src_t, 2 * j[None, :], cos + r[:, None] * s_c,
+                                                   sin + r[:, None] * s_c, ROPE, D // 2),
+                        (byte & 15).to(tl.float32) * tl.load(scale + cb + 2 * j).to(tl.float32)[None, :]
+                        + tl.load(zero + cb + 2 * j).to(tl.float32)[None, :])
+        odd = tl.where(new[:, None], _head_values(src + r[:, None] * s_src_t, 2 * j[None, :] + 1,
+                                                  cos + r[:, None] * s_c, sin + r[:, None] * s_c, ROPE, D // 2),
+                       ((byte >> 4) & 15).to(tl.float32) * tl.load(scale + cb + 2 * j + 1).to(tl.float32)[None, :]
+                       + tl.load(zero + cb + 2 * j + 1).to(tl.float32)[None, :])
+        tl.debug_barrier()  # every thread has read the page's old codes, scales and zeros before any is rewritten
+        q_even = _quantize_channels(even, valid, scale + cb + 2 * j, zero + cb + 2 * j)
+        q_odd = _quantize_channels(odd, valid, scale + cb + 2 * j + 1, zero + cb + 2 * j + 1)
+        tl.store(base + o[:, None] * s_tok + j[None, :], (q_even | (q_odd << 4)).to(tl.uint8), mask=valid[:, None])
+
+
+@triton.jit
+def _quantize_channels(v, valid, scale_ptrs, zero_ptrs):
+    """int4 codes of v [tokens, channels] with one scale and zero per channel over the valid tokens, stored."""
+    lo = tl.min(tl.where(valid[:, None], v, float("inf")), axis=0)
+    hi = tl.max(tl.where(valid[:, None], v, float("-inf")), axis=0)
+    sc = ((hi - lo) / 15).to(tl.float16)
+    zr = lo.to(tl.float16)
+    tl.store(scale_ptrs, sc)
+    tl.store(zero_ptrs, zr)
+    sf = sc.to(tl.float32)
+    return tl.clamp(_rint((v - zr.to(tl.float32)[None, :]) / tl.where(sf > 0, sf, 1.0)[None, :]), 0, 15).to(tl.int32)
 
 
 @triton.jit
@@ -109,19 +160,23 @@ def _write_head(src, cos_row, sin_row, data, scale, zero, slot, h, s_page, s_tok
 
 
 @triton.jit
-def write_kv_kernel(src, slots, data, scale, zero, s_src_t, s_src_h, s_page, s_tok, s_head, c_page, c_tok, c_head,
+def write_kv_kernel(src, slots, data, scale, zero, T, s_src_t, s_src_h, s_page, s_tok, s_head, c_page, c_tok, c_head,
                     KIND: tl.constexpr, PS: tl.constexpr, D: tl.constexpr):
-    """One program per (token, head): quantize x[D] into its slot."""
+    """One program per (token, head): quantize x[D] into its slot (int4ch: the page's run, from its first token)."""
     t = tl.program_id(0)
     h = tl.program_id(1)
-    _write_head(src + t * s_src_t + h * s_src_h, src, src, data, scale, zero, tl.load(slots + t), h, s_page, s_tok,
-                s_head, c_page, c_tok, c_head, KIND, PS, D, False)
+    if KIND == 4:
+        _write_page_run(src + h * s_src_h, s_src_t, src, src, 0, slots, t, T, data, scale, zero, h, s_page, s_tok,
+                        s_head, c_page, c_head, PS, D, False)
+    else:
+        _write_head(src + t * s_src_t + h * s_src_h, src, src, data, scale, zero, tl.load(slots + t), h, s_page,
+                    s_tok, s_head, c_page, c_tok, c_head, KIND, PS, D, False)
 
 
 @triton.jit
 def rope_write_kv_kernel(qkv, cos, sin, slots, k, v, k_scale, v_scale, k_zero, v_zero, s_t, s_c,
                          sk_page, sk_tok, sk_head, ck_page, ck_tok, ck_head, sv_page, sv_tok, sv_head, cv_page, cv_tok,
-                         cv_head, HQ, H, K_KIND: tl.constexpr, V_KIND: tl.constexpr, PS: tl.constexpr,
+                         cv_head, HQ, H, T, K_KIND: tl.constexpr, V_KIND: tl.constexpr, PS: tl.constexpr,
                          D: tl.constexpr):
     """Program (token, head) over a qkv row's HQ query, H key and H value heads: rotates a query head in place,
     writes a key head rotated and a value head as is into the token's slot (RoPE and the KV write in one launch;
@@ -135,11 +190,19 @@ def rope_write_kv_kernel(qkv, cos, sin, slots, k, v, k_scale, v_scale, k_zero, v
         x = _head_values(row + h * D, d, cos_row, sin_row, True, D // 2)
         tl.store(row + h * D + d, x.to(qkv.dtype.element_ty))
     elif h < HQ + H:
-        _write_head(row + h * D, cos_row, sin_row, k, k_scale, k_zero, tl.load(slots + t), h - HQ, sk_page, sk_tok,
-                    sk_head, ck_page, ck_tok, ck_head, K_KIND, PS, D, True)
+        if K_KIND == 4:
+            _write_page_run(qkv + h * D, s_t, cos, sin, s_c, slots, t, T, k, k_scale, k_zero, h - HQ, sk_page, sk_tok,
+                            sk_head, ck_page, ck_head, PS, D, True)
+        else:
+            _write_head(row + h * D, cos_row, sin_row, k, k_scale, k_zero, tl.load(slots + t), h - HQ, sk_page,
+                        sk_tok, sk_head, ck_page, ck_tok, ck_head, K_KIND, PS, D, True)
     else:
-        _write_head(row + h * D, cos_row, sin_row, v, v_scale, v_zero, tl.load(slots + t), h - HQ - H, sv_page,
-                    sv_tok, sv_head, cv_page, cv_tok, cv_head, V_KIND, PS, D, False)
+        if V_KIND == 4:
+            _write_page_run(qkv + h * D, s_t, cos, sin, s_c, slots, t, T, v, v_scale, v_zero, h - HQ - H, sv_page,
+                            sv_tok, sv_head, cv_page, cv_head, PS, D, False)
+        else:
+            _write_head(row + h * D, cos_row, sin_row, v, v_scale, v_zero, tl.load(slots + t), h - HQ - H, sv_page,
+                        sv_tok, sv_head, cv_page, cv_tok, cv_head, V_KIND, PS, D, False)
 
 
 @triton.jit

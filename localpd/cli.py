@@ -30,7 +30,7 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quant", choices=SCHEMES, metavar="SCHEME",
                    help="weight scheme: " + ", ".join(SCHEMES) + " (default: native on a GPU, fp32 on the CPU)")
     p.add_argument("--kv", type=kv_dtype_arg, metavar="DTYPE",
-                   help="KV cache dtype: " + ", ".join(FORMATS) + ", or KEYS/VALUES such as int8/int4 "
+                   help="KV cache dtype: " + ", ".join(FORMATS) + ", or KEYS/VALUES such as int4ch/int4 "
                    "(default: the compute dtype)")
     p.add_argument("--kv-memory", metavar="SIZE",
                    help="bytes for the KV cache, e.g. 4GiB (default: most of the free GPU memory; two contexts on CPU)")

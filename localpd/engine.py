@@ -229,7 +229,7 @@ class Engine:
         default_kv = same_kv(self.compute_dtype)
         self.kv_dtype = check_kv_dtype(kv or default_kv, self.device)
         c = self.config
-        self.kv_token_bytes = kv_bytes_per_token(self.kv_dtype, c.n_layers, c.n_kv_heads, c.head_dim)
+        self.kv_token_bytes = kv_bytes_per_token(self.kv_dtype, c.n_layers, c.n_kv_heads, c.head_dim, PAGE_SIZE)
         if kv_tokens is not None and kv_memory is None:
             kv_memory = -(-max(kv_tokens, self.max_context + 1) // PAGE_SIZE) * PAGE_SIZE * self.kv_token_bytes
         n_pages = self._kv_pages(parse_bytes(kv_memory))

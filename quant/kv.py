@@ -6,11 +6,15 @@ Formats (per token and kv head, along head_dim):
 - fp8: float8 e4m3 with one scale per (token, head) = amax / 448 (the format's largest normal value).
 - int4: asymmetric groups of 32 along head_dim, scale = (max - min) / 15 and zero = min per group; two values per
   byte, element 2i in the low nibble and 2i + 1 in the high nibble.
+- int4ch (keys): int4 per channel across a page's tokens (KIVI): each page holds one scale and one zero per head
+  and channel, over the tokens written to it so far. A write re-quantizes the page's earlier tokens with the
+  widened range (write_kv_pages_ref). Keys carry a few large channels, which per-token groups cannot fit.
 Scales and zeros are float16: they are read every decode step, so they are kept small.
 
 Keys and values may take different formats, written K/V: "int8/int4" keeps keys at int8 and values at int4
 (llama.cpp's -ctk q8_0 -ctv q4_0). On SmolLM2-135M int4 keys alone cost +11.4% perplexity and int4 values +0.7%,
-so this pair holds most of int4's saving over int8 at little of its loss. A single name is both.
+so this pair holds most of int4's saving over int8 at little of its loss. "int4ch/int4" stores keys per channel
+instead: 4-bit keys at +1.8% (written token by token). A single name is both.
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ import torch
 
 from localpd.errors import LocalpdError
 
-FORMATS = ("fp32", "fp16", "bf16", "int8", "int4", "fp8")  # what keys or values can be stored as
-KV_DTYPES = (*FORMATS, "int8/int4")  # the ones offered and benchmarked; any K/V pair of FORMATS is accepted
+FORMATS = ("fp32", "fp16", "bf16", "int8", "int4", "fp8", "int4ch")  # what keys or values can be stored as
+KV_DTYPES = (*FORMATS[:-1], "int8/int4", "int4ch/int4")  # offered and benchmarked; any K/V pair of FORMATS is accepted
+PER_PAGE = ("int4ch",)  # formats whose scales and zeros belong to a page, not to a token
 FLOAT = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 INT4_GROUP = 32
 FP8_MAX = 448.0
@@ -69,8 +74,11 @@ class KVPool:
     compute_dtype: torch.dtype
 
     def layer(self, i: int) -> KVLayer:
+        """Layer i's views. A per-page format's scales and zeros ([n_pages, 1, heads, head_dim] each) are seen as
+        [n_pages, page_size, heads, head_dim] with a token stride of 0, so that every reader indexes them per
+        token like any other format's."""
         def pick(t):
-            return None if t is None else t[i]
+            return None if t is None else t[i].expand(-1, self.page_size, -1, -1)
 
         return KVLayer(self.k[i], self.v[i], pick(self.k_scale), pick(self.v_scale), pick(self.k_zero),
                        pick(self.v_zero), self.kv_dtype, self.page_size, self.compute_dtype)
@@ -85,7 +93,7 @@ class KVPool:
 
     @property
     def head_dim(self) -> int:
-        return self.k.shape[4] * (2 if kv_formats(self.kv_dtype)[0] == "int4" else 1)
+        return self.k.shape[4] * (2 if kv_formats(self.kv_dtype)[0] in ("int4", "int4ch") else 1)
 
     def bytes_per_token(self) -> int:
         """Storage bytes of one token's keys and values over all layers, scales and zeros included."""
@@ -137,16 +145,17 @@ def _layout(fmt: str, head_dim: int) -> tuple[torch.dtype, int, int, bool]:
     if fmt == "fp8":
         return torch.float8_e4m3fn, head_dim, 1, False
     if head_dim % INT4_GROUP:
-        raise LocalpdError(f"--kv int4 needs a head dimension divisible by {INT4_GROUP}, this model has {head_dim}")
-    return torch.uint8, head_dim // 2, head_dim // INT4_GROUP, True
+        raise LocalpdError(f"--kv {fmt} needs a head dimension divisible by {INT4_GROUP}, this model has {head_dim}")
+    return torch.uint8, head_dim // 2, head_dim if fmt in PER_PAGE else head_dim // INT4_GROUP, True
 
 
-def kv_bytes_per_token(kv_dtype: str, n_layers: int, n_kv_heads: int, head_dim: int) -> int:
-    """What bytes_per_token() of a pool would say, without allocating one."""
+def kv_bytes_per_token(kv_dtype: str, n_layers: int, n_kv_heads: int, head_dim: int, page_size: int = 16) -> int:
+    """What bytes_per_token() of a pool would say, without allocating one (a page's scales shared by its tokens)."""
     per_head = 0
     for fmt in kv_formats(kv_dtype):
         storage, packed, groups, zeros = _layout(fmt, head_dim)
-        per_head += packed * storage.itemsize + groups * SCALE_DTYPE.itemsize * (2 if zeros else 1)
+        scales = groups * SCALE_DTYPE.itemsize * (2 if zeros else 1)
+        per_head += packed * storage.itemsize + (scales // page_size if fmt in PER_PAGE else scales)
     return n_layers * n_kv_heads * per_head
 
 
@@ -157,7 +166,8 @@ def new_kv_pool(kv_dtype: str, n_layers: int, n_pages: int, page_size: int, n_kv
     def side(fmt):  # (data, scale, zero) of keys or values in their format
         storage, packed, groups, zeros = _layout(fmt, head_dim)
         data = torch.zeros(base + (packed,), dtype=storage, device=device)
-        scale = torch.zeros(base + (groups,), dtype=SCALE_DTYPE, device=device) if groups else None
+        scale_shape = (n_layers, n_pages, 1, n_kv_heads, groups) if fmt in PER_PAGE else base + (groups,)
+        scale = torch.zeros(scale_shape, dtype=SCALE_DTYPE, device=device) if groups else None
         return data, scale, torch.zeros_like(scale) if zeros else None
 
     (k, ks, kz), (v, vs, vz) = (side(fmt) for fmt in kv_formats(kv_dtype))
@@ -168,6 +178,8 @@ def quantize_kv(x: torch.Tensor, fmt: str):
     """x [..., head_dim] -> (data, scale, zero) in the storage format (scale/zero None where the format has none)."""
     if fmt in FLOAT:
         return x.to(FLOAT[fmt]), None, None
+    if fmt in PER_PAGE:
+        raise ValueError(f"{fmt} is quantized a page at a time (kernels.kv_dispatch.write_kv_ref)")
     xf = x.float()
     if fmt in ("int8", "fp8"):
         top = 127.0 if fmt == "int8" else FP8_MAX
@@ -197,5 +209,7 @@ def dequantize_kv(data: torch.Tensor, scale, zero, fmt: str, dtype: torch.dtype)
     if fmt in ("int8", "fp8"):
         return (data.float() * scale.float()).to(dtype)
     q = torch.stack((data & 15, data >> 4), dim=-1).flatten(-2).float()
+    if fmt in PER_PAGE:  # scale and zero per channel
+        return (q * scale.float() + zero.float()).to(dtype)
     g = q.unflatten(-1, (-1, INT4_GROUP))
     return (g * scale.float()[..., None] + zero.float()[..., None]).flatten(-2).to(dtype)

@@ -12,14 +12,23 @@ import sys
 import torch
 
 import localpd.model as model_module
-from localpd.kernels.kv_dispatch import write_kv, write_kv_ref
+from localpd.kernels.fused_dispatch import rope_ref
+from localpd.kernels.kv_dispatch import write_kv_ref
 from localpd.model import Batch, Transformer
 from localpd.quant.kv import new_kv_pool
 from localpd.quant.weights import Int4Weight, Int8Weight
 from localpd.synthetic import synthetic_model
 
 PS = 16
+rope_write_kv = model_module.rope_write_kv
 
+
+def torch_rope_write_kv(qkv, cos, sin, layer, slots, n_heads, n_kv_heads):
+    """The model's RoPE + KV write with torch references only (no Triton): rope_ref, then write_kv_ref."""
+    heads = qkv.view(qkv.shape[0], n_heads + 2 * n_kv_heads, -1)
+    rope_ref(heads[:, :n_heads + n_kv_heads], cos, sin)
+    write_kv_ref(layer, heads[:, n_heads:n_heads + n_kv_heads], heads[:, n_heads + n_kv_heads:], slots)
+    return heads[:, :n_heads]
 
 def to_device(w, device):
     if isinstance(w, Int4Weight):
@@ -60,15 +69,15 @@ def main() -> int:
                 gpu_w = {k: v.to(compute) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
                          for k, v in gpu_w.items()}
             gpu = Transformer(loaded.config, gpu_w)
-            kvs = (("fp32", "int8", "int4", "int4+torch-write", "fp8", "int8/int4") if compute == torch.float32
-                   else ("bf16", "int8", "int4", "int8/int4"))
+            kvs = (("fp32", "int8", "int4", "int4+torch-write", "fp8", "int8/int4", "int4ch/int4")
+                   if compute == torch.float32 else ("bf16", "int8", "int4", "int8/int4", "int4ch/int4"))
             for kv in kvs:
                 ref_kv = "fp32" if kv == "bf16" else kv.split("+")[0]
                 ref = run(cpu, ref_kv, prompt, decode, "cpu")
                 if kv.endswith("+torch-write"):  # which half of the GPU path is at fault, if any
-                    model_module.write_kv = write_kv_ref
+                    model_module.rope_write_kv = torch_rope_write_kv
                 got = run(gpu, kv.split("+")[0], prompt, decode, "cuda")
-                model_module.write_kv = write_kv
+                model_module.rope_write_kv = rope_write_kv
                 errs = [((a - b).norm() / b.norm()).item() for a, b in zip(got, ref)]
                 tol = (2e-3 if kv in ("fp32", "bf16") else 3e-2) if compute == torch.float32 else 5e-2
                 ok = all(e < tol for e in errs) and all(torch.isfinite(a).all() for a in got)

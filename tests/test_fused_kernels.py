@@ -123,7 +123,7 @@ def prompt_then_decode(model: Transformer, kv_dtype: str) -> list[torch.Tensor]:
     return [o.float().cpu() for o in out]
 
 
-@pytest.mark.parametrize("scheme,kv_dtype", [("int4-g32", "int8"), ("fp32", "fp32")])
+@pytest.mark.parametrize("scheme,kv_dtype", [("int4-g32", "int8"), ("fp32", "fp32"), ("int8", "int4ch/int4")])
 def test_whole_model_on_triton_kernels_matches_the_references(monkeypatch, scheme, kv_dtype):
     """Prefill then two decode steps with every kernel in Triton (matmuls, KV writes, attention, fused norms,
     RoPE, SiLU) against the same model on the torch references."""

@@ -19,7 +19,7 @@ from localpd.kernels.kv_dispatch import (decode_block_t, decode_splits, paged_at
                                          write_kv_ref)
 from localpd.quant.kv import dequantize_kv, kv_formats, new_kv_pool  # noqa: E402
 
-DTYPES = ["fp32", "bf16", "int8", "fp8", "int4", "int8/int4"]
+DTYPES = ["fp32", "bf16", "int8", "fp8", "int4", "int8/int4", "int4ch/int4", "int4ch"]
 
 
 @pytest.fixture(autouse=True)
@@ -62,7 +62,8 @@ def test_write_kv_matches_the_reference(kv_dtype, D):
         assert (diff > 1e-6).float().mean().item() < 0.01
 
 
-@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "int8", "int4", "int8/int4", "int4/bf16", "fp8/int8"])
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "int8", "int4", "int8/int4", "int4/bf16", "fp8/int8",
+                                      "int4ch/int4", "int4ch"])
 @pytest.mark.parametrize("D,Hq,H,ps,T,dtype", [(64, 9, 3, 16, 37, torch.float32), (128, 4, 4, 32, 5, torch.bfloat16),
                                                 (64, 7, 1, 16, 1, torch.float16)])
 def test_rope_and_kv_write_in_one_kernel(kv_dtype, D, Hq, H, ps, T, dtype):
@@ -73,6 +74,8 @@ def test_rope_and_kv_write_in_one_kernel(kv_dtype, D, Hq, H, ps, T, dtype):
     angles = torch.outer(torch.randint(0, 5000, (T,), generator=g).float(), torch.rand(D // 2, generator=g))
     cos, sin = angles.cos().to(DEV), angles.sin().to(DEV)
     slots = torch.randperm(4 * 64, generator=g)[:T].to(DEV)
+    if "int4ch" in kv_dtype:  # a page is filled in order by its sequence: consecutive slots, from mid-page
+        slots = torch.arange(3, 3 + T, device=DEV)
     fused, separate, torch_ref = [new_kv_pool(kv_dtype, 1, 4 * 64 // ps, ps, H, D, dtype, DEV) for _ in range(3)]
     q = rope_write_kv(qkv.clone(), cos, sin, fused.layer(0), slots, Hq, H)
     q_sep = rope_write_kv_ref(qkv.clone(), cos, sin, separate.layer(0), slots, Hq, H)
@@ -92,9 +95,39 @@ def test_rope_and_kv_write_in_one_kernel(kv_dtype, D, Hq, H, ps, T, dtype):
         a, b = a.flatten(0, 1)[slots.long()], b.flatten(0, 1)[slots.long()]
         # one quantum of the format, plus (half precision) the interpreter's truncating where torch rounds
         amax = x.abs().amax().item()
-        tol = {"int4": 1 / 7, "int8": 1 / 127, "fp8": 1 / 8}.get(fmt, 2**-7) * amax * 1.01
+        tol = {"int4": 1 / 7, "int4ch": 1 / 7, "int8": 1 / 127, "fp8": 1 / 8}.get(fmt, 2**-7) * amax * 1.01
         tol += 0 if dtype == torch.float32 else amax * 2**-6
         assert (a - b).abs().max() <= tol and (a - x).abs().max() <= tol
+
+
+@pytest.mark.parametrize("D,ps", [(64, 16), (128, 32)])
+def test_per_channel_keys_rewrite_their_page_as_it_fills(D, ps):
+    """int4ch: a prefill that ends mid-page, then decode steps of two sequences (one starting on a fresh page of a
+    pool full of garbage), a chunk that continues a page: the kernel writes what the reference writes, and every
+    token so far stays within one quantum of its channel's range on that page."""
+    g = torch.Generator().manual_seed(D)
+    tri, ref = pools("int4ch/int4", 8, ps, 2, D)
+    for t in (tri.k, tri.k_scale, tri.k_zero, ref.k, ref.k_scale, ref.k_zero):
+        t.view(torch.uint8).fill_(0xFF)  # NaN scales, codes 15: nothing a new page may read
+    a = [3 * ps + i for i in range(ps + 5)]  # sequence A: page 3 full, page 4 up to offset 4
+    a[ps:] = [4 * ps + i for i in range(5)]
+    steps = [a, [4 * ps + 5], [4 * ps + 6, 6 * ps], [4 * ps + 7, 6 * ps + 1], [6 * ps + 2 + i for i in range(9)]]
+    written = {}
+    for slots in steps:
+        k, v = torch.randn(2, len(slots), 2, D, generator=g) * 2
+        k[..., 5] *= 30  # an outlier channel
+        slots = torch.tensor(slots, device=DEV)
+        write_kv(tri.layer(0), k.to(DEV), v.to(DEV), slots)
+        write_kv_ref(ref.layer(0), k.to(DEV), v.to(DEV), slots)
+        written.update(zip(slots.tolist(), k))
+        for name in ("k", "k_scale", "k_zero", "v", "v_scale", "v_zero"):  # bit for bit, garbage included
+            assert torch.equal(getattr(tri, name).view(torch.uint8), getattr(ref, name).view(torch.uint8)), name
+    keys = dequantized(tri.layer(0))[0].flatten(0, 1).cpu()
+    for page in {slot // ps for slot in written}:
+        slots = sorted(s for s in written if s // ps == page)
+        x = torch.stack([written[s] for s in slots])
+        quantum = (x.amax(0) - x.amin(0)) / 15
+        assert ((keys[slots] - x).abs() <= quantum * 1.01 + 1e-3).all()
 
 
 def build_case(kv_dtype, page_size, H, group, lens, q_lens, D=64, dtype=torch.float32, seed=0, poison=False):
@@ -106,6 +139,8 @@ def build_case(kv_dtype, page_size, H, group, lens, q_lens, D=64, dtype=torch.fl
     pool = new_kv_pool(kv_dtype, 1, n_pages, page_size, H, D, dtype, DEV)
     layer = pool.layer(0)
     for t in (layer.k, layer.v, layer.k_scale, layer.v_scale, layer.k_zero, layer.v_zero) if poison else ():
+        if t is not None and t.stride(1) == 0:  # a page's scales (int4ch), seen per token
+            t = t[:, :1]
         if t is not None and t.is_floating_point():
             bad = torch.tensor([float("nan"), float("inf"), float("-inf")]).repeat(-(-t.numel() // 3))
             t.copy_(bad[:t.numel()].view(t.shape))
@@ -144,7 +179,8 @@ def test_decode_batches_match_the_reference(kv_dtype, page_size, group):
     check(build_case(kv_dtype, page_size, 2, group, lens, [1] * len(lens)), 1e-4)
 
 
-@pytest.mark.parametrize("kv_dtype", ["fp32", "fp16", "bf16", "int8", "fp8", "int4", "int8/int4", "int4/bf16"])
+@pytest.mark.parametrize("kv_dtype", ["fp32", "fp16", "bf16", "int8", "fp8", "int4", "int8/int4", "int4/bf16",
+                                      "int4ch/int4"])
 @pytest.mark.parametrize("page_size", [16, 32])
 def test_decode_tiles_across_pages_with_garbage_past_the_end(kv_dtype, page_size):
     """Tiles span several pages (8 or 4 here): lengths of exactly one tile, under one page, ending mid-tile and
@@ -181,7 +217,7 @@ def test_decode_splits_including_empty_partitions(kv_dtype, group, batch, splits
 
 
 @pytest.mark.skipif(DEV == "cpu", reason="long contexts need a GPU")
-@pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "fp8", "int4", "int8/int4"])
+@pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "fp8", "int4", "int8/int4", "int4ch/int4"])
 def test_long_contexts_on_the_gpu(kv_dtype):
     """Llama-3-8B heads (8 KV heads, GQA 4, D 128) at thousands of tokens, decode and a prefill chunk."""
     check(build_case(kv_dtype, 16, 8, 4, [4099, 1, 777], [1, 1, 1], D=128, dtype=torch.bfloat16, seed=9), 2e-2)
