@@ -75,7 +75,7 @@ def _write_page_run(src, s_src_t, cos, sin, s_c, slots, t, T, data, scale, zero,
                     c_head, PS: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr):
     """int4ch, the program of token t (src: its head at token 0, rows s_src_t apart): if t is the first new token
     of its page in this step, re-quantize the page's earlier tokens together with the step's new ones over each
-    channel's range across them (write_kv_pages_ref); any other token's program does nothing."""
+    channel's range across them (as kv_dispatch._write_pages_ref); any other token's program does nothing."""
     slot = tl.load(slots + t)
     prev = tl.load(slots + t - 1, mask=t > 0, other=0)
     if (t == 0) | (prev // PS != slot // PS):

@@ -8,7 +8,7 @@ Formats (per token and kv head, along head_dim):
   byte, element 2i in the low nibble and 2i + 1 in the high nibble.
 - int4ch (keys): int4 per channel across a page's tokens (KIVI): each page holds one scale and one zero per head
   and channel, over the tokens written to it so far. A write re-quantizes the page's earlier tokens with the
-  widened range (write_kv_pages_ref). Keys carry a few large channels, which per-token groups cannot fit.
+  widened range (kv_dispatch._write_pages_ref). Keys carry a few large channels that per-token groups cannot fit.
 Scales and zeros are float16: they are read every decode step, so they are kept small.
 
 Keys and values may take different formats, written K/V: "int8/int4" keeps keys at int8 and values at int4
