@@ -216,7 +216,7 @@ def tight_bytes(path):
     return kv_bytes_per_token("fp32", c.n_layers, c.n_kv_heads, c.head_dim) * 16 * 16  # 16 pages of 16 tokens
 
 
-@pytest.mark.parametrize("kv", ["int8", "fp8", "int4", "int8/int4"])
+@pytest.mark.parametrize("kv", ["int8", "fp8", "int4", "int8/int4", "int4ch/int4"])
 def test_quantized_kv_cache_still_answers(default_gguf, kv):
     e = Engine(default_gguf, device="cpu", max_context=512, kv=kv)
     _, text, _, handle = run(e, e.encode_chat(Q))
