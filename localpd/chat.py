@@ -49,16 +49,16 @@ def format_stats(s: GenerationStats, engine: Engine | None = None, info: DeviceI
     if s.decode_step_seconds <= 0 or not s.decode_bytes:
         return "\n".join(lines)
     rate = s.decode_bytes / s.decode_step_seconds
+    bandwidth = info.bandwidth if info is not None else None
     line = f"decode bandwidth:     {rate / 1e9:.1f} GB/s"
-    if info is not None and info.bandwidth:
+    if bandwidth:
         which = "measured copy" if info.measured_bandwidth else f"{info.peak_source} peak"
-        line += f" ({rate / info.bandwidth:.0%} of {info.bandwidth / 1e9:.0f} GB/s, {which})"
-        if engine is not None:
-            context = s.prompt_tokens + s.output_tokens
-            ceiling = decode_ceiling_tps(engine.model, context, engine.kv_token_bytes, info.bandwidth)
-            lines += [line, f"decode ceiling:       {ceiling:.1f} tokens/s at {context} tokens of context"]
-            return "\n".join(lines)
+        line += f" ({rate / bandwidth:.0%} of {bandwidth / 1e9:.0f} GB/s, {which})"
     lines.append(line)
+    if bandwidth and engine is not None:
+        context = s.prompt_tokens + s.output_tokens
+        ceiling = decode_ceiling_tps(engine.model, context, engine.kv_token_bytes, bandwidth)
+        lines.append(f"decode ceiling:       {ceiling:.1f} tokens/s at {context} tokens of context")
     return "\n".join(lines)
 
 
