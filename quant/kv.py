@@ -93,7 +93,7 @@ class KVPool:
 
     @property
     def head_dim(self) -> int:
-        return self.k.shape[4] * (2 if kv_formats(self.kv_dtype)[0] in ("int4", "int4ch") else 1)
+        return self.k.shape[4] * (2 if self.k.dtype == torch.uint8 else 1)  # uint8: two int4 values a byte
 
     def bytes_per_token(self) -> int:
         """Storage bytes of one token's keys and values over all layers, scales and zeros included."""
