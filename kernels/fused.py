@@ -3,7 +3,8 @@ few kernels per layer instead of dozens (each torch op is its own kernel; in a C
 gone but each still reads and writes its tensors and takes a few microseconds).
 
 - add_rms_norm: residual add and RMSNorm in one pass over a row (the sum is rounded to the activation dtype
-  first, as the unfused torch code does, so both paths normalise the same residual stream).
+  first, as the unfused torch code does, so both paths normalise the same residual stream), where the next
+  matmul cannot do it as it loads its input (quant_matmul's norm: int4/int8 GEMVs).
 - silu_mul: SiLU(gate) * up from the gate/up matmul's [T, 2I] output, where the down projection is dense or
   prefill-sized; the int4/int8 GEMVs compute it themselves as they load their input (quant_matmul's gated).
 - rope: rotates query and key heads in place (HF's half-rotated layout), reading cos/sin per token. The model

@@ -9,7 +9,9 @@ columns (its int8 matrix viewed as int32). Two launch paths (quant_matmul picks 
   activation is pre-scaled by the field's power of two instead of shifting the weight), multiplies it by all M
   activation rows, and applies scale and bias once per group: y = sum_g scale_g * (q . x)_g + bias_g * sum(x)_g.
   Optional split-K (atomic fp32 adds). Gated: the input is an MLP's [gate | up] and the GEMV multiplies
-  silu(gate) * up, computed as it loads it, so the down projection needs no activation kernel before it.
+  silu(gate) * up, computed as it loads it, so the down projection needs no activation kernel before it. Norm:
+  the GEMV adds the residual to its input, multiplies the sum by the RMSNorm weight and scales its output by the
+  row's rsqrt(mean square + eps), and writes the sum out as the new residual stream (no norm kernel before it).
 - GEMM (larger M, prefill): a dequantize kernel writes bf16/fp16/fp32 weight rows (in chunks of at most 32M
   values) and cuBLAS multiplies; prefill is compute-bound, so the extra weight traffic costs little.
 
@@ -23,10 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
-from localpd.kernels.dispatch import (GEMV_CONFIGS, GEMV_MAX_M, INTERPRET_GEMV, cdiv, gemv_block_m, pick_split_k,
-                                     sm_count, triton_interpreting, tuned_gemv)
+from localpd.kernels.dispatch import (GEMV_CONFIGS, GEMV_MAX_M, INTERPRET_GEMV, PreNorm, cdiv, gemv_block_m,
+                                     pick_split_k, sm_count, triton_interpreting, tuned_gemv)
 from localpd.errors import LocalpdError
-from localpd.kernels.fused_dispatch import silu_mul
+from localpd.kernels.fused_dispatch import add_rms_norm, silu_mul
 
 INT8_XOR = tl.constexpr(-2139062144)  # 0x80808080 as int32: flips each byte's sign bit, so a byte reads q + 128
 DEQUANT_CHUNK = 1 << 25  # weights dequantized at a time on the GEMM path
@@ -55,6 +57,16 @@ def _field_scaled(x, F: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
+def _residual_sum(x_ptr, r_ptr, x_rows, r_rows, cols, mask, HAS_RES: tl.constexpr):
+    """x (+ r) at the given row offsets and columns, the sum rounded to x's dtype (0 where masked)."""
+    s = tl.load(x_ptr + x_rows + cols, mask=mask, other=0.0)
+    if HAS_RES:
+        r = tl.load(r_ptr + r_rows + cols, mask=mask, other=0.0)
+        s = (s.to(tl.float32) + r.to(tl.float32)).to(s.dtype)
+    return s
+
+
+@triton.jit
 def _split_chunks(K, BLOCK_K: tl.constexpr, SPLIT_K, pid_k):
     """The K chunks [c0, c1) of split pid_k: ceil(chunks / SPLIT_K) each, the last ones shorter or empty."""
     chunks = tl.cdiv(K, BLOCK_K)
@@ -65,10 +77,18 @@ def _split_chunks(K, BLOCK_K: tl.constexpr, SPLIT_K, pid_k):
 
 @triton.jit
 def _gemv_kernel(x_ptr, y_ptr, M, N, K, stride_xm, stride_ym, w_ptr, s_ptr, b_ptr, stride_wn, stride_sn, K_GROUPS,
-                 SPLIT_K, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr, GATED: tl.constexpr = False):
+                 SPLIT_K, r_ptr, g_ptr, sum_ptr, stride_rm, stride_summ, eps, BITS: tl.constexpr, GROUP: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 ATOMIC: tl.constexpr, GATED: tl.constexpr = False, NORM: tl.constexpr = False,
+                 HAS_RES: tl.constexpr = False):
     """GATED: x rows are [gate | up] (2K wide) and the activation is silu(gate) * up, computed as it is loaded
-    and rounded to x's dtype exactly as silu_mul_kernel writes it (the down projection without its own kernel)."""
+    and rounded to x's dtype exactly as silu_mul_kernel writes it (the down projection without its own kernel).
+
+    NORM: the activation is RMSNorm(s) * g for s = x + r (HAS_RES; s = x otherwise), the sum rounded to x's dtype
+    as add_rms_norm_kernel rounds it. The tile multiplies s * g, and y is scaled by rsqrt(mean(s^2) + eps) at the
+    end (the product is linear in the activation), so the sum of squares comes from the same loads; under split-K
+    a split sees only part of the row, so it first sums the squares over the whole row. The programs of the first
+    column tile write s to sum_ptr (the new residual stream), each its own K chunks."""
     FIELDS: tl.constexpr = 32 // BITS
     G: tl.constexpr = (BLOCK_K + GROUP - 1) // GROUP  # groups in a tile (1 when a group spans several tiles)
     WPG: tl.constexpr = BLOCK_K // FIELDS // G  # words of one group in a tile
@@ -80,6 +100,15 @@ def _gemv_kernel(x_ptr, y_ptr, M, N, K, stride_xm, stride_ym, w_ptr, s_ptr, b_pt
     kw = K // FIELDS
     c0, c1 = _split_chunks(K, BLOCK_K, SPLIT_K, pid_k)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    sq = tl.zeros((BLOCK_M, G, WPG), tl.float32)  # NORM: squares of s (the row's, summed as it is loaded)
+    row_sq = tl.zeros((BLOCK_M,), tl.float32)  # NORM under split-K: the whole row's, summed first
+    if NORM and ATOMIC:
+        for c in range(0, tl.cdiv(K, BLOCK_K)):
+            kk = c * BLOCK_K + tl.arange(0, BLOCK_K)
+            mask = (offs_m < M)[:, None] & (kk < K)[None, :]
+            sf = _residual_sum(x_ptr, r_ptr, offs_m[:, None] * stride_xm, offs_m[:, None] * stride_rm, kk[None, :],
+                               mask, HAS_RES).to(tl.float32)
+            row_sq += tl.sum(sf * sf, axis=1)
     for c in range(c0, c1):
         wk = c * (BLOCK_K // FIELDS) + word  # [G, WPG] word columns
         w = tl.load(w_ptr + offs_n[:, None, None] * stride_wn + wk[None], mask=n_mask[:, None, None] & (wk < kw)[None],
@@ -95,9 +124,20 @@ def _gemv_kernel(x_ptr, y_ptr, M, N, K, stride_xm, stride_ym, w_ptr, s_ptr, b_pt
         part = tl.zeros((BLOCK_M, BLOCK_N, G, WPG), tl.float32)
         xsum = tl.zeros((BLOCK_M, G, WPG), tl.float32)
         for f in tl.static_range(FIELDS):
-            xs = tl.load(xrow + (wk * FIELDS + f)[None], mask=x_mask, other=0.0)
+            kf = (wk * FIELDS + f)[None]  # [1, G, WPG] columns of field f
+            if NORM:
+                xs = _residual_sum(x_ptr, r_ptr, offs_m[:, None, None] * stride_xm, offs_m[:, None, None] * stride_rm,
+                                   kf, x_mask, HAS_RES)
+                if HAS_RES and pid_n == 0:
+                    tl.store(sum_ptr + offs_m[:, None, None] * stride_summ + kf, xs, mask=x_mask)
+                xs = xs.to(tl.float32)
+                if not ATOMIC:
+                    sq += xs * xs
+                xs = xs * tl.load(g_ptr + kf, mask=(wk < kw)[None], other=0.0).to(tl.float32)
+            else:
+                xs = tl.load(xrow + kf, mask=x_mask, other=0.0)
             if GATED:
-                up = tl.load(xrow + K + (wk * FIELDS + f)[None], mask=x_mask, other=0.0)
+                up = tl.load(xrow + K + kf, mask=x_mask, other=0.0)
                 g = xs.to(tl.float32)
                 silu = (g / (1.0 + tl.exp(-g))).to(up.dtype).to(tl.float32)
                 xs = (silu * up.to(tl.float32)).to(up.dtype)
@@ -112,6 +152,10 @@ def _gemv_kernel(x_ptr, y_ptr, M, N, K, stride_xm, stride_ym, w_ptr, s_ptr, b_pt
         if HAS_BIAS:
             t += tl.load(b_ptr + s_off, mask=s_mask, other=0.0).to(tl.float32)[None] * xg[:, None, :]
         acc += tl.sum(t, axis=2)
+    if NORM:
+        if not ATOMIC:
+            row_sq = tl.sum(tl.sum(sq, axis=2), axis=1)
+        acc *= (1.0 / tl.sqrt(row_sq / K + eps))[:, None]
     ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     mask = (offs_m[:, None] < M) & n_mask[None, :]
     if ATOMIC:  # split-K: partial sums into a zeroed fp32 buffer
@@ -221,7 +265,7 @@ def _gemv_launcher():
     return triton.autotune(
         configs=[triton.Config(dict(BLOCK_N=bn, BLOCK_K=bk), num_warps=w, num_stages=s)
                  for bn, bk, w, s in GEMV_CONFIGS],
-        key=["N", "K", "GROUP", "BITS", "BLOCK_M", "SPLIT_K", "GATED"], reset_to_zero=["y_ptr"],
+        key=["N", "K", "GROUP", "BITS", "BLOCK_M", "SPLIT_K", "GATED", "NORM"], reset_to_zero=["y_ptr"],
         prune_configs_by={"early_config_prune": _prune})(_gemv_kernel)
 
 
@@ -230,15 +274,22 @@ _GEMV = _gemv_launcher()
 
 def quant_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor | None, bits: int,
                  group: int, *, out: torch.Tensor | None = None, split_k: int | None = None,
-                 path: str | None = None, gated: bool = False) -> torch.Tensor:
+                 path: str | None = None, gated: bool = False, norm: PreNorm | None = None):
     """x [M, K] @ W.T -> [M, N] in x.dtype; W given as int32 words [N, K * bits / 32], scales (and int4 biases)
     [N, K / group]. gated: x is [M, 2K] = [gate | up] and the product is silu(gate) * up @ W.T (an MLP's down
-    projection; the GEMV computes the activation as it loads it). `out`, `split_k` and `path` ("gemv"/"gemm")
-    override the defaults, for tests and benchmarks."""
+    projection; the GEMV computes the activation as it loads it). norm: the product is RMSNorm(x + residual) @ W.T
+    and the result is (y, x + residual) (the GEMV normalises as it loads; see PreNorm). `out`, `split_k` and
+    `path` ("gemv"/"gemm") override the defaults, for tests and benchmarks."""
     n, k = words.shape[0], words.shape[1] * 32 // bits
     width = 2 * k if gated else k
     if x.dim() != 2 or x.shape[1] != width:
         raise LocalpdError(f"expected activations of shape [M, {width}], got {tuple(x.shape)}")
+    if gated and norm is not None:
+        raise LocalpdError("a matmul takes either a gated or a normalised input, not both")
+    res = None if norm is None else norm.residual
+    if norm is not None and ((res is not None and (res.shape != x.shape or res.dtype != x.dtype))
+                             or norm.weight.shape != (k,)):
+        raise LocalpdError(f"the residual must be a [{x.shape[0]}, {k}] {x.dtype} tensor and the norm weight [{k}]")
     if x.stride(-1) != 1:
         x = x.contiguous()
     m = x.shape[0]
@@ -247,12 +298,21 @@ def quant_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bia
         raise LocalpdError(f"no {path} path for M = {m}")
     if gated and path == "gemm":  # prefill: one elementwise pass is cheap beside the GEMM
         x, gated = silu_mul(x), False
+    if norm is not None and path == "gemm":
+        x, s = add_rms_norm(x, norm.residual, norm.weight, norm.eps)
+        return quant_matmul(x, words, scales, biases, bits, group, out=out, path=path), s
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     elif out.shape != (m, n) or out.dtype != x.dtype or out.stride() != (n, 1):
         raise LocalpdError(f"out must be a contiguous [{m}, {n}] {x.dtype} tensor")
+    if res is None:
+        res = summed = x  # the residual stream is x itself
+    else:
+        res = res if res.stride(-1) == 1 else res.contiguous()
+        summed = torch.empty_like(x)  # the new residual stream x + residual
+    done = out if norm is None else (out, summed)
     if m == 0 or n == 0:
-        return out
+        return done
     words, scales = words.contiguous(), scales.contiguous()
     has_bias = biases is not None
     biases = biases.contiguous() if has_bias else scales
@@ -266,18 +326,20 @@ def quant_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bia
         tuned = tuned_gemv(x.device, bits, group, n, k, block_m)
         split_k = tuned.pop("split_k") if tuned else pick_split_k(n, k, sm_count(x.device))
     y = torch.zeros((m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
-    meta = dict(BITS=bits, GROUP=kernel_group, HAS_BIAS=has_bias, BLOCK_M=block_m, ATOMIC=split_k > 1, GATED=gated)
+    meta = dict(BITS=bits, GROUP=kernel_group, HAS_BIAS=has_bias, BLOCK_M=block_m, ATOMIC=split_k > 1, GATED=gated,
+                NORM=norm is not None, HAS_RES=res is not x)
     if tuned:
         kernel = _gemv_kernel
         meta.update(tuned)
     elif triton_interpreting():
         meta.update(INTERPRET_GEMV)
+    gamma, eps = (x, 0.0) if norm is None else (norm.weight, norm.eps)
     grid = lambda META: (cdiv(m, block_m), cdiv(n, META["BLOCK_N"]), split_k)  # noqa: E731
     kernel[grid](x, y, m, n, k, x.stride(0), y.stride(0), words, scales, biases, words.stride(0), scales.stride(0),
-                 scales.shape[1], split_k, **meta)
+                 scales.shape[1], split_k, res, gamma, summed, res.stride(0), summed.stride(0), eps, **meta)
     if y is not out:
         out.copy_(y)
-    return out
+    return done
 
 
 def _dequant_matmul(x, words, scales, biases, bits, group, has_bias, out):
@@ -298,16 +360,17 @@ def _dequant_matmul(x, words, scales, biases, bits, group, has_bias, out):
 
 
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, group: int, *,
-                out=None, split_k=None, path=None, gated: bool = False) -> torch.Tensor:
+                out=None, split_k=None, path=None, gated: bool = False, norm: PreNorm | None = None):
     """x @ dequant(packed, scales, biases).T; the arguments of int4_matmul_ref, plus the overrides."""
     n, k = packed.shape[0], packed.shape[1] * 8
     if scales.shape != (n, k // group) or biases.shape != scales.shape:
         raise ValueError(f"scales/biases must be [{n}, {k // group}] for group {group}")
-    return quant_matmul(x, packed, scales, biases, 4, group, out=out, split_k=split_k, path=path, gated=gated)
+    return quant_matmul(x, packed, scales, biases, 4, group, out=out, split_k=split_k, path=path, gated=gated,
+                        norm=norm)
 
 
 def int8_matmul(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, group: int, *,
-                out=None, split_k=None, path=None, gated: bool = False) -> torch.Tensor:
+                out=None, split_k=None, path=None, gated: bool = False, norm: PreNorm | None = None):
     """x @ (data * scales).T; the arguments of int8_matmul_ref, plus the overrides."""
     n, k = data.shape
     if scales.shape != (n, k // group):
@@ -315,4 +378,4 @@ def int8_matmul(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, group
     if k % 4:
         raise LocalpdError(f"int8 kernels need an input dimension divisible by 4, got {k}")
     return quant_matmul(x, data.contiguous().view(torch.int32), scales, None, 8, group, out=out, split_k=split_k,
-                        path=path, gated=gated)
+                        path=path, gated=gated, norm=norm)

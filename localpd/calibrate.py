@@ -16,7 +16,7 @@ import torch
 
 from localpd.errors import LocalpdError
 from localpd.kernels.fused_dispatch import silu_mul
-from localpd.model import Batch, Transformer
+from localpd.model import Batch, Transformer, normed_separately
 from localpd.quant.kv import new_kv_pool, same_kv
 
 PAGE_SIZE, CHUNK = 16, 512
@@ -51,6 +51,10 @@ class _Recorder:
     def gated(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The down projection's call (QuantLinear.gated): its input is silu(gate) * up."""
         return self(silu_mul(gate_up))
+
+    def normed(self, x, residual, norm_weight, eps):
+        """The call of a projection after a norm (QuantLinear.normed): its input is the normalised sum."""
+        return normed_separately(self, x, residual, norm_weight, eps)
 
 
 def calibrate(model: Transformer, ids: list[int], text_sha256: str = "") -> Calibration:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from localpd.config import ModelConfig
 from localpd.errors import LocalpdError
-from localpd.kernels.dispatch import linear_bnb_int8, linear_bnb_nf4, linear_int4, linear_int8
+from localpd.kernels.dispatch import PreNorm, linear_bnb_int8, linear_bnb_nf4, linear_int4, linear_int8
 from localpd.kernels.fused_dispatch import add_rms_norm, silu_mul
 from localpd.kernels.kv_dispatch import paged_attention, rope_write_kv
 from localpd.quant.bnb import BnbInt8Weight, Nf4Weight
@@ -53,6 +53,17 @@ class QuantLinear:
             return linear_int8(gate_up, w, self.bias, gated=True)
         return self(silu_mul(gate_up))
 
+    def normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+               eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(RMSNorm(s) * norm_weight), s) for s = x + residual (x without one): the int4/int8 GEMVs
+        normalise their input as they load it, so a decode step launches no norm kernel of its own."""
+        w, norm = self.weight, PreNorm(residual, norm_weight, eps)
+        if isinstance(w, Int4Weight):
+            return linear_int4(x, w, self.bias, norm=norm)
+        if isinstance(w, Int8Weight):
+            return linear_int8(x, w, self.bias, norm=norm)
+        return normed_separately(self, x, residual, norm_weight, eps)
+
     @property
     def nbytes(self) -> int:
         return weight_nbytes(self.weight) + (0 if self.bias is None else weight_nbytes(self.bias))
@@ -72,6 +83,9 @@ class StackedLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([p(x) for p in self.parts], dim=-1)
 
+    def normed(self, x, residual, norm_weight, eps):
+        return normed_separately(self, x, residual, norm_weight, eps)
+
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
@@ -79,6 +93,12 @@ class StackedLinear:
     @property
     def params(self) -> int:
         return sum(p.params for p in self.parts)
+
+
+def normed_separately(linear, x, residual, norm_weight, eps):
+    """QuantLinear.normed with the residual add and RMSNorm in a kernel of their own (add_rms_norm)."""
+    h, s = add_rms_norm(x, residual, norm_weight, eps)
+    return linear(h), s
 
 
 def fuse(parts: list[QuantLinear]) -> QuantLinear | StackedLinear:
@@ -187,25 +207,24 @@ class Transformer:
     @torch.inference_mode()
     def forward(self, batch: Batch, kv: KVPool) -> torch.Tensor:
         """Run a step's tokens, writing their keys and values into the paged cache; returns the float32 logits
-        of batch.logit_rows ([R, vocab]). x is the residual stream; each add into it is fused with the RMSNorm
-        that follows."""
+        of batch.logit_rows ([R, vocab]). x is the residual stream and out the last sublayer's output, not yet
+        added to it: each projection after a norm adds it and normalises (QuantLinear.normed)."""
         c = self.config
         T = batch.tokens.shape[0]
         cos, sin = self._rope(batch.positions)
         scale = 1.0 / math.sqrt(c.head_dim)
-        x = take_rows(self.embed, batch.tokens, self.dtype)
-        h, _ = add_rms_norm(x, None, self.layers[0].attn_norm, c.norm_eps)
+        out, x = take_rows(self.embed, batch.tokens, self.dtype), None
         for li, layer in enumerate(self.layers):
             pages = kv.layer(li)
-            q = rope_write_kv(layer.qkv(h), cos, sin, pages, batch.slots, c.n_heads, c.n_kv_heads)
+            qkv, x = layer.qkv.normed(out, x, layer.attn_norm, c.norm_eps)
+            q = rope_write_kv(qkv, cos, sin, pages, batch.slots, c.n_heads, c.n_kv_heads)
             attn = paged_attention(q, pages, batch.page_table, batch.seq_lens, batch.q_starts, scale)
-            h, x = add_rms_norm(layer.o(attn.reshape(T, c.n_heads * c.head_dim)), x, layer.mlp_norm, c.norm_eps)
-            out = layer.down.gated(layer.gate_up(h))
-            if li + 1 < len(self.layers):
-                h, x = add_rms_norm(out, x, self.layers[li + 1].attn_norm, c.norm_eps)
+            gate_up, x = layer.gate_up.normed(layer.o(attn.reshape(T, c.n_heads * c.head_dim)), x, layer.mlp_norm,
+                                              c.norm_eps)
+            out = layer.down.gated(gate_up)
         rows = batch.logit_rows
-        h, _ = add_rms_norm(out[rows], x[rows], self.norm, c.norm_eps)
-        return self.lm_head(h).float()
+        logits, _ = self.lm_head.normed(out[rows], x[rows], self.norm, c.norm_eps)
+        return logits.float()
 
     def _body(self):
         linears = [l for L in self.layers for l in (L.qkv, L.o, L.gate_up, L.down)]

@@ -56,7 +56,8 @@ def launch(x, y, w, cfg):
     if split > 1:
         y.zero_()
     _gemv_kernel[(1, cdiv(n, bn), split)](x, y, m, n, k, x.stride(0), y.stride(0), words, scales, biases,
-                                          words.stride(0), scales.stride(0), scales.shape[1], split, BITS=bits,
+                                          words.stride(0), scales.stride(0), scales.shape[1], split,
+                                          x, x, x, x.stride(0), x.stride(0), 0.0, BITS=bits,  # no norm
                                           GROUP=group, HAS_BIAS=has_bias, BLOCK_M=gemv_block_m(m), BLOCK_N=bn,
                                           BLOCK_K=bk,
                                           ATOMIC=split > 1, num_warps=warps, num_stages=stages)

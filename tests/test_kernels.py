@@ -140,6 +140,51 @@ def test_gated_matmul_is_the_down_projection_of_silu_mul(monkeypatch, fmt, group
         kernel(gate_up[:, :k], *args, gated=True)
 
 
+@pytest.mark.parametrize("fmt,group", [("int4", 32), ("int4", 128), ("int8", None), ("int8", 64)])
+@pytest.mark.parametrize("m,dtype,split_k,path,residual", [
+    (1, torch.bfloat16, None, None, True), (1, torch.float32, None, None, False), (3, torch.float16, 2, None, True),
+    (1, torch.float32, 3, None, True), (5, torch.bfloat16, 4, None, False), (12, torch.bfloat16, None, "gemv", True),
+    (20, torch.float16, None, None, True)])
+def test_normed_matmul_is_add_rms_norm_then_matmul(monkeypatch, fmt, group, m, dtype, split_k, path, residual):
+    """norm=PreNorm(residual, weight, eps) multiplies RMSNorm(x + residual) * weight and returns x + residual too:
+    against the reference and against the separate add_rms_norm kernel followed by the plain matmul, split-K
+    (whose splits each sum the whole row's squares first) and the GEMM path included."""
+    from localpd.kernels.dispatch import PreNorm
+    from localpd.kernels.fused_dispatch import add_rms_norm
+
+    n, k = 72, 384
+    args, kernel, ref_fn = make_case(fmt, n, k, group or k, seed=m + k)
+    g = torch.Generator().manual_seed(m + 1)
+    x = (torch.randn(m, k, generator=g) * 3).to(dtype).to(DEV)
+    res = torch.randn(m, k, generator=g).to(dtype).to(DEV) if residual else None
+    weight = (1 + torch.rand(k, generator=g)).to(dtype).to(DEV)
+    norm = PreNorm(res, weight, 1e-5)
+    out = torch.full((m, n), float("nan"), dtype=dtype, device=DEV)
+    y, s = kernel(x, *args, out=out, split_k=split_k, path=path, norm=norm)
+    y_ref, s_ref = ref_fn(x, *args, norm=norm)
+    assert y is out and y.shape == (m, n) and y.dtype == dtype and not torch.isnan(y).any()
+    assert residual or s is x
+    if DEV == "cpu" and dtype == torch.bfloat16:  # the interpreter truncates the bf16 sum where torch rounds it
+        assert torch.allclose(s, s_ref, rtol=2 ** -7, atol=0)
+    else:
+        assert torch.equal(s, s_ref)  # the residual stream, rounded as add_rms_norm rounds it
+    tol = TOL[dtype] * (2 if DEV == "cpu" and dtype == torch.bfloat16 else 1)  # see the gated test
+    assert rel_err(y, y_ref) < tol
+    if DEV == "cpu":
+        monkeypatch.setenv("LOCALPD_TRITON_INTERPRET", "1")  # the add_rms_norm kernel, not its torch reference
+    h, s_sep = add_rms_norm(x, res, weight, 1e-5)
+    assert torch.equal(s, s_sep)
+    assert rel_err(y, kernel(h, *args, split_k=split_k, path=path)) < tol
+    # the scaling matters: a row twice as large gives the same normalised product
+    if not residual:
+        y2, _ = kernel(x * 2, *args, split_k=split_k, path=path, norm=norm)
+        assert rel_err(y2, y) < tol
+    with pytest.raises(LocalpdError, match="residual"):
+        kernel(x, *args, norm=PreNorm(torch.zeros(m, k + 1, dtype=dtype, device=DEV), weight, 1e-5))
+    with pytest.raises(LocalpdError, match="either a gated or a normalised"):
+        kernel(torch.cat([x, x], 1), *args, gated=True, norm=norm)
+
+
 def test_gemv_path_refuses_large_m():
     args, kernel, _ = make_case("int4", 40, 128, 32, 0)
     with pytest.raises(LocalpdError, match="gemv"):
@@ -194,7 +239,7 @@ def test_measured_gemv_configurations_replace_the_heuristics(monkeypatch):
     class Spy:
         def __getitem__(self, grid):
             def launch(*args, **meta):
-                launches.append((args[-1], meta["BLOCK_N"], meta["BLOCK_K"]))  # split_k (the last argument), tile
+                launches.append((args[13], meta["BLOCK_N"], meta["BLOCK_K"]))  # split_k (argument 13), tile
                 return real[grid](*args, **meta)
             return launch
 
