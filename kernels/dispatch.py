@@ -115,32 +115,38 @@ def _matmul_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (x.float() @ w.T).to(x.dtype)
 
 
-def _input_matmul_ref(x: torch.Tensor, w: torch.Tensor, gated: bool, norm: PreNorm | None):
-    """x @ w.T after the fused input step: silu(gate) * up of x = [gate | up] (gated), or the RMSNorm of x +
-    residual (norm, and then (y, x + residual) is returned), each rounded to x's dtype as its own kernel would."""
+def _plus(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return y if bias is None else y + bias
+
+
+def _input_matmul_ref(x: torch.Tensor, w: torch.Tensor, bias, gated: bool, norm: PreNorm | None):
+    """x @ w.T (+ bias) after the fused input step: silu(gate) * up of x = [gate | up] (gated), or the RMSNorm of
+    x + residual (norm, and then (y, x + residual) is returned), each rounded to x's dtype as its own kernel
+    would."""
     from localpd.kernels.fused_dispatch import add_rms_norm_ref, silu_mul_ref  # it imports this module
 
     if norm is not None:
         h, s = add_rms_norm_ref(x, norm.residual, norm.weight, norm.eps)
-        return _matmul_ref(h, w), s
-    return _matmul_ref(silu_mul_ref(x) if gated else x, w)
+        return _plus(_matmul_ref(h, w), bias), s
+    return _plus(_matmul_ref(silu_mul_ref(x) if gated else x, w), bias)
 
 
-def int4_matmul_ref(x, packed, scales, biases, group: int, gated: bool = False, norm: PreNorm | None = None):
-    """y = x @ W.T with W dequantized in fp32; output in x.dtype. gated: x = [gate | up] and y = (silu(gate) *
+def int4_matmul_ref(x, packed, scales, biases, group: int, bias=None, gated: bool = False,
+                    norm: PreNorm | None = None):
+    """y = x @ W.T (+ bias, the layer's [N]) with W dequantized in fp32; output in x.dtype. gated: x = [gate | up] and y = (silu(gate) *
     up) @ W.T. norm: y = RMSNorm(x + residual) @ W.T, returned as (y, x + residual). The kernels are tested
     against this."""
     w = Int4Weight(packed, scales, biases)
     if w.group != group:
         raise LocalpdError(f"int4 weights have group {w.group}, not {group}")
-    return _input_matmul_ref(x, w.dequantize(torch.float32), gated, norm)
+    return _input_matmul_ref(x, w.dequantize(torch.float32), bias, gated, norm)
 
 
-def int8_matmul_ref(x, data, scales, group: int, gated: bool = False, norm: PreNorm | None = None):
+def int8_matmul_ref(x, data, scales, group: int, bias=None, gated: bool = False, norm: PreNorm | None = None):
     w = Int8Weight(data, scales)
     if w.group != group:
         raise LocalpdError(f"int8 weights have group {w.group}, not {group}")
-    return _input_matmul_ref(x, w.dequantize(torch.float32), gated, norm)
+    return _input_matmul_ref(x, w.dequantize(torch.float32), bias, gated, norm)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -158,18 +164,17 @@ def _triton_fn(name: str):
     return fn
 
 
-def _linear(x, w_shape, run, bias, gated=False, norm=None):
+def _linear(x, w_shape, run, gated=False, norm=None):
+    """run(x2, norm) on x flattened to rows (run adds the bias); the result in x's leading shape."""
     lead, k = x.shape[:-1], x.shape[-1]
     if k != w_shape[1] * (2 if gated else 1):
         raise LocalpdError(f"input has {k} features but the weight expects {w_shape[1]}{' twice (gated)' * gated}")
     if norm is not None and norm.residual is not None:
         norm = replace(norm, residual=norm.residual.reshape(-1, k))
     y = run(x.reshape(-1, k), norm)
-    y, summed = y if norm is not None else (y, None)
-    if bias is not None:
-        y = y + bias
-    y = y.reshape(*lead, w_shape[0])
-    return y if norm is None else (y, summed.reshape(x.shape))
+    if norm is None:
+        return y.reshape(*lead, w_shape[0])
+    return y[0].reshape(*lead, w_shape[0]), y[1].reshape(x.shape)
 
 
 def linear_int4(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None, gated: bool = False,
@@ -177,15 +182,15 @@ def linear_int4(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None
     """x @ W.T (+ bias); gated: x = [gate | up] and the product is (silu(gate) * up) @ W.T; norm: the product is
     RMSNorm(x + residual) @ W.T, returned with x + residual (PreNorm)."""
     fn = _triton_fn("int4") if use_triton(x) else int4_matmul_ref
-    return _linear(x, w.shape, lambda x2, n: fn(x2, w.packed, w.scales, w.biases, w.group, gated=gated, norm=n),
-                   bias, gated, norm)
+    return _linear(x, w.shape, lambda x2, n: fn(x2, w.packed, w.scales, w.biases, w.group, bias=bias, gated=gated,
+                                                 norm=n), gated, norm)
 
 
 def linear_int8(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None, gated: bool = False,
                 norm: PreNorm | None = None):
     fn = _triton_fn("int8") if use_triton(x) else int8_matmul_ref
-    return _linear(x, w.shape, lambda x2, n: fn(x2, w.data, w.scales, w.group, gated=gated, norm=n), bias, gated,
-                   norm)
+    return _linear(x, w.shape, lambda x2, n: fn(x2, w.data, w.scales, w.group, bias=bias, gated=gated, norm=n),
+                   gated, norm)
 
 
 def bnb_matmul_ref(x: torch.Tensor, w: Nf4Weight | BnbInt8Weight) -> torch.Tensor:
@@ -212,8 +217,8 @@ def bnb_int8_matmul(x: torch.Tensor, w: BnbInt8Weight) -> torch.Tensor:
 
 
 def linear_bnb_nf4(x: torch.Tensor, w: Nf4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return _linear(x, w.shape, lambda x2, _: bnb_nf4_matmul(x2, w), bias)
+    return _linear(x, w.shape, lambda x2, _: _plus(bnb_nf4_matmul(x2, w), bias))
 
 
 def linear_bnb_int8(x: torch.Tensor, w: BnbInt8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return _linear(x, w.shape, lambda x2, _: bnb_int8_matmul(x2, w), bias)
+    return _linear(x, w.shape, lambda x2, _: _plus(bnb_int8_matmul(x2, w), bias))

@@ -77,10 +77,10 @@ def _split_chunks(K, BLOCK_K: tl.constexpr, SPLIT_K, pid_k):
 
 @triton.jit
 def _gemv_kernel(x_ptr, y_ptr, M, N, K, stride_xm, stride_ym, w_ptr, s_ptr, b_ptr, stride_wn, stride_sn, K_GROUPS,
-                 SPLIT_K, r_ptr, g_ptr, sum_ptr, stride_rm, stride_summ, eps, BITS: tl.constexpr, GROUP: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 ATOMIC: tl.constexpr, GATED: tl.constexpr = False, NORM: tl.constexpr = False,
-                 HAS_RES: tl.constexpr = False):
+                 SPLIT_K, r_ptr, g_ptr, sum_ptr, stride_rm, stride_summ, eps, out_bias_ptr, BITS: tl.constexpr,
+                 GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr, GATED: tl.constexpr = False, NORM: tl.constexpr = False,
+                 HAS_RES: tl.constexpr = False, OUT_BIAS: tl.constexpr = False):
     """GATED: x rows are [gate | up] (2K wide) and the activation is silu(gate) * up, computed as it is loaded
     and rounded to x's dtype exactly as silu_mul_kernel writes it (the down projection without its own kernel).
 
@@ -88,7 +88,10 @@ def _gemv_kernel(x_ptr, y_ptr, M, N, K, stride_xm, stride_ym, w_ptr, s_ptr, b_pt
     as add_rms_norm_kernel rounds it. The tile multiplies s * g, and y is scaled by rsqrt(mean(s^2) + eps) at the
     end (the product is linear in the activation), so the sum of squares comes from the same loads; under split-K
     a split sees only part of the row, so it first sums the squares over the whole row. The programs of the first
-    column tile write s to sum_ptr (the new residual stream), each its own K chunks."""
+    column tile write s to sum_ptr (the new residual stream), each its own K chunks.
+
+    OUT_BIAS: the layer's bias (out_bias_ptr, [N]) is added to y (by the first split under split-K); HAS_BIAS is
+    the int4 format's per-group offsets."""
     FIELDS: tl.constexpr = 32 // BITS
     G: tl.constexpr = (BLOCK_K + GROUP - 1) // GROUP  # groups in a tile (1 when a group spans several tiles)
     WPG: tl.constexpr = BLOCK_K // FIELDS // G  # words of one group in a tile
@@ -156,6 +159,9 @@ def _gemv_kernel(x_ptr, y_ptr, M, N, K, stride_xm, stride_ym, w_ptr, s_ptr, b_pt
         if not ATOMIC:
             row_sq = tl.sum(tl.sum(sq, axis=2), axis=1)
         acc *= (1.0 / tl.sqrt(row_sq / K + eps))[:, None]
+    if OUT_BIAS:
+        bias = tl.load(out_bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        acc += tl.where(pid_k == 0, bias, 0.0)[None, :]
     ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     mask = (offs_m[:, None] < M) & n_mask[None, :]
     if ATOMIC:  # split-K: partial sums into a zeroed fp32 buffer
@@ -273,9 +279,10 @@ _GEMV = _gemv_launcher()
 
 
 def quant_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor | None, bits: int,
-                 group: int, *, out: torch.Tensor | None = None, split_k: int | None = None,
-                 path: str | None = None, gated: bool = False, norm: PreNorm | None = None):
-    """x [M, K] @ W.T -> [M, N] in x.dtype; W given as int32 words [N, K * bits / 32], scales (and int4 biases)
+                 group: int, *, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                 split_k: int | None = None, path: str | None = None, gated: bool = False,
+                 norm: PreNorm | None = None):
+    """x [M, K] @ W.T (+ bias [N]) -> [M, N] in x.dtype; W given as int32 words [N, K * bits / 32], scales (and int4 biases)
     [N, K / group]. gated: x is [M, 2K] = [gate | up] and the product is silu(gate) * up @ W.T (an MLP's down
     projection; the GEMV computes the activation as it loads it). norm: the product is RMSNorm(x + residual) @ W.T
     and the result is (y, x + residual) (the GEMV normalises as it loads; see PreNorm). `out`, `split_k` and
@@ -300,7 +307,7 @@ def quant_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bia
         x, gated = silu_mul(x), False
     if norm is not None and path == "gemm":
         x, s = add_rms_norm(x, norm.residual, norm.weight, norm.eps)
-        return quant_matmul(x, words, scales, biases, bits, group, out=out, path=path), s
+        return quant_matmul(x, words, scales, biases, bits, group, bias=bias, out=out, path=path), s
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     elif out.shape != (m, n) or out.dtype != x.dtype or out.stride() != (n, 1):
@@ -318,8 +325,11 @@ def quant_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bia
     biases = biases.contiguous() if has_bias else scales
     # a single group per row (per-channel int8) is passed as a group no tile reaches past
     kernel_group = group if group < k else 1 << 30
+    if bias is not None and bias.shape != (n,):
+        raise LocalpdError(f"the bias must have {n} values, got {tuple(bias.shape)}")
     if path == "gemm":
-        return _dequant_matmul(x, words, scales, biases, bits, kernel_group, has_bias, out)
+        _dequant_matmul(x, words, scales, biases, bits, kernel_group, has_bias, out)
+        return out if bias is None else out.add_(bias)
     block_m = gemv_block_m(m)
     kernel, tuned = _GEMV, None
     if split_k is None:  # a measured configuration (kernels/gemv_tuned.json), else the heuristic and autotuner
@@ -327,7 +337,7 @@ def quant_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bia
         split_k = tuned.pop("split_k") if tuned else pick_split_k(n, k, sm_count(x.device))
     y = torch.zeros((m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
     meta = dict(BITS=bits, GROUP=kernel_group, HAS_BIAS=has_bias, BLOCK_M=block_m, ATOMIC=split_k > 1, GATED=gated,
-                NORM=norm is not None, HAS_RES=res is not x)
+                NORM=norm is not None, HAS_RES=res is not x, OUT_BIAS=bias is not None)
     if tuned:
         kernel = _gemv_kernel
         meta.update(tuned)
@@ -336,7 +346,8 @@ def quant_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bia
     gamma, eps = (x, 0.0) if norm is None else (norm.weight, norm.eps)
     grid = lambda META: (cdiv(m, block_m), cdiv(n, META["BLOCK_N"]), split_k)  # noqa: E731
     kernel[grid](x, y, m, n, k, x.stride(0), y.stride(0), words, scales, biases, words.stride(0), scales.stride(0),
-                 scales.shape[1], split_k, res, gamma, summed, res.stride(0), summed.stride(0), eps, **meta)
+                 scales.shape[1], split_k, res, gamma, summed, res.stride(0), summed.stride(0), eps,
+                 x if bias is None else bias.contiguous(), **meta)
     if y is not out:
         out.copy_(y)
     return done
@@ -360,22 +371,22 @@ def _dequant_matmul(x, words, scales, biases, bits, group, has_bias, out):
 
 
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, group: int, *,
-                out=None, split_k=None, path=None, gated: bool = False, norm: PreNorm | None = None):
+                bias=None, out=None, split_k=None, path=None, gated: bool = False, norm: PreNorm | None = None):
     """x @ dequant(packed, scales, biases).T; the arguments of int4_matmul_ref, plus the overrides."""
     n, k = packed.shape[0], packed.shape[1] * 8
     if scales.shape != (n, k // group) or biases.shape != scales.shape:
         raise ValueError(f"scales/biases must be [{n}, {k // group}] for group {group}")
-    return quant_matmul(x, packed, scales, biases, 4, group, out=out, split_k=split_k, path=path, gated=gated,
-                        norm=norm)
+    return quant_matmul(x, packed, scales, biases, 4, group, bias=bias, out=out, split_k=split_k, path=path,
+                        gated=gated, norm=norm)
 
 
 def int8_matmul(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, group: int, *,
-                out=None, split_k=None, path=None, gated: bool = False, norm: PreNorm | None = None):
+                bias=None, out=None, split_k=None, path=None, gated: bool = False, norm: PreNorm | None = None):
     """x @ (data * scales).T; the arguments of int8_matmul_ref, plus the overrides."""
     n, k = data.shape
     if scales.shape != (n, k // group):
         raise ValueError(f"scales must be [{n}, {k // group}] for group {group}")
     if k % 4:
         raise LocalpdError(f"int8 kernels need an input dimension divisible by 4, got {k}")
-    return quant_matmul(x, data.contiguous().view(torch.int32), scales, None, 8, group, out=out, split_k=split_k,
-                        path=path, gated=gated, norm=norm)
+    return quant_matmul(x, data.contiguous().view(torch.int32), scales, None, 8, group, bias=bias, out=out,
+                        split_k=split_k, path=path, gated=gated, norm=norm)

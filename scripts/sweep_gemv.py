@@ -57,7 +57,7 @@ def launch(x, y, w, cfg):
         y.zero_()
     _gemv_kernel[(1, cdiv(n, bn), split)](x, y, m, n, k, x.stride(0), y.stride(0), words, scales, biases,
                                           words.stride(0), scales.stride(0), scales.shape[1], split,
-                                          x, x, x, x.stride(0), x.stride(0), 0.0, BITS=bits,  # no norm
+                                          x, x, x, x.stride(0), x.stride(0), 0.0, x, BITS=bits,  # no norm, bias
                                           GROUP=group, HAS_BIAS=has_bias, BLOCK_M=gemv_block_m(m), BLOCK_N=bn,
                                           BLOCK_K=bk,
                                           ATOMIC=split > 1, num_warps=warps, num_stages=stages)

@@ -185,6 +185,33 @@ def test_normed_matmul_is_add_rms_norm_then_matmul(monkeypatch, fmt, group, m, d
         kernel(torch.cat([x, x], 1), *args, gated=True, norm=norm)
 
 
+@pytest.mark.parametrize("fmt,group", [("int4", 64), ("int8", None)])
+@pytest.mark.parametrize("m,dtype,split_k,path,normed", [
+    (1, torch.bfloat16, None, None, False), (2, torch.float32, 3, None, False), (1, torch.float16, 4, None, True),
+    (3, torch.float32, None, "gemv", True), (11, torch.float32, None, None, True)])
+def test_layer_bias_is_added_by_the_matmul(fmt, group, m, dtype, split_k, path, normed):
+    """bias= (a layer's bias, Qwen2's q/k/v) is added in the GEMV's epilogue, once under split-K, and after the
+    GEMM: against the reference, which adds it to the rounded product."""
+    from localpd.kernels.dispatch import PreNorm
+
+    n, k = 72, 384
+    args, kernel, ref_fn = make_case(fmt, n, k, group or k, seed=m)
+    g = torch.Generator().manual_seed(m + 2)
+    x = torch.randn(m, k, generator=g).to(dtype).to(DEV)
+    bias = (torch.randn(n, generator=g) * 4).to(dtype).to(DEV)  # large beside the product: a missed add shows
+    norm = PreNorm(torch.randn(m, k, generator=g).to(dtype).to(DEV), (1 + torch.rand(k, generator=g)).to(dtype).to(DEV),
+                   1e-6) if normed else None
+    y = kernel(x, *args, bias=bias, split_k=split_k, path=path, norm=norm)
+    ref = ref_fn(x, *args, bias=bias, norm=norm)
+    if normed:
+        (y, s), (ref, s_ref) = y, ref
+        assert torch.equal(s, s_ref)
+    tol = TOL[dtype] * (2 if DEV == "cpu" and dtype == torch.bfloat16 else 1)
+    assert rel_err(y, ref) < tol
+    with pytest.raises(LocalpdError, match="bias must have 72"):
+        kernel(x, *args, bias=bias[:-1])
+
+
 def test_gemv_path_refuses_large_m():
     args, kernel, _ = make_case("int4", 40, 128, 32, 0)
     with pytest.raises(LocalpdError, match="gemv"):
