@@ -17,7 +17,7 @@ from localpd.config import ModelConfig
 from localpd.errors import LocalpdError
 from localpd.kernels.dispatch import PreNorm, linear_bnb_int8, linear_bnb_nf4, linear_int4, linear_int8
 from localpd.kernels.fused_dispatch import add_rms_norm, silu_mul
-from localpd.kernels.kv_dispatch import paged_attention, rope_write_kv
+from localpd.kernels.kv_dispatch import paged_attention, rope_write_kv, rope_write_kv_ref
 from localpd.quant.bnb import BnbInt8Weight, Nf4Weight
 from localpd.quant.kv import KVPool
 from localpd.quant.weights import Int4Weight, Int8Weight, Weight, cat_rows, take_rows, weight_nbytes
@@ -170,6 +170,10 @@ def rope_inv_freq(config: ModelConfig, rope_freqs: torch.Tensor | None = None) -
 
 
 class Transformer:
+    # False runs the steps between the matmuls as kernels of their own (RMSNorm, SiLU * mul, RoPE, the K and V
+    # writes), as before the fusions: for measuring what the fusions save (scripts/bench_decode_peers.py)
+    fused = True
+
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]):
         self.config = config
         w = dict(weights)
@@ -213,17 +217,21 @@ class Transformer:
         T = batch.tokens.shape[0]
         cos, sin = self._rope(batch.positions)
         scale = 1.0 / math.sqrt(c.head_dim)
+        if self.fused:
+            normed, gated, write = (lambda lin, *a: lin.normed(*a)), (lambda lin, gu: lin.gated(gu)), rope_write_kv
+        else:
+            normed, gated, write = normed_separately, (lambda lin, gu: lin(silu_mul(gu))), rope_write_kv_ref
         out, x = take_rows(self.embed, batch.tokens, self.dtype), None
         for li, layer in enumerate(self.layers):
             pages = kv.layer(li)
-            qkv, x = layer.qkv.normed(out, x, layer.attn_norm, c.norm_eps)
-            q = rope_write_kv(qkv, cos, sin, pages, batch.slots, c.n_heads, c.n_kv_heads)
+            qkv, x = normed(layer.qkv, out, x, layer.attn_norm, c.norm_eps)
+            q = write(qkv, cos, sin, pages, batch.slots, c.n_heads, c.n_kv_heads)
             attn = paged_attention(q, pages, batch.page_table, batch.seq_lens, batch.q_starts, scale)
-            gate_up, x = layer.gate_up.normed(layer.o(attn.reshape(T, c.n_heads * c.head_dim)), x, layer.mlp_norm,
-                                              c.norm_eps)
-            out = layer.down.gated(gate_up)
+            gate_up, x = normed(layer.gate_up, layer.o(attn.reshape(T, c.n_heads * c.head_dim)), x, layer.mlp_norm,
+                                c.norm_eps)
+            out = gated(layer.down, gate_up)
         rows = batch.logit_rows
-        logits, _ = self.lm_head.normed(out[rows], x[rows], self.norm, c.norm_eps)
+        logits, _ = normed(self.lm_head, out[rows], x[rows], self.norm, c.norm_eps)
         return logits.float()
 
     def _body(self):

@@ -2,8 +2,10 @@
 
 Peers: a plain torch bf16 decode loop (eager), and a gpt-fast-style loop with torch's int4 tinygemm kernel
 (`aten._weight_int4pack_mm`, group 128), eager and replayed as a CUDA graph. localpd runs its engine on
-`synthetic:llama3-8b` with int4-g128 (and bf16). Each line prints tok/s, the weight bytes streamed per second and
-that as a share of the measured copy bandwidth (MBU), and the ratio to localpd int4-g128.
+`synthetic:llama3-8b` with int4-g128 (and int8, bf16, eager), and once more with the fusions off
+(Transformer.fused = False: the 12 kernels a layer of before them), so their effect is measured in the same run.
+Each line prints tok/s, the weight bytes streamed per second and that as a share of the measured copy bandwidth
+(MBU), and the ratio to localpd int4-g128.
 
     python scripts/bench_decode_peers.py [--model llama3-8b] [--steps 128] [--context 128]
 """
@@ -117,12 +119,14 @@ def graphed(model: TorchLlama):
     return step
 
 
-def localpd_decode(name: str, quant: str, steps: int, context: int, graphs: bool = True) -> tuple[float, int]:
+def localpd_decode(name: str, quant: str, steps: int, context: int, graphs: bool = True,
+                   fused: bool = True) -> tuple[float, int]:
     from localpd.engine import Engine
     from localpd.sampling import SamplingParams
 
     engine = Engine(f"synthetic:{name}", device="cuda", quant=quant, max_context=context + steps + 16,
                     kv_memory="2GiB", cuda_graphs=graphs)
+    engine.model.fused = fused  # before the warm-up, which captures the graphs
     try:
         params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
         prompt = torch.randint(0, engine.config.vocab_size, (context,)).tolist()
@@ -146,9 +150,10 @@ def main() -> None:
     print(f"# {torch.cuda.get_device_name()} | measured copy bandwidth {bw / 1e9:.0f} GB/s | {args.model} B=1, "
           f"context {args.context}, {args.steps} steps")
     rows = []
-    for quant, graphs in (("int4-g128", True), ("int8", True), ("bf16", True), ("int4-g128", False)):
-        sec, nbytes = localpd_decode(args.model, quant, args.steps, args.context, graphs)
-        how = "CUDA graphs" if graphs else "eager"
+    for quant, graphs, fused in (("int4-g128", True, True), ("int4-g128", True, False), ("int8", True, True),
+                                 ("bf16", True, True), ("int4-g128", False, True)):
+        sec, nbytes = localpd_decode(args.model, quant, args.steps, args.context, graphs, fused)
+        how = ("CUDA graphs" if graphs else "eager") + ("" if fused else ", unfused")
         rows.append((f"localpd {quant} (engine, {how}, wall clock per token)", sec, nbytes))
         torch.cuda.empty_cache()
     for int4 in (False, True):

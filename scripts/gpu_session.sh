@@ -16,7 +16,7 @@ stage() { local name=$1 limit=$2; shift 2; echo "=== $name (limit ${limit}s)"; l
 for s in "$@"; do case $s in
   tests) TO="-s INT" stage gpu_kv_tests 120 env LOCALPD_TEST_DEVICE=cuda python3 -m pytest -q -n 12 -W ignore \
            -p no:cacheprovider -rf --tb=line tests/test_kv_kernels.py
-         TO="-s INT" stage gpu_mm_tests 100 env LOCALPD_TEST_DEVICE=cuda python3 -m pytest -q -n 14 -W ignore \
+         TO="-s INT" stage gpu_mm_tests 150 env LOCALPD_TEST_DEVICE=cuda python3 -m pytest -q -n 14 -W ignore \
            -p no:cacheprovider -rf --tb=line tests/test_kernels.py ;;
   check) stage gpu_check 150 python3 scripts/gpu_check.py ;;
   sweep) TAIL=80 stage sweep_gemv 500 python3 scripts/sweep_gemv.py --json "$OUT/sweep_gemv.json" \

@@ -137,15 +137,13 @@ def test_whole_model_on_triton_kernels_matches_the_references(monkeypatch, schem
         assert rel_err(o, r) < 1e-4
 
 
-@pytest.mark.skipif(DEV != "cpu", reason="counts the Triton interpreter's launches")
-def test_a_decode_step_launches_seven_kernels_per_layer(monkeypatch):
-    """The fusions hold: per layer one GEMV each for qkv, o, gate_up and down (the residual add and RMSNorm inside
-    qkv's and gate_up's, SiLU * mul inside down's), one kernel for RoPE and the KV write, and the decode attention
-    and its reduce; the final norm runs inside the output head's GEMV."""
+def count_decode_launches(monkeypatch, fused: bool) -> tuple[list[str], torch.Tensor]:
+    """The Triton kernels one decode step of the tiny model launches in the interpreter, and its logits."""
     from triton.runtime.interpreter import InterpretedFunction
 
     monkeypatch.setenv("LOCALPD_TRITON_INTERPRET", "1")
     model, ps = tiny_model("int4-g32", torch.float32, "cpu"), 16
+    model.fused = fused
     c = model.config
     pool = new_kv_pool("int8", c.n_layers, 2, ps, c.n_kv_heads, c.head_dim, model.dtype, "cpu")
     model.forward(Batch.single(list(range(1, 20)), 0, 2, ps, "cpu"), pool)
@@ -156,7 +154,25 @@ def test_a_decode_step_launches_seven_kernels_per_layer(monkeypatch):
         return run(self, *args, **kwargs)
 
     monkeypatch.setattr(InterpretedFunction, "run", counting_run)
-    model.forward(Batch.single([7], 19, 2, ps, "cpu"), pool)
+    logits = model.forward(Batch.single([7], 19, 2, ps, "cpu"), pool)
+    monkeypatch.undo()
+    return launched, logits
+
+
+@pytest.mark.skipif(DEV != "cpu", reason="counts the Triton interpreter's launches")
+def test_a_decode_step_launches_seven_kernels_per_layer(monkeypatch):
+    """The fusions hold: per layer one GEMV each for qkv, o, gate_up and down (the residual add and RMSNorm inside
+    qkv's and gate_up's, SiLU * mul inside down's), one kernel for RoPE and the KV write, and the decode attention
+    and its reduce; the final norm runs inside the output head's GEMV. Unfused (Transformer.fused = False, for
+    measuring the fusions) the same step launches the twelve kernels a layer it did before them, with the same
+    logits."""
+    launched, logits = count_decode_launches(monkeypatch, fused=True)
     layer = ["_gemv_kernel", "rope_write_kv_kernel", "decode_kernel", "decode_reduce_kernel", "_gemv_kernel",
              "_gemv_kernel", "_gemv_kernel"]
-    assert launched == layer * c.n_layers + ["_gemv_kernel"]
+    assert launched == layer * 2 + ["_gemv_kernel"]
+    launched, unfused_logits = count_decode_launches(monkeypatch, fused=False)
+    layer = ["add_rms_norm_kernel", "_gemv_kernel", "rope_kernel", "write_kv_kernel", "write_kv_kernel",
+             "decode_kernel", "decode_reduce_kernel", "_gemv_kernel", "add_rms_norm_kernel", "_gemv_kernel", "silu_mul_kernel",
+             "_gemv_kernel"]
+    assert launched == layer * 2 + ["add_rms_norm_kernel", "_gemv_kernel"]
+    assert rel_err(unfused_logits, logits) < 1e-5
