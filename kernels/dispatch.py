@@ -133,9 +133,9 @@ def _input_matmul_ref(x: torch.Tensor, w: torch.Tensor, bias, gated: bool, norm:
 
 def int4_matmul_ref(x, packed, scales, biases, group: int, bias=None, gated: bool = False,
                     norm: PreNorm | None = None):
-    """y = x @ W.T (+ bias, the layer's [N]) with W dequantized in fp32; output in x.dtype. gated: x = [gate | up] and y = (silu(gate) *
-    up) @ W.T. norm: y = RMSNorm(x + residual) @ W.T, returned as (y, x + residual). The kernels are tested
-    against this."""
+    """y = x @ W.T (+ bias, the layer's [N]) with W dequantized in fp32; output in x.dtype. gated: x = [gate | up]
+    and y = (silu(gate) * up) @ W.T. norm: y = RMSNorm(x + residual) @ W.T, returned as (y, x + residual). The
+    kernels are tested against this."""
     w = Int4Weight(packed, scales, biases)
     if w.group != group:
         raise LocalpdError(f"int4 weights have group {w.group}, not {group}")

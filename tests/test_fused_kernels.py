@@ -172,7 +172,7 @@ def test_a_decode_step_launches_seven_kernels_per_layer(monkeypatch):
     assert launched == layer * 2 + ["_gemv_kernel"]
     launched, unfused_logits = count_decode_launches(monkeypatch, fused=False)
     layer = ["add_rms_norm_kernel", "_gemv_kernel", "rope_kernel", "write_kv_kernel", "write_kv_kernel",
-             "decode_kernel", "decode_reduce_kernel", "_gemv_kernel", "add_rms_norm_kernel", "_gemv_kernel", "silu_mul_kernel",
-             "_gemv_kernel"]
+             "decode_kernel", "decode_reduce_kernel", "_gemv_kernel", "add_rms_norm_kernel", "_gemv_kernel",
+             "silu_mul_kernel", "_gemv_kernel"]
     assert launched == layer * 2 + ["add_rms_norm_kernel", "_gemv_kernel"]
     assert rel_err(unfused_logits, logits) < 1e-5
