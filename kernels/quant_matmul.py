@@ -283,10 +283,10 @@ def quant_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bia
                  split_k: int | None = None, path: str | None = None, gated: bool = False,
                  norm: PreNorm | None = None):
     """x [M, K] @ W.T (+ bias [N]) -> [M, N] in x.dtype; W given as int32 words [N, K * bits / 32], scales (and
-    int4 biases) [N, K / group]. gated: x is [M, 2K] = [gate | up] and the product is silu(gate) * up @ W.T (an MLP's down
-    projection; the GEMV computes the activation as it loads it). norm: the product is RMSNorm(x + residual) @ W.T
-    and the result is (y, x + residual) (the GEMV normalises as it loads; see PreNorm). `out`, `split_k` and
-    `path` ("gemv"/"gemm") override the defaults, for tests and benchmarks."""
+    int4 biases) [N, K / group]. gated: x is [M, 2K] = [gate | up] and the product is silu(gate) * up @ W.T (an
+    MLP's down projection; the GEMV computes the activation as it loads it). norm: the product is RMSNorm(x +
+    residual) @ W.T and the result is (y, x + residual) (the GEMV normalises as it loads; see PreNorm). `out`,
+    `split_k` and `path` ("gemv"/"gemm") override the defaults, for tests and benchmarks."""
     n, k = words.shape[0], words.shape[1] * 32 // bits
     width = 2 * k if gated else k
     if x.dim() != 2 or x.shape[1] != width:
