@@ -297,6 +297,8 @@ def quant_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bia
     if norm is not None and ((res is not None and (res.shape != x.shape or res.dtype != x.dtype))
                              or norm.weight.shape != (k,)):
         raise LocalpdError(f"the residual must be a [{x.shape[0]}, {k}] {x.dtype} tensor and the norm weight [{k}]")
+    if bias is not None and bias.shape != (n,):
+        raise LocalpdError(f"the bias must have {n} values, got {tuple(bias.shape)}")
     if x.stride(-1) != 1:
         x = x.contiguous()
     m = x.shape[0]
@@ -325,8 +327,6 @@ def quant_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bia
     biases = biases.contiguous() if has_bias else scales
     # a single group per row (per-channel int8) is passed as a group no tile reaches past
     kernel_group = group if group < k else 1 << 30
-    if bias is not None and bias.shape != (n,):
-        raise LocalpdError(f"the bias must have {n} values, got {tuple(bias.shape)}")
     if path == "gemm":
         _dequant_matmul(x, words, scales, biases, bits, kernel_group, has_bias, out)
         return out if bias is None else out.add_(bias)
@@ -343,7 +343,7 @@ def quant_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bia
         meta.update(tuned)
     elif triton_interpreting():
         meta.update(INTERPRET_GEMV)
-    gamma, eps = (x, 0.0) if norm is None else (norm.weight, norm.eps)
+    gamma, eps = (x, 0.0) if norm is None else (norm.weight.contiguous(), norm.eps)
     grid = lambda META: (cdiv(m, block_m), cdiv(n, META["BLOCK_N"]), split_k)  # noqa: E731
     kernel[grid](x, y, m, n, k, x.stride(0), y.stride(0), words, scales, biases, words.stride(0), scales.stride(0),
                  scales.shape[1], split_k, res, gamma, summed, res.stride(0), summed.stride(0), eps,
