@@ -1,8 +1,9 @@
 """Sweep the GEMV kernel's launch configurations on a GPU: every (BLOCK_N, BLOCK_K, num_warps, num_stages,
 split-K) for Llama-3-8B's decode shapes at M = 1 (and --m), timed as CUDA-graph replays over weight copies larger
 than L2, beside what quant_matmul's autotuner picks and, at M = 1, the experimental K-major kernel (gemv_kmajor).
-Prints the best configurations per shape with % of the measured copy bandwidth, checks the best ones against the
-torch reference, and writes every timing as JSON. --table adds each shape's fastest row-major configuration
+Prints the best configurations per shape with % of the measured copy bandwidth and the best one's time with the
+RMSNorm prologue (quant_matmul's norm, which the tuned table launches with the same tile), checks the best ones
+against the torch reference, and writes every timing as JSON. --table adds each shape's fastest row-major configuration
 (where it beats the autotuner) to a table of measured configurations, which quant_matmul then launches without
 autotuning (kernels/gemv_tuned.json is the one shipped).
 
@@ -44,8 +45,11 @@ def kmajor(w):
     return w.data.view(torch.int32).T.contiguous(), w.scales.T.contiguous(), None, 8, w.group
 
 
-def launch(x, y, w, cfg):
+def launch(x, y, w, cfg, norm=None):
+    """One launch of the row-major GEMV with cfg = (BLOCK_N, BLOCK_K, num_warps, num_stages, split-K); norm =
+    (residual, norm weight, residual-sum output) times the RMSNorm prologue the model runs before qkv and gate_up."""
     bn, bk, warps, stages, split = cfg
+    r, g, summed = norm or (x, x, x)
     m, k = x.shape
     if isinstance(w, Int4Weight):
         words, scales, biases, bits, group, has_bias = w.packed, w.scales, w.biases, 4, w.group, True
@@ -57,10 +61,11 @@ def launch(x, y, w, cfg):
         y.zero_()
     _gemv_kernel[(1, cdiv(n, bn), split)](x, y, m, n, k, x.stride(0), y.stride(0), words, scales, biases,
                                           words.stride(0), scales.stride(0), scales.shape[1], split,
-                                          x, x, x, x.stride(0), x.stride(0), 0.0, x, BITS=bits,  # no norm, bias
+                                          r, g, summed, r.stride(0), summed.stride(0), 1e-5, x, BITS=bits,
                                           GROUP=group, HAS_BIAS=has_bias, BLOCK_M=gemv_block_m(m), BLOCK_N=bn,
                                           BLOCK_K=bk,
-                                          ATOMIC=split > 1, num_warps=warps, num_stages=stages)
+                                          ATOMIC=split > 1, NORM=norm is not None, HAS_RES=norm is not None,
+                                          num_warps=warps, num_stages=stages)
 
 
 def rel(y, w, x, fmt) -> float:
@@ -129,11 +134,16 @@ def main() -> int:
         err = rel(y, ws[0], x, fmt)
         print(f"{fmt:>9} {name:>7} N={n} K={k}: {len(rows)} configs in {time.time() - t0:.0f} s; "
               f"best rel err {err:.1e}")
+        # the same tile with the RMSNorm prologue (qkv and gate_up run it): what the fusion costs inside the GEMV
+        norm = (torch.randn_like(x), torch.ones(k, device=dev, dtype=x.dtype), torch.empty_like(x))
+        normed = graph_time([lambda w=w: launch(x, y, w, best[0], norm) for w in ws], reps=10)
+        print(f"    best tile with the RMSNorm prologue: {normed * 1e6:.1f} us "
+              f"({normed / best[1]:.2f}x the plain GEMV)")
         for cfg, sec in rows[:6] + [r for r in rows if r[0] == "autotuned default"]:
             print(f"    {str(cfg):<28} {sec * 1e6:7.1f} us {nbytes / sec / 1e9:6.0f} GB/s "
                   f"({nbytes / sec / copy_bw:.0%})")
         results.append({"format": fmt, "shape": name, "n": n, "k": k, "m": args.m, "bytes": nbytes, "rel_err": err,
-                        "timings": [[str(c), s] for c, s in rows]})
+                        "normed_best": normed, "timings": [[str(c), s] for c, s in rows]})
         default = next(s for c, s in rows if c == "autotuned default")
         if best[1] < default and err < 1e-2:
             bn, bk, warps, stages, split = best[0]
