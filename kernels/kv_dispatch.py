@@ -27,14 +27,23 @@ def _sides(layer: KVLayer):
             (layer.v, layer.v_scale, layer.v_zero, layer.v_format))
 
 
-def _write_pages_ref(x, data, scale, zero, slots, page_size) -> None:
-    """int4ch: every page a write touches is re-quantized whole, its earlier tokens (dequantized) with the new
-    ones, over each channel's range across them; offsets past the last new token are left as they were."""
+def _write_pages_ref(x, data, scale, zero, slots, page_size, stage=None, stage_slots=None) -> None:
+    """int4ch: every page a write touches is re-quantized whole, its earlier tokens with the new ones, over each
+    channel's range across them; offsets past the last new token are left as they were. The earlier tokens come
+    from the stage where one is given (stage_slots[i]: token i's place in it, its page's offset 0 at
+    stage_slots[i] - its offset; the new tokens of a page left open are staged too), else from the page's codes,
+    dequantized."""
     pages, offs = slots // page_size, slots % page_size
     scale, zero = scale[:, 0], zero[:, 0]  # [n_pages, heads, head_dim]: the storage behind the per-token view
     touched, which = torch.unique(pages, return_inverse=True)
     last = torch.zeros(touched.shape, dtype=offs.dtype, device=offs.device).scatter_reduce(0, which, offs, "amax")
-    vals = dequantize_kv(data[touched], scale[touched, None], zero[touched, None], "int4ch", torch.float32)
+    if stage is None or stage_slots is None:
+        vals = dequantize_kv(data[touched], scale[touched, None], zero[touched, None], "int4ch", torch.float32)
+    else:
+        first = torch.zeros_like(touched).scatter(0, which, stage_slots - offs)  # each page's offset 0 in the stage
+        vals = stage[first[:, None] + torch.arange(page_size, device=offs.device)].float()
+        still_open = last[which] < page_size - 1  # a full page is final; a sequence has one open page at most
+        stage[stage_slots[still_open]] = x[still_open].to(stage.dtype)
     vals[which, offs] = x.float()
     # a page belongs to one sequence, which fills it in order: every offset up to the last new one holds a token
     valid = (torch.arange(page_size, device=offs.device)[None] <= last[:, None])[:, :, None, None]
@@ -49,9 +58,9 @@ def _write_pages_ref(x, data, scale, zero, slots, page_size) -> None:
     scale[touched], zero[touched] = s, z
 
 
-def _write_side_ref(x, data, scale, zero, fmt, slots, page_size) -> None:
+def _write_side_ref(x, data, scale, zero, fmt, slots, page_size, stage=None, stage_slots=None) -> None:
     if fmt in PER_PAGE:
-        return _write_pages_ref(x, data, scale, zero, slots, page_size)
+        return _write_pages_ref(x, data, scale, zero, slots, page_size, stage, stage_slots)
     pages, offs = slots // page_size, slots % page_size
     q, s, z = quantize_kv(x, fmt)
     data[pages, offs] = q
@@ -61,10 +70,12 @@ def _write_side_ref(x, data, scale, zero, fmt, slots, page_size) -> None:
         zero[pages, offs] = z
 
 
-def write_kv_ref(layer: KVLayer, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    """k, v [T, H, D] into the slots (page * page_size + offset) [T], quantized to the layer's formats."""
-    for x, side in zip((k, v), _sides(layer)):
-        _write_side_ref(x, *side, slots, layer.page_size)
+def write_kv_ref(layer: KVLayer, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+                 stage_slots: torch.Tensor | None = None) -> None:
+    """k, v [T, H, D] into the slots (page * page_size + offset) [T], quantized to the layer's formats.
+    stage_slots [T]: each token's place in the layer's stage (per-page formats; see quant.kv), or None."""
+    for x, side, stage in zip((k, v), _sides(layer), (layer.k_stage, layer.v_stage)):
+        _write_side_ref(x, *side, slots, layer.page_size, stage, stage_slots)
 
 
 def gather_kv(layer: KVLayer, pages: torch.Tensor, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,53 +127,67 @@ def _scales(layer: KVLayer):
     return tuple(dummy if t is None else t for t in (layer.k_scale, layer.v_scale, layer.k_zero, layer.v_zero))
 
 
-def write_kv(layer: KVLayer, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    """In place: k, v [T, H, D] into their slots, quantized to the layer's formats."""
+def _stage_args(stage, stage_slots, dummy):
+    """(stage, its token and head strides, whether the write reads it) for a kernel; dummy where none is used."""
+    if stage is None or stage_slots is None:
+        return dummy, 0, 0, False
+    return stage, stage.stride(0), stage.stride(1), True
+
+
+def write_kv(layer: KVLayer, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+             stage_slots: torch.Tensor | None = None) -> None:
+    """In place: k, v [T, H, D] into their slots, quantized to the layer's formats (stage_slots: write_kv_ref)."""
     if not (use_triton(k) and triton_supports(layer, k.shape[-1])):
-        return write_kv_ref(layer, k, v, slots)
+        return write_kv_ref(layer, k, v, slots, stage_slots)
     from localpd.kernels.paged_attention import write_kv_kernel
 
     T, H, D = k.shape
-    for x, (data, scale, zero, fmt) in zip((k, v), _sides(layer)):
+    for x, (data, scale, zero, fmt), stage in zip((k, v), _sides(layer), (layer.k_stage, layer.v_stage)):
         # fp8 pages are written by torch: Triton's interpreter converts some values to e4m3 wrongly, so a Triton
         # fp8 write could not be checked here (reading fp8 in the attention kernels is checked)
         if fmt == "fp8":
             _write_side_ref(x, data, scale, zero, fmt, slots, layer.page_size)
             continue
         x = x if x.stride(-1) == 1 else x.contiguous()  # token and head strides are the kernel's arguments
-        dummy = data  # never read for formats without scales or zeros
+        dummy = data  # never read for formats without scales, zeros or a stage
+        st, st_t, st_h, staged = _stage_args(stage, stage_slots, dummy)
         write_kv_kernel[(T, H)](x, slots, data, dummy if scale is None else scale, dummy if zero is None else zero,
-                                T, x.stride(0), x.stride(1), *_strides(data, scale), KIND=KINDS[fmt],
-                                PS=layer.page_size, D=D)
+                                st, slots if stage_slots is None else stage_slots, T, x.stride(0), x.stride(1),
+                                *_strides(data, scale), st_t, st_h, KIND=KINDS[fmt], PS=layer.page_size, D=D,
+                                STAGED=staged)
 
 
 def rope_write_kv_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: KVLayer, slots: torch.Tensor,
-                      n_heads: int, n_kv_heads: int) -> torch.Tensor:
+                      n_heads: int, n_kv_heads: int, stage_slots: torch.Tensor | None = None) -> torch.Tensor:
     """qkv [T, (n_heads + 2 * n_kv_heads) * D], one projection's output: rotates the query heads in place, writes
     the key heads rotated and the value heads into their slots; returns the query heads [T, n_heads, D] (a view).
     The key heads left in qkv are unspecified (the Triton kernel leaves them unrotated)."""
     T, D = qkv.shape[0], qkv.shape[1] // (n_heads + 2 * n_kv_heads)
     heads = qkv.view(T, -1, D)
     rope(heads[:, :n_heads + n_kv_heads], cos, sin)
-    write_kv(layer, heads[:, n_heads:n_heads + n_kv_heads], heads[:, n_heads + n_kv_heads:], slots)
+    write_kv(layer, heads[:, n_heads:n_heads + n_kv_heads], heads[:, n_heads + n_kv_heads:], slots, stage_slots)
     return heads[:, :n_heads]
 
 
 def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: KVLayer, slots: torch.Tensor,
-                  n_heads: int, n_kv_heads: int) -> torch.Tensor:
+                  n_heads: int, n_kv_heads: int, stage_slots: torch.Tensor | None = None) -> torch.Tensor:
     """rope_write_kv_ref in one kernel launch (where three would run: RoPE, the key write, the value write)."""
     T = qkv.shape[0]
     D = qkv.shape[1] // (n_heads + 2 * n_kv_heads)
     if (not (use_triton(qkv) and triton_supports(layer, D)) or qkv.stride(-1) != 1 or cos.stride(-1) != 1
             or "fp8" in (layer.k_format, layer.v_format)):  # fp8 pages are written by torch (see write_kv)
-        return rope_write_kv_ref(qkv, cos, sin, layer, slots, n_heads, n_kv_heads)
+        return rope_write_kv_ref(qkv, cos, sin, layer, slots, n_heads, n_kv_heads, stage_slots)
     from localpd.kernels.paged_attention import rope_write_kv_kernel
 
     if T:
+        ks, ks_t, ks_h, k_staged = _stage_args(layer.k_stage, stage_slots, layer.k)
+        vs, vs_t, vs_h, v_staged = _stage_args(layer.v_stage, stage_slots, layer.v)
         rope_write_kv_kernel[(T, n_heads + 2 * n_kv_heads)](
-            qkv, cos, sin, slots, layer.k, layer.v, *_scales(layer), qkv.stride(0), cos.stride(0),
-            *_strides(layer.k, layer.k_scale), *_strides(layer.v, layer.v_scale), n_heads, n_kv_heads, T,
-            K_KIND=KINDS[layer.k_format], V_KIND=KINDS[layer.v_format], PS=layer.page_size, D=D, num_warps=1)
+            qkv, cos, sin, slots, layer.k, layer.v, *_scales(layer), ks, vs,
+            slots if stage_slots is None else stage_slots, qkv.stride(0), cos.stride(0),
+            *_strides(layer.k, layer.k_scale), *_strides(layer.v, layer.v_scale), ks_t, ks_h, vs_t, vs_h,
+            n_heads, n_kv_heads, T, K_KIND=KINDS[layer.k_format], V_KIND=KINDS[layer.v_format],
+            PS=layer.page_size, D=D, K_STAGED=k_staged, V_STAGED=v_staged, num_warps=1)
     return qkv.view(T, -1, D)[:, :n_heads]
 
 

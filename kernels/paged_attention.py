@@ -72,10 +72,14 @@ def _head_values(src, idx, cos_row, sin_row, ROPE: tl.constexpr, HALF: tl.conste
 
 @triton.jit
 def _write_page_run(src, s_src_t, cos, sin, s_c, slots, t, T, data, scale, zero, h, s_page, s_tok, s_head, c_page,
-                    c_head, PS: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr):
+                    c_head, stage, stage_slots, s_st_t, PS: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr,
+                    STAGED: tl.constexpr):
     """int4ch, the program of token t (src: its head at token 0, rows s_src_t apart): if t is the first new token
     of its page in this step, re-quantize the page's earlier tokens together with the step's new ones over each
-    channel's range across them (as kv_dispatch._write_pages_ref); any other token's program does nothing."""
+    channel's range across them (as kv_dispatch._write_pages_ref); any other token's program does nothing.
+    STAGED: the earlier tokens are read from the stage (stage: kv head h's row of slot 0, tokens s_st_t apart;
+    stage_slots[t]: token t's slot there) and, if the page is left open, the new ones written to it; else the
+    page's codes are dequantized."""
     slot = tl.load(slots + t)
     prev = tl.load(slots + t - 1, mask=t > 0, other=0)
     if (t == 0) | (prev // PS != slot // PS):
@@ -89,15 +93,30 @@ def _write_page_run(src, s_src_t, cos, sin, s_c, slots, t, T, data, scale, zero,
         r = tl.where(new, r, t)  # keep every pointer in bounds
         base = data + page * s_page + h * s_head
         cb = page * c_page + h * c_head
-        byte = tl.load(base + o[:, None] * s_tok + j[None, :], mask=(o < off0)[:, None], other=0).to(tl.int32)
-        even = tl.where(new[:, None], _head_values(src + r[:, None] * s_src_t, 2 * j[None, :], cos + r[:, None] * s_c,
-                                                   sin + r[:, None] * s_c, ROPE, D // 2),
-                        (byte & 15).to(tl.float32) * tl.load(scale + cb + 2 * j).to(tl.float32)[None, :]
-                        + tl.load(zero + cb + 2 * j).to(tl.float32)[None, :])
-        odd = tl.where(new[:, None], _head_values(src + r[:, None] * s_src_t, 2 * j[None, :] + 1,
-                                                  cos + r[:, None] * s_c, sin + r[:, None] * s_c, ROPE, D // 2),
-                       ((byte >> 4) & 15).to(tl.float32) * tl.load(scale + cb + 2 * j + 1).to(tl.float32)[None, :]
-                       + tl.load(zero + cb + 2 * j + 1).to(tl.float32)[None, :])
+        new_even = _head_values(src + r[:, None] * s_src_t, 2 * j[None, :], cos + r[:, None] * s_c,
+                                sin + r[:, None] * s_c, ROPE, D // 2)
+        new_odd = _head_values(src + r[:, None] * s_src_t, 2 * j[None, :] + 1, cos + r[:, None] * s_c,
+                               sin + r[:, None] * s_c, ROPE, D // 2)
+        old = (o < off0)[:, None]
+        if STAGED:
+            staged = stage + (tl.load(stage_slots + t) - off0 + o)[:, None] * s_st_t  # offset o's staged row
+            even = tl.where(new[:, None], new_even,
+                            tl.load(staged + 2 * j[None, :], mask=old, other=0.0).to(tl.float32))
+            odd = tl.where(new[:, None], new_odd,
+                           tl.load(staged + 2 * j[None, :] + 1, mask=old, other=0.0).to(tl.float32))
+            # only a page left open is staged: its sequence's last in this step (a full page is never rewritten)
+            keep = (new & (tl.sum(valid.to(tl.int32), axis=0) + tl.zeros_like(o) < PS))[:, None]
+            et = stage.dtype.element_ty
+            tl.store(staged + 2 * j[None, :], new_even.to(et), mask=keep)
+            tl.store(staged + 2 * j[None, :] + 1, new_odd.to(et), mask=keep)
+        else:
+            byte = tl.load(base + o[:, None] * s_tok + j[None, :], mask=old, other=0).to(tl.int32)
+            even = tl.where(new[:, None], new_even,
+                            (byte & 15).to(tl.float32) * tl.load(scale + cb + 2 * j).to(tl.float32)[None, :]
+                            + tl.load(zero + cb + 2 * j).to(tl.float32)[None, :])
+            odd = tl.where(new[:, None], new_odd,
+                           ((byte >> 4) & 15).to(tl.float32) * tl.load(scale + cb + 2 * j + 1).to(tl.float32)[None, :]
+                           + tl.load(zero + cb + 2 * j + 1).to(tl.float32)[None, :])
         tl.debug_barrier()  # every thread has read the page's old codes, scales and zeros before any is rewritten
         q_even = _quantize_channels(even, valid, scale + cb + 2 * j, zero + cb + 2 * j)
         q_odd = _quantize_channels(odd, valid, scale + cb + 2 * j + 1, zero + cb + 2 * j + 1)
@@ -160,24 +179,26 @@ def _write_head(src, cos_row, sin_row, data, scale, zero, slot, h, s_page, s_tok
 
 
 @triton.jit
-def write_kv_kernel(src, slots, data, scale, zero, T, s_src_t, s_src_h, s_page, s_tok, s_head, c_page, c_tok, c_head,
-                    KIND: tl.constexpr, PS: tl.constexpr, D: tl.constexpr):
+def write_kv_kernel(src, slots, data, scale, zero, stage, stage_slots, T, s_src_t, s_src_h, s_page, s_tok, s_head,
+                    c_page, c_tok, c_head, s_st_t, s_st_h, KIND: tl.constexpr, PS: tl.constexpr, D: tl.constexpr,
+                    STAGED: tl.constexpr):
     """One program per (token, head): quantize x[D] into its slot (int4ch: the page's run, from its first token)."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     if KIND == 4:
         _write_page_run(src + h * s_src_h, s_src_t, src, src, 0, slots, t, T, data, scale, zero, h, s_page, s_tok,
-                        s_head, c_page, c_head, PS, D, False)
+                        s_head, c_page, c_head, stage + h * s_st_h, stage_slots, s_st_t, PS, D, False, STAGED)
     else:
         _write_head(src + t * s_src_t + h * s_src_h, src, src, data, scale, zero, tl.load(slots + t), h, s_page,
                     s_tok, s_head, c_page, c_tok, c_head, KIND, PS, D, False)
 
 
 @triton.jit
-def rope_write_kv_kernel(qkv, cos, sin, slots, k, v, k_scale, v_scale, k_zero, v_zero, s_t, s_c,
-                         sk_page, sk_tok, sk_head, ck_page, ck_tok, ck_head, sv_page, sv_tok, sv_head, cv_page, cv_tok,
-                         cv_head, HQ, H, T, K_KIND: tl.constexpr, V_KIND: tl.constexpr, PS: tl.constexpr,
-                         D: tl.constexpr):
+def rope_write_kv_kernel(qkv, cos, sin, slots, k, v, k_scale, v_scale, k_zero, v_zero, k_stage, v_stage, stage_slots,
+                         s_t, s_c, sk_page, sk_tok, sk_head, ck_page, ck_tok, ck_head, sv_page, sv_tok, sv_head,
+                         cv_page, cv_tok, cv_head, sks_t, sks_h, svs_t, svs_h, HQ, H, T, K_KIND: tl.constexpr,
+                         V_KIND: tl.constexpr, PS: tl.constexpr, D: tl.constexpr, K_STAGED: tl.constexpr,
+                         V_STAGED: tl.constexpr):
     """Program (token, head) over a qkv row's HQ query, H key and H value heads: rotates a query head in place,
     writes a key head rotated and a value head as is into the token's slot (RoPE and the KV write in one launch;
     the key heads of qkv are left unrotated)."""
@@ -192,14 +213,16 @@ def rope_write_kv_kernel(qkv, cos, sin, slots, k, v, k_scale, v_scale, k_zero, v
     elif h < HQ + H:
         if K_KIND == 4:
             _write_page_run(qkv + h * D, s_t, cos, sin, s_c, slots, t, T, k, k_scale, k_zero, h - HQ, sk_page, sk_tok,
-                            sk_head, ck_page, ck_head, PS, D, True)
+                            sk_head, ck_page, ck_head, k_stage + (h - HQ) * sks_h, stage_slots, sks_t, PS, D, True,
+                            K_STAGED)
         else:
             _write_head(row + h * D, cos_row, sin_row, k, k_scale, k_zero, tl.load(slots + t), h - HQ, sk_page,
                         sk_tok, sk_head, ck_page, ck_tok, ck_head, K_KIND, PS, D, True)
     else:
         if V_KIND == 4:
             _write_page_run(qkv + h * D, s_t, cos, sin, s_c, slots, t, T, v, v_scale, v_zero, h - HQ - H, sv_page,
-                            sv_tok, sv_head, cv_page, cv_head, PS, D, False)
+                            sv_tok, sv_head, cv_page, cv_head, v_stage + (h - HQ - H) * svs_h, stage_slots, svs_t,
+                            PS, D, False, V_STAGED)
         else:
             _write_head(row + h * D, cos_row, sin_row, v, v_scale, v_zero, tl.load(slots + t), h - HQ - H, sv_page,
                         sv_tok, sv_head, cv_page, cv_tok, cv_head, V_KIND, PS, D, False)

@@ -3,7 +3,7 @@
 A batch-1 decode step launches a few hundred small kernels; launched one by one from Python it is bound by the
 host, not by memory bandwidth. A graph launches them all with one call. Inputs go into static buffers; rows past
 the real batch (up to the bucket) decode a dummy token whose key and value land in a scratch page that no
-sequence owns, so padding never touches real pages.
+sequence owns (and stage their keys in a scratch stage row), so padding never touches real pages.
 """
 
 from __future__ import annotations
@@ -20,14 +20,16 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
 class DecodeGraphs:
-    def __init__(self, model: Transformer, kv: KVPool, max_pages: int, scratch_page: int, max_batch: int):
+    def __init__(self, model: Transformer, kv: KVPool, max_pages: int, scratch_page: int, scratch_row: int,
+                 max_batch: int):
         dev = model.device
-        self.model, self.kv, self.scratch = model, kv, scratch_page
+        self.model, self.kv, self.scratch, self.scratch_row = model, kv, scratch_page, scratch_row
         self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
         B = max_batch
         self.tokens = torch.zeros(B, dtype=torch.long, device=dev)
         self.positions = torch.zeros(B, dtype=torch.long, device=dev)
         self.slots = torch.zeros(B, dtype=torch.long, device=dev)
+        self.stage_slots = torch.zeros(B, dtype=torch.long, device=dev)
         self.page_table = torch.zeros(B, max_pages, dtype=torch.int32, device=dev)
         self.seq_lens = torch.ones(B, dtype=torch.int32, device=dev)
         self.q_starts = torch.arange(B + 1, dtype=torch.int32, device=dev)
@@ -39,9 +41,9 @@ class DecodeGraphs:
 
     def _batch(self, b: int) -> Batch:
         return Batch(self.tokens[:b], self.positions[:b], self.slots[:b], self.page_table[:b], self.seq_lens[:b],
-                     self.q_starts[:b + 1], self.rows[:b])
+                     self.q_starts[:b + 1], self.rows[:b], self.stage_slots[:b])
 
-    def _fill(self, b: int, tokens, positions, slots, tables, lens) -> None:
+    def _fill(self, b: int, tokens, positions, slots, stage_slots, tables, lens) -> None:
         """Copy one step's inputs into the static buffers, padding rows n .. b - 1 onto the scratch page."""
         n, ps, width = len(tokens), self.kv.page_size, self.page_table.shape[1]
         pad = b - n
@@ -51,11 +53,12 @@ class DecodeGraphs:
         self.tokens[:b].copy_(torch.tensor(tokens + [0] * pad))
         self.positions[:b].copy_(torch.tensor(positions + [0] * pad))
         self.slots[:b].copy_(torch.tensor(slots + [self.scratch * ps] * pad))
+        self.stage_slots[:b].copy_(torch.tensor(stage_slots + [self.scratch_row * ps] * pad))
         self.seq_lens[:b].copy_(torch.tensor(lens + [1] * pad, dtype=torch.int32))
         self.page_table[:b].copy_(table)
 
     def _capture(self, b: int) -> None:
-        self._fill(b, [], [], [], [], [])  # warm-up and capture write only into the scratch page
+        self._fill(b, [], [], [], [], [], [])  # warm-up and capture write only into the scratch page
         batch = self._batch(b)
         stream = torch.cuda.Stream(self.model.device)
         stream.wait_stream(torch.cuda.current_stream(self.model.device))
@@ -69,8 +72,8 @@ class DecodeGraphs:
         self.pool = graph.pool()
         self.graphs[b] = graph
 
-    def run(self, tokens: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
-            lens: list[int]) -> torch.Tensor | None:
+    def run(self, tokens: list[int], positions: list[int], slots: list[int], stage_slots: list[int],
+            tables: list[list[int]], lens: list[int]) -> torch.Tensor | None:
         """Logits [n, vocab] of one decode step (valid until the next run), or None when no graph serves it."""
         n = len(tokens)
         b = next((b for b in self.buckets if b >= n), None)
@@ -83,6 +86,6 @@ class DecodeGraphs:
                 log.warning("CUDA graph capture failed; decoding without graphs", exc_info=True)
                 self.failed = True
                 return None
-        self._fill(b, tokens, positions, slots, tables, lens)
+        self._fill(b, tokens, positions, slots, stage_slots, tables, lens)
         self.graphs[b].replay()
         return self.outputs[b][:n]

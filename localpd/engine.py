@@ -235,14 +235,15 @@ class Engine:
         n_pages = self._kv_pages(parse_bytes(kv_memory))
         graphs = cuda_graphs and self.device.type == "cuda"
         # with graphs, one more page than the allocator hands out: the scratch page of padded decode rows
+        # and one more stage row than running sequences: the scratch row of padded decode rows
         self.kv = new_kv_pool(self.kv_dtype, c.n_layers, n_pages + graphs, PAGE_SIZE, c.n_kv_heads, c.head_dim,
-                              self.compute_dtype, self.device)
+                              self.compute_dtype, self.device, stage_rows=max_running + graphs)
         self.graphs = None
         if graphs:
             from localpd.cuda_graph import DecodeGraphs
 
             self.graphs = DecodeGraphs(self.model, self.kv, -(-(self.max_context + 1) // PAGE_SIZE), n_pages,
-                                       min(max_running, 64))
+                                       max_running, min(max_running, 64))
         self.pages = PagePool(n_pages, PAGE_SIZE, salt=f"{self.name}|{self.quant}|{self.kv_dtype}")
         self.scheduler = Scheduler(self.pages, max_step_tokens, max_running)
         self._requests: dict[Sequence, Request] = {}
@@ -427,12 +428,13 @@ class Engine:
 
     def _batch(self, work: list[Work]) -> Batch:
         ps = self.pages.page_size
-        ids, positions, slots, starts, lens, rows = [], [], [], [0], [], []
+        ids, positions, slots, stage_slots, starts, lens, rows = [], [], [], [], [0], [], []
         for w in work:
             seq_tokens = w.seq.tokens
             ids += seq_tokens[w.start:w.start + w.n]
             pages = w.seq.table.pages
             slots += (slot_of(pages, pos, ps) for pos in range(w.start, w.start + w.n))
+            stage_slots += (w.seq.stage_row * ps + pos % ps for pos in range(w.start, w.start + w.n))
             positions += range(w.start, w.start + w.n)
             starts.append(starts[-1] + w.n)
             lens.append(w.start + w.n)
@@ -445,20 +447,23 @@ class Engine:
             return torch.tensor(x, dtype=dtype, device=self.device)
 
         return Batch(tokens=t(ids, torch.long), positions=t(positions, torch.long), slots=t(slots, torch.long),
-                     page_table=t(table), seq_lens=t(lens), q_starts=t(starts), logit_rows=t(rows, torch.long))
+                     page_table=t(table), seq_lens=t(lens), q_starts=t(starts), logit_rows=t(rows, torch.long),
+                     stage_slots=t(stage_slots, torch.long))
 
     def _decode_inputs(self, work: list[Work]):
-        """(tokens, positions, slots, page lists, lengths) of a step in which every sequence decodes one token."""
+        """(tokens, positions, slots, stage slots, page lists, lengths) of a step in which every sequence decodes
+        one token."""
         ps = self.pages.page_size
-        tokens, positions, slots, tables, lens = [], [], [], [], []
+        tokens, positions, slots, stage_slots, tables, lens = [], [], [], [], [], []
         for w in work:
             p, pages = w.start, w.seq.table.pages
             tokens.append(w.seq.tokens[p])
             positions.append(p)
             slots.append(slot_of(pages, p, ps))
+            stage_slots.append(w.seq.stage_row * ps + p % ps)
             tables.append(pages)
             lens.append(p + 1)
-        return tokens, positions, slots, tables, lens
+        return tokens, positions, slots, stage_slots, tables, lens
 
     def _sample(self, req: Request, logits: torch.Tensor):
         token = req.sampler(logits, req.seq.prompt, req.seq.output)

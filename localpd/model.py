@@ -128,7 +128,9 @@ class Batch:
 
     Sequence b owns rows q_starts[b]:q_starts[b + 1]; its keys are positions 0 .. seq_lens[b] - 1, at page
     page_table[b, pos // page_size]. slots[i] = page * page_size + offset is where token i's K/V are written.
-    logit_rows: the rows whose next-token logits are wanted."""
+    logit_rows: the rows whose next-token logits are wanted. stage_slots[i] = r * page_size + offset, r the
+    sequence's row in the KV pool's stage (per-page KV formats keep the open page there as computed; quant.kv);
+    without them such pages are re-quantized from their codes."""
 
     tokens: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
@@ -137,17 +139,19 @@ class Batch:
     seq_lens: torch.Tensor  # [B] int32
     q_starts: torch.Tensor  # [B + 1] int32
     logit_rows: torch.Tensor  # [R] int64
+    stage_slots: torch.Tensor | None = None  # [T] int64
 
     @classmethod
     def single(cls, tokens: list[int], start: int, n_pages: int, page_size: int, device, all_logits: bool = False):
-        """One sequence whose pages are 0 .. n_pages - 1 in order (position p at slot p): perplexity, tests."""
+        """One sequence whose pages are 0 .. n_pages - 1 in order (position p at slot p), stage row 0: perplexity,
+        tests."""
         n = len(tokens)
         positions = torch.arange(start, start + n, device=device)
         rows = torch.arange(n, device=device) if all_logits else torch.tensor([n - 1], device=device)
         return cls(torch.tensor(tokens, device=device), positions, positions.clone(),
                    torch.arange(n_pages, dtype=torch.int32, device=device)[None],
                    torch.tensor([start + n], dtype=torch.int32, device=device),
-                   torch.tensor([0, n], dtype=torch.int32, device=device), rows)
+                   torch.tensor([0, n], dtype=torch.int32, device=device), rows, positions % page_size)
 
 
 def rope_inv_freq(config: ModelConfig, rope_freqs: torch.Tensor | None = None) -> torch.Tensor:
@@ -225,7 +229,7 @@ class Transformer:
         for li, layer in enumerate(self.layers):
             pages = kv.layer(li)
             qkv, x = normed(layer.qkv, out, x, layer.attn_norm, c.norm_eps)
-            q = write(qkv, cos, sin, pages, batch.slots, c.n_heads, c.n_kv_heads)
+            q = write(qkv, cos, sin, pages, batch.slots, c.n_heads, c.n_kv_heads, batch.stage_slots)
             attn = paged_attention(q, pages, batch.page_table, batch.seq_lens, batch.q_starts, scale)
             gate_up, x = normed(layer.gate_up, layer.o(attn.reshape(T, c.n_heads * c.head_dim)), x, layer.mlp_norm,
                                 c.norm_eps)

@@ -25,6 +25,7 @@ class Sequence:
     cached_tokens: int = 0  # prompt tokens the prefix cache served at first admission
     admitted: bool = False  # admitted at least once (cached_tokens is final)
     preemptions: int = 0
+    stage_row: int = -1  # while running: its row in the KV pool's stage (quant.kv), one of 0 .. max_running - 1
 
     @property
     def tokens(self) -> list[int]:
@@ -51,6 +52,7 @@ class Scheduler:
         self.max_running = max_running
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the last is preempted first
+        self.free_rows = list(range(max_running - 1, -1, -1))  # stage rows of no running sequence
         self.preemptions = 0  # since the start
 
     def add(self, seq: Sequence) -> None:
@@ -59,14 +61,19 @@ class Scheduler:
     def remove(self, seq: Sequence) -> None:
         """Forget a sequence (finished, cancelled or failed) and release its pages at once."""
         if seq in self.running:
-            self.running.remove(seq)
+            self._stop(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.pool.release(seq.table)
         seq.computed = 0
 
-    def preempt(self, seq: Sequence) -> None:
+    def _stop(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self.free_rows.append(seq.stage_row)
+        seq.stage_row = -1
+
+    def preempt(self, seq: Sequence) -> None:
+        self._stop(seq)
         self.pool.release(seq.table)
         seq.computed = 0
         seq.preemptions += 1
@@ -106,6 +113,7 @@ class Scheduler:
                 self.pool.hit_tokens += hit
                 self.pool.query_tokens += len(tokens)
             seq.computed = hit
+            seq.stage_row = self.free_rows.pop()
             self.running.append(seq)
             work.append(Work(seq, hit, n, hit + n == len(tokens)))
             budget -= n

@@ -9,6 +9,9 @@ Formats (per token and kv head, along head_dim):
 - int4ch (keys): int4 per channel across a page's tokens (KIVI): each page holds one scale and one zero per head
   and channel, over the tokens written to it so far. A write re-quantizes the page's earlier tokens with the
   widened range (kv_dispatch._write_pages_ref). Keys carry a few large channels that per-token groups cannot fit.
+  So that a page filled a token at a time (decode) ends up exactly as one written whole (prefill), the pool keeps
+  each running sequence's open page as computed, in a stage of a page per sequence (KVPool.k_stage, rows handed out
+  by the scheduler): a write re-quantizes the page from the staged values instead of its already rounded codes.
 Scales and zeros are float16: they are read every decode step, so they are kept small.
 
 Keys and values may take different formats, written K/V: "int8/int4" keeps keys at int8 and values at int4
@@ -48,6 +51,8 @@ class KVLayer:
     kv_dtype: str
     page_size: int
     compute_dtype: torch.dtype
+    k_stage: torch.Tensor | None = None  # per-page formats: [stage_rows * page_size, n_kv_heads, head_dim]
+    v_stage: torch.Tensor | None = None
 
     @property
     def k_format(self) -> str:
@@ -72,6 +77,10 @@ class KVPool:
     k_zero: torch.Tensor | None  # int4 only
     v_zero: torch.Tensor | None
     compute_dtype: torch.dtype
+    # per-page formats: each running sequence's open page as computed, [n_layers, stage_rows * page_size,
+    # n_kv_heads, head_dim] in the compute dtype; row r holds slots r * page_size .. (r + 1) * page_size - 1
+    k_stage: torch.Tensor | None = None
+    v_stage: torch.Tensor | None = None
 
     def layer(self, i: int) -> KVLayer:
         """Layer i's views. A per-page format's scales and zeros ([n_pages, 1, heads, head_dim] each) are seen as
@@ -80,8 +89,12 @@ class KVPool:
         def pick(t):
             return None if t is None else t[i].expand(-1, self.page_size, -1, -1)
 
+        def stage(t):
+            return None if t is None else t[i]
+
         return KVLayer(self.k[i], self.v[i], pick(self.k_scale), pick(self.v_scale), pick(self.k_zero),
-                       pick(self.v_zero), self.kv_dtype, self.page_size, self.compute_dtype)
+                       pick(self.v_zero), self.kv_dtype, self.page_size, self.compute_dtype, stage(self.k_stage),
+                       stage(self.v_stage))
 
     @property
     def n_pages(self) -> int:
@@ -160,7 +173,9 @@ def kv_bytes_per_token(kv_dtype: str, n_layers: int, n_kv_heads: int, head_dim: 
 
 
 def new_kv_pool(kv_dtype: str, n_layers: int, n_pages: int, page_size: int, n_kv_heads: int, head_dim: int,
-                compute_dtype: torch.dtype, device) -> KVPool:
+                compute_dtype: torch.dtype, device, stage_rows: int = 1) -> KVPool:
+    """stage_rows: how many sequences may have an open page at once (the scheduler's running sequences), for the
+    per-page formats' stage."""
     base = (n_layers, n_pages, page_size, n_kv_heads)
 
     def side(fmt):  # (data, scale, zero) of keys or values in their format
@@ -170,8 +185,15 @@ def new_kv_pool(kv_dtype: str, n_layers: int, n_pages: int, page_size: int, n_kv
         scale = torch.zeros(scale_shape, dtype=SCALE_DTYPE, device=device) if groups else None
         return data, scale, torch.zeros_like(scale) if zeros else None
 
+    def stage(fmt):
+        if fmt not in PER_PAGE:
+            return None
+        return torch.zeros((n_layers, stage_rows * page_size, n_kv_heads, head_dim), dtype=compute_dtype,
+                           device=device)
+
     (k, ks, kz), (v, vs, vz) = (side(fmt) for fmt in kv_formats(kv_dtype))
-    return KVPool(kv_dtype, page_size, k, v, ks, vs, kz, vz, compute_dtype)
+    k_stage, v_stage = (stage(fmt) for fmt in kv_formats(kv_dtype))
+    return KVPool(kv_dtype, page_size, k, v, ks, vs, kz, vz, compute_dtype, k_stage, v_stage)
 
 
 def quantize_kv(x: torch.Tensor, fmt: str):

@@ -23,11 +23,11 @@ PS = 16
 rope_write_kv = model_module.rope_write_kv
 
 
-def torch_rope_write_kv(qkv, cos, sin, layer, slots, n_heads, n_kv_heads):
+def torch_rope_write_kv(qkv, cos, sin, layer, slots, n_heads, n_kv_heads, stage_slots=None):
     """The model's RoPE + KV write with torch references only (no Triton): rope_ref, then write_kv_ref."""
     heads = qkv.view(qkv.shape[0], n_heads + 2 * n_kv_heads, -1)
     rope_ref(heads[:, :n_heads + n_kv_heads], cos, sin)
-    write_kv_ref(layer, heads[:, n_heads:n_heads + n_kv_heads], heads[:, n_heads + n_kv_heads:], slots)
+    write_kv_ref(layer, heads[:, n_heads:n_heads + n_kv_heads], heads[:, n_heads + n_kv_heads:], slots, stage_slots)
     return heads[:, :n_heads]
 
 def to_device(w, device):
@@ -91,22 +91,27 @@ def main() -> int:
 
 
 def graphs_match_eager() -> bool:
-    """Three concurrent greedy requests on the engine: CUDA-graph decode against eager decode, same tokens."""
+    """Three concurrent greedy requests on the engine: CUDA-graph decode against eager decode, same tokens (with
+    the compute dtype's KV, and with int4ch/int4, whose graphs also take the sequences' stage slots)."""
     from localpd.engine import Engine
     from localpd.sampling import SamplingParams
 
-    outs = []
-    for graphs in (False, True):
-        e = Engine("synthetic:smollm2-135m", device="cuda", quant="int4-g32", max_context=256, kv_memory="256MiB",
-                   cuda_graphs=graphs)
-        params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-        handles = [e.submit(list(range(5 + i, 30 + 7 * i)), params) for i in range(3)]
-        outs.append([[ev.token_id for ev in h if ev.token_id is not None] for h in handles])
-        e.close()
-    same = sum(a == b for x, y in zip(*outs) for a, b in zip(x, y))
-    total = sum(len(x) for x in outs[0])
-    print(f"{'ok ' if same == total else 'BAD'} engine decode with CUDA graphs vs eager: {same}/{total} tokens equal")
-    return same == total
+    ok = True
+    for kv in (None, "int4ch/int4"):
+        outs = []
+        for graphs in (False, True):
+            e = Engine("synthetic:smollm2-135m", device="cuda", quant="int4-g32", kv=kv, max_context=256,
+                       kv_memory="256MiB", cuda_graphs=graphs)
+            params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+            handles = [e.submit(list(range(5 + i, 30 + 7 * i)), params) for i in range(3)]
+            outs.append([[ev.token_id for ev in h if ev.token_id is not None] for h in handles])
+            e.close()
+        same = sum(a == b for x, y in zip(*outs) for a, b in zip(x, y))
+        total = sum(len(x) for x in outs[0])
+        ok &= same == total
+        print(f"{'ok ' if same == total else 'BAD'} engine decode with CUDA graphs vs eager, kv {kv or 'default'}: "
+              f"{same}/{total} tokens equal")
+    return ok
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
 """Perplexity of the first N tokens of a text with each KV dtype, once as one prefill (every page written whole)
-and once token by token (every page written a token at a time, as decode writes it): per-page formats (int4ch)
-re-quantize a page's earlier tokens when a channel's range widens, so the two differ for them.
+and once token by token (every page written a token at a time, as decode writes it), with the stage (as the
+engine runs) and without it: per-page formats (int4ch) re-quantize a page's earlier tokens when a channel's range
+widens; from the staged tokens as computed that gives the page a prefill writes, from the page's own codes it
+rounds them twice.
 
 --key-error: instead, the relative error of the keys each format stores (the model's fp32 keys written into a
-pool of the format whole or a token at a time, read back), a measure free of the noise a changed rounding
-spreads through later layers.
+pool of the format whole or a token at a time, read back), as finally stored and as each position attends to
+them, a measure free of the noise a changed rounding spreads through later layers.
 
     python scripts/ppl_prefill_vs_decode.py --text tests/data/apache-2.0.txt fp32 int4ch/int4 int8/int4 int4
     python scripts/ppl_prefill_vs_decode.py --key-error --tokens 512 --text tests/data/apache-2.0.txt int4ch/int4
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -43,38 +46,55 @@ def main() -> int:
         return key_error(model, ids, args.kv)
     target = torch.tensor(ids[1:])
     for kv in args.kv:
-        for mode in ("prefill", "decode"):
+        for mode in ("prefill", "decode", "decode, no stage"):
             pool = new_kv_pool(kv, c.n_layers, n_pages, PAGE_SIZE, c.n_kv_heads, c.head_dim, model.dtype, "cpu")
             if mode == "prefill":
                 logits = model.forward(Batch.single(ids, 0, n_pages, PAGE_SIZE, "cpu", all_logits=True), pool)
             else:
-                logits = torch.cat([model.forward(Batch.single([t], i, n_pages, PAGE_SIZE, "cpu"), pool)
-                                    for i, t in enumerate(ids)])
+                steps = [Batch.single([t], i, n_pages, PAGE_SIZE, "cpu") for i, t in enumerate(ids)]
+                if mode.endswith("no stage"):
+                    steps = [replace(b, stage_slots=None) for b in steps]
+                logits = torch.cat([model.forward(b, pool) for b in steps])
             nll = torch.nn.functional.cross_entropy(logits[:-1].float(), target).item()
-            print(f"{kv:12} {mode:8} {math.exp(nll):.4f}", flush=True)
+            print(f"{kv:12} {mode:16} {math.exp(nll):.4f}", flush=True)
     return 0
 
 
 def key_error(model: Transformer, ids: list[int], kv_dtypes: list[str]) -> int:
+    """Two tables: the keys as finally stored, and as attended (each query position t sees keys 0..t as they
+    are stored right after t's write; summed over t), relative squared error against the fp32 keys."""
     c, T = model.config, len(ids)
     n_pages = -(-T // PAGE_SIZE)
     pages, slots = torch.arange(n_pages), torch.arange(T)
     exact = new_kv_pool("fp32", c.n_layers, n_pages, PAGE_SIZE, c.n_kv_heads, c.head_dim, torch.float32, "cpu")
     model.forward(Batch.single(ids, 0, n_pages, PAGE_SIZE, "cpu"), exact)
     kvs = [gather_kv(exact.layer(i), pages, T, torch.float32) for i in range(c.n_layers)]
-    print("| KV dtype | keys written whole | a token at a time |\n| --- | --- | --- |")
+    modes = {"written whole": ([(0, T)], True), "a token at a time": ([(t, t + 1) for t in range(T)], True),
+             "a token at a time, no stage": ([(t, t + 1) for t in range(T)], False)}
+    rows = {}
     for kv in kv_dtypes:
-        row = []
-        for chunks in ([(0, T)], [(t, t + 1) for t in range(T)]):
-            err = ref = 0.0
+        rows[kv] = []
+        for chunks, staged in modes.values():
+            final = attended = ref = attended_ref = 0.0
             pool = new_kv_pool(kv, c.n_layers, n_pages, PAGE_SIZE, c.n_kv_heads, c.head_dim, torch.float32, "cpu")
             for i, (k, v) in enumerate(kvs):
+                layer, err = pool.layer(i), torch.zeros(T)
+                square = (k ** 2).sum((1, 2))
                 for t0, t1 in chunks:
-                    write_kv_ref(pool.layer(i), k[t0:t1], v[t0:t1], slots[t0:t1])
-                err += ((gather_kv(pool.layer(i), pages, T, torch.float32)[0] - k) ** 2).sum().item()
-                ref += (k ** 2).sum().item()
-            row.append(f"{err / ref:.3e}")
-        print(f"| {kv} | {row[0]} | {row[1]} |", flush=True)
+                    stage_slots = slots[t0:t1] % PAGE_SIZE if staged else None  # stage row 0
+                    write_kv_ref(layer, k[t0:t1], v[t0:t1], slots[t0:t1], stage_slots)
+                    p0, p1 = t0 // PAGE_SIZE, -(-t1 // PAGE_SIZE)  # the pages this write touched
+                    stored = gather_kv(layer, pages[p0:p1], t1 - p0 * PAGE_SIZE, torch.float32)[0]
+                    err[p0 * PAGE_SIZE:t1] = ((stored - k[p0 * PAGE_SIZE:t1]) ** 2).sum((1, 2))
+                    attended += err.cumsum(0)[t0:t1].sum().item()
+                    attended_ref += square.cumsum(0)[t0:t1].sum().item()
+                final += err.sum().item()
+                ref += square.sum().item()
+            rows[kv].append((final / ref, attended / attended_ref))
+    for title, which in (("keys as finally stored", 0), ("keys as attended", 1)):
+        print(f"\n{title}\n| KV dtype | {' | '.join(modes)} |\n| --- |{' --- |' * len(modes)}")
+        for kv, row in rows.items():
+            print(f"| {kv} | {' | '.join(f'{r[which]:.3e}' for r in row)} |", flush=True)
     return 0
 
 

@@ -229,3 +229,41 @@ def test_quantized_kv_cache_still_answers(default_gguf, kv):
 def kv_fp32_bytes(e):
     c = e.config
     return 2 * c.n_layers * c.n_kv_heads * c.head_dim * 4
+
+
+def test_int4ch_pages_the_engine_fills_while_decoding_are_the_ones_a_lone_sequence_writes(default_gguf):
+    """int4ch/int4 KV: a running sequence keeps its open page in its stage row, so the engine's pages, filled a
+    token at a time, are bit for bit those of the same steps run on the model directly (stage row 0,
+    Batch.single); without the stage they come out different. (That running sequences never share a row is
+    test_scheduler's; beside another request the steps' float rounding differs, so pages are not compared.)"""
+    from dataclasses import replace
+
+    import torch
+
+    from localpd.kvcache import PageTable
+    from localpd.model import Batch
+    from localpd.quant.kv import new_kv_pool
+
+    e = Engine(default_gguf, device="cpu", max_context=512, kv="int4ch/int4")
+    ids = e.encode_chat(Q)
+    p = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    tokens, _, _, _ = run(e, ids, p)
+    table = PageTable()
+    n_full = e.pages.match(table, ids + tokens) // 16  # the request's full pages, from the prefix cache
+    assert n_full * 16 > len(ids) + 16  # at least one page written entirely by decode steps
+    c, ps = e.config, 16
+
+    def alone(staged):
+        pool = new_kv_pool("int4ch/int4", c.n_layers, n_full + 1, ps, c.n_kv_heads, c.head_dim, torch.float32, "cpu")
+        steps = [(ids, 0)] + [([t], len(ids) + i) for i, t in enumerate(tokens[:-1])]
+        for step_tokens, start in steps:
+            batch = Batch.single(step_tokens, start, n_full + 1, ps, "cpu")
+            e.model.forward(batch if staged else replace(batch, stage_slots=None), pool)
+        return pool.k[:, :n_full], pool.k_scale[:, :n_full]
+
+    mine = e.kv.k[:, table.pages], e.kv.k_scale[:, table.pages]
+    assert all(torch.equal(a, b) for a, b in zip(mine, alone(True)))
+    assert not torch.equal(mine[0], alone(False)[0])
+    e.pages.release(table)
+    assert idle(e)
+    e.close()

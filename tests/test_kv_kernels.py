@@ -100,27 +100,31 @@ def test_rope_and_kv_write_in_one_kernel(kv_dtype, D, Hq, H, ps, T, dtype):
         assert (a - b).abs().max() <= tol and (a - x).abs().max() <= tol
 
 
+@pytest.mark.parametrize("staged", [False, True])
 @pytest.mark.parametrize("D,ps", [(64, 16), (128, 32)])
-def test_per_channel_keys_rewrite_their_page_as_it_fills(D, ps):
+def test_per_channel_keys_rewrite_their_page_as_it_fills(D, ps, staged):
     """int4ch: a prefill that ends mid-page, then decode steps of two sequences (one starting on a fresh page of a
-    pool full of garbage), a chunk that continues a page: the kernel writes what the reference writes, and every
-    token so far stays within one quantum of its channel's range on that page."""
+    pool full of garbage), a chunk that continues a page: the kernel writes what the reference writes (pages and,
+    staged, each sequence's stage row), and every token so far stays within one quantum of its channel's range on
+    that page."""
     g = torch.Generator().manual_seed(D)
-    tri, ref = pools("int4ch/int4", 8, ps, 2, D)
-    for t in (tri.k, tri.k_scale, tri.k_zero, ref.k, ref.k_scale, ref.k_zero):
-        t.view(torch.uint8).fill_(0xFF)  # NaN scales, codes 15: nothing a new page may read
+    tri, ref = [new_kv_pool("int4ch/int4", 1, 8, ps, 2, D, torch.float32, DEV, stage_rows=3) for _ in range(2)]
+    for t in (tri.k, tri.k_scale, tri.k_zero, ref.k, ref.k_scale, ref.k_zero, tri.k_stage, ref.k_stage):
+        t.view(torch.uint8).fill_(0xFF)  # NaN scales and staged keys, codes 15: nothing a new page may read
     a = [3 * ps + i for i in range(ps + 5)]  # sequence A: page 3 full, page 4 up to offset 4
     a[ps:] = [4 * ps + i for i in range(5)]
     steps = [a, [4 * ps + 5], [4 * ps + 6, 6 * ps], [4 * ps + 7, 6 * ps + 1], [6 * ps + 2 + i for i in range(9)]]
+    row = {3: 2, 4: 2, 6: 0}  # stage rows: A's is 2, B's (page 6) 0
     written = {}
     for slots in steps:
         k, v = torch.randn(2, len(slots), 2, D, generator=g) * 2
         k[..., 5] *= 30  # an outlier channel
+        stage_slots = torch.tensor([row[s // ps] * ps + s % ps for s in slots], device=DEV) if staged else None
         slots = torch.tensor(slots, device=DEV)
-        write_kv(tri.layer(0), k.to(DEV), v.to(DEV), slots)
-        write_kv_ref(ref.layer(0), k.to(DEV), v.to(DEV), slots)
+        write_kv(tri.layer(0), k.to(DEV), v.to(DEV), slots, stage_slots)
+        write_kv_ref(ref.layer(0), k.to(DEV), v.to(DEV), slots, stage_slots)
         written.update(zip(slots.tolist(), k))
-        for name in ("k", "k_scale", "k_zero", "v", "v_scale", "v_zero"):  # bit for bit, garbage included
+        for name in ("k", "k_scale", "k_zero", "v", "v_scale", "v_zero", "k_stage"):  # bit for bit, garbage too
             assert torch.equal(getattr(tri, name).view(torch.uint8), getattr(ref, name).view(torch.uint8)), name
     keys = dequantized(tri.layer(0))[0].flatten(0, 1).cpu()
     for page in {slot // ps for slot in written}:
@@ -128,6 +132,40 @@ def test_per_channel_keys_rewrite_their_page_as_it_fills(D, ps):
         x = torch.stack([written[s] for s in slots])
         quantum = (x.amax(0) - x.amin(0)) / 15
         assert ((keys[slots] - x).abs() <= quantum * 1.01 + 1e-3).all()
+
+
+@pytest.mark.parametrize("kv_dtype,D,ps,dtype", [("int4ch", 64, 16, torch.float32),
+                                                 ("int4ch/int4", 128, 32, torch.bfloat16)])
+def test_a_page_written_token_by_token_through_its_stage_equals_one_written_whole(kv_dtype, D, ps, dtype):
+    """Decode fills a page a token at a time and re-quantizes it each time its range widens. With the stage, the
+    page it ends up with is bit for bit the page a prefill writes in one go (kernel and reference, RoPE fused or
+    not); without it, re-rounding already rounded codes leaves a different page."""
+    g = torch.Generator().manual_seed(D + ps)
+    Hq, H, T = 2, 2, ps + 3  # a full page and an open one
+    qkv = (torch.randn(T, (Hq + 2 * H) * D, generator=g) * 2).to(dtype).to(DEV)
+    qkv.view(T, -1, D)[..., 7] *= 20  # an outlier channel
+    angles = torch.outer(torch.arange(T).float(), torch.rand(D // 2, generator=g))
+    cos, sin = angles.cos().to(DEV), angles.sin().to(DEV)
+    slots = torch.arange(ps, ps + T, device=DEV)  # pages 1 and 2
+    stage_slots = ps + slots % ps  # stage row 1
+
+    def written(write, token_by_token, stage):
+        pool = new_kv_pool(kv_dtype, 1, 3, ps, H, D, dtype, DEV, stage_rows=2)
+        tensors = [t for t in (pool.k, pool.k_scale, pool.k_zero, pool.v, pool.v_scale, pool.v_zero) if t is not None]
+        for t in tensors + [pool.k_stage]:
+            t.view(torch.uint8).fill_(0xFF)
+        steps = [slice(t, t + 1) for t in range(T)] if token_by_token else [slice(0, T)]
+        for s in steps:
+            write(qkv[s].clone(), cos[s], sin[s], pool.layer(0), slots[s], Hq, H, stage_slots[s] if stage else None)
+        return [t[:, 1:].view(torch.uint8).clone() for t in tensors]  # pages 1 and 2, keys first
+
+    for write in (rope_write_kv, rope_write_kv_ref):
+        whole = written(write, False, True)
+        assert all(torch.equal(a, b) for a, b in zip(written(write, True, True), whole))
+    assert all(torch.equal(a, b) for a, b in zip(whole, written(rope_write_kv_ref, False, False)))  # reads no stage
+    assert not torch.equal(written(rope_write_kv_ref, True, False)[0], whole[0])
+    if DEV == "cpu":  # compiled, the kernel may contract RoPE's multiply-adds differently from torch
+        assert all(torch.equal(a, b) for a, b in zip(whole, written(rope_write_kv, False, True)))
 
 
 def build_case(kv_dtype, page_size, H, group, lens, q_lens, D=64, dtype=torch.float32, seed=0, poison=False):

@@ -1,5 +1,7 @@
 """The model against transformers on the real default model (same GGUF, float32 on the CPU)."""
 
+import copy
+
 import pytest
 import torch
 
@@ -79,3 +81,36 @@ def test_greedy_48_tokens_equal_transformers_generate(engine, hf_reference, mess
     else:
         assert ours == out and events[-1].finish_reason == "length"
     assert "".join(e.text for e in events) == tok.decode(ours, skip_special_tokens=True)
+
+
+def test_decode_graph_inputs_pad_onto_the_scratch_page_and_stage_row(engine):
+    """DecodeGraphs' static inputs (replayed as a CUDA graph on a GPU; run eagerly here): two sequences decoding
+    in a bucket of four become a four-row batch whose padding rows decode on the scratch page and the scratch
+    stage row, and the step writes nothing else but the two sequences' open pages and stage slots (int4ch keeps
+    each sequence's open page in its stage row)."""
+    from localpd.cuda_graph import DecodeGraphs
+
+    model, c, ps = engine.model, engine.config, 16
+    pool = new_kv_pool("int4ch/int4", c.n_layers, 6, ps, c.n_kv_heads, c.head_dim, model.dtype, "cpu", stage_rows=3)
+    g = torch.Generator().manual_seed(5)
+    seqs = [([0, 1], 20, 0), ([3, 4], 7, 1)]  # (pages, prompt length, stage row); page 5 and row 2 are scratch
+    for pages, n, row in seqs:
+        ids = torch.randint(0, c.vocab_size, (n,), generator=g)
+        pos = torch.arange(n)
+        model.forward(Batch(ids, pos, torch.tensor(pages)[pos // ps] * ps + pos % ps, torch.tensor([pages],
+                            dtype=torch.int32), torch.tensor([n], dtype=torch.int32),
+                            torch.tensor([0, n], dtype=torch.int32), torch.tensor([n - 1]), row * ps + pos % ps), pool)
+    graphs = DecodeGraphs(model, pool, 2, 5, 2, 4)
+    graphs._fill(4, [11, 12], [20, 7], [1 * ps + 4, 3 * ps + 7], [4, ps + 7], [s[0] for s in seqs], [21, 8])
+    batch = graphs._batch(4)
+    expected = dict(tokens=[11, 12, 0, 0], positions=[20, 7, 0, 0], slots=[ps + 4, 3 * ps + 7, 5 * ps, 5 * ps],
+                    stage_slots=[4, ps + 7, 2 * ps, 2 * ps], page_table=[[0, 1], [3, 4], [5, 5], [5, 5]],
+                    seq_lens=[21, 8, 1, 1], q_starts=[0, 1, 2, 3, 4], logit_rows=[0, 1, 2, 3])
+    assert {name: getattr(batch, name).tolist() for name in expected} == expected
+    before = copy.deepcopy(pool)
+    assert torch.isfinite(model.forward(batch, pool)).all()
+    for name in ("k", "k_scale", "k_zero", "v", "v_scale", "v_zero"):  # pages 0, 2 and 4 take no new token
+        assert torch.equal(getattr(pool, name)[:, [0, 2, 4]], getattr(before, name)[:, [0, 2, 4]]), name
+    assert not torch.equal(pool.k_zero[:, 5], before.k_zero[:, 5])  # the padding rows wrote the scratch page
+    changed = (pool.k_stage != before.k_stage).flatten(2).any(-1).any(0)  # by stage slot
+    assert changed.nonzero().flatten().tolist() == [4, ps + 7, 2 * ps]  # A's offset 4, B's 7, the scratch row's 0

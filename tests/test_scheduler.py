@@ -93,6 +93,7 @@ def test_random_traffic_never_leaks_or_corrupts(seed, n_pages, page_size, budget
     capacity = n_pages * page_size
     prefixes = [[rng.randrange(5) for _ in range(rng.randrange(1, 3 * page_size))] for _ in range(3)]
     live, done, n_submitted = [], [], 0
+    staged = {}  # stage row -> (sequence, page index) whose open page it holds
     for step in range(400):
         if n_submitted < 25 and rng.random() < 0.3:
             prompt = rng.choice(prefixes) + [rng.randrange(5) for _ in range(rng.randrange(0, 2 * page_size))]
@@ -113,6 +114,13 @@ def test_random_traffic_never_leaks_or_corrupts(seed, n_pages, page_size, budget
             live.remove(seq)
             done.append(seq)
         shadow.run(work)
+        rows = [s.stage_row for s in sched.running]
+        assert sorted(rows + sched.free_rows) == list(range(max_running)), "a stage row lost or shared"
+        assert all(s.stage_row == -1 for s in sched.waiting)
+        for w in work:  # a write continuing a page finds that page's earlier tokens in its stage row
+            if w.start % page_size:
+                assert staged.get(w.seq.stage_row) == (w.seq, w.start // page_size), "staged tokens lost"
+            staged[w.seq.stage_row] = (w.seq, (w.start + w.n - 1) // page_size)
         sched.finish_step(work)
         for w in work:
             if w.sample:
