@@ -14,7 +14,7 @@ stage() { local name=$1 limit=$2; shift 2; echo "=== $name (limit ${limit}s)"; l
   timeout ${TO:-} "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?; tail -n "${TAIL:-25}" "$OUT/$name.log"
   echo "=== $name rc=$rc in $((SECONDS - t0))s"; }
 for s in "$@"; do case $s in
-  tests) TO="-s INT" stage gpu_kv_tests 120 env LOCALPD_TEST_DEVICE=cuda python3 -m pytest -q -n 12 -W ignore \
+  tests) TO="-s INT" stage gpu_kv_tests 150 env LOCALPD_TEST_DEVICE=cuda python3 -m pytest -q -n 12 -W ignore \
            -p no:cacheprovider -rf --tb=line tests/test_kv_kernels.py
          TO="-s INT" stage gpu_mm_tests 150 env LOCALPD_TEST_DEVICE=cuda python3 -m pytest -q -n 14 -W ignore \
            -p no:cacheprovider -rf --tb=line tests/test_kernels.py ;;
