@@ -9,6 +9,7 @@ pool of the format whole or a token at a time, read back), as finally stored and
 them, a measure free of the noise a changed rounding spreads through later layers.
 
     python scripts/ppl_prefill_vs_decode.py --text tests/data/apache-2.0.txt fp32 int4ch/int4 int8/int4 int4
+    python scripts/ppl_prefill_vs_decode.py --modes prefill --text localpd/calibration.txt fp32
     python scripts/ppl_prefill_vs_decode.py --key-error --tokens 512 --text tests/data/apache-2.0.txt int4ch/int4
 """
 
@@ -36,6 +37,7 @@ def main() -> int:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--text", required=True)
     p.add_argument("--tokens", type=int, default=1024)
+    p.add_argument("--modes", default="prefill,decode,decode-unstaged", help="some of the default, comma-separated")
     p.add_argument("--key-error", action="store_true", help="the stored keys' relative error, not perplexity")
     args = p.parse_args()
     loaded = load_model(resolve_model(args.model, pull=False).path, scheme="fp32")
@@ -46,13 +48,13 @@ def main() -> int:
         return key_error(model, ids, args.kv)
     target = torch.tensor(ids[1:])
     for kv in args.kv:
-        for mode in ("prefill", "decode", "decode, no stage"):
+        for mode in args.modes.split(","):
             pool = new_kv_pool(kv, c.n_layers, n_pages, PAGE_SIZE, c.n_kv_heads, c.head_dim, model.dtype, "cpu")
             if mode == "prefill":
                 logits = model.forward(Batch.single(ids, 0, n_pages, PAGE_SIZE, "cpu", all_logits=True), pool)
             else:
                 steps = [Batch.single([t], i, n_pages, PAGE_SIZE, "cpu") for i, t in enumerate(ids)]
-                if mode.endswith("no stage"):
+                if mode == "decode-unstaged":
                     steps = [replace(b, stage_slots=None) for b in steps]
                 logits = torch.cat([model.forward(b, pool) for b in steps])
             nll = torch.nn.functional.cross_entropy(logits[:-1].float(), target).item()
