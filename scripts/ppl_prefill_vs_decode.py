@@ -6,7 +6,8 @@ rounds them twice.
 
 --key-error: instead, the relative error of the keys each format stores (the model's fp32 keys written into a
 pool of the format whole or a token at a time, read back), as finally stored and as each position attends to
-them, a measure free of the noise a changed rounding spreads through later layers.
+them, and the attention output each position's fp32 query gets from them: measures free of the noise a changed
+rounding spreads through later layers.
 
     python scripts/ppl_prefill_vs_decode.py --text tests/data/apache-2.0.txt fp32 int4ch/int4 int8/int4 int4
     python scripts/ppl_prefill_vs_decode.py --modes prefill --text localpd/calibration.txt fp32
@@ -22,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from localpd.kernels.kv_dispatch import gather_kv, write_kv_ref
+import localpd.model as model_module
+from localpd.kernels.kv_dispatch import gather_kv, rope_write_kv_ref, write_kv_ref
 from localpd.loader import load_model
 from localpd.model import Batch, Transformer
 from localpd.quant.kv import new_kv_pool
@@ -63,13 +65,23 @@ def main() -> int:
 
 
 def key_error(model: Transformer, ids: list[int], kv_dtypes: list[str]) -> int:
-    """Two tables: the keys as finally stored, and as attended (each query position t sees keys 0..t as they
-    are stored right after t's write; summed over t), relative squared error against the fp32 keys."""
+    """Three tables, relative squared errors against the fp32 run: the keys as finally stored; the keys as
+    attended (position t sees keys 0..t as they are stored right after t's write; summed over t); and, as
+    attended, the attention output of each position's fp32 query (every 4th position), values' error included."""
     c, T = model.config, len(ids)
     n_pages = -(-T // PAGE_SIZE)
     pages, slots = torch.arange(n_pages), torch.arange(T)
     exact = new_kv_pool("fp32", c.n_layers, n_pages, PAGE_SIZE, c.n_kv_heads, c.head_dim, torch.float32, "cpu")
+    queries = []
+
+    def write(*args):
+        q = rope_write_kv_ref(*args)
+        queries.append(q.clone())
+        return q
+
+    model_module.rope_write_kv = write
     model.forward(Batch.single(ids, 0, n_pages, PAGE_SIZE, "cpu"), exact)
+    model_module.rope_write_kv = rope_write_kv_ref
     kvs = [gather_kv(exact.layer(i), pages, T, torch.float32) for i in range(c.n_layers)]
     modes = {"written whole": ([(0, T)], True), "a token at a time": ([(t, t + 1) for t in range(T)], True),
              "a token at a time, no stage": ([(t, t + 1) for t in range(T)], False)}
@@ -77,7 +89,7 @@ def key_error(model: Transformer, ids: list[int], kv_dtypes: list[str]) -> int:
     for kv in kv_dtypes:
         rows[kv] = []
         for chunks, staged in modes.values():
-            final = attended = ref = attended_ref = 0.0
+            sums = torch.zeros(6, dtype=torch.float64)  # error and reference of each table
             pool = new_kv_pool(kv, c.n_layers, n_pages, PAGE_SIZE, c.n_kv_heads, c.head_dim, torch.float32, "cpu")
             for i, (k, v) in enumerate(kvs):
                 layer, err = pool.layer(i), torch.zeros(T)
@@ -88,16 +100,29 @@ def key_error(model: Transformer, ids: list[int], kv_dtypes: list[str]) -> int:
                     p0, p1 = t0 // PAGE_SIZE, -(-t1 // PAGE_SIZE)  # the pages this write touched
                     stored = gather_kv(layer, pages[p0:p1], t1 - p0 * PAGE_SIZE, torch.float32)[0]
                     err[p0 * PAGE_SIZE:t1] = ((stored - k[p0 * PAGE_SIZE:t1]) ** 2).sum((1, 2))
-                    attended += err.cumsum(0)[t0:t1].sum().item()
-                    attended_ref += square.cumsum(0)[t0:t1].sum().item()
-                final += err.sum().item()
-                ref += square.sum().item()
-            rows[kv].append((final / ref, attended / attended_ref))
-    for title, which in (("keys as finally stored", 0), ("keys as attended", 1)):
+                    sums[2] += err.cumsum(0)[t0:t1].sum().item()
+                    sums[3] += square.cumsum(0)[t0:t1].sum().item()
+                    for t in range(-(-t0 // 4) * 4, t1, 4):
+                        got = _attend(queries[i][t], *gather_kv(layer, pages, t + 1, torch.float32))
+                        want = _attend(queries[i][t], k[:t + 1], v[:t + 1])
+                        sums[4] += ((got - want) ** 2).sum().item()
+                        sums[5] += (want ** 2).sum().item()
+                sums[0] += err.sum().item()
+                sums[1] += square.sum().item()
+            rows[kv].append(sums[0::2] / sums[1::2])
+    for title, which in (("keys as finally stored", 0), ("keys as attended", 1), ("attention output", 2)):
         print(f"\n{title}\n| KV dtype | {' | '.join(modes)} |\n| --- |{' --- |' * len(modes)}")
         for kv, row in rows.items():
             print(f"| {kv} | {' | '.join(f'{r[which]:.3e}' for r in row)} |", flush=True)
     return 0
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """One query position's heads q [Hq, D] over keys and values [n, H, D] (GQA)."""
+    group = q.shape[0] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    weights = (torch.einsum("hd,nhd->hn", q, k) * q.shape[-1] ** -0.5).softmax(-1)
+    return torch.einsum("hn,nhd->hd", weights, v)
 
 
 if __name__ == "__main__":
