@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 import localpd.model as model_module
-from localpd.kernels.kv_dispatch import gather_kv, rope_write_kv_ref, write_kv_ref
+from localpd.kernels.kv_dispatch import gather_kv, write_kv_ref
 from localpd.loader import load_model
 from localpd.model import Batch, Transformer
 from localpd.quant.kv import new_kv_pool
@@ -72,16 +72,18 @@ def key_error(model: Transformer, ids: list[int], kv_dtypes: list[str]) -> int:
     n_pages = -(-T // PAGE_SIZE)
     pages, slots = torch.arange(n_pages), torch.arange(T)
     exact = new_kv_pool("fp32", c.n_layers, n_pages, PAGE_SIZE, c.n_kv_heads, c.head_dim, torch.float32, "cpu")
-    queries = []
+    queries, original = [], model_module.rope_write_kv
 
-    def write(*args):
-        q = rope_write_kv_ref(*args)
+    def write(*args):  # the model's own write, recording each layer's rotated queries
+        q = original(*args)
         queries.append(q.clone())
         return q
 
     model_module.rope_write_kv = write
-    model.forward(Batch.single(ids, 0, n_pages, PAGE_SIZE, "cpu"), exact)
-    model_module.rope_write_kv = rope_write_kv_ref
+    try:
+        model.forward(Batch.single(ids, 0, n_pages, PAGE_SIZE, "cpu"), exact)
+    finally:
+        model_module.rope_write_kv = original
     kvs = [gather_kv(exact.layer(i), pages, T, torch.float32) for i in range(c.n_layers)]
     modes = {"written whole": ([(0, T)], True), "a token at a time": ([(t, t + 1) for t in range(T)], True),
              "a token at a time, no stage": ([(t, t + 1) for t in range(T)], False)}
