@@ -8,10 +8,12 @@ prefix cache first, so a repeated system prompt or the earlier turns of a chat a
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +40,17 @@ log = logging.getLogger("localpd.engine")
 PAGE_SIZE = 16
 MAX_STEP_TOKENS = 512  # tokens one step pushes through the model: bounds activation memory and decode stalls
 MAX_RUNNING = 64
+
+_open_engines: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_engines() -> None:
+    """An engine thread still inside a torch op while the interpreter shuts down aborts the process ("terminate
+    called without an active exception"), so engines their owner did not close are closed here, each after its
+    current step."""
+    for engine in list(_open_engines):
+        engine.close()
 
 
 @dataclass
@@ -254,6 +267,7 @@ class Engine:
         self._ids = itertools.count()
         self._thread = threading.Thread(target=self._run, name="localpd-engine", daemon=True)
         self._thread.start()
+        _open_engines.add(self)
 
     def _load(self, model: str, progress: bool) -> LoadedModel:
         if model.startswith("synthetic:"):

@@ -1,6 +1,8 @@
 """Generation behaviour on the real default model: the request API, the prefix cache, concurrency."""
 
 import asyncio
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -108,6 +110,26 @@ def test_abandoned_iterator_cancels_the_request(engine):
         threading.Event().wait(0.01)
     assert idle(engine)
     assert run(engine, ids)[0] == run(engine, ids)[0]
+
+
+LEAVE_MID_STREAM = """
+import sys
+from localpd.engine import Engine
+from localpd.sampling import SamplingParams
+e = Engine(sys.argv[1], device="cpu", max_context=512)
+stream = iter(e.submit([1, 2, 3, 4], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)))
+next(stream), next(stream)
+print("left mid-stream")
+"""
+
+
+def test_a_script_that_exits_mid_stream_without_closing_its_engine_exits_cleanly(default_gguf):
+    """The engine thread is mid-step when the interpreter shuts down; unclosed, that aborted the process
+    ("terminate called without an active exception", exit 134) two runs in three."""
+    for _ in range(2):
+        r = subprocess.run([sys.executable, "-c", LEAVE_MID_STREAM, str(default_gguf)], capture_output=True,
+                           text=True, timeout=120)
+        assert (r.returncode, r.stdout) == (0, "left mid-stream\n"), r.stderr[-2000:]
 
 
 def test_stop_string_cuts_the_reply(engine):
