@@ -20,9 +20,10 @@ def bench_localpd(engine, ids, n):
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     list(engine.generate(ids, SamplingParams(temperature=0, max_tokens=4)))  # warm-up
     t = time.perf_counter()
-    events = list(engine.generate(ids, params))
+    handle = engine.submit(ids, params)
+    events = list(handle)
     total = time.perf_counter() - t
-    s = engine.last_stats
+    s = handle.stats
     return s.ttft, s.decode_tps, total, [e.token_id for e in events if e.token_id is not None]
 
 
