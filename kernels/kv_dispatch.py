@@ -101,17 +101,12 @@ def paged_attention_ref(q: torch.Tensor, layer: KVLayer, page_table: torch.Tenso
         s, e = starts[b], starts[b + 1]
         t = e - s
         k, v = gather_kv(layer, page_table[b, :-(-n // ps)].long(), n, q.dtype)
-        if t == 1:  # a decode row sees every key: two batched matmuls per KV head, where SDPA with a mask takes
-            # its slow general path (4x slower at 1k keys on the CPU)
-            H, D = k.shape[1], k.shape[2]
-            qg = q[s].view(H, -1, D).float()  # query heads grouped by the KV head they read
-            p = (torch.bmm(qg, k.float().permute(1, 2, 0)) * scale).softmax(-1)
-            out[s] = torch.bmm(p, v.float().transpose(0, 1)).reshape(-1, D).to(q.dtype)
-            continue
-        mask = torch.ones(t, n, dtype=torch.bool, device=q.device).tril(diagonal=n - t)
-        o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                           attn_mask=mask, scale=scale, enable_gqa=True)
-        out[s:e] = o.transpose(0, 1)
+        # a decode row (t = 1) sees every key, so it needs no mask; 4-D inputs (a batch of one) let the CPU take
+        # SDPA's fused kernel, where 3-D ones took its general path: 3-4x slower
+        mask = None if t == 1 else torch.ones(t, n, dtype=torch.bool, device=q.device).tril(diagonal=n - t)
+        o = F.scaled_dot_product_attention(q[None, s:e].transpose(1, 2), k[None].transpose(1, 2),
+                                           v[None].transpose(1, 2), attn_mask=mask, scale=scale, enable_gqa=True)
+        out[s:e] = o[0].transpose(0, 1)
     return out
 
 
