@@ -81,11 +81,11 @@ def write_kv_ref(layer: KVLayer, k: torch.Tensor, v: torch.Tensor, slots: torch.
 def gather_kv(layer: KVLayer, pages: torch.Tensor, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """The first n positions of a sequence whose pages are `pages`, dequantized: K, V [n, H, D]."""
 
+    def pick(t):  # index_select: 1.5-3x faster than t[pages] on the CPU
+        return None if t is None else t.index_select(0, pages).flatten(0, 1)[:n]
+
     def one(data, scale, zero, fmt):
-        d = data[pages].flatten(0, 1)[:n]
-        s = None if scale is None else scale[pages].flatten(0, 1)[:n]
-        z = None if zero is None else zero[pages].flatten(0, 1)[:n]
-        return dequantize_kv(d, s, z, fmt, dtype)
+        return dequantize_kv(pick(data), pick(scale), pick(zero), fmt, dtype)
 
     k, v = (one(*side) for side in _sides(layer))
     return k, v
