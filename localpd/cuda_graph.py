@@ -53,7 +53,7 @@ class DecodeGraphs:
         self.tokens[:b].copy_(torch.tensor(tokens + [0] * pad))
         self.positions[:b].copy_(torch.tensor(positions + [0] * pad))
         self.slots[:b].copy_(torch.tensor(slots + [self.scratch * ps] * pad))
-        if self.kv.k_stage is not None or self.kv.v_stage is not None:  # one copy less per step without a stage
+        if self.kv.has_stage:  # one copy less per step without a stage
             self.stage_slots[:b].copy_(torch.tensor(stage_slots + [self.scratch_row * ps] * pad))
         self.seq_lens[:b].copy_(torch.tensor(lens + [1] * pad, dtype=torch.int32))
         self.page_table[:b].copy_(table)

@@ -448,7 +448,8 @@ class Engine:
             ids += seq_tokens[w.start:w.start + w.n]
             pages = w.seq.table.pages
             slots += (slot_of(pages, pos, ps) for pos in range(w.start, w.start + w.n))
-            stage_slots += (w.seq.stage_row * ps + pos % ps for pos in range(w.start, w.start + w.n))
+            if self.kv.has_stage:
+                stage_slots += (w.seq.stage_row * ps + pos % ps for pos in range(w.start, w.start + w.n))
             positions += range(w.start, w.start + w.n)
             starts.append(starts[-1] + w.n)
             lens.append(w.start + w.n)
@@ -462,7 +463,7 @@ class Engine:
 
         return Batch(tokens=t(ids, torch.long), positions=t(positions, torch.long), slots=t(slots, torch.long),
                      page_table=t(table), seq_lens=t(lens), q_starts=t(starts), logit_rows=t(rows, torch.long),
-                     stage_slots=t(stage_slots, torch.long))
+                     stage_slots=t(stage_slots, torch.long) if self.kv.has_stage else None)
 
     def _decode_inputs(self, work: list[Work]):
         """(tokens, positions, slots, stage slots, page lists, lengths) of a step in which every sequence decodes

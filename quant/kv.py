@@ -101,6 +101,11 @@ class KVPool:
         return self.k.shape[1]
 
     @property
+    def has_stage(self) -> bool:
+        """Whether a side is in a per-page format, so that writes take stage slots."""
+        return self.k_stage is not None or self.v_stage is not None
+
+    @property
     def n_kv_heads(self) -> int:
         return self.k.shape[3]
 
