@@ -21,6 +21,8 @@ so that each thread reuses an activation across the columns it holds; scripts/sw
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -80,7 +82,7 @@ def _gemv_kernel(x_ptr, y_ptr, M, N, K, stride_xm, stride_ym, w_ptr, s_ptr, b_pt
                  SPLIT_K, r_ptr, g_ptr, sum_ptr, stride_rm, stride_summ, eps, out_bias_ptr, BITS: tl.constexpr,
                  GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr, GATED: tl.constexpr = False, NORM: tl.constexpr = False,
-                 HAS_RES: tl.constexpr = False, OUT_BIAS: tl.constexpr = False):
+                 HAS_RES: tl.constexpr = False, OUT_BIAS: tl.constexpr = False, WORD_ALIGN: tl.constexpr = 1):
     """GATED: x rows are [gate | up] (2K wide) and the activation is silu(gate) * up, computed as it is loaded
     and rounded to x's dtype exactly as silu_mul_kernel writes it (the down projection without its own kernel).
 
@@ -91,7 +93,12 @@ def _gemv_kernel(x_ptr, y_ptr, M, N, K, stride_xm, stride_ym, w_ptr, s_ptr, b_pt
     column tile write s to sum_ptr (the new residual stream), each its own K chunks.
 
     OUT_BIAS: the layer's bias (out_bias_ptr, [N]) is added to y (by the first split under split-K); HAS_BIAS is
-    the int4 format's per-group offsets."""
+    the int4 format's per-group offsets. WORD_ALIGN: a power of two dividing the words per row (K * BITS / 32),
+    which lets the compiler load 16-byte runs of words (Triton only knows that K is a multiple of 16).
+
+    The weight tile is loaded as [1, BLOCK_N, G, WPG], in the layout the products are computed in: loaded as
+    [BLOCK_N, G, WPG] and broadcast over the rows afterwards, every field went through shared memory to change
+    layout (18 barriers per tile at M = 1 in the sm_90 code; scripts/gemv_sass.py counts them)."""
     FIELDS: tl.constexpr = 32 // BITS
     G: tl.constexpr = (BLOCK_K + GROUP - 1) // GROUP  # groups in a tile (1 when a group spans several tiles)
     WPG: tl.constexpr = BLOCK_K // FIELDS // G  # words of one group in a tile
@@ -100,7 +107,8 @@ def _gemv_kernel(x_ptr, y_ptr, M, N, K, stride_xm, stride_ym, w_ptr, s_ptr, b_pt
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     word = tl.arange(0, G)[:, None] * WPG + tl.arange(0, WPG)[None, :]  # [G, WPG]
-    kw = K // FIELDS
+    kw = tl.multiple_of(K // FIELDS, WORD_ALIGN)
+    stride_wn = tl.multiple_of(stride_wn, WORD_ALIGN)
     c0, c1 = _split_chunks(K, BLOCK_K, SPLIT_K, pid_k)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     sq = tl.zeros((BLOCK_M, G, WPG), tl.float32)  # NORM: squares of s (the row's, summed as it is loaded)
@@ -114,8 +122,8 @@ def _gemv_kernel(x_ptr, y_ptr, M, N, K, stride_xm, stride_ym, w_ptr, s_ptr, b_pt
             row_sq += tl.sum(sf * sf, axis=1)
     for c in range(c0, c1):
         wk = c * (BLOCK_K // FIELDS) + word  # [G, WPG] word columns
-        w = tl.load(w_ptr + offs_n[:, None, None] * stride_wn + wk[None], mask=n_mask[:, None, None] & (wk < kw)[None],
-                    other=0)
+        w = tl.load(w_ptr + offs_n[None, :, None, None] * stride_wn + wk[None, None],
+                    mask=n_mask[None, :, None, None] & (wk < kw)[None, None], other=0)  # [1, BLOCK_N, G, WPG]
         if BITS == 8:
             w = w ^ INT8_XOR
         hi = (w >> 16) & 0xFFFF
@@ -146,7 +154,7 @@ def _gemv_kernel(x_ptr, y_ptr, M, N, K, stride_xm, stride_ym, w_ptr, s_ptr, b_pt
                 xs = (silu * up.to(tl.float32)).to(up.dtype)
             xs = xs.to(tl.float32)
             xsum += xs
-            part += _field(w, hi, f, BITS)[None] * _field_scaled(xs, f, BITS)[:, None]
+            part += _field(w, hi, f, BITS) * _field_scaled(xs, f, BITS)[:, None]
         dot = tl.sum(part, axis=3)  # [BLOCK_M, BLOCK_N, G]
         xg = tl.sum(xsum, axis=2)  # [BLOCK_M, G]
         if BITS == 8:
@@ -337,7 +345,7 @@ def quant_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bia
         split_k = tuned.pop("split_k") if tuned else pick_split_k(n, k, sm_count(x.device))
     y = torch.zeros((m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
     meta = dict(BITS=bits, GROUP=kernel_group, HAS_BIAS=has_bias, BLOCK_M=block_m, ATOMIC=split_k > 1, GATED=gated,
-                NORM=norm is not None, HAS_RES=res is not x, OUT_BIAS=bias is not None)
+                NORM=norm is not None, HAS_RES=res is not x, OUT_BIAS=bias is not None, WORD_ALIGN=word_align(words))
     if tuned:
         kernel = _gemv_kernel
         meta.update(tuned)
@@ -351,6 +359,13 @@ def quant_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bia
     if y is not out:
         out.copy_(y)
     return done
+
+
+def word_align(words: torch.Tensor) -> int:
+    """The GEMV's WORD_ALIGN for these int32 words [N, K * bits / 32]: 4 (16-byte runs) where the words per row
+    and the row stride allow it."""
+    n = math.gcd(words.shape[1], words.stride(0))
+    return 4 if n % 4 == 0 else 2 if n % 2 == 0 else 1
 
 
 def _dequant_matmul(x, words, scales, biases, bits, group, has_bias, out):

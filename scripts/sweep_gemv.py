@@ -26,7 +26,7 @@ from localpd.bench_kernels import SHAPES, copies_for, graph_time, random_int4, r
 from localpd.device import measure_copy_bandwidth
 from localpd.kernels.dispatch import (cdiv, device_key, gemv_block_m, int4_matmul_ref, int8_matmul_ref, linear_int4,
                                      linear_int8)
-from localpd.kernels.quant_matmul import _gemv_kernel, gemv_kmajor
+from localpd.kernels.quant_matmul import _gemv_kernel, gemv_kmajor, word_align
 from localpd.quant.weights import Int4Weight
 
 BLOCK_N = (16, 32, 64, 128, 256)
@@ -65,7 +65,7 @@ def launch(x, y, w, cfg, norm=None):
                                           GROUP=group, HAS_BIAS=has_bias, BLOCK_M=gemv_block_m(m), BLOCK_N=bn,
                                           BLOCK_K=bk,
                                           ATOMIC=split > 1, NORM=norm is not None, HAS_RES=norm is not None,
-                                          num_warps=warps, num_stages=stages)
+                                          WORD_ALIGN=word_align(words), num_warps=warps, num_stages=stages)
 
 
 def rel(y, w, x, fmt) -> float:

@@ -306,3 +306,32 @@ def test_model_sized_shapes(fmt, m):
     """Llama-3-8B and SmolLM2 shapes (autotuned configs, split-K chosen by the SM count) and an odd N."""
     for i, (n, k) in enumerate([(6144, 4096), (4096, 14336), (1536, 576), (49152 + 7, 576)]):
         check(fmt, m, n, k, 32 if k % 128 else 128, (torch.bfloat16, torch.float16)[i % 2], seed=m * 10 + i)
+
+
+def test_word_align_is_what_the_words_allow():
+    from localpd.kernels.quant_matmul import word_align
+
+    words = torch.zeros(6, 40, dtype=torch.int32)
+    assert [word_align(words[:, :w]) for w in (40, 36, 6, 5)] == [4, 4, 2, 1]  # row stride 40 in every view
+    assert word_align(torch.zeros(3, 10, dtype=torch.int32)[:, :8]) == 2  # 8 words a row, rows 10 apart
+
+
+def test_decode_gemv_compiles_to_16_byte_loads_without_shared_memory():
+    """The M = 1 int4 GEMV's sm_90 code, built on this CPU by Triton's compiler and ptxas (scripts/gemv_sass.py):
+    the weight tile is loaded in the layout its products are computed in, so the main loop has no barrier and no
+    shared-memory instruction, and reads 16 bytes of words per load. Before, it loaded [BLOCK_N, G, WPG] words 8
+    bytes at a time and moved every field through shared memory (20-36 barriers per trip)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "LOCALPD_TRITON_INTERPRET")}
+    script = Path(__file__).parent.parent / "scripts" / "gemv_sass.py"
+    out = subprocess.run([sys.executable, str(script), "--formats", "int4-g128", "--variants", "plain",
+                          "--configs", "32,256,4,3"], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    row = next(line.split() for line in out.stdout.splitlines() if line.split()[:2] == ["90", "int4-g128"])
+    per_word, barriers, shared, load, _, spilled = row[5:]
+    assert (barriers, shared, load, spilled) == ("0", "0", "LDG.E.128", "0"), out.stdout
+    assert float(per_word) < 100, out.stdout  # 8 fields a word at about 3 instructions each, plus the activations
