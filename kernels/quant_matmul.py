@@ -98,7 +98,7 @@ def _gemv_kernel(x_ptr, y_ptr, M, N, K, stride_xm, stride_ym, w_ptr, s_ptr, b_pt
 
     The weight tile is loaded as [1, BLOCK_N, G, WPG], in the layout the products are computed in: loaded as
     [BLOCK_N, G, WPG] and broadcast over the rows afterwards, every field went through shared memory to change
-    layout (18 barriers per tile at M = 1 in the sm_90 code; scripts/gemv_sass.py counts them)."""
+    layout (18 to 72 barriers per loop trip at M = 1 in the sm_90 code; scripts/gemv_sass.py counts them)."""
     FIELDS: tl.constexpr = 32 // BITS
     G: tl.constexpr = (BLOCK_K + GROUP - 1) // GROUP  # groups in a tile (1 when a group spans several tiles)
     WPG: tl.constexpr = BLOCK_K // FIELDS // G  # words of one group in a tile

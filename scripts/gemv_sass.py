@@ -27,13 +27,15 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from localpd.device import card_entry
 from localpd.kernels.dispatch import GEMV_CONFIGS, gemv_block_m
 from localpd.kernels.quant_matmul import _gemv_kernel
 
 TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-# card -> (SMs, boost clock GHz, memory bandwidth GB/s): datasheets; the H100 line uses its measured copy bandwidth
-CARDS = {"H100 SXM (measured 2,950 GB/s)": (132, 1.98, 2950), "RTX 5090": (170, 2.41, 1792),
-         "RTX 4090": (128, 2.52, 1008), "RTX 4070": (46, 2.48, 504), "RTX 3090": (82, 1.70, 936)}
+# card -> (SMs, boost clock GHz), datasheets; bandwidth from localpd.device's table, the H100's as measured here
+CARDS = {"H100 SXM": (132, 1.98), "RTX 5090": (170, 2.41), "RTX 4090": (128, 2.52), "RTX 4070": (46, 2.48),
+         "RTX 3090": (82, 1.70)}
+H100_MEASURED = 2950  # GB/s, a 1 GiB device-to-device copy (docs/PERF.md)
 
 
 @dataclass
@@ -106,7 +108,11 @@ def loop_stats(kernel, words_per_thread: float) -> LoopStats:
 
 def budgets() -> dict[str, float]:
     """Instruction slots per weight word at full bandwidth, per card."""
-    return {card: sms * 128 * ghz * 1e9 / (gbs * 1e9 / 4) for card, (sms, ghz, gbs) in CARDS.items()}
+    slots = {}
+    for card, (sms, ghz) in CARDS.items():
+        gbs = H100_MEASURED if card.startswith("H100") else card_entry(card)[0]
+        slots[f"{card} ({gbs} GB/s)"] = sms * 128 * ghz * 1e9 / (gbs * 1e9 / 4)
+    return slots
 
 
 def main() -> int:
