@@ -30,6 +30,7 @@ from triton.compiler import ASTSource
 from localpd.device import card_entry
 from localpd.kernels.dispatch import GEMV_CONFIGS, gemv_block_m
 from localpd.kernels.quant_matmul import _gemv_kernel
+from sweep_gemv import BLOCK_K, BLOCK_N, MAX_WORDS, STAGES, WARPS  # the sweep's grid (this script's folder)
 
 TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 # card -> (SMs, boost clock GHz), datasheets; bandwidth from localpd.device's table, the H100's as measured here
@@ -67,21 +68,13 @@ def compile_gemv(bits: int, group: int, block_n: int, block_k: int, warps: int, 
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=warps, num_stages=stages))
 
 
-def disassemble(cubin: bytes) -> str:
+def cuobjdump(cubin: bytes) -> str:
+    """The cubin's SASS and its resource usage (registers, stack), as cuobjdump prints them."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        return subprocess.run([os.path.join(TOOLS, "cuobjdump"), "-sass", f.name], capture_output=True, text=True,
-                              check=True).stdout
-
-
-def resources(cubin: bytes) -> tuple[int, int]:
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        out = subprocess.run([os.path.join(TOOLS, "cuobjdump"), "--dump-resource-usage", f.name],
-                             capture_output=True, text=True, check=True).stdout
-    return int(re.search(r"REG:(\d+)", out).group(1)), int(re.search(r"STACK:(\d+)", out).group(1))
+        return subprocess.run([os.path.join(TOOLS, "cuobjdump"), "-sass", "--dump-resource-usage", f.name],
+                              capture_output=True, text=True, check=True).stdout
 
 
 def main_loop(sass: str) -> list[str]:
@@ -97,11 +90,11 @@ def main_loop(sass: str) -> list[str]:
 
 
 def loop_stats(kernel, words_per_thread: float) -> LoopStats:
-    body = main_loop(disassemble(kernel.asm["cubin"]))
+    out = cuobjdump(kernel.asm["cubin"])
+    body = main_loop(out)
     loads = [op for op in body if op.startswith("LDG")]
-    widest = max(loads, key=lambda op: int(re.search(r"\.(\d+)$", op).group(1)) if re.search(r"\.(\d+)$", op)
-                 else 32, default="-")
-    regs, stack = resources(kernel.asm["cubin"])
+    widest = max(loads, key=lambda op: int((re.findall(r"\d+$", op) or ["32"])[0]), default="-")  # LDG.E: 32 bits
+    regs, stack = (int(re.search(rf"{field}:(\d+)", out).group(1)) for field in ("REG", "STACK"))
     return LoopStats(len(body), round(len(body) / words_per_thread, 1), sum(op.startswith("BAR") for op in body),
                      sum(op.startswith(("LDS", "STS", "LDSM")) for op in body), widest, regs, stack)
 
@@ -127,7 +120,7 @@ def main() -> int:
     if args.configs == "default":
         configs = GEMV_CONFIGS
     elif args.configs == "all":
-        configs = list(itertools.product((16, 32, 64, 128, 256), (128, 256, 512, 1024), (4, 8), (1, 3)))
+        configs = list(itertools.product(BLOCK_N, BLOCK_K, WARPS, STAGES))
     else:
         configs = [tuple(map(int, c.split(","))) for c in args.configs.split(";")]
     print(f"# Triton {triton.__version__}; per loop trip: SASS instructions per weight word a thread loads, "
@@ -138,7 +131,7 @@ def main() -> int:
             map(int, args.arch.split(",")), args.formats.split(","), args.variants.split(","),
             map(int, args.m.split(",")), configs):
         bits, group = (4, int(fmt.split("-g")[1])) if fmt.startswith("int4") else (8, 1 << 30)
-        if bn * bk * bits // 32 * gemv_block_m(m) > 8192:  # the sweep's MAX_WORDS: larger tiles spill
+        if bn * bk * bits // 32 * gemv_block_m(m) > MAX_WORDS:  # as the sweep: larger tiles spill
             continue
         kernel = compile_gemv(bits, group, bn, bk, warps, stages, m, variant == "norm", variant == "gated", arch)
         s = loop_stats(kernel, bn * bk * bits / 32 / (32 * warps))
