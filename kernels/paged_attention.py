@@ -22,10 +22,17 @@ FLOAT, INT8, FP8, INT4 = 0, 1, 2, 3
 
 
 @triton.jit
+def _token_scales(scale, pages, offs, mask, head, c_page, c_tok, c_head):
+    """The per-token scales of one KV head (int8, fp8) as float32 [len(pages)]."""
+    return tl.load(scale + pages * c_page + offs * c_tok + head * c_head, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _load_tokens(data, scale, zero, pages, offs, mask, head, s_page, s_tok, s_head, c_page, c_tok, c_head,
-                 KIND: tl.constexpr, D: tl.constexpr):
+                 KIND: tl.constexpr, D: tl.constexpr, SCALED: tl.constexpr = True):
     """Tokens (pages[i], offs[i]) of one KV head, dequantized to float32: [len(pages), D]; masked tokens read 0,
-    so stale or never-written memory past a sequence's end cannot turn into NaN."""
+    so stale or never-written memory past a sequence's end cannot turn into NaN. SCALED=False leaves a per-token
+    scale (int8, fp8) out, for a caller that applies it to a whole row at once (_token_scales)."""
     d = tl.arange(0, D)
     tok = pages[:, None] * s_page + offs[:, None] * s_tok + head * s_head
     m = mask[:, None]
@@ -42,9 +49,8 @@ def _load_tokens(data, scale, zero, pages, offs, mask, head, s_page, s_tok, s_he
                                                                                  other=0.0).to(tl.float32)
     else:
         x = tl.load(data + tok + d[None, :], mask=m, other=0.0).to(tl.float32)
-        if KIND == 1 or KIND == 2:
-            s = tl.load(scale + pages * c_page + offs * c_tok + head * c_head, mask=mask, other=0.0).to(tl.float32)
-            x = x * s[:, None]
+        if SCALED and (KIND == 1 or KIND == 2):
+            x = x * _token_scales(scale, pages, offs, mask, head, c_page, c_tok, c_head)[:, None]
     return x
 
 
@@ -229,6 +235,27 @@ def rope_write_kv_kernel(qkv, cos, sin, slots, k, v, k_scale, v_scale, k_zero, v
 
 
 @triton.jit
+def _int4_halves(data, scale, zero, pages, offs, mask, head, s_page, s_tok, s_head, c_page, c_tok, c_head,
+                 D: tl.constexpr):
+    """Grouped int4 tokens of one KV head as two float32 tiles [len(pages), D / 2]: the even elements (each
+    byte's low nibble) and the odd ones (its high nibble). The bytes, scales and zeros are each loaded as one
+    contiguous tile per token (a group's scale is broadcast over its 16 bytes in registers), where loading per
+    element issued a load for every element's byte, scale and zero."""
+    T: tl.constexpr = pages.shape[0]
+    G: tl.constexpr = D // 32
+    j = tl.arange(0, D // 2)
+    m = mask[:, None]
+    p = tl.load(data + pages[:, None] * s_page + offs[:, None] * s_tok + head * s_head + j[None, :], mask=m,
+                other=0).to(tl.int32)
+    off = pages[:, None] * c_page + offs[:, None] * c_tok + head * c_head + tl.arange(0, G)[None, :]
+    sc = tl.load(scale + off, mask=m, other=0.0).to(tl.float32)[:, :, None]  # [T, G, 1]
+    zr = tl.load(zero + off, mask=m, other=0.0).to(tl.float32)[:, :, None]
+    even = tl.reshape(tl.reshape((p & 15).to(tl.float32), (T, G, 16)) * sc + zr, (T, D // 2))
+    odd = tl.reshape(tl.reshape((p >> 4).to(tl.float32), (T, G, 16)) * sc + zr, (T, D // 2))
+    return even, odd
+
+
+@triton.jit
 def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_lens, part_acc, part_ml, sm_scale,
                   s_q_t, s_q_h, s_pt_b, sk_page, sk_tok, sk_head, ck_page, ck_tok, ck_head,
                   sv_page, sv_tok, sv_head, cv_page, cv_tok, cv_head, pages_per_split,
@@ -236,7 +263,12 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
                   GROUP: tl.constexpr, GP: tl.constexpr,
                   SPLITS: tl.constexpr, BLOCK_T: tl.constexpr):
     """Program (b, kv head, split): the group's queries (padded to GP >= 16 rows for tl.dot) against this split's
-    tokens, BLOCK_T at a time across several pages; partial softmax results out."""
+    tokens, BLOCK_T at a time across several pages; partial softmax results out.
+
+    The tiles go into the dots as stored, and each format's scales are applied where they cost least: a per-token
+    scale (int8, fp8) multiplies the scores (keys) or the softmax weights (values), not every element; grouped
+    int4 is taken as its low and high nibbles, two half-width tiles (even and odd elements), with the query split
+    the same way (keys) or two half-width accumulators (values)."""
     b = tl.program_id(0)
     kh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -245,35 +277,64 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
     last = tl.minimum(first + pages_per_split * PS, n)
     g = tl.arange(0, GP)
     d = tl.arange(0, D)
+    h2 = tl.arange(0, D // 2)
     gmask = g < GROUP
     # float32 operands: tf32 on the GPU, which holds bf16/fp16 queries and keys exactly (and the interpreter has
     # no bf16 dot)
-    qv = tl.load(q + b * s_q_t + (kh * GROUP + g)[:, None] * s_q_h + d[None, :], mask=gmask[:, None], other=0.0)
-    qv = qv.to(tl.float32)
+    q_row = q + b * s_q_t + (kh * GROUP + g)[:, None] * s_q_h
+    qv = (tl.load(q_row + d[None, :], mask=gmask[:, None], other=0.0).to(tl.float32) * sm_scale)
+    q_even = (tl.load(q_row + 2 * h2[None, :], mask=gmask[:, None], other=0.0).to(tl.float32) * sm_scale)
+    q_odd = (tl.load(q_row + 2 * h2[None, :] + 1, mask=gmask[:, None], other=0.0).to(tl.float32) * sm_scale)
     m = tl.full((GP,), float("-inf"), tl.float32)
     l = tl.zeros((GP,), tl.float32)
     acc = tl.zeros((GP, D), tl.float32)
+    acc_even = tl.zeros((GP, D // 2), tl.float32)  # grouped int4 values: the even and odd output elements
+    acc_odd = tl.zeros((GP, D // 2), tl.float32)
     t = tl.arange(0, BLOCK_T)
     for t0 in range(first, last, BLOCK_T):
         pos = t0 + t
         tmask = pos < last
         pages = tl.load(page_table + b * s_pt_b + pos // PS, mask=tmask, other=0).to(tl.int64)
+        offs = pos % PS
         # V is requested with K, before the math, so both tiles are in flight together
-        kt = _load_tokens(k, k_scale, k_zero, pages, pos % PS, tmask, kh, sk_page, sk_tok, sk_head, ck_page,
-                          ck_tok, ck_head, K_KIND, D)
-        vt = _load_tokens(v, v_scale, v_zero, pages, pos % PS, tmask, kh, sv_page, sv_tok, sv_head, cv_page,
-                          cv_tok, cv_head, V_KIND, D)
-        s = tl.dot(qv, tl.trans(kt)) * sm_scale  # [GP, BLOCK_T]; every tile has a valid token
-        s = tl.where(tmask[None, :], s, float("-inf"))
+        if K_KIND == 3:
+            k_even, k_odd = _int4_halves(k, k_scale, k_zero, pages, offs, tmask, kh, sk_page, sk_tok, sk_head,
+                                         ck_page, ck_tok, ck_head, D)
+        else:
+            kt = _load_tokens(k, k_scale, k_zero, pages, offs, tmask, kh, sk_page, sk_tok, sk_head, ck_page, ck_tok,
+                              ck_head, K_KIND, D, False)
+        if V_KIND == 3:
+            v_even, v_odd = _int4_halves(v, v_scale, v_zero, pages, offs, tmask, kh, sv_page, sv_tok, sv_head,
+                                         cv_page, cv_tok, cv_head, D)
+        else:
+            vt = _load_tokens(v, v_scale, v_zero, pages, offs, tmask, kh, sv_page, sv_tok, sv_head, cv_page, cv_tok,
+                              cv_head, V_KIND, D, False)
+        if K_KIND == 3:
+            s = tl.dot(q_even, tl.trans(k_even)) + tl.dot(q_odd, tl.trans(k_odd))  # [GP, BLOCK_T]
+        else:
+            s = tl.dot(qv, tl.trans(kt))
+        if K_KIND == 1 or K_KIND == 2:
+            s = s * _token_scales(k_scale, pages, offs, tmask, kh, ck_page, ck_tok, ck_head)[None, :]
+        s = tl.where(tmask[None, :], s, float("-inf"))  # every tile has a valid token
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp(m - m_new)
         w = tl.exp(s - m_new[:, None])
-        acc = acc * alpha[:, None] + tl.dot(w, vt)
         l = l * alpha + tl.sum(w, axis=1)
         m = m_new
+        if V_KIND == 1 or V_KIND == 2:
+            w = w * _token_scales(v_scale, pages, offs, tmask, kh, cv_page, cv_tok, cv_head)[None, :]
+        if V_KIND == 3:
+            acc_even = acc_even * alpha[:, None] + tl.dot(w, v_even)
+            acc_odd = acc_odd * alpha[:, None] + tl.dot(w, v_odd)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(w, vt)
     # [B, query heads, SPLITS]: the group's real rows only, each head's splits side by side for the reduce
     row = ((b * tl.num_programs(1) + kh) * GROUP + g) * SPLITS + sp
-    tl.store(part_acc + row[:, None] * D + d[None, :], acc, mask=gmask[:, None])
+    if V_KIND == 3:
+        tl.store(part_acc + row[:, None] * D + 2 * h2[None, :], acc_even, mask=gmask[:, None])
+        tl.store(part_acc + row[:, None] * D + 2 * h2[None, :] + 1, acc_odd, mask=gmask[:, None])
+    else:
+        tl.store(part_acc + row[:, None] * D + d[None, :], acc, mask=gmask[:, None])
     tl.store(part_ml + row * 2, m, mask=gmask)
     tl.store(part_ml + row * 2 + 1, l, mask=gmask)
 

@@ -3,10 +3,9 @@ compiler and ptxas, disassembles the cubin (cuobjdump) and reports, per launch c
 SASS instructions per weight word a thread streams, its barriers and shared-memory instructions, the widest
 weight load, registers and spilled bytes.
 
-A GEMV at M = 1 keeps up with DRAM only if an SM issues its instructions faster than the weights arrive: an SM
-issues at most 128 thread-instructions a clock, so at full bandwidth there are SMs * 128 * clock / (bandwidth / 4)
-instruction slots per 4-byte word, printed per card at the end. Static counts are not timings: they say where to
-look, the GPU sweep (scripts/sweep_gemv.py) decides.
+A GEMV at M = 1 keeps up with DRAM only if an SM issues its instructions faster than the weights arrive; each
+card's budget of instructions per 4-byte word is printed at the end (scripts/sass.py). Static counts are not
+timings: they say where to look, the GPU sweep (scripts/sweep_gemv.py) decides.
 
     python scripts/gemv_sass.py                       # sm_90, int4-g128 and int8, plain / norm / gated, M = 1
     python scripts/gemv_sass.py --arch 89 --m 1,4 --configs all
@@ -17,37 +16,15 @@ from __future__ import annotations
 import argparse
 import inspect
 import itertools
-import os
-import re
-import subprocess
-import tempfile
-from dataclasses import dataclass
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from localpd.device import card_entry
 from localpd.kernels.dispatch import GEMV_CONFIGS, gemv_block_m
 from localpd.kernels.quant_matmul import _gemv_kernel
+from sass import loop_stats, print_budgets  # this script's folder
 from sweep_gemv import BLOCK_K, BLOCK_N, MAX_WORDS, STAGES, WARPS  # the sweep's grid (this script's folder)
-
-TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-# card -> (SMs, boost clock GHz), datasheets; bandwidth from localpd.device's table, the H100's as measured here
-CARDS = {"H100 SXM": (132, 1.98), "RTX 5090": (170, 2.41), "RTX 4090": (128, 2.52), "RTX 4070": (46, 2.48),
-         "RTX 3090": (82, 1.70)}
-H100_MEASURED = 2950  # GB/s, a 1 GiB device-to-device copy (docs/PERF.md)
-
-
-@dataclass
-class LoopStats:
-    instructions: int  # SASS instructions in the main loop's body
-    per_word: float  # ... per weight word (4 bytes) each thread loads in one trip
-    barriers: int
-    shared: int  # shared-memory loads and stores (a layout change goes through shared memory)
-    weight_load: str  # the widest global load in the loop, e.g. LDG.E.128
-    registers: int
-    spilled: int  # bytes of local memory (stack) per thread
 
 
 def compile_gemv(bits: int, group: int, block_n: int, block_k: int, warps: int, stages: int, m: int = 1,
@@ -66,46 +43,6 @@ def compile_gemv(bits: int, group: int, block_n: int, block_k: int, warps: int, 
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     src = ASTSource(_gemv_kernel, sig, const, attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=warps, num_stages=stages))
-
-
-def cuobjdump(cubin: bytes) -> str:
-    """The cubin's SASS and its resource usage (registers, stack), as cuobjdump prints them."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        return subprocess.run([os.path.join(TOOLS, "cuobjdump"), "-sass", "--dump-resource-usage", f.name],
-                              capture_output=True, text=True, check=True).stdout
-
-
-def main_loop(sass: str) -> list[str]:
-    """The opcodes of the largest loop body (a backward branch and everything from its target to it)."""
-    code = [(int(a, 16), op.strip()) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    best: list[str] = []
-    for addr, op in code:
-        jump = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", op)
-        if jump and int(jump.group(1), 16) < addr:
-            body = [re.sub(r"^@!?U?P\w+\s+", "", o).split()[0] for a, o in code if int(jump.group(1), 16) <= a <= addr]
-            best = max(best, body, key=len)
-    return best
-
-
-def loop_stats(kernel, words_per_thread: float) -> LoopStats:
-    out = cuobjdump(kernel.asm["cubin"])
-    body = main_loop(out)
-    loads = [op for op in body if op.startswith("LDG")]
-    widest = max(loads, key=lambda op: int((re.findall(r"\d+$", op) or ["32"])[0]), default="-")  # LDG.E: 32 bits
-    regs, stack = (int(re.search(rf"{field}:(\d+)", out).group(1)) for field in ("REG", "STACK"))
-    return LoopStats(len(body), round(len(body) / words_per_thread, 1), sum(op.startswith("BAR") for op in body),
-                     sum(op.startswith(("LDS", "STS", "LDSM")) for op in body), widest, regs, stack)
-
-
-def budgets() -> dict[str, float]:
-    """Instruction slots per weight word at full bandwidth, per card."""
-    slots = {}
-    for card, (sms, ghz) in CARDS.items():
-        gbs = H100_MEASURED if card.startswith("H100") else card_entry(card)[0]
-        slots[f"{card} ({gbs} GB/s)"] = sms * 128 * ghz * 1e9 / (gbs * 1e9 / 4)
-    return slots
 
 
 def main() -> int:
@@ -136,10 +73,8 @@ def main() -> int:
         kernel = compile_gemv(bits, group, bn, bk, warps, stages, m, variant == "norm", variant == "gated", arch)
         s = loop_stats(kernel, bn * bk * bits / 32 / (32 * warps))
         print(f"{arch:>5} {fmt:>9} {variant:>7} {m:>2} {f'{bn},{bk},{warps},{stages}':>24} {s.per_word:>10} "
-              f"{s.barriers:>4} {s.shared:>5} {s.weight_load:>12} {s.registers:>4} {s.spilled:>5}")
-    print("\n# instruction slots per weight word at full bandwidth (SMs x 128 x clock / (bandwidth / 4 bytes)):")
-    for card, slots in budgets().items():
-        print(f"#   {card:<32} {slots:6.0f}")
+              f"{s.barriers:>4} {s.shared:>5} {s.widest_load:>12} {s.registers:>4} {s.spilled:>5}")
+    print_budgets()
     return 0
 
 
