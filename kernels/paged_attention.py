@@ -29,28 +29,23 @@ def _token_scales(scale, pages, offs, mask, head, c_page, c_tok, c_head):
 
 @triton.jit
 def _load_tokens(data, scale, zero, pages, offs, mask, head, s_page, s_tok, s_head, c_page, c_tok, c_head,
-                 KIND: tl.constexpr, D: tl.constexpr, SCALED: tl.constexpr = True):
-    """Tokens (pages[i], offs[i]) of one KV head, dequantized to float32: [len(pages), D]; masked tokens read 0,
-    so stale or never-written memory past a sequence's end cannot turn into NaN. SCALED=False leaves a per-token
-    scale (int8, fp8) out, for a caller that applies it to a whole row at once (_token_scales)."""
+                 KIND: tl.constexpr, D: tl.constexpr):
+    """Tokens (pages[i], offs[i]) of one KV head as float32 [len(pages), D]; masked tokens read 0, so stale or
+    never-written memory past a sequence's end cannot turn into NaN. Float pages as stored, int8 and fp8 without
+    their per-token scale (the caller applies _token_scales to whole rows), int4ch dequantized (grouped int4 is
+    read by _int4_halves)."""
     d = tl.arange(0, D)
     tok = pages[:, None] * s_page + offs[:, None] * s_tok + head * s_head
     m = mask[:, None]
     # no early return: Triton would still compile the code after a returning constexpr branch
-    if KIND == 3 or KIND == 4:  # per element: its byte (d // 2), its nibble (d % 2) and its scale and zero
+    if KIND == 4:  # per element: its byte (d // 2), its nibble (d % 2), its channel's scale and zero (per page)
         p = tl.load(data + tok + (d // 2)[None, :], mask=m, other=0).to(tl.int32)
         q = ((p >> ((d % 2) * 4)[None, :]) & 15).to(tl.float32)
-        if KIND == 3:  # its group's (d // 32), per token
-            sd = d // 32
-        else:  # its channel's, per page (c_tok is 0)
-            sd = d
-        off = pages[:, None] * c_page + offs[:, None] * c_tok + head * c_head + sd[None, :]
+        off = pages[:, None] * c_page + head * c_head + d[None, :]
         x = q * tl.load(scale + off, mask=m, other=0.0).to(tl.float32) + tl.load(zero + off, mask=m,
                                                                                  other=0.0).to(tl.float32)
     else:
         x = tl.load(data + tok + d[None, :], mask=m, other=0.0).to(tl.float32)
-        if SCALED and (KIND == 1 or KIND == 2):
-            x = x * _token_scales(scale, pages, offs, mask, head, c_page, c_tok, c_head)[:, None]
     return x
 
 
@@ -302,13 +297,13 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
                                          ck_page, ck_tok, ck_head, D)
         else:
             kt = _load_tokens(k, k_scale, k_zero, pages, offs, tmask, kh, sk_page, sk_tok, sk_head, ck_page, ck_tok,
-                              ck_head, K_KIND, D, False)
+                              ck_head, K_KIND, D)
         if V_KIND == 3:
             v_even, v_odd = _int4_halves(v, v_scale, v_zero, pages, offs, tmask, kh, sv_page, sv_tok, sv_head,
                                          cv_page, cv_tok, cv_head, D)
         else:
             vt = _load_tokens(v, v_scale, v_zero, pages, offs, tmask, kh, sv_page, sv_tok, sv_head, cv_page, cv_tok,
-                              cv_head, V_KIND, D, False)
+                              cv_head, V_KIND, D)
         if K_KIND == 3:
             s = tl.dot(q_even, tl.trans(k_even)) + tl.dot(q_odd, tl.trans(k_odd))  # [GP, BLOCK_T]
         else:
@@ -364,7 +359,8 @@ def prefill_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_le
                    sv_page, sv_tok, sv_head, cv_page, cv_tok, cv_head,
                    K_KIND: tl.constexpr, V_KIND: tl.constexpr, PS: tl.constexpr, D: tl.constexpr,
                    GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Program (b, query block, query head): BLOCK_M query rows of one sequence against its pages, causal."""
+    """Program (b, query block, query head): BLOCK_M query rows of one sequence against its pages, causal. Scales
+    and int4 halves as in decode_kernel."""
     b = tl.program_id(0)
     mb = tl.program_id(1)
     h = tl.program_id(2)
@@ -377,31 +373,56 @@ def prefill_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_le
     rmask = rows < q_len
     pos = n - q_len + rows  # absolute positions of the query rows
     d = tl.arange(0, D)
+    h2 = tl.arange(0, D // 2)
     kh = h // GROUP
-    qv = tl.load(q + (q0 + rows)[:, None] * s_q_t + h * s_q_h + d[None, :], mask=rmask[:, None], other=0.0)
-    qv = qv.to(tl.float32) * sm_scale
+    q_row = q + (q0 + rows)[:, None] * s_q_t + h * s_q_h
+    qv = tl.load(q_row + d[None, :], mask=rmask[:, None], other=0.0).to(tl.float32) * sm_scale
+    q_even = tl.load(q_row + 2 * h2[None, :], mask=rmask[:, None], other=0.0).to(tl.float32) * sm_scale
+    q_odd = tl.load(q_row + 2 * h2[None, :] + 1, mask=rmask[:, None], other=0.0).to(tl.float32) * sm_scale
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
+    acc_even = tl.zeros((BLOCK_M, D // 2), tl.float32)
+    acc_odd = tl.zeros((BLOCK_M, D // 2), tl.float32)
     t = tl.arange(0, PS)
     last_pos = n - q_len + tl.minimum(mb * BLOCK_M + BLOCK_M, q_len) - 1
     for p in range(last_pos // PS + 1):
         page = tl.load(page_table + b * s_pt_b + p).to(tl.int64)
         pages = page + tl.zeros((PS,), tl.int64)
-        kt = _load_tokens(k, k_scale, k_zero, pages, t, p * PS + t < n, kh, sk_page, sk_tok, sk_head, ck_page,
-                          ck_tok, ck_head, K_KIND, D)
-        s = tl.dot(qv, tl.trans(kt))  # [BLOCK_M, PS]
+        kmask = p * PS + t < n
+        if K_KIND == 3:
+            k_even, k_odd = _int4_halves(k, k_scale, k_zero, pages, t, kmask, kh, sk_page, sk_tok, sk_head, ck_page,
+                                         ck_tok, ck_head, D)
+            s = tl.dot(q_even, tl.trans(k_even)) + tl.dot(q_odd, tl.trans(k_odd))  # [BLOCK_M, PS]
+        else:
+            kt = _load_tokens(k, k_scale, k_zero, pages, t, kmask, kh, sk_page, sk_tok, sk_head, ck_page, ck_tok,
+                              ck_head, K_KIND, D)
+            s = tl.dot(qv, tl.trans(kt))
+        if K_KIND == 1 or K_KIND == 2:
+            s = s * _token_scales(k_scale, pages, t, kmask, kh, ck_page, ck_tok, ck_head)[None, :]
         kpos = p * PS + t
         s = tl.where((kpos[None, :] <= pos[:, None]) & rmask[:, None], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m - m_safe)
         w = tl.exp(s - m_safe[:, None])
-        vt = _load_tokens(v, v_scale, v_zero, pages, t, p * PS + t < n, kh, sv_page, sv_tok, sv_head, cv_page,
-                          cv_tok, cv_head, V_KIND, D)
-        acc = acc * alpha[:, None] + tl.dot(w, vt)
         l = l * alpha + tl.sum(w, axis=1)
         m = m_new
-    o = acc / tl.where(l > 0, l, 1.0)[:, None]
-    tl.store(out + (q0 + rows)[:, None] * s_o_t + h * s_o_h + d[None, :], o.to(out.dtype.element_ty),
-             mask=rmask[:, None])
+        if V_KIND == 1 or V_KIND == 2:
+            w = w * _token_scales(v_scale, pages, t, kmask, kh, cv_page, cv_tok, cv_head)[None, :]
+        if V_KIND == 3:
+            v_even, v_odd = _int4_halves(v, v_scale, v_zero, pages, t, kmask, kh, sv_page, sv_tok, sv_head, cv_page,
+                                         cv_tok, cv_head, D)
+            acc_even = acc_even * alpha[:, None] + tl.dot(w, v_even)
+            acc_odd = acc_odd * alpha[:, None] + tl.dot(w, v_odd)
+        else:
+            vt = _load_tokens(v, v_scale, v_zero, pages, t, kmask, kh, sv_page, sv_tok, sv_head, cv_page, cv_tok,
+                              cv_head, V_KIND, D)
+            acc = acc * alpha[:, None] + tl.dot(w, vt)
+    inv = 1.0 / tl.where(l > 0, l, 1.0)[:, None]
+    o_row = out + (q0 + rows)[:, None] * s_o_t + h * s_o_h
+    if V_KIND == 3:
+        tl.store(o_row + 2 * h2[None, :], (acc_even * inv).to(out.dtype.element_ty), mask=rmask[:, None])
+        tl.store(o_row + 2 * h2[None, :] + 1, (acc_odd * inv).to(out.dtype.element_ty), mask=rmask[:, None])
+    else:
+        tl.store(o_row + d[None, :], (acc * inv).to(out.dtype.element_ty), mask=rmask[:, None])
