@@ -28,25 +28,13 @@ def _token_scales(scale, pages, offs, mask, head, c_page, c_tok, c_head):
 
 
 @triton.jit
-def _load_tokens(data, scale, zero, pages, offs, mask, head, s_page, s_tok, s_head, c_page, c_tok, c_head,
-                 KIND: tl.constexpr, D: tl.constexpr):
-    """Tokens (pages[i], offs[i]) of one KV head as float32 [len(pages), D]; masked tokens read 0, so stale or
-    never-written memory past a sequence's end cannot turn into NaN. Float pages as stored, int8 and fp8 without
-    their per-token scale (the caller applies _token_scales to whole rows), int4ch dequantized (grouped int4 is
-    read by _int4_halves)."""
+def _load_tokens(data, pages, offs, mask, head, s_page, s_tok, s_head, D: tl.constexpr):
+    """Tokens (pages[i], offs[i]) of one KV head as float32 [len(pages), D]: float pages as stored, int8 and fp8
+    without their per-token scale (the caller applies _token_scales to whole rows; int4 is read by _halves).
+    Masked tokens read 0, so stale or never-written memory past a sequence's end cannot turn into NaN."""
     d = tl.arange(0, D)
     tok = pages[:, None] * s_page + offs[:, None] * s_tok + head * s_head
-    m = mask[:, None]
-    # no early return: Triton would still compile the code after a returning constexpr branch
-    if KIND == 4:  # per element: its byte (d // 2), its nibble (d % 2), its channel's scale and zero (per page)
-        p = tl.load(data + tok + (d // 2)[None, :], mask=m, other=0).to(tl.int32)
-        q = ((p >> ((d % 2) * 4)[None, :]) & 15).to(tl.float32)
-        off = pages[:, None] * c_page + head * c_head + d[None, :]
-        x = q * tl.load(scale + off, mask=m, other=0.0).to(tl.float32) + tl.load(zero + off, mask=m,
-                                                                                 other=0.0).to(tl.float32)
-    else:
-        x = tl.load(data + tok + d[None, :], mask=m, other=0.0).to(tl.float32)
-    return x
+    return tl.load(data + tok + d[None, :], mask=mask[:, None], other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -251,6 +239,49 @@ def _int4_halves(data, scale, zero, pages, offs, mask, head, s_page, s_tok, s_he
 
 
 @triton.jit
+def _int4ch_halves(data, scale, zero, pages, offs, mask, head, s_page, s_tok, s_head, c_page, c_head,
+                   D: tl.constexpr, PS: tl.constexpr):
+    """int4ch tokens of one KV head as _int4_halves returns them, for tiles of whole pages (len(pages) a multiple
+    of PS, starting on a page): each page's per-channel scales and zeros are loaded once, as int32 words holding
+    an even and an odd channel's float16 each, and broadcast over the page's tokens in registers."""
+    T: tl.constexpr = pages.shape[0]
+    NP: tl.constexpr = T // PS
+    j = tl.arange(0, D // 2)
+    p = tl.load(data + pages[:, None] * s_page + offs[:, None] * s_tok + head * s_head + j[None, :],
+                mask=mask[:, None], other=0).to(tl.int32)
+    pg = tl.max(tl.reshape(tl.where(mask, pages, 0), (NP, PS)), axis=1)  # each page's id (0 if none of it is read)
+    live = (tl.max(tl.reshape(mask.to(tl.int32), (NP, PS)), axis=1) > 0)[:, None]
+    word = ((pg * c_page + head * c_head) // 2)[:, None] + j[None, :]  # [NP, D / 2]: channels 2j and 2j + 1
+    sw = tl.load(scale.to(tl.pointer_type(tl.int32)) + word, mask=live, other=0)
+    zw = tl.load(zero.to(tl.pointer_type(tl.int32)) + word, mask=live, other=0)
+    return _page_channels(p & 15, sw & 0xFFFF, zw & 0xFFFF, PS), _page_channels(p >> 4, sw >> 16, zw >> 16, PS)
+
+
+@triton.jit
+def _page_channels(q, scale_bits, zero_bits, PS: tl.constexpr):
+    """q [T, C] (int4 codes) * scale + zero, the scale and zero [T / PS, C] given as float16 bits, one row a page."""
+    T: tl.constexpr = q.shape[0]
+    C: tl.constexpr = q.shape[1]
+    sc = (scale_bits & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    zr = (zero_bits & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    x = tl.reshape(q.to(tl.float32), (T // PS, PS, C)) * sc[:, None, :] + zr[:, None, :]
+    return tl.reshape(x, (T, C))
+
+
+@triton.jit
+def _halves(data, scale, zero, pages, offs, mask, head, s_page, s_tok, s_head, c_page, c_tok, c_head,
+            KIND: tl.constexpr, D: tl.constexpr, PS: tl.constexpr):
+    """The even and odd elements of int4 tokens (KIND 3 grouped, 4 per channel) as float32 [len(pages), D / 2]."""
+    if KIND == 3:
+        even, odd = _int4_halves(data, scale, zero, pages, offs, mask, head, s_page, s_tok, s_head, c_page, c_tok,
+                                 c_head, D)
+    else:
+        even, odd = _int4ch_halves(data, scale, zero, pages, offs, mask, head, s_page, s_tok, s_head, c_page,
+                                   c_head, D, PS)
+    return even, odd
+
+
+@triton.jit
 def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_lens, part_acc, part_ml, sm_scale,
                   s_q_t, s_q_h, s_pt_b, sk_page, sk_tok, sk_head, ck_page, ck_tok, ck_head,
                   sv_page, sv_tok, sv_head, cv_page, cv_tok, cv_head, pages_per_split,
@@ -274,6 +305,8 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
     d = tl.arange(0, D)
     h2 = tl.arange(0, D // 2)
     gmask = g < GROUP
+    K_INT4: tl.constexpr = K_KIND == 3 or K_KIND == 4
+    V_INT4: tl.constexpr = V_KIND == 3 or V_KIND == 4
     # float32 operands: tf32 on the GPU, which holds bf16/fp16 queries and keys exactly (and the interpreter has
     # no bf16 dot)
     q_row = q + b * s_q_t + (kh * GROUP + g)[:, None] * s_q_h
@@ -283,7 +316,7 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
     m = tl.full((GP,), float("-inf"), tl.float32)
     l = tl.zeros((GP,), tl.float32)
     acc = tl.zeros((GP, D), tl.float32)
-    acc_even = tl.zeros((GP, D // 2), tl.float32)  # grouped int4 values: the even and odd output elements
+    acc_even = tl.zeros((GP, D // 2), tl.float32)  # int4 values: the even and odd output elements
     acc_odd = tl.zeros((GP, D // 2), tl.float32)
     t = tl.arange(0, BLOCK_T)
     for t0 in range(first, last, BLOCK_T):
@@ -292,19 +325,17 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
         pages = tl.load(page_table + b * s_pt_b + pos // PS, mask=tmask, other=0).to(tl.int64)
         offs = pos % PS
         # V is requested with K, before the math, so both tiles are in flight together
-        if K_KIND == 3:
-            k_even, k_odd = _int4_halves(k, k_scale, k_zero, pages, offs, tmask, kh, sk_page, sk_tok, sk_head,
-                                         ck_page, ck_tok, ck_head, D)
+        if K_INT4:
+            k_even, k_odd = _halves(k, k_scale, k_zero, pages, offs, tmask, kh, sk_page, sk_tok, sk_head, ck_page,
+                                    ck_tok, ck_head, K_KIND, D, PS)
         else:
-            kt = _load_tokens(k, k_scale, k_zero, pages, offs, tmask, kh, sk_page, sk_tok, sk_head, ck_page, ck_tok,
-                              ck_head, K_KIND, D)
-        if V_KIND == 3:
-            v_even, v_odd = _int4_halves(v, v_scale, v_zero, pages, offs, tmask, kh, sv_page, sv_tok, sv_head,
-                                         cv_page, cv_tok, cv_head, D)
+            kt = _load_tokens(k, pages, offs, tmask, kh, sk_page, sk_tok, sk_head, D)
+        if V_INT4:
+            v_even, v_odd = _halves(v, v_scale, v_zero, pages, offs, tmask, kh, sv_page, sv_tok, sv_head, cv_page,
+                                    cv_tok, cv_head, V_KIND, D, PS)
         else:
-            vt = _load_tokens(v, v_scale, v_zero, pages, offs, tmask, kh, sv_page, sv_tok, sv_head, cv_page, cv_tok,
-                              cv_head, V_KIND, D)
-        if K_KIND == 3:
+            vt = _load_tokens(v, pages, offs, tmask, kh, sv_page, sv_tok, sv_head, D)
+        if K_INT4:
             s = tl.dot(q_even, tl.trans(k_even)) + tl.dot(q_odd, tl.trans(k_odd))  # [GP, BLOCK_T]
         else:
             s = tl.dot(qv, tl.trans(kt))
@@ -318,14 +349,14 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
         m = m_new
         if V_KIND == 1 or V_KIND == 2:
             w = w * _token_scales(v_scale, pages, offs, tmask, kh, cv_page, cv_tok, cv_head)[None, :]
-        if V_KIND == 3:
+        if V_INT4:
             acc_even = acc_even * alpha[:, None] + tl.dot(w, v_even)
             acc_odd = acc_odd * alpha[:, None] + tl.dot(w, v_odd)
         else:
             acc = acc * alpha[:, None] + tl.dot(w, vt)
     # [B, query heads, SPLITS]: the group's real rows only, each head's splits side by side for the reduce
     row = ((b * tl.num_programs(1) + kh) * GROUP + g) * SPLITS + sp
-    if V_KIND == 3:
+    if V_INT4:
         tl.store(part_acc + row[:, None] * D + 2 * h2[None, :], acc_even, mask=gmask[:, None])
         tl.store(part_acc + row[:, None] * D + 2 * h2[None, :] + 1, acc_odd, mask=gmask[:, None])
     else:
@@ -375,6 +406,8 @@ def prefill_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_le
     d = tl.arange(0, D)
     h2 = tl.arange(0, D // 2)
     kh = h // GROUP
+    K_INT4: tl.constexpr = K_KIND == 3 or K_KIND == 4
+    V_INT4: tl.constexpr = V_KIND == 3 or V_KIND == 4
     q_row = q + (q0 + rows)[:, None] * s_q_t + h * s_q_h
     qv = tl.load(q_row + d[None, :], mask=rmask[:, None], other=0.0).to(tl.float32) * sm_scale
     q_even = tl.load(q_row + 2 * h2[None, :], mask=rmask[:, None], other=0.0).to(tl.float32) * sm_scale
@@ -390,13 +423,12 @@ def prefill_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_le
         page = tl.load(page_table + b * s_pt_b + p).to(tl.int64)
         pages = page + tl.zeros((PS,), tl.int64)
         kmask = p * PS + t < n
-        if K_KIND == 3:
-            k_even, k_odd = _int4_halves(k, k_scale, k_zero, pages, t, kmask, kh, sk_page, sk_tok, sk_head, ck_page,
-                                         ck_tok, ck_head, D)
+        if K_INT4:
+            k_even, k_odd = _halves(k, k_scale, k_zero, pages, t, kmask, kh, sk_page, sk_tok, sk_head, ck_page,
+                                    ck_tok, ck_head, K_KIND, D, PS)
             s = tl.dot(q_even, tl.trans(k_even)) + tl.dot(q_odd, tl.trans(k_odd))  # [BLOCK_M, PS]
         else:
-            kt = _load_tokens(k, k_scale, k_zero, pages, t, kmask, kh, sk_page, sk_tok, sk_head, ck_page, ck_tok,
-                              ck_head, K_KIND, D)
+            kt = _load_tokens(k, pages, t, kmask, kh, sk_page, sk_tok, sk_head, D)
             s = tl.dot(qv, tl.trans(kt))
         if K_KIND == 1 or K_KIND == 2:
             s = s * _token_scales(k_scale, pages, t, kmask, kh, ck_page, ck_tok, ck_head)[None, :]
@@ -410,18 +442,17 @@ def prefill_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_le
         m = m_new
         if V_KIND == 1 or V_KIND == 2:
             w = w * _token_scales(v_scale, pages, t, kmask, kh, cv_page, cv_tok, cv_head)[None, :]
-        if V_KIND == 3:
-            v_even, v_odd = _int4_halves(v, v_scale, v_zero, pages, t, kmask, kh, sv_page, sv_tok, sv_head, cv_page,
-                                         cv_tok, cv_head, D)
+        if V_INT4:
+            v_even, v_odd = _halves(v, v_scale, v_zero, pages, t, kmask, kh, sv_page, sv_tok, sv_head, cv_page,
+                                    cv_tok, cv_head, V_KIND, D, PS)
             acc_even = acc_even * alpha[:, None] + tl.dot(w, v_even)
             acc_odd = acc_odd * alpha[:, None] + tl.dot(w, v_odd)
         else:
-            vt = _load_tokens(v, v_scale, v_zero, pages, t, kmask, kh, sv_page, sv_tok, sv_head, cv_page, cv_tok,
-                              cv_head, V_KIND, D)
+            vt = _load_tokens(v, pages, t, kmask, kh, sv_page, sv_tok, sv_head, D)
             acc = acc * alpha[:, None] + tl.dot(w, vt)
     inv = 1.0 / tl.where(l > 0, l, 1.0)[:, None]
     o_row = out + (q0 + rows)[:, None] * s_o_t + h * s_o_h
-    if V_KIND == 3:
+    if V_INT4:
         tl.store(o_row + 2 * h2[None, :], (acc_even * inv).to(out.dtype.element_ty), mask=rmask[:, None])
         tl.store(o_row + 2 * h2[None, :] + 1, (acc_odd * inv).to(out.dtype.element_ty), mask=rmask[:, None])
     else:

@@ -9,6 +9,7 @@ Prints tables; every ratio compares numbers measured in the same run.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import statistics
 import threading
@@ -76,7 +77,7 @@ def bench_attention(c, dev: torch.device, dt: torch.dtype, contexts: list[int], 
             lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
             starts = torch.arange(batch + 1, dtype=torch.int32, device=dev)
             q = torch.randn(batch, c.n_heads, c.head_dim, generator=g, device=dev, dtype=dt)
-            run = lambda: paged_attention(q, layer, table, lens, starts, c.head_dim ** -0.5)  # noqa: E731
+            run = functools.partial(paged_attention, q, layer, table, lens, starts, c.head_dim ** -0.5)
             run()
             seconds = timed(run, dev, reps)
             base = base or seconds

@@ -43,7 +43,8 @@ def run(args) -> int:
         model.forward(step, pool)
         torch.cuda.synchronize()
         torch.cuda.profiler.stop()
-    cost = step_cost(model, [(args.context, 1)], kv_bytes_per_token(args.kv, c.n_layers, c.n_kv_heads, c.head_dim, ps), 1)
+    kv_bytes = kv_bytes_per_token(args.kv, c.n_layers, c.n_kv_heads, c.head_dim, ps)
+    cost = step_cost(model, [(args.context, 1)], kv_bytes, 1)
     with open(args.json, "w") as f:
         json.dump({"model": args.model, "quant": args.quant, "kv": args.kv, "context": args.context,
                    "weight_bytes": cost.weight_bytes, "kv_read_bytes": cost.kv_read_bytes,
