@@ -254,12 +254,13 @@ def _int4ch_halves(data, scale, zero, pages, offs, mask, head, s_page, s_tok, s_
     word = ((pg * c_page + head * c_head) // 2)[:, None] + j[None, :]  # [NP, D / 2]: channels 2j and 2j + 1
     sw = tl.load(scale.to(tl.pointer_type(tl.int32)) + word, mask=live, other=0)
     zw = tl.load(zero.to(tl.pointer_type(tl.int32)) + word, mask=live, other=0)
-    return _page_channels(p & 15, sw & 0xFFFF, zw & 0xFFFF, PS), _page_channels(p >> 4, sw >> 16, zw >> 16, PS)
+    return _page_channels(p & 15, sw, zw, PS), _page_channels(p >> 4, sw >> 16, zw >> 16, PS)
 
 
 @triton.jit
 def _page_channels(q, scale_bits, zero_bits, PS: tl.constexpr):
-    """q [T, C] (int4 codes) * scale + zero, the scale and zero [T / PS, C] given as float16 bits, one row a page."""
+    """q [T, C] (int4 codes) * scale + zero, the scale and zero [T / PS, C] given as float16 bits (the low 16 bits
+    of each int32), one row a page."""
     T: tl.constexpr = q.shape[0]
     C: tl.constexpr = q.shape[1]
     sc = (scale_bits & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
@@ -279,6 +280,33 @@ def _halves(data, scale, zero, pages, offs, mask, head, s_page, s_tok, s_head, c
         even, odd = _int4ch_halves(data, scale, zero, pages, offs, mask, head, s_page, s_tok, s_head, c_page,
                                    c_head, D, PS)
     return even, odd
+
+
+@triton.jit
+def _query_tiles(q_rows, mask, sm_scale, D: tl.constexpr):
+    """Query rows (q_rows: each row's first element) times sm_scale in float32: whole [rows, D], and their even
+    and odd elements [rows, D / 2] for int4 keys (unused loads are compiled away)."""
+    d = tl.arange(0, D)
+    h2 = tl.arange(0, D // 2)
+    m = mask[:, None]
+    whole = tl.load(q_rows + d[None, :], mask=m, other=0.0).to(tl.float32) * sm_scale
+    even = tl.load(q_rows + 2 * h2[None, :], mask=m, other=0.0).to(tl.float32) * sm_scale
+    odd = tl.load(q_rows + 2 * h2[None, :] + 1, mask=m, other=0.0).to(tl.float32) * sm_scale
+    return whole, even, odd
+
+
+@triton.jit
+def _store_rows(rows, acc, acc_even, acc_odd, mask, HALVES: tl.constexpr, D: tl.constexpr):
+    """acc [rows, D] at rows (each row's first element) in their dtype, or with HALVES the even and odd elements
+    (int4 values' two accumulators) interleaved."""
+    et = rows.dtype.element_ty
+    m = mask[:, None]
+    if HALVES:
+        h2 = tl.arange(0, D // 2)
+        tl.store(rows + 2 * h2[None, :], acc_even.to(et), mask=m)
+        tl.store(rows + 2 * h2[None, :] + 1, acc_odd.to(et), mask=m)
+    else:
+        tl.store(rows + tl.arange(0, D)[None, :], acc.to(et), mask=m)
 
 
 @triton.jit
@@ -302,17 +330,12 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
     first = sp * pages_per_split * PS
     last = tl.minimum(first + pages_per_split * PS, n)
     g = tl.arange(0, GP)
-    d = tl.arange(0, D)
-    h2 = tl.arange(0, D // 2)
     gmask = g < GROUP
     K_INT4: tl.constexpr = K_KIND == 3 or K_KIND == 4
     V_INT4: tl.constexpr = V_KIND == 3 or V_KIND == 4
     # float32 operands: tf32 on the GPU, which holds bf16/fp16 queries and keys exactly (and the interpreter has
     # no bf16 dot)
-    q_row = q + b * s_q_t + (kh * GROUP + g)[:, None] * s_q_h
-    qv = (tl.load(q_row + d[None, :], mask=gmask[:, None], other=0.0).to(tl.float32) * sm_scale)
-    q_even = (tl.load(q_row + 2 * h2[None, :], mask=gmask[:, None], other=0.0).to(tl.float32) * sm_scale)
-    q_odd = (tl.load(q_row + 2 * h2[None, :] + 1, mask=gmask[:, None], other=0.0).to(tl.float32) * sm_scale)
+    qv, q_even, q_odd = _query_tiles(q + b * s_q_t + (kh * GROUP + g)[:, None] * s_q_h, gmask, sm_scale, D)
     m = tl.full((GP,), float("-inf"), tl.float32)
     l = tl.zeros((GP,), tl.float32)
     acc = tl.zeros((GP, D), tl.float32)
@@ -356,11 +379,7 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
             acc = acc * alpha[:, None] + tl.dot(w, vt)
     # [B, query heads, SPLITS]: the group's real rows only, each head's splits side by side for the reduce
     row = ((b * tl.num_programs(1) + kh) * GROUP + g) * SPLITS + sp
-    if V_INT4:
-        tl.store(part_acc + row[:, None] * D + 2 * h2[None, :], acc_even, mask=gmask[:, None])
-        tl.store(part_acc + row[:, None] * D + 2 * h2[None, :] + 1, acc_odd, mask=gmask[:, None])
-    else:
-        tl.store(part_acc + row[:, None] * D + d[None, :], acc, mask=gmask[:, None])
+    _store_rows(part_acc + row[:, None] * D, acc, acc_even, acc_odd, gmask, V_INT4, D)
     tl.store(part_ml + row * 2, m, mask=gmask)
     tl.store(part_ml + row * 2 + 1, l, mask=gmask)
 
@@ -403,15 +422,10 @@ def prefill_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_le
     rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < q_len
     pos = n - q_len + rows  # absolute positions of the query rows
-    d = tl.arange(0, D)
-    h2 = tl.arange(0, D // 2)
     kh = h // GROUP
     K_INT4: tl.constexpr = K_KIND == 3 or K_KIND == 4
     V_INT4: tl.constexpr = V_KIND == 3 or V_KIND == 4
-    q_row = q + (q0 + rows)[:, None] * s_q_t + h * s_q_h
-    qv = tl.load(q_row + d[None, :], mask=rmask[:, None], other=0.0).to(tl.float32) * sm_scale
-    q_even = tl.load(q_row + 2 * h2[None, :], mask=rmask[:, None], other=0.0).to(tl.float32) * sm_scale
-    q_odd = tl.load(q_row + 2 * h2[None, :] + 1, mask=rmask[:, None], other=0.0).to(tl.float32) * sm_scale
+    qv, q_even, q_odd = _query_tiles(q + (q0 + rows)[:, None] * s_q_t + h * s_q_h, rmask, sm_scale, D)
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
@@ -451,9 +465,5 @@ def prefill_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_le
             vt = _load_tokens(v, pages, t, kmask, kh, sv_page, sv_tok, sv_head, D)
             acc = acc * alpha[:, None] + tl.dot(w, vt)
     inv = 1.0 / tl.where(l > 0, l, 1.0)[:, None]
-    o_row = out + (q0 + rows)[:, None] * s_o_t + h * s_o_h
-    if V_INT4:
-        tl.store(o_row + 2 * h2[None, :], (acc_even * inv).to(out.dtype.element_ty), mask=rmask[:, None])
-        tl.store(o_row + 2 * h2[None, :] + 1, (acc_odd * inv).to(out.dtype.element_ty), mask=rmask[:, None])
-    else:
-        tl.store(o_row + d[None, :], (acc * inv).to(out.dtype.element_ty), mask=rmask[:, None])
+    _store_rows(out + (q0 + rows)[:, None] * s_o_t + h * s_o_h, acc * inv, acc_even * inv, acc_odd * inv, rmask,
+                V_INT4, D)
