@@ -26,9 +26,16 @@ from localpd.quant.weights import Int4Weight, Int8Weight
 GEMV_MAX_M = 16  # the most rows the GEMV path takes (it is the default only up to quant_matmul.GEMV_AUTO_M)
 
 # GEMV autotune candidates (BLOCK_N, BLOCK_K, num_warps, num_stages), chosen to fit sm_80/86/89 (~100 KB shared
-# memory on consumer cards) as well as sm_90; tiles too large for the row count are pruned before tuning.
+# memory on consumer cards) as well as sm_90; tiles too large for the row count are pruned before tuning
+# (gemv_tile_fits). The one-warp tiles are there for the RMSNorm and SiLU prologues: a thread there holds several
+# rows of the same columns, so it prepares each activation once for all of them, where at 4 warps it does so for
+# one. Compiled for sm_86 at M = 1 (scripts/gemv_sass.py, Triton 3.6), their int4 loops with a prologue take 49-62
+# instructions per weight word against 167-272 for the 4-warp tiles, under an RTX 3090's budget of 76. (32, 256, 1)
+# counted fewer still, but spilled with the norm prologue under Triton 3.9.
 GEMV_CONFIGS = [(16, 256, 4, 3), (16, 512, 4, 3), (32, 256, 4, 3), (32, 512, 8, 3), (8, 512, 2, 4), (64, 256, 8, 2),
-                (16, 1024, 8, 2), (8, 1024, 4, 3), (32, 128, 4, 4)]
+                (16, 1024, 8, 2), (8, 1024, 4, 3), (32, 128, 4, 4), (16, 256, 1, 3), (16, 512, 1, 3)]
+GEMV_MAX_TILE_WORDS = 8192  # weight words in a program's tile times its rows, at most
+GEMV_MAX_THREAD_WORDS = 64  # ... and per thread: beyond either the loop spills registers (sm_86/sm_90 code)
 # Under the interpreter (slow, CPU): one small config, no autotuning.
 INTERPRET_GEMV = dict(BLOCK_N=32, BLOCK_K=128)
 # Measured GEMV launch configurations, written by scripts/sweep_gemv.py --table: per device ("sm_90", or
@@ -83,6 +90,12 @@ def gemv_block_m(m: int) -> int:
     """Rows a GEMV program covers: M rounded up to a power of two (at most 16); every row reuses the dequantized
     weights."""
     return min(16, 1 << (m - 1).bit_length())
+
+
+def gemv_tile_fits(block_m: int, block_n: int, block_k: int, bits: int, warps: int) -> bool:
+    """Whether a GEMV tile's partial sums for block_m rows fit in registers (GEMV_MAX_*_WORDS)."""
+    words = block_m * block_n * block_k * bits // 32
+    return words <= GEMV_MAX_TILE_WORDS and words <= GEMV_MAX_THREAD_WORDS * 32 * warps
 
 
 def sm_count(device: torch.device) -> int:

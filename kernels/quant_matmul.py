@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from localpd.kernels.dispatch import (GEMV_CONFIGS, GEMV_MAX_M, INTERPRET_GEMV, PreNorm, cdiv, gemv_block_m,
-                                     pick_split_k, sm_count, triton_interpreting, tuned_gemv)
+                                     gemv_tile_fits, pick_split_k, sm_count, triton_interpreting, tuned_gemv)
 from localpd.errors import LocalpdError
 from localpd.kernels.fused_dispatch import add_rms_norm, silu_mul
 
@@ -269,7 +269,7 @@ def _prune(configs, named_args, **kwargs):
     """Drop GEMV tiles whose per-row partial sums would not fit in registers for this many rows."""
     bm = kwargs.get("BLOCK_M", named_args.get("BLOCK_M", 1))
     bits = kwargs.get("BITS", named_args.get("BITS", 4))
-    keep = [c for c in configs if bm * c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"] * bits // 32 <= 8192]
+    keep = [c for c in configs if gemv_tile_fits(bm, c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], bits, c.num_warps)]
     return keep or configs[:1]
 
 

@@ -21,10 +21,10 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from localpd.kernels.dispatch import GEMV_CONFIGS, gemv_block_m
+from localpd.kernels.dispatch import GEMV_CONFIGS, gemv_block_m, gemv_tile_fits
 from localpd.kernels.quant_matmul import _gemv_kernel
 from sass import loop_stats, print_budgets  # this script's folder
-from sweep_gemv import BLOCK_K, BLOCK_N, MAX_WORDS, STAGES, WARPS  # the sweep's grid (this script's folder)
+from sweep_gemv import BLOCK_K, BLOCK_N, STAGES, WARPS  # the sweep's grid (this script's folder)
 
 
 def compile_gemv(bits: int, group: int, block_n: int, block_k: int, warps: int, stages: int, m: int = 1,
@@ -68,7 +68,7 @@ def main() -> int:
             map(int, args.arch.split(",")), args.formats.split(","), args.variants.split(","),
             map(int, args.m.split(",")), configs):
         bits, group = (4, int(fmt.split("-g")[1])) if fmt.startswith("int4") else (8, 1 << 30)
-        if bn * bk * bits // 32 * gemv_block_m(m) > MAX_WORDS:  # as the sweep: larger tiles spill
+        if not gemv_tile_fits(gemv_block_m(m), bn, bk, bits, warps):  # as the autotuner and the sweep
             continue
         kernel = compile_gemv(bits, group, bn, bk, warps, stages, m, variant == "norm", variant == "gated", arch)
         s = loop_stats(kernel, bn * bk * bits / 32 / (32 * warps))

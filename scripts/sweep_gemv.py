@@ -24,17 +24,16 @@ import torch
 
 from localpd.bench_kernels import SHAPES, copies_for, graph_time, random_int4, random_int8
 from localpd.device import measure_copy_bandwidth
-from localpd.kernels.dispatch import (cdiv, device_key, gemv_block_m, int4_matmul_ref, int8_matmul_ref, linear_int4,
-                                     linear_int8)
+from localpd.kernels.dispatch import (cdiv, device_key, gemv_block_m, gemv_tile_fits, int4_matmul_ref,
+                                     int8_matmul_ref, linear_int4, linear_int8)
 from localpd.kernels.quant_matmul import _gemv_kernel, gemv_kmajor, word_align
 from localpd.quant.weights import Int4Weight
 
 BLOCK_N = (16, 32, 64, 128, 256)
 BLOCK_K = (128, 256, 512, 1024)
-WARPS = (4, 8)
-STAGES = (1, 3)
+WARPS = (1, 2, 4, 8)
+STAGES = (3,)  # 1 and 3 compile to the same GEMV loop (scripts/gemv_sass.py)
 SPLITS = (1, 2, 4, 8, 16)
-MAX_WORDS = 8192  # per program tile (words): beyond this the tile spills registers
 KMAJOR_MAX_WORDS = 4096  # the K-major tile keeps its partial sums elementwise: three tile-sized register arrays
 
 
@@ -101,8 +100,8 @@ def main() -> int:
         rows = [("autotuned default", graph_time([lambda w=w: linear(x, w) for w in ws]))]
         t0 = time.time()
         for cfg in itertools.product(BLOCK_N, BLOCK_K, WARPS, STAGES, SPLITS):
-            bn, bk, _, _, split = cfg
-            if bn * bk * bits // 32 * args.m > MAX_WORDS or cdiv(k, bk) < split or (bk * bits // 32) % 4:
+            bn, bk, warps, _, split = cfg
+            if not gemv_tile_fits(args.m, bn, bk, bits, warps) or cdiv(k, bk) < split or (bk * bits // 32) % 4:
                 continue
             try:
                 rows.append((cfg, graph_time([lambda w=w, cfg=cfg: launch(x, y, w, cfg) for w in ws], reps=10)))
