@@ -111,7 +111,7 @@ def paged_attention_ref(q: torch.Tensor, layer: KVLayer, page_table: torch.Tenso
 
 
 KINDS = {"fp32": 0, "fp16": 0, "bf16": 0, "int8": 1, "fp8": 2, "int4": 3, "int4ch": 4}
-BLOCK_M = 16  # query rows per prefill program (tl.dot needs 16)
+BLOCK_M = 16  # query rows of each query head in a prefill program (GP x 16 rows with the group; tl.dot needs 16)
 
 
 def triton_supports(layer: KVLayer, head_dim: int) -> bool:
@@ -247,8 +247,9 @@ def paged_attention(q: torch.Tensor, layer: KVLayer, page_table: torch.Tensor, s
         decode_reduce_kernel[(B, Hq)](part_acc, part_ml, out, out.stride(0), out.stride(1), D=D, SPLITS=splits,
                                       SP=1 << (splits - 1).bit_length(), num_warps=4)
         return out
-    prefill_kernel[(B, cdiv(T, BLOCK_M), Hq)](q, layer.k, layer.v, ks, vs, kz, vz, page_table, seq_lens, q_starts,
-                                              out, scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-                                              page_table.stride(0), *strides, **kinds, PS=layer.page_size,
-                                              D=D, GROUP=group, BLOCK_M=BLOCK_M, num_warps=4)
+    prefill_kernel[(B, cdiv(T, BLOCK_M), H)](q, layer.k, layer.v, ks, vs, kz, vz, page_table, seq_lens, q_starts,
+                                             out, scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+                                             page_table.stride(0), *strides, **kinds, PS=layer.page_size, D=D,
+                                             GROUP=group, GP=1 << (group - 1).bit_length(), BLOCK_M=BLOCK_M,
+                                             num_warps=4)
     return out

@@ -408,29 +408,31 @@ def prefill_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_le
                    s_q_t, s_q_h, s_o_t, s_o_h, s_pt_b, sk_page, sk_tok, sk_head, ck_page, ck_tok, ck_head,
                    sv_page, sv_tok, sv_head, cv_page, cv_tok, cv_head,
                    K_KIND: tl.constexpr, V_KIND: tl.constexpr, PS: tl.constexpr, D: tl.constexpr,
-                   GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Program (b, query block, query head): BLOCK_M query rows of one sequence against its pages, causal. Scales
-    and int4 halves as in decode_kernel."""
+                   GROUP: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Program (b, query block, kv head): BLOCK_M query rows of one sequence for each of the GROUP query heads that
+    share the kv head (GP * BLOCK_M rows, the group padded to GP, a power of two), against its pages, causal: each
+    page is read once for the group, not once per query head. Scales and int4 halves as in decode_kernel."""
     b = tl.program_id(0)
     mb = tl.program_id(1)
-    h = tl.program_id(2)
+    kh = tl.program_id(2)
     q0 = tl.load(q_starts + b)
     q_len = tl.load(q_starts + b + 1) - q0
     if mb * BLOCK_M >= q_len:
         return
     n = tl.load(seq_lens + b)
-    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-    rmask = rows < q_len
+    r = tl.arange(0, GP * BLOCK_M)
+    h = kh * GROUP + r // BLOCK_M  # row r: query head r // BLOCK_M of the group, query row r % BLOCK_M
+    rows = mb * BLOCK_M + r % BLOCK_M
+    rmask = (rows < q_len) & (r // BLOCK_M < GROUP)
     pos = n - q_len + rows  # absolute positions of the query rows
-    kh = h // GROUP
     K_INT4: tl.constexpr = K_KIND == 3 or K_KIND == 4
     V_INT4: tl.constexpr = V_KIND == 3 or V_KIND == 4
-    qv, q_even, q_odd = _query_tiles(q + (q0 + rows)[:, None] * s_q_t + h * s_q_h, rmask, sm_scale, D)
-    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    l = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, D), tl.float32)
-    acc_even = tl.zeros((BLOCK_M, D // 2), tl.float32)
-    acc_odd = tl.zeros((BLOCK_M, D // 2), tl.float32)
+    qv, q_even, q_odd = _query_tiles(q + (q0 + rows)[:, None] * s_q_t + h[:, None] * s_q_h, rmask, sm_scale, D)
+    m = tl.full((GP * BLOCK_M,), float("-inf"), tl.float32)
+    l = tl.zeros((GP * BLOCK_M,), tl.float32)
+    acc = tl.zeros((GP * BLOCK_M, D), tl.float32)
+    acc_even = tl.zeros((GP * BLOCK_M, D // 2), tl.float32)
+    acc_odd = tl.zeros((GP * BLOCK_M, D // 2), tl.float32)
     t = tl.arange(0, PS)
     last_pos = n - q_len + tl.minimum(mb * BLOCK_M + BLOCK_M, q_len) - 1
     for p in range(last_pos // PS + 1):
@@ -465,5 +467,5 @@ def prefill_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_le
             vt = _load_tokens(v, pages, t, kmask, kh, sv_page, sv_tok, sv_head, D)
             acc = acc * alpha[:, None] + tl.dot(w, vt)
     inv = 1.0 / tl.where(l > 0, l, 1.0)[:, None]
-    _store_rows(out + (q0 + rows)[:, None] * s_o_t + h * s_o_h, acc * inv, acc_even * inv, acc_odd * inv, rmask,
-                V_INT4, D)
+    _store_rows(out + (q0 + rows)[:, None] * s_o_t + h[:, None] * s_o_h, acc * inv, acc_even * inv, acc_odd * inv,
+                rmask, V_INT4, D)
