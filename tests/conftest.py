@@ -10,6 +10,26 @@ if os.environ.get("LOCALPD_TEST_DEVICE", "cpu") == "cpu":
 import pytest  # noqa: E402
 
 
+@pytest.fixture
+def sass_table():
+    """run(script, *args): the rows of a SASS-counting script's table (scripts/gemv_sass.py, attention_sass.py),
+    each split into fields. The script compiles kernels for an NVIDIA architecture on this CPU, so it runs in a
+    process of its own without the Triton interpreter."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+
+    def run(script: str, *args: str) -> list[list[str]]:
+        env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "LOCALPD_TRITON_INTERPRET")}
+        out = subprocess.run([sys.executable, str(Path(__file__).parent.parent / "scripts" / script), *args],
+                             capture_output=True, text=True, env=env, timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return [line.split() for line in out.stdout.splitlines() if line.split()[:1] and line.split()[0].isdigit()]
+
+    return run
+
+
 @pytest.fixture(scope="session")
 def default_gguf() -> Path:
     """Path of the embedded default model (SmolLM2-135M-Instruct Q4_1 GGUF), pulled once."""

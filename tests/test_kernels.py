@@ -316,47 +316,28 @@ def test_word_align_is_what_the_words_allow():
     assert word_align(torch.zeros(3, 10, dtype=torch.int32)[:, :8]) == 2  # 8 words a row, rows 10 apart
 
 
-def test_one_warp_gemv_tiles_fit_a_3090s_budget_with_the_prologues():
+def test_one_warp_gemv_tiles_fit_a_3090s_budget_with_the_prologues(sass_table):
     """The one-warp autotune candidates, compiled for sm_86 at M = 1 (scripts/gemv_sass.py): with the RMSNorm and
     SiLU prologues their int4 loops stay under an RTX 3090's 76 instructions per weight word, without spilling
     (the 4-warp candidates took 167-272); at M = 4 the int8 tile no longer fits a thread and is pruned."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
     from localpd.kernels.dispatch import GEMV_CONFIGS, gemv_tile_fits
 
     one_warp = [c for c in GEMV_CONFIGS if c[2] == 1]
     assert one_warp and all(gemv_tile_fits(1, bn, bk, bits, 1) for bn, bk, _, _ in one_warp for bits in (4, 8))
     assert not gemv_tile_fits(4, 16, 256, 8, 1) and gemv_tile_fits(4, 16, 256, 4, 1)
-    pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "LOCALPD_TRITON_INTERPRET")}
-    script = Path(__file__).parent.parent / "scripts" / "gemv_sass.py"
     configs = ";".join(",".join(map(str, c)) for c in one_warp)
-    out = subprocess.run([sys.executable, str(script), "--arch", "86", "--formats", "int4-g128", "--variants",
-                          "norm,gated", "--configs", configs], capture_output=True, text=True, env=env, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    rows = [line.split() for line in out.stdout.splitlines() if line.split()[:2] == ["86", "int4-g128"]]
-    assert len(rows) == 2 * len(one_warp), out.stdout
-    assert all(float(r[5]) < 76 and r[10] == "0" for r in rows), out.stdout
+    rows = sass_table("gemv_sass.py", "--arch", "86", "--formats", "int4-g128", "--variants", "norm,gated",
+                      "--configs", configs)
+    assert len(rows) == 2 * len(one_warp), rows
+    assert all(float(r[5]) < 76 and r[10] == "0" for r in rows), rows
 
 
-def test_decode_gemv_compiles_to_16_byte_loads_without_shared_memory():
+def test_decode_gemv_compiles_to_16_byte_loads_without_shared_memory(sass_table):
     """The M = 1 int4 GEMV's sm_90 code, built on this CPU by Triton's compiler and ptxas (scripts/gemv_sass.py):
     the weight tile is loaded in the layout its products are computed in, so the main loop has no barrier and no
     shared-memory instruction, and reads 16 bytes of words per load. Before, it loaded [BLOCK_N, G, WPG] words 8
     bytes at a time and moved every field through shared memory (20-36 barriers per trip)."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "LOCALPD_TRITON_INTERPRET")}
-    script = Path(__file__).parent.parent / "scripts" / "gemv_sass.py"
-    out = subprocess.run([sys.executable, str(script), "--formats", "int4-g128", "--variants", "plain",
-                          "--configs", "32,256,4,3"], capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    row = next(line.split() for line in out.stdout.splitlines() if line.split()[:2] == ["90", "int4-g128"])
+    (row,) = sass_table("gemv_sass.py", "--formats", "int4-g128", "--variants", "plain", "--configs", "32,256,4,3")
     per_word, barriers, shared, load, _, spilled = row[5:]
-    assert (barriers, shared, load, spilled) == ("0", "0", "LDG.E.128", "0"), out.stdout
-    assert float(per_word) < 100, out.stdout  # 8 fields a word at about 3 instructions each, plus the activations
+    assert (barriers, shared, load, spilled) == ("0", "0", "LDG.E.128", "0"), row
+    assert float(per_word) < 100, row  # 8 fields a word at about 3 instructions each, plus the activations

@@ -262,25 +262,15 @@ def test_long_contexts_on_the_gpu(kv_dtype):
     check(build_case(kv_dtype, 16, 8, 4, [2100, 300], [64, 300], D=128, dtype=torch.bfloat16, seed=10), 2e-2)
 
 
-def test_decode_attention_compiles_to_whole_tile_loads():
+def test_decode_attention_compiles_to_whole_tile_loads(sass_table):
     """The decode kernel's sm_90 code for Llama-3-8B heads, built on this CPU from the launch paged_attention makes
     (scripts/attention_sass.py): int4 pages are read as whole tiles of bytes, scales and zeros (16-byte loads, a
     few load instructions per tile) where every element loaded its byte, scale and zero alone (grouped int4: 385-433
     loads per 64-token tile, registers spilled; int4ch keys: 99), and per-token scales cost no multiply per
     element, so int8 stays under the H100's budget of 45 instructions per 4-byte word."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "LOCALPD_TRITON_INTERPRET")}
-    script = Path(__file__).parent.parent / "scripts" / "attention_sass.py"
-    out = subprocess.run([sys.executable, str(script), "--kv", "int4,int4ch/int4,int8"], capture_output=True,
-                         text=True, env=env, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    rows = {line.split()[1]: line.split() for line in out.stdout.splitlines() if line.split()[:1] == ["90"]}
+    rows = {r[1]: r for r in sass_table("attention_sass.py", "--kv", "int4,int4ch/int4,int8")}
     for kv in ("int4", "int4ch/int4"):
         _, _, _, per_word, _, _, loads, widest, _, spilled = rows[kv]
-        assert int(loads) < 32 and widest.endswith(".128") and spilled == "0", out.stdout
-        assert float(per_word) < 100, out.stdout
-    assert float(rows["int8"][3]) < 45 and rows["int8"][9] == "0", out.stdout
+        assert int(loads) < 32 and widest.endswith(".128") and spilled == "0", rows
+        assert float(per_word) < 100, rows
+    assert float(rows["int8"][3]) < 45 and rows["int8"][9] == "0", rows
