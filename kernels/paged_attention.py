@@ -1,16 +1,18 @@
 """Triton kernels over the paged KV cache: writing keys/values (quantizing on the way in) and attention.
 
 KIND selects the page format (quant/kv.py): 0 float (fp32/fp16/bf16), 1 int8, 2 fp8 e4m3, 3 int4 (groups of 32,
-two values a byte); the attention kernels take one for the keys (K_KIND) and one for the values (V_KIND), each
-with its own strides. Packed values are read directly and dequantized in registers, so quantized KV moves fewer
-bytes. Decode (every sequence one query) splits each sequence's pages over several programs (flash-decoding),
-each walking its tokens a tile of several pages at a time (scores and weighted sums as tl.dot, the query group
-padded to 16 rows), and a reduce kernel merges each query head's partial softmaxes in one step; prefill chunks
-tile queries by BLOCK_M and walk the key pages with an online softmax and a causal mask. All query heads that
-share a KV head are one program (GQA): its keys and values are loaded once for the group. Loads are masked at the
-sequence's end, so whatever lies past it (stale or never-written slots, padding in the page table) is not read.
-rope_write_kv_kernel is a layer's whole step between its qkv projection and attention: RoPE on the query heads
-in place, and the key heads rotated and the value heads written into their pages, in one launch.
+two values a byte), 4 int4ch (int4 per channel of a page); the attention kernels take one for the keys (K_KIND)
+and one for the values (V_KIND), each with its own strides. Packed values are read directly, a whole tile per
+load, and dequantized in registers, so quantized KV moves fewer bytes (int4 as two half-width tiles, its low and
+high nibbles; see decode_kernel). Decode (every sequence one query) splits each sequence's pages over several
+programs (flash-decoding), each walking its tokens a tile of several pages at a time (scores and weighted sums as
+tl.dot, the query group padded to 16 rows), and a reduce kernel merges each query head's partial softmaxes in one
+step; prefill chunks tile queries by BLOCK_M and walk the key pages with an online softmax and a causal mask. All
+query heads that share a KV head are one program (GQA), in both: its keys and values are loaded once for the
+group. Loads are masked at the sequence's end, so whatever lies past it (stale or never-written slots, padding in
+the page table) is not read. rope_write_kv_kernel is a layer's whole step between its qkv projection and
+attention: RoPE on the query heads in place, and the key heads rotated and the value heads written into their
+pages, in one launch.
 """
 
 from __future__ import annotations
