@@ -112,6 +112,11 @@ def paged_attention_ref(q: torch.Tensor, layer: KVLayer, page_table: torch.Tenso
 
 KINDS = {"fp32": 0, "fp16": 0, "bf16": 0, "int8": 1, "fp8": 2, "int4": 3, "int4ch": 4}
 BLOCK_M = 16  # query rows of each query head in a prefill program (GP x 16 rows with the group; tl.dot needs 16)
+# A prefill program's warps: 4, and one more per 2048 elements of its [rows, head_dim] tiles past 8192. Its
+# queries and accumulators take about 2 registers per element per thread; at 4 warps a Qwen2.5-7B program (a
+# group of 7 padded to 8, 128 rows of 128) took all 255 registers and spilled up to 496 bytes (sm_90 code,
+# Triton 3.9, scripts/compile_check.py).
+PREFILL_TILE_ELEMS_PER_WARP = 2048
 
 
 def triton_supports(layer: KVLayer, head_dim: int) -> bool:
@@ -242,14 +247,15 @@ def paged_attention(q: torch.Tensor, layer: KVLayer, page_table: torch.Tensor, s
         part_ml = torch.empty(B * Hq * splits, 2, dtype=torch.float32, device=q.device)
         decode_kernel[(B, H, splits)](q, layer.k, layer.v, ks, vs, kz, vz, page_table, seq_lens, part_acc, part_ml,
                                       scale, q.stride(0), q.stride(1), page_table.stride(0), *strides,
-                                      per_split * block_t // ps, **kinds, PS=ps, D=D, GROUP=group, GP=gp,
-                                      SPLITS=splits, BLOCK_T=block_t, num_warps=DECODE_WARPS)
-        decode_reduce_kernel[(B, Hq)](part_acc, part_ml, out, out.stride(0), out.stride(1), D=D, SPLITS=splits,
+                                      per_split * block_t // ps, splits, **kinds, PS=ps, D=D, GROUP=group, GP=gp,
+                                      BLOCK_T=block_t, num_warps=DECODE_WARPS)
+        decode_reduce_kernel[(B, Hq)](part_acc, part_ml, out, out.stride(0), out.stride(1), splits, D=D,
                                       SP=1 << (splits - 1).bit_length(), num_warps=4)
         return out
+    gp = 1 << (group - 1).bit_length()
     prefill_kernel[(B, cdiv(T, BLOCK_M), H)](q, layer.k, layer.v, ks, vs, kz, vz, page_table, seq_lens, q_starts,
                                              out, scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                                              page_table.stride(0), *strides, **kinds, PS=layer.page_size, D=D,
-                                             GROUP=group, GP=1 << (group - 1).bit_length(), BLOCK_M=BLOCK_M,
-                                             num_warps=4)
+                                             GROUP=group, GP=gp, BLOCK_M=BLOCK_M,
+                                             num_warps=max(4, gp * BLOCK_M * D // PREFILL_TILE_ELEMS_PER_WARP))
     return out

@@ -314,10 +314,9 @@ def _store_rows(rows, acc, acc_even, acc_odd, mask, HALVES: tl.constexpr, D: tl.
 @triton.jit
 def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_lens, part_acc, part_ml, sm_scale,
                   s_q_t, s_q_h, s_pt_b, sk_page, sk_tok, sk_head, ck_page, ck_tok, ck_head,
-                  sv_page, sv_tok, sv_head, cv_page, cv_tok, cv_head, pages_per_split,
+                  sv_page, sv_tok, sv_head, cv_page, cv_tok, cv_head, pages_per_split, SPLITS,
                   K_KIND: tl.constexpr, V_KIND: tl.constexpr, PS: tl.constexpr, D: tl.constexpr,
-                  GROUP: tl.constexpr, GP: tl.constexpr,
-                  SPLITS: tl.constexpr, BLOCK_T: tl.constexpr):
+                  GROUP: tl.constexpr, GP: tl.constexpr, BLOCK_T: tl.constexpr):
     """Program (b, kv head, split): the group's queries (padded to GP >= 16 rows for tl.dot) against this split's
     tokens, BLOCK_T at a time across several pages; partial softmax results out.
 
@@ -387,8 +386,7 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
 
 
 @triton.jit
-def decode_reduce_kernel(part_acc, part_ml, out, s_o_t, s_o_h, D: tl.constexpr, SPLITS: tl.constexpr,
-                         SP: tl.constexpr):
+def decode_reduce_kernel(part_acc, part_ml, out, s_o_t, s_o_h, SPLITS, D: tl.constexpr, SP: tl.constexpr):
     """Program (b, query head): merge the head's SPLITS partial softmaxes (padded to SP, a power of two) into its
     output row. They are loaded as one tile: a loop over the splits would wait on a round trip for each."""
     b = tl.program_id(0)
