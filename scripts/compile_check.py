@@ -16,6 +16,7 @@ when a program needs more shared memory than the card gives a block (99 KB on sm
    bytes and shared memory are printed against the architecture's per-block limit.
 
     python scripts/compile_check.py                      # sm_86, 89, 90, 120; exit 1 on any failure
+    python scripts/compile_check.py --arch 86 --kernels prefill --strict   # only those; a spill fails too
     PYTHONPATH=/tmp/t36 python scripts/compile_check.py --arch 86    # under another Triton (the device's 3.6)
 """
 
@@ -28,6 +29,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from concurrent.futures import ProcessPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -203,15 +205,18 @@ def gemv_launches(launches):
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", default="86,89,90,120", help="compute capabilities, e.g. 86,90")
-    p.add_argument("--launches", help="a file of recorded launches to reuse (written by a run without it)")
+    p.add_argument("--launches", help="record the launches into this file, or reuse it where it exists")
     p.add_argument("--jobs", type=int, default=os.cpu_count())
     p.add_argument("--kernels", default="", help="only kernels whose name matches this regular expression")
+    p.add_argument("--strict", action="store_true", help="a spill fails too")
     args = p.parse_args()
-    path = args.launches or os.path.join(os.environ.get("TMPDIR", "/tmp"), "localpd_launches.jsonl")
-    if not args.launches:
+    path = args.launches or tempfile.mkstemp(suffix=".jsonl")[1]
+    if not args.launches or not os.path.exists(path):
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # record on the installed Triton
         subprocess.run([sys.executable, __file__, "--record", path], check=True, env=env)
     launches = [json.loads(line) for line in open(path)]
+    if not args.launches:
+        os.remove(path)
     gemv = [launch for launch in launches if launch["kernel"].endswith(":_gemv_kernel")]
     archs = list(map(int, args.arch.split(",")))
     jobs = [(launch, arch) for launch in [*(x for x in launches if x not in gemv), *gemv_launches(gemv)]
@@ -234,7 +239,7 @@ def main() -> int:
         cells = " | ".join(f"sm_{a}: {by_arch.get(a, '-')}" for a in archs)
         print(f"{name} {shown} {options}: {cells}")
     print(f"# {failed} failed or over a shared-memory limit; {spills} spill registers")
-    return 1 if failed else 0
+    return 1 if failed or (args.strict and spills) else 0
 
 
 if __name__ == "__main__":
