@@ -35,7 +35,11 @@ GEMV_MAX_M = 16  # the most rows the GEMV path takes (it is the default only up 
 GEMV_CONFIGS = [(16, 256, 4, 3), (16, 512, 4, 3), (32, 256, 4, 3), (32, 512, 8, 3), (8, 512, 2, 4), (64, 256, 8, 2),
                 (16, 1024, 8, 2), (8, 1024, 4, 3), (32, 128, 4, 4), (16, 256, 1, 3), (16, 512, 1, 3)]
 GEMV_MAX_TILE_WORDS = 8192  # weight words in a program's tile times its rows, at most
-GEMV_MAX_THREAD_WORDS = 64  # ... and per thread: beyond either the loop spills registers (sm_86/sm_90 code)
+# ... and weights times rows per thread (its products per trip; 64 words of int8, 32 of int4): beyond either the
+# loop spills registers (sm_86/sm_90 code). Counted in words (64 a thread), int4 tiles of 512 products a thread
+# went through: at M = 8, 21 of 24 such kernels compiled to 240-255 registers and 15 spilled, reloading up to 159
+# values a trip (Triton 3.9; docs/PERF.md).
+GEMV_MAX_THREAD_PRODUCTS = 256
 # Under the interpreter (slow, CPU): one small config, no autotuning.
 INTERPRET_GEMV = dict(BLOCK_N=32, BLOCK_K=128)
 # Measured GEMV launch configurations, written by scripts/sweep_gemv.py --table: per device ("sm_90", or
@@ -93,9 +97,10 @@ def gemv_block_m(m: int) -> int:
 
 
 def gemv_tile_fits(block_m: int, block_n: int, block_k: int, bits: int, warps: int) -> bool:
-    """Whether a GEMV tile's partial sums for block_m rows fit in registers (GEMV_MAX_*_WORDS)."""
-    words = block_m * block_n * block_k * bits // 32
-    return words <= GEMV_MAX_TILE_WORDS and words <= GEMV_MAX_THREAD_WORDS * 32 * warps
+    """Whether a GEMV tile's partial sums for block_m rows fit in registers (GEMV_MAX_TILE_WORDS,
+    GEMV_MAX_THREAD_PRODUCTS)."""
+    products = block_m * block_n * block_k
+    return products * bits // 32 <= GEMV_MAX_TILE_WORDS and products <= GEMV_MAX_THREAD_PRODUCTS * 32 * warps
 
 
 def sm_count(device: torch.device) -> int:

@@ -21,6 +21,7 @@ so that each thread reuses an activation across the columns it holds; scripts/sw
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -274,13 +275,19 @@ def _prune(configs, named_args, **kwargs):
 
 
 def _gemv_launcher():
+    """The autotuned GEMV. Its timings are kept on disk (Triton's cache, keyed by the card's architecture, the
+    kernel's source, the shape key and the candidates), so only the first process on a machine times the
+    candidates: without that every `localpd chat` start, and every new batch size a server reaches, spent about
+    0.1 s per candidate and shape timing them again, mid-stream for the server. Triton before 3.2 cannot keep
+    them (no cache_results)."""
     if triton_interpreting():
         return _gemv_kernel
+    keep = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
     return triton.autotune(
         configs=[triton.Config(dict(BLOCK_N=bn, BLOCK_K=bk), num_warps=w, num_stages=s)
                  for bn, bk, w, s in GEMV_CONFIGS],
         key=["N", "K", "GROUP", "BITS", "BLOCK_M", "SPLIT_K", "GATED", "NORM"], reset_to_zero=["y_ptr"],
-        prune_configs_by={"early_config_prune": _prune})(_gemv_kernel)
+        prune_configs_by={"early_config_prune": _prune}, **keep)(_gemv_kernel)
 
 
 _GEMV = _gemv_launcher()

@@ -1,7 +1,7 @@
 """What the GEMV compiles to, without a GPU: builds _gemv_kernel for an NVIDIA architecture with Triton's own
 compiler and ptxas, disassembles the cubin (cuobjdump) and reports, per launch configuration, the main loop's
 SASS instructions per weight word a thread streams, its barriers and shared-memory instructions, the widest
-weight load, registers and spilled bytes.
+weight load, registers, spilled bytes and the local-memory accesses (spills) inside the loop.
 
 A GEMV at M = 1 keeps up with DRAM only if an SM issues its instructions faster than the weights arrive; each
 card's budget of instructions per 4-byte word is printed at the end (scripts/sass.py). Static counts are not
@@ -61,9 +61,9 @@ def main() -> int:
     else:
         configs = [tuple(map(int, c.split(","))) for c in args.configs.split(";")]
     print(f"# Triton {triton.__version__}; per loop trip: SASS instructions per weight word a thread loads, "
-          f"barriers, shared-memory instructions, widest load")
+          f"barriers, shared-memory instructions, widest load, registers, spilled bytes, local-memory accesses")
     print(f"{'arch':>5} {'format':>9} {'variant':>7} {'M':>2} {'BLOCK_N,K,warps,stages':>24} {'instr/word':>10} "
-          f"{'bar':>4} {'smem':>5} {'load':>12} {'regs':>4} {'spill':>5}")
+          f"{'bar':>4} {'smem':>5} {'load':>12} {'regs':>4} {'spill':>5} {'local':>5}")
     for arch, fmt, variant, m, (bn, bk, warps, stages) in itertools.product(
             map(int, args.arch.split(",")), args.formats.split(","), args.variants.split(","),
             map(int, args.m.split(",")), configs):
@@ -73,7 +73,7 @@ def main() -> int:
         kernel = compile_gemv(bits, group, bn, bk, warps, stages, m, variant == "norm", variant == "gated", arch)
         s = loop_stats(kernel, bn * bk * bits / 32 / (32 * warps))
         print(f"{arch:>5} {fmt:>9} {variant:>7} {m:>2} {f'{bn},{bk},{warps},{stages}':>24} {s.per_word:>10} "
-              f"{s.barriers:>4} {s.shared:>5} {s.widest_load:>12} {s.registers:>4} {s.spilled:>5}")
+              f"{s.barriers:>4} {s.shared:>5} {s.widest_load:>12} {s.registers:>4} {s.spilled:>5} {s.local:>5}")
     print_budgets()
     return 0
 

@@ -41,6 +41,7 @@ class LoopStats:
     widest_load: str  # the widest global load in the loop, e.g. LDG.E.128
     registers: int
     spilled: int  # bytes of local memory (stack) per thread
+    local: int  # local-memory loads and stores (LDL, STL) in the loop: spilled registers it reloads every trip
 
 
 def compile_launch(kernel, args: tuple, kwargs: dict, arch: int = 90):
@@ -92,7 +93,8 @@ def loop_stats(kernel, words_per_thread: float) -> LoopStats:
     widest = max(loads, key=lambda op: int((re.findall(r"\d+$", op) or ["32"])[0]), default="-")  # LDG.E: 32 bits
     regs, stack = (int(re.search(rf"{field}:(\d+)", out).group(1)) for field in ("REG", "STACK"))
     return LoopStats(len(body), round(len(body) / words_per_thread, 1), sum(op.startswith("BAR") for op in body),
-                     sum(op.startswith(("LDS", "STS", "LDSM")) for op in body), len(loads), widest, regs, stack)
+                     sum(op.startswith(("LDS", "STS", "LDSM")) for op in body), len(loads), widest, regs, stack,
+                     sum(op.startswith(("LDL", "STL")) for op in body))
 
 
 def budgets() -> dict[str, float]:

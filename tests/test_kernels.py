@@ -291,6 +291,20 @@ def test_shipped_gemv_table_is_well_formed():
             assert all(isinstance(cfg[f], int) and cfg[f] > 0 for f in TUNED_FIELDS) and cfg["measured"]
 
 
+def test_gemv_autotuner_keeps_its_timings_on_disk(monkeypatch):
+    """Outside the interpreter the GEMV is autotuned, and the timings go to Triton's disk cache, so a second
+    process (the next `localpd chat`, a server reaching a new batch size) launches without timing candidates."""
+    import triton
+
+    import localpd.kernels.quant_matmul as qm
+
+    monkeypatch.setattr(qm, "triton_interpreting", lambda: False)
+    monkeypatch.setattr(triton.knobs.runtime, "interpret", False)  # the Autotuner never caches under it
+    tuner = qm._gemv_launcher()
+    assert isinstance(tuner, triton.runtime.Autotuner) and tuner.cache_results
+    assert len(tuner.configs) == len(qm.GEMV_CONFIGS)
+
+
 def test_launch_heuristics():
     assert [gemv_block_m(m) for m in (1, 2, 3, 5, 9, 16)] == [1, 2, 4, 8, 16, 16]
     assert pick_split_k(576, 1536, 132) > 1            # 36 tiles of 16 on 132 SMs: split
@@ -319,17 +333,28 @@ def test_word_align_is_what_the_words_allow():
 def test_one_warp_gemv_tiles_fit_a_3090s_budget_with_the_prologues(sass_table):
     """The one-warp autotune candidates, compiled for sm_86 at M = 1 (scripts/gemv_sass.py): with the RMSNorm and
     SiLU prologues their int4 loops stay under an RTX 3090's 76 instructions per weight word, without spilling
-    (the 4-warp candidates took 167-272); at M = 4 the int8 tile no longer fits a thread and is pruned."""
+    (the 4-warp candidates took 167-272); at M = 4 the 16-column tile no longer fits a thread and is pruned."""
     from localpd.kernels.dispatch import GEMV_CONFIGS, gemv_tile_fits
 
     one_warp = [c for c in GEMV_CONFIGS if c[2] == 1]
     assert one_warp and all(gemv_tile_fits(1, bn, bk, bits, 1) for bn, bk, _, _ in one_warp for bits in (4, 8))
-    assert not gemv_tile_fits(4, 16, 256, 8, 1) and gemv_tile_fits(4, 16, 256, 4, 1)
+    assert not gemv_tile_fits(4, 16, 256, 8, 1) and not gemv_tile_fits(4, 16, 256, 4, 1)
+    assert gemv_tile_fits(2, 16, 256, 4, 1) and not gemv_tile_fits(2, 16, 512, 4, 1)
     configs = ";".join(",".join(map(str, c)) for c in one_warp)
     rows = sass_table("gemv_sass.py", "--arch", "86", "--formats", "int4-g128", "--variants", "norm,gated",
                       "--configs", configs)
     assert len(rows) == 2 * len(one_warp), rows
     assert all(float(r[5]) < 76 and r[10] == "0" for r in rows), rows
+
+
+def test_gemv_candidates_for_eight_rows_keep_their_registers(sass_table):
+    """The int4 candidates the autotuner keeps for M = 5..8 (a server's decode batch), plain and with each prologue,
+    compiled for sm_86 and sm_90 (scripts/gemv_sass.py): no loop reloads spilled registers from local memory.
+    Counted in words (64 a thread) the rule kept tiles of 512 products a thread, (8, 1024, 4) and (8, 512, 2)
+    among them, whose loops made up to 159 local-memory accesses a trip (Triton 3.9)."""
+    rows = sass_table("gemv_sass.py", "--arch", "86,90", "--formats", "int4-g128", "--m", "8")
+    assert len(rows) == 2 * 3 * 2, rows  # two archs, three variants, the two tiles that fit 8 rows
+    assert all(r[-1] == "0" and int(r[9]) < 255 for r in rows), rows
 
 
 def test_decode_gemv_compiles_to_16_byte_loads_without_shared_memory(sass_table):
@@ -338,6 +363,6 @@ def test_decode_gemv_compiles_to_16_byte_loads_without_shared_memory(sass_table)
     shared-memory instruction, and reads 16 bytes of words per load. Before, it loaded [BLOCK_N, G, WPG] words 8
     bytes at a time and moved every field through shared memory (20-36 barriers per trip)."""
     (row,) = sass_table("gemv_sass.py", "--formats", "int4-g128", "--variants", "plain", "--configs", "32,256,4,3")
-    per_word, barriers, shared, load, _, spilled = row[5:]
+    per_word, barriers, shared, load, _, spilled, _ = row[5:]
     assert (barriers, shared, load, spilled) == ("0", "0", "LDG.E.128", "0"), row
     assert float(per_word) < 100, row  # 8 fields a word at about 3 instructions each, plus the activations
