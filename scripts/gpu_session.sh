@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device-tool call: install, then the named stages, each under its own time limit, logs under $OUT.
-# Usage (on the GPU machine, repo root): scripts/gpu_session.sh tests fused check sweep ncu kernels bench peers kv kvfull
+# Usage (on the GPU machine, repo root): scripts/gpu_session.sh tests fused check sweep mma ncu kernels bench peers kv kvfull
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -19,9 +19,12 @@ for s in "$@"; do case $s in
          TO="-s INT" stage gpu_mm_tests 150 env LOCALPD_TEST_DEVICE=cuda python3 -m pytest -q -n 14 -W ignore \
            -p no:cacheprovider -rf --tb=line tests/test_kernels.py ;;
   check) stage gpu_check 150 python3 scripts/gpu_check.py ;;
-  sweep) TAIL=80 stage sweep_gemv 500 python3 scripts/sweep_gemv.py --json "$OUT/sweep_gemv.json" \
+  sweep) TAIL=80 stage sweep_gemv 500 python3 scripts/sweep_gemv.py --no-mma --json "$OUT/sweep_gemv.json" \
            --table kernels/gemv_tuned.json  # later stages of this call launch the measured configurations
          cp kernels/gemv_tuned.json "$OUT/" 2>/dev/null ;;
+  mma) for m in 1 8; do  # the tensor-core GEMV (kernels/gemv_mma.py) beside the autotuned GEMV, at 1 and 8 rows
+         TAIL=40 stage sweep_mma_m$m 240 python3 scripts/sweep_gemv.py --m $m --no-gemv --no-kmajor \
+           --json "$OUT/sweep_mma_m$m.json"; done ;;
   fused) TO="-s INT" stage gpu_fused_tests 90 env LOCALPD_TEST_DEVICE=cuda python3 -m pytest -q -W ignore \
            -p no:cacheprovider -rf --tb=line tests/test_fused_kernels.py ;;
   ncu) stage ncu_step 240 ncu --profile-from-start off --metrics dram__bytes_read.sum,dram__bytes_write.sum --csv \

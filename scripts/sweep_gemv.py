@@ -1,6 +1,7 @@
 """Sweep the GEMV kernel's launch configurations on a GPU: every (BLOCK_N, BLOCK_K, num_warps, num_stages,
 split-K) for Llama-3-8B's decode shapes at M = 1 (and --m), timed as CUDA-graph replays over weight copies larger
-than L2, beside what quant_matmul's autotuner picks and, at M = 1, the experimental K-major kernel (gemv_kmajor).
+than L2, beside what quant_matmul's autotuner picks, the experimental tensor-core GEMV (gemv_mma, any M) and, at
+M = 1, the experimental K-major kernel (gemv_kmajor).
 Prints the best configurations per shape with % of the measured copy bandwidth and the best one's time with the
 RMSNorm prologue (quant_matmul's norm, which the tuned table launches with the same tile), checks the best ones
 against the torch reference, and writes every timing as JSON. --table adds each shape's fastest row-major configuration
@@ -26,6 +27,7 @@ from localpd.bench_kernels import SHAPES, copies_for, graph_time, random_int4, r
 from localpd.device import measure_copy_bandwidth
 from localpd.kernels.dispatch import (cdiv, device_key, gemv_block_m, gemv_tile_fits, int4_matmul_ref,
                                      int8_matmul_ref, linear_int4, linear_int8)
+from localpd.kernels.gemv_mma import gemv_mma, mma_fits
 from localpd.kernels.quant_matmul import _gemv_kernel, gemv_kmajor, word_align
 from localpd.quant.weights import Int4Weight
 
@@ -35,6 +37,7 @@ WARPS = (1, 2, 4, 8)
 STAGES = (3,)  # 1 and 3 compile to the same GEMV loop (scripts/gemv_sass.py)
 SPLITS = (1, 2, 4, 8, 16)
 KMAJOR_MAX_WORDS = 4096  # the K-major tile keeps its partial sums elementwise: three tile-sized register arrays
+MMA_BLOCK_N, MMA_BLOCK_K, MMA_WARPS, MMA_SPLITS = (32, 64, 128), (128, 256), (4, 8), (1, 2, 4, 8)  # gemv_mma's grid
 
 
 def kmajor(w):
@@ -67,6 +70,16 @@ def launch(x, y, w, cfg, norm=None):
                                           WORD_ALIGN=word_align(words), num_warps=warps, num_stages=stages)
 
 
+def mma(x, w, cfg):
+    """One gemv_mma call with cfg = ("mma", BLOCK_N, BLOCK_K, num_warps, split-K)."""
+    _, bn, bk, warps, split = cfg
+    if isinstance(w, Int4Weight):
+        return gemv_mma(x, w.packed, w.scales, w.biases, 4, w.group, block_n=bn, block_k=bk, split_k=split,
+                        num_warps=warps)
+    return gemv_mma(x, w.data.view(torch.int32), w.scales, None, 8, w.group, block_n=bn, block_k=bk,
+                    split_k=split, num_warps=warps)
+
+
 def rel(y, w, x, fmt) -> float:
     ref = (int4_matmul_ref(x, w.packed, w.scales, w.biases, w.group) if fmt.startswith("int4")
            else int8_matmul_ref(x, w.data, w.scales, w.group))
@@ -79,6 +92,8 @@ def main() -> int:
     p.add_argument("--formats", default="int4-g128,int8")
     p.add_argument("--shapes", default="qkv,o,gate_up,down")
     p.add_argument("--no-kmajor", action="store_true", help="skip the experimental K-major kernel")
+    p.add_argument("--no-mma", action="store_true", help="skip the experimental tensor-core GEMV")
+    p.add_argument("--no-gemv", action="store_true", help="skip the GEMV's own grid (the autotuned row stays)")
     p.add_argument("--json")
     p.add_argument("--table", help="add the fastest configurations to this table of measured ones (JSON)")
     args = p.parse_args()
@@ -101,7 +116,8 @@ def main() -> int:
         t0 = time.time()
         for cfg in itertools.product(BLOCK_N, BLOCK_K, WARPS, STAGES, SPLITS):
             bn, bk, warps, _, split = cfg
-            if not gemv_tile_fits(args.m, bn, bk, bits, warps) or cdiv(k, bk) < split or (bk * bits // 32) % 4:
+            if (args.no_gemv or not gemv_tile_fits(args.m, bn, bk, bits, warps) or cdiv(k, bk) < split
+                    or (bk * bits // 32) % 4):
                 continue
             try:
                 rows.append((cfg, graph_time([lambda w=w, cfg=cfg: launch(x, y, w, cfg) for w in ws], reps=10)))
@@ -127,24 +143,36 @@ def main() -> int:
                 got = gemv_kmajor(x, *ws[0].kmajor, block_n=bn, block_k=bk, split_k=split, num_warps=warps,
                                   num_stages=stages)
                 print(f"  kmajor best {best_k[0]} rel err {rel(got, ws[0], x, fmt):.1e}")
+        if not args.no_mma:
+            for cfg in itertools.product(("mma",), MMA_BLOCK_N, MMA_BLOCK_K, MMA_WARPS, MMA_SPLITS):
+                if not mma_fits(bits, ws[0].group, k, cfg[2]) or cdiv(k, cfg[2]) < cfg[4]:
+                    continue
+                try:
+                    rows.append((cfg, graph_time([lambda w=w, cfg=cfg: mma(x, w, cfg) for w in ws], reps=10)))
+                except Exception as e:  # noqa: BLE001
+                    print(f"  {cfg}: {type(e).__name__}: {str(e)[:80]}")
+            best_mma = min((r for r in rows if r[0][0] == "mma"), key=lambda r: r[1], default=None)
+            if best_mma:
+                print(f"  mma best {best_mma[0]} rel err {rel(mma(x, ws[0], best_mma[0]), ws[0], x, fmt):.1e}")
         rows.sort(key=lambda r: r[1])
-        best = next(r for r in rows if r[0] != "autotuned default" and r[0][0] != "kmajor")
-        launch(x, y, ws[0], best[0])
-        err = rel(y, ws[0], x, fmt)
-        print(f"{fmt:>9} {name:>7} N={n} K={k}: {len(rows)} configs in {time.time() - t0:.0f} s; "
-              f"best rel err {err:.1e}")
-        # the same tile with the RMSNorm prologue (qkv and gate_up run it): what the fusion costs inside the GEMV
-        norm = (torch.randn_like(x), torch.ones(k, device=dev, dtype=x.dtype), torch.empty_like(x))
-        normed = graph_time([lambda w=w: launch(x, y, w, best[0], norm) for w in ws], reps=10)
-        print(f"    best tile with the RMSNorm prologue: {normed * 1e6:.1f} us "
-              f"({normed / best[1]:.2f}x the plain GEMV)")
+        best = next((r for r in rows if r[0] != "autotuned default" and r[0][0] not in ("kmajor", "mma")), None)
+        err = normed = None
+        print(f"{fmt:>9} {name:>7} N={n} K={k}: {len(rows)} configs in {time.time() - t0:.0f} s")
+        if best:
+            launch(x, y, ws[0], best[0])
+            err = rel(y, ws[0], x, fmt)
+            # the same tile with the RMSNorm prologue (qkv and gate_up run it): what the fusion costs in the GEMV
+            norm = (torch.randn_like(x), torch.ones(k, device=dev, dtype=x.dtype), torch.empty_like(x))
+            normed = graph_time([lambda w=w: launch(x, y, w, best[0], norm) for w in ws], reps=10)
+            print(f"    best GEMV tile: rel err {err:.1e}; with the RMSNorm prologue {normed * 1e6:.1f} us "
+                  f"({normed / best[1]:.2f}x the plain GEMV)")
         for cfg, sec in rows[:6] + [r for r in rows if r[0] == "autotuned default"]:
             print(f"    {str(cfg):<28} {sec * 1e6:7.1f} us {nbytes / sec / 1e9:6.0f} GB/s "
                   f"({nbytes / sec / copy_bw:.0%})")
         results.append({"format": fmt, "shape": name, "n": n, "k": k, "m": args.m, "bytes": nbytes, "rel_err": err,
                         "normed_best": normed, "timings": [[str(c), s] for c, s in rows]})
         default = next(s for c, s in rows if c == "autotuned default")
-        if best[1] < default and err < 1e-2:
+        if best and best[1] < default and err < 1e-2:
             bn, bk, warps, stages, split = best[0]
             tuned[f"{bits}:{ws[0].group}:{n}:{k}:{gemv_block_m(args.m)}"] = dict(
                 BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, split_k=split,

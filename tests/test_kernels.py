@@ -112,6 +112,56 @@ def test_gemv_kmajor_matches_reference(fmt, group, dtype, n, k, block_n, block_k
     assert rel_err(y, ref_fn(x, *args).float()) < TOL[dtype]
 
 
+@pytest.mark.parametrize("fmt,m,n,k,dtype,block_n,block_k,split_k", [
+    ("int4", 1, 40, 384, torch.float32, 16, 256, 1), ("int4", 3, 72, 512, torch.bfloat16, 32, 128, 1),
+    ("int4", 16, 72, 512, torch.float16, 32, 256, 2), ("int4", 7, 33, 640, torch.bfloat16, 64, 512, 1),
+    ("int4", 9, 33, 640, torch.bfloat16, 16, 128, 3), ("int8", 5, 40, 384, torch.bfloat16, 32, 256, 1),
+    ("int8", 2, 40, 512, torch.float16, 16, 128, 3), ("int8", 1, 200, 160, torch.float32, 64, 256, 1)])
+def test_tensor_core_gemv_matches_reference(fmt, m, n, k, dtype, block_n, block_k, split_k):
+    """The experimental tensor-core GEMV (kernels/gemv_mma.py; int4 in groups of 128, int8 per channel): rows
+    padded to 16, partial N tiles, K tails, tiles of one group and of several, split-K, the layer's bias."""
+    from localpd.kernels.gemv_mma import gemv_mma
+
+    args, _, ref_fn = make_case(fmt, n, k, 128 if fmt == "int4" else k, seed=m + n + k)
+    gen = torch.Generator().manual_seed(k + m)
+    x = torch.randn(m, k, generator=gen).to(dtype).to(DEV)
+    bias = torch.randn(n, generator=gen).to(dtype).to(DEV) if m % 2 else None
+    if fmt == "int4":
+        packed, scales, biases, group = args
+        y = gemv_mma(x, packed, scales, biases, 4, group, bias=bias, block_n=block_n, block_k=block_k,
+                     split_k=split_k)
+    else:
+        data, scales, group = args
+        y = gemv_mma(x, data.view(torch.int32), scales, None, 8, group, bias=bias, block_n=block_n,
+                     block_k=block_k, split_k=split_k)
+    assert y.shape == (m, n) and y.dtype == dtype and not torch.isnan(y).any()
+    assert rel_err(y, ref_fn(x, *args, bias=bias)) < TOL[dtype], (fmt, m, n, k, dtype)
+
+
+def test_tensor_core_gemv_costs_the_same_per_word_at_any_m(sass_table):
+    """The tensor-core GEMV compiled for sm_86 (scripts/gemv_sass.py --mma): the products go to the tensor cores,
+    so its loop does the same work per weight word for 1 or 16 rows, under an RTX 3090's budget of 76 (int4-g128)
+    and an H100's 45 (int8), where the CUDA-core GEMV at M = 8 takes 152-259 per int4 word."""
+    rows = sass_table("gemv_sass.py", "--mma", "--arch", "86", "--configs", "64,256,4;128,256,8")
+    assert len(rows) == 4, rows
+    assert all(float(r[5]) < (76 if r[1] == "int4-g128" else 45) and r[-1] == "0" for r in rows), rows
+
+
+def test_tensor_core_gemv_refuses_what_it_cannot_take():
+    """A dot's K is one group's words of one field: int4 in groups under 128 and int8 in groups have too few;
+    more than 16 rows need the GEMM path."""
+    from localpd.kernels.gemv_mma import gemv_mma, mma_fits
+
+    assert mma_fits(4, 128, 4096, 256) and mma_fits(8, 4096, 4096, 128) and mma_fits(8, 576, 576, 1024)
+    assert not mma_fits(4, 64, 4096, 256) and not mma_fits(8, 32, 4096, 256) and not mma_fits(4, 128, 4096, 64)
+    (packed, scales, biases, group), _, _ = make_case("int4", 40, 384, 32, seed=1)
+    with pytest.raises(LocalpdError, match="groups of 32"):
+        gemv_mma(torch.randn(1, 384).to(DEV), packed, scales, biases, 4, group)
+    (packed, scales, biases, group), _, _ = make_case("int4", 40, 384, 128, seed=1)
+    with pytest.raises(LocalpdError, match="1..16"):
+        gemv_mma(torch.randn(17, 384).to(DEV), packed, scales, biases, 4, group)
+
+
 @pytest.mark.parametrize("fmt,group", [("int4", 32), ("int4", 128), ("int8", None), ("int8", 64)])
 @pytest.mark.parametrize("m,dtype,split_k,path", [(1, torch.bfloat16, None, None), (3, torch.float16, 2, None),
                                                   (1, torch.float32, 3, None), (12, torch.bfloat16, None, "gemv"),
