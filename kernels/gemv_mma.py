@@ -22,7 +22,7 @@ import triton.language as tl
 
 from localpd.errors import LocalpdError
 from localpd.kernels.dispatch import cdiv, triton_interpreting
-from localpd.kernels.quant_matmul import INT8_XOR, _split_chunks
+from localpd.kernels.quant_matmul import INT8_XOR, _split_chunks, word_align
 
 MMA_ROWS = 16  # a dot's smallest M: the activation rows are padded to it
 # (BLOCK_N, BLOCK_K, num_warps) that scripts/gemv_sass.py --mma counts by default; the sweep tries a wider grid
@@ -122,8 +122,6 @@ def gemv_mma(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, biases:
     """x [M <= 16, K] @ W.T (+ bias [N]) -> [M, N] in x.dtype, W as quant_matmul takes it (int32 words
     [N, K * bits / 32], scales and int4 offsets [N, K / group]). The launch configuration is explicit (this path
     is swept, not autotuned)."""
-    from localpd.kernels.quant_matmul import word_align
-
     n, k = words.shape[0], words.shape[1] * 32 // bits
     m = x.shape[0]
     if x.dim() != 2 or x.shape[1] != k or not 1 <= m <= MMA_ROWS:

@@ -32,35 +32,35 @@ from sweep_gemv import BLOCK_K, BLOCK_N, STAGES, WARPS  # the sweep's grid (this
 def compile_gemv(bits: int, group: int, block_n: int, block_k: int, warps: int, stages: int, m: int = 1,
                  norm: bool = False, gated: bool = False, arch: int = 90, split: bool = False):
     """_gemv_kernel compiled for sm_<arch>, specialised as quant_matmul launches it on aligned bf16 tensors."""
-    names = list(inspect.signature(_gemv_kernel.fn).parameters)
     sig = dict(x_ptr="*bf16", y_ptr="*fp32" if split else "*bf16", M="i32", N="i32", K="i32", stride_xm="i32",
                stride_ym="i32", w_ptr="*i32", s_ptr="*fp16", b_ptr="*fp16", stride_wn="i32", stride_sn="i32",
                K_GROUPS="i32", SPLIT_K="i32", r_ptr="*bf16", g_ptr="*bf16", sum_ptr="*bf16", stride_rm="i32",
                stride_summ="i32", eps="fp32", out_bias_ptr="*bf16")
     const = dict(BITS=bits, GROUP=group, HAS_BIAS=bits == 4, BLOCK_M=gemv_block_m(m), BLOCK_N=block_n,
                  BLOCK_K=block_k, ATOMIC=split, GATED=gated, NORM=norm, HAS_RES=norm, OUT_BIAS=False, WORD_ALIGN=4)
+    return _compile(_gemv_kernel, sig, const, ["stride_rm", "stride_summ"], arch, warps, stages)
+
+
+def _compile(kernel, sig: dict, const: dict, aligned: list, arch: int, warps: int, stages: int):
+    """kernel compiled for sm_<arch> with sig's argument types and const's constexprs; its pointers, N, K, the
+    x/y/w/scale strides and the arguments named in aligned specialised as 16-divisible."""
+    names = list(inspect.signature(kernel.fn).parameters)
     sig.update({k: "constexpr" for k in const})
     aligned = [a for a, t in sig.items() if t.startswith("*")] + ["N", "K", "stride_xm", "stride_ym", "stride_wn",
-                                                                   "stride_sn", "stride_rm", "stride_summ"]
+                                                                   "stride_sn", *aligned]
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
-    src = ASTSource(_gemv_kernel, sig, const, attrs)
+    src = ASTSource(kernel, sig, const, attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=warps, num_stages=stages))
 
 
 def compile_mma(bits: int, group: int, block_n: int, block_k: int, warps: int, arch: int = 90):
     """_gemv_mma_kernel compiled for sm_<arch>, as gemv_mma launches it on aligned bf16 tensors (no split)."""
-    names = list(inspect.signature(_gemv_mma_kernel.fn).parameters)
     sig = dict(x_ptr="*bf16", y_ptr="*bf16", M="i32", N="i32", K="i32", stride_xm="i32", stride_ym="i32",
                w_ptr="*i32", s_ptr="*fp16", b_ptr="*fp16", stride_wn="i32", stride_sn="i32", K_GROUPS="i32",
                SPLIT_K="i32", out_bias_ptr="*bf16")
     const = dict(BITS=bits, GROUP=group, HAS_BIAS=bits == 4, OUT_BIAS=False, BLOCK_N=block_n, BLOCK_K=block_k,
                  ATOMIC=False, FP16=False, DOT_F32=False, WORD_ALIGN=4)
-    sig.update({k: "constexpr" for k in const})
-    aligned = [a for a, t in sig.items() if t.startswith("*")] + ["N", "K", "stride_xm", "stride_ym", "stride_wn",
-                                                                   "stride_sn"]
-    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
-    src = ASTSource(_gemv_mma_kernel, sig, const, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=warps, num_stages=1))
+    return _compile(_gemv_mma_kernel, sig, const, [], arch, warps, 1)
 
 
 def main() -> int:
