@@ -82,7 +82,7 @@ def run_point(engine: Engine, info: DeviceInfo, prompt_len: int, batch: int, gen
     decode_wall = sum(s.wall_seconds or s.seconds for s in decode)
     bw = info.bandwidth
     mid = prompt_len + gen_len // 2
-    one_step = step_cost(engine.model, [(mid, 1)] * batch, engine.kv_token_bytes, batch).bytes
+    one_step = step_cost(engine.model, [(mid, 1)] * batch, engine.kv_traffic, batch).bytes
     if engine.device.type == "cuda":
         peak_mem = torch.cuda.max_memory_allocated(engine.device) / 2**20
     else:

@@ -57,7 +57,7 @@ def format_stats(s: GenerationStats, engine: Engine | None = None, info: DeviceI
     lines.append(line)
     if bandwidth and engine is not None:
         context = s.prompt_tokens + s.output_tokens
-        ceiling = decode_ceiling_tps(engine.model, context, engine.kv_token_bytes, bandwidth)
+        ceiling = decode_ceiling_tps(engine.model, context, engine.kv_traffic, bandwidth)
         lines.append(f"decode ceiling:       {ceiling:.1f} tokens/s at {context} tokens of context")
     return "\n".join(lines)
 

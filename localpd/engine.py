@@ -25,7 +25,7 @@ from localpd.errors import LocalpdError
 from localpd.kvcache import PagePool
 from localpd.loader import LoadedModel, load_model
 from localpd.model import Batch, Transformer
-from localpd.quant.kv import check_kv_dtype, kv_bytes_per_token, new_kv_pool, same_kv
+from localpd.quant.kv import KVTraffic, check_kv_dtype, new_kv_pool, same_kv
 from localpd.quant.store import is_quantized_dir
 from localpd.registry import resolve_model
 from localpd.roofline import step_cost
@@ -242,7 +242,9 @@ class Engine:
         default_kv = same_kv(self.compute_dtype)
         self.kv_dtype = check_kv_dtype(kv or default_kv, self.device)
         c = self.config
-        self.kv_token_bytes = kv_bytes_per_token(self.kv_dtype, c.n_layers, c.n_kv_heads, c.head_dim, PAGE_SIZE)
+        self.kv_traffic = KVTraffic(self.kv_dtype, c.n_layers, c.n_kv_heads, c.head_dim, PAGE_SIZE,
+                                    self.compute_dtype.itemsize)
+        self.kv_token_bytes = self.kv_traffic.per_token
         if kv_tokens is not None and kv_memory is None:
             kv_memory = -(-max(kv_tokens, self.max_context + 1) // PAGE_SIZE) * PAGE_SIZE * self.kv_token_bytes
         n_pages = self._kv_pages(parse_bytes(kv_memory))
@@ -431,7 +433,7 @@ class Engine:
                     self._finish(self._requests[w.seq], TokenEvent(None, "", "error", error=f"{type(e).__name__}: {e}"))
             return
         now = time.perf_counter()
-        cost = step_cost(self.model, [(w.start, w.n) for w in work], self.kv_token_bytes, len(samples))
+        cost = step_cost(self.model, [(w.start, w.n) for w in work], self.kv_traffic, len(samples))
         step = StepStats(phase_of(work), sum(w.n for w in work), timer.seconds(now - t0), len(work), cost.bytes,
                          cost.flops, now - t0)
         for w, (token, lp, top) in zip(samples, tokens):

@@ -3,13 +3,15 @@
 Bytes are what the kernels must move at least once: every matrix of the body once per step (packed data,
 scales and biases: whatever the format stores), the output head when some row needs logits, the embedding rows
 of the step's tokens, the keys and values each sequence attends to (its whole context, scales included) and
-those it writes. FLOPs are 2 per multiply-add of the matrices and 4 * head_dim per (query head, attended key)
+those it writes (localpd.quant.kv.KVTraffic: a per-page format rewrites whole pages). FLOPs are 2 per multiply-add of the matrices and 4 * head_dim per (query head, attended key)
 pair of attention (scores and the weighted sum).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from localpd.quant.kv import KVTraffic
 
 
 @dataclass
@@ -24,22 +26,23 @@ class StepCost:
         return self.weight_bytes + self.kv_read_bytes + self.kv_write_bytes
 
 
-def step_cost(model, seqs: list[tuple[int, int]], kv_bytes_per_token: int, logit_rows: int) -> StepCost:
+def step_cost(model, seqs: list[tuple[int, int]], kv: KVTraffic, logit_rows: int) -> StepCost:
     """seqs: (tokens already cached, tokens computed this step) per sequence; logit_rows: rows sent to the head."""
     c = model.config
     tokens = sum(n for _, n in seqs)
     head = logit_rows > 0
     weight_bytes = model.body_bytes + (model.lm_head.nbytes if head else 0) + tokens * model.embed_row_bytes
-    attended = sum(ctx + n for ctx, n in seqs)  # each sequence reads its keys and values once
+    kv_read = sum(kv.read(ctx + n) for ctx, n in seqs)  # each sequence reads its keys and values once
+    kv_written = sum(kv.written(ctx, n) for ctx, n in seqs)
     pairs = sum(n * ctx + n * (n + 1) // 2 for ctx, n in seqs)  # causal (query, key) pairs
     flops = (2 * tokens * model.body_params + 2 * logit_rows * model.lm_head.params
              + 4 * c.n_layers * c.n_heads * c.head_dim * pairs)
-    return StepCost(weight_bytes, attended * kv_bytes_per_token, tokens * kv_bytes_per_token, flops)
+    return StepCost(weight_bytes, kv_read, kv_written, flops)
 
 
-def decode_ceiling_tps(model, context: int, kv_bytes_per_token: int, bandwidth: float) -> float:
+def decode_ceiling_tps(model, context: int, kv: KVTraffic, bandwidth: float) -> float:
     """Tokens/s a batch-1 decode at this context could reach if every byte moved at `bandwidth` bytes/s."""
-    return bandwidth / step_cost(model, [(context, 1)], kv_bytes_per_token, 1).bytes
+    return bandwidth / step_cost(model, [(context, 1)], kv, 1).bytes
 
 
 def utilisation(amount: float, seconds: float, peak: float | None) -> float | None:

@@ -310,7 +310,7 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
             mbu = utilisation(s.decode_bytes, s.decode_step_seconds, bandwidth)
             out["decode_mbu"] = None if mbu is None else round(mbu, 4)
             context = s.prompt_tokens + s.output_tokens
-            out["ceiling_tokens_per_s"] = round(decode_ceiling_tps(e.model, context, e.kv_token_bytes, bandwidth), 2)
+            out["ceiling_tokens_per_s"] = round(decode_ceiling_tps(e.model, context, e.kv_traffic, bandwidth), 2)
         return out
 
     def token_text(e: Engine, token: int) -> str:

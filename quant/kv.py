@@ -167,14 +167,69 @@ def _layout(fmt: str, head_dim: int) -> tuple[torch.dtype, int, int, bool]:
     return torch.uint8, head_dim // 2, head_dim if fmt in PER_PAGE else head_dim // INT4_GROUP, True
 
 
+def _head_bytes(fmt: str, head_dim: int) -> tuple[int, int]:
+    """(code bytes, scale and zero bytes) of one token's head in a format; a per-page format's scales and zeros
+    are those of a whole page's head."""
+    storage, packed, groups, zeros = _layout(fmt, head_dim)
+    return packed * storage.itemsize, groups * SCALE_DTYPE.itemsize * (2 if zeros else 1)
+
+
 def kv_bytes_per_token(kv_dtype: str, n_layers: int, n_kv_heads: int, head_dim: int, page_size: int = 16) -> int:
     """What bytes_per_token() of a pool would say, without allocating one (a page's scales shared by its tokens)."""
     per_head = 0
     for fmt in kv_formats(kv_dtype):
-        storage, packed, groups, zeros = _layout(fmt, head_dim)
-        scales = groups * SCALE_DTYPE.itemsize * (2 if zeros else 1)
-        per_head += packed * storage.itemsize + (scales // page_size if fmt in PER_PAGE else scales)
+        codes, scales = _head_bytes(fmt, head_dim)
+        per_head += codes + (scales // page_size if fmt in PER_PAGE else scales)
     return n_layers * n_kv_heads * per_head
+
+
+@dataclass(frozen=True)
+class KVTraffic:
+    """Bytes a step moves in a KV cache of this format and shape (localpd.roofline counts them). Per-token formats
+    read and write each token's codes and scales. A per-page format (int4ch) reads a page's scales and zeros
+    once however few of its tokens are attended, and its write re-quantizes every page it touches whole, as the
+    write kernel does: it reads the page's earlier tokens from the stage, writes the codes of every token up to
+    the last new one and the page's scales and zeros, and stages the new tokens of a page it leaves open."""
+
+    kv_dtype: str
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    page_size: int = 16
+    stage_itemsize: int = 4  # the compute dtype's: a per-page format stages tokens as computed
+
+    @property
+    def per_token(self) -> int:
+        """Storage bytes of a token, a page's scales shared by its tokens (what sizes the pool)."""
+        return kv_bytes_per_token(self.kv_dtype, self.n_layers, self.n_kv_heads, self.head_dim, self.page_size)
+
+    def read(self, tokens: int) -> int:
+        """Bytes of one sequence's first `tokens` keys and values, as attention reads them."""
+        pages = -(-tokens // self.page_size)
+        per_head = 0
+        for fmt in kv_formats(self.kv_dtype):
+            codes, scales = _head_bytes(fmt, self.head_dim)
+            per_head += codes * tokens + (scales * pages if fmt in PER_PAGE else scales * tokens)
+        return self.n_layers * self.n_kv_heads * per_head
+
+    def written(self, start: int, n: int) -> int:
+        """Bytes of one sequence's write of its tokens start .. start + n - 1 (n >= 0)."""
+        if n <= 0:
+            return 0
+        ps, staged = self.page_size, self.head_dim * self.stage_itemsize
+        per_head = 0
+        for fmt in kv_formats(self.kv_dtype):
+            codes, scales = _head_bytes(fmt, self.head_dim)
+            if fmt not in PER_PAGE:
+                per_head += (codes + scales) * n
+                continue
+            for page in range(start // ps, (start + n - 1) // ps + 1):
+                first = max(start - page * ps, 0)  # the page's first new offset: earlier ones are read back
+                last = min(start + n - page * ps, ps) - 1
+                per_head += first * staged + (last + 1) * codes + scales
+                if last < ps - 1:  # left open: its new tokens are staged
+                    per_head += (last - first + 1) * staged
+        return self.n_layers * self.n_kv_heads * per_head
 
 
 def new_kv_pool(kv_dtype: str, n_layers: int, n_pages: int, page_size: int, n_kv_heads: int, head_dim: int,

@@ -22,7 +22,7 @@ def run(args) -> int:
     import torch
 
     from localpd.model import Batch, Transformer
-    from localpd.quant.kv import kv_bytes_per_token, new_kv_pool
+    from localpd.quant.kv import KVTraffic, new_kv_pool
     from localpd.roofline import step_cost
     from localpd.synthetic import synthetic_model
 
@@ -43,8 +43,8 @@ def run(args) -> int:
         model.forward(step, pool)
         torch.cuda.synchronize()
         torch.cuda.profiler.stop()
-    kv_bytes = kv_bytes_per_token(args.kv, c.n_layers, c.n_kv_heads, c.head_dim, ps)
-    cost = step_cost(model, [(args.context, 1)], kv_bytes, 1)
+    traffic = KVTraffic(args.kv, c.n_layers, c.n_kv_heads, c.head_dim, ps, model.dtype.itemsize)
+    cost = step_cost(model, [(args.context, 1)], traffic, 1)
     with open(args.json, "w") as f:
         json.dump({"model": args.model, "quant": args.quant, "kv": args.kv, "context": args.context,
                    "weight_bytes": cost.weight_bytes, "kv_read_bytes": cost.kv_read_bytes,

@@ -60,7 +60,7 @@ class PanelData:
             self.pct_measured = utilisation(step.bytes, step.seconds, info.measured_bandwidth)
             if info.bandwidth:
                 context = s.prompt_tokens + s.output_tokens
-                self.ceiling_tps = decode_ceiling_tps(engine.model, context, engine.kv_token_bytes, info.bandwidth)
+                self.ceiling_tps = decode_ceiling_tps(engine.model, context, engine.kv_traffic, info.bandwidth)
 
 
 def pct(x: float | None) -> str:
