@@ -7,6 +7,8 @@ gone but each still reads and writes its tensors and takes a few microseconds).
   matmul cannot do it as it loads its input (quant_matmul's norm: int4/int8 GEMVs).
 - silu_mul: SiLU(gate) * up from the gate/up matmul's [T, 2I] output, where the down projection is dense or
   prefill-sized; the int4/int8 GEMVs compute it themselves as they load their input (quant_matmul's gated).
+- qk_norm: Qwen3's RMSNorm of each query and key head over head_dim (its own weight for queries and for keys), in
+  place on the qkv matmul's output, before RoPE and the KV write.
 - rope: rotates query and key heads in place (HF's half-rotated layout), reading cos/sin per token. The model
   runs it only where rope_write_kv_kernel (paged_attention.py), which also writes the KV pages, cannot.
 
@@ -35,6 +37,21 @@ def add_rms_norm_kernel(x, res, w, out_h, out_x, N, eps, s_x, s_r, s_h, s_ox, HA
     inv = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / N + eps)
     h = (sf * inv).to(tl.float32) * tl.load(w + d, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_h + t * s_h + d, h.to(out_h.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def qk_norm_kernel(qkv, wq, wk, D, eps, s_t, HQ: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (t, head): qkv[t, head] = RMSNorm(qkv[t, head]) * (wq for a query head (head < HQ), else wk), in
+    place; the heads are D wide and consecutive, queries first."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    d = tl.arange(0, BLOCK)
+    mask = d < D
+    base = qkv + t * s_t + h * D
+    x = tl.load(base + d, mask=mask, other=0.0).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+    w = tl.load(tl.where(h < HQ, wq, wk) + d, mask=mask, other=0.0).to(tl.float32)
+    tl.store(base + d, ((x * inv).to(tl.float32) * w).to(qkv.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -1,4 +1,5 @@
-"""The small fused steps of a layer (residual add + RMSNorm, SiLU * mul, RoPE): torch references, and launchers
+"""The small fused steps of a layer (residual add + RMSNorm, SiLU * mul, RoPE, Qwen3's per-head RMSNorm of queries
+and keys): torch references, and launchers
 of their Triton kernels (kernels/fused.py) for CUDA tensors or under the interpreter (see dispatch.use_triton).
 Nothing here imports Triton unless a kernel is launched."""
 
@@ -21,6 +22,17 @@ def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
     """(RMSNorm(s) * weight, s) for s = x + residual in x's dtype (s = x without a residual); x, residual [T, N]."""
     s = x if residual is None else x + residual
     return rms_norm_ref(s, weight, eps), s
+
+
+def qk_norm_ref(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, n_heads: int, n_kv_heads: int,
+                eps: float) -> torch.Tensor:
+    """Qwen3's RMSNorm of every query and key head over head_dim, in place on qkv [T, (n_heads + 2 n_kv_heads) *
+    head_dim] (the values are left as they are); q_weight and k_weight [head_dim]. Returns qkv."""
+    T, d = qkv.shape[0], q_weight.shape[0]
+    heads = qkv[:, :(n_heads + n_kv_heads) * d].unflatten(1, (n_heads + n_kv_heads, d))
+    heads[:, :n_heads] = rms_norm_ref(heads[:, :n_heads], q_weight, eps)
+    heads[:, n_heads:] = rms_norm_ref(heads[:, n_heads:], k_weight, eps)
+    return qkv
 
 
 def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
@@ -71,6 +83,20 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         silu_mul_kernel[(T, cdiv(I, block))](gate_up, out, I, gate_up.stride(0), out.stride(0), BLOCK=block,
                                              num_warps=_warps(block))
     return out
+
+
+def qk_norm(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, n_heads: int, n_kv_heads: int,
+            eps: float) -> torch.Tensor:
+    d = q_weight.shape[0]
+    if not use_triton(qkv) or qkv.dim() != 2 or qkv.stride(-1) != 1:
+        return qk_norm_ref(qkv, q_weight, k_weight, n_heads, n_kv_heads, eps)
+    from localpd.kernels.fused import qk_norm_kernel
+
+    if qkv.shape[0]:
+        block = triton_block(d)
+        qk_norm_kernel[(qkv.shape[0], n_heads + n_kv_heads)](qkv, q_weight, k_weight, d, eps, qkv.stride(0),
+                                                              HQ=n_heads, BLOCK=block, num_warps=_warps(block))
+    return qkv
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

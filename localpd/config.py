@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class ModelConfig:
-    arch: str  # "llama" (Llama 2/3, SmolLM, Mistral) or "qwen2"
+    arch: str  # "llama" (Llama 2/3, SmolLM, Mistral), "qwen2" or "qwen3"
     vocab_size: int
     dim: int
     n_layers: int
@@ -23,6 +23,7 @@ class ModelConfig:
     max_context: int = 4096
     tie_embeddings: bool = False
     qkv_bias: bool = False
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each query and key head before RoPE
     name: str = ""
     extra: dict = field(default_factory=dict)
 

@@ -20,10 +20,10 @@ from localpd.tokenizer import Tokenizer
 GGUF_NAMES = {  # GGUF tensor name (after blk.N.) -> HF-style name (after layers.N.)
     "attn_norm": "input_layernorm", "attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj",
     "attn_output": "o_proj", "ffn_norm": "post_attention_layernorm", "ffn_gate": "gate_proj",
-    "ffn_up": "up_proj", "ffn_down": "down_proj",
+    "ffn_up": "up_proj", "ffn_down": "down_proj", "attn_q_norm": "q_norm", "attn_k_norm": "k_norm",
 }
 GGUF_TOP = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head", "rope_freqs": "rope_freqs"}
-ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
 @dataclass
@@ -106,7 +106,7 @@ def gguf_config(meta: dict, path: Path) -> ModelConfig:
         head_dim=int(get("attention.key_length", dim // heads)), ffn_dim=int(get("feed_forward_length")),
         norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)), rope_theta=float(get("rope.freq_base", 10000.0)),
         rope_scaling=scaling, max_context=int(get("context_length", 4096)), qkv_bias=arch_name == "qwen2",
-        name=str(meta.get("general.name", path.stem)),
+        qk_norm=arch_name == "qwen3", name=str(meta.get("general.name", path.stem)),
     )
 
 
@@ -199,7 +199,7 @@ def hf_config(cfg: dict, path: Path) -> ModelConfig:
         norm_eps=cfg.get("rms_norm_eps", 1e-5), rope_theta=float(theta),
         rope_scaling=dict(rope) if rope_type == "llama3" else None,
         max_context=cfg.get("max_position_embeddings", 4096), tie_embeddings=bool(cfg.get("tie_word_embeddings")),
-        qkv_bias=mt == "qwen2", name=path.name,
+        qkv_bias=mt == "qwen2", qk_norm=mt == "qwen3", name=path.name,
     )
 
 

@@ -1,4 +1,4 @@
-"""The Llama-family transformer (Llama 2/3, SmolLM, Mistral, Qwen2) with separate prefill and decode paths.
+"""The Llama-family transformer (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3) with separate prefill and decode paths.
 
 Weights arrive as a flat dict with HF-style names (see localpd.loader). One forward call runs an engine step: any
 mix of prompt chunks (attending causally to their cached prefix plus themselves) and single decode tokens of
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from localpd.config import ModelConfig
 from localpd.errors import LocalpdError
 from localpd.kernels.dispatch import PreNorm, linear_bnb_int8, linear_bnb_nf4, linear_int4, linear_int8
-from localpd.kernels.fused_dispatch import add_rms_norm, silu_mul
+from localpd.kernels.fused_dispatch import add_rms_norm, qk_norm, silu_mul
 from localpd.kernels.kv_dispatch import paged_attention, rope_write_kv, rope_write_kv_ref
 from localpd.quant.bnb import BnbInt8Weight, Nf4Weight
 from localpd.quant.kv import KVPool
@@ -120,6 +120,8 @@ class Layer:
     mlp_norm: torch.Tensor
     gate_up: QuantLinear | StackedLinear  # gate and up stacked along the output dimension
     down: QuantLinear
+    q_norm: torch.Tensor | None = None  # Qwen3: RMSNorm weights [head_dim] of each query and key head
+    k_norm: torch.Tensor | None = None
 
 
 @dataclass
@@ -199,6 +201,8 @@ class Transformer:
                 mlp_norm=take(f"layers.{i}.post_attention_layernorm"),
                 gate_up=fuse([linear(f"layers.{i}.gate_proj"), linear(f"layers.{i}.up_proj")]),
                 down=linear(f"layers.{i}.down_proj"),
+                q_norm=take(f"layers.{i}.q_norm") if config.qk_norm else None,
+                k_norm=take(f"layers.{i}.k_norm") if config.qk_norm else None,
             )
             for i in range(config.n_layers)
         ]
@@ -229,6 +233,8 @@ class Transformer:
         for li, layer in enumerate(self.layers):
             pages = kv.layer(li)
             qkv, x = normed(layer.qkv, out, x, layer.attn_norm, c.norm_eps)
+            if layer.q_norm is not None:
+                qk_norm(qkv, layer.q_norm, layer.k_norm, c.n_heads, c.n_kv_heads, c.norm_eps)
             q = write(qkv, cos, sin, pages, batch.slots, c.n_heads, c.n_kv_heads, batch.stage_slots)
             attn = paged_attention(q, pages, batch.page_table, batch.seq_lens, batch.q_starts, scale)
             gate_up, x = normed(layer.gate_up, layer.o(attn.reshape(T, c.n_heads * c.head_dim)), x, layer.mlp_norm,
@@ -240,7 +246,8 @@ class Transformer:
 
     def _body(self):
         linears = [l for L in self.layers for l in (L.qkv, L.o, L.gate_up, L.down)]
-        norms = [self.norm] + [t for L in self.layers for t in (L.attn_norm, L.mlp_norm)]
+        norms = [self.norm] + [t for L in self.layers for t in (L.attn_norm, L.mlp_norm, L.q_norm, L.k_norm)
+                               if t is not None]
         return linears, norms
 
     @property

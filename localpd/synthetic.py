@@ -25,6 +25,10 @@ SYNTHETIC = {
                               qkv_bias=True),
     "qwen2.5-0.5b": ModelConfig("qwen2", 151936, 896, 24, 14, 2, 64, 4864, 1e-6, 1000000.0, max_context=8192,
                                 tie_embeddings=True, qkv_bias=True),
+    "qwen3-8b": ModelConfig("qwen3", 151936, 4096, 36, 32, 8, 128, 12288, 1e-6, 1000000.0, max_context=8192,
+                            qk_norm=True),
+    "qwen3-0.6b": ModelConfig("qwen3", 151936, 1024, 28, 16, 8, 128, 3072, 1e-6, 1000000.0, max_context=8192,
+                              tie_embeddings=True, qk_norm=True),
     "smollm2-135m": ModelConfig("llama", 49152, 576, 30, 9, 3, 64, 1536, 1e-5, 100000.0, max_context=8192,
                                 tie_embeddings=True),
 }
@@ -73,6 +77,8 @@ def synthetic_model(name: str, scheme: str, dtype: torch.dtype, device, seed: in
     for i in range(c.n_layers):
         weights[f"layers.{i}.input_layernorm"] = ones
         weights[f"layers.{i}.post_attention_layernorm"] = ones
+        if c.qk_norm:
+            weights[f"layers.{i}.q_norm"] = weights[f"layers.{i}.k_norm"] = ones[:c.head_dim]
     weights["norm"] = ones
     return LoadedModel(c, weights, Path(f"synthetic:{name}"))
 

@@ -1,4 +1,4 @@
-"""The fused elementwise kernels (residual add + RMSNorm, SiLU * mul, RoPE) against their torch references, and a
+"""The fused elementwise kernels (residual add + RMSNorm, SiLU * mul, RoPE, Qwen3's q/k norm) against their torch references, and a
 whole (tiny, random) model run with every Triton kernel against the same model on the references: on the CPU
 through Triton's interpreter, or compiled on a GPU with LOCALPD_TEST_DEVICE=cuda."""
 
@@ -13,8 +13,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from localpd.config import ModelConfig  # noqa: E402
-from localpd.kernels.fused_dispatch import (add_rms_norm, add_rms_norm_ref, rope, rope_ref, silu_mul,  # noqa: E402
-                                            silu_mul_ref)
+from localpd.kernels.fused_dispatch import (add_rms_norm, add_rms_norm_ref, qk_norm, qk_norm_ref,  # noqa: E402
+                                            rope, rope_ref, silu_mul, silu_mul_ref)
 from localpd.model import Batch, Transformer  # noqa: E402
 from localpd.quant.kv import new_kv_pool  # noqa: E402
 from localpd.synthetic import random_weight  # noqa: E402
@@ -88,9 +88,30 @@ def test_rope_in_place_on_a_qkv_view(triton_on, dtype, D):
     assert torch.equal(qkv[:, (Hq + Hkv) * D:], v_before)  # the value heads are not touched
 
 
-def tiny_model(scheme: str, dtype: torch.dtype, device: str) -> Transformer:
-    """Two layers, GQA, head_dim 64 (the KV kernels' size), an odd MLP width; random norms and biases."""
-    c = ModelConfig("llama", 300, 128, 2, 4, 2, 64, 160, 1e-5, 10000.0, max_context=256, qkv_bias=True)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,Hq,Hkv,D", [(1, 16, 8, 128), (3, 5, 1, 64), (2, 7, 3, 96)])
+def test_qk_norm_in_place(triton_on, dtype, T, Hq, Hkv, D):
+    """Each query and key head normalised over head_dim with its own weight, in place; values untouched."""
+    qkv = rand(T, (Hq + 2 * Hkv) * D, dtype=dtype, seed=10)
+    wq, wk = rand(D, dtype=dtype, seed=11), rand(D, dtype=dtype, seed=12)
+    before = qkv.double()
+    expect = qk_norm_ref(qkv.clone(), wq, wk, Hq, Hkv, 1e-6)
+    assert qk_norm(qkv, wq, wk, Hq, Hkv, 1e-6).data_ptr() == qkv.data_ptr()
+    assert rel_err(qkv, expect) < TOL[dtype]
+    assert torch.equal(qkv[:, (Hq + Hkv) * D:], expect[:, (Hq + Hkv) * D:])
+    assert torch.equal(qkv[:, (Hq + Hkv) * D:].double(), before[:, (Hq + Hkv) * D:])  # the values untouched
+    # the reference itself, against the formula: the last query head and the last key head
+    for head, w in ((Hq - 1, wq), (Hq + Hkv - 1, wk)):
+        x = before[:, head * D:(head + 1) * D]
+        want = x / (x.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt() * w.double()
+        assert rel_err(expect[:, head * D:(head + 1) * D], want) < TOL[dtype]
+
+
+def tiny_model(scheme: str, dtype: torch.dtype, device: str, qk_norm: bool = False) -> Transformer:
+    """Two layers, GQA, head_dim 64 (the KV kernels' size), an odd MLP width; random norms and biases; qk_norm:
+    Qwen3's per-head norms of queries and keys too."""
+    c = ModelConfig("llama", 300, 128, 2, 4, 2, 64, 160, 1e-5, 10000.0, max_context=256, qkv_bias=True,
+                    qk_norm=qk_norm)
     g = torch.Generator().manual_seed(9)
     shapes = {"q_proj": (256, 128), "k_proj": (128, 128), "v_proj": (128, 128), "o_proj": (128, 256),
               "gate_proj": (160, 128), "up_proj": (160, 128), "down_proj": (128, 160)}
@@ -103,6 +124,9 @@ def tiny_model(scheme: str, dtype: torch.dtype, device: str) -> Transformer:
             w[f"layers.{i}.{proj}_proj.bias"] = (0.1 * torch.randn(n, generator=g)).to(dtype)
         for norm in ("input_layernorm", "post_attention_layernorm"):
             w[f"layers.{i}.{norm}"] = (1 + 0.1 * torch.randn(128, generator=g)).to(dtype)
+        if qk_norm:
+            for norm in ("q_norm", "k_norm"):
+                w[f"layers.{i}.{norm}"] = (1 + 0.1 * torch.randn(64, generator=g)).to(dtype)
     return Transformer(c, {k: move(v, device) for k, v in w.items()})
 
 
@@ -123,15 +147,16 @@ def prompt_then_decode(model: Transformer, kv_dtype: str) -> list[torch.Tensor]:
     return [o.float().cpu() for o in out]
 
 
-@pytest.mark.parametrize("scheme,kv_dtype", [("int4-g32", "int8"), ("fp32", "fp32"), ("int8", "int4ch/int4")])
-def test_whole_model_on_triton_kernels_matches_the_references(monkeypatch, scheme, kv_dtype):
+@pytest.mark.parametrize("scheme,kv_dtype,qk", [("int4-g32", "int8", False), ("fp32", "fp32", False),
+                                                ("int8", "int4ch/int4", False), ("int4-g32", "int8/int4", True)])
+def test_whole_model_on_triton_kernels_matches_the_references(monkeypatch, scheme, kv_dtype, qk):
     """Prefill then two decode steps with every kernel in Triton (matmuls, KV writes, attention, fused norms,
-    RoPE, SiLU) against the same model on the torch references."""
+    RoPE, SiLU, Qwen3's q/k norm) against the same model on the torch references."""
     monkeypatch.delenv("LOCALPD_TRITON_INTERPRET", raising=False)
-    ref = prompt_then_decode(tiny_model(scheme, torch.float32, "cpu"), kv_dtype)
+    ref = prompt_then_decode(tiny_model(scheme, torch.float32, "cpu", qk), kv_dtype)
     if DEV == "cpu":
         monkeypatch.setenv("LOCALPD_TRITON_INTERPRET", "1")
-    out = prompt_then_decode(tiny_model(scheme, torch.float32, DEV), kv_dtype)
+    out = prompt_then_decode(tiny_model(scheme, torch.float32, DEV, qk), kv_dtype)
     for o, r in zip(out, ref):
         assert o.shape == r.shape
         assert rel_err(o, r) < 1e-4

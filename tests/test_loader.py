@@ -40,24 +40,35 @@ def tiny_hf_model(kind, tmp_path, shard=False):
                   num_key_value_heads=2, vocab_size=128, max_position_embeddings=256)
     if kind == "qwen2":
         cfg, cls = transformers.Qwen2Config(**common), transformers.Qwen2ForCausalLM
+    elif kind == "qwen3":  # heads of 32: queries 128 wide against a hidden size of 64
+        cfg, cls = transformers.Qwen3Config(**common, head_dim=32), transformers.Qwen3ForCausalLM
     else:
         cfg, cls = transformers.LlamaConfig(**common, tie_word_embeddings=False), transformers.LlamaForCausalLM
     torch.manual_seed(0)
     model = cls(cfg).eval()
+    with torch.no_grad():  # norm weights start at one: random ones, so that a norm applied wrongly shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
     model.save_pretrained(tmp_path, max_shard_size="100KB" if shard else "10GB")
     return model
 
 
-@pytest.mark.parametrize("kind,shard", [("llama", False), ("llama", True), ("qwen2", False)])
+@pytest.mark.parametrize("kind,shard", [("llama", False), ("llama", True), ("qwen2", False), ("qwen3", False)])
 def test_safetensors_directory_matches_transformers_logits(kind, shard, tmp_path):
-    from localpd.model import Batch, Transformer
-    from localpd.quant.kv import new_kv_pool
-
     ref = tiny_hf_model(kind, tmp_path, shard)
     if shard:
         assert (tmp_path / "model.safetensors.index.json").exists()
     lm = load_model(tmp_path)
-    assert lm.config.qkv_bias == (kind == "qwen2")
+    assert lm.config.qkv_bias == (kind == "qwen2") and lm.config.qk_norm == (kind == "qwen3")
+    assert_same_logits(lm, ref)
+
+
+def assert_same_logits(lm, ref):
+    """The loaded model's logits of every position of a random prompt are the transformers model's."""
+    from localpd.model import Batch, Transformer
+    from localpd.quant.kv import new_kv_pool
+
     ids = torch.randint(0, 128, (17,))
     with torch.no_grad():
         want = ref(ids[None]).logits[0]
@@ -66,6 +77,44 @@ def test_safetensors_directory_matches_transformers_logits(kind, shard, tmp_path
     pool = new_kv_pool("fp32", c.n_layers, 2, 16, c.n_kv_heads, c.head_dim, model.dtype, model.device)
     got = model.forward(Batch.single(ids.tolist(), 0, 2, 16, model.device, all_logits=True), pool)
     assert (got - want).abs().max() < 1e-4
+
+
+def test_qwen3_gguf_matches_transformers_logits(tmp_path):
+    """A Qwen3 GGUF as llama.cpp's converter names it (attn_q_norm/attn_k_norm, key_length for the head size,
+    q/k rows not permuted) loads as the same model."""
+    import gguf
+
+    ref = tiny_hf_model("qwen3", tmp_path)
+    c = ref.config
+    path = tmp_path / "qwen3.gguf"
+    w = gguf.GGUFWriter(path, "qwen3")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_rope_freq_base(getattr(c, "rope_theta", None) or c.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
+             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for key, t in ref.state_dict().items():
+        key = key.removesuffix(".weight")
+        if key.startswith("model.layers."):
+            _, _, i, part = key.split(".", 3)
+            name = f"blk.{i}.{names[part]}"
+        else:
+            name = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}[key]
+        w.add_tensor(name + ".weight", t.float().numpy())
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    lm = load_model(path, scheme="fp32")
+    assert lm.config.arch == "qwen3" and lm.config.qk_norm and lm.config.head_dim == 32
+    assert_same_logits(lm, ref)
 
 
 def test_missing_path(tmp_path):

@@ -23,7 +23,8 @@ def test_registry_parses_and_default_exists():
     default, entries = load_registry()
     assert default == "smollm2-135m" and default in entries
     assert {"smollm2-360m", "smollm2-1.7b", "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b",
-            "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "mistral-7b"} <= set(entries)
+            "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "mistral-7b", "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b",
+            "qwen3-8b"} <= set(entries)
 
 
 def test_every_entry_is_complete_with_valid_sources():
