@@ -11,7 +11,10 @@ from localpd.sampling import SamplingParams
 
 
 def tensor_bytes(obj) -> int:
-    """Bytes of every tensor reachable from a weight (a tensor, an Int4/Int8Weight, a QuantLinear...)."""
+    """Bytes of every tensor reachable from a weight (a tensor, an Int4/Int8Weight, a QuantLinear...; None, an
+    absent optional weight such as a Llama layer's q_norm, has none)."""
+    if obj is None:
+        return 0
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()
     if isinstance(obj, StackedLinear):
