@@ -15,6 +15,7 @@ from localpd.sampling import SamplingParams
 HELP = """commands:
   /set temperature|top_p|top_k|min_p|max_tokens|seed|repeat_penalty VALUE   change a sampling setting
   /set verbose on|off   print timings after each reply
+  /set think on|off|default   thinking models (Qwen3): think first, answer at once, or the model's choice
   /system TEXT          set the system prompt (clears the conversation)
   /clear                forget the conversation
   /stats                timings and decode bandwidth of the last reply
@@ -74,7 +75,7 @@ def run_chat(args) -> int:
     engine = Engine(args.model or default_model(), device=args.device, quant=args.quant, kv=args.kv,
                     max_context=args.ctx or 8192, kv_memory=args.kv_memory, progress=True)
     try:
-        chat = Chat(engine, params, args.system, verbose=args.verbose)
+        chat = Chat(engine, params, args.system, verbose=args.verbose, think=args.think)
         if interactive or args.verbose:
             for note in engine.notes:
                 print(note, file=sys.stderr)
@@ -95,11 +96,13 @@ def default_model() -> str:
 
 
 class Chat:
-    def __init__(self, engine: Engine, params: SamplingParams, system: str | None, verbose: bool = False):
+    def __init__(self, engine: Engine, params: SamplingParams, system: str | None, verbose: bool = False,
+                 think: str | None = None):
         self.engine = engine
         self.params = params
         self.system = system
         self.verbose = verbose
+        self.think = think  # "on", "off" or None: the template's enable_thinking, or left to the model
         self.messages: list[dict] = []
         self.last_stats = GenerationStats()
         self._info: DeviceInfo | None = None
@@ -118,7 +121,8 @@ class Chat:
         """Token ids of the conversation plus the new message, dropping the oldest turns if they don't fit."""
         limit = self.engine.max_context - min(self.params.max_tokens, self.engine.max_context // 4)
         while True:
-            ids = self.engine.encode_chat(self.prompt_messages(user_text))
+            think = {} if self.think is None else {"enable_thinking": self.think == "on"}
+            ids = self.engine.encode_chat(self.prompt_messages(user_text), template_vars=think)
             if len(ids) <= limit or not self.messages:
                 return ids
             self.messages = self.messages[2:]
@@ -197,8 +201,15 @@ class Chat:
         if key == "verbose":
             self.verbose = value in ("on", "true", "1", "")
             return
+        if key == "think":
+            if value not in ("on", "off", "default"):
+                print("think takes on, off or default", file=sys.stderr)
+                return
+            self.think = None if value == "default" else value
+            print(f"think = {value}", file=sys.stderr)
+            return
         if key not in SETTINGS:
-            print(f"unknown setting '{key}'; settings: verbose, {', '.join(SETTINGS)}", file=sys.stderr)
+            print(f"unknown setting '{key}'; settings: verbose, think, {', '.join(SETTINGS)}", file=sys.stderr)
             return
         field, parse = SETTINGS[key]
         try:

@@ -47,9 +47,20 @@ def _compile(template: str):
     return env.from_string(template)
 
 
+RESERVED = ("messages", "add_generation_prompt", "bos_token", "eos_token")  # what render itself passes
+
+
+def check_template_vars(extra: dict) -> None:
+    """Variables a caller adds to a template (enable_thinking, ...) must not replace the ones render passes."""
+    taken = [k for k in extra if k in RESERVED]
+    if taken:
+        raise LocalpdError(f"the chat template variable '{taken[0]}' is set by localpd and cannot be passed")
+
+
 def render(template: str, messages: list[dict], add_generation_prompt: bool = True, bos_token: str = "",
            eos_token: str = "", **extra) -> str:
-    """The prompt text `template` makes of `messages`; any failure is a one-line LocalpdError."""
+    """The prompt text `template` makes of `messages`; extra: more variables for the template (Qwen3's
+    enable_thinking, say; check_template_vars first). Any failure is a one-line LocalpdError."""
     try:
         return _compile(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
                                          bos_token=bos_token, eos_token=eos_token, **extra)

@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("prompt", nargs="?", help="answer this once and exit")
     chat.add_argument("--system", help="system prompt")
     chat.add_argument("--verbose", action="store_true", help="print timings after each reply")
+    chat.add_argument("--think", choices=["on", "off"],
+                      help="thinking models (Qwen3): reason in a <think> block first, or answer at once (default: "
+                           "the model's own choice)")
     add_model_options(chat)
     add_sampling_options(chat)
 

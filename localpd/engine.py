@@ -300,7 +300,10 @@ class Engine:
         return int(pages)
 
     # -- front-door API ----------------------------------------------------------------------------------------
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    template_vars: dict | None = None) -> list[int]:
+        """Token ids of a conversation in the model's chat template; template_vars: more variables for it (Qwen3's
+        enable_thinking)."""
         if self.tokenizer is None:
             raise LocalpdError(f"{self.name} has no tokenizer")
         for m in messages:
@@ -309,7 +312,7 @@ class Engine:
                                    f"expected system, user, assistant or tool")
             if not isinstance(m.get("content", ""), str):
                 raise LocalpdError("message content must be a string")
-        text = self.tokenizer.render_chat(messages, add_generation_prompt=add_generation_prompt)
+        text = self.tokenizer.render_chat(messages, add_generation_prompt, **(template_vars or {}))
         return self.tokenizer.encode(text, add_bos=False)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> RequestHandle:

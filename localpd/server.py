@@ -19,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from localpd.chat_template import check_template_vars
 from localpd.device import device_info
 from localpd.engine import Engine, RequestHandle, TokenEvent
 from localpd.errors import LocalpdError
@@ -182,7 +183,11 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
         log_unknown(body)
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
         try:
-            ids = e.encode_chat(messages)
+            check_template_vars(body.chat_template_kwargs or {})
+        except LocalpdError as err:
+            raise ApiError(400, str(err), param="chat_template_kwargs") from None
+        try:
+            ids = e.encode_chat(messages, template_vars=body.chat_template_kwargs)
         except LocalpdError as err:
             raise ApiError(400, str(err), param="messages") from None
         top = body.top_logprobs if body.logprobs else None

@@ -5,7 +5,7 @@ Fields localpd does not know are accepted and logged (clients send many); values
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -58,6 +58,8 @@ class ChatRequest(Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    # variables for the model's chat template, as vLLM takes them: {"enable_thinking": false} for Qwen3
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(Sampling):

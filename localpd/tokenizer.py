@@ -8,7 +8,7 @@ from pathlib import Path
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from localpd.chat_template import render
+from localpd.chat_template import check_template_vars, render
 from localpd.errors import LocalpdError
 
 # GGUF token types (llama.cpp's llama_token_type)
@@ -180,11 +180,15 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **template_vars) -> str:
+        """The prompt text of a conversation; template_vars (enable_thinking=False, ...) go to the model's
+        template, which may or may not read them."""
         if not self.chat_template:  # no template in the model: plain ChatML
             text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
             return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
-        return render(self.chat_template, messages, add_generation_prompt, self.bos_token, self.eos_token)
+        check_template_vars(template_vars)
+        return render(self.chat_template, messages, add_generation_prompt, self.bos_token, self.eos_token,
+                      **template_vars)
 
 
 def _read_json(path: Path) -> dict:

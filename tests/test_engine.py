@@ -289,3 +289,33 @@ def test_int4ch_pages_the_engine_fills_while_decoding_are_the_ones_a_lone_sequen
     e.pages.release(table)
     assert idle(e)
     e.close()
+
+
+# a Qwen3-style template: an empty think block when the caller turns thinking off
+THINKING_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                     "<|im_start|>assistant\n{% if enable_thinking is defined and enable_thinking is false %}"
+                     "<think>\n\n</think>\n\n{% endif %}")
+
+
+def test_template_variables_reach_the_chat_template(engine, monkeypatch):
+    """`localpd chat --think off` and a request's chat_template_kwargs end in the template's enable_thinking; a
+    variable localpd itself passes cannot be replaced; the default model's own template ignores the variable."""
+    from localpd.chat import Chat
+
+    plain = engine.encode_chat(Q)
+    assert engine.encode_chat(Q, template_vars={"enable_thinking": False}) == plain
+    monkeypatch.setattr(engine.tokenizer, "chat_template", THINKING_TEMPLATE)
+    tok = engine.tokenizer
+    thinking = tok.decode(engine.encode_chat(Q), skip_special=False)
+    direct = tok.decode(engine.encode_chat(Q, template_vars={"enable_thinking": False}), skip_special=False)
+    assert thinking.endswith("<|im_start|>assistant\n") and direct == thinking + "<think>\n\n</think>\n\n"
+    with pytest.raises(LocalpdError, match="'bos_token' is set by localpd"):
+        engine.encode_chat(Q, template_vars={"bos_token": "x"})
+    chat = Chat(engine, GREEDY, None, think="off")
+    assert tok.decode(chat.fit_to_context(Q[0]["content"]), skip_special=False) == direct
+    chat.set("think on")
+    assert tok.decode(chat.fit_to_context(Q[0]["content"]), skip_special=False) == thinking
+    chat.set("think default")
+    assert chat.think is None
+    chat.set("think maybe")
+    assert chat.think is None

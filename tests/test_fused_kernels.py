@@ -1,6 +1,6 @@
-"""The fused elementwise kernels (residual add + RMSNorm, SiLU * mul, RoPE, Qwen3's q/k norm) against their torch references, and a
-whole (tiny, random) model run with every Triton kernel against the same model on the references: on the CPU
-through Triton's interpreter, or compiled on a GPU with LOCALPD_TEST_DEVICE=cuda."""
+"""The fused elementwise kernels (residual add + RMSNorm, SiLU * mul, RoPE, Qwen3's q/k norm) against their torch
+references, and a whole (tiny, random) model run with every Triton kernel against the same model on the
+references: on the CPU through Triton's interpreter, or compiled on a GPU with LOCALPD_TEST_DEVICE=cuda."""
 
 import os
 from dataclasses import fields, replace

@@ -91,7 +91,8 @@ def test_int4ch_writes_count_the_pages_they_rewrite(compute):
     # the token that fills page 1: its codes and scales, nothing staged (a full page is final)
     assert kv.written(31, 1) == per_layer * (15 * staged + 16 * key_code + key_page + value)
     # a chunk of 30 from offset 4 of page 1: page 1 finished, page 2 whole, page 3 left open with two tokens
-    pages = (4 * staged + 16 * key_code + key_page) + (16 * key_code + key_page) + (2 * key_code + key_page + 2 * staged)
+    pages = ((4 * staged + 16 * key_code + key_page) + (16 * key_code + key_page)
+             + (2 * key_code + key_page + 2 * staged))
     assert kv.written(20, 30) == per_layer * (pages + 30 * value)
     assert kv.written(20, 0) == 0
     # reads: a page's scales once, however few of its tokens there are; the storage per token when pages are full

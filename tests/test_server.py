@@ -122,6 +122,8 @@ def status_and_error(response):
     ({"messages": [{"role": "user", "content": "word " * 2000}]}, 400, "context"),
     ({"messages": Q, "temperature": "hot"}, 400, "temperature"),
     ({"messages": "hello"}, 400, "messages"),
+    ({"messages": Q, "chat_template_kwargs": {"messages": []}}, 400, "set by localpd"),
+    ({"messages": Q, "chat_template_kwargs": ["enable_thinking"]}, 400, "chat_template_kwargs"),
 ])
 def test_bad_requests_get_openai_shaped_4xx(served, payload, status, fragment):
     r = httpx.post(served[1].url + "/v1/chat/completions", json=payload, headers={"Authorization": f"Bearer {KEY}"})
@@ -211,3 +213,17 @@ def test_a_full_waiting_queue_answers_503(served):
         assert httpx.get(live.url + "/health").status_code == 200
     finally:
         live.stop()
+
+
+def test_chat_template_kwargs_reach_the_template(served, client, monkeypatch):
+    """vLLM's chat_template_kwargs ({"enable_thinking": false} for Qwen3) are the template's variables."""
+    from test_engine import THINKING_TEMPLATE
+
+    engine = served[0]
+    monkeypatch.setattr(engine.tokenizer, "chat_template", THINKING_TEMPLATE)
+    off = {"enable_thinking": False}
+    plain = client.chat.completions.create(model="x", messages=Q, max_tokens=1)
+    direct = client.chat.completions.create(model="x", messages=Q, max_tokens=1,
+                                            extra_body={"chat_template_kwargs": off})
+    assert plain.usage.prompt_tokens == len(engine.encode_chat(Q))
+    assert direct.usage.prompt_tokens == len(engine.encode_chat(Q, template_vars=off)) > plain.usage.prompt_tokens
