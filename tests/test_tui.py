@@ -13,7 +13,7 @@ import pytest
 
 from localpd.engine import Engine
 from localpd.sampling import SamplingParams
-from localpd.tui.app import LocalpdApp, MessageView
+from localpd.tui.app import LocalpdApp, MessageView, SettingsScreen
 from localpd.tui.panel import BandwidthPanel
 from localpd.tui.store import Store
 
@@ -135,3 +135,36 @@ def test_real_terminal_capture_after_one_reply(default_gguf, tmp_path):
     assert done.returncode == 0, done.stderr + screen
     assert "What is the capital of France?" in screen and "Paris" in screen
     assert "GB/s" in screen and "pages" in screen  # the panel is on screen with live numbers
+
+
+def test_settings_turn_thinking_off_for_a_conversation(default_gguf, tmp_path):
+    """Ctrl+O's think field becomes the chat template's enable_thinking for this conversation's prompts (a
+    Qwen3-style template swapped into the real model's tokenizer); a value other than on/off is refused."""
+    from textual.widgets import Input
+
+    from test_engine import THINKING_TEMPLATE
+
+    async def scenario():
+        app = make_app(default_gguf, tmp_path / "c.db")
+        async with app.run_test(size=SIZE) as pilot:
+            await send(pilot, app, "Name a colour.")
+            app.engine.tokenizer.chat_template = THINKING_TEMPLATE
+            tok = app.engine.tokenizer
+            assert tok.decode(app.prompt_ids(), skip_special=False).endswith("<|im_start|>assistant\n")
+            await pilot.press("ctrl+o")
+            await pilot.pause(0.2)
+            app.screen.query_one("#think", Input).value = "maybe"
+            await pilot.press("ctrl+s")
+            await pilot.pause(0.2)
+            assert isinstance(app.screen, SettingsScreen) and "think" not in app.conversation.settings  # refused
+            app.screen.query_one("#think", Input).value = "off"
+            await pilot.press("ctrl+s")
+            await pilot.pause(0.2)
+            assert not isinstance(app.screen, SettingsScreen) and app.conversation.settings == {"think": "off"}
+            assert tok.decode(app.prompt_ids(), skip_special=False).endswith("assistant\n<think>\n\n</think>\n\n")
+            assert app.params().temperature == 0  # the think setting is not a sampling parameter
+        store = Store(tmp_path / "c.db")
+        assert store.conversations()[0].settings == {"think": "off"}
+        store.close()
+
+    asyncio.run(scenario())

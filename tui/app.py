@@ -27,7 +27,8 @@ from localpd.tui.panel import BandwidthPanel
 from localpd.tui.store import Conversation, Store
 
 MIN_SIZE = (60, 16)
-SETTING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "seed")
+SETTING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "seed")  # SamplingParams fields
+THINK = ("on", "off")  # a conversation's "think" setting: the chat template's enable_thinking (Qwen3)
 
 
 class MessageView(Markdown):
@@ -69,7 +70,7 @@ class TextPrompt(ModalScreen[str | None]):
 
 
 class SettingsScreen(ModalScreen[dict | None]):
-    """The conversation's system prompt and sampling settings."""
+    """The conversation's system prompt, sampling settings and, for thinking models, whether to think first."""
 
     BINDINGS = [Binding("escape", "cancel", "cancel"), Binding("ctrl+s", "save", "save")]
 
@@ -84,6 +85,8 @@ class SettingsScreen(ModalScreen[dict | None]):
             for name in SETTING_FIELDS:
                 value = self.settings.get(name)
                 yield Input("" if value is None else str(value), placeholder=f"{name} (default)", id=name)
+            yield Input(self.settings.get("think", ""), placeholder="think: on or off (default: the model's choice)",
+                        id="think")
             yield Button("Save (Ctrl+S)", id="save")
 
     @on(Button.Pressed, "#save")
@@ -102,6 +105,12 @@ class SettingsScreen(ModalScreen[dict | None]):
         except LocalpdError as e:
             self.notify(str(e), severity="error")
             return
+        think = self.query_one("#think", Input).value.strip()
+        if think and think not in THINK:
+            self.notify(f"think: '{think}' is neither on nor off", severity="error")
+            return
+        if think:
+            out["settings"]["think"] = think
         self.dismiss(out)
 
     def action_cancel(self) -> None:
@@ -339,15 +348,17 @@ class LocalpdApp(App):
         self.reply()
 
     def params(self) -> SamplingParams:
-        return replace(self.defaults, **self.conversation.settings)
+        return replace(self.defaults, **{k: v for k, v in self.conversation.settings.items() if k in SETTING_FIELDS})
 
     def prompt_ids(self) -> list[int]:
         """The conversation as token ids, oldest turns dropped until it leaves room for the reply."""
         messages = [{"role": m.role, "content": m.content} for m in self.store.messages(self.conversation.id)]
         head = [{"role": "system", "content": self.conversation.system}] if self.conversation.system else []
         limit = self.engine.max_context - min(self.params().max_tokens, self.engine.max_context // 4)
+        think = self.conversation.settings.get("think")
+        template_vars = {} if think is None else {"enable_thinking": think == "on"}
         while True:
-            ids = self.engine.encode_chat(head + messages)
+            ids = self.engine.encode_chat(head + messages, template_vars=template_vars)
             if len(ids) <= limit or len(messages) <= 1:
                 return ids
             messages = messages[2:]
