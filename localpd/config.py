@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class ModelConfig:
-    arch: str  # "llama" (Llama 2/3, SmolLM, Mistral), "qwen2" or "qwen3"
+    arch: str  # "llama" (Llama 2/3, SmolLM 1-3, Mistral), "qwen2" or "qwen3"
     vocab_size: int
     dim: int
     n_layers: int
@@ -24,6 +24,7 @@ class ModelConfig:
     tie_embeddings: bool = False
     qkv_bias: bool = False
     qk_norm: bool = False  # Qwen3: an RMSNorm over each query and key head before RoPE
+    nope_layers: list[int] = field(default_factory=list)  # layers whose attention takes no RoPE (SmolLM3: every 4th)
     name: str = ""
     extra: dict = field(default_factory=dict)
 

@@ -23,7 +23,8 @@ GGUF_NAMES = {  # GGUF tensor name (after blk.N.) -> HF-style name (after layers
     "ffn_up": "up_proj", "ffn_down": "down_proj", "attn_q_norm": "q_norm", "attn_k_norm": "k_norm",
 }
 GGUF_TOP = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head", "rope_freqs": "rope_freqs"}
-ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+ARCHS = {"llama": "llama", "mistral": "llama", "smollm3": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+NOPE_STEP = {"smollm3": 4}  # GGUF architectures whose every Nth layer takes no RoPE (llama.cpp's fixed step)
 
 
 @dataclass
@@ -100,13 +101,15 @@ def gguf_config(meta: dict, path: Path) -> ModelConfig:
         scaling = {"factor": float(get("rope.scaling.factor")),
                    "original_max_position_embeddings": int(get("rope.scaling.original_context_length"))}
     vocab = meta.get(f"{arch_name}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
+    layers, step = int(get("block_count")), NOPE_STEP.get(arch_name)
     return ModelConfig(
-        arch=ARCHS[arch_name], vocab_size=int(vocab), dim=dim, n_layers=int(get("block_count")),
+        arch=ARCHS[arch_name], vocab_size=int(vocab), dim=dim, n_layers=layers,
         n_heads=heads, n_kv_heads=int(get("attention.head_count_kv", heads)),
         head_dim=int(get("attention.key_length", dim // heads)), ffn_dim=int(get("feed_forward_length")),
         norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)), rope_theta=float(get("rope.freq_base", 10000.0)),
         rope_scaling=scaling, max_context=int(get("context_length", 4096)), qkv_bias=arch_name == "qwen2",
-        qk_norm=arch_name == "qwen3", name=str(meta.get("general.name", path.stem)),
+        qk_norm=arch_name == "qwen3", nope_layers=[i for i in range(layers) if step and (i + 1) % step == 0],
+        name=str(meta.get("general.name", path.stem)),
     )
 
 
@@ -192,6 +195,10 @@ def hf_config(cfg: dict, path: Path) -> ModelConfig:
     if rope_type not in ("default", "llama3", None):
         raise LocalpdError(f"unsupported RoPE scaling '{rope_type}' in {path}")
     theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
+    rope_layers = cfg.get("no_rope_layers")  # SmolLM3: 1 where a layer takes RoPE, 0 where it takes none
+    if rope_layers is None and mt == "smollm3":
+        step = cfg.get("no_rope_layer_interval", 4)
+        rope_layers = [int((i + 1) % step != 0) for i in range(cfg["num_hidden_layers"])]
     return ModelConfig(
         arch=ARCHS[mt], vocab_size=cfg["vocab_size"], dim=dim, n_layers=cfg["num_hidden_layers"],
         n_heads=heads, n_kv_heads=cfg.get("num_key_value_heads") or heads,
@@ -199,7 +206,8 @@ def hf_config(cfg: dict, path: Path) -> ModelConfig:
         norm_eps=cfg.get("rms_norm_eps", 1e-5), rope_theta=float(theta),
         rope_scaling=dict(rope) if rope_type == "llama3" else None,
         max_context=cfg.get("max_position_embeddings", 4096), tie_embeddings=bool(cfg.get("tie_word_embeddings")),
-        qkv_bias=mt == "qwen2", qk_norm=mt == "qwen3", name=path.name,
+        qkv_bias=mt == "qwen2", qk_norm=mt == "qwen3",
+        nope_layers=[i for i, roped in enumerate(rope_layers or []) if not roped], name=path.name,
     )
 
 

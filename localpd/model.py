@@ -1,4 +1,5 @@
-"""The Llama-family transformer (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3) with separate prefill and decode paths.
+"""The Llama-family transformer (Llama 2/3, SmolLM 1-3, Mistral, Qwen2, Qwen3) with separate prefill and decode
+paths.
 
 Weights arrive as a flat dict with HF-style names (see localpd.loader). One forward call runs an engine step: any
 mix of prompt chunks (attending causally to their cached prefix plus themselves) and single decode tokens of
@@ -224,6 +225,9 @@ class Transformer:
         c = self.config
         T = batch.tokens.shape[0]
         cos, sin = self._rope(batch.positions)
+        # a layer without RoPE (SmolLM3's every 4th) rotates by angle 0: cos 1 and sin 0 leave q and k as they are
+        nope = set(c.nope_layers)
+        still = (torch.ones_like(cos), torch.zeros_like(sin)) if nope else None
         scale = 1.0 / math.sqrt(c.head_dim)
         if self.fused:
             normed, gated, write = (lambda lin, *a: lin.normed(*a)), (lambda lin, gu: lin.gated(gu)), rope_write_kv
@@ -235,7 +239,8 @@ class Transformer:
             qkv, x = normed(layer.qkv, out, x, layer.attn_norm, c.norm_eps)
             if layer.q_norm is not None:
                 qk_norm(qkv, layer.q_norm, layer.k_norm, c.n_heads, c.n_kv_heads, c.norm_eps)
-            q = write(qkv, cos, sin, pages, batch.slots, c.n_heads, c.n_kv_heads, batch.stage_slots)
+            rot_cos, rot_sin = still if li in nope else (cos, sin)
+            q = write(qkv, rot_cos, rot_sin, pages, batch.slots, c.n_heads, c.n_kv_heads, batch.stage_slots)
             attn = paged_attention(q, pages, batch.page_table, batch.seq_lens, batch.q_starts, scale)
             gate_up, x = normed(layer.gate_up, layer.o(attn.reshape(T, c.n_heads * c.head_dim)), x, layer.mlp_norm,
                                 c.norm_eps)

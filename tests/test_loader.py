@@ -42,6 +42,9 @@ def tiny_hf_model(kind, tmp_path, shard=False):
         cfg, cls = transformers.Qwen2Config(**common), transformers.Qwen2ForCausalLM
     elif kind == "qwen3":  # heads of 32: queries 128 wide against a hidden size of 64
         cfg, cls = transformers.Qwen3Config(**common, head_dim=32), transformers.Qwen3ForCausalLM
+    elif kind == "smollm3":  # four layers: the fourth takes no RoPE
+        cfg = transformers.SmolLM3Config(**{**common, "num_hidden_layers": 4}, pad_token_id=None)
+        cls = transformers.SmolLM3ForCausalLM
     else:
         cfg, cls = transformers.LlamaConfig(**common, tie_word_embeddings=False), transformers.LlamaForCausalLM
     torch.manual_seed(0)
@@ -54,13 +57,15 @@ def tiny_hf_model(kind, tmp_path, shard=False):
     return model
 
 
-@pytest.mark.parametrize("kind,shard", [("llama", False), ("llama", True), ("qwen2", False), ("qwen3", False)])
+@pytest.mark.parametrize("kind,shard", [("llama", False), ("llama", True), ("qwen2", False), ("qwen3", False),
+                                        ("smollm3", False)])
 def test_safetensors_directory_matches_transformers_logits(kind, shard, tmp_path):
     ref = tiny_hf_model(kind, tmp_path, shard)
     if shard:
         assert (tmp_path / "model.safetensors.index.json").exists()
     lm = load_model(tmp_path)
     assert lm.config.qkv_bias == (kind == "qwen2") and lm.config.qk_norm == (kind == "qwen3")
+    assert lm.config.nope_layers == ([3] if kind == "smollm3" else [])
     assert_same_logits(lm, ref)
 
 
@@ -79,23 +84,26 @@ def assert_same_logits(lm, ref):
     assert (got - want).abs().max() < 1e-4
 
 
-def test_qwen3_gguf_matches_transformers_logits(tmp_path):
-    """A Qwen3 GGUF as llama.cpp's converter names it (attn_q_norm/attn_k_norm, key_length for the head size,
-    q/k rows not permuted) loads as the same model."""
+@pytest.mark.parametrize("kind", ["qwen3", "smollm3"])
+def test_gguf_written_as_llama_cpp_does_matches_transformers_logits(kind, tmp_path):
+    """A GGUF as llama.cpp's converter writes it loads as the same model. Qwen3: attn_q_norm/attn_k_norm,
+    key_length for the head size, q/k rows as they are. SmolLM3: q/k rows permuted for interleaved RoPE (as for
+    llama), and no RoPE in every fourth layer, which no metadata key says."""
     import gguf
 
-    ref = tiny_hf_model("qwen3", tmp_path)
+    ref = tiny_hf_model(kind, tmp_path)
     c = ref.config
-    path = tmp_path / "qwen3.gguf"
-    w = gguf.GGUFWriter(path, "qwen3")
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    path = tmp_path / f"{kind}.gguf"
+    w = gguf.GGUFWriter(path, kind)
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
     w.add_feed_forward_length(c.intermediate_size)
     w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
     w.add_rope_freq_base(getattr(c, "rope_theta", None) or c.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_vocab_size(c.vocab_size)
@@ -103,17 +111,24 @@ def test_qwen3_gguf_matches_transformers_logits(tmp_path):
              "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
              "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
              "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    heads = {"self_attn.q_proj": c.num_attention_heads, "self_attn.k_proj": c.num_key_value_heads}
     for key, t in ref.state_dict().items():
         key = key.removesuffix(".weight")
+        if key == "lm_head" and c.tie_word_embeddings:
+            continue
         if key.startswith("model.layers."):
             _, _, i, part = key.split(".", 3)
             name = f"blk.{i}.{names[part]}"
+            if kind == "smollm3" and part in heads:  # each head's rows in pairs (i, i + half), as llama.cpp permutes
+                t = t.reshape(heads[part], 2, t.shape[0] // heads[part] // 2, -1).transpose(1, 2).reshape(t.shape)
         else:
             name = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}[key]
         w.add_tensor(name + ".weight", t.float().numpy())
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
     lm = load_model(path, scheme="fp32")
-    assert lm.config.arch == "qwen3" and lm.config.qk_norm and lm.config.head_dim == 32
+    c = lm.config
+    assert (c.arch, c.qk_norm, c.head_dim, c.nope_layers) == (
+        ("qwen3", True, 32, []) if kind == "qwen3" else ("llama", False, 16, [3]))
     assert_same_logits(lm, ref)
 
 
