@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class ModelConfig:
-    arch: str  # "llama" (Llama 2/3, SmolLM 1-3, Mistral), "qwen2" or "qwen3"
+    arch: str  # "llama" (Llama 2/3, SmolLM 1-3, Mistral), "qwen2", "qwen3" or "phi3" (Phi-3, Phi-3.5, Phi-4)
     vocab_size: int
     dim: int
     n_layers: int
@@ -18,8 +18,13 @@ class ModelConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     # Llama 3.1 style scaling: {"factor", "low_freq_factor", "high_freq_factor",
-    # "original_max_position_embeddings"}; None for plain RoPE.
+    # "original_max_position_embeddings"}; LongRoPE (Phi-3.5, Phi-4-mini): {"type": "longrope", "short_factor",
+    # "long_factor", "original_max_position_embeddings", "attention_factor"}; None for plain RoPE.
     rope_scaling: dict | None = None
+    rotary_dim: int = 0  # dims of a head that RoPE rotates (Phi-4-mini: 3/4 of them); 0: all
+    # the model's attention window (Phi-3-mini-4k, Mistral 7B v0.1), 0 for none: localpd attends to the whole
+    # context, which is the same while the context fits in the window, so max_context is capped at it
+    sliding_window: int = 0
     max_context: int = 4096
     tie_embeddings: bool = False
     qkv_bias: bool = False

@@ -234,11 +234,15 @@ class Engine:
         loaded = self._load(str(model), progress)
         self.config = loaded.config
         self.tokenizer: Tokenizer | None = loaded.tokenizer()
-        self.model = Transformer(loaded.config, loaded.weights)
         self.notes = group_notes(loaded.weights, self.quant)  # how the scheme had to adapt to this model
         self.max_context = min(max_context or self.config.max_context, self.config.max_context)
         if self.max_context < 2:
             raise LocalpdError(f"context length must be at least 2, got {self.max_context}")
+        window = self.config.sliding_window
+        if window and max_context and max_context > window:
+            self.notes.append(f"context capped at {window} tokens: the model attends within a window of that many, "
+                              f"and localpd to the whole context, which is the same up to there")
+        self.model = Transformer(loaded.config, loaded.weights, context=self.max_context)
         default_kv = same_kv(self.compute_dtype)
         self.kv_dtype = check_kv_dtype(kv or default_kv, self.device)
         c = self.config

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
@@ -21,9 +22,11 @@ GGUF_NAMES = {  # GGUF tensor name (after blk.N.) -> HF-style name (after layers
     "attn_norm": "input_layernorm", "attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj",
     "attn_output": "o_proj", "ffn_norm": "post_attention_layernorm", "ffn_gate": "gate_proj",
     "ffn_up": "up_proj", "ffn_down": "down_proj", "attn_q_norm": "q_norm", "attn_k_norm": "k_norm",
+    "attn_qkv": "qkv_proj",
 }
 GGUF_TOP = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head", "rope_freqs": "rope_freqs"}
-ARCHS = {"llama": "llama", "mistral": "llama", "smollm3": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+ARCHS = {"llama": "llama", "mistral": "llama", "smollm3": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}  # Phi-3's matrices
 NOPE_STEP = {"smollm3": 4}  # GGUF architectures whose every Nth layer takes no RoPE (llama.cpp's fixed step)
 
 
@@ -76,12 +79,62 @@ def load_quantized_dir(path: Path, dtype, device, scheme: str) -> LoadedModel:
     return LoadedModel(config, weights, path, hf_dir=None if meta else path, tokenizer_meta=meta)
 
 
-def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+def rows(w: Weight, index) -> Weight:
+    """Output rows `index` (a slice or index tensor) of a matrix or bias in any format: every quantized format is a
+    dataclass of tensors indexed by output row."""
+    if isinstance(w, torch.Tensor):
+        return w[index if isinstance(index, slice) else index.to(w.device)]
+    return replace(w, **{f.name: rows(getattr(w, f.name), index) for f in fields(w)})
+
+
+def unpermute_qk(w: Weight, n_heads: int) -> Weight:
     """Undo llama.cpp's row permutation of q/k (interleaved RoPE pairs) back to HF's half-rotated layout."""
-    if not isinstance(w, torch.Tensor):  # a quantized weight: every per-row tensor moves the same way
-        return replace(w, **{f.name: unpermute_qk(getattr(w, f.name), n_heads) for f in fields(w)})
-    rows, cols = w.shape
-    return w.reshape(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+    n = w.shape[0]
+    return rows(w, torch.arange(n).reshape(n_heads, n // n_heads // 2, 2).transpose(1, 2).reshape(-1))
+
+
+def rotary_rows(n_heads: int, head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """The q/k row order that puts a partially rotated head's pairs (i, i + rotary_dim / 2) where the RoPE kernel
+    rotates pairs (i, i + head_dim / 2), and its unrotated dims in the rest, which turn by angle 0
+    (model.rope_tables). Queries and keys are reordered alike, so their dot products are unchanged."""
+    r, p = rotary_dim // 2, (head_dim - rotary_dim) // 2
+    ar = torch.arange
+    head = torch.cat([ar(r), rotary_dim + ar(p), r + ar(r), rotary_dim + p + ar(p)])
+    return (torch.arange(n_heads)[:, None] * head_dim + head).flatten()
+
+
+def arrange_rows(weights: dict[str, Weight], config: ModelConfig) -> dict[str, Weight]:
+    """Phi-3's fused qkv and gate_up matrices as the separate ones the model takes (and fuses again), and a
+    partially rotated model's q/k rows in the order the RoPE kernel rotates (rotary_rows)."""
+    q, kv = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+    bounds = {"qkv_proj": (0, q, q + kv, q + 2 * kv), "gate_up_proj": (0, config.ffn_dim, 2 * config.ffn_dim)}
+    for key in [k for k in weights if k.rsplit(".", 1)[-1] in FUSED]:
+        layer, part = key.rsplit(".", 1)
+        w, b = weights.pop(key), bounds[part]
+        weights.update({f"{layer}.{name}": rows(w, slice(b[j], b[j + 1])) for j, name in enumerate(FUSED[part])})
+    if config.rotary_dim and config.rotary_dim != config.head_dim:
+        for key in [k for k in weights if k.removesuffix(".bias").endswith((".q_proj", ".k_proj"))]:
+            heads = config.n_heads if ".q_proj" in key else config.n_kv_heads
+            weights[key] = rows(weights[key], rotary_rows(heads, config.head_dim, config.rotary_dim))
+    return weights
+
+
+def importance_of(importance: dict | None, name: str) -> torch.Tensor | None:
+    """A matrix's input-column importance (localpd.calibrate); a fused matrix reads its parts' input."""
+    part = name.rsplit(".", 1)[-1]
+    return (importance or {}).get(name[:-len(part)] + FUSED[part][0] if part in FUSED else name)
+
+
+def longrope(rope: dict, original: int, max_context: int) -> dict:
+    """Phi's LongRoPE parameters as the model takes them (model.rope_tables), the attention factor as
+    transformers derives it where the file gives none."""
+    factor = rope.get("factor") or max_context / original
+    attention = rope.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return {"type": "longrope", "short_factor": [float(f) for f in rope["short_factor"]],
+            "long_factor": [float(f) for f in rope["long_factor"]], "original_max_position_embeddings": int(original),
+            "attention_factor": float(attention)}
 
 
 def gguf_config(meta: dict, path: Path) -> ModelConfig:
@@ -102,15 +155,34 @@ def gguf_config(meta: dict, path: Path) -> ModelConfig:
                    "original_max_position_embeddings": int(get("rope.scaling.original_context_length"))}
     vocab = meta.get(f"{arch_name}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
     layers, step = int(get("block_count")), NOPE_STEP.get(arch_name)
+    head_dim = int(get("attention.key_length", dim // heads))
+    context, window = int(get("context_length", 4096)), int(get("attention.sliding_window", 0))
     return ModelConfig(
         arch=ARCHS[arch_name], vocab_size=int(vocab), dim=dim, n_layers=layers,
         n_heads=heads, n_kv_heads=int(get("attention.head_count_kv", heads)),
-        head_dim=int(get("attention.key_length", dim // heads)), ffn_dim=int(get("feed_forward_length")),
+        head_dim=head_dim, ffn_dim=int(get("feed_forward_length")),
         norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)), rope_theta=float(get("rope.freq_base", 10000.0)),
-        rope_scaling=scaling, max_context=int(get("context_length", 4096)), qkv_bias=arch_name == "qwen2",
-        qk_norm=arch_name == "qwen3", nope_layers=[i for i in range(layers) if step and (i + 1) % step == 0],
-        name=str(meta.get("general.name", path.stem)),
+        rope_scaling=scaling, max_context=min(context, window or context), sliding_window=window,
+        qkv_bias=arch_name == "qwen2", qk_norm=arch_name == "qwen3",
+        nope_layers=[i for i in range(layers) if step and (i + 1) % step == 0],
+        rotary_dim=int(get("rope.dimension_count", head_dim)), name=str(meta.get("general.name", path.stem)),
     )
+
+
+def gguf_longrope(g: GGUFFile, config: ModelConfig, arch_name: str) -> dict | None:
+    """LongRoPE as llama.cpp stores Phi's: the factors as tensors rope_factors_long/short, the original context
+    and the attention factor as metadata."""
+    names = {t.name for t in g.reader.tensors}
+    if "rope_factors_long.weight" not in names:
+        return None
+    meta = g.metadata
+    original = meta.get(f"{arch_name}.rope.scaling.original_context_length")
+    if original is None:
+        raise LocalpdError(f"{g.path} has LongRoPE factors but no {arch_name}.rope.scaling.original_context_length")
+    rope = {"short_factor": g.dequantize("rope_factors_short.weight").tolist(),
+            "long_factor": g.dequantize("rope_factors_long.weight").tolist(),
+            "attention_factor": meta.get(f"{arch_name}.rope.scaling.attn_factor")}
+    return longrope(rope, int(original), int(meta.get(f"{arch_name}.context_length", original)))
 
 
 def gguf_key(tensor_name: str) -> tuple[str, bool] | None:
@@ -134,24 +206,27 @@ def load_gguf(path: Path, dtype, device, scheme: str = "native", importance: dic
     g = GGUFFile(path)
     config = gguf_config(g.metadata, path)
     config.tie_embeddings = gguf_tied(g)
+    config.rope_scaling = gguf_longrope(g, config, g.metadata["general.architecture"]) or config.rope_scaling
     weights = {}
     for t in g.reader.tensors:
         if not (found := gguf_key(t.name)):
             continue
         key, bias = found
+        if key.endswith(".up_proj") and int(t.shape[-1]) == 2 * config.ffn_dim:  # Phi-3's gate and up in one
+            key = key.removesuffix("up_proj") + "gate_up_proj"
         heads = {"q_proj": config.n_heads, "k_proj": config.n_kv_heads}.get(key.rsplit(".", 1)[-1])
         if config.arch != "llama":
             heads = None  # only llama-arch GGUFs have permuted q/k rows
         if bias or not is_matrix(key, config.tie_embeddings):
             w = g.dequantize(t.name)
             if heads:
-                w = unpermute_qk(w[:, None], heads)[:, 0] if bias else unpermute_qk(w, heads)
+                w = unpermute_qk(w, heads)
             w = w.to(device=device, dtype=torch.float32 if key == "rope_freqs" else dtype)
             weights[key + (".bias" if bias else "")] = w
             continue
         weights[key] = gguf_matrix(g, t, head_scheme(key, scheme, config.tie_embeddings), dtype, device, heads,
-                                   (importance or {}).get(key))
-    return LoadedModel(config, weights, path, gguf=g)
+                                   importance_of(importance, key))
+    return LoadedModel(config, arrange_rows(weights, config), path, gguf=g)
 
 
 def imports_every_matrix_exactly(path: Path, scheme: str) -> bool:
@@ -192,9 +267,17 @@ def hf_config(cfg: dict, path: Path) -> ModelConfig:
     dim, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "llama3", None):
+    if rope_type not in ("default", "llama3", "longrope", None):
         raise LocalpdError(f"unsupported RoPE scaling '{rope_type}' in {path}")
     theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
+    head_dim = cfg.get("head_dim") or dim // heads
+    partial = rope.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0
+    context = cfg.get("max_position_embeddings", 4096)
+    scaling = dict(rope) if rope_type == "llama3" else None
+    if rope_type == "longrope":
+        original = rope.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+        scaling = longrope(rope, original or context, context)
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
     rope_layers = cfg.get("no_rope_layers")  # SmolLM3: 1 where a layer takes RoPE, 0 where it takes none
     if rope_layers is None and mt == "smollm3":
         step = cfg.get("no_rope_layer_interval", 4)
@@ -202,11 +285,10 @@ def hf_config(cfg: dict, path: Path) -> ModelConfig:
     return ModelConfig(
         arch=ARCHS[mt], vocab_size=cfg["vocab_size"], dim=dim, n_layers=cfg["num_hidden_layers"],
         n_heads=heads, n_kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or dim // heads, ffn_dim=cfg["intermediate_size"],
-        norm_eps=cfg.get("rms_norm_eps", 1e-5), rope_theta=float(theta),
-        rope_scaling=dict(rope) if rope_type == "llama3" else None,
-        max_context=cfg.get("max_position_embeddings", 4096), tie_embeddings=bool(cfg.get("tie_word_embeddings")),
-        qkv_bias=mt == "qwen2", qk_norm=mt == "qwen3",
+        head_dim=head_dim, ffn_dim=cfg["intermediate_size"], norm_eps=cfg.get("rms_norm_eps", 1e-5),
+        rope_theta=float(theta), rope_scaling=scaling, rotary_dim=int(head_dim * partial),
+        max_context=min(context, window or context), sliding_window=window or 0,
+        tie_embeddings=bool(cfg.get("tie_word_embeddings")), qkv_bias=mt == "qwen2", qk_norm=mt == "qwen3",
         nope_layers=[i for i, roped in enumerate(rope_layers or []) if not roped], name=path.name,
     )
 
@@ -236,7 +318,7 @@ def load_hf_dir(path: Path, dtype, device, scheme: str = "native", importance: d
                 t = f.get_tensor(k).to(device)
                 tied = config.tie_embeddings
                 if is_matrix(name, tied):
-                    weights[name] = quantize(t, head_scheme(name, scheme, tied), dtype, (importance or {}).get(name))
+                    weights[name] = quantize(t, head_scheme(name, scheme, tied), dtype, importance_of(importance, name))
                 else:
                     weights[name] = t.to(dtype)
-    return LoadedModel(config, weights, path, hf_dir=path)
+    return LoadedModel(config, arrange_rows(weights, config), path, hf_dir=path)

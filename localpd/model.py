@@ -157,14 +157,25 @@ class Batch:
                    torch.tensor([0, n], dtype=torch.int32, device=device), rows, positions % page_size)
 
 
-def rope_inv_freq(config: ModelConfig, rope_freqs: torch.Tensor | None = None) -> torch.Tensor:
-    """Inverse frequencies of RoPE for half the head dimension, with Llama 3.1 scaling where configured."""
+def rope_tables(config: ModelConfig, rope_freqs: torch.Tensor | None = None,
+                context: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """RoPE's inverse frequencies for the head_dim / 2 pairs the kernels rotate, and the factor cos and sin are
+    scaled by (None: 1). Llama 3.1 scaling where configured; LongRoPE (Phi) with its long factors where the
+    context runs past the original one (as llama.cpp decides, once for the whole cache) and its attention factor.
+    A partially rotated head (rotary_dim < head_dim: the loader has moved its unrotated dims to the second half of
+    each half, localpd.loader.rotary_rows) gets frequency 0 and factor 1 there: those pairs turn by angle 0."""
     hd = config.head_dim
-    inv = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    rd = config.rotary_dim or hd
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, rd, 2, dtype=torch.float64) / rd))
+    s = config.rope_scaling or {}
+    attention = None
     if rope_freqs is not None:  # GGUF stores Llama 3.1's scaling as per-frequency divisors
-        return (inv / rope_freqs.double()).float()
-    s = config.rope_scaling
-    if s:
+        inv = inv / rope_freqs.double()
+    elif s.get("type") == "longrope":
+        long = (context or config.max_context) > s["original_max_position_embeddings"]
+        inv = inv / torch.tensor(s["long_factor" if long else "short_factor"], dtype=torch.float64)
+        attention = s["attention_factor"]
+    elif s:
         factor, low, high = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
         old_ctx = s.get("original_max_position_embeddings", 8192)
         wavelen = 2 * math.pi / inv
@@ -173,7 +184,11 @@ def rope_inv_freq(config: ModelConfig, rope_freqs: torch.Tensor | None = None) -
         scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
         mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
         inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
-    return inv.float()
+    pad = torch.zeros((hd - rd) // 2, dtype=torch.float64)
+    scale = None
+    if attention is not None and attention != 1.0:
+        scale = torch.cat((torch.full((rd // 2,), attention, dtype=torch.float64), pad + 1)).float()
+    return torch.cat((inv, pad)).float(), scale
 
 
 class Transformer:
@@ -181,7 +196,9 @@ class Transformer:
     # writes), as before the fusions: for measuring what the fusions save (scripts/bench_decode_peers.py)
     fused = True
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], context: int | None = None):
+        """context: the longest sequence the caller will run (LongRoPE picks its factors by it; default: the
+        model's own maximum)."""
         self.config = config
         w = dict(weights)
 
@@ -211,11 +228,15 @@ class Transformer:
         self.lm_head = QuantLinear(self.embed) if config.tie_embeddings else linear("lm_head")
         self.dtype = self.norm.dtype
         self.device = self.norm.device
-        self.inv_freq = rope_inv_freq(config, w.pop("rope_freqs", None)).to(self.device)
+        inv_freq, rope_scale = rope_tables(config, w.pop("rope_freqs", None), context)
+        self.inv_freq = inv_freq.to(self.device)
+        self.rope_scale = None if rope_scale is None else rope_scale.to(self.device)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         angles = torch.outer(positions.float(), self.inv_freq)
-        return angles.cos(), angles.sin()
+        if self.rope_scale is None:
+            return angles.cos(), angles.sin()
+        return angles.cos() * self.rope_scale, angles.sin() * self.rope_scale
 
     @torch.inference_mode()
     def forward(self, batch: Batch, kv: KVPool) -> torch.Tensor:

@@ -1,6 +1,8 @@
 """Loading GGUF files and safetensors directories."""
 
 import json
+import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -42,6 +44,16 @@ def tiny_hf_model(kind, tmp_path, shard=False):
         cfg, cls = transformers.Qwen2Config(**common), transformers.Qwen2ForCausalLM
     elif kind == "qwen3":  # heads of 32: queries 128 wide against a hidden size of 64
         cfg, cls = transformers.Qwen3Config(**common, head_dim=32), transformers.Qwen3ForCausalLM
+    elif kind == "phi3":  # fused qkv and gate_up matrices
+        cfg = transformers.Phi3Config(**common, pad_token_id=None, sliding_window=None)
+        cls = transformers.Phi3ForCausalLM
+    elif kind == "phi3-longrope":  # Phi-4-mini's layout: 12 of 16 dims rotated, LongRoPE past 16 positions
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 16,
+                "short_factor": [1.0, 1.1, 1.3, 1.7, 2.0, 2.5], "long_factor": [2.0, 3.0, 5.0, 8.0, 9.0, 12.0]}
+        cfg = transformers.Phi3Config(**{**common, "max_position_embeddings": 64}, pad_token_id=None,
+                                      sliding_window=None, partial_rotary_factor=0.75, rope_parameters=rope,
+                                      original_max_position_embeddings=16)
+        cls = transformers.Phi3ForCausalLM
     elif kind == "smollm3":  # four layers: the fourth takes no RoPE
         cfg = transformers.SmolLM3Config(**{**common, "num_hidden_layers": 4}, pad_token_id=None)
         cls = transformers.SmolLM3ForCausalLM
@@ -58,7 +70,7 @@ def tiny_hf_model(kind, tmp_path, shard=False):
 
 
 @pytest.mark.parametrize("kind,shard", [("llama", False), ("llama", True), ("qwen2", False), ("qwen3", False),
-                                        ("smollm3", False)])
+                                        ("smollm3", False), ("phi3", False), ("phi3-longrope", False)])
 def test_safetensors_directory_matches_transformers_logits(kind, shard, tmp_path):
     ref = tiny_hf_model(kind, tmp_path, shard)
     if shard:
@@ -66,36 +78,41 @@ def test_safetensors_directory_matches_transformers_logits(kind, shard, tmp_path
     lm = load_model(tmp_path)
     assert lm.config.qkv_bias == (kind == "qwen2") and lm.config.qk_norm == (kind == "qwen3")
     assert lm.config.nope_layers == ([3] if kind == "smollm3" else [])
+    assert lm.config.rotary_dim == (12 if kind == "phi3-longrope" else lm.config.head_dim)
     assert_same_logits(lm, ref)
 
 
-def assert_same_logits(lm, ref):
-    """The loaded model's logits of every position of a random prompt are the transformers model's."""
+def assert_same_logits(lm, ref, n=17, context=None):
+    """The loaded model's logits of every position of a random n-token prompt are the transformers model's
+    (context: the longest sequence the model is built for; default its own maximum)."""
     from localpd.model import Batch, Transformer
     from localpd.quant.kv import new_kv_pool
 
-    ids = torch.randint(0, 128, (17,))
+    ids = torch.randint(0, 128, (n,))
     with torch.no_grad():
         want = ref(ids[None]).logits[0]
-    model = Transformer(lm.config, lm.weights)
+    model = Transformer(lm.config, lm.weights, context=context)
     c = lm.config
     pool = new_kv_pool("fp32", c.n_layers, 2, 16, c.n_kv_heads, c.head_dim, model.dtype, model.device)
     got = model.forward(Batch.single(ids.tolist(), 0, 2, 16, model.device, all_logits=True), pool)
     assert (got - want).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "smollm3"])
+@pytest.mark.parametrize("kind", ["qwen3", "smollm3", "phi3-longrope"])
 def test_gguf_written_as_llama_cpp_does_matches_transformers_logits(kind, tmp_path):
     """A GGUF as llama.cpp's converter writes it loads as the same model. Qwen3: attn_q_norm/attn_k_norm,
     key_length for the head size, q/k rows as they are. SmolLM3: q/k rows permuted for interleaved RoPE (as for
-    llama), and no RoPE in every fourth layer, which no metadata key says."""
+    llama), and no RoPE in every fourth layer, which no metadata key says. Phi-3: q/k/v in one attn_qkv, gate and
+    up in one ffn_up, the rotated dims in rope.dimension_count, LongRoPE's factors as tensors rope_factors_long and
+    rope_factors_short with its original context and attention factor as metadata."""
     import gguf
 
     ref = tiny_hf_model(kind, tmp_path)
     c = ref.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    arch = kind.split("-")[0]
     path = tmp_path / f"{kind}.gguf"
-    w = gguf.GGUFWriter(path, kind)
+    w = gguf.GGUFWriter(path, arch)
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
@@ -107,10 +124,18 @@ def test_gguf_written_as_llama_cpp_does_matches_transformers_logits(kind, tmp_pa
     w.add_rope_freq_base(getattr(c, "rope_theta", None) or c.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_vocab_size(c.vocab_size)
+    if arch == "phi3":
+        rope = c.rope_parameters
+        w.add_rope_dimension_count(int(head_dim * rope["partial_rotary_factor"]))
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(64 / 16) / math.log(16)))
+        w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
     names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
              "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
              "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
-             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "self_attn.qkv_proj": "attn_qkv",
+             "mlp.gate_up_proj": "ffn_up"}
     heads = {"self_attn.q_proj": c.num_attention_heads, "self_attn.k_proj": c.num_key_value_heads}
     for key, t in ref.state_dict().items():
         key = key.removesuffix(".weight")
@@ -127,9 +152,33 @@ def test_gguf_written_as_llama_cpp_does_matches_transformers_logits(kind, tmp_pa
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
     lm = load_model(path, scheme="fp32")
     c = lm.config
-    assert (c.arch, c.qk_norm, c.head_dim, c.nope_layers) == (
-        ("qwen3", True, 32, []) if kind == "qwen3" else ("llama", False, 16, [3]))
+    assert (c.arch, c.qk_norm, c.head_dim, c.nope_layers, c.rotary_dim) == {
+        "qwen3": ("qwen3", True, 32, [], 32), "smollm3": ("llama", False, 16, [3], 16),
+        "phi3-longrope": ("phi3", False, 16, [], 12)}[kind]
     assert_same_logits(lm, ref)
+
+
+def test_longrope_takes_its_short_factors_for_a_context_within_the_original(tmp_path):
+    """transformers takes the short factors while a sequence fits the original 16 positions; localpd decides once
+    for its whole cache, by the context it is built for (as llama.cpp does): 16 here."""
+    ref = tiny_hf_model("phi3-longrope", tmp_path)
+    lm = load_model(tmp_path)
+    assert lm.config.rope_scaling["attention_factor"] == pytest.approx(math.sqrt(1 + math.log(4) / math.log(16)))
+    assert_same_logits(lm, ref, n=12, context=16)
+    with pytest.raises(AssertionError):  # the long factors would not do
+        assert_same_logits(lm, ref, n=12, context=64)
+
+
+def test_a_sliding_window_caps_the_context():
+    """Within its window a sliding-window model attends to everything, as localpd does: the context stops there."""
+    from localpd.loader import hf_config
+
+    common = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96,
+                  max_position_embeddings=32768)
+    mistral = hf_config({**common, "model_type": "mistral", "sliding_window": 4096}, Path("m"))
+    qwen = hf_config({**common, "model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": False}, Path("q"))
+    assert (mistral.max_context, mistral.sliding_window) == (4096, 4096)
+    assert (qwen.max_context, qwen.sliding_window) == (32768, 0)
 
 
 def test_missing_path(tmp_path):
