@@ -1,5 +1,5 @@
-"""The Llama-family transformer (Llama 2/3, SmolLM 1-3, Mistral, Qwen2, Qwen3) with separate prefill and decode
-paths.
+"""The Llama-family transformer (Llama 2/3, SmolLM 1-3, Mistral, Qwen2, Qwen3, Phi-3/4) with separate prefill and
+decode paths.
 
 Weights arrive as a flat dict with HF-style names (see localpd.loader). One forward call runs an engine step: any
 mix of prompt chunks (attending causally to their cached prefix plus themselves) and single decode tokens of
@@ -162,8 +162,8 @@ def rope_tables(config: ModelConfig, rope_freqs: torch.Tensor | None = None,
     """RoPE's inverse frequencies for the head_dim / 2 pairs the kernels rotate, and the factor cos and sin are
     scaled by (None: 1). Llama 3.1 scaling where configured; LongRoPE (Phi) with its long factors where the
     context runs past the original one (as llama.cpp decides, once for the whole cache) and its attention factor.
-    A partially rotated head (rotary_dim < head_dim: the loader has moved its unrotated dims to the second half of
-    each half, localpd.loader.rotary_rows) gets frequency 0 and factor 1 there: those pairs turn by angle 0."""
+    A partially rotated head (rotary_dim < head_dim; the loader has put its unrotated dims at the end of each half,
+    localpd.loader.rotary_rows) gets frequency 0 and factor 1 there: those pairs turn by angle 0."""
     hd = config.head_dim
     rd = config.rotary_dim or hd
     inv = 1.0 / (config.rope_theta ** (torch.arange(0, rd, 2, dtype=torch.float64) / rd))
@@ -173,7 +173,10 @@ def rope_tables(config: ModelConfig, rope_freqs: torch.Tensor | None = None,
         inv = inv / rope_freqs.double()
     elif s.get("type") == "longrope":
         long = (context or config.max_context) > s["original_max_position_embeddings"]
-        inv = inv / torch.tensor(s["long_factor" if long else "short_factor"], dtype=torch.float64)
+        factors = s["long_factor" if long else "short_factor"]
+        if len(factors) != rd // 2:
+            raise LocalpdError(f"LongRoPE needs {rd // 2} factors (one per rotated pair), the model gives {len(factors)}")
+        inv = inv / torch.tensor(factors, dtype=torch.float64)
         attention = s["attention_factor"]
     elif s:
         factor, low, high = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)

@@ -167,6 +167,13 @@ def test_longrope_takes_its_short_factors_for_a_context_within_the_original(tmp_
     assert_same_logits(lm, ref, n=12, context=16)
     with pytest.raises(AssertionError):  # the long factors would not do
         assert_same_logits(lm, ref, n=12, context=64)
+    from dataclasses import replace
+
+    from localpd.model import Transformer
+
+    short = replace(lm.config, rope_scaling={**lm.config.rope_scaling, "short_factor": [1.0] * 5})
+    with pytest.raises(LocalpdError, match="needs 6 factors"):  # 12 rotated dims, 6 pairs
+        Transformer(short, lm.weights, context=16)
 
 
 def test_a_sliding_window_caps_the_context():
