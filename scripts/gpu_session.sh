@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device-tool call: install, then the named stages, each under its own time limit, logs under $OUT.
-# Usage (on the GPU machine, repo root): scripts/gpu_session.sh tests fused check sweep mma ncu kernels bench peers kv kvfull
+# Usage (on the GPU machine, repo root): scripts/gpu_session.sh tests fused check check3 sweep mma ncu kernels bench peers kv kvfull
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -19,6 +19,7 @@ for s in "$@"; do case $s in
          TO="-s INT" stage gpu_mm_tests 150 env LOCALPD_TEST_DEVICE=cuda python3 -m pytest -q -n 14 -W ignore \
            -p no:cacheprovider -rf --tb=line tests/test_kernels.py ;;
   check) stage gpu_check 150 python3 scripts/gpu_check.py ;;
+  check3) stage gpu_check_qwen3 240 python3 scripts/gpu_check.py --model qwen3-0.6b ;;  # qk_norm, heads of 128
   sweep) TAIL=80 stage sweep_gemv 500 python3 scripts/sweep_gemv.py --no-mma --json "$OUT/sweep_gemv.json" \
            --table kernels/gemv_tuned.json  # later stages of this call launch the measured configurations
          cp kernels/gemv_tuned.json "$OUT/" 2>/dev/null ;;
