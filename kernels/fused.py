@@ -51,7 +51,7 @@ def qk_norm_kernel(qkv, wq, wk, D, eps, s_t, HQ: tl.constexpr, BLOCK: tl.constex
     x = tl.load(base + d, mask=mask, other=0.0).to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
     w = tl.load(tl.where(h < HQ, wq, wk) + d, mask=mask, other=0.0).to(tl.float32)
-    tl.store(base + d, ((x * inv).to(tl.float32) * w).to(qkv.dtype.element_ty), mask=mask)
+    tl.store(base + d, (x * inv * w).to(qkv.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -1,7 +1,6 @@
 """The small fused steps of a layer (residual add + RMSNorm, SiLU * mul, RoPE, Qwen3's per-head RMSNorm of queries
-and keys): torch references, and launchers
-of their Triton kernels (kernels/fused.py) for CUDA tensors or under the interpreter (see dispatch.use_triton).
-Nothing here imports Triton unless a kernel is launched."""
+and keys): torch references, and launchers of their Triton kernels (kernels/fused.py) for CUDA tensors or under
+the interpreter (see dispatch.use_triton). Nothing here imports Triton unless a kernel is launched."""
 
 from __future__ import annotations
 
@@ -28,7 +27,7 @@ def qk_norm_ref(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tenso
                 eps: float) -> torch.Tensor:
     """Qwen3's RMSNorm of every query and key head over head_dim, in place on qkv [T, (n_heads + 2 n_kv_heads) *
     head_dim] (the values are left as they are); q_weight and k_weight [head_dim]. Returns qkv."""
-    T, d = qkv.shape[0], q_weight.shape[0]
+    d = q_weight.shape[0]
     heads = qkv[:, :(n_heads + n_kv_heads) * d].unflatten(1, (n_heads + n_kv_heads, d))
     heads[:, :n_heads] = rms_norm_ref(heads[:, :n_heads], q_weight, eps)
     heads[:, n_heads:] = rms_norm_ref(heads[:, n_heads:], k_weight, eps)

@@ -120,8 +120,8 @@ class Chat:
     def fit_to_context(self, user_text: str) -> list[int]:
         """Token ids of the conversation plus the new message, dropping the oldest turns if they don't fit."""
         limit = self.engine.max_context - min(self.params.max_tokens, self.engine.max_context // 4)
+        think = {} if self.think is None else {"enable_thinking": self.think == "on"}
         while True:
-            think = {} if self.think is None else {"enable_thinking": self.think == "on"}
             ids = self.engine.encode_chat(self.prompt_messages(user_text), template_vars=think)
             if len(ids) <= limit or not self.messages:
                 return ids
