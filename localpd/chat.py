@@ -6,6 +6,7 @@ import os
 import sys
 from dataclasses import replace
 
+from localpd.chat_template import think_vars
 from localpd.device import DeviceInfo, device_info
 from localpd.engine import Engine, GenerationStats
 from localpd.errors import LocalpdError
@@ -120,7 +121,7 @@ class Chat:
     def fit_to_context(self, user_text: str) -> list[int]:
         """Token ids of the conversation plus the new message, dropping the oldest turns if they don't fit."""
         limit = self.engine.max_context - min(self.params.max_tokens, self.engine.max_context // 4)
-        think = {} if self.think is None else {"enable_thinking": self.think == "on"}
+        think = think_vars(self.think)
         while True:
             ids = self.engine.encode_chat(self.prompt_messages(user_text), template_vars=think)
             if len(ids) <= limit or not self.messages:

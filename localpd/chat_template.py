@@ -57,6 +57,12 @@ def check_template_vars(extra: dict) -> None:
         raise LocalpdError(f"the chat template variable '{taken[0]}' is set by localpd and cannot be passed")
 
 
+def think_vars(think: str | None) -> dict:
+    """The template variables of a think setting: "on" or "off" is Qwen3's enable_thinking; None leaves it to the
+    model's template."""
+    return {} if think is None else {"enable_thinking": think == "on"}
+
+
 def render(template: str, messages: list[dict], add_generation_prompt: bool = True, bos_token: str = "",
            eos_token: str = "", **extra) -> str:
     """The prompt text `template` makes of `messages`; extra: more variables for the template (Qwen3's

@@ -248,7 +248,6 @@ class Engine:
         c = self.config
         self.kv_traffic = KVTraffic(self.kv_dtype, c.n_layers, c.n_kv_heads, c.head_dim, PAGE_SIZE,
                                     self.compute_dtype.itemsize)
-        self.kv_token_bytes = self.kv_traffic.per_token
         if kv_tokens is not None and kv_memory is None:
             kv_memory = -(-max(kv_tokens, self.max_context + 1) // PAGE_SIZE) * PAGE_SIZE * self.kv_token_bytes
         n_pages = self._kv_pages(parse_bytes(kv_memory))
@@ -285,6 +284,11 @@ class Engine:
         self.name = resolved.name
         self.resolved = resolved
         return load_model(resolved.path, dtype=self.compute_dtype, device=self.device, scheme=self.quant)
+
+    @property
+    def kv_token_bytes(self) -> int:
+        """Storage bytes of one token's keys and values over all layers (what sizes the pool)."""
+        return self.kv_traffic.per_token
 
     def _kv_pages(self, kv_memory: int | None) -> int:
         page_bytes = self.kv_token_bytes * PAGE_SIZE

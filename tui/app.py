@@ -19,6 +19,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Footer, Header, Input, Label, ListItem, ListView, Markdown, OptionList, TextArea
 from textual.widgets.option_list import Option
 
+from localpd.chat_template import think_vars
 from localpd.device import device_info
 from localpd.engine import Engine, RequestHandle
 from localpd.errors import LocalpdError
@@ -355,8 +356,7 @@ class LocalpdApp(App):
         messages = [{"role": m.role, "content": m.content} for m in self.store.messages(self.conversation.id)]
         head = [{"role": "system", "content": self.conversation.system}] if self.conversation.system else []
         limit = self.engine.max_context - min(self.params().max_tokens, self.engine.max_context // 4)
-        think = self.conversation.settings.get("think")
-        template_vars = {} if think is None else {"enable_thinking": think == "on"}
+        template_vars = think_vars(self.conversation.settings.get("think"))
         while True:
             ids = self.engine.encode_chat(head + messages, template_vars=template_vars)
             if len(ids) <= limit or len(messages) <= 1:
