@@ -47,7 +47,7 @@ def _compile(template: str):
     return env.from_string(template)
 
 
-RESERVED = ("messages", "add_generation_prompt", "bos_token", "eos_token")  # what render itself passes
+RESERVED = ("messages", "add_generation_prompt", "bos_token", "eos_token", "tools")  # what localpd itself passes
 
 
 def check_template_vars(extra: dict) -> None:

@@ -34,6 +34,7 @@ from localpd.scheduler import Scheduler, Sequence, Work
 from localpd.schemes import check_scheme, compute_dtype, group_notes
 from localpd.stops import StopMatcher
 from localpd.tokenizer import IncrementalDetokenizer, Tokenizer
+from localpd.tools import check_tools
 
 log = logging.getLogger("localpd.engine")
 
@@ -309,9 +310,9 @@ class Engine:
 
     # -- front-door API ----------------------------------------------------------------------------------------
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    template_vars: dict | None = None) -> list[int]:
+                    template_vars: dict | None = None, tools: list[dict] | None = None) -> list[int]:
         """Token ids of a conversation in the model's chat template; template_vars: more variables for it (Qwen3's
-        enable_thinking)."""
+        enable_thinking); tools: OpenAI-style function specs the model may call (localpd.tools)."""
         if self.tokenizer is None:
             raise LocalpdError(f"{self.name} has no tokenizer")
         for m in messages:
@@ -320,7 +321,8 @@ class Engine:
                                    f"expected system, user, assistant or tool")
             if not isinstance(m.get("content", ""), str):
                 raise LocalpdError("message content must be a string")
-        text = self.tokenizer.render_chat(messages, add_generation_prompt, **(template_vars or {}))
+        tools = check_tools(tools) if tools else None
+        text = self.tokenizer.render_chat(messages, add_generation_prompt, tools, **(template_vars or {}))
         return self.tokenizer.encode(text, add_bos=False)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> RequestHandle:

@@ -25,7 +25,9 @@ from localpd.engine import Engine, RequestHandle, TokenEvent
 from localpd.errors import LocalpdError
 from localpd.roofline import decode_ceiling_tps, utilisation
 from localpd.sampling import SamplingParams
-from localpd.server_schema import ChatRequest, CompletionRequest, Sampling, error_body
+from localpd.reasoning import ThinkSplit, opens_thinking, split_reply, thinks
+from localpd.server_schema import ChatRequest, CompletionRequest, NamedToolChoice, Sampling, error_body
+from localpd.tools import CallStream, ToolCall, check_choice, forced_prefix, parse_calls
 
 log = logging.getLogger("localpd.server")
 
@@ -103,8 +105,9 @@ class Metrics:
 
 
 def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None = None, api_key: str | None = None,
-               max_waiting: int = 64, bandwidth: float | None = None) -> FastAPI:
+               max_waiting: int = 64, bandwidth: float | None = None, split_reasoning: bool = True) -> FastAPI:
     """engine: a loaded engine; or load: called on a background thread at startup (/health says 503 until then).
+    split_reasoning: a thinking model's <think> block goes to the message's reasoning_content, not its content.
     bandwidth: bytes/s the MBU in `timings` and /metrics is measured against (default: the device's measured
     copy bandwidth, else its datasheet peak; localpd.device)."""
     app = FastAPI(title="localpd", version="0.1.0", description="OpenAI-compatible local inference")
@@ -181,18 +184,31 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
     async def chat_completions(body: ChatRequest):
         e = ready()
         log_unknown(body)
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+        messages = [m.template_dict() for m in body.messages]
         try:
             check_template_vars(body.chat_template_kwargs or {})
         except LocalpdError as err:
             raise ApiError(400, str(err), param="chat_template_kwargs") from None
+        choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedToolChoice) else body.tool_choice
+        tools = [t.model_dump(exclude_none=True) for t in body.tools or []] if choice != "none" else []
         try:
-            ids = e.encode_chat(messages, template_vars=body.chat_template_kwargs)
+            check_choice(choice, tools)
+            prefix = forced_prefix(e.tokenizer.chat_template if e.tokenizer else None, choice)
+        except LocalpdError as err:
+            raise ApiError(400, str(err), param="tool_choice") from None
+        try:
+            ids = e.encode_chat(messages, template_vars=body.chat_template_kwargs, tools=tools or None)
         except LocalpdError as err:
             raise ApiError(400, str(err), param="messages") from None
+        think = None
+        if split_reasoning and thinks(e.tokenizer.chat_template) and not prefix:
+            think = opens_thinking(e.tokenizer.decode(ids[-4:], skip_special=False))
+        if prefix:
+            ids += e.tokenizer.encode(prefix, add_bos=False)
         top = body.top_logprobs if body.logprobs else None
         limit = body.max_completion_tokens or body.max_tokens
-        return await respond(e, body, ids, limit, None if not body.logprobs else (top or 0), chat=True)
+        reply = Reply(think, prefix if tools else None, body.parallel_tool_calls)
+        return await respond(e, body, ids, limit, None if not body.logprobs else (top or 0), chat=True, reply=reply)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):
@@ -210,7 +226,7 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
         return await respond(e, body, ids, body.max_tokens or 16, body.logprobs, chat=False)
 
     async def respond(e: Engine, body: Sampling, ids: list[int], limit: int | None, logprobs: int | None,
-                      chat: bool):
+                      chat: bool, reply: Reply | None = None):
         if body.n != 1:
             raise ApiError(400, "n > 1 is not supported; send several requests", param="n")
         if not ids:
@@ -238,7 +254,7 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
         created = int(time.time())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(stream(e, handle, rid, created, chat, include_usage),
+            return StreamingResponse(stream(e, handle, rid, created, chat, include_usage, reply),
                                      media_type="text/event-stream")
         text, lps, reason = [], [], None
         try:
@@ -252,7 +268,14 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
         finished(e, handle, reason)
         choice = {"index": 0, "finish_reason": reason}
         if chat:
-            choice["message"] = {"role": "assistant", "content": "".join(text)}
+            reasoning, content, found = reply.whole("".join(text))
+            empty = not content and (found or reasoning)  # a reply that is all calls or all reasoning
+            choice["message"] = {"role": "assistant", "content": None if empty else content}
+            if reply.think is not None:
+                choice["message"]["reasoning_content"] = reasoning or None
+            if found:
+                choice["message"]["tool_calls"] = found
+                choice["finish_reason"] = "tool_calls"
             choice["logprobs"] = chat_logprobs(e, lps) if logprobs is not None else None
         else:
             choice["text"] = "".join(text)
@@ -260,7 +283,8 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
                 "model": e.name, "choices": [choice], "usage": usage(handle), "timings": timings(e, handle)}
 
-    async def stream(e: Engine, handle: RequestHandle, rid: str, created: int, chat: bool, include_usage: bool):
+    async def stream(e: Engine, handle: RequestHandle, rid: str, created: int, chat: bool, include_usage: bool,
+                     reply: Reply | None):
         kind = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(choice: dict | None, **extra) -> str:
@@ -277,15 +301,25 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
                 if reason == "error":
                     yield f"data: {json.dumps(error_body(ev.error or 'generation failed', 'server_error'))}\n\n"
                     break
-                choice = {"index": 0, "finish_reason": reason}
+                reasoning, text, found = ("", ev.text, []) if reply is None else (*reply.feed(ev.text), [])
+                if reason is not None and reply is not None:
+                    more_reasoning, rest, found = reply.finish()
+                    reasoning, text = reasoning + more_reasoning, text + rest
+                choice = {"index": 0, "finish_reason": None if found else reason}
                 if chat:
-                    choice["delta"] = {"content": ev.text} if ev.text or reason is None else {}
+                    choice["delta"] = {"content": text} if text or (reason is None and not reasoning) else {}
+                    if reasoning:
+                        choice["delta"]["reasoning_content"] = reasoning
                     if ev.logprob is not None and ev.token_id is not None:
                         choice["logprobs"] = chat_logprobs(e, [ev])
                 else:
-                    choice["text"] = ev.text
-                if ev.text or reason is not None or "logprobs" in choice:
+                    choice["text"] = text
+                if text or reasoning or choice["finish_reason"] is not None or "logprobs" in choice:
                     yield chunk(choice)
+                if found:
+                    yield chunk({"index": 0, "delta": {"tool_calls": [{"index": i, **c} for i, c in enumerate(found)]},
+                                 "finish_reason": None})
+                    yield chunk({"index": 0, "delta": {}, "finish_reason": "tool_calls"})
             if include_usage:
                 yield chunk(None, usage=usage(handle), timings=timings(e, handle))
             yield "data: [DONE]\n\n"
@@ -337,6 +371,46 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
     return app
 
 
+class Reply:
+    """A chat reply's parts as it streams: the reasoning of a thinking model (localpd.reasoning), then the answer's
+    text and its tool calls (localpd.tools).
+
+    think: None (no split), or whether the prompt left a <think> block open; call_prefix: None (no tools), or the
+    start of a call that tool_choice put in the prompt ("" for auto)."""
+
+    def __init__(self, think: bool | None, call_prefix: str | None, parallel_calls: bool = True):
+        self.think = None if think is None else ThinkSplit(think)
+        self.calls = None if call_prefix is None else CallStream(call_prefix)
+        self.call_prefix, self.parallel_calls = call_prefix, parallel_calls
+
+    def feed(self, delta: str) -> tuple[str, str]:
+        """(reasoning, answer text) that can be sent now."""
+        reasoning, answer = ("", delta) if self.think is None else self.think.feed(delta)
+        return reasoning, answer if self.calls is None else self.calls.feed(answer)
+
+    def finish(self) -> tuple[str, str, list[dict]]:
+        """The rest of the reasoning and the answer, and the calls."""
+        reasoning, answer = ("", "") if self.think is None else self.think.finish()
+        if self.calls is None:
+            return reasoning, answer, []
+        answer = self.calls.feed(answer)
+        rest, found = self.calls.finish()
+        return reasoning, answer + rest, self._shaped(found)
+
+    def whole(self, text: str) -> tuple[str, str, list[dict]]:
+        """(reasoning, answer text, calls) of a reply that was not streamed."""
+        reasoning, answer = ("", text) if self.think is None else split_reply(text, self.think.inside)
+        if self.calls is None:
+            return reasoning, answer, []
+        answer, found = parse_calls(self.call_prefix + answer)
+        return reasoning, answer, self._shaped(found)
+
+    def _shaped(self, found: list[ToolCall]) -> list[dict]:
+        found = found if self.parallel_calls else found[:1]
+        return [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+                 "function": {"name": c.name, "arguments": c.arguments}} for c in found]
+
+
 def log_unknown(body: Sampling) -> None:
     if body.model_extra:
         log.info("ignoring unknown request fields: %s", ", ".join(sorted(body.model_extra)))
@@ -356,7 +430,8 @@ def serve(args) -> int:
 
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         log.warning("listening on %s without --api-key: anyone who can reach this port can use the model", args.host)
-    app = create_app(load=load, api_key=args.api_key, max_waiting=args.max_waiting)
+    app = create_app(load=load, api_key=args.api_key, max_waiting=args.max_waiting,
+                     split_reasoning=args.reasoning == "split")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0

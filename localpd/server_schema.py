@@ -16,15 +16,63 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(min_length=1)
+    arguments: str = "{}"  # a JSON object, as text
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    name: str | None = None
+
+    def template_dict(self) -> dict:
+        """The message as chat templates take it (tool calls included)."""
+        out = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump(exclude_none=True) for c in self.tool_calls]
+        out.update({k: v for k in ("tool_call_id", "name") if (v := getattr(self, k)) is not None})
+        reasoning = (self.model_extra or {}).get("reasoning_content")
+        if isinstance(reasoning, str):  # an earlier reply's reasoning: Qwen3's template reads it
+            out["reasoning_content"] = reasoning
+        return out
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         return "".join(p.text or "" for p in self.content if p.type == "text")
+
+
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ToolSpec(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionSpec
+
+
+class FunctionName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionName
 
 
 class StreamOptions(BaseModel):
@@ -60,6 +108,9 @@ class ChatRequest(Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     # variables for the model's chat template, as vLLM takes them: {"enable_thinking": false} for Qwen3
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class CompletionRequest(Sampling):

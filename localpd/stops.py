@@ -1,6 +1,15 @@
 """Stop strings over a stream of text deltas."""
 
 
+def partial_tail(text: str, marker: str) -> int:
+    """Length of the longest end of `text` that is the start of `marker` but not all of it: what a stream must
+    hold back until the next delta says whether the marker follows."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:k]):
+            return k
+    return 0
+
+
 class StopMatcher:
     """Holds back text that might be the start of a stop string; cuts the stream at the first full match."""
 
@@ -18,13 +27,7 @@ class StopMatcher:
         if hits:
             out, self.pending = self.pending[:min(hits)], ""
             return out, True
-        hold = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(self.pending)), 0, -1):
-                if self.pending.endswith(s[:k]):
-                    hold = max(hold, k)
-                    break
-        cut = len(self.pending) - hold
+        cut = len(self.pending) - max(partial_tail(self.pending, s) for s in self.stops)
         out, self.pending = self.pending[:cut], self.pending[cut:]
         return out, False
 

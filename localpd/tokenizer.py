@@ -10,6 +10,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from localpd.chat_template import check_template_vars, render
 from localpd.errors import LocalpdError
+from localpd.tools import template_messages
 
 # GGUF token types (llama.cpp's llama_token_type)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -180,15 +181,17 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **template_vars) -> str:
-        """The prompt text of a conversation; template_vars (enable_thinking=False, ...) go to the model's
-        template, which may or may not read them."""
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
+                    **template_vars) -> str:
+        """The prompt text of a conversation; tools: functions the model may call (localpd.tools); template_vars
+        (enable_thinking=False, ...) go to the model's template, which may or may not read them."""
+        check_template_vars(template_vars)
+        messages, tool_vars = template_messages(messages, tools, self.chat_template)
         if not self.chat_template:  # no template in the model: plain ChatML
             text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
             return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
-        check_template_vars(template_vars)
         return render(self.chat_template, messages, add_generation_prompt, self.bos_token, self.eos_token,
-                      **template_vars)
+                      **tool_vars, **template_vars)
 
 
 def _read_json(path: Path) -> dict:

@@ -1,5 +1,6 @@
 """`localpd serve` through the official openai client against a live server on loopback, real default model."""
 
+import json
 import socket
 import threading
 import time
@@ -10,6 +11,7 @@ import pytest
 import uvicorn
 
 from localpd.engine import Engine
+from localpd.sampling import SamplingParams
 from localpd.server import create_app
 
 Q = [{"role": "user", "content": "What is the capital of France?"}]
@@ -107,6 +109,86 @@ def test_repeated_system_prompt_is_served_from_the_prefix_cache(client):
     assert r.usage.prompt_tokens_details.cached_tokens >= 48
 
 
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_a_named_tool_choice_gets_a_call_streamed_or_not(client):
+    kw = dict(model="x", messages=ASK, tools=[WEATHER], temperature=0, max_tokens=48,
+              tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    r = client.chat.completions.create(**kw)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.id.startswith("call_") and call.type == "function" and call.function.name == "get_weather"
+    assert isinstance(json.loads(call.function.arguments), dict)
+    chunks = [c for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+    calls = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+    assert [(d.index, d.function.name, d.function.arguments) for d in calls] == [(0, "get_weather",
+                                                                                call.function.arguments)]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ""
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["tool_calls"]
+
+
+def test_tools_the_model_does_not_call_leave_a_plain_answer(served, client):
+    kw = dict(model="x", messages=ASK, tools=[WEATHER], temperature=0, max_tokens=24)
+    r = client.chat.completions.create(**kw)
+    assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
+    streamed = [c for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == r.choices[0].message.content
+    none = client.chat.completions.create(**{**kw, "tool_choice": "none"})
+    assert none.usage.prompt_tokens == len(served[0].encode_chat(ASK)) < r.usage.prompt_tokens
+
+
+def test_a_tool_result_reaches_the_model(served, client):
+    engine = served[0]
+    history = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 18 degrees Celsius."}]
+    r = client.chat.completions.create(model="x", messages=history, tools=[WEATHER], temperature=0, max_tokens=24)
+    expected = engine.encode_chat([{**m, "content": m["content"] or ""} for m in history], tools=[WEATHER])
+    assert r.usage.prompt_tokens == len(expected)
+    assert "18" in r.choices[0].message.content
+    assert idle(engine)
+
+
+# A template that opens the <think> block in the prompt, as the DeepSeek-R1 distills' do, and shows an earlier
+# reply's reasoning as Qwen3's does.
+OPEN_THINK = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.reasoning_content %}<think>"
+              "{{ m.reasoning_content }}</think>{% endif %}{{ m.content }}<|im_end|>\n{% endfor %}"
+              "<|im_start|>assistant\n<think>\n")
+
+
+def test_a_thinking_models_reasoning_is_split_from_its_content(served, client, monkeypatch):
+    engine = served[0]
+    monkeypatch.setattr(engine.tokenizer, "chat_template", OPEN_THINK)
+    raw = "".join(ev.text for ev in engine.generate(engine.encode_chat(Q), SamplingParams(temperature=0,
+                                                                                          max_tokens=12)))
+    r = client.chat.completions.create(model="x", messages=Q, temperature=0, max_tokens=12)
+    message = r.choices[0].message  # cut off before </think>: all of it is reasoning
+    assert message.reasoning_content == raw.strip() and message.content is None
+    chunks = [c for c in client.chat.completions.create(model="x", messages=Q, temperature=0, max_tokens=12,
+                                                         stream=True) if c.choices]
+    assert "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks) == raw.strip()
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ""
+    inline = LiveServer(create_app(engine, split_reasoning=False))
+    try:
+        plain = openai.OpenAI(base_url=inline.url + "/v1", api_key="x", max_retries=0).chat.completions.create(
+            model="x", messages=Q, temperature=0, max_tokens=12).choices[0].message
+        assert plain.content == raw and getattr(plain, "reasoning_content", None) is None
+    finally:
+        inline.stop()
+    history = Q + [{"role": "assistant", "content": "Paris.", "reasoning_content": "France's capital."},
+                   {"role": "user", "content": "And Spain?"}]
+    again = client.chat.completions.create(model="x", messages=history, temperature=0, max_tokens=1)
+    assert again.usage.prompt_tokens == len(engine.encode_chat(history))
+    assert "France's capital." in engine.tokenizer.decode(engine.encode_chat(history))
+
+
 def status_and_error(response):
     body = response.json()
     assert set(body["error"]) == {"message", "type", "param", "code"}
@@ -124,6 +206,15 @@ def status_and_error(response):
     ({"messages": "hello"}, 400, "messages"),
     ({"messages": Q, "chat_template_kwargs": {"messages": []}}, 400, "set by localpd"),
     ({"messages": Q, "chat_template_kwargs": ["enable_thinking"]}, 400, "chat_template_kwargs"),
+    ({"messages": Q, "chat_template_kwargs": {"tools": []}}, 400, "set by localpd"),
+    ({"messages": Q, "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "send_mail"}}},
+     400, "not in tools"),
+    ({"messages": Q, "tool_choice": "required"}, 400, "needs tools"),
+    ({"messages": Q, "tool_choice": "sometimes"}, 400, "tool_choice"),
+    ({"messages": Q, "tools": [{"type": "function", "function": {"name": ""}}]}, 400, "tools"),
+    ({"messages": Q, "tools": [{"type": "code_interpreter"}]}, 400, "tools"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{city"}}]}]}, 400, "not valid JSON"),
 ])
 def test_bad_requests_get_openai_shaped_4xx(served, payload, status, fragment):
     r = httpx.post(served[1].url + "/v1/chat/completions", json=payload, headers={"Authorization": f"Bearer {KEY}"})
