@@ -10,6 +10,7 @@ from localpd.chat_template import think_vars
 from localpd.device import DeviceInfo, device_info
 from localpd.engine import Engine, GenerationStats
 from localpd.errors import LocalpdError
+from localpd.reasoning import reply_split
 from localpd.roofline import decode_ceiling_tps
 from localpd.sampling import SamplingParams
 
@@ -62,6 +63,48 @@ def format_stats(s: GenerationStats, engine: Engine | None = None, info: DeviceI
         ceiling = decode_ceiling_tps(engine.model, context, engine.kv_traffic, bandwidth)
         lines.append(f"decode ceiling:       {ceiling:.1f} tokens/s at {context} tokens of context")
     return "\n".join(lines)
+
+
+class ReplyPrinter:
+    """Prints a reply as it streams. A thinking model's reasoning is dimmed on a terminal, or goes to stderr when
+    stdout is not one (so that stdout holds the answer alone); the whole reply, tags included, stays in the
+    conversation, where the model's template expects it."""
+
+    DIM, PLAIN = "\x1b[2m", "\x1b[0m"
+
+    def __init__(self, engine: Engine, prompt_ids: list[int]):
+        self.split = reply_split(engine.tokenizer, prompt_ids)
+        self.tty = sys.stdout.isatty()
+        self.thinking = False
+
+    def write(self, text: str) -> None:
+        reasoning, answer = ("", text) if self.split is None else self.split.feed(text)
+        self._show(reasoning, answer)
+
+    def close(self) -> None:
+        if self.split is not None:
+            self._show(*self.split.finish())
+        self._end_reasoning(answer_follows=False)
+
+    def _show(self, reasoning: str, answer: str) -> None:
+        if reasoning:
+            out = sys.stdout if self.tty else sys.stderr
+            if not self.thinking:
+                out.write(self.DIM if self.tty else "")
+                self.thinking = True
+            out.write(reasoning)
+            out.flush()
+        if answer:
+            self._end_reasoning(answer_follows=True)
+            sys.stdout.write(answer)
+            sys.stdout.flush()
+
+    def _end_reasoning(self, answer_follows: bool) -> None:
+        if self.thinking:
+            out = sys.stdout if self.tty else sys.stderr
+            out.write((self.PLAIN if self.tty else "") + ("\n\n" if answer_follows and self.tty else "\n"))
+            out.flush()
+            self.thinking = False
 
 
 def run_chat(args) -> int:
@@ -131,18 +174,22 @@ class Chat:
     def reply(self, user_text: str) -> str:
         parts: list[str] = []
         interrupted = False
+        shown = None
         try:
             ids = self.fit_to_context(user_text)
+            shown = ReplyPrinter(self.engine, ids)
             handle = self.engine.submit(ids, self.params)
             self.last_stats = handle.stats
             for event in handle:
                 if event.finish_reason == "error":
                     raise LocalpdError(event.error)
                 parts.append(event.text)
-                sys.stdout.write(event.text)
-                sys.stdout.flush()
+                shown.write(event.text)
         except KeyboardInterrupt:
             interrupted = True
+        finally:
+            if shown is not None:
+                shown.close()
         sys.stdout.write("\n")
         sys.stdout.flush()
         text = "".join(parts)

@@ -22,6 +22,13 @@ def opens_thinking(prompt_text: str) -> bool:
     return prompt_text.rstrip().endswith(OPEN)
 
 
+def reply_split(tokenizer, prompt_ids: list[int]) -> ThinkSplit | None:
+    """The splitter for the reply to a prompt; None when the model's template has no think tags."""
+    if tokenizer is None or not thinks(tokenizer.chat_template):
+        return None
+    return ThinkSplit(opens_thinking(tokenizer.decode(prompt_ids[-4:], skip_special=False)))
+
+
 def split_reply(text: str, inside: bool = False) -> tuple[str, str]:
     """(reasoning, answer) of a whole reply; inside: the prompt left a <think> block open."""
     head = text.lstrip()

@@ -25,7 +25,7 @@ from localpd.engine import Engine, RequestHandle, TokenEvent
 from localpd.errors import LocalpdError
 from localpd.roofline import decode_ceiling_tps, utilisation
 from localpd.sampling import SamplingParams
-from localpd.reasoning import ThinkSplit, opens_thinking, split_reply, thinks
+from localpd.reasoning import ThinkSplit, reply_split, split_reply
 from localpd.server_schema import ChatRequest, CompletionRequest, NamedToolChoice, Sampling, error_body
 from localpd.tools import CallStream, ToolCall, check_choice, forced_prefix, parse_calls
 
@@ -200,9 +200,7 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
             ids = e.encode_chat(messages, template_vars=body.chat_template_kwargs, tools=tools or None)
         except LocalpdError as err:
             raise ApiError(400, str(err), param="messages") from None
-        think = None
-        if split_reasoning and thinks(e.tokenizer.chat_template) and not prefix:
-            think = opens_thinking(e.tokenizer.decode(ids[-4:], skip_special=False))
+        think = reply_split(e.tokenizer, ids) if split_reasoning and not prefix else None
         if prefix:
             ids += e.tokenizer.encode(prefix, add_bos=False)
         top = body.top_logprobs if body.logprobs else None
@@ -375,11 +373,11 @@ class Reply:
     """A chat reply's parts as it streams: the reasoning of a thinking model (localpd.reasoning), then the answer's
     text and its tool calls (localpd.tools).
 
-    think: None (no split), or whether the prompt left a <think> block open; call_prefix: None (no tools), or the
-    start of a call that tool_choice put in the prompt ("" for auto)."""
+    think: the reasoning's splitter (None: no split); call_prefix: None (no tools), or the start of a call that
+    tool_choice put in the prompt ("" for auto)."""
 
-    def __init__(self, think: bool | None, call_prefix: str | None, parallel_calls: bool = True):
-        self.think = None if think is None else ThinkSplit(think)
+    def __init__(self, think: ThinkSplit | None, call_prefix: str | None, parallel_calls: bool = True):
+        self.think = think
         self.calls = None if call_prefix is None else CallStream(call_prefix)
         self.call_prefix, self.parallel_calls = call_prefix, parallel_calls
 

@@ -319,3 +319,23 @@ def test_template_variables_reach_the_chat_template(engine, monkeypatch):
     assert chat.think is None
     chat.set("think maybe")
     assert chat.think is None
+
+
+def test_the_repl_shows_reasoning_apart_from_the_answer(engine, monkeypatch, capsys):
+    """`localpd chat` with a thinking model: reasoning on stderr when stdout is not a terminal (stdout holds the
+    answer alone); a prompt that opened the <think> block makes the reply's text reasoning until </think>."""
+    from localpd.chat import Chat, ReplyPrinter
+
+    monkeypatch.setattr(engine.tokenizer, "chat_template", THINKING_TEMPLATE)
+    printer = ReplyPrinter(engine, engine.encode_chat(Q))
+    for piece in ["<thi", "nk>\nFrance's capital", " is Paris.\n</th", "ink>\n\nParis."]:
+        printer.write(piece)
+    printer.close()
+    out, err = capsys.readouterr()
+    assert out == "Paris." and err == "France's capital is Paris.\n"
+    monkeypatch.setattr(engine.tokenizer, "chat_template", THINKING_TEMPLATE + "<think>\n")
+    chat = Chat(engine, SamplingParams(temperature=0, max_tokens=8), None)
+    raw = chat.reply(Q[0]["content"])
+    out, err = capsys.readouterr()
+    assert out == "\n" and err == raw.strip() + "\n"  # cut off while thinking: all of it is reasoning
+    assert chat.messages[-1] == {"role": "assistant", "content": raw}

@@ -168,3 +168,29 @@ def test_settings_turn_thinking_off_for_a_conversation(default_gguf, tmp_path):
         store.close()
 
     asyncio.run(scenario())
+
+
+def test_a_thinking_models_reasoning_is_quoted_above_its_answer(default_gguf, tmp_path):
+    """A template that opens the <think> block in the prompt (as the DeepSeek-R1 distills' do): the streamed reply is
+    shown as a quoted block of reasoning and saved as the model wrote it; a saved reply with both parts shows the
+    reasoning quoted, and copying it copies the answer alone."""
+    from test_engine import THINKING_TEMPLATE
+
+    async def scenario():
+        app = make_app(default_gguf, tmp_path / "c.db", max_tokens=8)
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.engine is not None)
+            app.engine.tokenizer.chat_template = THINKING_TEMPLATE + "<think>\n"
+            await send(pilot, app, "What is the capital of France?")
+            view = app.query(MessageView)[-1]
+            raw = app.store.messages(app.conversation.id)[-1].content
+            assert view.text == raw and "<think>" not in raw
+            assert view.source == "> " + raw.strip().replace("\n", "\n> ")
+            app.store.add(app.conversation.id, "assistant", "<think>\nIt is Paris.\nSure.\n</think>\n\nParis.", {})
+            app.show_conversation()
+            await pilot.pause(0.2)
+            assert app.query(MessageView)[-1].source == "> It is Paris.\n> Sure.\n\nParis."
+            app.action_copy_reply()
+            assert app.clipboard == "Paris."
+
+    asyncio.run(scenario())

@@ -23,6 +23,9 @@ from localpd.chat_template import think_vars
 from localpd.device import device_info
 from localpd.engine import Engine, RequestHandle
 from localpd.errors import LocalpdError
+from localpd.reasoning import CLOSE as THINK_CLOSE
+from localpd.reasoning import OPEN as THINK_OPEN
+from localpd.reasoning import reply_split, split_reply
 from localpd.sampling import SamplingParams
 from localpd.tui.panel import BandwidthPanel
 from localpd.tui.store import Conversation, Store
@@ -32,9 +35,44 @@ SETTING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "seed")  # Samp
 THINK = ("on", "off")  # a conversation's "think" setting: the chat template's enable_thinking (Qwen3)
 
 
+def split_saved(text: str) -> tuple[str, str]:
+    """A saved reply's reasoning and answer; one that closes a <think> block it never opened was begun inside it by
+    its prompt."""
+    return split_reply(text, inside=THINK_CLOSE in text and not text.lstrip().startswith(THINK_OPEN))
+
+
+def quoted(reasoning: str) -> str:
+    return "> " + reasoning.replace("\n", "\n> ")
+
+
+class ReplyMarkdown:
+    """A streamed reply as the Markdown it is shown as: a thinking model's reasoning quoted, then the answer."""
+
+    def __init__(self, engine: Engine, prompt_ids: list[int]):
+        self.split = reply_split(engine.tokenizer, prompt_ids)
+        self.state = "start"  # -> reasoning -> answer
+
+    def feed(self, text: str) -> str:
+        return self._markdown(*(("", text) if self.split is None else self.split.feed(text)))
+
+    def finish(self) -> str:
+        return "" if self.split is None else self._markdown(*self.split.finish())
+
+    def _markdown(self, reasoning: str, answer: str) -> str:
+        out = ""
+        if reasoning:
+            out += quoted(reasoning) if self.state == "start" else reasoning.replace("\n", "\n> ")
+            self.state = "reasoning"
+        if answer:
+            out += "\n\n" if self.state == "reasoning" else ""
+            out, self.state = out + answer, "answer"
+        return out
+
+
 class MessageView(Markdown):
     def __init__(self, role: str, text: str = "", **kw):
-        super().__init__(text, classes=f"message {role}", **kw)
+        reasoning, answer = split_saved(text) if role == "assistant" else ("", text)
+        super().__init__(quoted(reasoning) + "\n\n" + answer if reasoning else text, classes=f"message {role}", **kw)
         self.role = role
         self.text = text
 
@@ -369,7 +407,8 @@ class LocalpdApp(App):
         panel = self.query_one(BandwidthPanel)
         conversation = self.conversation
         try:
-            handle = self.engine.submit(self.prompt_ids(), self.params())
+            ids = self.prompt_ids()
+            handle = self.engine.submit(ids, self.params())
         except LocalpdError as e:
             self.notify(str(e), severity="error")
             return
@@ -377,6 +416,7 @@ class LocalpdApp(App):
         view = MessageView("assistant")
         await chat.mount(view)
         stream = Markdown.get_stream(view)
+        shown = ReplyMarkdown(self.engine, ids)
         panel.start_reply()
         parts, reason = [], None
         try:
@@ -386,10 +426,13 @@ class LocalpdApp(App):
                     self.notify(f"generation failed: {event.error}", severity="error")
                 if event.text:
                     parts.append(event.text)
-                    await stream.write(event.text)
+                    if markdown := shown.feed(event.text):
+                        await stream.write(markdown)
                     chat.scroll_end(animate=False)
                 panel.add_token(event, handle)
         finally:
+            if markdown := shown.finish():
+                await stream.write(markdown)
             await stream.stop()
             self.handle = None
             view.text = "".join(parts)
@@ -433,7 +476,7 @@ class LocalpdApp(App):
     def action_copy_reply(self) -> None:
         reply = self.last("assistant")
         if reply is not None:
-            self.copy_to_clipboard(reply.content)
+            self.copy_to_clipboard(split_saved(reply.content)[1])
             self.notify("reply copied")
 
     def action_copy_code(self) -> None:
