@@ -67,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--think", choices=["on", "off"],
                       help="thinking models (Qwen3): reason in a <think> block first, or answer at once (default: "
                            "the model's own choice)")
+    chat.add_argument("--format", choices=["json"], help="json: every reply is one JSON object (constrained decoding)")
     add_model_options(chat)
     add_sampling_options(chat)
 

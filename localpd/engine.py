@@ -22,6 +22,7 @@ from typing import AsyncIterator, Iterator
 import torch
 
 from localpd.errors import LocalpdError
+from localpd.json_mode import JsonConstraint
 from localpd.kvcache import PagePool
 from localpd.loader import LoadedModel, load_model
 from localpd.model import Batch, Transformer
@@ -342,17 +343,27 @@ class Engine:
         rid = request_id or f"req-{next(self._ids)}"
         handle = RequestHandle(rid, len(prompt), self)
         budget = min(params.max_tokens, self.max_context - len(prompt))
+        eos = set() if params.ignore_eos or self.tokenizer is None else set(self.tokenizer.eos_ids)
         req = Request(
             seq=Sequence(rid, prompt, budget), handle=handle, params=params,
-            sampler=Sampler(params, device=self.device),
+            sampler=Sampler(params, device=self.device, constraint=self._constraint(params, eos)),
             detok=IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None,
-            stops=StopMatcher(params.stop),
-            eos=set() if params.ignore_eos or self.tokenizer is None else set(self.tokenizer.eos_ids),
+            stops=StopMatcher(params.stop), eos=eos,
         )
         with self._wake:
             self._inbox.append(req)
             self._wake.notify()
         return handle
+
+    def _constraint(self, params: SamplingParams, eos: set[int]) -> JsonConstraint | None:
+        if not params.json_object:
+            return None
+        if self.tokenizer is None or not eos:
+            raise LocalpdError(f"JSON mode needs a tokenizer with an end-of-sequence token; {self.name} has none")
+        try:
+            return JsonConstraint(self.tokenizer, eos, params.json_lead)
+        except ValueError as e:
+            raise LocalpdError(str(e)) from None
 
     def submit_chat(self, messages: list[dict], params: SamplingParams, request_id: str | None = None):
         return self.submit(self.encode_chat(messages), params, request_id)

@@ -23,6 +23,8 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; 0: the chosen token's log-probability; k: also the k most likely
+    json_object: bool = False  # the reply is one JSON object (localpd.json_mode)
+    json_lead: str = ""  # JSON the prompt already opened, which the reply goes on from (a forced tool call's)
 
     def validate(self) -> "SamplingParams":
         checks = [
@@ -35,6 +37,9 @@ class SamplingParams:
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
             (self.max_tokens >= 1, "max_tokens must be >= 1"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be between 0 and 20"),
+            (not (self.json_object and self.ignore_eos), "JSON mode ends the reply with the end-of-sequence token; "
+                                                         "it cannot be ignored"),
+            (self.json_object or not self.json_lead, "json_lead is for JSON mode"),
         ]
         for ok, message in checks:
             if not ok:
@@ -43,10 +48,14 @@ class SamplingParams:
 
 
 class Sampler:
-    """Samples one sequence's tokens. Holds its own generator so a seed gives the same output every time."""
+    """Samples one sequence's tokens. Holds its own generator so a seed gives the same output every time.
+    constraint: which tokens may come next (allows(token), advance(token); JSON mode's), None for any."""
 
-    def __init__(self, params: SamplingParams, device: torch.device | str = "cpu"):
+    REDRAWS = 8  # draws refused by the constraint before taking the most likely token it allows
+
+    def __init__(self, params: SamplingParams, device: torch.device | str = "cpu", constraint=None):
         self.params = params.validate()
+        self.constraint = constraint
         self.generator = torch.Generator(device=device)
         if params.seed is not None:
             self.generator.manual_seed(params.seed)
@@ -63,9 +72,29 @@ class Sampler:
         if (p.presence_penalty or p.frequency_penalty) and output_ids:
             ids, counts = torch.tensor(output_ids, device=logits.device).unique(return_counts=True)
             logits[ids] -= p.presence_penalty + p.frequency_penalty * counts.float()
-        if p.temperature == 0:
-            return int(logits.argmax())
-        return int(sample_from(logits / p.temperature, p.top_k, p.top_p, p.min_p, self.generator))
+        if self.constraint is None:
+            if p.temperature == 0:
+                return int(logits.argmax())
+            return int(sample_from(logits / p.temperature, p.top_k, p.top_p, p.min_p, self.generator))
+        token = self._allowed(logits)
+        self.constraint.advance(token)
+        return token
+
+    def _allowed(self, logits: torch.Tensor) -> int:
+        """A token the constraint allows: drawn as usual, with refused tokens taken out and the draw repeated;
+        greedy, or after REDRAWS refusals, the most likely allowed one."""
+        p, allows = self.params, self.constraint.allows
+        if p.temperature > 0:
+            for _ in range(self.REDRAWS):
+                token = int(sample_from(logits / p.temperature, p.top_k, p.top_p, p.min_p, self.generator))
+                if allows(token):
+                    return token
+                logits[token] = float("-inf")
+        for candidates in (logits.topk(min(64, logits.numel())).indices, logits.argsort(descending=True)):
+            for token in candidates.tolist():  # the 64 most likely first: the whole sort is rarely needed
+                if allows(token):
+                    return token
+        raise LocalpdError("no token can continue the constrained reply")
 
 
 def sample_from(logits: torch.Tensor, top_k: int, top_p: float, min_p: float, generator: torch.Generator) -> torch.Tensor:

@@ -206,7 +206,8 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
         top = body.top_logprobs if body.logprobs else None
         limit = body.max_completion_tokens or body.max_tokens
         reply = Reply(think, prefix if tools else None, body.parallel_tool_calls)
-        return await respond(e, body, ids, limit, None if not body.logprobs else (top or 0), chat=True, reply=reply)
+        return await respond(e, body, ids, limit, None if not body.logprobs else (top or 0), chat=True, reply=reply,
+                             json_lead=prefix[prefix.index("{"):] if prefix else None)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):
@@ -224,7 +225,8 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
         return await respond(e, body, ids, body.max_tokens or 16, body.logprobs, chat=False)
 
     async def respond(e: Engine, body: Sampling, ids: list[int], limit: int | None, logprobs: int | None,
-                      chat: bool, reply: Reply | None = None):
+                      chat: bool, reply: Reply | None = None, json_lead: str | None = None):
+        """json_lead: JSON a forced tool call opened in the prompt, which the reply must go on from."""
         if body.n != 1:
             raise ApiError(400, "n > 1 is not supported; send several requests", param="n")
         if not ids:
@@ -238,12 +240,16 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
             raise ApiError(503, "too many requests are waiting; try again shortly", "server_error",
                            code="overloaded")
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        kind = body.response_format.type if body.response_format else "text"
+        if kind == "json_schema":
+            raise ApiError(400, "response_format json_schema is not supported; json_object is (a valid JSON object, "
+                                "no schema)", param="response_format")
         params = SamplingParams(
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=body.top_p or 1.0, top_k=max(body.top_k or 0, 0), min_p=body.min_p or 0.0,
             repetition_penalty=body.repetition_penalty or 1.0, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty, seed=body.seed, max_tokens=limit or room, stop=stop,
-            logprobs=logprobs)
+            logprobs=logprobs, json_object=kind == "json_object" or json_lead is not None, json_lead=json_lead or "")
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         try:
             handle = e.submit(ids, params, request_id=rid)

@@ -80,6 +80,11 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text", "json_object", "json_schema"]
+
+
 class Sampling(BaseModel):
     """What chat and completion requests share."""
 
@@ -99,6 +104,7 @@ class Sampling(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)
     user: str | None = None
+    response_format: ResponseFormat | None = None
 
 
 class ChatRequest(Sampling):

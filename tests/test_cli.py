@@ -1,5 +1,6 @@
 """`localpd` as a user runs it: subprocesses, real model, real terminal for the REPL."""
 
+import json
 import os
 import subprocess
 import sys
@@ -35,6 +36,13 @@ def test_piped_stdin_answers_once_with_the_reply_alone(default_gguf):
                 stdin="What is the capital of France?\n")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().startswith("The capital of France is Paris")
+
+
+def test_format_json_answers_with_one_json_object(default_gguf):
+    r = localpd(["chat", str(default_gguf), "What is the capital of France?", "--format", "json", "--temperature",
+                 "0", "--max-tokens", "64"])  # without --format json the answer is a sentence
+    assert r.returncode == 0, r.stderr
+    assert isinstance(json.loads(r.stdout), dict)
 
 
 def test_verbose_prints_timings(default_gguf):

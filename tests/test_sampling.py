@@ -76,3 +76,35 @@ def test_frequency_and_presence_penalties():
 def test_bad_values_are_refused(bad):
     with pytest.raises(LocalpdError):
         SamplingParams(**bad).validate()
+
+
+class EvenTokens:
+    """A constraint that allows even token ids only, and records what it was told."""
+
+    def __init__(self):
+        self.taken = []
+
+    def allows(self, token):
+        return token % 2 == 0
+
+    def advance(self, token):
+        self.taken.append(token)
+
+
+def test_a_constraint_takes_the_best_allowed_token_greedy_or_sampled():
+    logits = torch.randn(1001)
+    best_even = int(torch.where(torch.arange(1001) % 2 == 0, logits, float("-inf")).argmax())
+    greedy = EvenTokens()
+    assert Sampler(SamplingParams(temperature=0), constraint=greedy)(logits, [], []) == best_even
+    assert greedy.taken == [best_even]
+    sampled = EvenTokens()
+    sampler = Sampler(SamplingParams(temperature=1.5, seed=0), constraint=sampled)
+    tokens = [sampler(logits, [], []) for _ in range(200)]
+    assert all(t % 2 == 0 for t in tokens) and len(set(tokens)) > 20 and sampled.taken == tokens
+    narrow = Sampler(SamplingParams(temperature=1.0, top_k=1, seed=0), constraint=EvenTokens())
+    assert narrow(logits.clone(), [], []) == best_even  # every draw refused: the most likely allowed token
+
+
+def test_json_mode_cannot_ignore_the_end():
+    with pytest.raises(LocalpdError, match="end-of-sequence"):
+        SamplingParams(json_object=True, ignore_eos=True).validate()

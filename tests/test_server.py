@@ -132,6 +132,46 @@ def test_a_named_tool_choice_gets_a_call_streamed_or_not(client):
     assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["tool_calls"]
 
 
+def test_forced_calls_are_json_whatever_is_sampled(client):
+    """tool_choice named or required: the call is decoded in JSON mode, so at any seed the reply is a call whose
+    arguments parse, or JSON that is not a call (required: the model may leave out the arguments), or, cut off by
+    max_tokens, the start of a JSON object. A named call ends with its arguments."""
+    from localpd.json_mode import JsonPrefix
+
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    finished = {"required": 0, "named": 0}  # a 135M model often leaves out the arguments when free to name any
+    for seed in range(4):
+        for choice in ("required", named):
+            r = client.chat.completions.create(model="x", messages=ASK, tools=[WEATHER], tool_choice=choice,
+                                               temperature=1.0, seed=seed, max_tokens=64)
+            c = r.choices[0]
+            if c.finish_reason == "tool_calls":
+                assert isinstance(json.loads(c.message.tool_calls[0].function.arguments), dict)
+                finished["named" if choice is named else "required"] += 1
+                continue
+            body = c.message.content.removeprefix("<tool_call>\n")
+            assert c.finish_reason in ("stop", "length") and c.message.content.startswith("<tool_call>\n{")
+            assert JsonPrefix().feed(body)
+            if c.finish_reason == "stop":
+                assert choice == "required" and isinstance(json.loads(body), dict)
+    assert finished["named"] >= 2
+
+
+def test_json_object_mode_streamed_or_not(client):
+    kw = dict(model="x", messages=Q, temperature=0, max_tokens=64, response_format={"type": "json_object"})
+    r = client.chat.completions.create(**kw)
+    assert isinstance(json.loads(r.choices[0].message.content), dict) and r.choices[0].finish_reason == "stop"
+    plain = client.chat.completions.create(model="x", messages=Q, temperature=0, max_tokens=64)
+    with pytest.raises(json.JSONDecodeError):  # the model's own answer is prose
+        json.loads(plain.choices[0].message.content)
+    chunks = [c for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == r.choices[0].message.content
+    c = client.completions.create(model="x", prompt="A JSON object with keys name and age for a 30 year old called "
+                                  "Ann:", temperature=0.7, seed=3, max_tokens=64,
+                                  extra_body={"response_format": {"type": "json_object"}})
+    assert json.loads(c.choices[0].text) == {"name": "Ann", "age": 30}
+
+
 def test_tools_the_model_does_not_call_leave_a_plain_answer(served, client):
     kw = dict(model="x", messages=ASK, tools=[WEATHER], temperature=0, max_tokens=24)
     r = client.chat.completions.create(**kw)
@@ -211,6 +251,8 @@ def status_and_error(response):
      400, "not in tools"),
     ({"messages": Q, "tool_choice": "required"}, 400, "needs tools"),
     ({"messages": Q, "tool_choice": "sometimes"}, 400, "tool_choice"),
+    ({"messages": Q, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400, "json_schema"),
+    ({"messages": Q, "response_format": {"type": "yaml"}}, 400, "response_format"),
     ({"messages": Q, "tools": [{"type": "function", "function": {"name": ""}}]}, 400, "tools"),
     ({"messages": Q, "tools": [{"type": "code_interpreter"}]}, 400, "tools"),
     ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
