@@ -92,8 +92,9 @@ def gather_kv(layer: KVLayer, pages: torch.Tensor, n: int, dtype: torch.dtype) -
 
 
 def paged_attention_ref(q: torch.Tensor, layer: KVLayer, page_table: torch.Tensor, seq_lens: torch.Tensor,
-                        q_starts: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [T, Hq, D] -> out [T, Hq, D]; softmax in float32 for half-precision inputs (SDPA's own)."""
+                        q_starts: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+    """q [T, Hq, D] -> out [T, Hq, D]; softmax in float32 for half-precision inputs (SDPA's own). window > 0: each
+    query sees its last `window` keys (itself included) only."""
     out = torch.empty_like(q)
     ps = layer.page_size
     lens, starts = seq_lens.tolist(), q_starts.tolist()
@@ -104,6 +105,9 @@ def paged_attention_ref(q: torch.Tensor, layer: KVLayer, page_table: torch.Tenso
         # a decode row (t = 1) sees every key, so it needs no mask; 4-D inputs (a batch of one) let the CPU take
         # SDPA's fused kernel, where 3-D ones took its general path: 3-4x slower
         mask = None if t == 1 else torch.ones(t, n, dtype=torch.bool, device=q.device).tril(diagonal=n - t)
+        if 0 < window < n:
+            near = torch.ones(t, n, dtype=torch.bool, device=q.device).triu(diagonal=n - t - window + 1)
+            mask = near if mask is None else mask & near
         o = F.scaled_dot_product_attention(q[None, s:e].transpose(1, 2), k[None].transpose(1, 2),
                                            v[None].transpose(1, 2), attn_mask=mask, scale=scale, enable_gqa=True)
         out[s:e] = o[0].transpose(0, 1)
@@ -224,12 +228,13 @@ def decode_splits(batch_heads: int, tiles: int, device: torch.device) -> tuple[i
 
 
 def paged_attention(q: torch.Tensor, layer: KVLayer, page_table: torch.Tensor, seq_lens: torch.Tensor,
-                    q_starts: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [T, Hq, D] -> [T, Hq, D] (see the module docstring). Decode kernel when every sequence has one query
-    row (T == B, known without reading the device), else the prefill kernel."""
+                    q_starts: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+    """q [T, Hq, D] -> [T, Hq, D] (see the module docstring); window > 0: a sliding-window layer's attention, each
+    query over its last `window` keys. Decode kernel when every sequence has one query row (T == B, known without
+    reading the device), else the prefill kernel."""
     T, Hq, D = q.shape
     if not (use_triton(q) and triton_supports(layer, D)):
-        return paged_attention_ref(q, layer, page_table, seq_lens, q_starts, scale)
+        return paged_attention_ref(q, layer, page_table, seq_lens, q_starts, scale, window)
     from localpd.kernels.paged_attention import decode_kernel, decode_reduce_kernel, prefill_kernel
 
     B, H = seq_lens.shape[0], layer.k.shape[2]
@@ -247,15 +252,15 @@ def paged_attention(q: torch.Tensor, layer: KVLayer, page_table: torch.Tensor, s
         part_ml = torch.empty(B * Hq * splits, 2, dtype=torch.float32, device=q.device)
         decode_kernel[(B, H, splits)](q, layer.k, layer.v, ks, vs, kz, vz, page_table, seq_lens, part_acc, part_ml,
                                       scale, q.stride(0), q.stride(1), page_table.stride(0), *strides,
-                                      per_split * block_t // ps, splits, **kinds, PS=ps, D=D, GROUP=group, GP=gp,
-                                      BLOCK_T=block_t, num_warps=DECODE_WARPS)
+                                      per_split * block_t // ps, splits, window, **kinds, PS=ps, D=D, GROUP=group,
+                                      GP=gp, BLOCK_T=block_t, num_warps=DECODE_WARPS)
         decode_reduce_kernel[(B, Hq)](part_acc, part_ml, out, out.stride(0), out.stride(1), splits, D=D,
                                       SP=1 << (splits - 1).bit_length(), num_warps=4)
         return out
     gp = 1 << (group - 1).bit_length()
     prefill_kernel[(B, cdiv(T, BLOCK_M), H)](q, layer.k, layer.v, ks, vs, kz, vz, page_table, seq_lens, q_starts,
                                              out, scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-                                             page_table.stride(0), *strides, **kinds, PS=layer.page_size, D=D,
+                                             page_table.stride(0), *strides, window, **kinds, PS=layer.page_size, D=D,
                                              GROUP=group, GP=gp, BLOCK_M=BLOCK_M,
                                              num_warps=max(4, gp * BLOCK_M * D // PREFILL_TILE_ELEMS_PER_WARP))
     return out

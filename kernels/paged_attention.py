@@ -314,7 +314,7 @@ def _store_rows(rows, acc, acc_even, acc_odd, mask, HALVES: tl.constexpr, D: tl.
 @triton.jit
 def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_lens, part_acc, part_ml, sm_scale,
                   s_q_t, s_q_h, s_pt_b, sk_page, sk_tok, sk_head, ck_page, ck_tok, ck_head,
-                  sv_page, sv_tok, sv_head, cv_page, cv_tok, cv_head, pages_per_split, SPLITS,
+                  sv_page, sv_tok, sv_head, cv_page, cv_tok, cv_head, pages_per_split, SPLITS, window,
                   K_KIND: tl.constexpr, V_KIND: tl.constexpr, PS: tl.constexpr, D: tl.constexpr,
                   GROUP: tl.constexpr, GP: tl.constexpr, BLOCK_T: tl.constexpr):
     """Program (b, kv head, split): the group's queries (padded to GP >= 16 rows for tl.dot) against this split's
@@ -323,13 +323,17 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
     The tiles go into the dots as stored, and each format's scales are applied where they cost least: a per-token
     scale (int8, fp8) multiplies the scores (keys) or the softmax weights (values), not every element; grouped
     int4 is taken as its low and high nibbles, two half-width tiles (even and odd elements), with the query split
-    the same way (keys) or two half-width accumulators (values)."""
+    the same way (keys) or two half-width accumulators (values). window > 0: the query sees its last `window`
+    keys only (a sliding-window layer); the split's tiles before them are skipped."""
     b = tl.program_id(0)
     kh = tl.program_id(1)
     sp = tl.program_id(2)
     n = tl.load(seq_lens + b)
     first = sp * pages_per_split * PS
     last = tl.minimum(first + pages_per_split * PS, n)
+    lo = tl.where(window > 0, tl.maximum(n - window, 0), 0)  # the first key the query sees
+    begin = tl.maximum(first, lo)
+    start = tl.where(begin < last, first + (begin - first) // BLOCK_T * BLOCK_T, last)  # whole pages from a tile
     g = tl.arange(0, GP)
     gmask = g < GROUP
     K_INT4: tl.constexpr = K_KIND == 3 or K_KIND == 4
@@ -343,9 +347,9 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
     acc_even = tl.zeros((GP, D // 2), tl.float32)  # int4 values: the even and odd output elements
     acc_odd = tl.zeros((GP, D // 2), tl.float32)
     t = tl.arange(0, BLOCK_T)
-    for t0 in range(first, last, BLOCK_T):
+    for t0 in range(start, last, BLOCK_T):
         pos = t0 + t
-        tmask = pos < last
+        tmask = (pos < last) & (pos >= lo)
         pages = tl.load(page_table + b * s_pt_b + pos // PS, mask=tmask, other=0).to(tl.int64)
         offs = pos % PS
         # V is requested with K, before the math, so both tiles are in flight together
@@ -406,12 +410,13 @@ def decode_reduce_kernel(part_acc, part_ml, out, s_o_t, s_o_h, SPLITS, D: tl.con
 @triton.jit
 def prefill_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_lens, q_starts, out, sm_scale,
                    s_q_t, s_q_h, s_o_t, s_o_h, s_pt_b, sk_page, sk_tok, sk_head, ck_page, ck_tok, ck_head,
-                   sv_page, sv_tok, sv_head, cv_page, cv_tok, cv_head,
+                   sv_page, sv_tok, sv_head, cv_page, cv_tok, cv_head, window,
                    K_KIND: tl.constexpr, V_KIND: tl.constexpr, PS: tl.constexpr, D: tl.constexpr,
                    GROUP: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr):
     """Program (b, query block, kv head): BLOCK_M query rows of one sequence for each of the GROUP query heads that
     share the kv head (GP * BLOCK_M rows, the group padded to GP, a power of two), against its pages, causal: each
-    page is read once for the group, not once per query head. Scales and int4 halves as in decode_kernel."""
+    page is read once for the group, not once per query head. Scales and int4 halves as in decode_kernel.
+    window > 0: each query sees its last `window` keys only; pages before the block's first query's are skipped."""
     b = tl.program_id(0)
     mb = tl.program_id(1)
     kh = tl.program_id(2)
@@ -435,7 +440,8 @@ def prefill_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_le
     acc_odd = tl.zeros((GP * BLOCK_M, D // 2), tl.float32)
     t = tl.arange(0, PS)
     last_pos = n - q_len + tl.minimum(mb * BLOCK_M + BLOCK_M, q_len) - 1
-    for p in range(last_pos // PS + 1):
+    lo = tl.where(window > 0, tl.maximum(n - q_len + mb * BLOCK_M - window + 1, 0), 0)
+    for p in range(lo // PS, last_pos // PS + 1):
         page = tl.load(page_table + b * s_pt_b + p).to(tl.int64)
         pages = page + tl.zeros((PS,), tl.int64)
         kmask = p * PS + t < n
@@ -449,7 +455,8 @@ def prefill_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_le
         if K_KIND == 1 or K_KIND == 2:
             s = s * _token_scales(k_scale, pages, t, kmask, kh, ck_page, ck_tok, ck_head)[None, :]
         kpos = p * PS + t
-        s = tl.where((kpos[None, :] <= pos[:, None]) & rmask[:, None], s, float("-inf"))
+        seen = (kpos[None, :] <= pos[:, None]) & ((window == 0) | (kpos[None, :] > pos[:, None] - window))
+        s = tl.where(seen & rmask[:, None], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m - m_safe)

@@ -22,10 +22,15 @@ GGUF_NAMES = {  # GGUF tensor name (after blk.N.) -> HF-style name (after layers
     "attn_norm": "input_layernorm", "attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj",
     "attn_output": "o_proj", "ffn_norm": "post_attention_layernorm", "ffn_gate": "gate_proj",
     "ffn_up": "up_proj", "ffn_down": "down_proj", "attn_q_norm": "q_norm", "attn_k_norm": "k_norm",
-    "attn_qkv": "qkv_proj",
+    "attn_qkv": "qkv_proj", "post_attention_norm": "attn_out_norm", "post_ffw_norm": "mlp_out_norm",
 }
 GGUF_TOP = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head", "rope_freqs": "rope_freqs"}
-ARCHS = {"llama": "llama", "mistral": "llama", "smollm3": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+ARCHS = {"llama": "llama", "mistral": "llama", "smollm3": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
+         "gemma3": "gemma3", "gemma3_text": "gemma3"}
+GEMMA3_GLOBAL_STEP = 6  # every 6th Gemma 3 layer attends to everything, the rest to a sliding window
+# Gemma's HF norm names -> the model's (its pre-MLP norm is the llama family's post_attention_layernorm)
+GEMMA_NORMS = {"post_attention_layernorm": "attn_out_norm", "pre_feedforward_layernorm": "post_attention_layernorm",
+               "post_feedforward_layernorm": "mlp_out_norm"}
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}  # Phi-3's matrices
 NOPE_STEP = {"smollm3": 4}  # GGUF architectures whose every Nth layer takes no RoPE (llama.cpp's fixed step)
 
@@ -157,7 +162,7 @@ def gguf_config(meta: dict, path: Path) -> ModelConfig:
     layers, step = int(get("block_count")), NOPE_STEP.get(arch_name)
     head_dim = int(get("attention.key_length", dim // heads))
     context, window = int(get("context_length", 4096)), int(get("attention.sliding_window", 0))
-    return ModelConfig(
+    config = ModelConfig(
         arch=ARCHS[arch_name], vocab_size=int(vocab), dim=dim, n_layers=layers,
         n_heads=heads, n_kv_heads=int(get("attention.head_count_kv", heads)),
         head_dim=head_dim, ffn_dim=int(get("feed_forward_length")),
@@ -167,6 +172,22 @@ def gguf_config(meta: dict, path: Path) -> ModelConfig:
         nope_layers=[i for i in range(layers) if step and (i + 1) % step == 0],
         rotary_dim=int(get("rope.dimension_count", head_dim)), name=str(meta.get("general.name", path.stem)),
     )
+    if arch_name == "gemma3":  # as llama.cpp reads it: the layer pattern, the local RoPE base and the 27B's (62 layers)
+        # q.k scale are fixed
+        linear = meta.get("gemma3.rope.scaling.type") == "linear"
+        gemma3(config, swa_layers=[i for i in range(layers) if window and (i + 1) % GEMMA3_GLOBAL_STEP],
+               context=context, local_theta=10000.0, query_scalar=dim // heads if layers == 62 else head_dim,
+               scaling={"type": "linear", "factor": float(get("rope.scaling.factor"))} if linear else None)
+    return config
+
+
+def gemma3(config: ModelConfig, swa_layers: list[int], context: int, local_theta: float, query_scalar: float,
+           scaling: dict | None) -> None:
+    """What Gemma 3 adds to a config: the window in its sliding layers only (the context is not capped), their own
+    RoPE base, the scaled embeddings, the norms around each sublayer, GELU and q.k's scale; q/k norms."""
+    config.swa_layers, config.max_context, config.rope_local_theta = swa_layers, context, local_theta
+    config.embed_scale, config.sandwich_norms, config.act = config.dim ** 0.5, True, "gelu_tanh"
+    config.attn_scale, config.qk_norm, config.rope_scaling = query_scalar ** -0.5, True, scaling
 
 
 def gguf_longrope(g: GGUFFile, config: ModelConfig, arch_name: str) -> dict | None:
@@ -260,10 +281,19 @@ def gguf_matrix(g: GGUFFile, t, scheme: str, dtype, device, heads: int | None,
     return quantize(dense, GGUF_REQUANT.get(kind, "native") if scheme == "native" else scheme, dtype, importance)
 
 
+# Gemma3TextConfig's defaults, which Gemma 3's own config.json files leave out
+GEMMA3_DEFAULTS = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                   "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "rms_norm_eps": 1e-6,
+                   "max_position_embeddings": 131072, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+                   "tie_word_embeddings": True}
+
+
 def hf_config(cfg: dict, path: Path) -> ModelConfig:
     mt = cfg.get("model_type", "?")
     if mt not in ARCHS:
         raise LocalpdError(f"unsupported architecture '{mt}' in {path}; supported: {', '.join(ARCHS)}")
+    if mt in ("gemma3", "gemma3_text"):
+        return hf_gemma3_config({**GEMMA3_DEFAULTS, **cfg.get("text_config", cfg)}, path)
     dim, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -293,6 +323,46 @@ def hf_config(cfg: dict, path: Path) -> ModelConfig:
     )
 
 
+def hf_gemma3_config(cfg: dict, path: Path) -> ModelConfig:
+    """Gemma 3 from its text config: RoPE per layer type (transformers 5's rope_parameters, or the hub files'
+    rope_theta, rope_local_base_freq and rope_scaling), which layers slide (layer_types, or every 6th global)."""
+    rope = cfg.get("rope_parameters") or {}
+    full = rope.get("full_attention") or {"rope_theta": cfg.get("rope_theta", 1e6), **(cfg.get("rope_scaling") or {})}
+    local = (rope.get("sliding_attention") or {}).get("rope_theta") or cfg.get("rope_local_base_freq", 10000.0)
+    kind = full.get("rope_type", full.get("type", "default"))
+    if kind not in ("default", "linear"):
+        raise LocalpdError(f"unsupported RoPE scaling '{kind}' in {path}")
+    layers = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types") or ["full_attention" if (i + 1) % cfg.get("sliding_window_pattern", 6) == 0
+                                       else "sliding_attention" for i in range(layers)]
+    config = ModelConfig(
+        arch="gemma3", vocab_size=cfg["vocab_size"], dim=cfg["hidden_size"], n_layers=layers,
+        n_heads=cfg["num_attention_heads"], n_kv_heads=cfg["num_key_value_heads"], head_dim=cfg["head_dim"],
+        ffn_dim=cfg["intermediate_size"], norm_eps=cfg["rms_norm_eps"], rope_theta=float(full["rope_theta"]),
+        rotary_dim=cfg["head_dim"],
+        sliding_window=cfg["sliding_window"] or 0, tie_embeddings=bool(cfg["tie_word_embeddings"]), name=path.name)
+    gemma3(config, swa_layers=[i for i, t in enumerate(types) if t == "sliding_attention" and cfg["sliding_window"]],
+           context=cfg["max_position_embeddings"], local_theta=float(local), query_scalar=cfg["query_pre_attn_scalar"],
+           scaling={"type": "linear", "factor": float(full["factor"])} if kind == "linear" else None)
+    return config
+
+
+def hf_weight_name(key: str, arch: str) -> str | None:
+    """A safetensors tensor's name as the model takes it (None: not the language model's, e.g. Gemma 3's vision
+    tower)."""
+    for prefix in ("model.language_model.", "language_model.model.", "language_model.", "model."):
+        if key.startswith(prefix):
+            key = key.removeprefix(prefix)
+            break
+    if key.startswith(("vision_tower", "multi_modal_projector", "vision_model")):
+        return None
+    name = key.removesuffix(".weight").replace(".self_attn.", ".").replace(".mlp.", ".")
+    if arch == "gemma3" and name.startswith("layers."):
+        i, part = name.split(".")[1:3]
+        name = f"layers.{i}.{GEMMA_NORMS.get(part, part)}" + name[len(f"layers.{i}.{part}"):]
+    return name
+
+
 def load_hf_dir(path: Path, dtype, device, scheme: str = "native", importance: dict | None = None) -> LoadedModel:
     from safetensors import safe_open
 
@@ -309,9 +379,8 @@ def load_hf_dir(path: Path, dtype, device, scheme: str = "native", importance: d
     for fname in files:
         with safe_open(path / fname, framework="pt") as f:
             for k in f.keys():
-                name = k.removeprefix("model.").removesuffix(".weight")
-                name = name.replace(".self_attn.", ".").replace(".mlp.", ".")
-                if "rotary_emb" in name:
+                name = hf_weight_name(k, config.arch)
+                if name is None or "rotary_emb" in name:
                     continue
                 if config.tie_embeddings and name == "lm_head":
                     continue
@@ -319,6 +388,8 @@ def load_hf_dir(path: Path, dtype, device, scheme: str = "native", importance: d
                 tied = config.tie_embeddings
                 if is_matrix(name, tied):
                     weights[name] = quantize(t, head_scheme(name, scheme, tied), dtype, importance_of(importance, name))
+                elif config.arch == "gemma3" and name.endswith("norm"):
+                    weights[name] = (t.float() + 1).to(dtype)  # Gemma's norms scale by 1 + weight (GGUF stores it so)
                 else:
                     weights[name] = t.to(dtype)
     return LoadedModel(config, arrange_rows(weights, config), path, hf_dir=path)

@@ -1,5 +1,5 @@
-"""The Llama-family transformer (Llama 2/3, SmolLM 1-3, Mistral, Qwen2, Qwen3, Phi-3/4) with separate prefill and
-decode paths.
+"""The Llama-family transformer (Llama 2/3, SmolLM 1-3, Mistral, Qwen2, Qwen3, Phi-3/4, Gemma 3) with separate
+prefill and decode paths.
 
 Weights arrive as a flat dict with HF-style names (see localpd.loader). One forward call runs an engine step: any
 mix of prompt chunks (attending causally to their cached prefix plus themselves) and single decode tokens of
@@ -9,7 +9,7 @@ several sequences, whose keys and values live in a paged KV cache.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -96,6 +96,12 @@ class StackedLinear:
         return sum(p.params for p in self.parts)
 
 
+def gelu_gated(down, gate_up: torch.Tensor) -> torch.Tensor:
+    """down(GELU(gate) * up), GELU's tanh form (Gemma), for gate_up = [gate | up]; in torch, not fused."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return down(F.gelu(gate, approximate="tanh") * up)
+
+
 def normed_separately(linear, x, residual, norm_weight, eps):
     """QuantLinear.normed with the residual add and RMSNorm in a kernel of their own (add_rms_norm)."""
     h, s = add_rms_norm(x, residual, norm_weight, eps)
@@ -123,6 +129,8 @@ class Layer:
     down: QuantLinear
     q_norm: torch.Tensor | None = None  # Qwen3: RMSNorm weights [head_dim] of each query and key head
     k_norm: torch.Tensor | None = None
+    attn_out_norm: torch.Tensor | None = None  # Gemma: RMSNorm weights of the attention's and the MLP's outputs
+    mlp_out_norm: torch.Tensor | None = None
 
 
 @dataclass
@@ -171,6 +179,8 @@ def rope_tables(config: ModelConfig, rope_freqs: torch.Tensor | None = None,
     attention = None
     if rope_freqs is not None:  # GGUF stores Llama 3.1's scaling as per-frequency divisors
         inv = inv / rope_freqs.double()
+    elif s.get("type") == "linear":
+        inv = inv / s["factor"]
     elif s.get("type") == "longrope":
         long = (context or config.max_context) > s["original_max_position_embeddings"]
         factors = s["long_factor" if long else "short_factor"]
@@ -224,6 +234,8 @@ class Transformer:
                 down=linear(f"layers.{i}.down_proj"),
                 q_norm=take(f"layers.{i}.q_norm") if config.qk_norm else None,
                 k_norm=take(f"layers.{i}.k_norm") if config.qk_norm else None,
+                attn_out_norm=take(f"layers.{i}.attn_out_norm") if config.sandwich_norms else None,
+                mlp_out_norm=take(f"layers.{i}.mlp_out_norm") if config.sandwich_norms else None,
             )
             for i in range(config.n_layers)
         ]
@@ -234,12 +246,16 @@ class Transformer:
         inv_freq, rope_scale = rope_tables(config, w.pop("rope_freqs", None), context)
         self.inv_freq = inv_freq.to(self.device)
         self.rope_scale = None if rope_scale is None else rope_scale.to(self.device)
+        self.local_inv_freq = None  # the sliding-window layers' own RoPE base (Gemma 3)
+        if config.swa_layers and config.rope_local_theta:
+            local = replace(config, rope_theta=config.rope_local_theta, rope_scaling=None)
+            self.local_inv_freq = rope_tables(local)[0].to(self.device)
 
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = torch.outer(positions.float(), self.inv_freq)
-        if self.rope_scale is None:
+    def _rope(self, positions: torch.Tensor, inv_freq: torch.Tensor, scale: torch.Tensor | None = None):
+        angles = torch.outer(positions.float(), inv_freq)
+        if scale is None:
             return angles.cos(), angles.sin()
-        return angles.cos() * self.rope_scale, angles.sin() * self.rope_scale
+        return angles.cos() * scale, angles.sin() * scale
 
     @torch.inference_mode()
     def forward(self, batch: Batch, kv: KVPool) -> torch.Tensor:
@@ -248,34 +264,45 @@ class Transformer:
         added to it: each projection after a norm adds it and normalises (QuantLinear.normed)."""
         c = self.config
         T = batch.tokens.shape[0]
-        cos, sin = self._rope(batch.positions)
+        rope = self._rope(batch.positions, self.inv_freq, self.rope_scale)
         # a layer without RoPE (SmolLM3's every 4th) rotates by angle 0: cos 1 and sin 0 leave q and k as they are
-        nope = set(c.nope_layers)
-        still = (torch.ones_like(cos), torch.zeros_like(sin)) if nope else None
-        scale = 1.0 / math.sqrt(c.head_dim)
+        nope, swa = set(c.nope_layers), set(c.swa_layers)
+        still = (torch.ones_like(rope[0]), torch.zeros_like(rope[1])) if nope else None
+        local = rope if self.local_inv_freq is None else self._rope(batch.positions, self.local_inv_freq)
+        scale = c.attn_scale or 1.0 / math.sqrt(c.head_dim)
         if self.fused:
             normed, gated, write = (lambda lin, *a: lin.normed(*a)), (lambda lin, gu: lin.gated(gu)), rope_write_kv
         else:
             normed, gated, write = normed_separately, (lambda lin, gu: lin(silu_mul(gu))), rope_write_kv_ref
+        if c.act == "gelu_tanh":
+            gated = gelu_gated
         out, x = take_rows(self.embed, batch.tokens, self.dtype), None
+        if c.embed_scale != 1.0:
+            out = out * c.embed_scale
         for li, layer in enumerate(self.layers):
             pages = kv.layer(li)
             qkv, x = normed(layer.qkv, out, x, layer.attn_norm, c.norm_eps)
             if layer.q_norm is not None:
                 qk_norm(qkv, layer.q_norm, layer.k_norm, c.n_heads, c.n_kv_heads, c.norm_eps)
-            rot_cos, rot_sin = still if li in nope else (cos, sin)
+            rot_cos, rot_sin = still if li in nope else local if li in swa else rope
             q = write(qkv, rot_cos, rot_sin, pages, batch.slots, c.n_heads, c.n_kv_heads, batch.stage_slots)
-            attn = paged_attention(q, pages, batch.page_table, batch.seq_lens, batch.q_starts, scale)
-            gate_up, x = normed(layer.gate_up, layer.o(attn.reshape(T, c.n_heads * c.head_dim)), x, layer.mlp_norm,
-                                c.norm_eps)
+            attn = paged_attention(q, pages, batch.page_table, batch.seq_lens, batch.q_starts, scale,
+                                   c.sliding_window if li in swa else 0)
+            out = layer.o(attn.reshape(T, c.n_heads * c.head_dim))
+            if layer.attn_out_norm is not None:
+                out = add_rms_norm(out, None, layer.attn_out_norm, c.norm_eps)[0]
+            gate_up, x = normed(layer.gate_up, out, x, layer.mlp_norm, c.norm_eps)
             out = gated(layer.down, gate_up)
+            if layer.mlp_out_norm is not None:
+                out = add_rms_norm(out, None, layer.mlp_out_norm, c.norm_eps)[0]
         rows = batch.logit_rows
         logits, _ = normed(self.lm_head, out[rows], x[rows], self.norm, c.norm_eps)
         return logits.float()
 
     def _body(self):
         linears = [l for L in self.layers for l in (L.qkv, L.o, L.gate_up, L.down)]
-        norms = [self.norm] + [t for L in self.layers for t in (L.attn_norm, L.mlp_norm, L.q_norm, L.k_norm)
+        norms = [self.norm] + [t for L in self.layers
+                               for t in (L.attn_norm, L.mlp_norm, L.q_norm, L.k_norm, L.attn_out_norm, L.mlp_out_norm)
                                if t is not None]
         return linears, norms
 

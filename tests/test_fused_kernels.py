@@ -107,11 +107,16 @@ def test_qk_norm_in_place(triton_on, dtype, T, Hq, Hkv, D):
         assert rel_err(expect[:, head * D:(head + 1) * D], want) < TOL[dtype]
 
 
-def tiny_model(scheme: str, dtype: torch.dtype, device: str, qk_norm: bool = False) -> Transformer:
+def tiny_model(scheme: str, dtype: torch.dtype, device: str, qk_norm: bool = False,
+               gemma: bool = False) -> Transformer:
     """Two layers, GQA, head_dim 64 (the KV kernels' size), an odd MLP width; random norms and biases; qk_norm:
-    Qwen3's per-head norms of queries and keys too."""
+    Qwen3's per-head norms of queries and keys too; gemma: Gemma 3's layout, the first layer's attention a sliding
+    window of 5 with its own RoPE base, norms around each sublayer, GELU, scaled embeddings and q.k."""
     c = ModelConfig("llama", 300, 128, 2, 4, 2, 64, 160, 1e-5, 10000.0, max_context=256, qkv_bias=True,
-                    qk_norm=qk_norm)
+                    qk_norm=qk_norm or gemma)
+    if gemma:
+        c = replace(c, arch="gemma3", rope_theta=1e6, sliding_window=5, swa_layers=[0], rope_local_theta=1e4,
+                    embed_scale=128 ** 0.5, sandwich_norms=True, act="gelu_tanh", attn_scale=24 ** -0.5)
     g = torch.Generator().manual_seed(9)
     shapes = {"q_proj": (256, 128), "k_proj": (128, 128), "v_proj": (128, 128), "o_proj": (128, 256),
               "gate_proj": (160, 128), "up_proj": (160, 128), "down_proj": (128, 160)}
@@ -124,9 +129,11 @@ def tiny_model(scheme: str, dtype: torch.dtype, device: str, qk_norm: bool = Fal
             w[f"layers.{i}.{proj}_proj.bias"] = (0.1 * torch.randn(n, generator=g)).to(dtype)
         for norm in ("input_layernorm", "post_attention_layernorm"):
             w[f"layers.{i}.{norm}"] = (1 + 0.1 * torch.randn(128, generator=g)).to(dtype)
-        if qk_norm:
+        if qk_norm or gemma:
             for norm in ("q_norm", "k_norm"):
                 w[f"layers.{i}.{norm}"] = (1 + 0.1 * torch.randn(64, generator=g)).to(dtype)
+        for norm in ("attn_out_norm", "mlp_out_norm") if gemma else ():
+            w[f"layers.{i}.{norm}"] = (1 + 0.1 * torch.randn(128, generator=g)).to(dtype)
     return Transformer(c, {k: move(v, device) for k, v in w.items()})
 
 
@@ -148,15 +155,18 @@ def prompt_then_decode(model: Transformer, kv_dtype: str) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("scheme,kv_dtype,qk", [("int4-g32", "int8", False), ("fp32", "fp32", False),
-                                                ("int8", "int4ch/int4", False), ("int4-g32", "int8/int4", True)])
+                                                ("int8", "int4ch/int4", False), ("int4-g32", "int8/int4", True),
+                                                ("int4-g32", "int8", "gemma")])
 def test_whole_model_on_triton_kernels_matches_the_references(monkeypatch, scheme, kv_dtype, qk):
     """Prefill then two decode steps with every kernel in Triton (matmuls, KV writes, attention, fused norms,
-    RoPE, SiLU, Qwen3's q/k norm) against the same model on the torch references."""
+    RoPE, SiLU, Qwen3's q/k norm; Gemma 3's sliding-window attention) against the same model on the torch
+    references."""
     monkeypatch.delenv("LOCALPD_TRITON_INTERPRET", raising=False)
-    ref = prompt_then_decode(tiny_model(scheme, torch.float32, "cpu", qk), kv_dtype)
+    qk, gemma = qk is True, qk == "gemma"
+    ref = prompt_then_decode(tiny_model(scheme, torch.float32, "cpu", qk, gemma), kv_dtype)
     if DEV == "cpu":
         monkeypatch.setenv("LOCALPD_TRITON_INTERPRET", "1")
-    out = prompt_then_decode(tiny_model(scheme, torch.float32, DEV, qk), kv_dtype)
+    out = prompt_then_decode(tiny_model(scheme, torch.float32, DEV, qk, gemma), kv_dtype)
     for o, r in zip(out, ref):
         assert o.shape == r.shape
         assert rel_err(o, r) < 1e-4

@@ -200,12 +200,12 @@ def build_case(kv_dtype, page_size, H, group, lens, q_lens, D=64, dtype=torch.fl
             torch.tensor(starts, dtype=torch.int32, device=DEV))
 
 
-def check(case, atol):
+def check(case, atol, window=0):
     if DEV != "cpu":  # the kernels' tl.dot takes float32 as tf32 on the GPU
         atol = max(atol, 5e-3)
     q, layer, table, lens, starts = case
-    out = paged_attention(q, layer, table, lens, starts, q.shape[-1] ** -0.5)
-    ref = paged_attention_ref(q, layer, table, lens, starts, q.shape[-1] ** -0.5)
+    out = paged_attention(q, layer, table, lens, starts, q.shape[-1] ** -0.5, window)
+    ref = paged_attention_ref(q, layer, table, lens, starts, q.shape[-1] ** -0.5, window)
     assert out.dtype == q.dtype and torch.isfinite(out.float()).all()
     assert (out.float() - ref.float()).abs().max().item() < atol
 
@@ -252,6 +252,35 @@ def test_decode_splits_including_empty_partitions(kv_dtype, group, batch, splits
     assert decode_splits(batch, 4, torch.device("cpu")) == (splits, per_split)
     lens = [3 * decode_block_t(16, 64) + 5, 5][:batch]
     check(build_case(kv_dtype, 16, 1, group, lens, [1] * batch, seed=5, poison=True), 1e-4)
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "int8", "int4", "int4ch/int4"])
+def test_a_sliding_window_sees_only_the_last_keys(kv_dtype):
+    """Windows of 5 (inside a page), 16 (a page), 37 (across pages) and longer than any sequence, over decode rows
+    (one past several tiles, so that whole splits lie before the window) and prefill chunks whose first queries'
+    windows start mid-page, a 97-row chunk spanning several query blocks. The pool starts as garbage."""
+    bt = decode_block_t(16, 64)
+    for window in (5, 16, 37, 1000):
+        check(build_case(kv_dtype, 16, 2, 3, [1, 15, 2 * bt + 7, 100], [1] * 4, seed=window, poison=True), 1e-4,
+              window)
+        check(build_case(kv_dtype, 16, 2, 3, [33, 70, 97], [7, 40, 97], seed=window + 1, poison=True), 1e-4, window)
+
+
+def test_the_references_window_is_attention_over_the_last_keys():
+    """The reference's window against softmax attention written out over keys (p - window, p] of each query p."""
+    from localpd.kernels.kv_dispatch import gather_kv
+
+    q, layer, table, lens, starts = build_case("fp32", 16, 2, 3, [40, 29], [1, 12], seed=3)
+    window, scale = 9, 64 ** -0.5
+    out = paged_attention_ref(q, layer, table, lens, starts, scale, window)
+    for b, n in enumerate(lens.tolist()):
+        k, v = gather_kv(layer, table[b, :-(-n // 16)].long(), n, torch.float32)
+        rows = range(starts[b].item(), starts[b + 1].item())
+        for r, p in zip(rows, range(n - len(rows), n)):
+            keep = slice(max(0, p - window + 1), p + 1)
+            for h in range(6):
+                w = torch.softmax(k[keep, h // 3] @ q[r, h] * scale, dim=0)
+                assert torch.allclose(out[r, h], w @ v[keep, h // 3], atol=1e-5)
 
 
 @pytest.mark.skipif(DEV == "cpu", reason="long contexts need a GPU")

@@ -54,6 +54,13 @@ def tiny_hf_model(kind, tmp_path, shard=False):
                                       sliding_window=None, partial_rotary_factor=0.75, rope_parameters=rope,
                                       original_max_position_embeddings=16)
         cls = transformers.Phi3ForCausalLM
+    elif kind.startswith("gemma3"):  # six layers: five with a window of 5 (RoPE base 10000), the sixth global
+        scaled = kind == "gemma3-scaled"  # q.k scaled by 24 ** -0.5, not head_dim's; linear RoPE scaling (4B+)
+        cfg = transformers.Gemma3TextConfig(
+            **{**common, "num_hidden_layers": 6}, head_dim=32, sliding_window=5, rope_theta=1e6,
+            rope_local_base_freq=10000.0, query_pre_attn_scalar=24 if scaled else 32, pad_token_id=None,
+            rope_scaling={"rope_type": "linear", "factor": 2.0} if scaled else None)
+        cls = transformers.Gemma3ForCausalLM
     elif kind == "smollm3":  # four layers: the fourth takes no RoPE
         cfg = transformers.SmolLM3Config(**{**common, "num_hidden_layers": 4}, pad_token_id=None)
         cls = transformers.SmolLM3ForCausalLM
@@ -70,13 +77,15 @@ def tiny_hf_model(kind, tmp_path, shard=False):
 
 
 @pytest.mark.parametrize("kind,shard", [("llama", False), ("llama", True), ("qwen2", False), ("qwen3", False),
-                                        ("smollm3", False), ("phi3", False), ("phi3-longrope", False)])
+                                        ("smollm3", False), ("phi3", False), ("phi3-longrope", False),
+                                        ("gemma3", False), ("gemma3-scaled", False)])
 def test_safetensors_directory_matches_transformers_logits(kind, shard, tmp_path):
     ref = tiny_hf_model(kind, tmp_path, shard)
     if shard:
         assert (tmp_path / "model.safetensors.index.json").exists()
     lm = load_model(tmp_path)
-    assert lm.config.qkv_bias == (kind == "qwen2") and lm.config.qk_norm == (kind == "qwen3")
+    assert lm.config.qkv_bias == (kind == "qwen2") and lm.config.qk_norm == (kind in ("qwen3", "gemma3",
+                                                                                       "gemma3-scaled"))
     assert lm.config.nope_layers == ([3] if kind == "smollm3" else [])
     assert lm.config.rotary_dim == (12 if kind == "phi3-longrope" else lm.config.head_dim)
     assert_same_logits(lm, ref)
@@ -98,13 +107,15 @@ def assert_same_logits(lm, ref, n=17, context=None):
     assert (got - want).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "smollm3", "phi3-longrope"])
+@pytest.mark.parametrize("kind", ["qwen3", "smollm3", "phi3-longrope", "gemma3"])
 def test_gguf_written_as_llama_cpp_does_matches_transformers_logits(kind, tmp_path):
     """A GGUF as llama.cpp's converter writes it loads as the same model. Qwen3: attn_q_norm/attn_k_norm,
     key_length for the head size, q/k rows as they are. SmolLM3: q/k rows permuted for interleaved RoPE (as for
     llama), and no RoPE in every fourth layer, which no metadata key says. Phi-3: q/k/v in one attn_qkv, gate and
     up in one ffn_up, the rotated dims in rope.dimension_count, LongRoPE's factors as tensors rope_factors_long and
-    rope_factors_short with its original context and attention factor as metadata."""
+    rope_factors_short with its original context and attention factor as metadata. Gemma 3: its norms stored as
+    1 + weight, named post_attention_norm, ffn_norm and post_ffw_norm around the MLP; the sliding window as metadata
+    and the layer pattern and the local RoPE base as llama.cpp fixes them."""
     import gguf
 
     ref = tiny_hf_model(kind, tmp_path)
@@ -121,7 +132,10 @@ def test_gguf_written_as_llama_cpp_does_matches_transformers_logits(kind, tmp_pa
     w.add_head_count_kv(c.num_key_value_heads)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    w.add_rope_freq_base(getattr(c, "rope_theta", None) or c.rope_parameters["rope_theta"])
+    rope = c.rope_parameters.get("full_attention", c.rope_parameters) if getattr(c, "rope_parameters", None) else {}
+    w.add_rope_freq_base(getattr(c, "rope_theta", None) or rope["rope_theta"])
+    if arch == "gemma3":
+        w.add_sliding_window(c.sliding_window)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_vocab_size(c.vocab_size)
     if arch == "phi3":
@@ -136,6 +150,9 @@ def test_gguf_written_as_llama_cpp_does_matches_transformers_logits(kind, tmp_pa
              "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
              "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "self_attn.qkv_proj": "attn_qkv",
              "mlp.gate_up_proj": "ffn_up"}
+    if arch == "gemma3":
+        names.update({"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                      "post_feedforward_layernorm": "post_ffw_norm"})
     heads = {"self_attn.q_proj": c.num_attention_heads, "self_attn.k_proj": c.num_key_value_heads}
     for key, t in ref.state_dict().items():
         key = key.removesuffix(".weight")
@@ -148,13 +165,17 @@ def test_gguf_written_as_llama_cpp_does_matches_transformers_logits(kind, tmp_pa
                 t = t.reshape(heads[part], 2, t.shape[0] // heads[part] // 2, -1).transpose(1, 2).reshape(t.shape)
         else:
             name = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}[key]
+        if arch == "gemma3" and "norm" in key:
+            t = t + 1  # llama.cpp's converter stores Gemma's norms as the factor they scale by
         w.add_tensor(name + ".weight", t.float().numpy())
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
     lm = load_model(path, scheme="fp32")
     c = lm.config
     assert (c.arch, c.qk_norm, c.head_dim, c.nope_layers, c.rotary_dim) == {
         "qwen3": ("qwen3", True, 32, [], 32), "smollm3": ("llama", False, 16, [3], 16),
-        "phi3-longrope": ("phi3", False, 16, [], 12)}[kind]
+        "phi3-longrope": ("phi3", False, 16, [], 12), "gemma3": ("gemma3", True, 32, [], 32)}[kind]
+    if arch == "gemma3":
+        assert (c.swa_layers, c.sliding_window, c.rope_local_theta, c.max_context) == ([0, 1, 2, 3, 4], 5, 1e4, 256)
     assert_same_logits(lm, ref)
 
 
