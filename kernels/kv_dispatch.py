@@ -124,8 +124,8 @@ PREFILL_TILE_ELEMS_PER_WARP = 2048
 
 
 def triton_supports(layer: KVLayer, head_dim: int) -> bool:
-    """Head dims 64 and 128 (powers of two the kernels tile), pages of 16 or 32 tokens."""
-    return head_dim in (64, 128) and layer.page_size in (16, 32)
+    """Head dims 64, 128 and 256 (Gemma 3; powers of two the kernels tile), pages of 16 or 32 tokens."""
+    return head_dim in (64, 128, 256) and layer.page_size in (16, 32)
 
 
 def _strides(data: torch.Tensor, scale: torch.Tensor | None):
@@ -143,6 +143,18 @@ def _stage_args(stage, stage_slots, dummy):
     if stage is None or stage_slots is None:
         return dummy, 0, 0, False
     return stage, stage.stride(0), stage.stride(1), True
+
+
+def rope_write_warps(layer: KVLayer, head_dim: int) -> int:
+    """One warp a (token, head) program; four for an int4ch page rewrite of heads of 256, whose [page, 128] tiles
+    spilled 352-744 bytes of registers at one warp (sm_86/90, scripts/compile_check.py)."""
+    return 4 if head_dim > 128 and "int4ch" in (layer.k_format, layer.v_format) else 1
+
+
+def prefill_block_m(head_dim: int, group_padded: int) -> int:
+    """Query rows of each head in a prefill program: BLOCK_M; for heads of 256 as many as make 16 rows with the
+    group (at least 4): 32 or 64 rows of 256 spilled up to 312 bytes of registers on sm_90 even at 8 or 16 warps."""
+    return BLOCK_M if head_dim <= 128 else max(16 // group_padded, 4)
 
 
 def write_kv(layer: KVLayer, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
@@ -198,7 +210,7 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer
             slots if stage_slots is None else stage_slots, qkv.stride(0), cos.stride(0),
             *_strides(layer.k, layer.k_scale), *_strides(layer.v, layer.v_scale), ks_t, ks_h, vs_t, vs_h,
             n_heads, n_kv_heads, T, K_KIND=KINDS[layer.k_format], V_KIND=KINDS[layer.v_format],
-            PS=layer.page_size, D=D, K_STAGED=k_staged, V_STAGED=v_staged, num_warps=1)
+            PS=layer.page_size, D=D, K_STAGED=k_staged, V_STAGED=v_staged, num_warps=rope_write_warps(layer, D))
     return qkv.view(T, -1, D)[:, :n_heads]
 
 
@@ -258,9 +270,10 @@ def paged_attention(q: torch.Tensor, layer: KVLayer, page_table: torch.Tensor, s
                                       SP=1 << (splits - 1).bit_length(), num_warps=4)
         return out
     gp = 1 << (group - 1).bit_length()
-    prefill_kernel[(B, cdiv(T, BLOCK_M), H)](q, layer.k, layer.v, ks, vs, kz, vz, page_table, seq_lens, q_starts,
+    block_m = prefill_block_m(D, gp)
+    prefill_kernel[(B, cdiv(T, block_m), H)](q, layer.k, layer.v, ks, vs, kz, vz, page_table, seq_lens, q_starts,
                                              out, scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                                              page_table.stride(0), *strides, window, **kinds, PS=layer.page_size, D=D,
-                                             GROUP=group, GP=gp, BLOCK_M=BLOCK_M,
-                                             num_warps=max(4, gp * BLOCK_M * D // PREFILL_TILE_ELEMS_PER_WARP))
+                                             GROUP=group, GP=gp, BLOCK_M=block_m,
+                                             num_warps=max(4, gp * block_m * D // PREFILL_TILE_ELEMS_PER_WARP))
     return out

@@ -240,7 +240,7 @@ class Engine:
         self.max_context = min(max_context or self.config.max_context, self.config.max_context)
         if self.max_context < 2:
             raise LocalpdError(f"context length must be at least 2, got {self.max_context}")
-        window = self.config.sliding_window
+        window = 0 if self.config.swa_layers else self.config.sliding_window  # Gemma's windows are per layer
         if window and max_context and max_context > window:
             self.notes.append(f"context capped at {window} tokens: the model attends within a window of that many, "
                               f"and localpd to the whole context, which is the same up to there")
@@ -249,7 +249,7 @@ class Engine:
         self.kv_dtype = check_kv_dtype(kv or default_kv, self.device)
         c = self.config
         self.kv_traffic = KVTraffic(self.kv_dtype, c.n_layers, c.n_kv_heads, c.head_dim, PAGE_SIZE,
-                                    self.compute_dtype.itemsize)
+                                    self.compute_dtype.itemsize, len(c.swa_layers), c.sliding_window)
         if kv_tokens is not None and kv_memory is None:
             kv_memory = -(-max(kv_tokens, self.max_context + 1) // PAGE_SIZE) * PAGE_SIZE * self.kv_token_bytes
         n_pages = self._kv_pages(parse_bytes(kv_memory))

@@ -15,6 +15,12 @@ from localpd.quant.weights import Int4Weight, Int8Weight, Weight
 from localpd.schemes import DENSE, INT4, head_scheme, int4_group
 
 # shapes from each model's config.json
+def gemma3_layout(dim: int, layers: int, window: int) -> dict:
+    """Gemma 3's ModelConfig fields besides the sizes (localpd.loader.gemma3)."""
+    return dict(sliding_window=window, swa_layers=[i for i in range(layers) if (i + 1) % 6], rope_local_theta=1e4,
+                embed_scale=dim ** 0.5, sandwich_norms=True, act="gelu_tanh", attn_scale=256 ** -0.5)
+
+
 SYNTHETIC = {
     "llama3-8b": ModelConfig("llama", 128256, 4096, 32, 32, 8, 128, 14336, 1e-5, 500000.0, max_context=8192),
     "llama3.2-3b": ModelConfig("llama", 128256, 3072, 28, 24, 8, 128, 8192, 1e-5, 500000.0, max_context=8192,
@@ -31,6 +37,11 @@ SYNTHETIC = {
                               tie_embeddings=True, qk_norm=True),
     "smollm2-135m": ModelConfig("llama", 49152, 576, 30, 9, 3, 64, 1536, 1e-5, 100000.0, max_context=8192,
                                 tie_embeddings=True),
+    "gemma3-1b": ModelConfig("gemma3", 262144, 1152, 26, 4, 1, 256, 6912, 1e-6, 1000000.0, max_context=8192,
+                             tie_embeddings=True, qk_norm=True, **gemma3_layout(1152, 26, 512)),
+    "gemma3-4b": ModelConfig("gemma3", 262208, 2560, 34, 8, 4, 256, 10240, 1e-6, 1000000.0, max_context=8192,
+                             tie_embeddings=True, qk_norm=True, rope_scaling={"type": "linear", "factor": 8.0},
+                             **gemma3_layout(2560, 34, 1024)),
 }
 
 
@@ -79,6 +90,8 @@ def synthetic_model(name: str, scheme: str, dtype: torch.dtype, device, seed: in
         weights[f"layers.{i}.post_attention_layernorm"] = ones
         if c.qk_norm:
             weights[f"layers.{i}.q_norm"] = weights[f"layers.{i}.k_norm"] = ones[:c.head_dim]
+        if c.sandwich_norms:
+            weights[f"layers.{i}.attn_out_norm"] = weights[f"layers.{i}.mlp_out_norm"] = ones
     weights["norm"] = ones
     return LoadedModel(c, weights, Path(f"synthetic:{name}"))
 

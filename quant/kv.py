@@ -197,20 +197,27 @@ class KVTraffic:
     head_dim: int
     page_size: int = 16
     stage_itemsize: int = 4  # the compute dtype's: a per-page format stages tokens as computed
+    sliding_layers: int = 0  # layers whose queries see only their last `window` keys (Gemma 3: five in six)
+    window: int = 0
 
     @property
     def per_token(self) -> int:
         """Storage bytes of a token, a page's scales shared by its tokens (what sizes the pool)."""
         return kv_bytes_per_token(self.kv_dtype, self.n_layers, self.n_kv_heads, self.head_dim, self.page_size)
 
-    def read(self, tokens: int) -> int:
-        """Bytes of one sequence's first `tokens` keys and values, as attention reads them."""
-        pages = -(-tokens // self.page_size)
-        per_head = 0
-        for fmt in kv_formats(self.kv_dtype):
-            codes, scales = _head_bytes(fmt, self.head_dim)
-            per_head += codes * tokens + (scales * pages if fmt in PER_PAGE else scales * tokens)
-        return self.n_layers * self.n_kv_heads * per_head
+    def read(self, tokens: int, new: int = 1) -> int:
+        """Bytes of one sequence's first `tokens` keys and values, as attention reads them for its last `new`
+        tokens' queries: every key in a global layer, the keys from the first query's window on in a sliding one
+        (a per-page format's scales for each page touched)."""
+        sliding = min(self.sliding_layers, self.n_layers) if self.window else 0
+        seen = min(tokens, self.window + new - 1) if sliding else tokens
+        pages = (-(-tokens // self.page_size), -(-tokens // self.page_size) - (tokens - seen) // self.page_size)
+        total = 0
+        for layers, n, p in ((self.n_layers - sliding, tokens, pages[0]), (sliding, seen, pages[1])):
+            for fmt in kv_formats(self.kv_dtype):
+                codes, scales = _head_bytes(fmt, self.head_dim)
+                total += layers * (codes * n + (scales * p if fmt in PER_PAGE else scales * n))
+        return self.n_kv_heads * total
 
     def written(self, start: int, n: int) -> int:
         """Bytes of one sequence's write of its tokens start .. start + n - 1 (n >= 0)."""

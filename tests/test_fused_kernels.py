@@ -89,7 +89,7 @@ def test_rope_in_place_on_a_qkv_view(triton_on, dtype, D):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("T,Hq,Hkv,D", [(1, 16, 8, 128), (3, 5, 1, 64), (2, 7, 3, 96)])
+@pytest.mark.parametrize("T,Hq,Hkv,D", [(1, 16, 8, 128), (3, 5, 1, 64), (2, 7, 3, 96), (2, 4, 1, 256)])
 def test_qk_norm_in_place(triton_on, dtype, T, Hq, Hkv, D):
     """Each query and key head normalised over head_dim with its own weight, in place; values untouched."""
     qkv = rand(T, (Hq + 2 * Hkv) * D, dtype=dtype, seed=10)

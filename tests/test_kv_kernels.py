@@ -39,7 +39,7 @@ def dequantized(layer):
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "int8", "int4", "int8/int4", "int4/bf16"])
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 128, 256])
 def test_write_kv_matches_the_reference(kv_dtype, D):
     g = torch.Generator().manual_seed(3)
     ps, H, T = 16, 2, 37
@@ -65,7 +65,7 @@ def test_write_kv_matches_the_reference(kv_dtype, D):
 @pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "int8", "int4", "int8/int4", "int4/bf16", "fp8/int8",
                                       "int4ch/int4", "int4ch"])
 @pytest.mark.parametrize("D,Hq,H,ps,T,dtype", [(64, 9, 3, 16, 37, torch.float32), (128, 4, 4, 32, 5, torch.bfloat16),
-                                                (64, 7, 1, 16, 1, torch.float16)])
+                                                (64, 7, 1, 16, 1, torch.float16), (256, 4, 1, 16, 19, torch.bfloat16)])
 def test_rope_and_kv_write_in_one_kernel(kv_dtype, D, Hq, H, ps, T, dtype):
     """rope_write_kv (one launch) writes what RoPE then write_kv write as separate kernels, bit for bit, and the
     torch reference within the formats' rounding; the query heads come back rotated."""
@@ -235,6 +235,16 @@ def test_decode_tiles_across_pages_with_garbage_past_the_end(kv_dtype, page_size
 def test_prefill_chunks_after_a_cached_prefix_and_mixed_batches(kv_dtype):
     # a chunk after a prefix, a whole prompt, a decode row and a 40-row chunk in one step
     check(build_case(kv_dtype, 16, 2, 3, [33, 17, 50, 97], [7, 17, 1, 40]), 1e-4)
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "int4", "int4ch/int4"])
+def test_heads_of_256(kv_dtype):
+    """Gemma 3's head size: decode across tiles and a prefill chunk after a prefix, its sliding window too (GQA 4
+    as in the 1B, 2 as in the 4B)."""
+    for group, window in ((4, 0), (2, 0), (4, 20)):
+        check(build_case(kv_dtype, 16, 1, group, [70, 1, 33], [1, 1, 1], D=256, seed=group, poison=True), 1e-4,
+              window)
+        check(build_case(kv_dtype, 16, 2, group, [50, 40], [21, 40], D=256, seed=group + 1), 1e-4, window)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

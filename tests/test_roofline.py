@@ -103,6 +103,26 @@ def test_int4ch_writes_count_the_pages_they_rewrite(compute):
     assert plain.written(20, 30) == 30 * plain.per_token and plain.read(17) == 17 * plain.per_token
 
 
+def test_sliding_window_layers_read_only_their_window():
+    """Gemma 3: five layers in six attend to the last `window` keys of each query, so a decode step reads that many
+    tokens there, and a prefill chunk the keys from its first query's window on; a per-page format the scales of
+    each page those tokens touch."""
+    from localpd.quant.kv import KVTraffic
+
+    per_head = KVTraffic("int8", 1, 1, 64).per_token  # int8: 64 codes and a scale, keys and values
+    gemma = KVTraffic("int8", 6, 2, 64, 16, 2, sliding_layers=5, window=10)
+    assert gemma.read(100) == 2 * per_head * (100 + 5 * 10)
+    assert gemma.read(100, 20) == 2 * per_head * (100 + 5 * 29)  # queries 80..99: keys 71..99
+    assert gemma.read(7) == 2 * per_head * 6 * 7 and gemma.read(100) < KVTraffic("int8", 6, 2, 64).read(100)
+    from localpd.quant.kv import _head_bytes, kv_formats
+
+    per_page = KVTraffic("int4ch", 2, 1, 64, 16, 2, sliding_layers=1, window=10)
+    whole = KVTraffic("int4ch", 1, 1, 64, 16, 2)  # the global layer alone
+    # the sliding layer's keys 90..99 touch pages 5 and 6: ten tokens' codes, two pages' scales and zeros
+    sides = [_head_bytes(f, 64) for f in kv_formats("int4ch")]
+    assert per_page.read(100) - whole.read(100) == sum(codes * 10 + scales * 2 for codes, scales in sides)
+
+
 def test_ceiling_and_utilisation_arithmetic(engine):
     m = engine.model
     kv = engine.kv_traffic
