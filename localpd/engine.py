@@ -361,8 +361,8 @@ class Engine:
         if self.tokenizer is None or not eos:
             raise LocalpdError(f"JSON mode needs a tokenizer with an end-of-sequence token; {self.name} has none")
         try:
-            return JsonConstraint(self.tokenizer, eos, params.json_lead)
-        except ValueError as e:
+            return JsonConstraint(self.tokenizer, eos, params.json_lead, params.json_schema)
+        except ValueError as e:  # a schema localpd cannot take, or a lead it does not fit
             raise LocalpdError(str(e)) from None
 
     def submit_chat(self, messages: list[dict], params: SamplingParams, request_id: str | None = None):

@@ -1,63 +1,269 @@
-"""JSON mode: the reply is one JSON object, token by token.
+"""JSON mode: the reply is one JSON value, token by token, optionally of a JSON schema.
 
 JsonPrefix recognises the prefixes of a JSON text one character at a time (a pushdown automaton: a stack of open
-objects and arrays, and where in a value or between values it stands). JsonConstraint puts it in front of the
-sampler: a token is allowed when the text it adds keeps the reply a JSON prefix; end of sequence is allowed only,
-and then alone, once the object is closed. The sampler asks about candidates in order of probability and takes
-the first allowed one, so a model that wants to write JSON pays one check per token.
+objects and arrays, and where in a value or between values it stands). Given a schema (localpd.json_mode.Schema),
+it also holds each value to it: its type, an object's properties (no others unless additionalProperties allows
+them; the required ones before it closes), an array's items and length, enum and const values. JsonConstraint puts
+it in front of the sampler: a token is allowed when the text it adds keeps the reply a valid prefix; end of
+sequence is allowed only, and then alone, once the value is complete. The sampler asks about candidates in order of
+probability and takes the first allowed one, so a model that wants to write valid JSON pays one check per token.
+
+Not held: string patterns, formats and lengths, number ranges, uniqueItems, and a choice between two alternatives
+of the same kind (anyOf of two object schemas takes any object).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 WS = " \t\n\r"
 ESCAPES = '"\\/bfnrtu'
 HEX = "0123456789abcdefABCDEF"
 DIGITS = "0123456789"
-LITERALS = {"t": "rue", "f": "alse", "n": "ull"}
 NUMBER_ENDS = ("zero", "int", "frac", "exp")  # number states a value may end in
-MAX_WS = 64  # whitespace in a row outside strings (an indent 32 levels deep), and line breaks in it: more is a
-MAX_BREAKS = 2  # model stuck on blanks, not formatting
+# whitespace in a row outside strings: a line break and an indent of 4 a level, and two line breaks in it; more is a
+# model stuck on blanks (one that may not write what it wants next, say), not formatting
+MAX_BREAKS = 2
+
+
+def max_blanks(depth: int) -> int:
+    return 2 + 4 * (depth + 1)
+NUMBER_MOVES = {
+    "sign": {**dict.fromkeys(DIGITS, "int"), "0": "zero"},
+    "zero": {".": "dot", "e": "e", "E": "e"},
+    "int": {**dict.fromkeys(DIGITS, "int"), ".": "dot", "e": "e", "E": "e"},
+    "dot": dict.fromkeys(DIGITS, "frac"),
+    "frac": {**dict.fromkeys(DIGITS, "frac"), "e": "e", "E": "e"},
+    "e": {**dict.fromkeys(DIGITS, "exp"), "+": "esign", "-": "esign"},
+    "esign": dict.fromkeys(DIGITS, "exp"),
+    "exp": dict.fromkeys(DIGITS, "exp"),
+}
+
+
+class SchemaError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Schema:
+    """One alternative of a JSON schema, as the recogniser holds values to it. kind: any, object, array, string,
+    number, integer, texts (the value is one of `texts`: enum, const, boolean, null)."""
+
+    kind: str = "any"
+    texts: tuple[str, ...] = ()
+    properties: tuple[tuple[str, object], ...] = ()  # (name, list of Schema alternatives), a lazily resolved ref
+    required: frozenset = frozenset()
+    extra: object = None  # additionalProperties: None (none allowed), True (any) or alternatives
+    items: object = True  # an array's items: True (any) or alternatives
+    min_items: int = 0
+    max_items: int | None = None
+
+
+ANY = (Schema(),)
+
+
+def compile_schema(schema: dict) -> tuple[Schema, ...]:
+    """A JSON schema (OpenAI's response_format json_schema, pydantic's model_json_schema) as alternatives.
+    $ref into $defs/definitions is resolved; additionalProperties unset counts as false (strict, as OpenAI's
+    structured outputs and vLLM's default take it)."""
+    if not isinstance(schema, dict):
+        raise SchemaError("a JSON schema must be an object")
+    defs = {**schema.get("definitions", {}), **schema.get("$defs", {})}
+    memo: dict[int, tuple[Schema, ...]] = {}  # by the sub-schema's identity: a recursive $ref meets itself again
+
+    def alternatives(s, depth=0) -> tuple[Schema, ...]:
+        if isinstance(s, dict) and id(s) in memo:
+            return memo[id(s)]
+        if depth > 64:
+            raise SchemaError("the JSON schema nests too deeply (or its $refs loop)")
+        out = compile_one(s, depth)
+        if isinstance(s, dict):
+            memo[id(s)] = out
+        return out
+
+    def compile_one(s, depth) -> tuple[Schema, ...]:
+        if s is True or s == {}:
+            return ANY
+        if not isinstance(s, dict):
+            raise SchemaError(f"not a JSON schema: {s!r}"[:120])
+        if "$ref" in s:
+            name = str(s["$ref"]).rsplit("/", 1)[-1]
+            if name not in defs:
+                raise SchemaError(f"the JSON schema's $ref {s['$ref']!r} is not in its $defs")
+            return alternatives(defs[name], depth + 1)
+        if "const" in s:
+            return (Schema("texts", (dump(s["const"]),)),)
+        if "enum" in s:
+            if not isinstance(s["enum"], list) or not s["enum"]:
+                raise SchemaError("a JSON schema's enum must be a non-empty list")
+            return (Schema("texts", tuple(dump(v) for v in s["enum"])),)
+        for key in ("anyOf", "oneOf"):
+            if key in s:
+                return tuple(a for branch in s[key] for a in alternatives(branch, depth + 1))
+        if "allOf" in s and len(s["allOf"]) == 1:
+            return alternatives(s["allOf"][0], depth + 1)
+        kinds = s.get("type")
+        if kinds is None:
+            kinds = "object" if "properties" in s else "array" if "items" in s else None
+        if kinds is None:
+            return ANY
+        out = []
+        for kind in kinds if isinstance(kinds, list) else [kinds]:
+            if kind == "object":
+                props = s.get("properties") or {}
+                extra = s.get("additionalProperties", not props)  # unset: strict where properties are given
+                out.append(Schema("object", properties=tuple((k, _Lazy(v, alternatives, depth)) for k, v in
+                                                             props.items()),
+                                  required=frozenset(s.get("required", ())),
+                                  extra=None if extra is False else True if extra in (True, {}) else
+                                  _Lazy(extra, alternatives, depth)))
+            elif kind == "array":
+                items = s.get("items", True)
+                out.append(Schema("array", items=True if items in (True, {}) else _Lazy(items, alternatives, depth),
+                                  min_items=int(s.get("minItems", 0)), max_items=s.get("maxItems")))
+            elif kind == "boolean":
+                out.append(Schema("texts", ("true", "false")))
+            elif kind == "null":
+                out.append(Schema("texts", ("null",)))
+            elif kind in ("string", "number", "integer"):
+                out.append(Schema(kind))
+            else:
+                raise SchemaError(f"unknown JSON schema type {kind!r}")
+        return tuple(out)
+
+    root = alternatives(schema)
+    seen: set[int] = set()
+    todo = [root]
+    while todo:  # compile every sub-schema now, so that an error is the request's and not a step's
+        for alt in todo.pop():
+            for sub in [v for _, v in alt.properties] + [alt.extra, alt.items]:
+                if isinstance(sub, _Lazy) and id(sub) not in seen:
+                    seen.add(id(sub))
+                    todo.append(sub.get())
+    return root
+
+
+class _Lazy:
+    """A sub-schema compiled when a value first needs it (so $refs that recurse terminate)."""
+
+    def __init__(self, schema, compile_, depth):
+        self.schema, self.compile, self.depth, self.alts = schema, compile_, depth, None
+
+    def get(self) -> tuple[Schema, ...]:
+        if self.alts is None:
+            self.alts = self.compile(self.schema, self.depth + 1)
+        return self.alts
+
+
+def resolve(x) -> tuple[Schema, ...]:
+    return ANY if x is True else x.get() if isinstance(x, _Lazy) else x
+
+
+def dump(value) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def _starts(alt: Schema, c: str) -> bool:
+    """Whether a value of this alternative may start with c."""
+    k = alt.kind
+    return (k == "any" and (c in '{["-' or c in DIGITS or c in "tfn") or k == "object" and c == "{"
+            or k == "array" and c == "[" or k == "string" and c == '"'
+            or k in ("number", "integer") and (c == "-" or c in DIGITS)
+            or k == "texts" and any(t.startswith(c) for t in alt.texts))
+
+
+def _pick(alts: tuple[Schema, ...], c: str) -> Schema | None:
+    """The alternative a value starting with c follows: the only one that may start so, the widest of several
+    (any, then number over integer, a string over string values), or None."""
+    fits = [a for a in alts if _starts(a, c)]
+    if len(fits) <= 1:
+        return fits[0] if fits else None
+    for kind in ("any", "number", "string", "integer"):
+        if any(a.kind == kind for a in fits):
+            return next(a for a in fits if a.kind == kind)
+    if all(a.kind == "texts" for a in fits):
+        return Schema("texts", tuple(t for a in fits for t in a.texts))
+    return Schema() if fits[0].kind in ("object", "array") else fits[0]
+
+
+@dataclass
+class Frame:
+    """An open object or array: its schema, and for an object the keys written and the one whose value comes."""
+
+    kind: str  # "{" or "["
+    schema: Schema
+    keys: tuple[str, ...] = ()
+    count: int = 0  # an array's values so far
 
 
 @dataclass
 class JsonPrefix:
-    """Where a JSON text stands after the characters fed so far; feed() says whether they keep it a prefix."""
+    """Where a JSON text stands after the characters fed so far; feed() says whether they keep it a prefix.
+    schema: the alternatives the whole value may follow (None: an object of any shape, JSON mode's)."""
 
-    stack: list[str] = field(default_factory=list)  # "{" or "[" per open container
+    schema: tuple[Schema, ...] | None = None
+    stack: list[Frame] = field(default_factory=list)
     expect: str = "top"  # top | value | key | key_or_close | colon | comma_or_close | value_or_close | done
     string: str | None = None  # inside a string: "key" or "value"
+    text: str = ""  # the key being written (its characters, escapes as written)
     escape: int = 0  # inside a string: -1 after a backslash, n > 0 hex digits of \\u still to come
     number: str | None = None  # inside a number: sign | zero | int | dot | frac | e | esign | exp
-    literal: str = ""  # inside true/false/null: the letters still to come
+    integer: bool = False  # the number may not take a fraction or an exponent
+    choices: tuple[str, ...] = ()  # inside a value (or key) that must be one of these texts: what is left of each
+    choosing_key: bool = False
     ws: int = 0  # whitespace characters in a row
     breaks: int = 0  # line breaks among them
     last_depth: int = 0  # > 0: the container open at this depth takes no member after the current one
 
     def copy(self) -> JsonPrefix:
-        return JsonPrefix(list(self.stack), self.expect, self.string, self.escape, self.number, self.literal, self.ws,
-                          self.breaks, self.last_depth)
+        c = JsonPrefix.__new__(JsonPrefix)
+        c.__dict__.update(self.__dict__)
+        c.stack = [Frame(f.kind, f.schema, f.keys, f.count) for f in self.stack]
+        return c
 
     @property
     def done(self) -> bool:
-        return self.expect == "done"
+        """A whole value: closed, or a top-level number or text that may end here."""
+        if self.expect == "done":
+            return True
+        return not self.stack and self.string is None and ("" in self.choices or self.number in NUMBER_ENDS)
 
     def feed(self, text: str) -> bool:
         return all(self._char(c) for c in text)
 
+    # -- where the next value's schema comes from ------------------------------------------------------------
+    def _value_schema(self) -> tuple[Schema, ...]:
+        if not self.stack:
+            return self.schema if self.schema is not None else (Schema("object", extra=True),)
+        f = self.stack[-1]
+        if f.kind == "[":
+            return resolve(f.schema.items)
+        key = f.keys[-1]
+        for name, sub in f.schema.properties:
+            if name == key:
+                return resolve(sub)
+        return resolve(f.schema.extra)
+
     def _char(self, c: str) -> bool:
         if self.string is not None:
             return self._string_char(c)
-        if self.literal:
-            if c != self.literal[0]:
+        if self.choices:
+            left = tuple(t[1:] for t in self.choices if t and t[0] == c)
+            if left:
+                self.choices = left
+                if self.choosing_key:
+                    self.text += c
+                if left == ("",):
+                    self._choice_made()
+                return True
+            if "" not in self.choices:
                 return False
-            self.literal = self.literal[1:]
-            if not self.literal:
-                self._value_ended()
-            return True
+            self._choice_made()  # a complete text, and c is the first character after it
         if self.number is not None:
-            if self._number_char(c):
+            moves = NUMBER_MOVES[self.number]
+            if c in moves and not (self.integer and c in ".eE"):
+                self.number = moves[c]
                 return True
             if self.number not in NUMBER_ENDS:
                 return False
@@ -66,121 +272,156 @@ class JsonPrefix:
         if c in WS:
             self.ws += 1
             self.breaks += c == "\n"
-            return self.ws <= MAX_WS and self.breaks <= MAX_BREAKS
+            return self.ws <= max_blanks(len(self.stack)) and self.breaks <= MAX_BREAKS
         self.ws = self.breaks = 0
         e = self.expect
-        if e == "top":
-            return self._open(c) if c == "{" else False
-        if e in ("value", "value_or_close"):
+        if e in ("top", "value", "value_or_close"):
             if c == "]" and e == "value_or_close":
-                return self._close("[")
+                return self._close_array()
             return self._value_start(c)
         if e in ("key", "key_or_close"):
             if c == "}" and e == "key_or_close":
-                return self._close("{")
-            if c == '"':
-                self.string = "key"
-                return True
-            return False
+                return self._close_object()
+            return c == '"' and self._key_start()
         if e == "colon":
             if c == ":":
                 self.expect = "value"
                 return True
             return False
         if e == "comma_or_close":
+            f = self.stack[-1]
             if c == "," and len(self.stack) != self.last_depth:
-                self.expect = "key" if self.stack[-1] == "{" else "value"
+                if f.kind == "{":
+                    if f.schema.extra is None and not self._keys_left(f):
+                        return False
+                    self.expect = "key"
+                    return True
+                if f.schema.max_items is not None and f.count >= f.schema.max_items:
+                    return False
+                self.expect = "value"
                 return True
-            if c in "}]":
-                return self._close("{" if c == "}" else "[")
+            if c == "}" and f.kind == "{":
+                return self._close_object()
+            if c == "]" and f.kind == "[":
+                return self._close_array()
             return False
         return False  # done: nothing but the end may follow
 
     def _value_start(self, c: str) -> bool:
-        if c in "{[":
-            return self._open(c)
+        alt = _pick(self._value_schema(), c)
+        if alt is None:
+            return False
+        if alt.kind == "texts":
+            self.choices, self.choosing_key = tuple(t[1:] for t in alt.texts if t.startswith(c)), False
+            if self.choices == ("",):
+                self._choice_made()
+            return True
+        if c == "{":
+            self.stack.append(Frame("{", alt if alt.kind == "object" else Schema("object", extra=True)))
+            self.expect = "key_or_close"
+            return True
+        if c == "[":
+            self.stack.append(Frame("[", alt if alt.kind == "array" else Schema("array")))
+            self.expect = "value_or_close"
+            return True
         if c == '"':
             self.string = "value"
             return True
-        if c in LITERALS:
-            self.literal = LITERALS[c]
+        if c in "tfn":  # any value: true, false or null
+            self.choices, self.choosing_key = tuple(t[1:] for t in ("true", "false", "null") if t[0] == c), False
             return True
-        if c == "-":
-            self.number = "sign"
-            return True
-        if c in DIGITS:
-            self.number = "zero" if c == "0" else "int"
-            return True
-        return False
-
-    def _open(self, c: str) -> bool:
-        self.stack.append(c)
-        self.expect = "key_or_close" if c == "{" else "value_or_close"
+        self.number, self.integer = ("sign" if c == "-" else "zero" if c == "0" else "int"), alt.kind == "integer"
         return True
 
-    def _close(self, kind: str) -> bool:
-        if not self.stack or self.stack[-1] != kind:
+    def _keys_left(self, f: Frame) -> list[str]:
+        return [name for name, _ in f.schema.properties if name not in f.keys]
+
+    def _key_start(self) -> bool:
+        f = self.stack[-1]
+        if f.schema.extra is None:  # only the schema's own keys, each once: one of their texts
+            left = self._keys_left(f)
+            if not left:
+                return False
+            self.choices, self.choosing_key, self.text = tuple(dump(k)[1:] for k in left), True, ""
+            return True
+        self.string, self.text = "key", ""
+        return True
+
+    def _choice_made(self) -> None:
+        """A text of the choices is complete: a key (its closing quote included) or a value."""
+        key = self.choosing_key
+        self.choices, self.choosing_key = (), False
+        if key:
+            self.stack[-1].keys += (json.loads('"' + self.text),)
+            self.expect = "colon"
+        else:
+            self._value_ended()
+
+    def _close_object(self) -> bool:
+        f = self.stack[-1]
+        if not f.schema.required <= set(f.keys):
+            return False
+        self.stack.pop()
+        self._value_ended()
+        return True
+
+    def _close_array(self) -> bool:
+        f = self.stack[-1]
+        if f.count < f.schema.min_items:
             return False
         self.stack.pop()
         self._value_ended()
         return True
 
     def _value_ended(self) -> None:
+        if self.stack and self.stack[-1].kind == "[":
+            self.stack[-1].count += 1
         self.expect = "comma_or_close" if self.stack else "done"
 
     def _string_char(self, c: str) -> bool:
+        key = self.string == "key"
         if self.escape == -1:
             if c not in ESCAPES:
                 return False
             self.escape = 4 if c == "u" else 0
-            return True
-        if self.escape > 0:
+        elif self.escape > 0:
             if c not in HEX:
                 return False
             self.escape -= 1
-            return True
-        if c == "\\":
+        elif c == "\\":
             self.escape = -1
-            return True
-        if c == '"':
-            kind, self.string = self.string, None
-            if kind == "key":
+        elif c == '"':
+            self.string = None
+            if key:
+                f = self.stack[-1]
+                name = json.loads('"' + self.text + '"')
+                if name in f.keys:
+                    return False
+                f.keys += (name,)
                 self.expect = "colon"
             else:
                 self._value_ended()
             return True
-        return ord(c) >= 0x20
-
-    def _number_char(self, c: str) -> bool:
-        n = self.number
-        moves = {
-            "sign": {**dict.fromkeys(DIGITS, "int"), "0": "zero"},
-            "zero": {".": "dot", "e": "e", "E": "e"},
-            "int": {**dict.fromkeys(DIGITS, "int"), ".": "dot", "e": "e", "E": "e"},
-            "dot": dict.fromkeys(DIGITS, "frac"),
-            "frac": {**dict.fromkeys(DIGITS, "frac"), "e": "e", "E": "e"},
-            "e": {**dict.fromkeys(DIGITS, "exp"), "+": "esign", "-": "esign"},
-            "esign": dict.fromkeys(DIGITS, "exp"),
-            "exp": dict.fromkeys(DIGITS, "exp"),
-        }[n]
-        if c not in moves:
+        elif ord(c) < 0x20:
             return False
-        self.number = moves[c]
+        if key:
+            self.text += c
         return True
 
 
 class JsonConstraint:
-    """The tokens that keep a reply one JSON object. lead: JSON the prompt already opened, which the reply goes on
-    from; a lead that stops where a member's value begins (a forced tool call's `{"name": "f", "arguments": `) makes
-    that member the object's last."""
+    """The tokens that keep a reply one JSON object, or one value of `schema` (a JSON schema). lead: JSON the prompt
+    already opened, which the reply goes on from; a lead that stops where a member's value begins (a forced tool
+    call's `{"name": "f", "arguments": `) makes that member the object's last."""
 
-    def __init__(self, tokenizer, eos_ids: set[int], lead: str = ""):
+    def __init__(self, tokenizer, eos_ids: set[int], lead: str = "", schema: dict | None = None):
         self.tokenizer, self.eos_ids = tokenizer, set(eos_ids)
-        self.state = JsonPrefix()
+        self.state = JsonPrefix(compile_schema(schema) if schema is not None else None)
         if not self.state.feed(lead):
-            raise ValueError(f"not the start of a JSON object: {lead!r}")
-        if self.state.expect == "value":
-            self.state.last_depth = len(self.state.stack)
+            raise SchemaError(f"not the start of a JSON value of the schema: {lead!r}")
+        st = self.state
+        if st.expect == "value" and st.string is None and st.number is None and not st.choices:
+            st.last_depth = len(st.stack)  # the lead stops where a member's value begins
         self.output: list[int] = []
         self._text = ""  # decode(self.output[-WINDOW:]), what a candidate's text is measured against
 

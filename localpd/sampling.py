@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
 
 from localpd.errors import LocalpdError
+
+log = logging.getLogger("localpd.sampling")
 
 
 @dataclass
@@ -24,6 +27,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; 0: the chosen token's log-probability; k: also the k most likely
     json_object: bool = False  # the reply is one JSON object (localpd.json_mode)
+    json_schema: dict | None = None  # with json_object: the reply is one value of this JSON schema
     json_lead: str = ""  # JSON the prompt already opened, which the reply goes on from (a forced tool call's)
 
     def validate(self) -> "SamplingParams":
@@ -39,7 +43,8 @@ class SamplingParams:
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be between 0 and 20"),
             (not (self.json_object and self.ignore_eos), "JSON mode ends the reply with the end-of-sequence token; "
                                                          "it cannot be ignored"),
-            (self.json_object or not self.json_lead, "json_lead is for JSON mode"),
+            (self.json_object or not (self.json_lead or self.json_schema), "json_lead and json_schema are for JSON "
+                                                                            "mode (json_object)"),
         ]
         for ok, message in checks:
             if not ok:
@@ -94,6 +99,10 @@ class Sampler:
             for token in candidates.tolist():  # the 64 most likely first: the whole sort is rarely needed
                 if allows(token):
                     return token
+        ends = sorted(getattr(self.constraint, "eos_ids", ()))
+        if ends:  # a dead end (no token continues the reply): this reply ends, the others in the step go on
+            log.warning("no token continues the constrained reply; ending it")
+            return ends[0]
         raise LocalpdError("no token can continue the constrained reply")
 
 

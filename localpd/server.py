@@ -27,7 +27,7 @@ from localpd.roofline import decode_ceiling_tps, utilisation
 from localpd.sampling import SamplingParams
 from localpd.reasoning import ThinkSplit, reply_split, split_reply
 from localpd.server_schema import ChatRequest, CompletionRequest, NamedToolChoice, Sampling, error_body
-from localpd.tools import CallStream, ToolCall, check_choice, forced_prefix, parse_calls
+from localpd.tools import CallStream, ToolCall, call_schema, check_choice, forced_prefix, parse_calls
 
 log = logging.getLogger("localpd.server")
 
@@ -191,9 +191,13 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
             raise ApiError(400, str(err), param="chat_template_kwargs") from None
         choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedToolChoice) else body.tool_choice
         tools = [t.model_dump(exclude_none=True) for t in body.tools or []] if choice != "none" else []
+        if choice == "required" and len(tools) == 1:  # one tool to call: call it by name, its parameters held
+            choice = {"type": "function", "function": {"name": tools[0]["function"]["name"]}}
+        template = e.tokenizer.chat_template if e.tokenizer else None
         try:
             check_choice(choice, tools)
-            prefix = forced_prefix(e.tokenizer.chat_template if e.tokenizer else None, choice)
+            prefix = forced_prefix(template, choice)
+            schema = call_schema(template, choice, tools)
         except LocalpdError as err:
             raise ApiError(400, str(err), param="tool_choice") from None
         try:
@@ -206,8 +210,9 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
         top = body.top_logprobs if body.logprobs else None
         limit = body.max_completion_tokens or body.max_tokens
         reply = Reply(think, prefix if tools else None, body.parallel_tool_calls)
+        forced = (prefix[prefix.index("{"):], schema) if prefix else None
         return await respond(e, body, ids, limit, None if not body.logprobs else (top or 0), chat=True, reply=reply,
-                             json_lead=prefix[prefix.index("{"):] if prefix else None)
+                             forced=forced)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):
@@ -225,8 +230,9 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
         return await respond(e, body, ids, body.max_tokens or 16, body.logprobs, chat=False)
 
     async def respond(e: Engine, body: Sampling, ids: list[int], limit: int | None, logprobs: int | None,
-                      chat: bool, reply: Reply | None = None, json_lead: str | None = None):
-        """json_lead: JSON a forced tool call opened in the prompt, which the reply must go on from."""
+                      chat: bool, reply: Reply | None = None, forced: tuple[str, dict] | None = None):
+        """forced: (the JSON a forced tool call opened in the prompt, which the reply must go on from, the call's
+        JSON schema)."""
         if body.n != 1:
             raise ApiError(400, "n > 1 is not supported; send several requests", param="n")
         if not ids:
@@ -241,20 +247,28 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
                            code="overloaded")
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         kind = body.response_format.type if body.response_format else "text"
+        schema = None
         if kind == "json_schema":
-            raise ApiError(400, "response_format json_schema is not supported; json_object is (a valid JSON object, "
-                                "no schema)", param="response_format")
+            spec = (body.response_format.model_extra or {}).get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise ApiError(400, "response_format json_schema needs {\"json_schema\": {\"name\": ..., \"schema\": "
+                                    "{...}}}", param="response_format")
+        if forced is not None:
+            schema = forced[1]
         params = SamplingParams(
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=body.top_p or 1.0, top_k=max(body.top_k or 0, 0), min_p=body.min_p or 0.0,
             repetition_penalty=body.repetition_penalty or 1.0, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty, seed=body.seed, max_tokens=limit or room, stop=stop,
-            logprobs=logprobs, json_object=kind == "json_object" or json_lead is not None, json_lead=json_lead or "")
+            logprobs=logprobs, json_object=kind != "text" or forced is not None, json_schema=schema,
+            json_lead=forced[0] if forced else "")
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         try:
             handle = e.submit(ids, params, request_id=rid)
         except LocalpdError as err:
-            raise ApiError(400, str(err)) from None
+            param = None if schema is None else "tools" if forced else "response_format"
+            raise ApiError(400, str(err), param=param) from None
         created = int(time.time())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)

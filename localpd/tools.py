@@ -9,8 +9,9 @@ Out: a reply holds calls as `<tool_call>{json}</tool_call>` blocks (Hermes, Qwen
 list of them (Llama 3.x, Mistral); each object has "name" and "arguments" (or Llama's "parameters"). Anything
 that does not parse as calls stays text.
 
-Forcing (tool_choice "required" or a named function) puts the start of a call at the end of the prompt, so the
-model can only go on with the arguments; the JSON itself is not constrained.
+Forcing (tool_choice "required" or a named function) puts the start of a call at the end of the prompt and decodes
+the rest in JSON mode (localpd.json_mode): a named function's arguments follow its parameters' schema, "required"
+takes one of the tools' names.
 """
 
 from __future__ import annotations
@@ -74,6 +75,20 @@ def forced_prefix(template: str | None, choice: str | dict | None) -> str:
     if name is None:
         return head + '{"name": "'
     return head + json.dumps({"name": name})[:-1] + (', "arguments": ' if fmt == "tags" else ', "parameters": ')
+
+
+def call_schema(template: str | None, choice: str | dict | None, tools: list[dict]) -> dict | None:
+    """The JSON schema a forced call is decoded in (None for auto and none): the named function's name and its
+    parameters' schema, or for "required" any tool's name and an object of arguments."""
+    if choice in (None, "auto", "none"):
+        return None
+    args = "parameters" if call_format(template) == "llama" else "arguments"
+    if isinstance(choice, dict):
+        fn = next(t["function"] for t in tools if t["function"]["name"] == choice["function"]["name"])
+        name, params = {"const": fn["name"]}, fn.get("parameters") or {"type": "object"}
+    else:
+        name, params = {"enum": [t["function"]["name"] for t in tools]}, {"type": "object"}
+    return {"type": "object", "properties": {"name": name, args: params}, "required": ["name", args]}
 
 
 def check_choice(choice, tools: list[dict] | None) -> None:

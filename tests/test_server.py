@@ -132,29 +132,46 @@ def test_a_named_tool_choice_gets_a_call_streamed_or_not(client):
     assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["tool_calls"]
 
 
-def test_forced_calls_are_json_whatever_is_sampled(client):
-    """tool_choice named or required: the call is decoded in JSON mode, so at any seed the reply is a call whose
-    arguments parse, or JSON that is not a call (required: the model may leave out the arguments), or, cut off by
-    max_tokens, the start of a JSON object. A named call ends with its arguments."""
+def test_forced_calls_follow_the_tools_schemas_whatever_is_sampled(client):
+    """tool_choice named or required: the call is decoded in JSON mode against the call's schema, so at any seed
+    the reply is a call whose arguments are the named function's parameters (required with one tool: that one) or,
+    with several tools, one of their names and an object, unless max_tokens cuts it (then it is a JSON prefix)."""
     from localpd.json_mode import JsonPrefix
 
+    clock = {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
     named = {"type": "function", "function": {"name": "get_weather"}}
-    finished = {"required": 0, "named": 0}  # a 135M model often leaves out the arguments when free to name any
-    for seed in range(4):
-        for choice in ("required", named):
-            r = client.chat.completions.create(model="x", messages=ASK, tools=[WEATHER], tool_choice=choice,
-                                               temperature=1.0, seed=seed, max_tokens=64)
-            c = r.choices[0]
-            if c.finish_reason == "tool_calls":
-                assert isinstance(json.loads(c.message.tool_calls[0].function.arguments), dict)
-                finished["named" if choice is named else "required"] += 1
+    calls = []
+    for seed in range(3):
+        for tools, choice in (([WEATHER], named), ([WEATHER], "required"), ([WEATHER, clock], "required")):
+            c = client.chat.completions.create(model="x", messages=ASK, tools=tools, tool_choice=choice,
+                                               temperature=1.0, seed=seed, max_tokens=64).choices[0]
+            if c.finish_reason == "length":
+                assert JsonPrefix().feed(c.message.content.removeprefix("<tool_call>\n"))
                 continue
-            body = c.message.content.removeprefix("<tool_call>\n")
-            assert c.finish_reason in ("stop", "length") and c.message.content.startswith("<tool_call>\n{")
-            assert JsonPrefix().feed(body)
-            if c.finish_reason == "stop":
-                assert choice == "required" and isinstance(json.loads(body), dict)
-    assert finished["named"] >= 2
+            assert c.finish_reason == "tool_calls" and c.message.content is None
+            call = c.message.tool_calls[0].function
+            args = json.loads(call.arguments)
+            assert call.name in ("get_weather", "get_time") and isinstance(args, dict)
+            if len(tools) == 1:
+                assert call.name == "get_weather" and set(args) == {"city"} and isinstance(args["city"], str)
+            calls.append(call.name)
+    assert len(calls) >= 6
+
+
+def test_a_json_schema_reply_parses_into_its_model(client):
+    """response_format json_schema, as the openai client's parse() sends a pydantic model: the reply is an
+    instance (the model's own answer is a sentence)."""
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        name: str
+        country: str
+        population: int
+
+    r = client.chat.completions.parse(model="x", messages=Q, response_format=City, temperature=0, max_tokens=96)
+    assert isinstance(r.choices[0].message.parsed, City) and r.choices[0].finish_reason == "stop"
+    assert set(json.loads(r.choices[0].message.content)) == {"name", "country", "population"}
 
 
 def test_json_object_mode_streamed_or_not(client):
@@ -252,6 +269,10 @@ def status_and_error(response):
     ({"messages": Q, "tool_choice": "required"}, 400, "needs tools"),
     ({"messages": Q, "tool_choice": "sometimes"}, 400, "tool_choice"),
     ({"messages": Q, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400, "json_schema"),
+    ({"messages": Q, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"$ref": "#/$defs/B"}}}}}}, 400, "$defs"),
+    ({"messages": Q, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "tuple"}}}],
+      "tool_choice": "required"}, 400, "unknown JSON schema type"),
     ({"messages": Q, "response_format": {"type": "yaml"}}, 400, "response_format"),
     ({"messages": Q, "tools": [{"type": "function", "function": {"name": ""}}]}, 400, "tools"),
     ({"messages": Q, "tools": [{"type": "code_interpreter"}]}, 400, "tools"),
