@@ -62,6 +62,11 @@ def call_format(template: str | None) -> str:
     return "json"
 
 
+def args_key(template: str | None) -> str:
+    """The member of a call object that holds its arguments: Llama's "parameters", everyone else's "arguments"."""
+    return "parameters" if call_format(template) == "llama" else "arguments"
+
+
 def forced_prefix(template: str | None, choice: str | dict | None) -> str:
     """The start of a call that tool_choice puts at the end of the prompt ("" for auto and none)."""
     if choice in (None, "auto", "none"):
@@ -74,7 +79,7 @@ def forced_prefix(template: str | None, choice: str | dict | None) -> str:
     head = f"{OPEN}\n" if fmt == "tags" else ""
     if name is None:
         return head + '{"name": "'
-    return head + json.dumps({"name": name})[:-1] + (', "arguments": ' if fmt == "tags" else ', "parameters": ')
+    return head + json.dumps({"name": name})[:-1] + f', "{args_key(template)}": '
 
 
 def call_schema(template: str | None, choice: str | dict | None, tools: list[dict]) -> dict | None:
@@ -82,7 +87,7 @@ def call_schema(template: str | None, choice: str | dict | None, tools: list[dic
     parameters' schema, or for "required" any tool's name and an object of arguments."""
     if choice in (None, "auto", "none"):
         return None
-    args = "parameters" if call_format(template) == "llama" else "arguments"
+    args = args_key(template)
     if isinstance(choice, dict):
         fn = next(t["function"] for t in tools if t["function"]["name"] == choice["function"]["name"])
         name, params = {"const": fn["name"]}, fn.get("parameters") or {"type": "object"}

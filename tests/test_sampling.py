@@ -108,3 +108,16 @@ def test_a_constraint_takes_the_best_allowed_token_greedy_or_sampled():
 def test_json_mode_cannot_ignore_the_end():
     with pytest.raises(LocalpdError, match="end-of-sequence"):
         SamplingParams(json_object=True, ignore_eos=True).validate()
+
+
+def test_a_constraint_dead_end_ends_the_reply():
+    """No token allowed (which JSON mode should never reach): the reply ends with its end-of-sequence token rather
+    than failing the engine step that also carries other requests."""
+
+    class Nothing(EvenTokens):
+        eos_ids = {7, 3}
+
+        def allows(self, token):
+            return False
+
+    assert Sampler(SamplingParams(temperature=0.8, seed=1), constraint=Nothing())(torch.randn(50), [], []) == 3
