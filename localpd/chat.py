@@ -36,7 +36,7 @@ def params_from_args(args) -> SamplingParams:
     return SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
         repetition_penalty=args.repeat_penalty, max_tokens=args.max_tokens, seed=args.seed, stop=list(args.stop),
-        json_object=getattr(args, "format", None) == "json",
+        json_object=getattr(args, "format", None) is not None, json_schema=getattr(args, "format", None) or None,
     ).validate()
 
 

@@ -47,6 +47,24 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
+def format_arg(text: str) -> dict:
+    """--format: "json" ({} : any object), or a file holding a JSON schema (the schema)."""
+    if text == "json":
+        return {}
+    import json
+
+    from localpd.json_mode import SchemaError, compile_schema
+
+    try:
+        schema = json.loads(open(text, encoding="utf-8").read())
+        compile_schema(schema)
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"neither json nor a readable schema file: {e.strerror}: {text}") from None
+    except (ValueError, SchemaError) as e:
+        raise argparse.ArgumentTypeError(f"{text} is not a JSON schema localpd can take: {e}") from None
+    return schema
+
+
 def kv_dtype_arg(text: str) -> str:
     try:
         kv_formats(text)
@@ -67,7 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--think", choices=["on", "off"],
                       help="thinking models (Qwen3): reason in a <think> block first, or answer at once (default: "
                            "the model's own choice)")
-    chat.add_argument("--format", choices=["json"], help="json: every reply is one JSON object (constrained decoding)")
+    chat.add_argument("--format", type=format_arg, metavar="json|SCHEMA.json",
+                      help="json: every reply is one JSON object; a JSON schema file: one value of that schema "
+                           "(constrained decoding)")
     add_model_options(chat)
     add_sampling_options(chat)
 

@@ -45,6 +45,21 @@ def test_format_json_answers_with_one_json_object(default_gguf):
     assert isinstance(json.loads(r.stdout), dict)
 
 
+def test_format_takes_a_json_schema_file(default_gguf, tmp_path):
+    schema = tmp_path / "city.json"
+    schema.write_text(json.dumps({"type": "object", "required": ["city", "country"], "properties": {
+        "city": {"type": "string"}, "country": {"type": "string"}}}))
+    r = localpd(["chat", str(default_gguf), "What is the capital of France?", "--format", str(schema),
+                 "--temperature", "0", "--max-tokens", "64"])
+    assert r.returncode == 0, r.stderr
+    assert set(json.loads(r.stdout)) == {"city", "country"}
+    schema.write_text('{"type": "tuple"}')
+    bad = localpd(["chat", str(default_gguf), "Hi", "--format", str(schema)])
+    assert bad.returncode == 2 and "unknown JSON schema type" in bad.stderr and len(bad.stderr.splitlines()) == 1
+    missing = localpd(["chat", str(default_gguf), "Hi", "--format", str(tmp_path / "none.json")])
+    assert missing.returncode == 2 and "No such file" in missing.stderr
+
+
 def test_verbose_prints_timings(default_gguf):
     r = localpd(["chat", str(default_gguf), "Hi", "--temperature", "0", "--max-tokens", "8", "--verbose"])
     assert r.returncode == 0, r.stderr
