@@ -61,6 +61,7 @@ class Schema:
 
 
 ANY = (Schema(),)
+LITERALS = Schema("texts", ("true", "false", "null"))
 
 
 def compile_schema(schema: dict) -> tuple[Schema, ...]:
@@ -311,6 +312,8 @@ class JsonPrefix:
         alt = _pick(self._value_schema(), c)
         if alt is None:
             return False
+        if alt.kind == "any" and c in "tfn":
+            alt = LITERALS  # any value starting so is one of JSON's literals
         if alt.kind == "texts":
             self.choices, self.choosing_key = tuple(t[1:] for t in alt.texts if t.startswith(c)), False
             if self.choices == ("",):
@@ -326,9 +329,6 @@ class JsonPrefix:
             return True
         if c == '"':
             self.string = "value"
-            return True
-        if c in "tfn":  # any value: true, false or null
-            self.choices, self.choosing_key = tuple(t[1:] for t in ("true", "false", "null") if t[0] == c), False
             return True
         self.number, self.integer = ("sign" if c == "-" else "zero" if c == "0" else "int"), alt.kind == "integer"
         return True
