@@ -333,7 +333,8 @@ def hf_gemma3_config(cfg: dict, path: Path) -> ModelConfig:
     if kind not in ("default", "linear"):
         raise LocalpdError(f"unsupported RoPE scaling '{kind}' in {path}")
     layers = cfg["num_hidden_layers"]
-    types = cfg.get("layer_types") or ["full_attention" if (i + 1) % cfg.get("sliding_window_pattern", 6) == 0
+    step = cfg.get("sliding_window_pattern", GEMMA3_GLOBAL_STEP)
+    types = cfg.get("layer_types") or ["full_attention" if (i + 1) % step == 0
                                        else "sliding_attention" for i in range(layers)]
     config = ModelConfig(
         arch="gemma3", vocab_size=cfg["vocab_size"], dim=cfg["hidden_size"], n_layers=layers,

@@ -9,7 +9,7 @@ import torch
 
 from localpd.config import ModelConfig, matrix_shapes
 from localpd.errors import LocalpdError
-from localpd.loader import LoadedModel
+from localpd.loader import GEMMA3_GLOBAL_STEP, LoadedModel
 from localpd.quant.bnb import NF4_BLOCKSIZE, BnbInt8Weight, Nf4Weight
 from localpd.quant.weights import Int4Weight, Int8Weight, Weight
 from localpd.schemes import DENSE, INT4, head_scheme, int4_group
@@ -17,7 +17,7 @@ from localpd.schemes import DENSE, INT4, head_scheme, int4_group
 # shapes from each model's config.json
 def gemma3_layout(dim: int, layers: int, window: int) -> dict:
     """Gemma 3's ModelConfig fields besides the sizes (localpd.loader.gemma3)."""
-    return dict(sliding_window=window, swa_layers=[i for i in range(layers) if (i + 1) % 6], rope_local_theta=1e4,
+    return dict(sliding_window=window, swa_layers=[i for i in range(layers) if (i + 1) % GEMMA3_GLOBAL_STEP], rope_local_theta=1e4,
                 embed_scale=dim ** 0.5, sandwich_norms=True, act="gelu_tanh", attn_scale=256 ** -0.5)
 
 
