@@ -28,6 +28,7 @@ from localpd.loader import LoadedModel, load_model
 from localpd.model import Batch, Transformer
 from localpd.quant.kv import KVTraffic, check_kv_dtype, new_kv_pool, same_kv
 from localpd.quant.store import is_quantized_dir
+from localpd.reasoning import ThinkFirst, reply_split
 from localpd.registry import resolve_model
 from localpd.roofline import step_cost
 from localpd.sampling import Sampler, SamplingParams
@@ -346,7 +347,7 @@ class Engine:
         eos = set() if params.ignore_eos or self.tokenizer is None else set(self.tokenizer.eos_ids)
         req = Request(
             seq=Sequence(rid, prompt, budget), handle=handle, params=params,
-            sampler=Sampler(params, device=self.device, constraint=self._constraint(params, eos)),
+            sampler=Sampler(params, device=self.device, constraint=self._constraint(params, eos, prompt)),
             detok=IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None,
             stops=StopMatcher(params.stop), eos=eos,
         )
@@ -355,13 +356,20 @@ class Engine:
             self._wake.notify()
         return handle
 
-    def _constraint(self, params: SamplingParams, eos: set[int]) -> JsonConstraint | None:
+    def _constraint(self, params: SamplingParams, eos: set[int], prompt: list[int]):
+        """JSON mode's constraint; a thinking model's reasoning before the JSON is left free (a forced tool call's
+        prompt opened the JSON already, so that reply does not reason first)."""
         if not params.json_object:
             return None
         if self.tokenizer is None or not eos:
             raise LocalpdError(f"JSON mode needs a tokenizer with an end-of-sequence token; {self.name} has none")
-        try:
+
+        def make():
             return JsonConstraint(self.tokenizer, eos, params.json_lead, params.json_schema)
+
+        split = None if params.json_lead else reply_split(self.tokenizer, prompt)
+        try:
+            return make() if split is None else ThinkFirst(make, self.tokenizer, eos, split.inside)
         except ValueError as e:  # a schema localpd cannot take, or a lead it does not fit
             raise LocalpdError(str(e)) from None
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from localpd.tokenizer import TokenText
+
 WS = " \t\n\r"
 ESCAPES = '"\\/bfnrtu'
 HEX = "0123456789abcdefABCDEF"
@@ -422,32 +424,19 @@ class JsonConstraint:
         st = self.state
         if st.expect == "value" and st.string is None and st.number is None and not st.choices:
             st.last_depth = len(st.stack)  # the lead stops where a member's value begins
-        self.output: list[int] = []
-        self._text = ""  # decode(self.output[-WINDOW:]), what a candidate's text is measured against
-
-    WINDOW = 4  # tokens decoded with a candidate, so that pieces that depend on their neighbours come out right
+        self.text = TokenText(tokenizer)
 
     def allows(self, token: int) -> bool:
         if token in self.eos_ids:
             return self.state.done
         if self.state.done:
             return False
-        added, pending = self._added(token)
+        added, pending = self.text.added(token)
         if not added:  # bytes of a character still to come are allowed where any character is: in a string
             return pending and self.state.string is not None
         return self.state.copy().feed(added)
 
     def advance(self, token: int) -> None:
+        added = self.text.push(token)
         if token not in self.eos_ids:
-            self.state.feed(self._added(token)[0])
-        self.output.append(token)
-        self._text = self.tokenizer.decode(self.output[-self.WINDOW:]).rstrip("\ufffd")
-
-    def _added(self, token: int) -> tuple[str, bool]:
-        """The whole characters a token adds to the reply, and whether it leaves bytes of one more pending."""
-        text = self.tokenizer.decode(self.output[-self.WINDOW:] + [token])
-        if not text.startswith(self._text):
-            return "", False
-        added = text[len(self._text):]
-        whole = added.rstrip("\ufffd")
-        return whole, whole != added
+            self.state.feed(added)

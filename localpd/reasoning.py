@@ -8,6 +8,7 @@ Qwen3, QwQ, SmolLM3 and the DeepSeek-R1 distills think first. Some templates ope
 from __future__ import annotations
 
 from localpd.stops import partial_tail
+from localpd.tokenizer import TokenText
 
 OPEN, CLOSE = "<think>", "</think>"
 
@@ -71,3 +72,45 @@ class ThinkSplit:
         if CLOSE in body:
             return split_reply(self.text, self.inside)
         return body[:len(body) - partial_tail(body, CLOSE)].strip(), ""
+
+
+class ThinkFirst:
+    """A constraint on a thinking model's answer alone (JSON mode's): the reasoning in <think>...</think> is free,
+    and `make()` gives the constraint the answer after it is held to. inside: the prompt left a <think> block open;
+    otherwise the reply may open one first. While it reasons, the reply may not end; a token that closes the block
+    may carry blanks after </think> but nothing else, so the answer starts on a token of its own."""
+
+    def __init__(self, make, tokenizer, eos_ids: set[int], inside: bool):
+        self.make, self.eos_ids = make, set(eos_ids)
+        self.answer = make()  # until the reply opens a <think> block, the answer's constraint holds
+        self.text = TokenText(tokenizer)
+        self.phase = "think" if inside else "start"  # start, opening (part of <think> written), think, answer
+        self.reply = ""  # the reply's text while it is not yet in the answer
+
+    def allows(self, token: int) -> bool:
+        if self.phase == "answer" or (self.phase == "start" and not self._opens(token)):
+            return self.answer.allows(token)
+        if token in self.eos_ids:
+            return False
+        text = self.reply + self.text.added(token)[0]
+        if self.phase == "opening":
+            return self._opens(token)
+        end = text.find(CLOSE)
+        return end < 0 or not text[end + len(CLOSE):].strip()
+
+    def advance(self, token: int) -> None:
+        if self.phase == "answer" or (self.phase == "start" and not self._opens(token)):
+            self.text.push(token)
+            self.answer.advance(token)
+            return
+        self.reply += self.text.push(token)
+        head = self.reply.lstrip()
+        if self.phase in ("start", "opening"):
+            self.phase = "think" if head.startswith(OPEN) else "opening"
+        if self.phase == "think" and CLOSE in self.reply:
+            self.phase, self.answer = "answer", self.make()
+
+    def _opens(self, token: int) -> bool:
+        """Whether the reply with `token` is (blanks and) part or all of <think>, or more after it."""
+        head = (self.reply + self.text.added(token)[0]).lstrip()
+        return bool(head) and (OPEN.startswith(head) or head.startswith(OPEN))

@@ -229,3 +229,31 @@ class IncrementalDetokenizer:
         text = self._decode(self.prefix, len(self.ids))
         self.prefix = self.read = len(self.ids)
         return text[len(done):]
+
+
+class TokenText:
+    """A reply's text token by token, for constraints that judge each candidate token by the characters it adds.
+    A candidate is decoded after the last WINDOW tokens, so pieces that depend on their neighbours come out right."""
+
+    WINDOW = 4
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.tail = ""  # decode(ids[-WINDOW:]) less any incomplete character
+
+    def added(self, token: int) -> tuple[str, bool]:
+        """The whole characters `token` would add, and whether it would leave bytes of one more pending."""
+        text = self.tokenizer.decode(self.ids[-self.WINDOW:] + [token])
+        if not text.startswith(self.tail):
+            return "", False
+        added = text[len(self.tail):]
+        whole = added.rstrip("\ufffd")
+        return whole, whole != added
+
+    def push(self, token: int) -> str:
+        """Take `token` as the reply's next; the whole characters it added."""
+        whole = self.added(token)[0]
+        self.ids.append(token)
+        self.tail = self.tokenizer.decode(self.ids[-self.WINDOW:]).rstrip("\ufffd")
+        return whole

@@ -47,3 +47,51 @@ def test_which_templates_and_prompts_think():
     assert not thinks("{{ messages }}") and not thinks(None)
     assert opens_thinking("<|im_start|>assistant\n<think>\n")
     assert not opens_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def script(tok, text):
+    """The tokens of a reply's text, which decode to it again."""
+    ids = tok.encode(text, add_bos=False)
+    assert tok.decode(ids) == text
+    return ids
+
+
+@pytest.mark.parametrize("inside, reply", [
+    (True, 'The user wants JSON.\n</think>\n\n{"city": "Paris"}'),
+    (False, '<think>\nThe user wants JSON. {not: json}\n</think>\n\n{"city": "Paris"}'),
+    (False, '  <think></think>{"city": "Paris"}'),
+    (False, '{"city": "Paris"}'),  # no reasoning: the answer's constraint from the first token
+    (False, ' \n{"city": "Paris"}'),
+])
+def test_json_modes_constraint_starts_after_the_reasoning(engine, inside, reply):
+    """A thinking model in JSON mode (the real tokenizer, whose pieces split the tags): the reasoning is free text,
+    the reply cannot end inside it, and the answer after </think> is held to the schema."""
+    from localpd.json_mode import JsonConstraint
+    from localpd.reasoning import ThinkFirst
+
+    tok, eos = engine.tokenizer, set(engine.tokenizer.eos_ids)
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    c = ThinkFirst(lambda: JsonConstraint(tok, eos, schema=schema), tok, eos, inside)
+    prose, ids = tok.encode(" Sure! Here", add_bos=False)[0], script(tok, reply)
+    for i, t in enumerate(ids):
+        assert c.allows(t), (tok.decode(ids[:i]), tok.decode([t]))
+        assert not any(c.allows(e) for e in eos)  # not while thinking, nor before the JSON is whole
+        before = tok.decode(ids[:i])
+        if not inside and "<think>" not in reply and not before.strip() or before.endswith(("</think>", "</think>\n\n")):
+            assert not c.allows(prose)  # the answer starts as JSON does
+        c.advance(t)
+    assert all(c.allows(e) for e in eos) and c.phase == ("answer" if "</think>" in reply else "start")
+
+
+def test_a_token_that_closes_the_reasoning_may_not_start_the_answer_too(engine):
+    from localpd.json_mode import JsonConstraint
+    from localpd.reasoning import ThinkFirst
+
+    tok, eos = engine.tokenizer, set(engine.tokenizer.eos_ids)
+    c = ThinkFirst(lambda: JsonConstraint(tok, eos), tok, eos, inside=True)
+    for t in script(tok, "Done.\n</think"):
+        c.advance(t)
+    assert c.allows(tok.encode(">", add_bos=False)[0]) and c.allows(tok.encode(">\n\n", add_bos=False)[0])
+    closing_prose = [t for t in range(tok.vocab_size) if tok.decode([t]).startswith(">") and
+                     tok.decode([t])[1:].strip()][:20]
+    assert closing_prose and not any(c.allows(t) for t in closing_prose)

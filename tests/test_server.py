@@ -246,6 +246,21 @@ def test_a_thinking_models_reasoning_is_split_from_its_content(served, client, m
     assert "France's capital." in engine.tokenizer.decode(engine.encode_chat(history))
 
 
+def test_json_mode_leaves_a_thinking_models_reasoning_free(served, client, monkeypatch):
+    """response_format with a thinking model: the reasoning is the model's own, and the JSON is held to from
+    </think> on, as vLLM's structured outputs with a reasoning parser do. The default model, inside a <think> block
+    it never closes, ends its reply there; in JSON mode it may not, so it reasons on."""
+    engine = served[0]
+    monkeypatch.setattr(engine.tokenizer, "chat_template", OPEN_THINK)
+    kw = dict(model="x", messages=Q, temperature=0, max_tokens=24)
+    free = client.chat.completions.create(**kw).choices[0]
+    held = client.chat.completions.create(**kw, response_format={"type": "json_object"}).choices[0]
+    assert free.finish_reason == "stop" and free.message.content is None and held.finish_reason == "length"
+    reasoning = free.message.reasoning_content
+    assert held.message.reasoning_content.startswith(reasoning) and len(held.message.reasoning_content) > len(reasoning)
+    assert not reasoning.startswith("{") and held.message.content is None
+
+
 def status_and_error(response):
     body = response.json()
     assert set(body["error"]) == {"message", "type", "param", "code"}
