@@ -99,15 +99,18 @@ class Scheduler:
                 continue
             work.append(Work(seq, seq.computed, n, seq.computed + n == len(seq.tokens)))
             budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_running:
-            seq = self.waiting[0]
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_running:
+                break
+            if self._awaits_shared_pages(seq):
+                continue
             tokens = seq.tokens
             hit = self.pool.match(seq.table, tokens[:-1])  # at least one token must run to give logits
             n = min(len(tokens) - hit, budget)
             if not self.pool.allocate(seq.table, hit + n):
                 self.pool.release(seq.table)
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             if not seq.admitted:
                 seq.admitted, seq.cached_tokens = True, hit
                 self.pool.hit_tokens += hit
@@ -118,6 +121,21 @@ class Scheduler:
             work.append(Work(seq, hit, n, hit + n == len(tokens)))
             budget -= n
         return work
+
+    def _awaits_shared_pages(self, seq: Sequence) -> bool:
+        """Whether a running prefill is still computing full pages that this waiting sequence starts with (the n
+        choices of one request, parallel requests under one system prompt). It waits for them, then takes them
+        from the prefix cache instead of computing them a second time."""
+        ps, tokens = self.pool.page_size, seq.tokens[:-1]
+        for other in self.running:
+            if other.pending <= 1:  # decoding: its full prompt pages are in the cache already
+                continue
+            shared, theirs = 0, other.tokens
+            while shared + ps <= len(tokens) and tokens[shared:shared + ps] == theirs[shared:shared + ps]:
+                shared += ps
+            if shared > other.computed:
+                return True
+        return False
 
     def finish_step(self, work: list[Work]) -> None:
         """Advance what the step computed and offer newly full pages to the prefix cache."""

@@ -4,6 +4,7 @@ never overwritten."""
 
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -176,3 +177,35 @@ def test_preemption_when_pages_run_out_then_recompute():
         pool.check()
     assert b.preemptions >= 1 and a.preemptions == 0  # the later admission yields
     assert len(a.output) == 6
+
+
+@pytest.mark.parametrize("budget", [16, 64])
+def test_a_prompt_that_shares_a_running_prefill_waits_for_its_pages(budget):
+    """n choices of one request, or parallel requests under one system prompt: the later ones wait for the first's
+    prefill to cache the shared pages, then compute only what is their own; a prompt sharing nothing goes as soon
+    as the budget lets it."""
+    pool = PagePool(64, 4)
+    sched = Scheduler(pool, max_step_tokens=budget, max_running=8)
+    system = list(range(100, 130))  # 7 full pages and 2 tokens
+    first, same = Sequence("first", system + [1, 2, 3], 4), Sequence("same", system + [1, 2, 3], 4)
+    other, alone = Sequence("other", system + [7, 8, 9, 10, 11], 4), Sequence("alone", [5] * 9, 4)
+    seqs = (first, same, other, alone)
+    for seq in seqs:
+        sched.add(seq)
+    prefilled, steps = dict.fromkeys(s.id for s in seqs), 0
+    while not all(s.output for s in seqs):
+        work = sched.step()
+        steps += 1
+        for w in work:
+            if w.start < len(w.seq.prompt):
+                prefilled[w.seq.id] = (prefilled[w.seq.id] or 0) + w.n
+        if budget == 64:
+            assert prefilled["alone"] == 9  # nothing to wait for: admitted with the first
+        sched.finish_step(work)
+        for w in work:
+            if w.sample:
+                w.seq.output.append(0)
+        pool.check()
+    assert prefilled == {"first": 33, "same": 1, "other": 7, "alone": 9}
+    assert (same.cached_tokens, other.cached_tokens, pool.hit_tokens) == (32, 28, 60)
+    assert steps == (4 if budget == 16 else 2)
