@@ -7,11 +7,13 @@ always have OpenAI's shape {"error": {"message", "type", "param", "code"}}.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import threading
 import time
 import uuid
+from dataclasses import replace
 from typing import Callable
 
 from fastapi import FastAPI, Request
@@ -209,7 +211,10 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
             ids += e.tokenizer.encode(prefix, add_bos=False)
         top = body.top_logprobs if body.logprobs else None
         limit = body.max_completion_tokens or body.max_tokens
-        reply = Reply(think, prefix if tools else None, body.parallel_tool_calls)
+
+        def reply() -> Reply:
+            split = None if think is None else ThinkSplit(think.inside)
+            return Reply(split, prefix if tools else None, body.parallel_tool_calls)
         forced = (prefix[prefix.index("{"):], schema) if prefix else None
         return await respond(e, body, ids, limit, None if not body.logprobs else (top or 0), chat=True, reply=reply,
                              forced=forced)
@@ -230,11 +235,11 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
         return await respond(e, body, ids, body.max_tokens or 16, body.logprobs, chat=False)
 
     async def respond(e: Engine, body: Sampling, ids: list[int], limit: int | None, logprobs: int | None,
-                      chat: bool, reply: Reply | None = None, forced: tuple[str, dict] | None = None):
-        """forced: (the JSON a forced tool call opened in the prompt, which the reply must go on from, the call's
-        JSON schema)."""
-        if body.n != 1:
-            raise ApiError(400, "n > 1 is not supported; send several requests", param="n")
+                      chat: bool, reply: Callable[[], Reply] | None = None, forced: tuple[str, dict] | None = None):
+        """reply: makes each choice's Reply (chat). forced: (the JSON a forced tool call opened in the prompt, which
+        the reply must go on from, the call's JSON schema). The n choices are n requests on one prompt: the first
+        one's prefill caches its pages and the others start from them (localpd.scheduler); with a seed, choice i
+        samples with seed + i."""
         if not ids:
             raise ApiError(400, "the prompt is empty", param="messages" if chat else "prompt")
         room = e.max_context - len(ids)
@@ -242,7 +247,7 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
             raise ApiError(400, f"this model's context is {e.max_context} tokens; the prompt has {len(ids)} and "
                                 f"{limit or 1} more were asked for", param="max_tokens" if room >= 1 else "messages",
                            code="context_length_exceeded")
-        if e.stats().waiting >= max_waiting:
+        if e.stats().waiting + body.n > max_waiting:
             raise ApiError(503, "too many requests are waiting; try again shortly", "server_error",
                            code="overloaded")
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
@@ -264,45 +269,62 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
             logprobs=logprobs, json_object=kind != "text" or forced is not None, json_schema=schema,
             json_lead=forced[0] if forced else "")
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        handles: list[RequestHandle] = []
         try:
-            handle = e.submit(ids, params, request_id=rid)
+            for i in range(body.n):
+                seed = None if body.seed is None else body.seed + i
+                handle_id = rid if body.n == 1 else f"{rid}-{i}"
+                handles.append(e.submit(ids, replace(params, seed=seed), request_id=handle_id))
         except LocalpdError as err:
+            for handle in handles:
+                handle.cancel()
             param = None if schema is None else "tools" if forced else "response_format"
             raise ApiError(400, str(err), param=param) from None
+        replies = [reply() if reply else None for _ in handles]
         created = int(time.time())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(stream(e, handle, rid, created, chat, include_usage, reply),
+            return StreamingResponse(stream(e, handles, rid, created, chat, include_usage, replies),
                                      media_type="text/event-stream")
-        text, lps, reason = [], [], None
         try:
-            async for ev in handle:
-                text.append(ev.text)
-                if logprobs is not None and ev.token_id is not None:
-                    lps.append(ev)
-                reason = ev.finish_reason
+            results = await asyncio.gather(*(collect(h, logprobs is not None) for h in handles))
         finally:
-            handle.cancel()
-        finished(e, handle, reason)
-        choice = {"index": 0, "finish_reason": reason}
-        if chat:
-            reasoning, content, found = reply.whole("".join(text))
-            empty = not content and (found or reasoning)  # a reply that is all calls or all reasoning
-            choice["message"] = {"role": "assistant", "content": None if empty else content}
-            if reply.think is not None:
-                choice["message"]["reasoning_content"] = reasoning or None
-            if found:
-                choice["message"]["tool_calls"] = found
-                choice["finish_reason"] = "tool_calls"
-            choice["logprobs"] = chat_logprobs(e, lps) if logprobs is not None else None
-        else:
-            choice["text"] = "".join(text)
-            choice["logprobs"] = completion_logprobs(e, lps) if logprobs is not None else None
+            for handle in handles:
+                handle.cancel()
+        choices = []
+        for i, (handle, r, (text, lps, reason)) in enumerate(zip(handles, replies, results)):
+            finished(e, handle)
+            choice = {"index": i, "finish_reason": reason}
+            if chat:
+                reasoning, content, found = r.whole(text)
+                empty = not content and (found or reasoning)  # a reply that is all calls or all reasoning
+                choice["message"] = {"role": "assistant", "content": None if empty else content}
+                if r.think is not None:
+                    choice["message"]["reasoning_content"] = reasoning or None
+                if found:
+                    choice["message"]["tool_calls"] = found
+                    choice["finish_reason"] = "tool_calls"
+                choice["logprobs"] = chat_logprobs(e, lps) if logprobs is not None else None
+            else:
+                choice["text"] = text
+                choice["logprobs"] = completion_logprobs(e, lps) if logprobs is not None else None
+            choices.append(choice)
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": e.name, "choices": [choice], "usage": usage(handle), "timings": timings(e, handle)}
+                "model": e.name, "choices": choices, "usage": usage(handles), "timings": timings(e, handles[0])}
 
-    async def stream(e: Engine, handle: RequestHandle, rid: str, created: int, chat: bool, include_usage: bool,
-                     reply: Reply | None):
+    async def collect(handle: RequestHandle, keep_logprobs: bool) -> tuple[str, list[TokenEvent], str | None]:
+        """A whole reply: its text, the events that carry its log-probabilities, its finish reason."""
+        text, lps, reason = [], [], None
+        async for ev in handle:
+            text.append(ev.text)
+            if keep_logprobs and ev.token_id is not None:
+                lps.append(ev)
+            reason = ev.finish_reason
+        return "".join(text), lps, reason
+
+    async def stream(e: Engine, handles: list[RequestHandle], rid: str, created: int, chat: bool,
+                     include_usage: bool, replies: list[Reply | None]):
+        """Server-sent events of the choices' replies as their tokens come, each chunk naming its choice's index."""
         kind = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(choice: dict | None, **extra) -> str:
@@ -310,49 +332,69 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
                     "choices": [choice] if choice else [], **extra}
             return f"data: {json.dumps(data)}\n\n"
 
-        reason = None
+        events: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, handle: RequestHandle) -> None:
+            async for ev in handle:
+                await events.put((i, ev))
+
+        pumps = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
+        reasons: list[str | None] = [None] * len(handles)
         try:
             if chat:
-                yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
-            async for ev in handle:
-                reason = ev.finish_reason
-                if reason == "error":
+                for i in range(len(handles)):
+                    yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+            while any(r is None for r in reasons):
+                i, ev = await events.get()
+                reasons[i] = ev.finish_reason
+                if ev.finish_reason == "error":
                     yield f"data: {json.dumps(error_body(ev.error or 'generation failed', 'server_error'))}\n\n"
                     break
-                reasoning, text, found = ("", ev.text, []) if reply is None else (*reply.feed(ev.text), [])
-                if reason is not None and reply is not None:
-                    more_reasoning, rest, found = reply.finish()
-                    reasoning, text = reasoning + more_reasoning, text + rest
-                choice = {"index": 0, "finish_reason": None if found else reason}
-                if chat:
-                    choice["delta"] = {"content": text} if text or (reason is None and not reasoning) else {}
-                    if reasoning:
-                        choice["delta"]["reasoning_content"] = reasoning
-                    if ev.logprob is not None and ev.token_id is not None:
-                        choice["logprobs"] = chat_logprobs(e, [ev])
-                else:
-                    choice["text"] = text
-                if text or reasoning or choice["finish_reason"] is not None or "logprobs" in choice:
-                    yield chunk(choice)
-                if found:
-                    yield chunk({"index": 0, "delta": {"tool_calls": [{"index": i, **c} for i, c in enumerate(found)]},
-                                 "finish_reason": None})
-                    yield chunk({"index": 0, "delta": {}, "finish_reason": "tool_calls"})
+                for c in choice_chunks(e, i, ev, replies[i], chat):
+                    yield chunk(c)
             if include_usage:
-                yield chunk(None, usage=usage(handle), timings=timings(e, handle))
+                yield chunk(None, usage=usage(handles), timings=timings(e, handles[0]))
             yield "data: [DONE]\n\n"
         finally:
-            handle.cancel()  # no-op when finished; frees the pages of a client that went away
-            finished(e, handle, reason)
+            for task in pumps:
+                task.cancel()
+            for handle in handles:
+                handle.cancel()  # no-op when finished; frees the pages of a client that went away
+                finished(e, handle)
 
-    def finished(e: Engine, handle: RequestHandle, reason: str | None) -> None:
+    def choice_chunks(e: Engine, i: int, ev: TokenEvent, reply: Reply | None, chat: bool) -> list[dict]:
+        """The chunks' choices one event of choice i makes: its text (reasoning and answer apart), and at the end
+        any tool calls."""
+        reason = ev.finish_reason
+        reasoning, text, found = ("", ev.text, []) if reply is None else (*reply.feed(ev.text), [])
+        if reason is not None and reply is not None:
+            more_reasoning, rest, found = reply.finish()
+            reasoning, text = reasoning + more_reasoning, text + rest
+        choice = {"index": i, "finish_reason": None if found else reason}
+        if chat:
+            choice["delta"] = {"content": text} if text or (reason is None and not reasoning) else {}
+            if reasoning:
+                choice["delta"]["reasoning_content"] = reasoning
+            if ev.logprob is not None and ev.token_id is not None:
+                choice["logprobs"] = chat_logprobs(e, [ev])
+        else:
+            choice["text"] = text
+        out = [choice] if text or reasoning or choice["finish_reason"] is not None or "logprobs" in choice else []
+        if found:
+            out += [{"index": i, "delta": {"tool_calls": [{"index": k, **c} for k, c in enumerate(found)]},
+                     "finish_reason": None},
+                    {"index": i, "delta": {}, "finish_reason": "tool_calls"}]
+        return out
+
+    def finished(e: Engine, handle: RequestHandle) -> None:
         t = timings(e, handle)
         metrics.record(handle, t.get("decode_mbu"))
 
-    def usage(handle: RequestHandle) -> dict:
-        s = handle.stats
-        return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.output_tokens,
-                "total_tokens": s.prompt_tokens + s.output_tokens,
+    def usage(handles: list[RequestHandle]) -> dict:
+        """The prompt counted once, as OpenAI counts it for n choices, and the choices' tokens together; cached:
+        the prompt tokens the first choice found in the prefix cache."""
+        s, out = handles[0].stats, sum(h.stats.output_tokens for h in handles)
+        return {"prompt_tokens": s.prompt_tokens, "completion_tokens": out, "total_tokens": s.prompt_tokens + out,
                 "prompt_tokens_details": {"cached_tokens": s.cached_tokens}}
 
     def timings(e: Engine, handle: RequestHandle) -> dict:

@@ -261,6 +261,33 @@ def test_json_mode_leaves_a_thinking_models_reasoning_free(served, client, monke
     assert not reasoning.startswith("{") and held.message.content is None
 
 
+def test_n_choices_share_one_prefill_and_each_samples_its_own(served, client):
+    """n > 1: choice i is what one request with seed + i gives, streamed or not; the prompt is counted once and its
+    full pages are computed once, the other choices taking them from the prefix cache; no page is left behind."""
+    engine = served[0]
+    messages = [{"role": "user", "content": "Write a line about the number 837562243 and the sea, "
+                                            "then one about the mountains."}]
+    kw = dict(model="x", messages=messages, temperature=1.0, max_tokens=12, seed=5)
+    prompt = len(engine.encode_chat(messages))
+    before = engine.stats().prefix_hit_tokens
+    r = client.chat.completions.create(**kw, n=3)
+    full_pages = (prompt - 1) // engine.pages.page_size * engine.pages.page_size
+    assert engine.stats().prefix_hit_tokens - before == 2 * full_pages > 0
+    assert [c.index for c in r.choices] == [0, 1, 2] and len({c.message.content for c in r.choices}) > 1
+    alone = [client.chat.completions.create(**{**kw, "seed": 5 + i}).choices[0] for i in range(3)]
+    assert [c.message.content for c in r.choices] == [c.message.content for c in alone]
+    assert r.usage.prompt_tokens == prompt and r.usage.completion_tokens == sum(
+        len(engine.tokenizer.encode(c.message.content, add_bos=False)) for c in r.choices) > 12
+    texts = {0: "", 1: "", 2: ""}
+    for c in client.chat.completions.create(**kw, n=3, stream=True):
+        for choice in c.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert list(texts.values()) == [c.message.content for c in r.choices]
+    greedy = client.completions.create(model="x", prompt="The sea is", temperature=0, max_tokens=8, n=2)
+    assert [c.index for c in greedy.choices] == [0, 1] and greedy.choices[0].text == greedy.choices[1].text
+    assert idle(engine)
+
+
 def status_and_error(response):
     body = response.json()
     assert set(body["error"]) == {"message", "type", "param", "code"}
@@ -268,7 +295,7 @@ def status_and_error(response):
 
 
 @pytest.mark.parametrize("payload, status, fragment", [
-    ({"messages": Q, "n": 2}, 400, "n > 1"),
+    ({"messages": Q, "n": 17}, 400, "n: Input should be less than or equal to 16"),
     ({"messages": []}, 400, "messages"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
     ({"messages": Q, "max_tokens": -5}, 400, "max_tokens"),
