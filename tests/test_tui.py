@@ -172,8 +172,9 @@ def test_settings_turn_thinking_off_for_a_conversation(default_gguf, tmp_path):
 
 def test_a_thinking_models_reasoning_is_quoted_above_its_answer(default_gguf, tmp_path):
     """A template that opens the <think> block in the prompt (as the DeepSeek-R1 distills' do): the streamed reply is
-    shown as a quoted block of reasoning and saved as the model wrote it; a saved reply with both parts shows the
-    reasoning quoted, and copying it copies the answer alone."""
+    shown as a quoted block of reasoning and saved as the model wrote it, shown so again when reloaded though it was
+    cut off before </think>; a saved reply with both parts shows the reasoning quoted, and copying it copies the
+    answer alone."""
     from test_engine import THINKING_TEMPLATE
 
     async def scenario():
@@ -186,6 +187,9 @@ def test_a_thinking_models_reasoning_is_quoted_above_its_answer(default_gguf, tm
             raw = app.store.messages(app.conversation.id)[-1].content
             assert view.text == raw and "<think>" not in raw
             assert view.source == "> " + raw.strip().replace("\n", "\n> ")
+            app.show_conversation()  # reloaded: cut off inside the block the prompt opened, it is still reasoning
+            await pilot.pause(0.2)
+            assert app.query(MessageView)[-1].source == view.source
             app.store.add(app.conversation.id, "assistant", "<think>\nIt is Paris.\nSure.\n</think>\n\nParis.", {})
             app.show_conversation()
             await pilot.pause(0.2)

@@ -35,10 +35,12 @@ SETTING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "seed")  # Samp
 THINK = ("on", "off")  # a conversation's "think" setting: the chat template's enable_thinking (Qwen3)
 
 
-def split_saved(text: str) -> tuple[str, str]:
-    """A saved reply's reasoning and answer; one that closes a <think> block it never opened was begun inside it by
-    its prompt."""
-    return split_reply(text, inside=THINK_CLOSE in text and not text.lstrip().startswith(THINK_OPEN))
+def split_saved(text: str, stats: dict | None = None) -> tuple[str, str]:
+    """A saved reply's reasoning and answer. Its stats say whether its prompt opened the <think> block (a reply cut
+    off inside it is all reasoning); a reply saved without that note that closes a block it never opened was begun
+    inside it."""
+    inside = (stats or {}).get("inside_think") or THINK_CLOSE in text and not text.lstrip().startswith(THINK_OPEN)
+    return split_reply(text, inside=bool(inside))
 
 
 def quoted(reasoning: str) -> str:
@@ -70,9 +72,10 @@ class ReplyMarkdown:
 
 
 class MessageView(Markdown):
-    def __init__(self, role: str, text: str = "", **kw):
-        reasoning, answer = split_saved(text) if role == "assistant" else ("", text)
-        super().__init__(quoted(reasoning) + "\n\n" + answer if reasoning else text, classes=f"message {role}", **kw)
+    def __init__(self, role: str, text: str = "", stats: dict | None = None, **kw):
+        reasoning, answer = split_saved(text, stats) if role == "assistant" else ("", text)
+        shown = quoted(reasoning) + ("\n\n" + answer if answer else "") if reasoning else text
+        super().__init__(shown, classes=f"message {role}", **kw)
         self.role = role
         self.text = text
 
@@ -281,7 +284,7 @@ class LocalpdApp(App):
         chat = self.query_one("#chat", VerticalScroll)
         chat.remove_children()
         for m in self.store.messages(self.conversation.id):
-            chat.mount(MessageView(m.role, m.content))
+            chat.mount(MessageView(m.role, m.content, m.stats))
         chat.scroll_end(animate=False)
         self.title = f"localpd — {self.conversation.title}"
 
@@ -440,6 +443,8 @@ class LocalpdApp(App):
             stats = {"finish_reason": reason or "cancelled", "prompt_tokens": s.prompt_tokens,
                      "cached_tokens": s.cached_tokens, "output_tokens": s.output_tokens, "ttft": s.ttft,
                      "decode_tps": s.decode_tps}
+            if shown.split is not None and shown.split.inside:
+                stats["inside_think"] = True  # the prompt opened the <think> block the reply goes on in
             if view.text or reason not in ("error", None):
                 self.store.add(conversation.id, "assistant", view.text, stats)
 
@@ -476,7 +481,7 @@ class LocalpdApp(App):
     def action_copy_reply(self) -> None:
         reply = self.last("assistant")
         if reply is not None:
-            self.copy_to_clipboard(split_saved(reply.content)[1])
+            self.copy_to_clipboard(split_saved(reply.content, reply.stats)[1])
             self.notify("reply copied")
 
     def action_copy_code(self) -> None:
