@@ -34,6 +34,7 @@ from localpd.tools import CallStream, ToolCall, call_schema, check_choice, force
 log = logging.getLogger("localpd.server")
 
 MAX_BODY = 10 * 2**20
+MAX_CHOICES = 16  # a request's prompts x n: each choice is a sequence in the engine
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 
@@ -216,38 +217,52 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
             split = None if think is None else ThinkSplit(think.inside)
             return Reply(split, prefix if tools else None, body.parallel_tool_calls)
         forced = (prefix[prefix.index("{"):], schema) if prefix else None
-        return await respond(e, body, ids, limit, None if not body.logprobs else (top or 0), chat=True, reply=reply,
+        return await respond(e, body, [ids], limit, None if not body.logprobs else (top or 0), chat=True, reply=reply,
                              forced=forced)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):
         e = ready()
         log_unknown(body)
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise ApiError(400, "only one prompt per request is supported", param="prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            ids = e.tokenizer.encode(prompt) if e.tokenizer is not None else []
-        else:
-            ids = list(prompt)
-        return await respond(e, body, ids, body.max_tokens or 16, body.logprobs, chat=False)
+        prompts = body.prompt
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt, as text or token ids
+        if not prompts:
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        if body.echo and body.logprobs is not None:
+            raise ApiError(400, "echo with logprobs (the prompt's own log-probabilities) is not supported",
+                           param="echo")
+        if isinstance(prompts[0], str) and e.tokenizer is None:
+            raise ApiError(400, f"{e.name} has no tokenizer: send the prompt as token ids", param="prompt")
+        ids = [e.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        echo = None
+        if body.echo:
+            echo = [p if isinstance(p, str) else e.tokenizer.decode(p) if e.tokenizer else "" for p in prompts]
+        return await respond(e, body, ids, body.max_tokens or 16, body.logprobs, chat=False, echo=echo)
 
-    async def respond(e: Engine, body: Sampling, ids: list[int], limit: int | None, logprobs: int | None,
-                      chat: bool, reply: Callable[[], Reply] | None = None, forced: tuple[str, dict] | None = None):
-        """reply: makes each choice's Reply (chat). forced: (the JSON a forced tool call opened in the prompt, which
-        the reply must go on from, the call's JSON schema). The n choices are n requests on one prompt: the first
-        one's prefill caches its pages and the others start from them (localpd.scheduler); with a seed, choice i
-        samples with seed + i."""
-        if not ids:
-            raise ApiError(400, "the prompt is empty", param="messages" if chat else "prompt")
-        room = e.max_context - len(ids)
-        if room < 1 or (limit is not None and limit > room):
-            raise ApiError(400, f"this model's context is {e.max_context} tokens; the prompt has {len(ids)} and "
-                                f"{limit or 1} more were asked for", param="max_tokens" if room >= 1 else "messages",
-                           code="context_length_exceeded")
-        if e.stats().waiting + body.n > max_waiting:
+    async def respond(e: Engine, body: Sampling, prompts: list[list[int]], limit: int | None,
+                      logprobs: int | None, chat: bool, reply: Callable[[], Reply] | None = None,
+                      forced: tuple[str, dict] | None = None, echo: list[str] | None = None):
+        """prompts: token ids of each prompt (several for a completion request). reply: makes each choice's Reply
+        (chat). forced: (the JSON a forced tool call opened in the prompt, which the reply must go on from, the
+        call's JSON schema). echo: each prompt's text, which its choices' texts start with.
+
+        Each prompt gets n choices, indexed prompt by prompt, each its own request: the first one's prefill caches
+        the prompt's pages and the others start from them (localpd.scheduler); with a seed, a prompt's choice j
+        samples with seed + j."""
+        where = "messages" if chat else "prompt"
+        if len(prompts) * body.n > MAX_CHOICES:
+            raise ApiError(400, f"at most {MAX_CHOICES} choices in all (prompts x n), {len(prompts) * body.n} were "
+                                f"asked for", param="n")
+        for ids in prompts:
+            if not ids:
+                raise ApiError(400, "the prompt is empty", param=where)
+            room = e.max_context - len(ids)
+            if room < 1 or (limit is not None and limit > room):
+                raise ApiError(400, f"this model's context is {e.max_context} tokens; the prompt has {len(ids)} "
+                                    f"and {limit or 1} more were asked for", param="max_tokens" if room >= 1 else where,
+                               code="context_length_exceeded")
+        if e.stats().waiting + len(prompts) * body.n > max_waiting:
             raise ApiError(503, "too many requests are waiting; try again shortly", "server_error",
                            code="overloaded")
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
@@ -265,26 +280,29 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=body.top_p or 1.0, top_k=max(body.top_k or 0, 0), min_p=body.min_p or 0.0,
             repetition_penalty=body.repetition_penalty or 1.0, presence_penalty=body.presence_penalty,
-            frequency_penalty=body.frequency_penalty, seed=body.seed, max_tokens=limit or room, stop=stop,
+            frequency_penalty=body.frequency_penalty, seed=body.seed, max_tokens=limit or 1, stop=stop,  # set below
             logprobs=logprobs, json_object=kind != "text" or forced is not None, json_schema=schema,
             json_lead=forced[0] if forced else "")
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         handles: list[RequestHandle] = []
         try:
-            for i in range(body.n):
-                seed = None if body.seed is None else body.seed + i
-                handle_id = rid if body.n == 1 else f"{rid}-{i}"
-                handles.append(e.submit(ids, replace(params, seed=seed), request_id=handle_id))
+            for ids in prompts:
+                for j in range(body.n):
+                    seed = None if body.seed is None else body.seed + j
+                    mine = replace(params, seed=seed, max_tokens=limit or e.max_context - len(ids))
+                    handle_id = rid if len(prompts) * body.n == 1 else f"{rid}-{len(handles)}"
+                    handles.append(e.submit(ids, mine, request_id=handle_id))
         except LocalpdError as err:
             for handle in handles:
                 handle.cancel()
             param = None if schema is None else "tools" if forced else "response_format"
             raise ApiError(400, str(err), param=param) from None
         replies = [reply() if reply else None for _ in handles]
+        echoes = [echo[i // body.n] if echo else "" for i in range(len(handles))]
         created = int(time.time())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(stream(e, handles, rid, created, chat, include_usage, replies),
+            return StreamingResponse(stream(e, handles, body.n, rid, created, chat, include_usage, replies, echoes),
                                      media_type="text/event-stream")
         try:
             results = await asyncio.gather(*(collect(h, logprobs is not None) for h in handles))
@@ -306,11 +324,12 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
                     choice["finish_reason"] = "tool_calls"
                 choice["logprobs"] = chat_logprobs(e, lps) if logprobs is not None else None
             else:
-                choice["text"] = text
+                choice["text"] = echoes[i] + text
                 choice["logprobs"] = completion_logprobs(e, lps) if logprobs is not None else None
             choices.append(choice)
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": e.name, "choices": choices, "usage": usage(handles), "timings": timings(e, handles[0])}
+                "model": e.name, "choices": choices, "usage": usage(handles, body.n),
+                "timings": timings(e, handles[0])}
 
     async def collect(handle: RequestHandle, keep_logprobs: bool) -> tuple[str, list[TokenEvent], str | None]:
         """A whole reply: its text, the events that carry its log-probabilities, its finish reason."""
@@ -322,9 +341,10 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
             reason = ev.finish_reason
         return "".join(text), lps, reason
 
-    async def stream(e: Engine, handles: list[RequestHandle], rid: str, created: int, chat: bool,
-                     include_usage: bool, replies: list[Reply | None]):
-        """Server-sent events of the choices' replies as their tokens come, each chunk naming its choice's index."""
+    async def stream(e: Engine, handles: list[RequestHandle], n: int, rid: str, created: int, chat: bool,
+                     include_usage: bool, replies: list[Reply | None], echoes: list[str]):
+        """Server-sent events of the choices' replies as their tokens come, each chunk naming its choice's index;
+        a completion choice's echoed prompt comes first."""
         kind = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(choice: dict | None, **extra) -> str:
@@ -341,9 +361,11 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
         pumps = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
         reasons: list[str | None] = [None] * len(handles)
         try:
-            if chat:
-                for i in range(len(handles)):
+            for i, echoed in enumerate(echoes):
+                if chat:
                     yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+                elif echoed:
+                    yield chunk({"index": i, "text": echoed, "finish_reason": None})
             while any(r is None for r in reasons):
                 i, ev = await events.get()
                 reasons[i] = ev.finish_reason
@@ -353,7 +375,7 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
                 for c in choice_chunks(e, i, ev, replies[i], chat):
                     yield chunk(c)
             if include_usage:
-                yield chunk(None, usage=usage(handles), timings=timings(e, handles[0]))
+                yield chunk(None, usage=usage(handles, n), timings=timings(e, handles[0]))
             yield "data: [DONE]\n\n"
         finally:
             for task in pumps:
@@ -390,12 +412,13 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
         t = timings(e, handle)
         metrics.record(handle, t.get("decode_mbu"))
 
-    def usage(handles: list[RequestHandle]) -> dict:
-        """The prompt counted once, as OpenAI counts it for n choices, and the choices' tokens together; cached:
-        the prompt tokens the first choice found in the prefix cache."""
-        s, out = handles[0].stats, sum(h.stats.output_tokens for h in handles)
-        return {"prompt_tokens": s.prompt_tokens, "completion_tokens": out, "total_tokens": s.prompt_tokens + out,
-                "prompt_tokens_details": {"cached_tokens": s.cached_tokens}}
+    def usage(handles: list[RequestHandle], n: int = 1) -> dict:
+        """Each prompt counted once, as OpenAI counts it for its n choices, and the choices' tokens together;
+        cached: the prompt tokens each prompt's first choice found in the prefix cache."""
+        firsts = [h.stats for h in handles[::n]]
+        prompt, out = sum(s.prompt_tokens for s in firsts), sum(h.stats.output_tokens for h in handles)
+        return {"prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out,
+                "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens for s in firsts)}}
 
     def timings(e: Engine, handle: RequestHandle) -> dict:
         s = handle.stats

@@ -97,7 +97,7 @@ class Sampling(BaseModel):
     min_p: float | None = Field(None, ge=0, le=1)
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int = Field(1, ge=1, le=16)  # choices: n requests on one prompt, which the prefix cache shares
+    n: int = Field(1, ge=1, le=16)  # choices of each prompt: n requests on it, which the prefix cache shares
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(0.0, ge=-2, le=2)
@@ -120,7 +120,7 @@ class ChatRequest(Sampling):
 
 
 class CompletionRequest(Sampling):
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str] | list[int] | list[list[int]]  # one prompt, or several (texts or token ids)
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
 

@@ -272,7 +272,8 @@ def test_n_choices_share_one_prefill_and_each_samples_its_own(served, client):
     before = engine.stats().prefix_hit_tokens
     r = client.chat.completions.create(**kw, n=3)
     full_pages = (prompt - 1) // engine.pages.page_size * engine.pages.page_size
-    assert engine.stats().prefix_hit_tokens - before == 2 * full_pages > 0
+    first_hit = r.usage.prompt_tokens_details.cached_tokens  # the chat template's system prompt, from earlier tests
+    assert engine.stats().prefix_hit_tokens - before == first_hit + 2 * full_pages and full_pages > first_hit
     assert [c.index for c in r.choices] == [0, 1, 2] and len({c.message.content for c in r.choices}) > 1
     alone = [client.chat.completions.create(**{**kw, "seed": 5 + i}).choices[0] for i in range(3)]
     assert [c.message.content for c in r.choices] == [c.message.content for c in alone]
@@ -285,6 +286,28 @@ def test_n_choices_share_one_prefill_and_each_samples_its_own(served, client):
     assert list(texts.values()) == [c.message.content for c in r.choices]
     greedy = client.completions.create(model="x", prompt="The sea is", temperature=0, max_tokens=8, n=2)
     assert [c.index for c in greedy.choices] == [0, 1] and greedy.choices[0].text == greedy.choices[1].text
+    assert idle(engine)
+
+
+def test_completions_take_several_prompts_and_echo_them(served, client):
+    """A list of prompts (texts or token ids) gets n choices each, indexed prompt by prompt, each what the prompt
+    alone gives; echo puts the prompt before each choice's text, streamed or not; each prompt is counted once."""
+    engine = served[0]
+    prompts = ["The sea is", "Mountains are"]
+    kw = dict(model="x", temperature=0, max_tokens=6)
+    alone = [client.completions.create(**kw, prompt=p).choices[0].text for p in prompts]
+    r = client.completions.create(**kw, prompt=prompts, n=2, echo=True)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.text for c in r.choices] == [p + a for p, a in zip(prompts, alone) for _ in range(2)]
+    ids = [engine.tokenizer.encode(p) for p in prompts]
+    assert r.usage.prompt_tokens == sum(map(len, ids))
+    by_ids = client.completions.create(**kw, prompt=ids)
+    assert [c.text for c in by_ids.choices] == alone
+    texts = ["", "", "", ""]
+    for c in client.completions.create(**kw, prompt=prompts, n=2, echo=True, stream=True):
+        for choice in c.choices:
+            texts[choice.index] += choice.text
+    assert texts == [c.text for c in r.choices]
     assert idle(engine)
 
 
@@ -325,6 +348,22 @@ def test_bad_requests_get_openai_shaped_4xx(served, payload, status, fragment):
     r = httpx.post(served[1].url + "/v1/chat/completions", json=payload, headers={"Authorization": f"Bearer {KEY}"})
     code, err = status_and_error(r)
     assert code == status and fragment in err["message"]
+
+
+@pytest.mark.parametrize("payload, fragment", [
+    ({"prompt": []}, "the prompt is empty"),
+    ({"prompt": ["a", ""]}, "the prompt is empty"),
+    ({"prompt": ["a"] * 5, "n": 4}, "at most 16 choices in all"),
+    ({"prompt": "a", "echo": True, "logprobs": 1}, "echo with logprobs"),
+    ({"prompt": ["a", "word " * 2000]}, "context"),
+    ({"prompt": [[1, 2], "a"]}, "prompt"),
+])
+def test_bad_completion_requests_are_400s(served, payload, fragment):
+    r = httpx.post(served[1].url + "/v1/completions", json={"max_tokens": 2, **payload},
+                   headers={"Authorization": f"Bearer {KEY}"})
+    status, error = status_and_error(r)
+    assert status == 400 and fragment in error["message"], error
+    assert idle(served[0])
 
 
 def test_transport_level_errors(served):
