@@ -338,6 +338,10 @@ class Engine:
         bad = [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < self.config.vocab_size)]
         if bad:
             raise LocalpdError(f"token id {bad[0]} is outside the vocabulary of {self.config.vocab_size}")
+        bad = [t for t in params.logit_bias if not (isinstance(t, int) and 0 <= t < self.config.vocab_size)]
+        if bad:
+            raise LocalpdError(f"logit_bias names token id {bad[0]}, outside the vocabulary of "
+                               f"{self.config.vocab_size}")
         if self._closed:
             raise LocalpdError("the engine is closed")
         prompt = list(prompt_ids)

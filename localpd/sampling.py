@@ -29,6 +29,7 @@ class SamplingParams:
     json_object: bool = False  # the reply is one JSON object (localpd.json_mode)
     json_schema: dict | None = None  # with json_object: the reply is one value of this JSON schema
     json_lead: str = ""  # JSON the prompt already opened, which the reply goes on from (a forced tool call's)
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit (OpenAI's, -100..100)
 
     def validate(self) -> "SamplingParams":
         checks = [
@@ -45,6 +46,7 @@ class SamplingParams:
                                                          "it cannot be ignored"),
             (self.json_object or not (self.json_lead or self.json_schema), "json_lead and json_schema are for JSON "
                                                                             "mode (json_object)"),
+            (all(-100 <= b <= 100 for b in self.logit_bias.values()), "logit_bias values must be in [-100, 100]"),
         ]
         for ok, message in checks:
             if not ok:
@@ -61,6 +63,8 @@ class Sampler:
     def __init__(self, params: SamplingParams, device: torch.device | str = "cpu", constraint=None):
         self.params = params.validate()
         self.constraint = constraint
+        self._bias_ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=device)
+        self._bias = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32, device=device)
         self.generator = torch.Generator(device=device)
         if params.seed is not None:
             self.generator.manual_seed(params.seed)
@@ -77,6 +81,8 @@ class Sampler:
         if (p.presence_penalty or p.frequency_penalty) and output_ids:
             ids, counts = torch.tensor(output_ids, device=logits.device).unique(return_counts=True)
             logits[ids] -= p.presence_penalty + p.frequency_penalty * counts.float()
+        if p.logit_bias:
+            logits[self._bias_ids] += self._bias
         if self.constraint is None:
             if p.temperature == 0:
                 return int(logits.argmax())

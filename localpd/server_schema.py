@@ -5,7 +5,7 @@ Fields localpd does not know are accepted and logged (clients send many); values
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -105,6 +105,7 @@ class Sampling(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0)
     user: str | None = None
     response_format: ResponseFormat | None = None
+    logit_bias: dict[int, Annotated[float, Field(ge=-100, le=100)]] | None = None  # token id (a string in JSON) -> bias
 
 
 class ChatRequest(Sampling):

@@ -121,3 +121,14 @@ def test_a_constraint_dead_end_ends_the_reply():
             return False
 
     assert Sampler(SamplingParams(temperature=0.8, seed=1), constraint=Nothing())(torch.randn(50), [], []) == 3
+
+
+def test_logit_bias_shifts_the_named_tokens_before_sampling():
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(3))
+    best = int(logits.argmax())
+    banned = Sampler(SamplingParams(temperature=0, logit_bias={best: -100}))
+    assert banned(logits.clone(), [], []) == int(logits.topk(2).indices[1])
+    forced = Sampler(SamplingParams(temperature=1.0, seed=0, logit_bias={7: 100}))
+    assert {forced(logits.clone(), [], []) for _ in range(20)} == {7}
+    with pytest.raises(LocalpdError, match="logit_bias"):
+        SamplingParams(logit_bias={1: 101}).validate()

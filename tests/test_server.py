@@ -366,6 +366,26 @@ def test_bad_completion_requests_are_400s(served, payload, fragment):
     assert idle(served[0])
 
 
+def test_logit_bias_bans_and_forces_tokens(served, client):
+    """OpenAI's logit_bias: -100 keeps a token out of the reply, +100 makes it the only one; ids outside the
+    vocabulary and values outside [-100, 100] are 400s naming logit_bias."""
+    tok = served[0].tokenizer
+    kw = dict(model="x", messages=Q, temperature=0, max_tokens=12)
+    plain = client.chat.completions.create(**kw).choices[0].message.content
+    paris = tok.encode(" Paris", add_bos=False)
+    assert len(paris) == 1 and " Paris" in plain
+    banned = client.chat.completions.create(**kw, logit_bias={str(paris[0]): -100}).choices[0].message.content
+    assert " Paris" not in banned and banned != plain
+    word = tok.encode(" yes", add_bos=False)[0]
+    forced = client.chat.completions.create(**{**kw, "max_tokens": 4}, logit_bias={str(word): 100})
+    assert forced.choices[0].message.content == " yes" * 4
+    for bias, fragment in (({"99999999": 1}, "outside the vocabulary"), ({"5": 200}, "less than or equal to 100")):
+        r = httpx.post(served[1].url + "/v1/chat/completions", json={"messages": Q, "logit_bias": bias},
+                       headers={"Authorization": f"Bearer {KEY}"})
+        status, error = status_and_error(r)
+        assert status == 400 and fragment in error["message"] and "logit_bias" in (error["param"] or error["message"])
+
+
 def test_transport_level_errors(served):
     url, auth = served[1].url, {"Authorization": f"Bearer {KEY}"}
     assert status_and_error(httpx.get(url + "/v1/models"))[0] == 401
