@@ -239,6 +239,12 @@ def decode_splits(batch_heads: int, tiles: int, device: torch.device) -> tuple[i
     return cdiv(tiles, per), per
 
 
+def decode_span(table_tokens: int, window: int, page_size: int) -> int:
+    """Tokens a decode's splits share out: the page table's, or a sliding layer's window counted from the start of
+    the page it begins in (most of a long context's splits would otherwise lie before the window, empty)."""
+    return min(table_tokens, window + page_size - 1) if window > 0 else table_tokens
+
+
 def paged_attention(q: torch.Tensor, layer: KVLayer, page_table: torch.Tensor, seq_lens: torch.Tensor,
                     q_starts: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
     """q [T, Hq, D] -> [T, Hq, D] (see the module docstring); window > 0: a sliding-window layer's attention, each
@@ -258,7 +264,8 @@ def paged_attention(q: torch.Tensor, layer: KVLayer, page_table: torch.Tensor, s
     if T == B:
         ps = layer.page_size
         block_t = decode_block_t(ps, D)
-        splits, per_split = decode_splits(B * H, cdiv(page_table.shape[1] * ps, block_t), q.device)
+        span = decode_span(page_table.shape[1] * ps, window, ps)
+        splits, per_split = decode_splits(B * H, cdiv(span, block_t), q.device)
         gp = max(16, 1 << (group - 1).bit_length())  # the group padded for tl.dot
         part_acc = torch.empty(B * Hq * splits, D, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(B * Hq * splits, 2, dtype=torch.float32, device=q.device)

@@ -324,16 +324,15 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
     scale (int8, fp8) multiplies the scores (keys) or the softmax weights (values), not every element; grouped
     int4 is taken as its low and high nibbles, two half-width tiles (even and odd elements), with the query split
     the same way (keys) or two half-width accumulators (values). window > 0: the query sees its last `window`
-    keys only (a sliding-window layer); the split's tiles before them are skipped."""
+    keys only (a sliding-window layer), and the splits share out those keys from the start of the page the first
+    of them is in (kv_dispatch.decode_span), not the whole sequence."""
     b = tl.program_id(0)
     kh = tl.program_id(1)
     sp = tl.program_id(2)
     n = tl.load(seq_lens + b)
-    first = sp * pages_per_split * PS
-    last = tl.minimum(first + pages_per_split * PS, n)
     lo = tl.where(window > 0, tl.maximum(n - window, 0), 0)  # the first key the query sees
-    begin = tl.maximum(first, lo)
-    start = tl.where(begin < last, first + (begin - first) // BLOCK_T * BLOCK_T, last)  # whole pages from a tile
+    first = lo // PS * PS + sp * pages_per_split * PS  # whole pages
+    last = tl.minimum(first + pages_per_split * PS, n)
     g = tl.arange(0, GP)
     gmask = g < GROUP
     K_INT4: tl.constexpr = K_KIND == 3 or K_KIND == 4
@@ -347,7 +346,7 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
     acc_even = tl.zeros((GP, D // 2), tl.float32)  # int4 values: the even and odd output elements
     acc_odd = tl.zeros((GP, D // 2), tl.float32)
     t = tl.arange(0, BLOCK_T)
-    for t0 in range(start, last, BLOCK_T):
+    for t0 in range(first, last, BLOCK_T):
         pos = t0 + t
         tmask = (pos < last) & (pos >= lo)
         pages = tl.load(page_table + b * s_pt_b + pos // PS, mask=tmask, other=0).to(tl.int64)

@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from localpd.kernels.fused_dispatch import rope_ref  # noqa: E402
-from localpd.kernels.kv_dispatch import (decode_block_t, decode_splits, paged_attention,  # noqa: E402
+from localpd.kernels.kv_dispatch import (decode_block_t, decode_span, decode_splits, paged_attention,  # noqa: E402
                                          paged_attention_ref, rope_write_kv, rope_write_kv_ref, write_kv,
                                          write_kv_ref)
 from localpd.quant.kv import dequantize_kv, kv_formats, new_kv_pool  # noqa: E402
@@ -274,6 +274,19 @@ def test_a_sliding_window_sees_only_the_last_keys(kv_dtype):
         check(build_case(kv_dtype, 16, 2, 3, [1, 15, 2 * bt + 7, 100], [1] * 4, seed=window, poison=True), 1e-4,
               window)
         check(build_case(kv_dtype, 16, 2, 3, [33, 70, 97], [7, 40, 97], seed=window + 1, poison=True), 1e-4, window)
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "int4ch/int4"])
+def test_a_sliding_windows_splits_share_out_the_window(kv_dtype):
+    """A decode's splits cover a sliding layer's window, from the page it starts in, not the whole page table: far
+    into a long sequence, several splits each take part of a window of 2 tiles and 20 tokens (one that starts
+    mid-page); a sequence shorter than the window, beside it, is attended whole. The pool starts as garbage."""
+    bt = decode_block_t(16, 64)
+    window, lens = 2 * bt + 20, [9 * bt + 7, bt + 3]
+    span = decode_span(-(-lens[0] // 16) * 16, window, 16)
+    assert span == window + 15 and decode_splits(2, -(-span // bt), torch.device("cpu")) == (2, 2)
+    assert decode_span(64, window, 16) == 64 and decode_span(1024, 0, 16) == 1024
+    check(build_case(kv_dtype, 16, 1, 4, lens, [1, 1], seed=3, poison=True), 1e-4, window)
 
 
 def test_the_references_window_is_attention_over_the_last_keys():
