@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import sys
 from dataclasses import replace
@@ -20,6 +22,8 @@ HELP = """commands:
   /set think on|off|default   thinking models (Qwen3): think first, answer at once, or the model's choice
   /system TEXT          set the system prompt (clears the conversation)
   /clear                forget the conversation
+  /save FILE            write the conversation (system prompt, messages, settings) to a JSON file
+  /load FILE            go on with a conversation /save wrote
   /stats                timings and decode bandwidth of the last reply
   /bye                  leave (or Ctrl+D)
   \"\"\"                   begin and end a multi-line message
@@ -236,6 +240,12 @@ class Chat:
             self.system = rest or None
             self.messages = []
             print("system prompt set" if rest else "system prompt removed", file=sys.stderr)
+        elif name in ("/save", "/load") and not rest:
+            print(f"{name} takes a file name", file=sys.stderr)
+        elif name == "/save":
+            self.save(rest)
+        elif name == "/load":
+            self.load(rest)
         elif name == "/stats":
             print(format_stats(self.last_stats, self.engine, self.device_info()), file=sys.stderr)
         elif name == "/set":
@@ -243,6 +253,44 @@ class Chat:
         else:
             print(f"unknown command {name}; /? lists them", file=sys.stderr)
         return None
+
+    def save(self, path: str) -> None:
+        """The conversation as JSON, written whole or not at all (a new file renamed over the old)."""
+        data = {"model": self.engine.name, "system": self.system, "think": self.think, "messages": self.messages,
+                "params": {k: getattr(self.params, field) for k, (field, _) in SETTINGS.items()}}
+        tmp = f"{path}.tmp-{os.getpid()}"
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(data, f, ensure_ascii=False, indent=1)
+            os.replace(tmp, path)
+        except OSError as e:
+            print(f"cannot save to {path}: {e.strerror or e}", file=sys.stderr)
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            return
+        print(f"saved {len(self.messages)} messages to {path}", file=sys.stderr)
+
+    def load(self, path: str) -> None:
+        """Go on with a saved conversation; a file that is not one leaves this conversation as it is."""
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+            if not isinstance(data, dict) or "messages" not in data:
+                raise ValueError("it is not a conversation /save wrote")
+            messages, system = data["messages"], data.get("system")
+            if not (isinstance(messages, list) and all(
+                    isinstance(m, dict) and m.get("role") in ("user", "assistant") and isinstance(m.get("content"), str)
+                    for m in messages) and (system is None or isinstance(system, str))):
+                raise ValueError("its messages are not a list of user and assistant turns")
+            params = replace(self.params, **{SETTINGS[k][0]: v for k, v in data.get("params", {}).items()
+                                              if k in SETTINGS}).validate()
+        except (OSError, ValueError, TypeError, LocalpdError) as e:
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else e
+            print(f"cannot load {path}: {reason}", file=sys.stderr)
+            return
+        self.messages, self.system, self.params = messages, system, params
+        self.think = data.get("think") if data.get("think") in ("on", "off") else None
+        print(f"loaded {len(messages)} messages from {path}", file=sys.stderr)
 
     def set(self, rest: str) -> None:
         key, _, value = rest.partition(" ")

@@ -4,6 +4,7 @@ import asyncio
 import subprocess
 import sys
 import threading
+from dataclasses import replace
 
 import pytest
 
@@ -258,7 +259,6 @@ def test_int4ch_pages_the_engine_fills_while_decoding_are_the_ones_a_lone_sequen
     token at a time, are bit for bit those of the same steps run on the model directly (stage row 0,
     Batch.single); without the stage they come out different. (That running sequences never share a row is
     test_scheduler's; beside another request the steps' float rounding differs, so pages are not compared.)"""
-    from dataclasses import replace
 
     import torch
 
@@ -339,3 +339,35 @@ def test_the_repl_shows_reasoning_apart_from_the_answer(engine, monkeypatch, cap
     out, err = capsys.readouterr()
     assert out == "\n" and err == raw.strip() + "\n"  # cut off while thinking: all of it is reasoning
     assert chat.messages[-1] == {"role": "assistant", "content": raw}
+
+
+def test_the_repl_saves_and_loads_a_conversation(engine, tmp_path, capsys):
+    """/save writes the system prompt, the turns and the settings; /load goes on from them: the next prompt is the
+    one the first chat would have sent, and the prefix cache serves its earlier turns. A file that is not a saved
+    conversation, or a save that cannot be written, is a one-line message that changes nothing."""
+    from localpd.chat import Chat
+
+    first = Chat(engine, replace(GREEDY, max_tokens=12), "Answer in one sentence.")
+    first.set("top_k 5")
+    first.reply("What is the capital of France?")
+    path = tmp_path / "paris.json"
+    first.command(f"/save {path}")
+    again = Chat(engine, SamplingParams(temperature=0.9, max_tokens=12), None)
+    again.command(f"/load {path}")
+    assert (again.system, again.messages, again.params) == (first.system, first.messages, first.params)
+    assert again.fit_to_context("And of Spain?") == first.fit_to_context("And of Spain?")
+    earlier = len(engine.encode_chat([{"role": "system", "content": first.system}] + first.messages,
+                                     add_generation_prompt=False))
+    again.reply("And of Spain?")
+    assert again.last_stats.cached_tokens >= earlier // 16 * 16 - 16  # all but the page the reply ended in
+    capsys.readouterr()
+    for bad in ('{"messages": [{"role": "wizard", "content": 1}]}', "[1, 2]", "not json", '{"messages": []'):
+        (tmp_path / "bad.json").write_text(bad)
+        again.command(f"/load {tmp_path / 'bad.json'}")
+        err = capsys.readouterr().err
+        assert err.startswith("cannot load") and err.count("\n") == 1 and len(again.messages) == 4
+    again.command(f"/load {tmp_path / 'missing.json'}")
+    assert "No such file" in capsys.readouterr().err
+    again.command(f"/save {tmp_path / 'no' / 'dir.json'}")
+    assert capsys.readouterr().err.startswith("cannot save")
+    assert set(tmp_path.iterdir()) == {path, tmp_path / "bad.json"}  # no temporary file left
