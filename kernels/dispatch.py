@@ -137,30 +137,31 @@ def _plus(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return y if bias is None else y + bias
 
 
-def _input_matmul_ref(x: torch.Tensor, w: torch.Tensor, bias, gated: bool, norm: PreNorm | None):
-    """x @ w.T (+ bias) after the fused input step: silu(gate) * up of x = [gate | up] (gated), or the RMSNorm of
+def _input_matmul_ref(x: torch.Tensor, w: torch.Tensor, bias, gated: str | None, norm: PreNorm | None):
+    """x @ w.T (+ bias) after the fused input step: act(gate) * up of x = [gate | up] (gated: act), or the RMSNorm of
     x + residual (norm, and then (y, x + residual) is returned), each rounded to x's dtype as its own kernel
     would."""
-    from localpd.kernels.fused_dispatch import add_rms_norm_ref, silu_mul_ref  # it imports this module
+    from localpd.kernels.fused_dispatch import act_mul_ref, add_rms_norm_ref  # it imports this module
 
     if norm is not None:
         h, s = add_rms_norm_ref(x, norm.residual, norm.weight, norm.eps)
         return _plus(_matmul_ref(h, w), bias), s
-    return _plus(_matmul_ref(silu_mul_ref(x) if gated else x, w), bias)
+    return _plus(_matmul_ref(act_mul_ref(x, gated) if gated else x, w), bias)
 
 
-def int4_matmul_ref(x, packed, scales, biases, group: int, bias=None, gated: bool = False,
+def int4_matmul_ref(x, packed, scales, biases, group: int, bias=None, gated: str | None = None,
                     norm: PreNorm | None = None):
-    """y = x @ W.T (+ bias, the layer's [N]) with W dequantized in fp32; output in x.dtype. gated: x = [gate | up]
-    and y = (silu(gate) * up) @ W.T. norm: y = RMSNorm(x + residual) @ W.T, returned as (y, x + residual). The
-    kernels are tested against this."""
+    """y = x @ W.T (+ bias, the layer's [N]) with W dequantized in fp32; output in x.dtype. gated ("silu" or
+    "gelu_tanh"): x = [gate | up] and y = (act(gate) * up) @ W.T. norm: y = RMSNorm(x + residual) @ W.T,
+    returned as (y, x + residual). The kernels are tested against this."""
     w = Int4Weight(packed, scales, biases)
     if w.group != group:
         raise LocalpdError(f"int4 weights have group {w.group}, not {group}")
     return _input_matmul_ref(x, w.dequantize(torch.float32), bias, gated, norm)
 
 
-def int8_matmul_ref(x, data, scales, group: int, bias=None, gated: bool = False, norm: PreNorm | None = None):
+def int8_matmul_ref(x, data, scales, group: int, bias=None, gated: str | None = None,
+                    norm: PreNorm | None = None):
     w = Int8Weight(data, scales)
     if w.group != group:
         raise LocalpdError(f"int8 weights have group {w.group}, not {group}")
@@ -182,11 +183,12 @@ def _triton_fn(name: str):
     return fn
 
 
-def _linear(x, w_shape, run, gated=False, norm=None):
+def _linear(x, w_shape, run, gated=None, norm=None):
     """run(x2, norm) on x flattened to rows (run adds the bias); the result in x's leading shape."""
     lead, k = x.shape[:-1], x.shape[-1]
     if k != w_shape[1] * (2 if gated else 1):
-        raise LocalpdError(f"input has {k} features but the weight expects {w_shape[1]}{' twice (gated)' * gated}")
+        twice = " twice (gated)" if gated else ""
+        raise LocalpdError(f"input has {k} features but the weight expects {w_shape[1]}{twice}")
     if norm is not None and norm.residual is not None:
         norm = replace(norm, residual=norm.residual.reshape(-1, k))
     y = run(x.reshape(-1, k), norm)
@@ -195,16 +197,16 @@ def _linear(x, w_shape, run, gated=False, norm=None):
     return y[0].reshape(*lead, w_shape[0]), y[1].reshape(x.shape)
 
 
-def linear_int4(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None, gated: bool = False,
+def linear_int4(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None, gated: str | None = None,
                 norm: PreNorm | None = None):
-    """x @ W.T (+ bias); gated: x = [gate | up] and the product is (silu(gate) * up) @ W.T; norm: the product is
-    RMSNorm(x + residual) @ W.T, returned with x + residual (PreNorm)."""
+    """x @ W.T (+ bias); gated ("silu" or "gelu_tanh"): x = [gate | up] and the product is (act(gate) * up) @ W.T;
+    norm: the product is RMSNorm(x + residual) @ W.T, returned with x + residual (PreNorm)."""
     fn = _triton_fn("int4") if use_triton(x) else int4_matmul_ref
     return _linear(x, w.shape, lambda x2, n: fn(x2, w.packed, w.scales, w.biases, w.group, bias=bias, gated=gated,
                                                  norm=n), gated, norm)
 
 
-def linear_int8(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None, gated: bool = False,
+def linear_int8(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None, gated: str | None = None,
                 norm: PreNorm | None = None):
     fn = _triton_fn("int8") if use_triton(x) else int8_matmul_ref
     return _linear(x, w.shape, lambda x2, n: fn(x2, w.data, w.scales, w.group, bias=bias, gated=gated, norm=n),

@@ -5,8 +5,9 @@ gone but each still reads and writes its tensors and takes a few microseconds).
 - add_rms_norm: residual add and RMSNorm in one pass over a row (the sum is rounded to the activation dtype
   first, as the unfused torch code does, so both paths normalise the same residual stream), where the next
   matmul cannot do it as it loads its input (quant_matmul's norm: int4/int8 GEMVs).
-- silu_mul: SiLU(gate) * up from the gate/up matmul's [T, 2I] output, where the down projection is dense or
-  prefill-sized; the int4/int8 GEMVs compute it themselves as they load their input (quant_matmul's gated).
+- act_mul: act(gate) * up from the gate/up matmul's [T, 2I] output (act: SiLU, or GELU's tanh form for Gemma),
+  where the down projection is dense or prefill-sized; the int4/int8 GEMVs compute it themselves as they load
+  their input (quant_matmul's gated, through gate_act).
 - qk_norm: Qwen3's RMSNorm of each query and key head over head_dim (its own weight for queries and for keys), in
   place on the qkv matmul's output, before RoPE and the KV write.
 - rope: rotates query and key heads in place (HF's half-rotated layout), reading cos/sin per token. The model
@@ -55,15 +56,26 @@ def qk_norm_kernel(qkv, wq, wk, D, eps, s_t, HQ: tl.constexpr, BLOCK: tl.constex
 
 
 @triton.jit
-def silu_mul_kernel(gu, out, I, s_gu, s_o, BLOCK: tl.constexpr):
-    """Program (t, block): out[t, j] = silu(gu[t, j]) * gu[t, I + j], silu rounded to the dtype first as torch does."""
+def gate_act(g, ACT: tl.constexpr):
+    """An MLP gate's activation of fp32 g: SiLU (ACT "silu"), or GELU's tanh form (ACT "gelu_tanh"), written as
+    g * sigmoid(2z) for z = sqrt(2/pi) (g + 0.044715 g^3), which is 0.5 g (1 + tanh(z)) without its cancellation."""
+    if ACT == "gelu_tanh":
+        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        return g / (1.0 + tl.exp(-2.0 * z))
+    else:
+        return g / (1.0 + tl.exp(-g))
+
+
+@triton.jit
+def act_mul_kernel(gu, out, I, s_gu, s_o, BLOCK: tl.constexpr, ACT: tl.constexpr):
+    """Program (t, block): out[t, j] = act(gu[t, j]) * gu[t, I + j], act rounded to the dtype first as torch does."""
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = j < I
     g = tl.load(gu + t * s_gu + j, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gu + t * s_gu + I + j, mask=mask, other=0.0)
-    silu = (g / (1.0 + tl.exp(-g))).to(u.dtype).to(tl.float32)
-    tl.store(out + t * s_o + j, (silu * u.to(tl.float32)).to(out.dtype.element_ty), mask=mask)
+    a = gate_act(g, ACT).to(u.dtype).to(tl.float32)
+    tl.store(out + t * s_o + j, (a * u.to(tl.float32)).to(out.dtype.element_ty), mask=mask)
 
 
 @triton.jit

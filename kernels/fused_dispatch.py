@@ -1,12 +1,14 @@
-"""The small fused steps of a layer (residual add + RMSNorm, SiLU * mul, RoPE, Qwen3's per-head RMSNorm of queries
-and keys): torch references, and launchers of their Triton kernels (kernels/fused.py) for CUDA tensors or under
-the interpreter (see dispatch.use_triton). Nothing here imports Triton unless a kernel is launched."""
+"""The small fused steps of a layer (residual add + RMSNorm, an MLP gate's activation * up, RoPE, Qwen3's per-head
+RMSNorm of queries and keys): torch references, and launchers of their Triton kernels (kernels/fused.py) for CUDA
+tensors or under the interpreter (see dispatch.use_triton). Nothing here imports Triton unless a kernel is
+launched."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from localpd.errors import LocalpdError
 from localpd.kernels.dispatch import cdiv, use_triton
 
 
@@ -34,10 +36,13 @@ def qk_norm_ref(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tenso
     return qkv
 
 
-def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
-    """SiLU(gate) * up for gate_up = [gate | up] along the last dimension."""
+GATE_ACTS = {"silu": F.silu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh")}  # an MLP gate's activations
+
+
+def act_mul_ref(gate_up: torch.Tensor, act: str = "silu") -> torch.Tensor:
+    """act(gate) * up for gate_up = [gate | up] along the last dimension; act one of GATE_ACTS."""
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return GATE_ACTS[act](gate) * up
 
 
 def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -70,17 +75,19 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     return h, s
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def act_mul(gate_up: torch.Tensor, act: str = "silu") -> torch.Tensor:
+    if act not in GATE_ACTS:
+        raise LocalpdError(f"unknown MLP activation {act!r}; localpd knows {', '.join(GATE_ACTS)}")
     if not use_triton(gate_up) or gate_up.dim() != 2 or gate_up.stride(-1) != 1:
-        return silu_mul_ref(gate_up)
-    from localpd.kernels.fused import silu_mul_kernel
+        return act_mul_ref(gate_up, act)
+    from localpd.kernels.fused import act_mul_kernel
 
     T, I = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((T, I), dtype=gate_up.dtype, device=gate_up.device)
     block = min(1024, triton_block(I))
     if T:
-        silu_mul_kernel[(T, cdiv(I, block))](gate_up, out, I, gate_up.stride(0), out.stride(0), BLOCK=block,
-                                             num_warps=_warps(block))
+        act_mul_kernel[(T, cdiv(I, block))](gate_up, out, I, gate_up.stride(0), out.stride(0), BLOCK=block,
+                                            ACT=act, num_warps=_warps(block))
     return out
 
 

@@ -31,7 +31,8 @@ import triton.language as tl
 from localpd.kernels.dispatch import (GEMV_CONFIGS, GEMV_MAX_M, INTERPRET_GEMV, PreNorm, cdiv, gemv_block_m,
                                      gemv_tile_fits, pick_split_k, sm_count, triton_interpreting, tuned_gemv)
 from localpd.errors import LocalpdError
-from localpd.kernels.fused_dispatch import add_rms_norm, silu_mul
+from localpd.kernels.fused import gate_act
+from localpd.kernels.fused_dispatch import GATE_ACTS, act_mul, add_rms_norm
 
 INT8_XOR = tl.constexpr(-2139062144)  # 0x80808080 as int32: flips each byte's sign bit, so a byte reads q + 128
 DEQUANT_CHUNK = 1 << 25  # weights dequantized at a time on the GEMM path
@@ -82,10 +83,11 @@ def _split_chunks(K, BLOCK_K: tl.constexpr, SPLIT_K, pid_k):
 def _gemv_kernel(x_ptr, y_ptr, M, N, K, stride_xm, stride_ym, w_ptr, s_ptr, b_ptr, stride_wn, stride_sn, K_GROUPS,
                  SPLIT_K, r_ptr, g_ptr, sum_ptr, stride_rm, stride_summ, eps, out_bias_ptr, BITS: tl.constexpr,
                  GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr, GATED: tl.constexpr = False, NORM: tl.constexpr = False,
+                 BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr, GATED: tl.constexpr = "", NORM: tl.constexpr = False,
                  HAS_RES: tl.constexpr = False, OUT_BIAS: tl.constexpr = False, WORD_ALIGN: tl.constexpr = 1):
-    """GATED: x rows are [gate | up] (2K wide) and the activation is silu(gate) * up, computed as it is loaded
-    and rounded to x's dtype exactly as silu_mul_kernel writes it (the down projection without its own kernel).
+    """GATED ("silu" or "gelu_tanh"; "" for none): x rows are [gate | up] (2K wide) and the activation is
+    act(gate) * up, computed as it is loaded and rounded to x's dtype exactly as act_mul_kernel writes it (the down
+    projection without its own kernel).
 
     NORM: the activation is RMSNorm(s) * g for s = x + r (HAS_RES; s = x otherwise), the sum rounded to x's dtype
     as add_rms_norm_kernel rounds it. The tile multiplies s * g, and y is scaled by rsqrt(mean(s^2) + eps) at the
@@ -148,11 +150,10 @@ def _gemv_kernel(x_ptr, y_ptr, M, N, K, stride_xm, stride_ym, w_ptr, s_ptr, b_pt
                 xs = xs * tl.load(g_ptr + kf, mask=(wk < kw)[None], other=0.0).to(tl.float32)
             else:
                 xs = tl.load(xrow + kf, mask=x_mask, other=0.0)
-            if GATED:
+            if GATED != "":
                 up = tl.load(xrow + K + kf, mask=x_mask, other=0.0)
-                g = xs.to(tl.float32)
-                silu = (g / (1.0 + tl.exp(-g))).to(up.dtype).to(tl.float32)
-                xs = (silu * up.to(tl.float32)).to(up.dtype)
+                act = gate_act(xs.to(tl.float32), GATED).to(up.dtype).to(tl.float32)
+                xs = (act * up.to(tl.float32)).to(up.dtype)
             xs = xs.to(tl.float32)
             xsum += xs
             part += _field(w, hi, f, BITS) * _field_scaled(xs, f, BITS)[:, None]
@@ -295,19 +296,21 @@ _GEMV = _gemv_launcher()
 
 def quant_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor | None, bits: int,
                  group: int, *, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                 split_k: int | None = None, path: str | None = None, gated: bool = False,
+                 split_k: int | None = None, path: str | None = None, gated: str | None = None,
                  norm: PreNorm | None = None):
     """x [M, K] @ W.T (+ bias [N]) -> [M, N] in x.dtype; W given as int32 words [N, K * bits / 32], scales (and
-    int4 biases) [N, K / group]. gated: x is [M, 2K] = [gate | up] and the product is silu(gate) * up @ W.T (an
-    MLP's down projection; the GEMV computes the activation as it loads it). norm: the product is RMSNorm(x +
-    residual) @ W.T and the result is (y, x + residual) (the GEMV normalises as it loads; see PreNorm). `out`,
-    `split_k` and `path` ("gemv"/"gemm") override the defaults, for tests and benchmarks."""
+    int4 biases) [N, K / group]. gated ("silu" or "gelu_tanh"): x is [M, 2K] = [gate | up] and the product is
+    act(gate) * up @ W.T (an MLP's down projection; the GEMV computes the activation as it loads it). norm: the
+    product is RMSNorm(x + residual) @ W.T and the result is (y, x + residual) (the GEMV normalises as it loads;
+    see PreNorm). `out`, `split_k` and `path` ("gemv"/"gemm") override the defaults, for tests and benchmarks."""
     n, k = words.shape[0], words.shape[1] * 32 // bits
     width = 2 * k if gated else k
     if x.dim() != 2 or x.shape[1] != width:
         raise LocalpdError(f"expected activations of shape [M, {width}], got {tuple(x.shape)}")
     if gated and norm is not None:
         raise LocalpdError("a matmul takes either a gated or a normalised input, not both")
+    if gated is not None and gated not in GATE_ACTS:
+        raise LocalpdError(f"unknown MLP activation {gated!r}; localpd knows {', '.join(GATE_ACTS)}")
     res = None if norm is None else norm.residual
     if norm is not None and ((res is not None and (res.shape != x.shape or res.dtype != x.dtype))
                              or norm.weight.shape != (k,)):
@@ -321,7 +324,7 @@ def quant_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bia
     if path not in ("gemv", "gemm") or (path == "gemv" and m > GEMV_MAX_M):
         raise LocalpdError(f"no {path} path for M = {m}")
     if gated and path == "gemm":  # prefill: one elementwise pass is cheap beside the GEMM
-        x, gated = silu_mul(x), False
+        x, gated = act_mul(x, gated), None
     if norm is not None and path == "gemm":
         x, s = add_rms_norm(x, norm.residual, norm.weight, norm.eps)
         return quant_matmul(x, words, scales, biases, bits, group, bias=bias, out=out, path=path), s
@@ -351,8 +354,9 @@ def quant_matmul(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, bia
         tuned = tuned_gemv(x.device, bits, group, n, k, block_m)
         split_k = tuned.pop("split_k") if tuned else pick_split_k(n, k, sm_count(x.device))
     y = torch.zeros((m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
-    meta = dict(BITS=bits, GROUP=kernel_group, HAS_BIAS=has_bias, BLOCK_M=block_m, ATOMIC=split_k > 1, GATED=gated,
-                NORM=norm is not None, HAS_RES=res is not x, OUT_BIAS=bias is not None, WORD_ALIGN=word_align(words))
+    meta = dict(BITS=bits, GROUP=kernel_group, HAS_BIAS=has_bias, BLOCK_M=block_m, ATOMIC=split_k > 1,
+                GATED=gated or "", NORM=norm is not None, HAS_RES=res is not x, OUT_BIAS=bias is not None,
+                WORD_ALIGN=word_align(words))
     if tuned:
         kernel = _gemv_kernel
         meta.update(tuned)
@@ -393,7 +397,7 @@ def _dequant_matmul(x, words, scales, biases, bits, group, has_bias, out):
 
 
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, group: int, *,
-                bias=None, out=None, split_k=None, path=None, gated: bool = False, norm: PreNorm | None = None):
+                bias=None, out=None, split_k=None, path=None, gated: str | None = None, norm: PreNorm | None = None):
     """x @ dequant(packed, scales, biases).T; the arguments of int4_matmul_ref, plus the overrides."""
     n, k = packed.shape[0], packed.shape[1] * 8
     if scales.shape != (n, k // group) or biases.shape != scales.shape:
@@ -403,7 +407,7 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bia
 
 
 def int8_matmul(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, group: int, *,
-                bias=None, out=None, split_k=None, path=None, gated: bool = False, norm: PreNorm | None = None):
+                bias=None, out=None, split_k=None, path=None, gated: str | None = None, norm: PreNorm | None = None):
     """x @ (data * scales).T; the arguments of int8_matmul_ref, plus the overrides."""
     n, k = data.shape
     if scales.shape != (n, k // group):

@@ -15,7 +15,7 @@ from importlib import resources
 import torch
 
 from localpd.errors import LocalpdError
-from localpd.kernels.fused_dispatch import silu_mul
+from localpd.kernels.fused_dispatch import act_mul
 from localpd.model import Batch, Transformer, normed_separately
 from localpd.quant.kv import new_kv_pool, same_kv
 
@@ -48,9 +48,9 @@ class _Recorder:
         self.rows += x.shape[0]
         return self.linear(x)
 
-    def gated(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """The down projection's call (QuantLinear.gated): its input is silu(gate) * up."""
-        return self(silu_mul(gate_up))
+    def gated(self, gate_up: torch.Tensor, act: str = "silu") -> torch.Tensor:
+        """The down projection's call (QuantLinear.gated): its input is act(gate) * up."""
+        return self(act_mul(gate_up, act))
 
     def normed(self, x, residual, norm_weight, eps):
         """The call of a projection after a norm (QuantLinear.normed): its input is the normalised sum."""

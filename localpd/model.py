@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from localpd.config import ModelConfig
 from localpd.errors import LocalpdError
 from localpd.kernels.dispatch import PreNorm, linear_bnb_int8, linear_bnb_nf4, linear_int4, linear_int8
-from localpd.kernels.fused_dispatch import add_rms_norm, qk_norm, silu_mul
+from localpd.kernels.fused_dispatch import act_mul, add_rms_norm, qk_norm
 from localpd.kernels.kv_dispatch import paged_attention, rope_write_kv, rope_write_kv_ref
 from localpd.quant.bnb import BnbInt8Weight, Nf4Weight
 from localpd.quant.kv import KVPool
@@ -44,15 +44,15 @@ class QuantLinear:
             return linear_bnb_int8(x, w, self.bias)
         return F.linear(x, w, self.bias)
 
-    def gated(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """self(silu(gate) * up) for gate_up = [gate | up]: the int4/int8 GEMVs compute the activation as they
+    def gated(self, gate_up: torch.Tensor, act: str = "silu") -> torch.Tensor:
+        """self(act(gate) * up) for gate_up = [gate | up]: the int4/int8 GEMVs compute the activation as they
         load it, so a decode step launches no kernel of its own for it."""
         w = self.weight
         if isinstance(w, Int4Weight):
-            return linear_int4(gate_up, w, self.bias, gated=True)
+            return linear_int4(gate_up, w, self.bias, gated=act)
         if isinstance(w, Int8Weight):
-            return linear_int8(gate_up, w, self.bias, gated=True)
-        return self(silu_mul(gate_up))
+            return linear_int8(gate_up, w, self.bias, gated=act)
+        return self(act_mul(gate_up, act))
 
     def normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,12 +94,6 @@ class StackedLinear:
     @property
     def params(self) -> int:
         return sum(p.params for p in self.parts)
-
-
-def gelu_gated(down, gate_up: torch.Tensor) -> torch.Tensor:
-    """down(GELU(gate) * up), GELU's tanh form (Gemma), for gate_up = [gate | up]; in torch, not fused."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return down(F.gelu(gate, approximate="tanh") * up)
 
 
 def normed_separately(linear, x, residual, norm_weight, eps):
@@ -271,11 +265,10 @@ class Transformer:
         local = rope if self.local_inv_freq is None else self._rope(batch.positions, self.local_inv_freq)
         scale = c.attn_scale or 1.0 / math.sqrt(c.head_dim)
         if self.fused:
-            normed, gated, write = (lambda lin, *a: lin.normed(*a)), (lambda lin, gu: lin.gated(gu)), rope_write_kv
+            normed, write = (lambda lin, *a: lin.normed(*a)), rope_write_kv
+            gated = lambda lin, gu: lin.gated(gu, c.act)  # noqa: E731
         else:
-            normed, gated, write = normed_separately, (lambda lin, gu: lin(silu_mul(gu))), rope_write_kv_ref
-        if c.act == "gelu_tanh":
-            gated = gelu_gated
+            normed, gated, write = normed_separately, (lambda lin, gu: lin(act_mul(gu, c.act))), rope_write_kv_ref
         out, x = take_rows(self.embed, batch.tokens, self.dtype), None
         if c.embed_scale != 1.0:
             out = out * c.embed_scale

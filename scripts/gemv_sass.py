@@ -37,7 +37,7 @@ def compile_gemv(bits: int, group: int, block_n: int, block_k: int, warps: int, 
                K_GROUPS="i32", SPLIT_K="i32", r_ptr="*bf16", g_ptr="*bf16", sum_ptr="*bf16", stride_rm="i32",
                stride_summ="i32", eps="fp32", out_bias_ptr="*bf16")
     const = dict(BITS=bits, GROUP=group, HAS_BIAS=bits == 4, BLOCK_M=gemv_block_m(m), BLOCK_N=block_n,
-                 BLOCK_K=block_k, ATOMIC=split, GATED=gated, NORM=norm, HAS_RES=norm, OUT_BIAS=False, WORD_ALIGN=4)
+                 BLOCK_K=block_k, ATOMIC=split, GATED="silu" if gated else "", NORM=norm, HAS_RES=norm, OUT_BIAS=False, WORD_ALIGN=4)
     return _compile(_gemv_kernel, sig, const, ["stride_rm", "stride_summ"], arch, warps, stages)
 
 

@@ -2,6 +2,7 @@
 references, and a whole (tiny, random) model run with every Triton kernel against the same model on the
 references: on the CPU through Triton's interpreter, or compiled on a GPU with LOCALPD_TEST_DEVICE=cuda."""
 
+import math
 import os
 from dataclasses import fields, replace
 
@@ -14,7 +15,7 @@ import torch  # noqa: E402
 
 from localpd.config import ModelConfig  # noqa: E402
 from localpd.kernels.fused_dispatch import (add_rms_norm, add_rms_norm_ref, qk_norm, qk_norm_ref,  # noqa: E402
-                                            rope, rope_ref, silu_mul, silu_mul_ref)
+                                            rope, rope_ref, act_mul, act_mul_ref)
 from localpd.model import Batch, Transformer  # noqa: E402
 from localpd.quant.kv import new_kv_pool  # noqa: E402
 from localpd.synthetic import random_weight  # noqa: E402
@@ -66,11 +67,16 @@ def test_add_rms_norm_strided_rows(triton_on):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T,I", [(1, 1536), (4, 100), (2, 3000)])
-def test_silu_mul(triton_on, dtype, T, I):
-    gu = rand(T, 2 * I, dtype=dtype, seed=7)
-    out = silu_mul(gu)
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_act_mul(triton_on, dtype, T, I, act):
+    gu = rand(T, 2 * I, dtype=dtype, seed=7) * 4  # into GELU's tails, where its tanh form must not cancel
+    out = act_mul(gu, act)
     assert out.shape == (T, I) and out.dtype == dtype
-    assert rel_err(out, silu_mul_ref(gu)) < TOL[dtype]
+    assert rel_err(out, act_mul_ref(gu, act)) < TOL[dtype]
+    if act == "gelu_tanh":  # the reference is Gemma's: 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3)))
+        g, u = gu.float().chunk(2, dim=-1)
+        by_hand = 0.5 * g * (1 + torch.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g ** 3))) * u
+        assert rel_err(act_mul_ref(gu, act).float(), by_hand) < TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -208,6 +214,6 @@ def test_a_decode_step_launches_seven_kernels_per_layer(monkeypatch):
     launched, unfused_logits = count_decode_launches(monkeypatch, fused=False)
     layer = ["add_rms_norm_kernel", "_gemv_kernel", "rope_kernel", "write_kv_kernel", "write_kv_kernel",
              "decode_kernel", "decode_reduce_kernel", "_gemv_kernel", "add_rms_norm_kernel", "_gemv_kernel",
-             "silu_mul_kernel", "_gemv_kernel"]
+             "act_mul_kernel", "_gemv_kernel"]
     assert launched == layer * 2 + ["add_rms_norm_kernel", "_gemv_kernel"]
     assert rel_err(unfused_logits, logits) < 1e-5

@@ -163,31 +163,37 @@ def test_tensor_core_gemv_refuses_what_it_cannot_take():
 
 
 @pytest.mark.parametrize("fmt,group", [("int4", 32), ("int4", 128), ("int8", None), ("int8", 64)])
-@pytest.mark.parametrize("m,dtype,split_k,path", [(1, torch.bfloat16, None, None), (3, torch.float16, 2, None),
-                                                  (1, torch.float32, 3, None), (12, torch.bfloat16, None, "gemv"),
-                                                  (20, torch.float16, None, None)])
-def test_gated_matmul_is_the_down_projection_of_silu_mul(monkeypatch, fmt, group, m, dtype, split_k, path):
-    """gated=True takes [gate | up] (2K wide) and multiplies silu(gate) * up: against the reference, and, on the
-    GEMV path, bit for bit what the kernel gives for the output of the separate silu_mul kernel."""
-    from localpd.kernels.fused_dispatch import silu_mul
+@pytest.mark.parametrize("m,dtype,split_k,path,act", [
+    (1, torch.bfloat16, None, None, "silu"), (1, torch.bfloat16, None, None, "gelu_tanh"),
+    (3, torch.float16, 2, None, "silu"), (1, torch.float32, 3, None, "gelu_tanh"),
+    (12, torch.bfloat16, None, "gemv", "gelu_tanh"), (20, torch.float16, None, None, "silu")])
+def test_gated_matmul_is_the_down_projection_of_act_mul(monkeypatch, fmt, group, m, dtype, split_k, path, act):
+    """gated=act takes [gate | up] (2K wide) and multiplies act(gate) * up (SiLU, or Gemma's tanh GELU): against
+    the reference, and, on the GEMV path, bit for bit what the kernel gives for the output of the separate act_mul
+    kernel."""
+    from localpd.kernels.fused_dispatch import act_mul
 
     n, k = 72, 384
     args, kernel, ref_fn = make_case(fmt, n, k, group or k, seed=m + k)
     gate_up = (torch.randn(m, 2 * k, generator=torch.Generator().manual_seed(m)) * 2).to(dtype).to(DEV)
-    y = kernel(gate_up, *args, split_k=split_k, path=path, gated=True)
+    y = kernel(gate_up, *args, split_k=split_k, path=path, gated=act)
     assert y.shape == (m, n) and y.dtype == dtype
     # Triton's interpreter rounds fp32 to bf16 by truncation (the GPU rounds to nearest): here the activation is
     # rounded twice more than in a plain matmul, so bf16 gets twice the tolerance on the CPU
     tol = TOL[dtype] * (2 if DEV == "cpu" and dtype == torch.bfloat16 else 1)
-    assert rel_err(y, ref_fn(gate_up, *args, gated=True)) < tol
+    assert rel_err(y, ref_fn(gate_up, *args, gated=act)) < tol
+    other = "silu" if act == "gelu_tanh" else "gelu_tanh"
+    assert rel_err(y, ref_fn(gate_up, *args, gated=other)) > 3 * tol  # the activation is the one asked for
     if DEV == "cpu":
-        monkeypatch.setenv("LOCALPD_TRITON_INTERPRET", "1")  # the silu_mul kernel, not its torch reference
-    separate = kernel(silu_mul(gate_up), *args, split_k=split_k, path=path)
+        monkeypatch.setenv("LOCALPD_TRITON_INTERPRET", "1")  # the act_mul kernel, not its torch reference
+    separate = kernel(act_mul(gate_up, act), *args, split_k=split_k, path=path)
     if DEV == "cpu" and (path == "gemv" or m <= 8):  # compiled, the two may contract multiply-adds differently
         assert torch.equal(y, separate)
     assert rel_err(y, separate) < tol
     with pytest.raises(LocalpdError, match=f"expected activations of shape \\[M, {2 * k}\\]"):
-        kernel(gate_up[:, :k], *args, gated=True)
+        kernel(gate_up[:, :k], *args, gated=act)
+    with pytest.raises(LocalpdError, match="unknown MLP activation 'relu'"):
+        kernel(gate_up, *args, gated="relu")
 
 
 @pytest.mark.parametrize("fmt,group", [("int4", 32), ("int4", 128), ("int8", None), ("int8", 64)])
@@ -232,7 +238,7 @@ def test_normed_matmul_is_add_rms_norm_then_matmul(monkeypatch, fmt, group, m, d
     with pytest.raises(LocalpdError, match="residual"):
         kernel(x, *args, norm=PreNorm(torch.zeros(m, k + 1, dtype=dtype, device=DEV), weight, 1e-5))
     with pytest.raises(LocalpdError, match="either a gated or a normalised"):
-        kernel(torch.cat([x, x], 1), *args, gated=True, norm=norm)
+        kernel(torch.cat([x, x], 1), *args, gated="silu", norm=norm)
 
 
 @pytest.mark.parametrize("fmt,group", [("int4", 64), ("int8", None)])
