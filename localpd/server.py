@@ -229,6 +229,10 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
             prompts = [prompts]  # one prompt, as text or token ids
         if not prompts:
             raise ApiError(400, "the prompt is empty", param="prompt")
+        if body.best_of is not None and body.best_of != body.n:
+            raise ApiError(400, "best_of other than n is not supported (candidates are not ranked)", param="best_of")
+        if body.suffix:
+            raise ApiError(400, "suffix (fill-in-the-middle) is not supported", param="suffix")
         if body.echo and body.logprobs is not None:
             raise ApiError(400, "echo with logprobs (the prompt's own log-probabilities) is not supported",
                            param="echo")

@@ -124,6 +124,8 @@ class CompletionRequest(Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]  # one prompt, or several (texts or token ids)
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
+    best_of: int | None = Field(None, ge=1)  # refused above n: localpd does not rank candidates
+    suffix: str | None = None  # refused: no fill-in-the-middle
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:

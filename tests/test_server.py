@@ -357,6 +357,8 @@ def test_bad_requests_get_openai_shaped_4xx(served, payload, status, fragment):
     ({"prompt": "a", "echo": True, "logprobs": 1}, "echo with logprobs"),
     ({"prompt": ["a", "word " * 2000]}, "context"),
     ({"prompt": [[1, 2], "a"]}, "prompt"),
+    ({"prompt": "a", "best_of": 3}, "best_of"),
+    ({"prompt": "a", "suffix": "b"}, "suffix"),
 ])
 def test_bad_completion_requests_are_400s(served, payload, fragment):
     r = httpx.post(served[1].url + "/v1/completions", json={"max_tokens": 2, **payload},
