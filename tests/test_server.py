@@ -425,14 +425,17 @@ def test_sixteen_concurrent_streams_match_their_single_answers(served, client):
     assert idle(engine)
 
 
-def test_a_dropped_stream_frees_its_pages(served, client):
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_dropped_stream_frees_its_pages(served, client, n):
+    """A client that goes away mid-stream frees its pages, every choice's when it asked for n."""
     engine, live = served
     with httpx.stream("POST", live.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
                       json={"messages": [{"role": "user", "content": "Write a long essay about rivers."}],
-                            "max_tokens": 500, "stream": True, "temperature": 0}) as r:
+                            "max_tokens": 500, "stream": True, "temperature": 0, "n": n}) as r:
         for i, _ in enumerate(r.iter_lines()):
-            if i > 6:
+            if i > 6 * n:
                 break  # the client goes away mid-stream
+        assert engine.stats().running + engine.stats().waiting == n
     assert idle(engine)
     metrics = httpx.get(live.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     assert "localpd_kv_pages_used 0" in metrics and "localpd_time_to_first_token_seconds_count" in metrics
