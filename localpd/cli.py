@@ -103,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=positive_int, default=8000)
     serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health")
     serve.add_argument("--max-waiting", type=positive_int, default=64, help="queued requests before answering 503")
+    serve.add_argument("--cors", action="append", default=[], metavar="ORIGIN",
+                       help="let web pages from ORIGIN (e.g. http://localhost:3000, or * for any) call the API from "
+                            "a browser (repeatable; default: none)")
     serve.add_argument("--reasoning", choices=("split", "inline"), default="split",
                        help="a thinking model's <think> block: in reasoning_content (split, the default) or left in "
                             "the content (inline)")

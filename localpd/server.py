@@ -18,6 +18,7 @@ from typing import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -108,9 +109,12 @@ class Metrics:
 
 
 def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None = None, api_key: str | None = None,
-               max_waiting: int = 64, bandwidth: float | None = None, split_reasoning: bool = True) -> FastAPI:
+               max_waiting: int = 64, bandwidth: float | None = None, split_reasoning: bool = True,
+               cors_origins: list[str] | None = None) -> FastAPI:
     """engine: a loaded engine; or load: called on a background thread at startup (/health says 503 until then).
     split_reasoning: a thinking model's <think> block goes to the message's reasoning_content, not its content.
+    cors_origins: web origins whose pages may call the API from a browser ("*": any); their preflight requests
+    are answered before the API key is asked for, as browsers send them without it.
     bandwidth: bytes/s the MBU in `timings` and /metrics is measured against (default: the device's measured
     copy bandwidth, else its datasheet peak; localpd.device)."""
     app = FastAPI(title="localpd", version="0.1.0", description="OpenAI-compatible local inference")
@@ -456,6 +460,9 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
                 "token_logprobs": [ev.logprob for ev in events],
                 "top_logprobs": [{token_text(e, t): lp for t, lp in (ev.top_logprobs or [])} for ev in events]}
 
+    if cors_origins:  # added last, so it runs first: a browser's preflight carries no Authorization header
+        app.add_middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
     return app
 
 
@@ -519,7 +526,7 @@ def serve(args) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         log.warning("listening on %s without --api-key: anyone who can reach this port can use the model", args.host)
     app = create_app(load=load, api_key=args.api_key, max_waiting=args.max_waiting,
-                     split_reasoning=args.reasoning == "split")
+                     split_reasoning=args.reasoning == "split", cors_origins=args.cors)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0

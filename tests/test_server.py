@@ -388,6 +388,33 @@ def test_logit_bias_bans_and_forces_tokens(served, client):
         assert status == 400 and fragment in error["message"] and "logit_bias" in (error["param"] or error["message"])
 
 
+def test_cors_lets_the_named_origins_call_from_a_browser(served):
+    """serve --cors ORIGIN: a browser's preflight (which carries no API key) is answered for that origin, and its
+    requests get the header that lets the page read the reply; another origin, or a server without --cors, gets
+    no such header."""
+    engine, plain = served
+    page, stranger = "http://localhost:3000", "http://evil.example"
+    live = LiveServer(create_app(engine, api_key=KEY, cors_origins=[page]))
+    try:
+        preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+        ok = httpx.options(live.url + "/v1/chat/completions", headers={"Origin": page, **preflight})
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == page
+        assert httpx.options(live.url + "/v1/chat/completions",
+                             headers={"Origin": stranger, **preflight}).status_code == 400
+        body = {"messages": Q, "max_tokens": 2}
+        auth = {"Authorization": f"Bearer {KEY}"}
+        r = httpx.post(live.url + "/v1/chat/completions", json=body, headers={**auth, "Origin": page})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == page
+        assert httpx.post(live.url + "/v1/chat/completions", json=body, headers={"Origin": page}).status_code == 401
+        r = httpx.post(live.url + "/v1/chat/completions", json=body, headers={**auth, "Origin": stranger})
+        assert "access-control-allow-origin" not in r.headers
+    finally:
+        live.stop()
+    r = httpx.post(plain.url + "/v1/chat/completions", json={"messages": Q, "max_tokens": 2},
+                   headers={"Authorization": f"Bearer {KEY}", "Origin": page})
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+
+
 def test_transport_level_errors(served):
     url, auth = served[1].url, {"Authorization": f"Bearer {KEY}"}
     assert status_and_error(httpx.get(url + "/v1/models"))[0] == 401
