@@ -29,7 +29,8 @@ from localpd.errors import LocalpdError
 from localpd.roofline import decode_ceiling_tps, utilisation
 from localpd.sampling import SamplingParams
 from localpd.reasoning import ThinkSplit, reply_split, split_reply
-from localpd.server_schema import ChatRequest, CompletionRequest, NamedToolChoice, Sampling, error_body
+from localpd.server_schema import (ChatRequest, CompletionRequest, DetokenizeRequest, NamedToolChoice, Sampling,
+                                   TokenizeRequest, error_body)
 from localpd.tools import CallStream, ToolCall, call_schema, check_choice, forced_prefix, parse_calls
 
 log = logging.getLogger("localpd.server")
@@ -181,7 +182,38 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
     @app.get("/v1/models")
     async def models():
         e = ready()
-        return {"object": "list", "data": [{"id": e.name, "object": "model", "created": 0, "owned_by": "localpd"}]}
+        return {"object": "list", "data": [{"id": e.name, "object": "model", "created": 0, "owned_by": "localpd",
+                                            "max_model_len": e.max_context}]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        """Token ids of a prompt, or of a conversation in the model's chat template (vLLM's and llama.cpp's)."""
+        e = ready()
+        if e.tokenizer is None:
+            raise ApiError(400, f"{e.name} has no tokenizer", param="prompt")
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(400, "send either prompt or messages", param="prompt")
+        if body.messages is not None:
+            try:
+                ids = e.encode_chat([m.template_dict() for m in body.messages],
+                                    template_vars=body.chat_template_kwargs,
+                                    add_generation_prompt=body.add_generation_prompt)
+            except LocalpdError as err:
+                raise ApiError(400, str(err), param="messages") from None
+        else:
+            ids = e.tokenizer.encode(body.prompt, add_bos=None if body.add_special_tokens else False)
+        return {"tokens": ids, "count": len(ids), "max_model_len": e.max_context}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        e = ready()
+        if e.tokenizer is None:
+            raise ApiError(400, f"{e.name} has no tokenizer", param="tokens")
+        bad = [t for t in body.tokens if not 0 <= t < e.config.vocab_size]
+        if bad:
+            raise ApiError(400, f"token id {bad[0]} is outside the vocabulary of {e.config.vocab_size}",
+                           param="tokens")
+        return {"prompt": e.tokenizer.decode(body.tokens, skip_special=False)}
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus():

@@ -128,5 +128,23 @@ class CompletionRequest(Sampling):
     suffix: str | None = None  # refused: no fill-in-the-middle
 
 
+class TokenizeRequest(BaseModel):
+    """POST /tokenize: a prompt, or messages in the chat template."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    prompt: str | None = None
+    add_special_tokens: bool = True  # the BOS token, where the model's tokenizer adds one
+    messages: list[Message] | None = Field(None, min_length=1)
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    tokens: list[int]
+
+
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}

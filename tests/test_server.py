@@ -415,6 +415,29 @@ def test_cors_lets_the_named_origins_call_from_a_browser(served):
     assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
 
 
+def test_tokenize_and_detokenize(served, client):
+    """/tokenize counts a prompt's tokens, or a conversation's in the chat template (what a chat request's usage
+    counts), /detokenize turns ids back into text; /v1/models gives the context length."""
+    engine, live = served
+    auth = {"Authorization": f"Bearer {KEY}"}
+    text = "The sea is wide."
+    t = httpx.post(live.url + "/tokenize", json={"prompt": text}, headers=auth).json()
+    assert t["tokens"] == engine.tokenizer.encode(text) and t["count"] == len(t["tokens"])
+    assert t["max_model_len"] == 1024
+    d = httpx.post(live.url + "/detokenize", json={"tokens": t["tokens"]}, headers=auth).json()
+    assert d["prompt"] == text
+    chat = httpx.post(live.url + "/tokenize", json={"messages": Q}, headers=auth).json()
+    usage = client.chat.completions.create(model="x", messages=Q, max_tokens=1).usage
+    assert chat["tokens"] == engine.encode_chat(Q) and chat["count"] == usage.prompt_tokens
+    assert client.models.list().data[0].model_extra["max_model_len"] == 1024
+    for path, body, fragment in (("/tokenize", {}, "either prompt or messages"),
+                                 ("/tokenize", {"prompt": "a", "messages": Q}, "either prompt or messages"),
+                                 ("/detokenize", {"tokens": [10**9]}, "outside the vocabulary"),
+                                 ("/detokenize", {"tokens": "abc"}, "tokens")):
+        status, error = status_and_error(httpx.post(live.url + path, json=body, headers=auth))
+        assert status == 400 and fragment in error["message"], error
+
+
 def test_transport_level_errors(served):
     url, auth = served[1].url, {"Authorization": f"Bearer {KEY}"}
     assert status_and_error(httpx.get(url + "/v1/models"))[0] == 401
