@@ -123,9 +123,12 @@ BLOCK_M = 16  # query rows of each query head in a prefill program (GP x 16 rows
 PREFILL_TILE_ELEMS_PER_WARP = 2048
 
 
+KERNEL_HEAD_DIMS = (64, 128, 256)  # powers of two the kernels tile (256: Gemma 3); others are padded (loader.pad_heads)
+
+
 def triton_supports(layer: KVLayer, head_dim: int) -> bool:
-    """Head dims 64, 128 and 256 (Gemma 3; powers of two the kernels tile), pages of 16 or 32 tokens."""
-    return head_dim in (64, 128, 256) and layer.page_size in (16, 32)
+    """Heads of KERNEL_HEAD_DIMS, pages of 16 or 32 tokens."""
+    return head_dim in KERNEL_HEAD_DIMS and layer.page_size in (16, 32)
 
 
 def _strides(data: torch.Tensor, scale: torch.Tensor | None):

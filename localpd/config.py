@@ -32,7 +32,10 @@ class ModelConfig:
     embed_scale: float = 1.0  # token embeddings are multiplied by it (Gemma: sqrt(dim))
     sandwich_norms: bool = False  # Gemma: an RMSNorm on the attention's and the MLP's outputs too, before each add
     act: str = "silu"  # the gated MLP's activation: silu, or gelu_tanh (Gemma)
-    attn_scale: float = 0.0  # the softmax scale of q.k; 0: 1 / sqrt(head_dim)
+    attn_scale: float = 0.0  # the softmax scale of q.k; 0: 1 / sqrt(the projections' head size)
+    # the head size q, k and v's projections make where the attention and KV cache take a larger one (Phi-3-mini's
+    # 96 in heads of 128, which the Triton kernels tile; loader.pad_heads); 0: head_dim
+    proj_head_dim: int = 0
     max_context: int = 4096
     tie_embeddings: bool = False
     qkv_bias: bool = False
@@ -44,7 +47,7 @@ class ModelConfig:
 
 def matrix_shapes(c: ModelConfig) -> dict[str, tuple[int, int]]:
     """[out, in] of every projection the model multiplies by (the tied output head is the embedding)."""
-    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    q, kv = c.n_heads * (c.proj_head_dim or c.head_dim), c.n_kv_heads * (c.proj_head_dim or c.head_dim)
     shapes = {}
     for i in range(c.n_layers):
         p = f"layers.{i}."

@@ -13,6 +13,7 @@ import torch
 from localpd.config import ModelConfig, matrix_shapes
 from localpd.errors import LocalpdError
 from localpd.gguf import GGUFFile
+from localpd.kernels.kv_dispatch import KERNEL_HEAD_DIMS
 from localpd.quant.store import is_quantized_dir, load_quantized, tokenizer_meta
 from localpd.quant.weights import Weight, from_gguf
 from localpd.schemes import GGUF_REQUANT, check_scheme, head_scheme, imports_exactly, is_matrix, quantize
@@ -108,19 +109,34 @@ def rotary_rows(n_heads: int, head_dim: int, rotary_dim: int) -> torch.Tensor:
     return (torch.arange(n_heads)[:, None] * head_dim + head).flatten()
 
 
+def pad_heads(config: ModelConfig) -> ModelConfig:
+    """A head size the attention kernels do not tile (Phi-3-mini's 96) taken in the next one they do (128): the
+    projections stay as they are (proj_head_dim), and the model puts each head's two halves at the front of the
+    padded head's halves (Transformer.head_cols), so RoPE's pairs stay pairs and the padding, zero, turns by angle 0
+    (rotary_dim) and adds nothing to q.k. The KV cache stores the padded heads. Not for per-head q/k norms, which
+    the padding would change."""
+    p = config.head_dim
+    if p in KERNEL_HEAD_DIMS or p > max(KERNEL_HEAD_DIMS) or p % 2 or config.qk_norm or config.proj_head_dim:
+        return config
+    config.proj_head_dim, config.rotary_dim = p, config.rotary_dim or p
+    config.head_dim = min(d for d in KERNEL_HEAD_DIMS if d >= p)
+    return config
+
+
 def arrange_rows(weights: dict[str, Weight], config: ModelConfig) -> dict[str, Weight]:
     """Phi-3's fused qkv and gate_up matrices as the separate ones the model takes (and fuses again), and a
     partially rotated model's q/k rows in the order the RoPE kernel rotates (rotary_rows)."""
-    q, kv = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+    hd = config.proj_head_dim or config.head_dim
+    q, kv = config.n_heads * hd, config.n_kv_heads * hd
     bounds = {"qkv_proj": (0, q, q + kv, q + 2 * kv), "gate_up_proj": (0, config.ffn_dim, 2 * config.ffn_dim)}
     for key in [k for k in weights if k.rsplit(".", 1)[-1] in FUSED]:
         layer, part = key.rsplit(".", 1)
         w, b = weights.pop(key), bounds[part]
         weights.update({f"{layer}.{name}": rows(w, slice(b[j], b[j + 1])) for j, name in enumerate(FUSED[part])})
-    if config.rotary_dim and config.rotary_dim != config.head_dim:
+    if config.rotary_dim and config.rotary_dim != hd:
         for key in [k for k in weights if k.removesuffix(".bias").endswith((".q_proj", ".k_proj"))]:
             heads = config.n_heads if ".q_proj" in key else config.n_kv_heads
-            weights[key] = rows(weights[key], rotary_rows(heads, config.head_dim, config.rotary_dim))
+            weights[key] = rows(weights[key], rotary_rows(heads, hd, config.rotary_dim))
     return weights
 
 
@@ -178,7 +194,7 @@ def gguf_config(meta: dict, path: Path) -> ModelConfig:
         gemma3(config, swa_layers=[i for i in range(layers) if window and (i + 1) % GEMMA3_GLOBAL_STEP],
                context=context, local_theta=10000.0, query_scalar=dim // heads if layers == 62 else head_dim,
                scaling={"type": "linear", "factor": float(get("rope.scaling.factor"))} if linear else None)
-    return config
+    return pad_heads(config)
 
 
 def gemma3(config: ModelConfig, swa_layers: list[int], context: int, local_theta: float, query_scalar: float,
@@ -312,7 +328,7 @@ def hf_config(cfg: dict, path: Path) -> ModelConfig:
     if rope_layers is None and mt == "smollm3":
         step = cfg.get("no_rope_layer_interval", 4)
         rope_layers = [int((i + 1) % step != 0) for i in range(cfg["num_hidden_layers"])]
-    return ModelConfig(
+    return pad_heads(ModelConfig(
         arch=ARCHS[mt], vocab_size=cfg["vocab_size"], dim=dim, n_layers=cfg["num_hidden_layers"],
         n_heads=heads, n_kv_heads=cfg.get("num_key_value_heads") or heads,
         head_dim=head_dim, ffn_dim=cfg["intermediate_size"], norm_eps=cfg.get("rms_norm_eps", 1e-5),
@@ -320,7 +336,7 @@ def hf_config(cfg: dict, path: Path) -> ModelConfig:
         max_context=min(context, window or context), sliding_window=window or 0,
         tie_embeddings=bool(cfg.get("tie_word_embeddings")), qkv_bias=mt == "qwen2", qk_norm=mt == "qwen3",
         nope_layers=[i for i, roped in enumerate(rope_layers or []) if not roped], name=path.name,
-    )
+    ))
 
 
 def hf_gemma3_config(cfg: dict, path: Path) -> ModelConfig:

@@ -159,6 +159,15 @@ class Batch:
                    torch.tensor([0, n], dtype=torch.int32, device=device), rows, positions % page_size)
 
 
+def head_cols(config: ModelConfig) -> torch.Tensor:
+    """Where each projected q/k/v column goes in the padded heads (loader.pad_heads): each half of a head of
+    proj_head_dim to the front of the same half of a head of head_dim."""
+    p, d = config.proj_head_dim, config.head_dim
+    head = torch.cat([torch.arange(p // 2), d // 2 + torch.arange(p // 2)])
+    heads = config.n_heads + 2 * config.n_kv_heads
+    return (torch.arange(heads)[:, None] * d + head).flatten()
+
+
 def rope_tables(config: ModelConfig, rope_freqs: torch.Tensor | None = None,
                 context: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """RoPE's inverse frequencies for the head_dim / 2 pairs the kernels rotate, and the factor cos and sin are
@@ -244,6 +253,7 @@ class Transformer:
         if config.swa_layers and config.rope_local_theta:
             local = replace(config, rope_theta=config.rope_local_theta, rope_scaling=None)
             self.local_inv_freq = rope_tables(local)[0].to(self.device)
+        self.head_cols = head_cols(config).to(self.device) if config.proj_head_dim else None
 
     def _rope(self, positions: torch.Tensor, inv_freq: torch.Tensor, scale: torch.Tensor | None = None):
         angles = torch.outer(positions.float(), inv_freq)
@@ -263,7 +273,8 @@ class Transformer:
         nope, swa = set(c.nope_layers), set(c.swa_layers)
         still = (torch.ones_like(rope[0]), torch.zeros_like(rope[1])) if nope else None
         local = rope if self.local_inv_freq is None else self._rope(batch.positions, self.local_inv_freq)
-        scale = c.attn_scale or 1.0 / math.sqrt(c.head_dim)
+        scale = c.attn_scale or 1.0 / math.sqrt(c.proj_head_dim or c.head_dim)
+        heads = c.n_heads + 2 * c.n_kv_heads
         if self.fused:
             normed, write = (lambda lin, *a: lin.normed(*a)), rope_write_kv
             gated = lambda lin, gu: lin.gated(gu, c.act)  # noqa: E731
@@ -275,13 +286,18 @@ class Transformer:
         for li, layer in enumerate(self.layers):
             pages = kv.layer(li)
             qkv, x = normed(layer.qkv, out, x, layer.attn_norm, c.norm_eps)
+            if self.head_cols is not None:  # projected heads into the wider ones the attention takes
+                qkv = qkv.new_zeros(T, heads * c.head_dim).index_copy_(1, self.head_cols, qkv)
             if layer.q_norm is not None:
                 qk_norm(qkv, layer.q_norm, layer.k_norm, c.n_heads, c.n_kv_heads, c.norm_eps)
             rot_cos, rot_sin = still if li in nope else local if li in swa else rope
             q = write(qkv, rot_cos, rot_sin, pages, batch.slots, c.n_heads, c.n_kv_heads, batch.stage_slots)
             attn = paged_attention(q, pages, batch.page_table, batch.seq_lens, batch.q_starts, scale,
                                    c.sliding_window if li in swa else 0)
-            out = layer.o(attn.reshape(T, c.n_heads * c.head_dim))
+            attn = attn.reshape(T, c.n_heads * c.head_dim)
+            if self.head_cols is not None:
+                attn = attn[:, self.head_cols[:c.n_heads * c.proj_head_dim]]
+            out = layer.o(attn)
             if layer.attn_out_norm is not None:
                 out = add_rms_norm(out, None, layer.attn_out_norm, c.norm_eps)[0]
             gate_up, x = normed(layer.gate_up, out, x, layer.mlp_norm, c.norm_eps)

@@ -114,24 +114,26 @@ def test_qk_norm_in_place(triton_on, dtype, T, Hq, Hkv, D):
 
 
 def tiny_model(scheme: str, dtype: torch.dtype, device: str, qk_norm: bool = False,
-               gemma: bool = False) -> Transformer:
+               gemma: bool = False, padded: bool = False) -> Transformer:
     """Two layers, GQA, head_dim 64 (the KV kernels' size), an odd MLP width; random norms and biases; qk_norm:
     Qwen3's per-head norms of queries and keys too; gemma: Gemma 3's layout, the first layer's attention a sliding
-    window of 5 with its own RoPE base, norms around each sublayer, GELU, scaled embeddings and q.k."""
+    window of 5 with its own RoPE base, norms around each sublayer, GELU, scaled embeddings and q.k; padded: heads
+    of 48 from the projections, taken in heads of 64 (loader.pad_heads, as Phi-3-mini's 96 in 128)."""
     c = ModelConfig("llama", 300, 128, 2, 4, 2, 64, 160, 1e-5, 10000.0, max_context=256, qkv_bias=True,
-                    qk_norm=qk_norm or gemma)
+                    qk_norm=qk_norm or gemma, proj_head_dim=48 if padded else 0, rotary_dim=48 if padded else 0)
+    p = 48 if padded else 64
     if gemma:
         c = replace(c, arch="gemma3", rope_theta=1e6, sliding_window=5, swa_layers=[0], rope_local_theta=1e4,
                     embed_scale=128 ** 0.5, sandwich_norms=True, act="gelu_tanh", attn_scale=24 ** -0.5)
     g = torch.Generator().manual_seed(9)
-    shapes = {"q_proj": (256, 128), "k_proj": (128, 128), "v_proj": (128, 128), "o_proj": (128, 256),
+    shapes = {"q_proj": (4 * p, 128), "k_proj": (2 * p, 128), "v_proj": (2 * p, 128), "o_proj": (128, 4 * p),
               "gate_proj": (160, 128), "up_proj": (160, 128), "down_proj": (128, 160)}
     w = {"embed_tokens": torch.randn(300, 128, generator=g).to(dtype), "norm": (1 + 0.1 * torch.randn(128, generator=g)).to(dtype),
          "lm_head": random_weight((300, 128), "int8", dtype, "cpu", g)}
     for i in range(2):
         for name, shape in shapes.items():
             w[f"layers.{i}.{name}"] = random_weight(shape, scheme, dtype, "cpu", g)
-        for proj, n in (("q", 256), ("k", 128), ("v", 128)):
+        for proj, n in (("q", 4 * p), ("k", 2 * p), ("v", 2 * p)):
             w[f"layers.{i}.{proj}_proj.bias"] = (0.1 * torch.randn(n, generator=g)).to(dtype)
         for norm in ("input_layernorm", "post_attention_layernorm"):
             w[f"layers.{i}.{norm}"] = (1 + 0.1 * torch.randn(128, generator=g)).to(dtype)
@@ -162,17 +164,17 @@ def prompt_then_decode(model: Transformer, kv_dtype: str) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("scheme,kv_dtype,qk", [("int4-g32", "int8", False), ("fp32", "fp32", False),
                                                 ("int8", "int4ch/int4", False), ("int4-g32", "int8/int4", True),
-                                                ("int4-g32", "int8", "gemma")])
+                                                ("int4-g32", "int8", "gemma"), ("int4-g32", "int4", "padded")])
 def test_whole_model_on_triton_kernels_matches_the_references(monkeypatch, scheme, kv_dtype, qk):
     """Prefill then two decode steps with every kernel in Triton (matmuls, KV writes, attention, fused norms,
-    RoPE, SiLU, Qwen3's q/k norm; Gemma 3's sliding-window attention) against the same model on the torch
-    references."""
+    RoPE, SiLU, Qwen3's q/k norm; Gemma 3's sliding-window attention; heads of 48 in heads of 64) against the
+    same model on the torch references."""
     monkeypatch.delenv("LOCALPD_TRITON_INTERPRET", raising=False)
-    qk, gemma = qk is True, qk == "gemma"
-    ref = prompt_then_decode(tiny_model(scheme, torch.float32, "cpu", qk, gemma), kv_dtype)
+    qk, gemma, padded = qk is True, qk == "gemma", qk == "padded"
+    ref = prompt_then_decode(tiny_model(scheme, torch.float32, "cpu", qk, gemma, padded), kv_dtype)
     if DEV == "cpu":
         monkeypatch.setenv("LOCALPD_TRITON_INTERPRET", "1")
-    out = prompt_then_decode(tiny_model(scheme, torch.float32, DEV, qk, gemma), kv_dtype)
+    out = prompt_then_decode(tiny_model(scheme, torch.float32, DEV, qk, gemma, padded), kv_dtype)
     for o, r in zip(out, ref):
         assert o.shape == r.shape
         assert rel_err(o, r) < 1e-4
