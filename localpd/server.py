@@ -320,7 +320,7 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=body.top_p or 1.0, top_k=max(body.top_k or 0, 0), min_p=body.min_p or 0.0,
             repetition_penalty=body.repetition_penalty or 1.0, presence_penalty=body.presence_penalty,
-            frequency_penalty=body.frequency_penalty, seed=body.seed, max_tokens=limit or 1, stop=stop,  # set below
+            frequency_penalty=body.frequency_penalty, seed=body.seed, max_tokens=limit or e.max_context, stop=stop,
             logprobs=logprobs, json_object=kind != "text" or forced is not None, json_schema=schema,
             json_lead=forced[0] if forced else "", logit_bias=body.logit_bias or {})
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -329,9 +329,8 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
             for ids in prompts:
                 for j in range(body.n):
                     seed = None if body.seed is None else body.seed + j
-                    mine = replace(params, seed=seed, max_tokens=limit or e.max_context - len(ids))
                     handle_id = rid if len(prompts) * body.n == 1 else f"{rid}-{len(handles)}"
-                    handles.append(e.submit(ids, mine, request_id=handle_id))
+                    handles.append(e.submit(ids, replace(params, seed=seed), request_id=handle_id))
         except LocalpdError as err:
             for handle in handles:
                 handle.cancel()
