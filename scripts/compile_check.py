@@ -5,8 +5,9 @@ when a program needs more shared memory than the card gives a block (99 KB on sm
 227 KB on sm_90). This script finds such launches, compile errors and register spills before any GPU sees them:
 
 1. record: a process with Triton's interpreter switched on runs the model's steps (the head layouts of
-   Llama-3-8B, Qwen2.5-7B, Llama-3.2-1B, SmolLM2, Qwen3-8B and Gemma 3 1B/4B with fewer heads and narrow widths of the same
-   divisibility, one layer) through a prefill, a prefill after a cached prefix mixed with a decode, and decode
+   Llama-3-8B, Qwen2.5-7B, Llama-3.2-1B, SmolLM2, Qwen3-8B, Gemma 3 1B/4B and Phi-3.5-mini (heads of 96 padded
+   to 128, no query groups) with fewer heads and narrow widths of the same divisibility, one layer) through a
+   prefill, a prefill after a cached prefix mixed with a decode, and decode
    batches of 1-9 sequences, in bf16 with every KV format and weight scheme; each kernel launch is recorded as
    Triton's launcher would specialise it (argument types, 16-divisible pointers and integers, constexprs) and
    not run: which kernels launch, and how, depends on shapes, never on values. Splits are chosen as for an
@@ -40,7 +41,7 @@ SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024, 12
 # becomes 1, so each launch specialises as at full size
 MODELS = [("llama3-8b", 8, 2, 256, 512), ("qwen2.5-7b", 14, 2, 256, 640), ("llama3.2-1b", 8, 2, 256, 512),
           ("smollm2-135m", 6, 2, 192, 384), ("qwen3-8b", 8, 2, 256, 512), ("gemma3-1b", 8, 2, 256, 512),
-          ("gemma3-4b", 4, 2, 256, 512)]
+          ("gemma3-4b", 4, 2, 256, 512), ("phi3.5-mini", 8, 8, 256, 512)]
 SCHEMES = ("int4-g128", "int4-g32", "int8")
 KV = ("bf16", "int8", "int4", "fp8", "int8/int4", "int4ch/int4")
 PAGE = 16

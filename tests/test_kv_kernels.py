@@ -329,8 +329,8 @@ def test_decode_attention_compiles_to_whole_tile_loads(sass_table):
 
 
 def test_prefill_attention_compiles_without_spills_for_every_model_and_kv_format():
-    """Every prefill-attention launch the model makes (the head layouts of Llama-3-8B, Qwen2.5-7B, Llama-3.2-1B and
-    SmolLM2, every KV format), compiled on this CPU for an RTX 30 card (sm_86) and the H100 (sm_90) by
+    """Every prefill-attention launch the model makes (the head layouts of Llama-3-8B, Qwen2.5-7B, Llama-3.2-1B,
+    SmolLM2, Qwen3-8B, Gemma 3 and Phi-3.5-mini, every KV format), compiled on this CPU for an RTX 30 card (sm_86) and the H100 (sm_90) by
     scripts/compile_check.py: each compiles, fits the card's shared memory per block and keeps its registers.
     At 4 warps, Qwen2.5-7B's programs (a group of 7 padded to 8 heads x 16 rows x 128) spilled up to 496 bytes."""
     import subprocess
