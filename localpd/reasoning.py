@@ -88,29 +88,31 @@ class ThinkFirst:
         self.reply = ""  # the reply's text while it is not yet in the answer
 
     def allows(self, token: int) -> bool:
-        if self.phase == "answer" or (self.phase == "start" and not self._opens(token)):
+        if self.phase == "answer":
+            return self.answer.allows(token)
+        text = self.reply + self.text.added(token)[0]
+        if self.phase == "start" and not opening(text):
             return self.answer.allows(token)
         if token in self.eos_ids:
             return False
-        text = self.reply + self.text.added(token)[0]
         if self.phase == "opening":
-            return self._opens(token)
+            return opening(text)
         end = text.find(CLOSE)
         return end < 0 or not text[end + len(CLOSE):].strip()
 
     def advance(self, token: int) -> None:
-        if self.phase == "answer" or (self.phase == "start" and not self._opens(token)):
+        if self.phase == "answer" or (self.phase == "start" and not opening(self.reply + self.text.added(token)[0])):
             self.text.push(token)
             self.answer.advance(token)
             return
         self.reply += self.text.push(token)
-        head = self.reply.lstrip()
         if self.phase in ("start", "opening"):
-            self.phase = "think" if head.startswith(OPEN) else "opening"
+            self.phase = "think" if self.reply.lstrip().startswith(OPEN) else "opening"
         if self.phase == "think" and CLOSE in self.reply:
             self.phase, self.answer = "answer", self.make()
 
-    def _opens(self, token: int) -> bool:
-        """Whether the reply with `token` is (blanks and) part or all of <think>, or more after it."""
-        head = (self.reply + self.text.added(token)[0]).lstrip()
-        return bool(head) and (OPEN.startswith(head) or head.startswith(OPEN))
+
+def opening(text: str) -> bool:
+    """Whether a reply's text is (blanks and) part or all of <think>, or more after it."""
+    head = text.lstrip()
+    return bool(head) and (OPEN.startswith(head) or head.startswith(OPEN))
