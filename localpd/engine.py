@@ -338,10 +338,11 @@ class Engine:
         bad = [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < self.config.vocab_size)]
         if bad:
             raise LocalpdError(f"token id {bad[0]} is outside the vocabulary of {self.config.vocab_size}")
-        bad = [t for t in params.logit_bias if not (isinstance(t, int) and 0 <= t < self.config.vocab_size)]
-        if bad:
-            raise LocalpdError(f"logit_bias names token id {bad[0]}, outside the vocabulary of "
-                               f"{self.config.vocab_size}")
+        for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.config.vocab_size)]
+            if bad:
+                raise LocalpdError(f"{name} names token id {bad[0]}, outside the vocabulary of "
+                                   f"{self.config.vocab_size}", param=name)
         if self._closed:
             raise LocalpdError("the engine is closed")
         prompt = list(prompt_ids)
@@ -349,6 +350,7 @@ class Engine:
         handle = RequestHandle(rid, len(prompt), self)
         budget = min(params.max_tokens, self.max_context - len(prompt))
         eos = set() if params.ignore_eos or self.tokenizer is None else set(self.tokenizer.eos_ids)
+        eos |= set(params.stop_token_ids)
         req = Request(
             seq=Sequence(rid, prompt, budget), handle=handle, params=params,
             sampler=Sampler(params, device=self.device, constraint=self._constraint(params, eos, prompt)),
@@ -519,6 +521,8 @@ class Engine:
         return tokens, positions, slots, stage_slots, tables, lens
 
     def _sample(self, req: Request, logits: torch.Tensor):
+        if len(req.seq.output) < req.params.min_tokens and req.eos:
+            logits[list(req.eos)] = float("-inf")  # a row of this step's logits, read by nothing after
         token = req.sampler(logits, req.seq.prompt, req.seq.output)
         k = req.params.logprobs
         if k is None:

@@ -30,6 +30,8 @@ class SamplingParams:
     json_schema: dict | None = None  # with json_object: the reply is one value of this JSON schema
     json_lead: str = ""  # JSON the prompt already opened, which the reply goes on from (a forced tool call's)
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit (OpenAI's, -100..100)
+    stop_token_ids: list[int] = field(default_factory=list)  # tokens that end the reply as end-of-sequence does
+    min_tokens: int = 0  # end-of-sequence and stop_token_ids are held back until the reply has this many tokens
 
     def validate(self) -> "SamplingParams":
         checks = [
@@ -47,10 +49,12 @@ class SamplingParams:
             (self.json_object or not (self.json_lead or self.json_schema), "json_lead and json_schema are for JSON "
                                                                             "mode (json_object)"),
             (all(-100 <= b <= 100 for b in self.logit_bias.values()), "logit_bias values must be in [-100, 100]"),
+            (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be between 0 and max_tokens"),
         ]
         for ok, message in checks:
             if not ok:
-                raise LocalpdError(message)
+                name = message.split(" ", 1)[0]
+                raise LocalpdError(message, param=name if name in self.__dataclass_fields__ else None)
         return self
 
 

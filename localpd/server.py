@@ -322,7 +322,8 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
             repetition_penalty=body.repetition_penalty or 1.0, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty, seed=body.seed, max_tokens=limit or e.max_context, stop=stop,
             logprobs=logprobs, json_object=kind != "text" or forced is not None, json_schema=schema,
-            json_lead=forced[0] if forced else "", logit_bias=body.logit_bias or {})
+            json_lead=forced[0] if forced else "", logit_bias=body.logit_bias or {},
+            stop_token_ids=body.stop_token_ids or [], min_tokens=body.min_tokens)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         handles: list[RequestHandle] = []
         try:
@@ -334,8 +335,7 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
         except LocalpdError as err:
             for handle in handles:
                 handle.cancel()
-            param = None if schema is None else "tools" if forced else "response_format"
-            param = "logit_bias" if str(err).startswith("logit_bias") else param
+            param = err.param or (None if schema is None else "tools" if forced else "response_format")
             raise ApiError(400, str(err), param=param) from None
         replies = [reply() if reply else None for _ in handles]
         echoes = [echo[i // body.n] if echo else "" for i in range(len(handles))]

@@ -106,6 +106,8 @@ class Sampling(BaseModel):
     user: str | None = None
     response_format: ResponseFormat | None = None
     logit_bias: dict[int, Annotated[float, Field(ge=-100, le=100)]] | None = None  # token id (a string in JSON) -> bias
+    stop_token_ids: list[int] | None = None  # vLLM's: tokens that end the reply as end-of-sequence does
+    min_tokens: int = Field(0, ge=0)  # vLLM's: end-of-sequence and stop_token_ids held back until this many
 
 
 class ChatRequest(Sampling):

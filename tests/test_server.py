@@ -438,6 +438,31 @@ def test_tokenize_and_detokenize(served, client):
         assert status == 400 and fragment in error["message"], error
 
 
+def test_stop_token_ids_and_min_tokens(served, client):
+    """vLLM's stop_token_ids end the reply where the token comes, and min_tokens holds the end back until the
+    reply has that many tokens; a token id outside the vocabulary, or min_tokens over max_tokens, is a 400 naming
+    its field."""
+    engine, live = served
+    tok = engine.tokenizer
+    kw = dict(model="x", messages=Q, temperature=0, max_tokens=24)
+    plain = client.chat.completions.create(**kw).choices[0]
+    paris = tok.encode(" Paris", add_bos=False)[0]
+    cut = client.chat.completions.create(**kw, extra_body={"stop_token_ids": [paris]}).choices[0]
+    assert cut.finish_reason == "stop" and plain.message.content.startswith(cut.message.content)
+    assert " Paris" in plain.message.content and " Paris" not in cut.message.content
+    n = len(tok.encode(plain.message.content, add_bos=False))
+    assert plain.finish_reason == "stop" and n < 20
+    longer = client.chat.completions.create(**kw, extra_body={"min_tokens": n + 4}).choices[0]
+    assert longer.message.content.startswith(plain.message.content)
+    assert len(tok.encode(longer.message.content, add_bos=False)) >= n + 4
+    auth = {"Authorization": f"Bearer {KEY}"}
+    for extra, param in (({"stop_token_ids": [10**9]}, "stop_token_ids"), ({"min_tokens": 30}, "min_tokens")):
+        r = httpx.post(live.url + "/v1/chat/completions", json={"messages": Q, "max_tokens": 24, **extra},
+                       headers=auth)
+        status, error = status_and_error(r)
+        assert status == 400 and error["param"] == param, error
+
+
 def test_transport_level_errors(served):
     url, auth = served[1].url, {"Authorization": f"Bearer {KEY}"}
     assert status_and_error(httpx.get(url + "/v1/models"))[0] == 401
