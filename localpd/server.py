@@ -29,8 +29,8 @@ from localpd.errors import LocalpdError
 from localpd.roofline import decode_ceiling_tps, utilisation
 from localpd.sampling import SamplingParams
 from localpd.reasoning import ThinkSplit, reply_split, split_reply
-from localpd.server_schema import (ChatRequest, CompletionRequest, DetokenizeRequest, NamedToolChoice, Sampling,
-                                   TokenizeRequest, error_body)
+from localpd.server_schema import (ChatRequest, CompletionRequest, DetokenizeRequest, Message, NamedToolChoice,
+                                   Sampling, TokenizeRequest, error_body)
 from localpd.tools import CallStream, ToolCall, call_schema, check_choice, forced_prefix, parse_calls
 
 log = logging.getLogger("localpd.server")
@@ -195,7 +195,7 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
             raise ApiError(400, "send either prompt or messages", param="prompt")
         if body.messages is not None:
             try:
-                ids = e.encode_chat([m.template_dict() for m in body.messages],
+                ids = e.encode_chat(text_messages(body.messages),
                                     template_vars=body.chat_template_kwargs,
                                     add_generation_prompt=body.add_generation_prompt)
             except LocalpdError as err:
@@ -223,7 +223,7 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
     async def chat_completions(body: ChatRequest):
         e = ready()
         log_unknown(body)
-        messages = [m.template_dict() for m in body.messages]
+        messages = text_messages(body.messages)
         try:
             check_template_vars(body.chat_template_kwargs or {})
         except LocalpdError as err:
@@ -535,6 +535,16 @@ class Reply:
         found = found if self.parallel_calls else found[:1]
         return [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
                  "function": {"name": c.name, "arguments": c.arguments}} for c in found]
+
+
+def text_messages(messages: list[Message]) -> list[dict]:
+    """The messages as the chat template takes them; a part that is not text is a 400, not dropped in silence
+    (the model would answer without the image it was asked about)."""
+    parts = [p.type for m in messages if isinstance(m.content, list) for p in m.content if p.type != "text"]
+    if parts:
+        raise ApiError(400, f"the models localpd runs take text only; a {parts[0]!r} content part cannot be read",
+                       param="messages")
+    return [m.template_dict() for m in messages]
 
 
 def log_unknown(body: Sampling) -> None:

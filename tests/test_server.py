@@ -319,6 +319,9 @@ def status_and_error(response):
 
 @pytest.mark.parametrize("payload, status, fragment", [
     ({"messages": Q, "n": 17}, 400, "n: Input should be less than or equal to 16"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                                {"type": "image_url", "image_url": {"url": "data:,"}}]}]}, 400,
+     "text only; a 'image_url' content part"),
     ({"messages": []}, 400, "messages"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
     ({"messages": Q, "max_tokens": -5}, 400, "max_tokens"),
