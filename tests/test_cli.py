@@ -143,3 +143,43 @@ def test_ctrl_c_stops_a_reply_but_not_the_repl(default_gguf):
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 0
+
+
+def test_serve_answers_an_openai_client_until_stopped(default_gguf):
+    """`localpd serve` as a user starts it: /health turns 200 once the model is loaded, an OpenAI client with the
+    key gets an answer, a browser preflight from the --cors origin is answered, and SIGINT ends it cleanly."""
+    import signal
+    import socket
+    import time
+
+    import httpx
+    import openai
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "localpd.cli", "serve", str(default_gguf), "--port", str(port),
+                             "--api-key", "k", "--cors", "http://localhost:3000", "--ctx", "512"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None, proc.stderr.read()
+            time.sleep(0.1)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0)
+        r = client.chat.completions.create(model="x", messages=[{"role": "user", "content":
+                                                                 "What is the capital of France?"}],
+                                           temperature=0, max_tokens=16)
+        assert "Paris" in r.choices[0].message.content
+        preflight = httpx.options(url + "/v1/chat/completions", headers={
+            "Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST"})
+        assert preflight.headers.get("access-control-allow-origin") == "http://localhost:3000"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and "Traceback" not in err, err[-2000:]
