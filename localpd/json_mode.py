@@ -8,13 +8,16 @@ it in front of the sampler: a token is allowed when the text it adds keeps the r
 sequence is allowed only, and then alone, once the value is complete. The sampler asks about candidates in order of
 probability and takes the first allowed one, so a model that wants to write valid JSON pays one check per token.
 
-Not held: string patterns, formats and lengths, number ranges, uniqueItems, and a choice between two alternatives
+Held too: a string's minLength and maxLength, an integer's minimum and maximum (exclusive ones included; a digit is
+taken only while some integer it begins lies in range). Not held: string patterns and formats, the ranges of numbers
+that are not integers, uniqueItems, and a choice between two alternatives
 of the same kind (anyOf of two object schemas takes any object).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 
 from localpd.tokenizer import TokenText
@@ -60,6 +63,10 @@ class Schema:
     items: object = True  # an array's items: True (any) or alternatives
     min_items: int = 0
     max_items: int | None = None
+    min_length: int = 0  # a string's characters (an escape counts as one)
+    max_length: int | None = None
+    low: float = -math.inf  # an integer's bounds, inclusive
+    high: float = math.inf
 
 
 ANY = (Schema(),)
@@ -129,7 +136,14 @@ def compile_schema(schema: dict) -> tuple[Schema, ...]:
                 out.append(Schema("texts", ("true", "false")))
             elif kind == "null":
                 out.append(Schema("texts", ("null",)))
-            elif kind in ("string", "number", "integer"):
+            elif kind == "string":
+                out.append(Schema(kind, min_length=int(s.get("minLength", 0)), max_length=s.get("maxLength")))
+            elif kind == "integer":
+                out.append(Schema(kind, low=integer_bound(s, "minimum", "exclusiveMinimum", math.ceil, 1),
+                                  high=integer_bound(s, "maximum", "exclusiveMaximum", math.floor, -1)))
+                if out[-1].low > out[-1].high:
+                    raise SchemaError(f"no integer lies between the schema's bounds: {s}"[:160])
+            elif kind == "number":
                 out.append(Schema(kind))
             else:
                 raise SchemaError(f"unknown JSON schema type {kind!r}")
@@ -145,6 +159,40 @@ def compile_schema(schema: dict) -> tuple[Schema, ...]:
                     seen.add(id(sub))
                     todo.append(sub.get())
     return root
+
+
+def integer_bound(s: dict, key: str, exclusive: str, to_int, step: int) -> float:
+    """An integer's inclusive bound from minimum/exclusiveMinimum (or the maxima): to_int rounds inward, step is
+    the next integer inward from an exclusive one (draft 4's boolean exclusiveMinimum included)."""
+    bounds = []
+    if isinstance(s.get(key), (int, float)):
+        edge = s[key]
+        bounds.append(to_int(edge) + step if s.get(exclusive) is True and to_int(edge) == edge else to_int(edge))
+    ex = s.get(exclusive)
+    if isinstance(ex, (int, float)) and not isinstance(ex, bool):
+        bounds.append(to_int(ex) + step if to_int(ex) == ex else to_int(ex))
+    if not bounds:
+        return -math.inf if step > 0 else math.inf
+    return max(bounds) if step > 0 else min(bounds)
+
+
+def integer_reachable(text: str, low: float, high: float) -> bool:
+    """Whether some integer written as `text` and more digits (text: "-", "-12", "0", "7", ...) lies in
+    [low, high]: the values it can still become are the magnitudes [v * 10^k, (v + 1) * 10^k - 1], k = 0, 1, ..."""
+    neg, digits = text.startswith("-"), text.lstrip("-")
+    if not digits:
+        return low <= min(-1, high)
+    if digits == "0":
+        return low <= 0 <= high
+    v = int(digits)
+    for k in range(400):
+        a, b = v * 10 ** k, (v + 1) * 10 ** k - 1
+        lo, hi = (-b, -a) if neg else (a, b)
+        if lo <= high and hi >= low:
+            return True
+        if (a > high and not neg) or (-a < low and neg):
+            return False  # every longer one is further out
+    return False
 
 
 class _Lazy:
@@ -218,6 +266,9 @@ class JsonPrefix:
     ws: int = 0  # whitespace characters in a row
     breaks: int = 0  # line breaks among them
     last_depth: int = 0  # > 0: the container open at this depth takes no member after the current one
+    value: Schema = Schema()  # the schema of the string or number being written (its length, its bounds)
+    length: int = 0  # inside a string value: its characters so far
+    digits: str = ""  # inside an integer: its text so far
 
     def copy(self) -> JsonPrefix:
         c = JsonPrefix.__new__(JsonPrefix)
@@ -230,7 +281,8 @@ class JsonPrefix:
         """A whole value: closed, or a top-level number or text that may end here."""
         if self.expect == "done":
             return True
-        return not self.stack and self.string is None and ("" in self.choices or self.number in NUMBER_ENDS)
+        return not self.stack and self.string is None and ("" in self.choices or self.number in NUMBER_ENDS
+                                                           and self._in_range())
 
     def feed(self, text: str) -> bool:
         return all(self._char(c) for c in text)
@@ -266,9 +318,11 @@ class JsonPrefix:
         if self.number is not None:
             moves = NUMBER_MOVES[self.number]
             if c in moves and not (self.integer and c in ".eE"):
-                self.number = moves[c]
+                if self.integer and not integer_reachable(self.digits + c, self.value.low, self.value.high):
+                    return False
+                self.number, self.digits = moves[c], self.digits + c
                 return True
-            if self.number not in NUMBER_ENDS:
+            if self.number not in NUMBER_ENDS or not self._in_range():
                 return False
             self.number = None
             self._value_ended()  # c is the first character after the number
@@ -330,10 +384,22 @@ class JsonPrefix:
             self.expect = "value_or_close"
             return True
         if c == '"':
-            self.string = "value"
+            self.string, self.value, self.length = "value", alt, 0
             return True
+        if alt.kind == "integer" and not integer_reachable(c, alt.low, alt.high):
+            return False
         self.number, self.integer = ("sign" if c == "-" else "zero" if c == "0" else "int"), alt.kind == "integer"
+        self.value, self.digits = alt, c
         return True
+
+    def _in_range(self) -> bool:
+        """An integer that ends here lies within its bounds (other numbers are not held to theirs)."""
+        return not self.integer or self.value.low <= int(self.digits) <= self.value.high
+
+    def _counted(self) -> bool:
+        """One more character in a string value, within its maxLength."""
+        self.length += 1
+        return self.value.max_length is None or self.length <= self.value.max_length
 
     def _keys_left(self, f: Frame) -> list[str]:
         return [name for name, _ in f.schema.properties if name not in f.keys]
@@ -392,7 +458,11 @@ class JsonPrefix:
             self.escape -= 1
         elif c == "\\":
             self.escape = -1
+            if not key and not self._counted():
+                return False
         elif c == '"':
+            if not key and self.length < self.value.min_length:
+                return False
             self.string = None
             if key:
                 f = self.stack[-1]
@@ -405,6 +475,8 @@ class JsonPrefix:
                 self._value_ended()
             return True
         elif ord(c) < 0x20:
+            return False
+        elif not key and not self._counted():
             return False
         if key:
             self.text += c

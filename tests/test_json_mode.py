@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from localpd.json_mode import JsonPrefix, compile_schema
+from localpd.json_mode import JsonPrefix, SchemaError, compile_schema
 
 scalars = st.none() | st.booleans() | st.integers(-10**12, 10**12) | st.text(max_size=8) | st.floats(
     allow_nan=False, allow_infinity=False)
@@ -153,3 +153,71 @@ def test_bad_schemas_are_one_line_errors(schema, fragment):
 
     with pytest.raises(SchemaError, match=fragment.replace("$", r"\$")):
         JsonPrefix(compile_schema(schema)).feed('{"a": 1}')
+
+
+@pytest.mark.parametrize("schema, text, valid", [
+    ({"type": "string", "minLength": 2, "maxLength": 3}, '"ab"', True),
+    ({"type": "string", "minLength": 2, "maxLength": 3}, '"a"', False),
+    ({"type": "string", "minLength": 2, "maxLength": 3}, '"abcd"', False),
+    ({"type": "string", "maxLength": 2}, '"\\u00e9\\n"', True),  # an escape is one character
+    ({"type": "integer", "minimum": 18, "maximum": 120}, "120", True),
+    ({"type": "integer", "minimum": 18, "maximum": 120}, "17", False),
+    ({"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 10}, "0", False),
+    ({"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 10}, "9", True),
+    ({"type": "integer", "minimum": -5, "maximum": -2}, "-3", True),
+    ({"type": "integer", "minimum": -5, "maximum": -2}, "-1", False),
+    ({"type": "integer", "minimum": 2.5}, "2", False), ({"type": "integer", "minimum": 2.5}, "3", True),
+    ({"type": "integer", "minimum": 5, "exclusiveMinimum": True}, "5", False),  # draft 4's boolean
+])
+def test_lengths_and_integer_bounds_are_held(schema, text, valid):
+    assert whole(text, schema) == valid
+
+
+@pytest.mark.parametrize("prefix", ["13", "-", "0", "121"])
+def test_a_digit_no_integer_in_range_begins_with_is_refused_at_once(prefix):
+    """Bounds 18..120: "13" can only become 13, 130.. (out), "-" and "0" nothing in range; "2" and "12" can."""
+    state = JsonPrefix(compile_schema({"type": "integer", "minimum": 18, "maximum": 120}))
+    assert not state.feed(prefix)
+    assert all(JsonPrefix(compile_schema({"type": "integer", "minimum": 18, "maximum": 120})).feed(p)
+               for p in ("2", "12"))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(-300, 300), st.integers(0, 400), st.integers(-999, 999))
+def test_integer_bounds_against_brute_force(low, width, n):
+    """Whole integers are accepted exactly when in range, and a prefix is taken exactly when some integer in range
+    begins with it (so the recogniser neither lets a reply into a dead end nor refuses a way out)."""
+    from localpd.json_mode import integer_reachable
+
+    high = low + width
+    schema = {"type": "integer", "minimum": low, "maximum": high}
+    assert whole(str(n), schema) == (low <= n <= high)
+    text = str(n)
+    for i in range(1, len(text) + 1):
+        fits = any(str(m).startswith(text[:i]) for m in range(low, high + 1))
+        assert integer_reachable(text[:i], low, high) == fits, (text[:i], low, high)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(st.characters(max_codepoint=0xFFFF, exclude_categories=["Cs"]), max_size=8), st.integers(0, 5),
+       st.integers(0, 5), st.booleans())
+def test_string_lengths_count_characters_however_escaped(text, low, width, ascii_only):
+    schema = {"type": "string", "minLength": low, "maxLength": low + width}
+    assert whole(json.dumps(text, ensure_ascii=ascii_only), schema) == (low <= len(text) <= low + width)
+
+
+def test_a_pydantic_models_field_bounds_are_held():
+    from pydantic import BaseModel, Field
+
+    class Person(BaseModel):
+        name: str = Field(min_length=2, max_length=10)
+        age: int = Field(ge=0, le=150)
+        rank: int = Field(gt=0, lt=4)
+
+    schema = Person.model_json_schema()
+    assert whole('{"name": "Ann", "age": 150, "rank": 3}', schema)
+    for bad in ('{"name": "A", "age": 1, "rank": 1}', '{"name": "Ann", "age": 151, "rank": 1}',
+                '{"name": "Ann", "age": 1, "rank": 4}', '{"name": "Ann", "age": -1, "rank": 1}'):
+        assert not whole(bad, schema)
+    with pytest.raises(SchemaError, match="no integer lies between"):
+        compile_schema({"type": "integer", "minimum": 3, "maximum": 2})

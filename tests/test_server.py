@@ -162,7 +162,7 @@ def test_forced_calls_follow_the_tools_schemas_whatever_is_sampled(client):
 def test_a_json_schema_reply_parses_into_its_model(client):
     """response_format json_schema, as the openai client's parse() sends a pydantic model: the reply is an
     instance (the model's own answer is a sentence)."""
-    from pydantic import BaseModel
+    from pydantic import BaseModel, Field
 
     class City(BaseModel):
         name: str
@@ -172,6 +172,17 @@ def test_a_json_schema_reply_parses_into_its_model(client):
     r = client.chat.completions.parse(model="x", messages=Q, response_format=City, temperature=0, max_tokens=96)
     assert isinstance(r.choices[0].message.parsed, City) and r.choices[0].finish_reason == "stop"
     assert set(json.loads(r.choices[0].message.content)) == {"name", "country", "population"}
+
+    class Tower(BaseModel):  # pydantic's bounds: the parse would raise on a value outside them
+        name: str = Field(min_length=3, max_length=14)
+        year_built: int = Field(ge=1850, le=1950)
+        height_m: int = Field(gt=100, lt=400)
+
+    ask = [{"role": "user", "content": "Describe the Eiffel Tower: its name, the year it was built, its height."}]
+    for seed in range(3):
+        t = client.chat.completions.parse(model="x", messages=ask, response_format=Tower, temperature=1.0,
+                                          seed=seed, max_tokens=96).choices[0]
+        assert t.finish_reason == "stop" and isinstance(t.message.parsed, Tower), t.message.content
 
 
 def test_json_object_mode_streamed_or_not(client):
