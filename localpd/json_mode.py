@@ -8,9 +8,9 @@ it in front of the sampler: a token is allowed when the text it adds keeps the r
 sequence is allowed only, and then alone, once the value is complete. The sampler asks about candidates in order of
 probability and takes the first allowed one, so a model that wants to write valid JSON pays one check per token.
 
-Held too: a string's minLength and maxLength, an integer's minimum and maximum (exclusive ones included; a digit is
-taken only while some integer it begins lies in range). Not held: string patterns and formats, the ranges of numbers
-that are not integers, uniqueItems, and a choice between two alternatives
+Held too: a string's minLength and maxLength, a number's or an integer's minimum and maximum (exclusive ones
+included): a character is taken only while some number it begins lies in range, and a bounded number is written
+without an exponent. Not held: string patterns and formats, uniqueItems, and a choice between two alternatives
 of the same kind (anyOf of two object schemas takes any object).
 """
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 from localpd.tokenizer import TokenText
 
@@ -67,6 +68,7 @@ class Schema:
     max_length: int | None = None
     low: float = -math.inf  # an integer's bounds, inclusive
     high: float = math.inf
+    bounds: tuple | None = None  # a number's: ((low, open) or None, (high, open) or None), low and high Fractions
 
 
 ANY = (Schema(),)
@@ -144,7 +146,9 @@ def compile_schema(schema: dict) -> tuple[Schema, ...]:
                 if out[-1].low > out[-1].high:
                     raise SchemaError(f"no integer lies between the schema's bounds: {s}"[:160])
             elif kind == "number":
-                out.append(Schema(kind))
+                bounds = (number_bound(s, "minimum", "exclusiveMinimum", max),
+                          number_bound(s, "maximum", "exclusiveMaximum", min))
+                out.append(Schema(kind, bounds=bounds if bounds != (None, None) else None))
             else:
                 raise SchemaError(f"unknown JSON schema type {kind!r}")
         return tuple(out)
@@ -174,6 +178,67 @@ def integer_bound(s: dict, key: str, exclusive: str, to_int, step: int) -> float
     if not bounds:
         return -math.inf if step > 0 else math.inf
     return max(bounds) if step > 0 else min(bounds)
+
+
+def number_bound(s: dict, key: str, exclusive: str, tighter) -> tuple[Fraction, bool] | None:
+    """A number's bound as (value, open) from minimum/exclusiveMinimum (tighter: max) or the maxima (min)."""
+    found = []  # a float bound as the decimal it was written as (0.8, not the binary float nearest to it)
+    if isinstance(s.get(key), (int, float)) and not isinstance(s.get(key), bool):
+        found.append((Fraction(str(s[key])), s.get(exclusive) is True))
+    ex = s.get(exclusive)
+    if isinstance(ex, (int, float)) and not isinstance(ex, bool):
+        found.append((Fraction(str(ex)), True))
+    if not found:
+        return None
+    best = tighter(v for v, _ in found)
+    return best, any(is_open for v, is_open in found if v == best)
+
+
+def _meet(a, b) -> bool:
+    """Whether two intervals, each ((low, closed) or None, (high, closed) or None), share a point."""
+    lows = [x for x in (a[0], b[0]) if x is not None]
+    highs = [x for x in (a[1], b[1]) if x is not None]
+    if not lows or not highs:
+        return True
+    lo = max(v for v, _ in lows)
+    hi = min(v for v, _ in highs)
+    lo_closed = all(c for v, c in lows if v == lo)
+    hi_closed = all(c for v, c in highs if v == hi)
+    return lo < hi or (lo == hi and lo_closed and hi_closed)
+
+
+def number_reachable(text: str, bounds: tuple) -> bool:
+    """Whether some number written as `text` and more digits or a fraction (no exponent) lies within bounds
+    (Schema.bounds). An integer part v can still become [v * 10^k, (v + 1) * 10^k) for k = 0, 1, ...; "0" only
+    [0, 1); after the point, the digits so far fix it to within 10^-digits."""
+    (low, high) = bounds
+    want = (None if low is None else (low[0], not low[1]), None if high is None else (high[0], not high[1]))
+    neg, body = text.startswith("-"), text.lstrip("-")
+
+    def meets(lo: Fraction, hi: Fraction | None) -> bool:  # the interval [lo, hi) of magnitudes, signed
+        if not neg:
+            return _meet(((lo, True), None if hi is None else (hi, False)), want)
+        return _meet((None if hi is None else (-hi, False), (-lo, True)), want)
+
+    if not body:
+        return meets(Fraction(0), None)
+    whole, dot, frac = body.partition(".")
+    if dot:
+        start = Fraction(whole + "." + frac) if frac else Fraction(int(whole))
+        return meets(start, start + Fraction(1, 10 ** len(frac)))
+    if whole == "0":
+        return meets(Fraction(0), Fraction(1))
+    v = int(whole)
+    for k in range(400):
+        a, b = v * 10 ** k, (v + 1) * 10 ** k
+        if meets(Fraction(a), Fraction(b)):
+            return True
+        edge = high if not neg else low
+        if edge is not None and (a > edge[0] if not neg else -a < edge[0]):
+            return False  # every longer one is further out
+        if edge is None:
+            return True  # unbounded on the side it grows toward
+    return False
 
 
 def integer_reachable(text: str, low: float, high: float) -> bool:
@@ -317,8 +382,9 @@ class JsonPrefix:
             self._choice_made()  # a complete text, and c is the first character after it
         if self.number is not None:
             moves = NUMBER_MOVES[self.number]
-            if c in moves and not (self.integer and c in ".eE"):
-                if self.integer and not integer_reachable(self.digits + c, self.value.low, self.value.high):
+            refused = ".eE" if self.integer else "eE" if self.value.bounds else ""  # a bounded number: no exponent
+            if c in moves and c not in refused:
+                if not self._reachable(self.digits + c):
                     return False
                 self.number, self.digits = moves[c], self.digits + c
                 return True
@@ -386,15 +452,25 @@ class JsonPrefix:
         if c == '"':
             self.string, self.value, self.length = "value", alt, 0
             return True
-        if alt.kind == "integer" and not integer_reachable(c, alt.low, alt.high):
-            return False
         self.number, self.integer = ("sign" if c == "-" else "zero" if c == "0" else "int"), alt.kind == "integer"
         self.value, self.digits = alt, c
-        return True
+        return self._reachable(c)
+
+    def _reachable(self, text: str) -> bool:
+        """Whether the number written so far as `text` can still end within its schema's bounds."""
+        if self.integer:
+            return integer_reachable(text, self.value.low, self.value.high)
+        return self.value.bounds is None or number_reachable(text, self.value.bounds)
 
     def _in_range(self) -> bool:
-        """An integer that ends here lies within its bounds (other numbers are not held to theirs)."""
-        return not self.integer or self.value.low <= int(self.digits) <= self.value.high
+        """A number that ends here lies within its bounds."""
+        if self.integer:
+            return self.value.low <= int(self.digits) <= self.value.high
+        if self.value.bounds is None:
+            return True
+        x = Fraction(self.digits)
+        return _meet(((x, True), (x, True)), tuple(None if b is None else (b[0], not b[1])
+                                                     for b in self.value.bounds))
 
     def _counted(self) -> bool:
         """One more character in a string value, within its maxLength."""

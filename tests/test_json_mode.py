@@ -1,6 +1,7 @@
 """JSON mode (localpd.json_mode): the prefix recogniser against Python's json, and the token constraint."""
 
 import json
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -213,11 +214,53 @@ def test_a_pydantic_models_field_bounds_are_held():
         name: str = Field(min_length=2, max_length=10)
         age: int = Field(ge=0, le=150)
         rank: int = Field(gt=0, lt=4)
+        score: float = Field(ge=0, lt=1)
 
     schema = Person.model_json_schema()
-    assert whole('{"name": "Ann", "age": 150, "rank": 3}', schema)
-    for bad in ('{"name": "A", "age": 1, "rank": 1}', '{"name": "Ann", "age": 151, "rank": 1}',
-                '{"name": "Ann", "age": 1, "rank": 4}', '{"name": "Ann", "age": -1, "rank": 1}'):
-        assert not whole(bad, schema)
+    assert whole('{"name": "Ann", "age": 150, "rank": 3, "score": 0.25}', schema)
+    good = {"name": "Ann", "age": 1, "rank": 1, "score": 0}
+    for bad in ({"name": "A"}, {"age": 151}, {"rank": 4}, {"age": -1}, {"score": 1.0}, {"score": "1e-3"}):
+        text = json.dumps({**good, **bad}).replace('"1e-3"', "1e-3")  # an exponent, refused where bounded
+        assert not whole(text, schema), text
     with pytest.raises(SchemaError, match="no integer lies between"):
         compile_schema({"type": "integer", "minimum": 3, "maximum": 2})
+
+
+NUMBER = re.compile(r"-?(0|[1-9]\d*)(\.\d+)?")
+
+
+def completions(prefix: str, more: int):
+    """Every JSON number (no exponent) that is prefix and at most `more` characters after it."""
+    frontier = [prefix]
+    for _ in range(more + 1):
+        for t in frontier:
+            if NUMBER.fullmatch(t):
+                yield t
+        frontier = [t + c for t in frontier for c in "0123456789."]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(-60, 60), st.integers(0, 40), st.booleans(), st.booleans(),
+       st.decimals(-99, 99, places=2, allow_nan=False, allow_infinity=False))
+def test_number_bounds_against_brute_force(low10, width10, low_open, high_open, x):
+    """Bounds in tenths, open or closed: a whole number is accepted exactly when in range, every prefix of one in
+    range is taken, and every prefix taken still has a completion in range (found within four more characters)."""
+    from fractions import Fraction
+
+    from localpd.json_mode import number_reachable
+
+    low, high = Fraction(low10, 10), Fraction(low10 + width10, 10)
+    schema = {"type": "number", "exclusiveMinimum" if low_open else "minimum": float(low),
+              "exclusiveMaximum" if high_open else "maximum": float(high)}
+    bounds = compile_schema(schema)[0].bounds
+
+    def inside(v):
+        return (low < v if low_open else low <= v) and (v < high if high_open else v <= high)
+
+    text = str(x)
+    assert whole(text, schema) == inside(Fraction(text))
+    if inside(Fraction(text)):
+        assert all(number_reachable(text[:i], bounds) for i in range(1, len(text) + 1))
+    for i in range(1, len(text) + 1):
+        if number_reachable(text[:i], bounds):
+            assert any(inside(Fraction(t)) for t in completions(text[:i], 4)), (text[:i], schema)

@@ -177,6 +177,7 @@ def test_a_json_schema_reply_parses_into_its_model(client):
         name: str = Field(min_length=3, max_length=14)
         year_built: int = Field(ge=1850, le=1950)
         height_m: int = Field(gt=100, lt=400)
+        fame: float = Field(ge=0, lt=1)
 
     ask = [{"role": "user", "content": "Describe the Eiffel Tower: its name, the year it was built, its height."}]
     for seed in range(3):
