@@ -68,7 +68,7 @@ class Schema:
     max_length: int | None = None
     low: float = -math.inf  # an integer's bounds, inclusive
     high: float = math.inf
-    bounds: tuple | None = None  # a number's: ((low, open) or None, (high, open) or None), low and high Fractions
+    bounds: tuple | None = None  # a number's: ((low, closed) or None, (high, closed) or None), low and high Fractions
 
 
 ANY = (Schema(),)
@@ -140,15 +140,15 @@ def compile_schema(schema: dict) -> tuple[Schema, ...]:
                 out.append(Schema("texts", ("null",)))
             elif kind == "string":
                 out.append(Schema(kind, min_length=int(s.get("minLength", 0)), max_length=s.get("maxLength")))
-            elif kind == "integer":
-                out.append(Schema(kind, low=integer_bound(s, "minimum", "exclusiveMinimum", math.ceil, 1),
-                                  high=integer_bound(s, "maximum", "exclusiveMaximum", math.floor, -1)))
+            elif kind in ("number", "integer"):
+                low = number_bound(s, "minimum", "exclusiveMinimum", max)
+                high = number_bound(s, "maximum", "exclusiveMaximum", min)
+                if kind == "number":
+                    out.append(Schema(kind, bounds=(low, high) if (low, high) != (None, None) else None))
+                    continue
+                out.append(Schema(kind, low=integer_edge(low, math.ceil, 1), high=integer_edge(high, math.floor, -1)))
                 if out[-1].low > out[-1].high:
                     raise SchemaError(f"no integer lies between the schema's bounds: {s}"[:160])
-            elif kind == "number":
-                bounds = (number_bound(s, "minimum", "exclusiveMinimum", max),
-                          number_bound(s, "maximum", "exclusiveMaximum", min))
-                out.append(Schema(kind, bounds=bounds if bounds != (None, None) else None))
             else:
                 raise SchemaError(f"unknown JSON schema type {kind!r}")
         return tuple(out)
@@ -165,23 +165,18 @@ def compile_schema(schema: dict) -> tuple[Schema, ...]:
     return root
 
 
-def integer_bound(s: dict, key: str, exclusive: str, to_int, step: int) -> float:
-    """An integer's inclusive bound from minimum/exclusiveMinimum (or the maxima): to_int rounds inward, step is
-    the next integer inward from an exclusive one (draft 4's boolean exclusiveMinimum included)."""
-    bounds = []
-    if isinstance(s.get(key), (int, float)):
-        edge = s[key]
-        bounds.append(to_int(edge) + step if s.get(exclusive) is True and to_int(edge) == edge else to_int(edge))
-    ex = s.get(exclusive)
-    if isinstance(ex, (int, float)) and not isinstance(ex, bool):
-        bounds.append(to_int(ex) + step if to_int(ex) == ex else to_int(ex))
-    if not bounds:
+def integer_edge(bound: tuple[Fraction, bool] | None, to_int, step: int) -> float:
+    """An integer's inclusive bound from a number's (number_bound): to_int rounds inward, and an open bound that
+    is an integer itself moves one step inward."""
+    if bound is None:
         return -math.inf if step > 0 else math.inf
-    return max(bounds) if step > 0 else min(bounds)
+    edge, closed = bound
+    return to_int(edge) + (step if not closed and to_int(edge) == edge else 0)
 
 
 def number_bound(s: dict, key: str, exclusive: str, tighter) -> tuple[Fraction, bool] | None:
-    """A number's bound as (value, open) from minimum/exclusiveMinimum (tighter: max) or the maxima (min)."""
+    """A number's bound as (value, closed) from minimum/exclusiveMinimum (tighter: max) or the maxima (min); draft
+    4's boolean exclusiveMinimum included."""
     found = []  # a float bound as the decimal it was written as (0.8, not the binary float nearest to it)
     if isinstance(s.get(key), (int, float)) and not isinstance(s.get(key), bool):
         found.append((Fraction(str(s[key])), s.get(exclusive) is True))
@@ -191,7 +186,7 @@ def number_bound(s: dict, key: str, exclusive: str, tighter) -> tuple[Fraction, 
     if not found:
         return None
     best = tighter(v for v, _ in found)
-    return best, any(is_open for v, is_open in found if v == best)
+    return best, not any(is_open for v, is_open in found if v == best)
 
 
 def _meet(a, b) -> bool:
@@ -211,8 +206,7 @@ def number_reachable(text: str, bounds: tuple) -> bool:
     """Whether some number written as `text` and more digits or a fraction (no exponent) lies within bounds
     (Schema.bounds). An integer part v can still become [v * 10^k, (v + 1) * 10^k) for k = 0, 1, ...; "0" only
     [0, 1); after the point, the digits so far fix it to within 10^-digits."""
-    (low, high) = bounds
-    want = (None if low is None else (low[0], not low[1]), None if high is None else (high[0], not high[1]))
+    low, high = want = bounds
     neg, body = text.startswith("-"), text.lstrip("-")
 
     def meets(lo: Fraction, hi: Fraction | None) -> bool:  # the interval [lo, hi) of magnitudes, signed
@@ -469,8 +463,7 @@ class JsonPrefix:
         if self.value.bounds is None:
             return True
         x = Fraction(self.digits)
-        return _meet(((x, True), (x, True)), tuple(None if b is None else (b[0], not b[1])
-                                                     for b in self.value.bounds))
+        return _meet(((x, True), (x, True)), self.value.bounds)
 
     def _counted(self) -> bool:
         """One more character in a string value, within its maxLength."""
