@@ -10,8 +10,9 @@ probability and takes the first allowed one, so a model that wants to write vali
 
 Held too: a string's minLength and maxLength, a number's or an integer's minimum and maximum (exclusive ones
 included): a character is taken only while some number it begins lies in range, and a bounded number is written
-without an exponent. Not held: string patterns and formats, uniqueItems, and a choice between two alternatives
-of the same kind (anyOf of two object schemas takes any object).
+without an exponent. A choice between alternatives of one kind (anyOf two object schemas, a union of pydantic
+models) is read on a branch per alternative, each held to its own (JsonPrefix). Not held: string patterns and
+formats, uniqueItems.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ class Schema:
 
 
 ANY = (Schema(),)
+ANY_OBJECT, ANY_ARRAY = Schema("object", extra=True), Schema("array")
 LITERALS = Schema("texts", ("true", "false", "null"))
 
 
@@ -283,18 +285,15 @@ def _starts(alt: Schema, c: str) -> bool:
             or k == "texts" and any(t.startswith(c) for t in alt.texts))
 
 
-def _pick(alts: tuple[Schema, ...], c: str) -> Schema | None:
-    """The alternative a value starting with c follows: the only one that may start so, the widest of several
-    (any, then number over integer, a string over string values), or None."""
+def _fits(alts: tuple[Schema, ...], c: str) -> list[Schema]:
+    """The alternatives a value starting with c may follow: "any" alone where it is one of them (it takes every
+    value), the texts of several merged into one, the rest each a branch of its own."""
     fits = [a for a in alts if _starts(a, c)]
-    if len(fits) <= 1:
-        return fits[0] if fits else None
-    for kind in ("any", "number", "string", "integer"):
-        if any(a.kind == kind for a in fits):
-            return next(a for a in fits if a.kind == kind)
-    if all(a.kind == "texts" for a in fits):
-        return Schema("texts", tuple(t for a in fits for t in a.texts))
-    return Schema() if fits[0].kind in ("object", "array") else fits[0]
+    if any(a.kind == "any" for a in fits):
+        return list(ANY)
+    texts = [t for a in fits if a.kind == "texts" for t in a.texts]
+    rest = list(dict.fromkeys(a for a in fits if a.kind != "texts"))  # an alternative listed twice is one branch
+    return rest + [Schema("texts", tuple(dict.fromkeys(texts)))] if texts else rest
 
 
 @dataclass
@@ -308,8 +307,9 @@ class Frame:
 
 
 @dataclass
-class JsonPrefix:
-    """Where a JSON text stands after the characters fed so far; feed() says whether they keep it a prefix.
+class Branch:
+    """One reading of a JSON text: where it stands after the characters fed so far, with one alternative of the
+    schema taken at each value that had several (JsonPrefix holds every reading still alive).
     schema: the alternatives the whole value may follow (None: an object of any shape, JSON mode's)."""
 
     schema: tuple[Schema, ...] | None = None
@@ -325,15 +325,32 @@ class JsonPrefix:
     ws: int = 0  # whitespace characters in a row
     breaks: int = 0  # line breaks among them
     last_depth: int = 0  # > 0: the container open at this depth takes no member after the current one
-    value: Schema = Schema()  # the schema of the string or number being written (its length, its bounds)
+    value: Schema = ANY[0]  # the schema of the string or number being written (its length, its bounds)
     length: int = 0  # inside a string value: its characters so far
     digits: str = ""  # inside an integer: its text so far
+    hexa: str = ""  # inside a string value's \u escape: its hex digits so far
+    high: bool = False  # the string value's last character was a \u escape of a high surrogate
+    forks: list = field(default_factory=list)  # the branches the last character opened beside this one
 
-    def copy(self) -> JsonPrefix:
-        c = JsonPrefix.__new__(JsonPrefix)
+    def copy(self) -> Branch:
+        c = Branch.__new__(Branch)
         c.__dict__.update(self.__dict__)
         c.stack = [Frame(f.kind, f.schema, f.keys, f.count) for f in self.stack]
+        c.forks = []
         return c
+
+    def key(self) -> tuple:
+        """Two branches with the same key read the rest of the text alike: one of them is enough."""
+        d = {k: v for k, v in self.__dict__.items() if k not in ("stack", "forks", "value", "schema")}
+        return (tuple((f.kind, id(f.schema), f.keys, f.count) for f in self.stack), id(self.value),
+                tuple(d.values()))
+
+    def step(self, c: str) -> list[Branch]:
+        """The branches this one becomes on c: itself if c is taken, and any the value c begins opened."""
+        ok = self._char(c)
+        out = ([self] if ok else []) + self.forks
+        self.forks = []
+        return out
 
     @property
     def done(self) -> bool:
@@ -343,13 +360,10 @@ class JsonPrefix:
         return not self.stack and self.string is None and ("" in self.choices or self.number in NUMBER_ENDS
                                                            and self._in_range())
 
-    def feed(self, text: str) -> bool:
-        return all(self._char(c) for c in text)
-
     # -- where the next value's schema comes from ------------------------------------------------------------
     def _value_schema(self) -> tuple[Schema, ...]:
         if not self.stack:
-            return self.schema if self.schema is not None else (Schema("object", extra=True),)
+            return self.schema if self.schema is not None else (ANY_OBJECT,)
         f = self.stack[-1]
         if f.kind == "[":
             return resolve(f.schema.items)
@@ -425,9 +439,17 @@ class JsonPrefix:
         return False  # done: nothing but the end may follow
 
     def _value_start(self, c: str) -> bool:
-        alt = _pick(self._value_schema(), c)
-        if alt is None:
+        fits = _fits(self._value_schema(), c)
+        if not fits:
             return False
+        for alt in fits[1:]:  # several alternatives may begin so: each is read on a branch of its own
+            other = self.copy()
+            if other._begin(alt, c):
+                self.forks.append(other)
+        return self._begin(fits[0], c)
+
+    def _begin(self, alt: Schema, c: str) -> bool:
+        """A value of alternative `alt` begins with c."""
         if alt.kind == "any" and c in "tfn":
             alt = LITERALS  # any value starting so is one of JSON's literals
         if alt.kind == "texts":
@@ -436,11 +458,11 @@ class JsonPrefix:
                 self._choice_made()
             return True
         if c == "{":
-            self.stack.append(Frame("{", alt if alt.kind == "object" else Schema("object", extra=True)))
+            self.stack.append(Frame("{", alt if alt.kind == "object" else ANY_OBJECT))
             self.expect = "key_or_close"
             return True
         if c == "[":
-            self.stack.append(Frame("[", alt if alt.kind == "array" else Schema("array")))
+            self.stack.append(Frame("[", alt if alt.kind == "array" else ANY_ARRAY))
             self.expect = "value_or_close"
             return True
         if c == '"':
@@ -511,12 +533,47 @@ class JsonPrefix:
         return True
 
     def _value_ended(self) -> None:
+        self.value, self.length, self.digits, self.integer, self.hexa, self.high = ANY[0], 0, "", False, "", False
         if self.stack and self.stack[-1].kind == "[":
             self.stack[-1].count += 1
         self.expect = "comma_or_close" if self.stack else "done"
 
     def _string_char(self, c: str) -> bool:
-        key = self.string == "key"
+        """A character of a string value. Its length counts characters: an escape is one, counted at its
+        backslash, except after a high surrogate's \\u escape, where it is counted at its end unless it is the
+        pair's low half (the pair is one character)."""
+        if self.string == "key":
+            return self._key_char(c)
+        if self.escape == -1:  # after a backslash
+            if c not in ESCAPES:
+                return False
+            self.escape, self.hexa = (4 if c == "u" else 0), ""
+            if c == "u":
+                return True
+            after_high, self.high = self.high, False
+            return not after_high or self._counted()
+        if self.escape > 0:  # a \\u escape's hex digits
+            if c not in HEX:
+                return False
+            self.escape, self.hexa = self.escape - 1, self.hexa + c
+            if self.escape > 0:
+                return True
+            code, after_high = int(self.hexa, 16), self.high
+            self.high = 0xD800 <= code <= 0xDBFF
+            return not after_high or 0xDC00 <= code <= 0xDFFF or self._counted()
+        if c == "\\":
+            self.escape = -1
+            return self.high or self._counted()
+        self.high = False
+        if c == '"':
+            if self.length < self.value.min_length:
+                return False
+            self.string = None
+            self._value_ended()
+            return True
+        return ord(c) >= 0x20 and self._counted()
+
+    def _key_char(self, c: str) -> bool:
         if self.escape == -1:
             if c not in ESCAPES:
                 return False
@@ -527,28 +584,62 @@ class JsonPrefix:
             self.escape -= 1
         elif c == "\\":
             self.escape = -1
-            if not key and not self._counted():
-                return False
         elif c == '"':
-            if not key and self.length < self.value.min_length:
-                return False
             self.string = None
-            if key:
-                f = self.stack[-1]
-                name = json.loads('"' + self.text + '"')
-                if name in f.keys:
-                    return False
-                f.keys += (name,)
-                self.expect = "colon"
-            else:
-                self._value_ended()
+            f = self.stack[-1]
+            name = json.loads('"' + self.text + '"')
+            if name in f.keys:
+                return False
+            f.keys += (name,)
+            self.expect = "colon"
             return True
         elif ord(c) < 0x20:
             return False
-        elif not key and not self._counted():
-            return False
-        if key:
-            self.text += c
+        self.text += c
+        return True
+
+
+MAX_BRANCHES = 64  # readings kept at once; a schema that opens more loses its latest (never a dead end: each lives)
+
+
+class JsonPrefix:
+    """Where a JSON text stands after the characters fed so far; feed() says whether they keep it a prefix of a
+    value (of the schema's alternatives, None: an object of any shape, JSON mode's). Where the schema offers
+    several alternatives a value may begin as (anyOf two object schemas), each is read on a branch of its own and
+    dropped when the text leaves it; branches that come to read the rest alike merge."""
+
+    def __init__(self, schema: tuple[Schema, ...] | None = None):
+        self.branches = [Branch(schema)]
+
+    def copy(self) -> JsonPrefix:
+        c = JsonPrefix.__new__(JsonPrefix)
+        c.branches = [b.copy() for b in self.branches]
+        return c
+
+    @property
+    def done(self) -> bool:
+        return any(b.done for b in self.branches)
+
+    @property
+    def in_string(self) -> bool:
+        return any(b.string is not None for b in self.branches)
+
+    def last_member(self) -> None:
+        """Where the text stops at the start of a member's value (a lead such as a forced tool call's
+        `{"name": "f", "arguments": `), that member is its object's last."""
+        for b in self.branches:
+            if b.expect == "value" and b.string is None and b.number is None and not b.choices:
+                b.last_depth = len(b.stack)
+
+    def feed(self, text: str) -> bool:
+        for c in text:
+            alive: dict[tuple, Branch] = {}
+            for b in self.branches:
+                for n in b.step(c):
+                    alive.setdefault(n.key(), n)
+            if not alive:
+                return False
+            self.branches = list(alive.values())[:MAX_BRANCHES]
         return True
 
 
@@ -562,9 +653,7 @@ class JsonConstraint:
         self.state = JsonPrefix(compile_schema(schema) if schema is not None else None)
         if not self.state.feed(lead):
             raise SchemaError(f"not the start of a JSON value of the schema: {lead!r}")
-        st = self.state
-        if st.expect == "value" and st.string is None and st.number is None and not st.choices:
-            st.last_depth = len(st.stack)  # the lead stops where a member's value begins
+        self.state.last_member()
         self.text = TokenText(tokenizer)
 
     def allows(self, token: int) -> bool:
@@ -574,7 +663,7 @@ class JsonConstraint:
             return False
         added, pending = self.text.added(token)
         if not added:  # bytes of a character still to come are allowed where any character is: in a string
-            return pending and self.state.string is not None
+            return pending and self.state.in_string
         return self.state.copy().feed(added)
 
     def advance(self, token: int) -> None:

@@ -83,17 +83,23 @@ def forced_prefix(template: str | None, choice: str | dict | None) -> str:
 
 
 def call_schema(template: str | None, choice: str | dict | None, tools: list[dict]) -> dict | None:
-    """The JSON schema a forced call is decoded in (None for auto and none): the named function's name and its
-    parameters' schema, or for "required" any tool's name and an object of arguments."""
+    """The JSON schema a forced call is decoded in (None for auto and none): for a named function its name and
+    its parameters' schema, for "required" one of those for each tool. The tools' $defs are gathered at the root,
+    where the schema's $refs find them."""
     if choice in (None, "auto", "none"):
         return None
     args = args_key(template)
+    fns = [t["function"] for t in tools]
     if isinstance(choice, dict):
-        fn = next(t["function"] for t in tools if t["function"]["name"] == choice["function"]["name"])
-        name, params = {"const": fn["name"]}, fn.get("parameters") or {"type": "object"}
-    else:
-        name, params = {"enum": [t["function"]["name"] for t in tools]}, {"type": "object"}
-    return {"type": "object", "properties": {"name": name, args: params}, "required": ["name", args]}
+        fns = [fn for fn in fns if fn["name"] == choice["function"]["name"]][:1]
+    calls, defs = [], {}
+    for fn in fns:
+        params = dict(fn.get("parameters") or {"type": "object"})
+        defs.update(params.pop("definitions", {}))
+        defs.update(params.pop("$defs", {}))
+        calls.append({"type": "object", "properties": {"name": {"const": fn["name"]}, args: params},
+                      "required": ["name", args]})
+    return {"anyOf": calls, "$defs": defs}
 
 
 def check_choice(choice, tools: list[dict] | None) -> None:
