@@ -11,21 +11,24 @@ probability and takes the first allowed one, so a model that wants to write vali
 Held too: a string's minLength and maxLength, a number's or an integer's minimum and maximum (exclusive ones
 included): a character is taken only while some number it begins lies in range, and a bounded number is written
 without an exponent. A choice between alternatives of one kind (anyOf two object schemas, a union of pydantic
-models) is read on a branch per alternative, each held to its own (JsonPrefix). Not held: string patterns and
-formats, uniqueItems.
+models) is read on a branch per alternative, each held to its own (JsonPrefix). A string's pattern, or its
+format's (localpd.pattern), is held character by character as its escapes decode. Not held: uniqueItems.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass, field
 from fractions import Fraction
 
+from localpd.pattern import FORMATS, Pattern, PatternError
 from localpd.tokenizer import TokenText
 
 WS = " \t\n\r"
 ESCAPES = '"\\/bfnrtu'
+UNESCAPED = {"b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}  # what an escape stands for (else itself)
 HEX = "0123456789abcdefABCDEF"
 DIGITS = "0123456789"
 NUMBER_ENDS = ("zero", "int", "frac", "exp")  # number states a value may end in
@@ -67,6 +70,7 @@ class Schema:
     max_items: int | None = None
     min_length: int = 0  # a string's characters (an escape counts as one)
     max_length: int | None = None
+    pattern: Pattern | None = None  # a string's pattern, or its format's
     low: float = -math.inf  # an integer's bounds, inclusive
     high: float = math.inf
     bounds: tuple | None = None  # a number's: ((low, closed) or None, (high, closed) or None), low and high Fractions
@@ -141,7 +145,9 @@ def compile_schema(schema: dict) -> tuple[Schema, ...]:
             elif kind == "null":
                 out.append(Schema("texts", ("null",)))
             elif kind == "string":
-                out.append(Schema(kind, min_length=int(s.get("minLength", 0)), max_length=s.get("maxLength")))
+                source = s.get("pattern", FORMATS.get(s.get("format")))
+                out.append(Schema(kind, min_length=int(s.get("minLength", 0)), max_length=s.get("maxLength"),
+                                  pattern=None if source is None else compiled(str(source))))
             elif kind in ("number", "integer"):
                 low = number_bound(s, "minimum", "exclusiveMinimum", max)
                 high = number_bound(s, "maximum", "exclusiveMaximum", min)
@@ -165,6 +171,14 @@ def compile_schema(schema: dict) -> tuple[Schema, ...]:
                     seen.add(id(sub))
                     todo.append(sub.get())
     return root
+
+
+@functools.lru_cache(maxsize=256)
+def compiled(pattern: str) -> Pattern:
+    try:
+        return Pattern(pattern)
+    except PatternError as e:
+        raise SchemaError(str(e)) from None
 
 
 def integer_edge(bound: tuple[Fraction, bool] | None, to_int, step: int) -> float:
@@ -330,6 +344,7 @@ class Branch:
     digits: str = ""  # inside an integer: its text so far
     hexa: str = ""  # inside a string value's \u escape: its hex digits so far
     high: bool = False  # the string value's last character was a \u escape of a high surrogate
+    matched: frozenset | None = None  # inside a string value with a pattern: the pattern's states so far
     forks: list = field(default_factory=list)  # the branches the last character opened beside this one
 
     def copy(self) -> Branch:
@@ -467,6 +482,7 @@ class Branch:
             return True
         if c == '"':
             self.string, self.value, self.length = "value", alt, 0
+            self.matched = None if alt.pattern is None else alt.pattern.start()
             return True
         self.number, self.integer = ("sign" if c == "-" else "zero" if c == "0" else "int"), alt.kind == "integer"
         self.value, self.digits = alt, c
@@ -534,6 +550,7 @@ class Branch:
 
     def _value_ended(self) -> None:
         self.value, self.length, self.digits, self.integer, self.hexa, self.high = ANY[0], 0, "", False, "", False
+        self.matched = None
         if self.stack and self.stack[-1].kind == "[":
             self.stack[-1].count += 1
         self.expect = "comma_or_close" if self.stack else "done"
@@ -541,7 +558,8 @@ class Branch:
     def _string_char(self, c: str) -> bool:
         """A character of a string value. Its length counts characters: an escape is one, counted at its
         backslash, except after a high surrogate's \\u escape, where it is counted at its end unless it is the
-        pair's low half (the pair is one character)."""
+        pair's low half (the pair is one character). Under a pattern an escape is taken only while a character it
+        may still stand for goes on with the pattern, and surrogates are not escaped."""
         if self.string == "key":
             return self._key_char(c)
         if self.escape == -1:  # after a backslash
@@ -549,29 +567,48 @@ class Branch:
                 return False
             self.escape, self.hexa = (4 if c == "u" else 0), ""
             if c == "u":
-                return True
+                return self._may_take(0, 0xFFFF)
             after_high, self.high = self.high, False
-            return not after_high or self._counted()
+            return (not after_high or self._counted()) and self._matches(UNESCAPED.get(c, c))
         if self.escape > 0:  # a \\u escape's hex digits
             if c not in HEX:
                 return False
             self.escape, self.hexa = self.escape - 1, self.hexa + c
             if self.escape > 0:
-                return True
+                lo = int(self.hexa, 16) << 4 * self.escape
+                return self._may_take(lo, lo + (1 << 4 * self.escape) - 1)
             code, after_high = int(self.hexa, 16), self.high
             self.high = 0xD800 <= code <= 0xDBFF
+            if self.matched is not None:
+                return self._matches(chr(code))  # not a surrogate: _may_take refused them
             return not after_high or 0xDC00 <= code <= 0xDFFF or self._counted()
         if c == "\\":
             self.escape = -1
-            return self.high or self._counted()
+            return (self.high or self._counted()) and self._may_take(0, 0xFFFF)
         self.high = False
         if c == '"':
-            if self.length < self.value.min_length:
+            if self.length < self.value.min_length or self.matched is not None and not \
+                    self.value.pattern.accepts(self.matched):
                 return False
             self.string = None
             self._value_ended()
             return True
-        return ord(c) >= 0x20 and self._counted()
+        return ord(c) >= 0x20 and self._counted() and self._matches(c)
+
+    def _matches(self, ch: str) -> bool:
+        """The string value goes on with ch under its pattern (if it has one)."""
+        if self.matched is None:
+            return True
+        self.matched = self.value.pattern.step(self.matched, ch)
+        return bool(self.matched)
+
+    def _may_take(self, lo: int, hi: int) -> bool:
+        """Some character in [lo, hi], not a surrogate, goes on with the string value's pattern (if it has one)."""
+        if self.matched is None:
+            return True
+        p = self.value.pattern
+        return (lo <= 0xD7FF and p.takes(self.matched, lo, min(hi, 0xD7FF))
+                or hi >= 0xE000 and p.takes(self.matched, max(lo, 0xE000), hi))
 
     def _key_char(self, c: str) -> bool:
         if self.escape == -1:

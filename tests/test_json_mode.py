@@ -312,3 +312,99 @@ def test_number_bounds_against_brute_force(low10, width10, low_open, high_open, 
     for i in range(1, len(text) + 1):
         if number_reachable(text[:i], bounds):
             assert any(inside(Fraction(t)) for t in completions(text[:i], 4)), (text[:i], schema)
+
+
+PATTERNS = [r"^\d{3}$", r"ab", r"^a|b$", r"^(a|b)*c{1,2}$", r"^$", r"x?", r"^[^a-c\n]+$", r"^(?:ab)+$", r"^a{2,}$",
+            r"^[\w-]{0,3}$", r"^\s*\S\s*$", r"^(?<word>[a-c]+)\.$", r'^"[\\\d]+"$', r"^a.c$", r"\n|é$", r"^[\x61-\x63]+?$"]
+pattern_text = st.text(st.sampled_from(list('abcx1-_. "\\\né')), max_size=6)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.sampled_from(PATTERNS), pattern_text, st.booleans())
+def test_a_pattern_is_held_as_pythons_re_searches_it(pattern, text, ascii_only):
+    """Whole strings, however escaped, are accepted exactly when Python's re finds the pattern in them (ECMA's $
+    is Python's \\Z, a named group its (?P<...>); the texts avoid where the two dialects differ)."""
+    schema = {"type": "string", "pattern": pattern}
+    want = re.search(pattern.replace("$", r"\Z").replace("(?<", "(?P<"), text, re.ASCII) is not None
+    assert whole(json.dumps(text, ensure_ascii=ascii_only), schema) == want
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.sampled_from(PATTERNS), pattern_text)
+def test_a_pattern_never_lets_a_string_into_a_dead_end(pattern, text):
+    """Every prefix the recogniser takes still has an ending it takes (found by brute force: the end of an escape
+    begun, then up to three characters), so a reply held to a pattern can always be finished."""
+    from itertools import product
+
+    heads = list('"\\/bfnrt') + sorted({f"u{ord(ch):04x}"[i:] for ch in 'abc1". \\\n' for i in range(5)})
+    tails = ["".join(t) for n in range(4) for t in product(["a", "b", "c", "1", ".", "\\n", " ", '\\"'], repeat=n)]
+
+    def finishes(state) -> bool:
+        if any(b.escape for b in state.branches):  # the end of the escape begun, then up to two characters
+            return any(state.copy().feed(h + t + '"') for h in heads for t in tails if len(t) <= 4)
+        return any(state.copy().feed(t + '"') for t in tails)
+
+    state = JsonPrefix(compile_schema({"type": "string", "pattern": pattern}))
+    assert state.feed('"')
+    for c in json.dumps(text)[1:-1]:
+        if not state.feed(c):
+            break
+        assert finishes(state), (pattern, text)
+
+
+@pytest.mark.parametrize("pattern, text, valid", [
+    ("^a\\nb$", '"a\\nb"', True), ("^a\\nb$", '"a\\u000ab"', True), ("^a\\nb$", '"a\\tb"', False),
+    ("^a", '"\\u0061x"', True), ("^a", '"\\u0062"', False), ("^.$", '"\\ud83d\\ude00"', False),  # no surrogates
+    ("^.$", '"\U0001F600"', True), ("^[\\d]{2}$", '"12"', True),
+])
+def test_escapes_under_a_pattern_stand_for_their_characters(pattern, text, valid):
+    assert whole(text, {"type": "string", "pattern": pattern}) == valid
+
+
+def test_a_hex_escape_is_refused_at_the_first_digit_no_character_it_may_become_goes_on_with():
+    state = JsonPrefix(compile_schema({"type": "string", "pattern": "^[a-c]$"}))
+    assert state.feed('"\\u00') and not state.copy().feed("7") and state.feed("6")  # \u007x: no; \u006x: a-c
+    assert not state.copy().feed("0") and state.feed("2") and state.feed('"') and state.done
+
+
+@pytest.mark.parametrize("fmt, good, bad", [
+    ("date", ["2024-02-28", "1999-12-31", "0001-01-01"], ["2024-02-29", "2024-02-30", "2024-13-01", "2024-1-01",
+                                                           "24-01-01", "2024-04-31"]),
+    ("date-time", ["2024-06-01T12:30:00Z", "2024-06-01T23:59:59.123+02:00"], ["2024-06-01T24:00:00Z",
+                                                                             "2024-06-01 12:30:00Z"]),
+    ("time", ["08:15:00Z", "23:59:59-05:30"], ["8:15:00Z", "08:60:00Z"]),
+    ("uuid", ["123e4567-e89b-12d3-a456-426614174000"], ["123e4567e89b12d3a456426614174000", "123e4567-e89b"]),
+    ("ipv4", ["192.168.0.1", "0.0.0.0"], ["256.1.1.1", "1.2.3", "01.2.3.4"]),
+    ("email", ["ann.lee+x@example.co.uk"], ["ann@", "@example.com", "ann@example"]),
+    ("uri", ["https://example.com/a?b=c"], ["example.com", "https://exa mple.com"]),
+    ("hostname", ["any text"], []),  # a format localpd does not know is an annotation
+])
+def test_formats_a_model_is_asked_for_are_held(fmt, good, bad):
+    for text in good:
+        assert whole(json.dumps(text), {"type": "string", "format": fmt}), text
+    for text in bad:
+        assert not whole(json.dumps(text), {"type": "string", "format": fmt}), text
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.datetimes(timezones=st.timezones()))
+def test_what_a_date_time_format_takes_python_parses_and_the_reverse(when):
+    import datetime as dt
+
+    text = when.isoformat()
+    taken = whole(json.dumps(text), {"type": "string", "format": "date-time"})
+    if taken:
+        assert dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    # refused: no offset (RFC 3339 wants one), the 29th of February, an offset in seconds (old local mean times)
+    assert taken == (when.utcoffset() is not None and (when.month, when.day) != (2, 29)
+                     and when.utcoffset().seconds % 60 == 0)
+
+
+@pytest.mark.parametrize("pattern, fragment", [
+    ("(?=a)", "lookaround"), ("(?<!a)b", "lookaround"), ("(a)\\1", "backreference"), ("\\bword", "word boundary"),
+    ("a{3,2}", "m < n"), ("(a", "unclosed group"), ("*a", "nothing for"), ("a)", "unmatched"), ("[b-a]", "out of order"),
+    ("\\q", "does not know"), ("^*", "repeats an anchor"),
+])
+def test_patterns_localpd_cannot_hold_are_one_line_errors(pattern, fragment):
+    with pytest.raises(SchemaError, match=re.escape(fragment)):
+        compile_schema({"type": "string", "pattern": pattern})

@@ -191,6 +191,24 @@ def test_a_json_schema_reply_parses_into_its_model(client):
         assert t.finish_reason == "stop" and isinstance(t.message.parsed, Tower), t.message.content
 
 
+def test_patterns_and_formats_of_a_model_are_held(client):
+    """pydantic's Field(pattern=...) and a date: the parse, which checks both, succeeds at any seed."""
+    import datetime
+
+    from pydantic import BaseModel, Field
+
+    class Flight(BaseModel):
+        code: str = Field(pattern=r"^[A-Z]{2}\d{3,4}$")
+        day: datetime.date
+        gate: str = Field(pattern=r"^[A-H][1-9]$")
+
+    ask = [{"role": "user", "content": "Book me a flight to Paris: its flight code, the day and the gate."}]
+    for seed in range(3):
+        t = client.chat.completions.parse(model="x", messages=ask, response_format=Flight, temperature=1.0,
+                                          seed=seed, max_tokens=96).choices[0]
+        assert t.finish_reason == "stop" and isinstance(t.message.parsed, Flight), t.message.content
+
+
 def test_a_union_of_models_parses_into_the_one_begun(client):
     """A list of Cat | Dog (anyOf two object schemas): each item holds to the model its first key chose, so the
     parse, which would raise on a cat with a dog's key or a cat's bounds broken, succeeds at any seed."""

@@ -1,0 +1,349 @@
+"""A JSON schema string's `pattern` (or its `format`) as an automaton over characters, for JSON mode.
+
+The regular part of ECMA-262's regular expressions: characters and escapes (\\n, \\t, \\xHH, \\uHHHH, \\. ...),
+`.`, classes ([a-z_], [^...], \\d \\w \\s and their negations), groups ((...), (?:...), (?<name>...)), alternation,
+the quantifiers * + ? {n} {n,} {n,m} (lazy ones too: a recogniser does not care which match is found) and the
+anchors ^ and $. As JSON schema says, a pattern matches anywhere in the string unless anchored. Backreferences,
+lookaround and word boundaries are not regular here and are refused (PatternError).
+
+Pattern builds a Thompson NFA. A reading is the frozenset of states the characters so far may have reached, kept
+to the live ones (from which some string still ends in a match), so a reading that is not empty can always be
+finished: step() on a character the pattern cannot go on with gives the empty set.
+"""
+
+from __future__ import annotations
+
+import re
+
+MAX = 0x10FFFF
+MAX_STATES = 20_000
+
+
+class PatternError(ValueError):
+    pass
+
+
+def ranges(*pairs: tuple[int, int]) -> tuple[tuple[int, int], ...]:
+    """A set of code points as sorted, disjoint, non-adjacent inclusive ranges."""
+    out: list[list[int]] = []
+    for lo, hi in sorted(pairs):
+        if out and lo <= out[-1][1] + 1:
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    return tuple((lo, hi) for lo, hi in out)
+
+
+def complement(rs: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+    out, start = [], 0
+    for lo, hi in rs:
+        if lo > start:
+            out.append((start, lo - 1))
+        start = hi + 1
+    if start <= MAX:
+        out.append((start, MAX))
+    return tuple(out)
+
+
+def chars(text: str) -> tuple[tuple[int, int], ...]:
+    return ranges(*((ord(c), ord(c)) for c in text))
+
+
+DIGIT = chars("0123456789")
+WORD = ranges((48, 57), (65, 90), (95, 95), (97, 122))
+SPACE = ranges(*((ord(c), ord(c)) for c in "\t\n\v\f\r \u00a0\u1680\u2028\u2029\u202f\u205f\u3000\ufeff"),
+               (0x2000, 0x200A))
+ANY = ((0, MAX),)
+DOT = complement(chars("\n\r\u2028\u2029"))
+CLASS_ESCAPES = {"d": DIGIT, "D": complement(DIGIT), "w": WORD, "W": complement(WORD), "s": SPACE,
+                 "S": complement(SPACE)}
+CHAR_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "0": "\0"}
+
+# the formats a model is asked for most (pydantic's date, datetime, time, UUID, EmailStr, IPv4Address, AnyUrl);
+# others are annotations and are not held. A date's day is one every year has (the 29th of February is not
+# written), so whatever is written parses.
+_DAY = r"((0[13578]|1[02])-(0[1-9]|[12]\d|3[01])|(0[469]|11)-(0[1-9]|[12]\d|30)|02-(0[1-9]|1\d|2[0-8]))"
+_TIME = r"([01]\d|2[0-3]):[0-5]\d:[0-5]\d(\.\d{1,6})?(Z|[+-]([01]\d|2[0-3]):[0-5]\d)"
+_OCTET = r"(25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)"
+FORMATS = {
+    "date": rf"^\d{{4}}-{_DAY}$",
+    "date-time": rf"^\d{{4}}-{_DAY}T{_TIME}$",
+    "time": rf"^{_TIME}$",
+    "uuid": r"^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$",
+    "email": r"^[A-Za-z0-9._%+-]{1,64}@[A-Za-z0-9-]{1,63}(\.[A-Za-z0-9-]{1,63}){1,4}$",
+    "ipv4": rf"^({_OCTET}\.){{3}}{_OCTET}$",
+    "uri": r"^[A-Za-z][A-Za-z0-9+.-]*://[^\s\x00-\x1f\"<>\\^`{|}]+$",
+}
+
+
+def _parse(pattern: str):
+    """The pattern as a tree: ("set", ranges), ("seq", [nodes]), ("alt", [nodes]), ("rep", node, lo, hi or None),
+    ("^",), ("$",)."""
+    pos = 0
+
+    def error(what: str) -> PatternError:
+        return PatternError(f"the JSON schema's pattern {pattern!r} {what}"[:200])
+
+    def peek() -> str:
+        return pattern[pos] if pos < len(pattern) else ""
+
+    def take() -> str:
+        nonlocal pos
+        if pos >= len(pattern):
+            raise error("ends in the middle of an escape or a class")
+        pos += 1
+        return pattern[pos - 1]
+
+    def hex_digits(n: int) -> int:
+        digits = "".join(take() for _ in range(n))
+        if not re.fullmatch(r"[0-9a-fA-F]+", digits):
+            raise error(f"has a bad escape (\\x or \\u with {digits!r})")
+        return int(digits, 16)
+
+    def escape(in_class: bool):
+        """After a backslash: the ranges it stands for."""
+        c = take()
+        if c in CLASS_ESCAPES:
+            return CLASS_ESCAPES[c]
+        if c in CHAR_ESCAPES:
+            return chars(CHAR_ESCAPES[c])
+        if c == "x":
+            return chars(chr(hex_digits(2)))
+        if c == "u":
+            return chars(chr(hex_digits(4)))
+        if c == "b" and in_class:
+            return chars("\b")
+        if c in "bB":
+            raise error("uses a word boundary (\\b), which localpd cannot hold")
+        if c.isdigit():
+            raise error("uses a backreference, which localpd cannot hold")
+        if c.isalnum():
+            raise error(f"uses the escape \\{c}, which localpd does not know")
+        return chars(c)
+
+    def klass():
+        negate = peek() == "^"
+        if negate:
+            take()
+        parts = []
+        while True:
+            c = take()
+            if c == "]":
+                break
+            lo = escape(True) if c == "\\" else chars(c)
+            if peek() == "-" and pos + 1 < len(pattern) and pattern[pos + 1] != "]":
+                take()
+                c2 = take()
+                hi = escape(True) if c2 == "\\" else chars(c2)
+                if len(lo) != 1 or len(hi) != 1 or lo[0][0] != lo[0][1] or hi[0][0] != hi[0][1]:
+                    raise error("has a class range between sets")
+                if lo[0][0] > hi[0][0]:
+                    raise error("has a class range out of order")
+                parts.append((lo[0][0], hi[0][0]))
+            else:
+                parts.extend(lo)
+        rs = ranges(*parts)
+        return complement(rs) if negate else rs
+
+    def atom():
+        nonlocal pos
+        c = take()
+        if c == "(":
+            if pattern.startswith("?:", pos):
+                pos += 2
+            elif pattern.startswith("?<", pos) and not pattern.startswith(("?<=", "?<!"), pos):
+                end = pattern.find(">", pos)
+                if end < 0:
+                    raise error("has an unclosed group name")
+                pos = end + 1
+            elif peek() == "?":
+                raise error("uses lookaround, which localpd cannot hold")
+            node = alternation()
+            if peek() != ")":
+                raise error("has an unclosed group")
+            pos += 1
+            return node
+        if c == "[":
+            return ("set", klass())
+        if c == ".":
+            return ("set", DOT)
+        if c in "^$":
+            return (c,)
+        if c == "\\":
+            return ("set", escape(False))
+        if c in "*+?":
+            raise error(f"has nothing for {c} to repeat")
+        if c == ")":
+            raise error("has an unmatched )")
+        return ("set", chars(c))
+
+    def repeated():
+        nonlocal pos
+        node = atom()
+        while True:
+            c = peek()
+            if c in ("*", "+", "?", "{") and node[0] in ("^", "$"):
+                raise error("repeats an anchor")
+            if c in ("*", "+", "?"):
+                pos += 1
+                node = ("rep", node, 0 if c != "+" else 1, 1 if c == "?" else None)
+            elif c == "{" and (m := re.match(r"\{(\d+)(,(\d*))?\}", pattern[pos:])):
+                pos += m.end()
+                lo = int(m[1])
+                hi = lo if m[2] is None else int(m[3]) if m[3] else None
+                if hi is not None and hi < lo:
+                    raise error("has a repeat {n,m} with m < n")
+                node = ("rep", node, lo, hi)
+            else:
+                return node
+            if peek() == "?":  # lazy: the same strings
+                pos += 1
+
+    def sequence():
+        items = []
+        while peek() not in ("", "|", ")"):
+            items.append(repeated())
+        return ("seq", items)
+
+    def alternation():
+        nonlocal pos
+        branches = [sequence()]
+        while peek() == "|":
+            pos += 1
+            branches.append(sequence())
+        return branches[0] if len(branches) == 1 else ("alt", branches)
+
+    tree = alternation()
+    if pos != len(pattern):
+        raise error("has an unmatched )")
+    return tree
+
+
+class Pattern:
+    """An NFA of a pattern, searched anywhere in the string: state 0 starts, `accept` ends. moves[s]: (ranges,
+    target) edges on a character; empty[s]: (kind, target) edges on none, kind "" always, "^" only before the
+    first character, "$" only after the last."""
+
+    def __init__(self, pattern: str):
+        self.source = pattern
+        self.moves: list[list] = []
+        self.empty: list[list] = []
+        start, self.accept = self._state(), self._state()
+        s, e = self._build(("seq", [("rep", ("set", ANY), 0, None), _parse(pattern),
+                                    ("rep", ("set", ANY), 0, None)]))
+        self.empty[start].append(("", s))
+        self.empty[e].append(("", self.accept))
+        self.live = self._live()
+        self.first = self._close({start}, True)
+        self._steps: dict = {}
+
+    def _state(self) -> int:
+        if len(self.moves) >= MAX_STATES:
+            raise PatternError(f"the JSON schema's pattern {self.source!r} is too large to hold"[:200])
+        self.moves.append([])
+        self.empty.append([])
+        return len(self.moves) - 1
+
+    def _build(self, node) -> tuple[int, int]:
+        kind = node[0]
+        s = self._state()
+        if kind == "set":
+            e = self._state()
+            self.moves[s].append((node[1], e))
+            return s, e
+        if kind in ("^", "$"):
+            e = self._state()
+            self.empty[s].append((kind, e))
+            return s, e
+        if kind == "alt":
+            e = self._state()
+            for branch in node[1]:
+                bs, be = self._build(branch)
+                self.empty[s].append(("", bs))
+                self.empty[be].append(("", e))
+            return s, e
+        if kind == "seq":
+            e = s
+            for part in node[1]:
+                e = self._then(e, part)
+            return s, e
+        _, sub, lo, hi = node  # a repeat: lo copies, then one that loops or hi - lo that may each be the last
+        e = s
+        for _ in range(lo):
+            e = self._then(e, sub)
+        end = self._state()
+        if hi is None:
+            ps = len(self.moves)
+            pe = self._then(e, sub)
+            self.empty[pe] += [("", ps), ("", end)]
+        else:
+            for _ in range(hi - lo):
+                self.empty[e].append(("", end))
+                e = self._then(e, sub)
+        self.empty[e].append(("", end))
+        return s, end
+
+    def _then(self, e: int, node) -> int:
+        """node's automaton after state e; its end."""
+        ps, pe = self._build(node)
+        self.empty[e].append(("", ps))
+        return pe
+
+    def _close(self, states, at_start: bool, at_end: bool = False) -> frozenset:
+        out, todo = set(states), list(states)
+        while todo:
+            for kind, t in self.empty[todo.pop()]:
+                if t not in out and (kind == "" or kind == "^" and at_start or kind == "$" and at_end):
+                    out.add(t)
+                    todo.append(t)
+        return frozenset(out)
+
+    def _live(self) -> frozenset:
+        """The states from which some string ends in a match: through characters and plain empty edges they
+        reach one from which empty edges alone end it ("$" among them: after the last character)."""
+        back_end: list[list[int]] = [[] for _ in self.moves]
+        back: list[list[int]] = [[] for _ in self.moves]
+        for s in range(len(self.moves)):
+            for _, t in self.moves[s]:
+                back[t].append(s)
+            for kind, t in self.empty[s]:
+                if kind != "^":
+                    back_end[t].append(s)
+                if kind == "":
+                    back[t].append(s)
+        return frozenset(_reach(back, _reach(back_end, {self.accept})))
+
+    def start(self) -> frozenset:
+        return self.first & self.live
+
+    def step(self, states: frozenset, ch: str) -> frozenset:
+        key = (states, ch)
+        if key not in self._steps:
+            cp = ord(ch)
+            nxt = {t for s in states for rs, t in self.moves[s] if _within(rs, cp)}
+            if len(self._steps) > 100_000:
+                self._steps.clear()
+            self._steps[key] = self._close(nxt, False) & self.live
+        return self._steps[key]
+
+    def accepts(self, states: frozenset) -> bool:
+        return self.accept in self._close(states, False, True)
+
+    def takes(self, states: frozenset, lo: int, hi: int) -> bool:
+        """Whether some character in [lo, hi] goes on from these states."""
+        return any(t in self.live and any(a <= hi and lo <= b for a, b in rs)
+                   for s in states for rs, t in self.moves[s])
+
+
+def _within(rs, cp: int) -> bool:
+    return any(a <= cp <= b for a, b in rs)
+
+
+def _reach(back: list[list[int]], seeds: set[int]) -> set[int]:
+    out, todo = set(seeds), list(seeds)
+    while todo:
+        for s in back[todo.pop()]:
+            if s not in out:
+                out.add(s)
+                todo.append(s)
+    return out
