@@ -8,6 +8,7 @@ import sys
 
 from localpd.errors import LocalpdError
 from localpd.quant.kv import FORMATS, kv_formats
+from localpd.scheduler import MAX_RUNNING, MAX_STEP_TOKENS
 from localpd.schemes import SCHEMES
 
 
@@ -103,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=positive_int, default=8000)
     serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health")
     serve.add_argument("--max-waiting", type=positive_int, default=64, help="queued requests before answering 503")
+    serve.add_argument("--max-running", type=positive_int, default=MAX_RUNNING,
+                       help=f"sequences decoded together; more wait their turn (default {MAX_RUNNING})")
+    serve.add_argument("--step-tokens", type=positive_int, default=MAX_STEP_TOKENS,
+                       help=f"tokens one step computes, prompt chunks included: more is faster prefill, fewer is "
+                            f"shorter decode stalls behind a long prompt; at least --max-running "
+                            f"(default {MAX_STEP_TOKENS})")
     serve.add_argument("--cors", action="append", default=[], metavar="ORIGIN",
                        help="let web pages from ORIGIN (e.g. http://localhost:3000, or * for any) call the API from "
                             "a browser (repeatable; default: none)")

@@ -32,7 +32,8 @@ from localpd.reasoning import ThinkFirst, reply_split
 from localpd.registry import resolve_model
 from localpd.roofline import step_cost
 from localpd.sampling import Sampler, SamplingParams
-from localpd.scheduler import Scheduler, Sequence, Work
+from localpd.scheduler import (MAX_RUNNING, MAX_STEP_TOKENS, Scheduler, Sequence, Work,
+                               check_step_limits)
 from localpd.schemes import check_scheme, compute_dtype, group_notes
 from localpd.stops import StopMatcher
 from localpd.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -41,8 +42,6 @@ from localpd.tools import check_tools
 log = logging.getLogger("localpd.engine")
 
 PAGE_SIZE = 16
-MAX_STEP_TOKENS = 512  # tokens one step pushes through the model: bounds activation memory and decode stalls
-MAX_RUNNING = 64
 
 _open_engines: weakref.WeakSet = weakref.WeakSet()
 
@@ -118,6 +117,7 @@ class EngineStats:
     prefix_query_tokens: int
     preemptions: int
     weight_bytes: int
+    max_running: int
 
 
 class RequestHandle:
@@ -228,6 +228,7 @@ class Engine:
         dtype. kv_memory: bytes for the KV cache (default: most of the free GPU memory; on the CPU room for
         two full contexts); or kv_tokens: room for that many tokens. cuda_graphs: replay decode steps as CUDA
         graphs on a GPU (localpd.cuda_graph)."""
+        check_step_limits(max_step_tokens, max_running)
         self.device = torch.device(device or default_device())
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise LocalpdError("--device cuda asked for, but torch sees no CUDA GPU")
@@ -394,7 +395,8 @@ class Engine:
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting) + len(self._inbox),
             kv_pages_used=p.used, kv_pages_total=p.n_pages, kv_pages_cached=len(p.cached), kv_dtype=self.kv_dtype,
             page_size=p.page_size, prefix_hit_tokens=p.hit_tokens, prefix_query_tokens=p.query_tokens,
-            preemptions=self.scheduler.preemptions, weight_bytes=self.model.weight_bytes)
+            preemptions=self.scheduler.preemptions, weight_bytes=self.model.weight_bytes,
+            max_running=self.scheduler.max_running)
 
     def close(self) -> None:
         with self._wake:

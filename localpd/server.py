@@ -28,6 +28,7 @@ from localpd.engine import Engine, RequestHandle, TokenEvent
 from localpd.errors import LocalpdError
 from localpd.roofline import decode_ceiling_tps, utilisation
 from localpd.sampling import SamplingParams
+from localpd.scheduler import check_step_limits
 from localpd.reasoning import ThinkSplit, reply_split, split_reply
 from localpd.server_schema import (ChatRequest, CompletionRequest, DetokenizeRequest, Message, NamedToolChoice,
                                    Sampling, TokenizeRequest, error_body)
@@ -99,7 +100,8 @@ class Metrics:
                 lines += ["# TYPE localpd_decode_mbu gauge", f"localpd_decode_mbu {self.last_mbu:.4f}"]
         if engine is not None:
             s = engine.stats()
-            for name, value in (("requests_running", s.running), ("requests_waiting", s.waiting),
+            for name, value in (("requests_running", s.running), ("requests_running_max", s.max_running),
+                                ("requests_waiting", s.waiting),
                                 ("kv_pages_used", s.kv_pages_used), ("kv_pages_total", s.kv_pages_total),
                                 ("prefix_cache_hit_tokens_total", s.prefix_hit_tokens),
                                 ("prefix_cache_query_tokens_total", s.prefix_query_tokens),
@@ -559,11 +561,13 @@ def serve(args) -> int:
 
     def load() -> Engine:
         engine = Engine(args.model or default_model(), device=args.device, quant=args.quant, kv=args.kv,
-                        max_context=args.ctx, kv_memory=args.kv_memory)
+                        max_context=args.ctx, kv_memory=args.kv_memory, max_step_tokens=args.step_tokens,
+                        max_running=args.max_running)
         for note in engine.notes:
             log.info(note)
         return engine
 
+    check_step_limits(args.step_tokens, args.max_running)  # before the model loads in the background
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         log.warning("listening on %s without --api-key: anyone who can reach this port can use the model", args.host)
     app = create_app(load=load, api_key=args.api_key, max_waiting=args.max_waiting,

@@ -147,7 +147,8 @@ def test_ctrl_c_stops_a_reply_but_not_the_repl(default_gguf):
 
 def test_serve_answers_an_openai_client_until_stopped(default_gguf):
     """`localpd serve` as a user starts it: /health turns 200 once the model is loaded, an OpenAI client with the
-    key gets an answer, a browser preflight from the --cors origin is answered, and SIGINT ends it cleanly."""
+    key gets an answer, a browser preflight from the --cors origin is answered, /metrics shows the --max-running
+    limit, and SIGINT ends it cleanly. Limits a step cannot keep are refused before the model loads."""
     import signal
     import socket
     import time
@@ -159,7 +160,8 @@ def test_serve_answers_an_openai_client_until_stopped(default_gguf):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "localpd.cli", "serve", str(default_gguf), "--port", str(port),
-                             "--api-key", "k", "--cors", "http://localhost:3000", "--ctx", "512"],
+                             "--api-key", "k", "--cors", "http://localhost:3000", "--ctx", "512", "--max-running", "3",
+                             "--step-tokens", "96"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -179,7 +181,11 @@ def test_serve_answers_an_openai_client_until_stopped(default_gguf):
         preflight = httpx.options(url + "/v1/chat/completions", headers={
             "Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST"})
         assert preflight.headers.get("access-control-allow-origin") == "http://localhost:3000"
+        metrics = httpx.get(url + "/metrics", headers={"Authorization": "Bearer k"}).text
+        assert "localpd_requests_running_max 3\n" in metrics
     finally:
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0 and "Traceback" not in err, err[-2000:]
+    bad = localpd(["serve", str(default_gguf), "--port", str(port), "--max-running", "8", "--step-tokens", "4"])
+    assert "a step's tokens (4) must be at least the running sequences (8" in one_line_error(bad)
