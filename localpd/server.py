@@ -368,6 +368,8 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
             else:
                 choice["text"] = echoes[i] + text
                 choice["logprobs"] = completion_logprobs(e, lps) if logprobs is not None else None
+            if len(handles) > 1:
+                choice["timings"] = timings(e, handle)
             choices.append(choice)
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
                 "model": e.name, "choices": choices, "usage": usage(handles, body.n),
@@ -417,7 +419,8 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
                 for c in choice_chunks(e, i, ev, replies[i], chat):
                     yield chunk(c)
             if include_usage:
-                yield chunk(None, usage=usage(handles, n), timings=timings(e, handles[0]))
+                each = {"choice_timings": [timings(e, h) for h in handles]} if len(handles) > 1 else {}
+                yield chunk(None, usage=usage(handles, n), timings=timings(e, handles[0]), **each)
             yield "data: [DONE]\n\n"
         finally:
             for task in pumps:

@@ -343,11 +343,16 @@ def test_n_choices_share_one_prefill_and_each_samples_its_own(served, client):
     assert [c.message.content for c in r.choices] == [c.message.content for c in alone]
     assert r.usage.prompt_tokens == prompt and r.usage.completion_tokens == sum(
         len(engine.tokenizer.encode(c.message.content, add_bos=False)) for c in r.choices) > 12
-    texts = {0: "", 1: "", 2: ""}
-    for c in client.chat.completions.create(**kw, n=3, stream=True):
+    each = [c.model_extra["timings"] for c in r.choices]  # each choice's own; the response's is the first one's
+    assert r.model_extra["timings"] == each[0] and all(t["ttft_ms"] > 0 and t["decode_tokens_per_s"] > 0 for t in each)
+    texts, last = {0: "", 1: "", 2: ""}, None
+    for c in client.chat.completions.create(**kw, n=3, stream=True, stream_options={"include_usage": True}):
         for choice in c.choices:
             texts[choice.index] += choice.delta.content or ""
+        last = c
     assert list(texts.values()) == [c.message.content for c in r.choices]
+    assert last.usage.completion_tokens == r.usage.completion_tokens and len(last.model_extra["choice_timings"]) == 3
+    assert last.model_extra["timings"] == last.model_extra["choice_timings"][0]
     greedy = client.completions.create(model="x", prompt="The sea is", temperature=0, max_tokens=8, n=2)
     assert [c.index for c in greedy.choices] == [0, 1] and greedy.choices[0].text == greedy.choices[1].text
     assert idle(engine)
