@@ -27,6 +27,7 @@ from localpd.device import device_info
 from localpd.engine import Engine, RequestHandle, TokenEvent
 from localpd.errors import LocalpdError
 from localpd.roofline import decode_ceiling_tps, utilisation
+from localpd.ollama import OllamaError, ollama_router
 from localpd.sampling import SamplingParams
 from localpd.scheduler import check_step_limits
 from localpd.reasoning import ThinkSplit, reply_split, split_reply
@@ -140,27 +141,37 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
             raise ApiError(503, message, "server_error", code="model_not_ready")
         return state["engine"]
 
+    def error(request: Request, body: dict, status: int) -> JSONResponse:
+        """OpenAI's error shape, or under /api/ Ollama's ({"error": "..."})."""
+        if request.url.path.startswith("/api/"):
+            body = {"error": body["error"]["message"]}
+        return JSONResponse(body, status_code=status)
+
     @app.exception_handler(ApiError)
-    async def api_error(_: Request, e: ApiError):
-        return JSONResponse(e.body, status_code=e.status)
+    async def api_error(request: Request, e: ApiError):
+        return error(request, e.body, e.status)
+
+    @app.exception_handler(OllamaError)
+    async def ollama_error(_: Request, e: OllamaError):
+        return JSONResponse({"error": e.message}, status_code=e.status)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, e: RequestValidationError):
+    async def invalid(request: Request, e: RequestValidationError):
         first = e.errors()[0] if e.errors() else {}
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         message = f"{'.'.join(loc) + ': ' if loc else ''}{first.get('msg', 'invalid request')}"
-        return JSONResponse(error_body(message, "invalid_request_error", ".".join(loc) or None), status_code=400)
+        return error(request, error_body(message, "invalid_request_error", ".".join(loc) or None), 400)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, e: StarletteHTTPException):
+    async def http_error(request: Request, e: StarletteHTTPException):
         type_ = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(e.detail), type_), status_code=e.status_code)
+        return error(request, error_body(str(e.detail), type_), e.status_code)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, e: Exception):
         rid = uuid.uuid4().hex[:12]
         log.exception("request %s %s failed (id %s)", request.method, request.url.path, rid)
-        return JSONResponse(error_body(f"internal error (request id {rid})", "server_error"), status_code=500)
+        return error(request, error_body(f"internal error (request id {rid})", "server_error"), 500)
 
     @app.middleware("http")
     async def guard(request: Request, call_next):
@@ -453,9 +464,11 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
                     {"index": i, "delta": {}, "finish_reason": "tool_calls"}]
         return out
 
-    def finished(e: Engine, handle: RequestHandle) -> None:
+    def finished(e: Engine, handle: RequestHandle) -> dict:
+        """Records a request's metrics (once, as it ends); its timings."""
         t = timings(e, handle)
         metrics.record(handle, t.get("decode_mbu"))
+        return t
 
     def usage(handles: list[RequestHandle], n: int = 1) -> dict:
         """Each prompt counted once, as OpenAI counts it for its n choices, and the choices' tokens together;
@@ -496,6 +509,7 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
                 "token_logprobs": [ev.logprob for ev in events],
                 "top_logprobs": [{token_text(e, t): lp for t, lp in (ev.top_logprobs or [])} for ev in events]}
 
+    app.include_router(ollama_router(ready, finished, Reply, split_reasoning))
     if cors_origins:  # added last, so it runs first: a browser's preflight carries no Authorization header
         app.add_middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])

@@ -1,0 +1,170 @@
+"""`localpd serve`'s Ollama API through the official ollama client against a live server, real default model."""
+
+import json
+
+import httpx
+import ollama
+import pytest
+
+from localpd.engine import Engine
+from localpd.sampling import SamplingParams
+from localpd.server import create_app
+from test_server import KEY, LiveServer, idle
+
+ASK = [{"role": "user", "content": "What is the capital of France?"}]
+GREEDY = {"temperature": 0, "num_predict": 16}
+
+
+@pytest.fixture(scope="module")
+def served(default_gguf):
+    engine = Engine(default_gguf, device="cpu", max_context=1024)
+    live = LiveServer(create_app(engine, api_key=KEY, bandwidth=10e9))
+    yield engine, live
+    live.stop()
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return ollama.Client(host=served[1].url, headers={"Authorization": f"Bearer {KEY}"})
+
+
+def test_chat_answers_as_the_engine_does_streamed_or_not(served, client):
+    engine = served[0]
+    alone = "".join(ev.text for ev in engine.chat(ASK, SamplingParams(temperature=0, max_tokens=16)))
+    r = client.chat(model="smollm2", messages=ASK, options=GREEDY)
+    assert r.message.role == "assistant" and r.message.content == alone and "Paris" in alone
+    assert r.done and r.done_reason in ("stop", "length") and r.eval_count >= 2
+    assert 0 < r.prompt_eval_count <= len(engine.encode_chat(ASK))  # what the prefix cache did not serve
+    assert r.total_duration >= r.eval_duration > 0 and r.prompt_eval_duration > 0
+    raw = httpx.post(served[1].url + "/api/chat", headers={"Authorization": f"Bearer {KEY}"},
+                     json={"model": "x", "messages": ASK, "options": GREEDY, "stream": False}).json()
+    assert raw["message"]["content"] == alone and raw["timings"]["decode_bytes_per_s"] > 0  # localpd's own numbers
+    parts = list(client.chat(model="smollm2", messages=ASK, options=GREEDY, stream=True))
+    assert "".join(p.message.content for p in parts) == alone
+    assert [p.done for p in parts] == [False] * (len(parts) - 1) + [True] and parts[-1].eval_count == r.eval_count
+    assert idle(engine)
+
+
+def test_generate_applies_the_template_unless_raw_and_options_reach_the_sampler(served, client):
+    engine = served[0]
+    r = client.generate(model="smollm2", prompt="What is the capital of France?", options=GREEDY)
+    assert "Paris" in r.response and r.done
+    raw = client.generate(model="smollm2", prompt="The capital of France is", raw=True,
+                          options={"temperature": 0, "num_predict": 3})
+    assert raw.eval_count == 3 and raw.done_reason == "length"
+    want = "".join(ev.text for ev in engine.generate(engine.tokenizer.encode("The capital of France is"),
+                                                    SamplingParams(temperature=0, max_tokens=3)))
+    assert raw.response == want
+    stopped = client.generate(model="smollm2", prompt="Count: 1, 2, 3,", raw=True,
+                              options={"temperature": 0, "num_predict": 24, "stop": [" 6"]})
+    assert " 6" not in stopped.response and "5" in stopped.response and stopped.done_reason == "stop"
+    seeded = [client.generate(model="smollm2", prompt="Name a colour.", options={"seed": 7, "num_predict": 8}).response
+              for _ in range(2)]
+    assert seeded[0] == seeded[1]
+    assert client.generate(model="smollm2", prompt="").done_reason == "load"  # Ollama's way to preload a model
+
+
+def test_format_holds_the_reply_to_json_or_a_schema(client):
+    r = client.chat(model="smollm2", messages=[{"role": "user", "content": "Describe Paris as JSON."}],
+                    format="json", options={"temperature": 0, "num_predict": 64})
+    assert isinstance(json.loads(r.message.content), dict)
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
+              "required": ["city", "country"]}
+    for seed in range(2):
+        r = client.chat(model="smollm2", messages=ASK, format=schema, options={"temperature": 1, "seed": seed,
+                                                                               "num_predict": 64})
+        assert set(json.loads(r.message.content)) == {"city", "country"}
+
+
+def test_tools_come_back_as_calls_with_object_arguments(served, client):
+    """Earlier calls (arguments as objects) and results (role tool, tool_name) go into the template; a call the
+    reply makes comes back in message.tool_calls with its arguments as an object, streamed or not."""
+    engine = served[0]
+    weather = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                                "parameters": {"type": "object", "required": ["city"],
+                                                               "properties": {"city": {"type": "string"}}}}}
+    history = []
+    for city, report in (("London", "12 C and rain"), ("Rome", "25 C and sun")):  # two turns the model imitates
+        history += [{"role": "user", "content": f"What is the weather in {city}?"},
+                    {"role": "assistant", "content": "",
+                     "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": city}}}]},
+                    {"role": "tool", "content": report, "tool_name": "get_weather"},
+                    {"role": "assistant", "content": f"It is {report} in {city}."}]
+    ask = history + [{"role": "user", "content": "What is the weather in Paris?"}]
+    options = {"temperature": 1, "top_p": 1, "top_k": 0, "num_predict": 40}
+    calls = []
+    for seed in range(10):  # the small model calls the tool at some seeds, writes a made-up result at others
+        r = client.chat(model="smollm2", messages=ask, tools=[weather], options={**options, "seed": seed})
+        if r.message.tool_calls:
+            calls.append((seed, r))
+    assert calls, "no seed made a call"
+    seed, r = calls[0]
+    [call] = r.message.tool_calls
+    assert call.function.name == "get_weather" and call.function.arguments == {"city": "Paris"}
+    assert not r.message.content and r.done
+    parts = list(client.chat(model="smollm2", messages=ask, tools=[weather], options={**options, "seed": seed},
+                             stream=True))
+    assert [c.function for p in parts for c in p.message.tool_calls or []] == [call.function]
+    assert "".join(p.message.content for p in parts) == ""
+    assert idle(engine)
+
+
+def test_listing_showing_and_version(served, client):
+    engine = served[0]
+    [m] = client.list().models
+    assert m.model == engine.name and m.size == engine.model.weight_bytes and m.details.family == "llama"
+    shown = client.show(engine.name)
+    assert shown.modelinfo["llama.context_length"] == 1024 and "completion" in shown.capabilities
+    assert client.ps().models[0].model == engine.name
+    headers = {"Authorization": f"Bearer {KEY}"}
+    assert httpx.get(served[1].url + "/api/version", headers=headers).json()["version"]
+
+
+@pytest.mark.parametrize("path, body, status, fragment", [
+    ("/api/chat", {"model": "x", "messages": [{"role": "user", "content": "hi", "images": ["aGk="]}]}, 400, "images"),
+    ("/api/chat", {"model": "x", "messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
+    ("/api/chat", {"model": "x", "messages": ASK, "options": {"temperature": "hot"}}, 400, "temperature"),
+    ("/api/chat", {"model": "x", "messages": ASK, "options": {"top_p": 7}}, 400, "top_p"),
+    ("/api/chat", {"model": "x", "messages": ASK, "format": {"type": "tuple"}}, 400, "JSON schema type"),
+    ("/api/generate", {"model": "x", "prompt": "hi", "context": [1, 2]}, 400, "/api/chat"),
+    ("/api/generate", {"model": "x", "prompt": "hi", "suffix": "x"}, 400, "suffix"),
+    ("/api/generate", {"model": "x", "prompt": "word " * 2000}, 400, "context is 1024 tokens"),
+    ("/api/nothing", {}, 404, "Not Found"),
+])
+def test_bad_requests_get_ollamas_error_shape(served, path, body, status, fragment):
+    r = httpx.post(served[1].url + path, json=body, headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == status and set(r.json()) == {"error"} and fragment in r.json()["error"], r.text
+    assert idle(served[0])
+
+
+def test_a_client_that_goes_away_mid_stream_frees_its_pages(served):
+    engine = served[0]
+    with httpx.stream("POST", served[1].url + "/api/chat", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"model": "x", "messages": ASK, "options": {"num_predict": 400}}) as r:
+        first = json.loads(next(r.iter_lines()))
+        assert first["done"] is False
+    assert idle(engine)
+
+
+def test_a_thinking_models_reasoning_comes_back_as_thinking(served, client, monkeypatch):
+    """Ollama's `thinking`: the <think> block the template opens is the reply's reasoning, streamed or not, and an
+    earlier reply's thinking goes back into the template."""
+    from test_server import OPEN_THINK
+
+    engine = served[0]
+    monkeypatch.setattr(engine.tokenizer, "chat_template", OPEN_THINK)
+    raw = "".join(ev.text for ev in engine.chat(ASK, SamplingParams(temperature=0, max_tokens=12)))
+    r = client.chat(model="x", messages=ASK, options={"temperature": 0, "num_predict": 12})
+    assert r.message.thinking == raw.strip() and r.message.content == ""  # cut off before </think>
+    parts = list(client.chat(model="x", messages=ASK, options={"temperature": 0, "num_predict": 12}, stream=True))
+    assert "".join(p.message.thinking or "" for p in parts) == raw.strip()
+    g = client.generate(model="x", prompt=ASK[0]["content"], options={"temperature": 0, "num_predict": 12})
+    assert g.thinking == raw.strip() and g.response == ""
+    from localpd.ollama import OllamaMessage, template_message
+
+    history = ASK + [{"role": "assistant", "content": "Paris.", "thinking": "France's capital."},
+                     {"role": "user", "content": "And Spain?"}]
+    assert client.chat(model="x", messages=history, options={"temperature": 0, "num_predict": 1}).done
+    ids = engine.encode_chat([template_message(OllamaMessage(**m)) for m in history])
+    assert "<think>France's capital.</think>Paris." in engine.tokenizer.decode(ids)
