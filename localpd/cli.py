@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"sequences decoded together; more wait their turn (default {MAX_RUNNING})")
     serve.add_argument("--step-tokens", type=positive_int, default=MAX_STEP_TOKENS,
                        help=f"tokens one step computes, prompt chunks included: more is faster prefill, fewer is "
-                            f"shorter decode stalls behind a long prompt; at least --max-running "
+                            f"shorter decode stalls behind a long prompt; it caps --max-running too "
                             f"(default {MAX_STEP_TOKENS})")
     serve.add_argument("--cors", action="append", default=[], metavar="ORIGIN",
                        help="let web pages from ORIGIN (e.g. http://localhost:3000, or * for any) call the API from "

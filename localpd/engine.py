@@ -32,8 +32,7 @@ from localpd.reasoning import ThinkFirst, reply_split
 from localpd.registry import resolve_model
 from localpd.roofline import step_cost
 from localpd.sampling import Sampler, SamplingParams
-from localpd.scheduler import (MAX_RUNNING, MAX_STEP_TOKENS, Scheduler, Sequence, Work,
-                               check_step_limits)
+from localpd.scheduler import MAX_RUNNING, MAX_STEP_TOKENS, Scheduler, Sequence, Work
 from localpd.schemes import check_scheme, compute_dtype, group_notes
 from localpd.stops import StopMatcher
 from localpd.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -228,7 +227,6 @@ class Engine:
         dtype. kv_memory: bytes for the KV cache (default: most of the free GPU memory; on the CPU room for
         two full contexts); or kv_tokens: room for that many tokens. cuda_graphs: replay decode steps as CUDA
         graphs on a GPU (localpd.cuda_graph)."""
-        check_step_limits(max_step_tokens, max_running)
         self.device = torch.device(device or default_device())
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise LocalpdError("--device cuda asked for, but torch sees no CUDA GPU")

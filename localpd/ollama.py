@@ -106,6 +106,11 @@ def sampling(e: Engine, body: OllamaRequest) -> SamplingParams:
         stop=stop, json_object=fmt is not None, json_schema=fmt if isinstance(fmt, dict) else None)
 
 
+def thinking(body: OllamaRequest) -> dict | None:
+    """`think` as the template's variable (Qwen3's enable_thinking); unset leaves the template's default."""
+    return None if body.think is None else {"enable_thinking": body.think is not False}
+
+
 def template_message(m: OllamaMessage) -> dict:
     if m.images:
         raise OllamaError(400, "the models localpd runs take text only; a message with images cannot be read")
@@ -120,11 +125,11 @@ def template_message(m: OllamaMessage) -> dict:
 
 
 def ollama_router(ready: Callable[[], Engine], finished: Callable[[Engine, RequestHandle], dict], reply_factory,
-                  split_reasoning: bool) -> APIRouter:
+                  split_reasoning: bool, max_waiting: int) -> APIRouter:
     """ready: the loaded engine (or raises); finished: records a request's metrics once and gives its timings;
-    reply_factory(think_split, call_prefix): a Reply (localpd.server) that splits reasoning and parses calls."""
+    reply_factory(think_split, call_prefix): a Reply (localpd.server) that splits reasoning and parses calls;
+    max_waiting: queued requests before a 503."""
     router = APIRouter(prefix="/api")
-    engine = ready
 
     @router.get("/version")
     async def version():
@@ -132,17 +137,17 @@ def ollama_router(ready: Callable[[], Engine], finished: Callable[[Engine, Reque
 
     @router.get("/tags")
     async def tags():
-        return {"models": [describe(engine())]}
+        return {"models": [describe(ready())]}
 
     @router.get("/ps")
     async def ps():
-        e = engine()
+        e = ready()
         return {"models": [{**describe(e), "size_vram": e.model.weight_bytes if e.device.type == "cuda" else 0,
                             "expires_at": "0001-01-01T00:00:00Z", "context_length": e.max_context}]}
 
     @router.post("/show")
     async def show(body: dict[str, Any]):
-        e = engine()
+        e = ready()
         template = e.tokenizer.chat_template if e.tokenizer else None
         caps = ["completion"] + (["tools"] if template and "tools" in template else []) + (
             ["thinking"] if template and "think" in template else [])
@@ -153,14 +158,13 @@ def ollama_router(ready: Callable[[], Engine], finished: Callable[[Engine, Reque
 
     @router.post("/chat")
     async def chat(body: ChatBody):
-        e = engine()
+        e = ready()
         if not body.messages:  # Ollama's way to load a model: nothing to answer
             return {"model": e.name, "created_at": now(), "message": {"role": "assistant", "content": ""},
                     "done_reason": "load", "done": True}
         tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
-        think_vars = None if body.think is None else {"enable_thinking": body.think is not False}
         try:
-            ids = e.encode_chat([template_message(m) for m in body.messages], template_vars=think_vars,
+            ids = e.encode_chat([template_message(m) for m in body.messages], template_vars=thinking(body),
                                 tools=tools or None)
         except LocalpdError as err:
             raise OllamaError(400, str(err)) from None
@@ -168,7 +172,7 @@ def ollama_router(ready: Callable[[], Engine], finished: Callable[[Engine, Reque
 
     @router.post("/generate")
     async def generate(body: GenerateBody):
-        e = engine()
+        e = ready()
         for field, value in (("images", body.images), ("context", body.context), ("suffix", body.suffix),
                              ("template", body.template)):
             if value:
@@ -184,8 +188,7 @@ def ollama_router(ready: Callable[[], Engine], finished: Callable[[Engine, Reque
             else:
                 messages = ([{"role": "system", "content": body.system}] if body.system else []) + [
                     {"role": "user", "content": body.prompt}]
-                think_vars = None if body.think is None else {"enable_thinking": body.think is not False}
-                ids = e.encode_chat(messages, template_vars=think_vars)
+                ids = e.encode_chat(messages, template_vars=thinking(body))
         except LocalpdError as err:
             raise OllamaError(400, str(err)) from None
         return await run(e, body, ids, chat=False, tools=False, raw=body.raw)
@@ -193,6 +196,8 @@ def ollama_router(ready: Callable[[], Engine], finished: Callable[[Engine, Reque
     async def run(e: Engine, body: OllamaRequest, ids: list[int], chat: bool, tools: bool, raw: bool = False):
         if len(ids) >= e.max_context:
             raise OllamaError(400, f"this model's context is {e.max_context} tokens; the prompt has {len(ids)}")
+        if e.stats().waiting >= max_waiting:
+            raise OllamaError(503, "server busy: too many requests are waiting; try again shortly")
         params = sampling(e, body)
         think = reply_split(e.tokenizer, ids) if split_reasoning and not raw else None
         try:
@@ -283,7 +288,10 @@ def shaped(calls: list[dict]) -> list[dict]:
 
 
 def describe(e: Engine) -> dict:
-    """The model as /api/tags lists it."""
+    """The model as /api/tags lists it: its size is the bytes a decode step reads, its parameters the matrices'
+    (the output head's included, the embedding's not)."""
+    n = e.model.body_params + e.model.lm_head.params
+    size = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
     return {"name": e.name, "model": e.name, "modified_at": "0001-01-01T00:00:00Z", "size": e.model.weight_bytes,
             "digest": "", "details": {"format": "", "family": e.config.arch, "families": [e.config.arch],
-                                      "parameter_size": "", "quantization_level": e.quant}}
+                                      "parameter_size": size, "quantization_level": e.quant}}

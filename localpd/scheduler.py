@@ -11,19 +11,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from localpd.errors import LocalpdError
 from localpd.kvcache import PagePool, PageTable
 
 MAX_STEP_TOKENS = 512  # tokens one step pushes through the model: bounds activation memory and decode stalls
 MAX_RUNNING = 64
-
-
-def check_step_limits(max_step_tokens: int, max_running: int) -> None:
-    """A step decodes every running sequence before it prefills, one token each: a budget below the running
-    count would leave the same sequences out of every step."""
-    if max_running < 1 or max_step_tokens < max_running:
-        raise LocalpdError(f"a step's tokens ({max_step_tokens}) must be at least the running sequences "
-                           f"({max_running}, at least 1): each running sequence decodes one token a step")
 
 
 @dataclass(eq=False)

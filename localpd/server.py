@@ -29,7 +29,6 @@ from localpd.errors import LocalpdError
 from localpd.roofline import decode_ceiling_tps, utilisation
 from localpd.ollama import OllamaError, ollama_router
 from localpd.sampling import SamplingParams
-from localpd.scheduler import check_step_limits
 from localpd.reasoning import ThinkSplit, reply_split, split_reply
 from localpd.server_schema import (ChatRequest, CompletionRequest, DetokenizeRequest, Message, NamedToolChoice,
                                    Sampling, TokenizeRequest, error_body)
@@ -509,7 +508,7 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
                 "token_logprobs": [ev.logprob for ev in events],
                 "top_logprobs": [{token_text(e, t): lp for t, lp in (ev.top_logprobs or [])} for ev in events]}
 
-    app.include_router(ollama_router(ready, finished, Reply, split_reasoning))
+    app.include_router(ollama_router(ready, finished, Reply, split_reasoning, max_waiting))
     if cors_origins:  # added last, so it runs first: a browser's preflight carries no Authorization header
         app.add_middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
@@ -584,7 +583,6 @@ def serve(args) -> int:
             log.info(note)
         return engine
 
-    check_step_limits(args.step_tokens, args.max_running)  # before the model loads in the background
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         log.warning("listening on %s without --api-key: anyone who can reach this port can use the model", args.host)
     app = create_app(load=load, api_key=args.api_key, max_waiting=args.max_waiting,

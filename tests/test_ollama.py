@@ -114,6 +114,7 @@ def test_listing_showing_and_version(served, client):
     engine = served[0]
     [m] = client.list().models
     assert m.model == engine.name and m.size == engine.model.weight_bytes and m.details.family == "llama"
+    assert m.details.parameter_size == "134M"  # SmolLM2-135M's matrices, its tied head counted once
     shown = client.show(engine.name)
     assert shown.modelinfo["llama.context_length"] == 1024 and "completion" in shown.capabilities
     assert client.ps().models[0].model == engine.name
@@ -168,3 +169,12 @@ def test_a_thinking_models_reasoning_comes_back_as_thinking(served, client, monk
     assert client.chat(model="x", messages=history, options={"temperature": 0, "num_predict": 1}).done
     ids = engine.encode_chat([template_message(OllamaMessage(**m)) for m in history])
     assert "<think>France's capital.</think>Paris." in engine.tokenizer.decode(ids)
+
+
+def test_a_full_queue_is_a_503_in_ollamas_shape(served):
+    busy = LiveServer(create_app(served[0], max_waiting=0))
+    try:
+        r = httpx.post(busy.url + "/api/generate", json={"model": "x", "prompt": "hi"})
+        assert r.status_code == 503 and "busy" in r.json()["error"]
+    finally:
+        busy.stop()

@@ -209,3 +209,22 @@ def test_a_prompt_that_shares_a_running_prefill_waits_for_its_pages(budget):
     assert prefilled == {"first": 33, "same": 1, "other": 7, "alone": 9}
     assert (same.cached_tokens, other.cached_tokens, pool.hit_tokens) == (32, 28, 60)
     assert steps == (4 if budget == 16 else 2)
+
+
+def test_running_sequences_never_outnumber_a_steps_tokens():
+    """A sequence is admitted only with tokens of the step left after the running decodes, so a budget of 3 keeps
+    at most 3 running whatever max_running says: every running decode is in every step, none is left out."""
+    pool = PagePool(64, 4)
+    sched = Scheduler(pool, max_step_tokens=3, max_running=8)
+    seqs = [Sequence(str(i), [i + 1, 50, 51], max_tokens=4) for i in range(6)]
+    for seq in seqs:
+        sched.add(seq)
+    for _ in range(12):
+        work = sched.step()
+        assert len(sched.running) <= 3 and sum(w.n for w in work) <= 3
+        decoding = {s.id for s in sched.running if s.pending == 1}
+        assert decoding <= {w.seq.id for w in work}
+        sched.finish_step(work)
+        for w in work:
+            if w.sample:
+                w.seq.output.append(7)
