@@ -1,12 +1,13 @@
 """JSON mode: the reply is one JSON value, token by token, optionally of a JSON schema.
 
 JsonPrefix recognises the prefixes of a JSON text one character at a time (a pushdown automaton: a stack of open
-objects and arrays, and where in a value or between values it stands). Given a schema (localpd.json_mode.Schema),
-it also holds each value to it: its type, an object's properties (no others unless additionalProperties allows
-them; the required ones before it closes), an array's items and length, enum and const values. JsonConstraint puts
-it in front of the sampler: a token is allowed when the text it adds keeps the reply a valid prefix; end of
-sequence is allowed only, and then alone, once the value is complete. The sampler asks about candidates in order of
-probability and takes the first allowed one, so a model that wants to write valid JSON pays one check per token.
+objects and arrays, and where in a value or between values it stands). Given a schema (localpd.json_mode.Schema), it
+also holds each value to it: its type, an object's properties (no others unless additionalProperties allows them;
+the required ones before it closes), an array's items (its first ones each their own: prefixItems, a tuple) and
+length, enum and const values. JsonConstraint puts it in front of the sampler: a token is allowed when the text it
+adds keeps the reply a valid prefix; end of sequence is allowed only, and then alone, once the value is complete.
+The sampler asks about candidates in order of probability and takes the first allowed one, so a model that wants to
+write valid JSON pays one check per token.
 
 Held too: a string's minLength and maxLength, a number's or an integer's minimum and maximum (exclusive ones
 included): a character is taken only while some number it begins lies in range, and a bounded number is written
@@ -65,7 +66,8 @@ class Schema:
     properties: tuple[tuple[str, object], ...] = ()  # (name, list of Schema alternatives), a lazily resolved ref
     required: frozenset = frozenset()
     extra: object = None  # additionalProperties: None (none allowed), True (any) or alternatives
-    items: object = True  # an array's items: True (any) or alternatives
+    items: object = True  # an array's items (after its prefix): True (any), alternatives, or None (no more)
+    prefix: tuple = ()  # an array's first items, each its own alternatives (prefixItems: a tuple)
     min_items: int = 0
     max_items: int | None = None
     min_length: int = 0  # a string's characters (an escape counts as one)
@@ -137,9 +139,16 @@ def compile_schema(schema: dict) -> tuple[Schema, ...]:
                                   extra=None if extra is False else True if extra in (True, {}) else
                                   _Lazy(extra, alternatives, depth)))
             elif kind == "array":
-                items = s.get("items", True)
-                out.append(Schema("array", items=True if items in (True, {}) else _Lazy(items, alternatives, depth),
-                                  min_items=int(s.get("minItems", 0)), max_items=s.get("maxItems")))
+                prefix, items = s.get("prefixItems", []), s.get("items", True)
+                if isinstance(items, list):  # draft 4's tuple: items a list, the rest additionalItems
+                    prefix, items = items, s.get("additionalItems", True)
+                most = s.get("maxItems")
+                if items is False:
+                    most = len(prefix) if most is None else min(most, len(prefix))
+                out.append(Schema("array", items=None if items is False else True if items in (True, {}) else
+                                  _Lazy(items, alternatives, depth),
+                                  prefix=tuple(_Lazy(p, alternatives, depth) for p in prefix),
+                                  min_items=int(s.get("minItems", 0)), max_items=most))
             elif kind == "boolean":
                 out.append(Schema("texts", ("true", "false")))
             elif kind == "null":
@@ -166,7 +175,7 @@ def compile_schema(schema: dict) -> tuple[Schema, ...]:
     todo = [root]
     while todo:  # compile every sub-schema now, so that an error is the request's and not a step's
         for alt in todo.pop():
-            for sub in [v for _, v in alt.properties] + [alt.extra, alt.items]:
+            for sub in [v for _, v in alt.properties] + [alt.extra, alt.items, *alt.prefix]:
                 if isinstance(sub, _Lazy) and id(sub) not in seen:
                     seen.add(id(sub))
                     todo.append(sub.get())
@@ -381,7 +390,7 @@ class Branch:
             return self.schema if self.schema is not None else (ANY_OBJECT,)
         f = self.stack[-1]
         if f.kind == "[":
-            return resolve(f.schema.items)
+            return resolve(f.schema.prefix[f.count] if f.count < len(f.schema.prefix) else f.schema.items)
         key = f.keys[-1]
         for name, sub in f.schema.properties:
             if name == key:
@@ -422,8 +431,8 @@ class Branch:
         self.ws = self.breaks = 0
         e = self.expect
         if e in ("top", "value", "value_or_close"):
-            if c == "]" and e == "value_or_close":
-                return self._close_array()
+            if e == "value_or_close" and (c == "]" or self.stack[-1].schema.max_items == 0):
+                return c == "]" and self._close_array()
             return self._value_start(c)
         if e in ("key", "key_or_close"):
             if c == "}" and e == "key_or_close":

@@ -183,6 +183,38 @@ def test_a_digit_no_integer_in_range_begins_with_is_refused_at_once(prefix):
                for p in ("2", "12"))
 
 
+TUPLE = {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}], "items": False, "minItems": 2}
+
+
+@pytest.mark.parametrize("schema, text, valid", [
+    (TUPLE, '[1, "a"]', True), (TUPLE, '[1, 2]', False), (TUPLE, '["a", 1]', False), (TUPLE, '[1, "a", 3]', False),
+    (TUPLE, "[1]", False), ({**TUPLE, "items": True}, '[1, "a", null, {}]', True),
+    ({**TUPLE, "items": {"type": "boolean"}}, '[1, "a", true]', True),
+    ({**TUPLE, "items": {"type": "boolean"}}, '[1, "a", 2]', False),
+    ({"type": "array", "items": [{"type": "integer"}], "additionalItems": False}, "[1]", True),  # draft 4's tuple
+    ({"type": "array", "items": [{"type": "integer"}], "additionalItems": False}, "[1, 2]", False),
+    ({"type": "array", "maxItems": 0}, "[ ]", True), ({"type": "array", "maxItems": 0}, "[1]", False),
+])
+def test_an_arrays_first_items_hold_to_their_own_schemas(schema, text, valid):
+    assert whole(text, schema) == valid
+
+
+def test_a_pydantic_tuple_is_held_item_by_item():
+    from pydantic import BaseModel
+
+    class Reading(BaseModel):
+        at: tuple[int, int]
+        label: tuple[str, bool]
+        rest: tuple[float, ...]
+
+    schema = Reading.model_json_schema()
+    assert whole('{"at": [3, 4], "label": ["x", true], "rest": [1.5, 2]}', schema)
+    for bad in ('{"at": [3], "label": ["x", true], "rest": []}', '{"at": [3, 4, 5], "label": ["x", true], "rest": []}',
+                '{"at": [3, 4], "label": [true, "x"], "rest": []}', '{"at": [3, 4], "label": ["x", true], "rest": ["a"]}'):
+        assert not whole(bad, schema), bad
+    Reading.model_validate_json('{"at": [3, 4], "label": ["x", true], "rest": [1.5, 2]}')
+
+
 PETS = {"$defs": {
     "Cat": {"type": "object", "properties": {"kind": {"const": "cat"}, "lives": {"type": "integer", "minimum": 0,
                                                                                "maximum": 9}},
