@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("model", nargs="?", help="registry name, .gguf file or model directory (default: the registry's default)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     serve.add_argument("--port", type=positive_int, default=8000)
-    serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health")
+    serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but / and /health")
     serve.add_argument("--max-waiting", type=positive_int, default=64, help="queued requests before answering 503")
     serve.add_argument("--max-running", type=positive_int, default=MAX_RUNNING,
                        help=f"sequences decoded together; more wait their turn (default {MAX_RUNNING})")

@@ -174,7 +174,7 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
 
     @app.middleware("http")
     async def guard(request: Request, call_next):
-        if api_key and request.url.path != "/health":
+        if api_key and request.url.path not in ("/health", "/"):
             if request.headers.get("authorization", "") != f"Bearer {api_key}":
                 return JSONResponse(error_body("invalid or missing API key (Authorization: Bearer KEY)",
                                                "authentication_error", code="invalid_api_key"), status_code=401)
@@ -183,6 +183,11 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
             return JSONResponse(error_body(f"request body larger than {MAX_BODY} bytes", "invalid_request_error",
                                            code="request_too_large"), status_code=413)
         return await call_next(request)
+
+    @app.get("/", response_class=PlainTextResponse)
+    async def root():
+        """What Ollama's clients probe to see that a server is up (Ollama answers "Ollama is running")."""
+        return "localpd is running: the OpenAI API under /v1, Ollama's under /api"
 
     @app.get("/health")
     async def health():

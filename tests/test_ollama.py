@@ -120,6 +120,8 @@ def test_listing_showing_and_version(served, client):
     assert client.ps().models[0].model == engine.name
     headers = {"Authorization": f"Bearer {KEY}"}
     assert httpx.get(served[1].url + "/api/version", headers=headers).json()["version"]
+    root = httpx.get(served[1].url + "/")  # what clients probe to see a server is up: no key needed, as /health
+    assert root.status_code == 200 and "running" in root.text
 
 
 @pytest.mark.parametrize("path, body, status, fragment", [
