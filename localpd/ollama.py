@@ -12,6 +12,7 @@ durations in nanoseconds, and localpd's `timings` (decode bytes/s, MBU). Errors 
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from datetime import datetime, timezone
@@ -28,8 +29,11 @@ from localpd.reasoning import ThinkSplit, reply_split
 from localpd.sampling import SamplingParams
 from localpd.server_schema import ToolSpec
 
+log = logging.getLogger("localpd.server")
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.0, "repeat_penalty": 1.0,
             "presence_penalty": 0.0, "frequency_penalty": 0.0}
+TAKEN = {*DEFAULTS, "num_predict", "seed", "stop"}  # the options localpd reads; others (num_ctx, num_gpu...) are
+# the loaded model's or Ollama's own, and are logged and left
 
 
 class OllamaError(Exception):
@@ -84,6 +88,8 @@ def ns(seconds: float) -> int:
 def sampling(e: Engine, body: OllamaRequest) -> SamplingParams:
     """Ollama's options as the sampler's parameters; a value of the wrong type is a 400."""
     o = {**DEFAULTS, **{k: v for k, v in (body.options or {}).items() if v is not None}}
+    if set(o) - TAKEN:
+        log.info("ignoring Ollama options: %s", ", ".join(sorted(set(o) - TAKEN)))
 
     def number(key: str, kind=float):
         try:
@@ -155,6 +161,11 @@ def ollama_router(ready: Callable[[], Engine], finished: Callable[[Engine, Reque
                 "model_info": {"general.architecture": e.config.arch,
                                f"{e.config.arch}.context_length": e.max_context},
                 "capabilities": caps}
+
+    @router.post("/embed")
+    @router.post("/embeddings")
+    async def embed():
+        raise OllamaError(501, "localpd does not compute embeddings; it runs chat and completion models")
 
     @router.post("/chat")
     async def chat(body: ChatBody):

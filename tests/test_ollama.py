@@ -133,7 +133,7 @@ def test_listing_showing_and_version(served, client):
     ("/api/generate", {"model": "x", "prompt": "hi", "context": [1, 2]}, 400, "/api/chat"),
     ("/api/generate", {"model": "x", "prompt": "hi", "suffix": "x"}, 400, "suffix"),
     ("/api/generate", {"model": "x", "prompt": "word " * 2000}, 400, "context is 1024 tokens"),
-    ("/api/nothing", {}, 404, "Not Found"),
+    ("/api/embed", {"model": "x", "input": "hi"}, 501, "embeddings"), ("/api/nothing", {}, 404, "Not Found"),
 ])
 def test_bad_requests_get_ollamas_error_shape(served, path, body, status, fragment):
     r = httpx.post(served[1].url + path, json=body, headers={"Authorization": f"Bearer {KEY}"})
