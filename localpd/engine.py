@@ -23,6 +23,7 @@ import torch
 
 from localpd.errors import LocalpdError
 from localpd.json_mode import JsonConstraint
+from localpd.pattern import PatternConstraint
 from localpd.kvcache import PagePool
 from localpd.loader import LoadedModel, load_model
 from localpd.model import Batch, Transformer
@@ -362,21 +363,24 @@ class Engine:
         return handle
 
     def _constraint(self, params: SamplingParams, eos: set[int], prompt: list[int]):
-        """JSON mode's constraint; a thinking model's reasoning before the JSON is left free (a forced tool call's
-        prompt opened the JSON already, so that reply does not reason first)."""
-        if not params.json_object:
+        """JSON mode's constraint, or a pattern's; a thinking model's reasoning before the JSON (or the match) is
+        left free (a forced tool call's prompt opened the JSON already, so that reply does not reason first)."""
+        if not params.json_object and params.regex is None:
             return None
         if self.tokenizer is None or not eos:
-            raise LocalpdError(f"JSON mode needs a tokenizer with an end-of-sequence token; {self.name} has none")
+            raise LocalpdError(f"a constrained reply needs a tokenizer with an end-of-sequence token; {self.name} "
+                               f"has none")
 
         def make():
+            if params.regex is not None:
+                return PatternConstraint(self.tokenizer, eos, params.regex)
             return JsonConstraint(self.tokenizer, eos, params.json_lead, params.json_schema)
 
         split = None if params.json_lead else reply_split(self.tokenizer, prompt)
         try:
             return make() if split is None else ThinkFirst(make, self.tokenizer, eos, split.inside)
-        except ValueError as e:  # a schema localpd cannot take, or a lead it does not fit
-            raise LocalpdError(str(e)) from None
+        except ValueError as e:  # a schema or pattern localpd cannot take, or a lead it does not fit
+            raise LocalpdError(str(e), param="regex" if params.regex is not None else None) from None
 
     def submit_chat(self, messages: list[dict], params: SamplingParams, request_id: str | None = None):
         return self.submit(self.encode_chat(messages), params, request_id)

@@ -187,7 +187,7 @@ def compiled(pattern: str) -> Pattern:
     try:
         return Pattern(pattern)
     except PatternError as e:
-        raise SchemaError(str(e)) from None
+        raise SchemaError(f"the JSON schema's {e}") from None
 
 
 def integer_edge(bound: tuple[Fraction, bool] | None, to_int, step: int) -> float:
@@ -604,6 +604,18 @@ class Branch:
             return True
         return ord(c) >= 0x20 and self._counted() and self._matches(c)
 
+    def may_take(self, lo: int, hi: int) -> bool:
+        """Whether a character in [lo, hi] (not ASCII) may come next: in one of the texts chosen among, or as
+        written in a string (a key, or a value with room left and a pattern that takes one)."""
+        if self.choices:
+            return any(t and lo <= ord(t[0]) <= hi for t in self.choices)
+        if self.string is None or self.escape:
+            return False
+        if self.string == "key":
+            return True
+        room = self.value.max_length is None or self.length < self.value.max_length
+        return room and self._may_take(lo, hi)
+
     def _matches(self, ch: str) -> bool:
         """The string value goes on with ch under its pattern (if it has one)."""
         if self.matched is None:
@@ -666,9 +678,9 @@ class JsonPrefix:
     def done(self) -> bool:
         return any(b.done for b in self.branches)
 
-    @property
-    def in_string(self) -> bool:
-        return any(b.string is not None for b in self.branches)
+    def may_take(self, lo: int, hi: int) -> bool:
+        """Some reading may go on with a character in [lo, hi] (the one whose bytes a token began)."""
+        return any(b.may_take(lo, hi) for b in self.branches)
 
     def last_member(self) -> None:
         """Where the text stops at the start of a member's value (a lead such as a forced tool call's
@@ -708,9 +720,10 @@ class JsonConstraint:
         if self.state.done:
             return False
         added, pending = self.text.added(token)
-        if not added:  # bytes of a character still to come are allowed where any character is: in a string
-            return pending and self.state.in_string
-        return self.state.copy().feed(added)
+        after = self.state.copy()
+        if not after.feed(added) or not (added or pending):
+            return False
+        return pending is None or after.may_take(*pending)  # bytes of a character to come: one it may become
 
     def advance(self, token: int) -> None:
         added = self.text.push(token)

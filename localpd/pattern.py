@@ -6,6 +6,9 @@ the quantifiers * + ? {n} {n,} {n,m} (lazy ones too: a recogniser does not care 
 anchors ^ and $. As JSON schema says, a pattern matches anywhere in the string unless anchored. Backreferences,
 lookaround and word boundaries are not regular here and are refused (PatternError).
 
+PatternConstraint holds a whole reply to a pattern (vLLM's guided_regex, and guided_choice as an alternation of
+the choices, escaped: choice_pattern).
+
 Pattern builds a Thompson NFA. A reading is the frozenset of states the characters so far may have reached, kept
 to the live ones (from which some string still ends in a match), so a reading that is not empty can always be
 finished: step() on a character the pattern cannot go on with gives the empty set.
@@ -14,6 +17,8 @@ finished: step() on a character the pattern cannot go on with gives the empty se
 from __future__ import annotations
 
 import re
+
+from localpd.tokenizer import TokenText
 
 MAX = 0x10FFFF
 MAX_STATES = 20_000
@@ -82,7 +87,7 @@ def _parse(pattern: str):
     pos = 0
 
     def error(what: str) -> PatternError:
-        return PatternError(f"the JSON schema's pattern {pattern!r} {what}"[:200])
+        return PatternError(f"pattern {pattern!r} {what}"[:200])
 
     def peek() -> str:
         return pattern[pos] if pos < len(pattern) else ""
@@ -239,7 +244,7 @@ class Pattern:
 
     def _state(self) -> int:
         if len(self.moves) >= MAX_STATES:
-            raise PatternError(f"the JSON schema's pattern {self.source!r} is too large to hold"[:200])
+            raise PatternError(f"pattern {self.source!r} is too large to hold"[:200])
         self.moves.append([])
         self.empty.append([])
         return len(self.moves) - 1
@@ -347,3 +352,49 @@ def _reach(back: list[list[int]], seeds: set[int]) -> set[int]:
                 out.add(s)
                 todo.append(s)
     return out
+
+
+def escape(text: str) -> str:
+    """text as a pattern that matches it alone."""
+    return re.sub(r"([\\^$.|?*+()\[\]{}/-])", r"\\\1", text)
+
+
+def choice_pattern(choices: list[str]) -> str:
+    """A pattern whose whole matches are exactly the choices."""
+    if not choices or not all(isinstance(c, str) and c for c in choices):
+        raise PatternError("the choices must be a non-empty list of non-empty strings")
+    return "|".join(escape(c) for c in choices)
+
+
+class PatternConstraint:
+    """The tokens that keep a reply the prefix of a whole match of `pattern`; the end of sequence only once the
+    reply is one (the sampler's constraint, as json_mode.JsonConstraint)."""
+
+    def __init__(self, tokenizer, eos_ids: set[int], pattern: str):
+        self.pattern = Pattern(f"^(?:{pattern})$")
+        self.states = self.pattern.start()
+        self.eos_ids = set(eos_ids)
+        self.text = TokenText(tokenizer)
+
+    def _feed(self, states: frozenset, text: str) -> frozenset:
+        for ch in text:
+            states = self.pattern.step(states, ch)
+            if not states:
+                break
+        return states
+
+    def allows(self, token: int) -> bool:
+        if token in self.eos_ids:
+            return self.pattern.accepts(self.states)
+        added, pending = self.text.added(token)
+        states = self._feed(self.states, added)
+        if not states:
+            return False
+        if pending is not None:  # bytes of one more character to come: a character they may become must go on
+            return self.pattern.takes(states, *pending)
+        return bool(added)
+
+    def advance(self, token: int) -> None:
+        added = self.text.push(token)
+        if token not in self.eos_ids:
+            self.states = self._feed(self.states, added)

@@ -29,6 +29,7 @@ class SamplingParams:
     json_object: bool = False  # the reply is one JSON object (localpd.json_mode)
     json_schema: dict | None = None  # with json_object: the reply is one value of this JSON schema
     json_lead: str = ""  # JSON the prompt already opened, which the reply goes on from (a forced tool call's)
+    regex: str | None = None  # the whole reply matches this pattern (localpd.pattern; vLLM's guided_regex/choice)
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit (OpenAI's, -100..100)
     stop_token_ids: list[int] = field(default_factory=list)  # tokens that end the reply as end-of-sequence does
     min_tokens: int = 0  # end-of-sequence and stop_token_ids are held back until the reply has this many tokens
@@ -48,6 +49,8 @@ class SamplingParams:
                                                          "it cannot be ignored"),
             (self.json_object or not (self.json_lead or self.json_schema), "json_lead and json_schema are for JSON "
                                                                             "mode (json_object)"),
+            (not (self.regex is not None and (self.json_object or self.ignore_eos)), "regex takes neither JSON mode "
+                                                                                   "nor ignore_eos"),
             (all(-100 <= b <= 100 for b in self.logit_bias.values()), "logit_bias values must be in [-100, 100]"),
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be between 0 and max_tokens"),
         ]

@@ -28,6 +28,7 @@ from localpd.engine import Engine, RequestHandle, TokenEvent
 from localpd.errors import LocalpdError
 from localpd.roofline import decode_ceiling_tps, utilisation
 from localpd.ollama import OllamaError, ollama_router
+from localpd.pattern import Pattern, PatternError, choice_pattern
 from localpd.sampling import SamplingParams
 from localpd.reasoning import ThinkSplit, reply_split, split_reply
 from localpd.server_schema import (ChatRequest, CompletionRequest, DetokenizeRequest, Message, NamedToolChoice,
@@ -333,13 +334,19 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
                                     "{...}}}", param="response_format")
         if forced is not None:
             schema = forced[1]
+        guided_schema, regex = guided(body)
+        if (guided_schema is not None or regex is not None) and (kind != "text" or forced is not None):
+            raise ApiError(400, "structured_outputs (or guided_*) cannot be combined with response_format or a "
+                                "forced tool call", param="structured_outputs")
+        if guided_schema is not None:
+            kind, schema = "json_schema", guided_schema
         params = SamplingParams(
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=body.top_p or 1.0, top_k=max(body.top_k or 0, 0), min_p=body.min_p or 0.0,
             repetition_penalty=body.repetition_penalty or 1.0, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty, seed=body.seed, max_tokens=limit or e.max_context, stop=stop,
             logprobs=logprobs, json_object=kind != "text" or forced is not None, json_schema=schema,
-            json_lead=forced[0] if forced else "", logit_bias=body.logit_bias or {},
+            json_lead=forced[0] if forced else "", regex=regex, logit_bias=body.logit_bias or {},
             stop_token_ids=body.stop_token_ids or [], min_tokens=body.min_tokens)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         handles: list[RequestHandle] = []
@@ -568,6 +575,28 @@ def text_messages(messages: list[Message]) -> list[dict]:
         raise ApiError(400, f"the models localpd runs take text only; a {parts[0]!r} content part cannot be read",
                        param="messages")
     return [m.template_dict() for m in messages]
+
+
+def guided(body: Sampling) -> tuple[dict | None, str | None]:
+    """vLLM's structured outputs as (a JSON schema, a pattern the whole reply matches); at most one of them."""
+    so = body.structured_outputs
+    given = [(name, value) for name, value in (
+        ("structured_outputs.json", so and so.json_), ("structured_outputs.regex", so and so.regex),
+        ("structured_outputs.choice", so and so.choice), ("guided_json", body.guided_json),
+        ("guided_regex", body.guided_regex), ("guided_choice", body.guided_choice)) if value is not None]
+    if not given:
+        return None, None
+    if len(given) > 1:
+        raise ApiError(400, f"give one of {', '.join(n for n, _ in given)}", param=given[1][0])
+    name, value = given[0]
+    if name.endswith("json"):
+        return value, None
+    try:
+        regex = choice_pattern(value) if name.endswith("choice") else value
+        Pattern(regex)
+    except PatternError as err:
+        raise ApiError(400, f"{name}: {err}", param=name) from None
+    return None, regex
 
 
 def log_unknown(body: Sampling) -> None:

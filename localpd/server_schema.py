@@ -85,6 +85,15 @@ class ResponseFormat(BaseModel):
     type: Literal["text", "json_object", "json_schema"]
 
 
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs (0.10 on; guided_json, guided_regex and guided_choice before): one of them."""
+
+    model_config = ConfigDict(extra="allow")
+    json_: dict[str, Any] | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+
+
 class Sampling(BaseModel):
     """What chat and completion requests share."""
 
@@ -108,6 +117,10 @@ class Sampling(BaseModel):
     logit_bias: dict[int, Annotated[float, Field(ge=-100, le=100)]] | None = None  # token id (a string in JSON) -> bias
     stop_token_ids: list[int] | None = None  # vLLM's: tokens that end the reply as end-of-sequence does
     min_tokens: int = Field(0, ge=0)  # vLLM's: end-of-sequence and stop_token_ids held back until this many
+    structured_outputs: StructuredOutputs | None = None  # vLLM's: the reply held to a schema, a pattern or choices
+    guided_json: dict[str, Any] | None = None  # the same, as vLLM named them before 0.10
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
 
 
 class ChatRequest(Sampling):

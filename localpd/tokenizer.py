@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import codecs
 import json
+import re
 from pathlib import Path
 
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
@@ -41,6 +43,9 @@ def _byte_alphabet() -> dict[int, str]:
             spelled[b] = chr(256 + extra)
             extra += 1
     return spelled
+
+
+UNSPELLED = {c: b for b, c in _byte_alphabet().items()}
 
 
 def _bpe_from_gguf(tokens: list[str], types: list[int], meta: dict) -> HFTokenizer:
@@ -172,6 +177,21 @@ class Tokenizer:
     def id_to_token(self, i: int) -> str | None:
         return self.tok.id_to_token(i)
 
+    def token_bytes(self, i: int) -> bytes | None:
+        """The bytes token i stands for, where its vocabulary spells them out (GPT-2's byte alphabet,
+        SentencePiece's <0xNN> byte tokens and its pieces); None where it does not (a special token)."""
+        piece = self.tok.id_to_token(i)
+        if piece is None:
+            return None
+        if m := re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece):
+            return bytes([int(m[1], 16)])
+        if type(self.tok.decoder).__name__ != "ByteLevel":
+            return piece.replace("\u2581", " ").encode()
+        try:
+            return bytes(UNSPELLED[c] for c in piece)
+        except KeyError:
+            return None
+
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         ids = self.tok.encode(text, add_special_tokens=False).ids
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
@@ -231,9 +251,23 @@ class IncrementalDetokenizer:
         return text[len(done):]
 
 
+def code_range(pending: bytes) -> tuple[int, int]:
+    """The code points a character whose UTF-8 starts with `pending` (a lead byte and maybe continuations) may be."""
+    n = 2 + (pending[0] >= 0xE0) + (pending[0] >= 0xF0)
+    value = pending[0] & (0x7F >> n)
+    for b in pending[1:]:
+        value = value << 6 | b & 0x3F
+    free = 6 * (n - len(pending))
+    shortest = {2: 0x80, 3: 0x800, 4: 0x10000}[n]  # fewer would be an overlong encoding, which is not UTF-8
+    return max(value << free, shortest), min((value << free) | ((1 << free) - 1), 0x10FFFF)
+
+
 class TokenText:
     """A reply's text token by token, for constraints that judge each candidate token by the characters it adds.
-    A candidate is decoded after the last WINDOW tokens, so pieces that depend on their neighbours come out right."""
+    A candidate is decoded after the last WINDOW tokens, so pieces that depend on their neighbours come out right.
+    Where the vocabulary spells out its tokens' bytes, a token that would make them invalid UTF-8 (a stray
+    continuation byte, a character cut short) adds nothing, and a constraint refuses it: byte tokens cannot run on
+    as replacement characters."""
 
     WINDOW = 4
 
@@ -241,19 +275,44 @@ class TokenText:
         self.tokenizer = tokenizer
         self.ids: list[int] = []
         self.tail = ""  # decode(ids[-WINDOW:]) less any incomplete character
+        self.pending = b""  # the bytes of an incomplete character at the end
 
-    def added(self, token: int) -> tuple[str, bool]:
-        """The whole characters `token` would add, and whether it would leave bytes of one more pending."""
+    def added(self, token: int) -> tuple[str, tuple[int, int] | None]:
+        """The whole characters `token` would add, and if it would leave bytes of one more pending, the range of
+        code points they may still become."""
         text = self.tokenizer.decode(self.ids[-self.WINDOW:] + [token])
         if not text.startswith(self.tail):
-            return "", False
+            return "", None
         added = text[len(self.tail):]
-        whole = added.rstrip("\ufffd")
-        return whole, whole != added
+        if not (self.pending or "\ufffd" in added):
+            return added, None
+        after = self._pending_after(token)
+        if after is None:  # not UTF-8: it adds nothing a constraint takes
+            return "", None
+        if after:  # the pending bytes decode as replacement characters (one, or one a byte)
+            return added.rstrip("\ufffd"), code_range(after)
+        if self.tokenizer.token_bytes(token) is None:  # bytes unknown: as the text shows it
+            whole = added.rstrip("\ufffd")
+            return whole, (0x80, 0x10FFFF) if whole != added else None
+        return added, None  # complete (a replacement character written as such included)
+
+    def _pending_after(self, token: int) -> bytes | None:
+        """The incomplete character's bytes after token (b"" for none), or None if its bytes are not UTF-8 (or
+        unknown: a special token after bytes of a character)."""
+        raw = self.tokenizer.token_bytes(token)
+        if raw is None:
+            return None if self.pending else b""
+        decoder = codecs.getincrementaldecoder("utf-8")("strict")
+        try:
+            decoder.decode(self.pending + raw)
+        except UnicodeDecodeError:
+            return None
+        return decoder.getstate()[0]
 
     def push(self, token: int) -> str:
         """Take `token` as the reply's next; the whole characters it added."""
         whole = self.added(token)[0]
+        self.pending = self._pending_after(token) or b""
         self.ids.append(token)
         self.tail = self.tokenizer.decode(self.ids[-self.WINDOW:]).rstrip("\ufffd")
         return whole

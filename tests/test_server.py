@@ -209,6 +209,48 @@ def test_patterns_and_formats_of_a_model_are_held(client):
         assert t.finish_reason == "stop" and isinstance(t.message.parsed, Flight), t.message.content
 
 
+def test_vllms_structured_outputs_hold_the_reply_to_a_choice_a_pattern_or_a_schema(served, client):
+    """structured_outputs (vLLM 0.10 on) and guided_choice / guided_regex / guided_json (before): at any seed the
+    whole reply is one of the choices (characters outside ASCII included), matches the pattern, or parses; streamed
+    as it is whole; on completions too."""
+    import re
+
+    ask = [{"role": "user", "content": "Is 'I loved this film' positive or negative?"}]
+    kw = dict(model="x", messages=ask, temperature=1.0, max_tokens=24)
+    choices = ["positive", "negative"]
+    for seed in range(2):
+        for body in ({"guided_choice": choices}, {"structured_outputs": {"choice": choices}}):
+            c = client.chat.completions.create(**kw, seed=seed, extra_body=body).choices[0]
+            assert c.message.content in choices and c.finish_reason == "stop"
+    drinks = ["☕ café crème", "🍵 thé", "🥛 lait"]  # the emoji come in tokens of a byte or two each
+    for seed in range(3):
+        c = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Name a French drink."}],
+                                           temperature=1.0, max_tokens=24, seed=seed,
+                                           extra_body={"guided_choice": drinks}).choices[0]
+        assert c.message.content in drinks and c.finish_reason == "stop"
+        c = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Name a French drink."}],
+                                           temperature=1.0, max_tokens=24, seed=seed,
+                                           extra_body={"guided_json": {"enum": drinks}}).choices[0]
+        assert json.loads(c.message.content) in drinks and c.finish_reason == "stop"  # JSON mode's texts too
+    phone = r"\(\d{3}\) \d{3}-\d{4}"
+    for seed in range(3):
+        c = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Give me a phone number."}],
+                                           temperature=1.0, max_tokens=24, seed=seed,
+                                           extra_body={"structured_outputs": {"regex": phone}}).choices[0]
+        assert re.fullmatch(phone, c.message.content) and c.finish_reason == "stop", c.message.content
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
+        **kw, seed=0, stream=True, extra_body={"guided_choice": choices}) if ch.choices)
+    assert streamed == client.chat.completions.create(**kw, seed=0, extra_body={"guided_choice": choices}
+                                                      ).choices[0].message.content
+    schema = {"type": "object", "properties": {"label": {"enum": ["pos", "neg"]}}, "required": ["label"]}
+    c = client.chat.completions.create(**kw, seed=1, extra_body={"guided_json": schema}).choices[0]
+    assert json.loads(c.message.content)["label"] in ("pos", "neg")
+    done = client.completions.create(model="x", prompt="The answer is", max_tokens=8, temperature=1.0, seed=2,
+                                     extra_body={"guided_regex": "(yes|no)\\."}).choices[0]
+    assert done.text in ("yes.", "no.") and done.finish_reason == "stop"
+    assert idle(served[0])
+
+
 def test_a_union_of_models_parses_into_the_one_begun(client):
     """A list of Cat | Dog (anyOf two object schemas): each item holds to the model its first key chose, so the
     parse, which would raise on a cat with a dog's key or a cat's bounds broken, succeeds at any seed."""
@@ -415,6 +457,12 @@ def status_and_error(response):
     ({"messages": Q, "tools": [{"type": "code_interpreter"}]}, 400, "tools"),
     ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{city"}}]}]}, 400, "not valid JSON"),
+    ({"messages": Q, "guided_regex": "(?=a)b"}, 400, "guided_regex: pattern '(?=a)b' uses lookaround"),
+    ({"messages": Q, "guided_choice": []}, 400, "non-empty list"),
+    ({"messages": Q, "guided_choice": ["a"], "guided_regex": "a"}, 400, "give one of guided_regex, guided_choice"),
+    ({"messages": Q, "structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, 400,
+     "cannot be combined"),
+    ({"messages": Q, "structured_outputs": {"json": {"type": "tuple"}}}, 400, "unknown JSON schema type"),
 ])
 def test_bad_requests_get_openai_shaped_4xx(served, payload, status, fragment):
     r = httpx.post(served[1].url + "/v1/chat/completions", json=payload, headers={"Authorization": f"Bearer {KEY}"})

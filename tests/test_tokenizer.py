@@ -213,3 +213,26 @@ def test_unsupported_vocabulary_is_a_clear_error():
         Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "rwkv", "tokenizer.ggml.tokens": ["a"]})
     with pytest.raises(LocalpdError, match="no tokenizer"):
         Tokenizer.from_gguf_metadata({})
+
+
+@pytest.mark.parametrize("vocab", ["gpt2 bytes", "sentencepiece"])
+def test_token_text_follows_the_bytes_of_a_character_and_refuses_what_is_not_utf8(tok, vocab):
+    """A token that ends inside a character adds nothing yet and says which code points it may still become; one
+    that would make the bytes invalid UTF-8 (a stray continuation, a character cut short) adds nothing at all."""
+    from localpd.tokenizer import TokenText
+
+    if vocab == "sentencepiece":
+        pieces, tok = _tiny_spm()
+        byte = {b: pieces.index(f"<0x{b:02X}>") for b in range(256)}
+    else:
+        byte = {b: i for i in range(tok.vocab_size) if (raw := tok.token_bytes(i)) and len(raw) == 1
+                for b in raw}
+    assert tok.token_bytes(byte[0xF0]) == b"\xf0"
+    text = TokenText(tok)
+    assert text.added(byte[0x98]) == ("", None)  # a continuation byte with nothing to continue
+    steps = [(0xF0, (0x10000, 0x3FFFF)), (0x9F, (0x1F000, 0x1FFFF)), (0x8D, (0x1F340, 0x1F37F))]
+    for b, span in steps:  # 🍵 is F0 9F 8D B5
+        assert text.added(byte[b]) == ("", span)
+        text.push(byte[b])
+    assert text.added(byte[0x41]) == ("", None)  # "A" would cut the character short
+    assert text.push(byte[0xB5]) == "🍵" and text.pending == b""
