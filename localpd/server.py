@@ -177,12 +177,12 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
     async def guard(request: Request, call_next):
         if api_key and request.url.path not in ("/health", "/"):
             if request.headers.get("authorization", "") != f"Bearer {api_key}":
-                return JSONResponse(error_body("invalid or missing API key (Authorization: Bearer KEY)",
-                                               "authentication_error", code="invalid_api_key"), status_code=401)
+                return error(request, error_body("invalid or missing API key (Authorization: Bearer KEY)",
+                                                 "authentication_error", code="invalid_api_key"), 401)
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > MAX_BODY:
-            return JSONResponse(error_body(f"request body larger than {MAX_BODY} bytes", "invalid_request_error",
-                                           code="request_too_large"), status_code=413)
+            return error(request, error_body(f"request body larger than {MAX_BODY} bytes", "invalid_request_error",
+                                             code="request_too_large"), 413)
         return await call_next(request)
 
     @app.get("/", response_class=PlainTextResponse)
@@ -334,12 +334,13 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
                                     "{...}}}", param="response_format")
         if forced is not None:
             schema = forced[1]
-        guided_schema, regex = guided(body)
-        if (guided_schema is not None or regex is not None) and (kind != "text" or forced is not None):
-            raise ApiError(400, "structured_outputs (or guided_*) cannot be combined with response_format or a "
-                                "forced tool call", param="structured_outputs")
+        schema_field = "tools" if forced else "response_format"
+        guided_field, guided_schema, regex = guided(body)
+        if guided_field and (kind != "text" or forced is not None):
+            raise ApiError(400, f"{guided_field} cannot be combined with response_format or a forced tool call",
+                           param=guided_field)
         if guided_schema is not None:
-            kind, schema = "json_schema", guided_schema
+            kind, schema, schema_field = "json_schema", guided_schema, guided_field
         params = SamplingParams(
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=body.top_p or 1.0, top_k=max(body.top_k or 0, 0), min_p=body.min_p or 0.0,
@@ -359,7 +360,7 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
         except LocalpdError as err:
             for handle in handles:
                 handle.cancel()
-            param = err.param or (None if schema is None else "tools" if forced else "response_format")
+            param = guided_field if err.param == "regex" else err.param or (None if schema is None else schema_field)
             raise ApiError(400, str(err), param=param) from None
         replies = [reply() if reply else None for _ in handles]
         echoes = [echo[i // body.n] if echo else "" for i in range(len(handles))]
@@ -577,26 +578,27 @@ def text_messages(messages: list[Message]) -> list[dict]:
     return [m.template_dict() for m in messages]
 
 
-def guided(body: Sampling) -> tuple[dict | None, str | None]:
-    """vLLM's structured outputs as (a JSON schema, a pattern the whole reply matches); at most one of them."""
+def guided(body: Sampling) -> tuple[str | None, dict | None, str | None]:
+    """vLLM's structured outputs as (the field that gave them, a JSON schema, a pattern the whole reply matches);
+    at most one of them."""
     so = body.structured_outputs
     given = [(name, value) for name, value in (
         ("structured_outputs.json", so and so.json_), ("structured_outputs.regex", so and so.regex),
         ("structured_outputs.choice", so and so.choice), ("guided_json", body.guided_json),
         ("guided_regex", body.guided_regex), ("guided_choice", body.guided_choice)) if value is not None]
     if not given:
-        return None, None
+        return None, None, None
     if len(given) > 1:
         raise ApiError(400, f"give one of {', '.join(n for n, _ in given)}", param=given[1][0])
     name, value = given[0]
     if name.endswith("json"):
-        return value, None
+        return name, value, None
     try:
         regex = choice_pattern(value) if name.endswith("choice") else value
         Pattern(regex)
     except PatternError as err:
         raise ApiError(400, f"{name}: {err}", param=name) from None
-    return None, regex
+    return name, None, regex
 
 
 def log_unknown(body: Sampling) -> None:

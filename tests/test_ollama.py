@@ -173,6 +173,11 @@ def test_a_thinking_models_reasoning_comes_back_as_thinking(served, client, monk
     assert "<think>France's capital.</think>Paris." in engine.tokenizer.decode(ids)
 
 
+def test_a_missing_key_is_a_401_in_ollamas_shape(served):
+    r = httpx.post(served[1].url + "/api/chat", json={"model": "x", "messages": ASK})
+    assert r.status_code == 401 and "API key" in r.json()["error"]
+
+
 def test_a_full_queue_is_a_503_in_ollamas_shape(served):
     busy = LiveServer(create_app(served[0], max_waiting=0))
     try:

@@ -461,7 +461,7 @@ def status_and_error(response):
     ({"messages": Q, "guided_choice": []}, 400, "non-empty list"),
     ({"messages": Q, "guided_choice": ["a"], "guided_regex": "a"}, 400, "give one of guided_regex, guided_choice"),
     ({"messages": Q, "structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, 400,
-     "cannot be combined"),
+     "structured_outputs.regex cannot be combined"),
     ({"messages": Q, "structured_outputs": {"json": {"type": "tuple"}}}, 400, "unknown JSON schema type"),
 ])
 def test_bad_requests_get_openai_shaped_4xx(served, payload, status, fragment):
