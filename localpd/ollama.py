@@ -56,7 +56,7 @@ class OllamaRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: str = ""
     stream: bool = True
-    format: Literal["json"] | dict[str, Any] | None = None
+    format: Literal["json", ""] | dict[str, Any] | None = None  # "": none, as some clients send it
     options: dict[str, Any] | None = None
     think: bool | Literal["low", "medium", "high"] | None = None
     keep_alive: Any = None  # the model stays loaded while the server runs
@@ -109,7 +109,7 @@ def sampling(e: Engine, body: OllamaRequest) -> SamplingParams:
         min_p=number("min_p"), repetition_penalty=number("repeat_penalty"),
         presence_penalty=number("presence_penalty"), frequency_penalty=number("frequency_penalty"),
         seed=number("seed", int) if "seed" in o else None, max_tokens=limit if limit > 0 else e.max_context,
-        stop=stop, json_object=fmt is not None, json_schema=fmt if isinstance(fmt, dict) else None)
+        stop=stop, json_object=fmt not in (None, ""), json_schema=fmt if isinstance(fmt, dict) else None)
 
 
 def thinking(body: OllamaRequest) -> dict | None:

@@ -63,6 +63,9 @@ def test_generate_applies_the_template_unless_raw_and_options_reach_the_sampler(
               for _ in range(2)]
     assert seeded[0] == seeded[1]
     assert client.generate(model="smollm2", prompt="").done_reason == "load"  # Ollama's way to preload a model
+    plain = client.generate(model="smollm2", prompt="The capital of France is", raw=True, format="",
+                            options={"temperature": 0, "num_predict": 3})  # "": no format, as clients send it
+    assert plain.response == want
 
 
 def test_format_holds_the_reply_to_json_or_a_schema(client):
