@@ -165,7 +165,7 @@ def ollama_router(ready: Callable[[], Engine], finished: Callable[[Engine, Reque
     @router.post("/embed")
     @router.post("/embeddings")
     async def embed():
-        raise OllamaError(501, "localpd does not compute embeddings; it runs chat and completion models")
+        raise OllamaError(400, "localpd does not compute embeddings; it runs chat and completion models")
 
     @router.post("/chat")
     async def chat(body: ChatBody):

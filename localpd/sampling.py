@@ -93,7 +93,7 @@ class Sampler:
         if self.constraint is None:
             if p.temperature == 0:
                 return int(logits.argmax())
-            return int(sample_from(logits / p.temperature, p.top_k, p.top_p, p.min_p, self.generator))
+            return int(sample_from(scaled(logits, p.temperature), p.top_k, p.top_p, p.min_p, self.generator))
         token = self._allowed(logits)
         self.constraint.advance(token)
         return token
@@ -104,7 +104,7 @@ class Sampler:
         p, allows = self.params, self.constraint.allows
         if p.temperature > 0:
             for _ in range(self.REDRAWS):
-                token = int(sample_from(logits / p.temperature, p.top_k, p.top_p, p.min_p, self.generator))
+                token = int(sample_from(scaled(logits, p.temperature), p.top_k, p.top_p, p.min_p, self.generator))
                 if allows(token):
                     return token
                 logits[token] = float("-inf")
@@ -117,6 +117,12 @@ class Sampler:
             log.warning("no token continues the constrained reply; ending it")
             return ends[0]
         raise LocalpdError("no token can continue the constrained reply")
+
+
+def scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / temperature, the largest first brought to 0 and the temperature to at least 1e-6 (below, float32
+    divides by zero), so that a tiny temperature is greedy in effect, never inf - inf or 0 / 0."""
+    return (logits - logits.max()) / max(temperature, 1e-6)
 
 
 def sample_from(logits: torch.Tensor, top_k: int, top_p: float, min_p: float, generator: torch.Generator) -> torch.Tensor:

@@ -58,3 +58,19 @@ def engine(default_gguf):
     from localpd.engine import Engine
 
     return Engine(default_gguf, device="cpu", max_context=2048)
+
+
+@pytest.fixture(scope="module")
+def served(default_gguf):
+    """(engine, LiveServer): the default model served on loopback with the API key live_server.KEY, one a test
+    module."""
+    from live_server import KEY, LiveServer
+
+    from localpd.engine import Engine
+    from localpd.server import create_app
+
+    engine = Engine(default_gguf, device="cpu", max_context=1024)
+    live = LiveServer(create_app(engine, api_key=KEY, bandwidth=10e9))
+    yield engine, live
+    live.stop()
+    engine.close()

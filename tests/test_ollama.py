@@ -5,23 +5,13 @@ import json
 import httpx
 import ollama
 import pytest
+from live_server import KEY, LiveServer, idle
 
-from localpd.engine import Engine
 from localpd.sampling import SamplingParams
 from localpd.server import create_app
-from test_server import KEY, LiveServer, idle
 
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = {"temperature": 0, "num_predict": 16}
-
-
-@pytest.fixture(scope="module")
-def served(default_gguf):
-    engine = Engine(default_gguf, device="cpu", max_context=1024)
-    live = LiveServer(create_app(engine, api_key=KEY, bandwidth=10e9))
-    yield engine, live
-    live.stop()
-    engine.close()
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +126,7 @@ def test_listing_showing_and_version(served, client):
     ("/api/generate", {"model": "x", "prompt": "hi", "context": [1, 2]}, 400, "/api/chat"),
     ("/api/generate", {"model": "x", "prompt": "hi", "suffix": "x"}, 400, "suffix"),
     ("/api/generate", {"model": "x", "prompt": "word " * 2000}, 400, "context is 1024 tokens"),
-    ("/api/embed", {"model": "x", "input": "hi"}, 501, "embeddings"), ("/api/nothing", {}, 404, "Not Found"),
+    ("/api/embed", {"model": "x", "input": "hi"}, 400, "embeddings"), ("/api/nothing", {}, 404, "Not Found"),
 ])
 def test_bad_requests_get_ollamas_error_shape(served, path, body, status, fragment):
     r = httpx.post(served[1].url + path, json=body, headers={"Authorization": f"Bearer {KEY}"})

@@ -132,3 +132,11 @@ def test_logit_bias_shifts_the_named_tokens_before_sampling():
     assert {forced(logits.clone(), [], []) for _ in range(20)} == {7}
     with pytest.raises(LocalpdError, match="logit_bias"):
         SamplingParams(logit_bias={1: 101}).validate()
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 5e-324, 1e-12])
+def test_a_tiny_temperature_is_greedy_not_an_error(temperature):
+    """Found by the server fuzz: logits / 1e-300 overflowed to inf - inf in the softmax."""
+    logits = torch.randn(500, generator=torch.Generator().manual_seed(3))
+    for seed in range(3):
+        assert Sampler(SamplingParams(temperature=temperature, seed=seed))(logits, [], []) == int(logits.argmax())

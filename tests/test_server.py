@@ -1,65 +1,24 @@
 """`localpd serve` through the official openai client against a live server on loopback, real default model."""
 
 import json
-import socket
 import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
+from live_server import KEY, LiveServer, idle
 
 from localpd.engine import Engine
 from localpd.sampling import SamplingParams
 from localpd.server import create_app
 
 Q = [{"role": "user", "content": "What is the capital of France?"}]
-KEY = "test-key"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LiveServer:
-    def __init__(self, app):
-        self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.02)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-
-
-@pytest.fixture(scope="module")
-def served(default_gguf):
-    engine = Engine(default_gguf, device="cpu", max_context=1024)
-    live = LiveServer(create_app(engine, api_key=KEY, bandwidth=10e9))
-    yield engine, live
-    live.stop()
-    engine.close()
 
 
 @pytest.fixture(scope="module")
 def client(served):
     return openai.OpenAI(base_url=served[1].url + "/v1", api_key=KEY, max_retries=0)
-
-
-def idle(engine):
-    for _ in range(300):
-        s = engine.stats()
-        if s.running == 0 and s.waiting == 0 and s.kv_pages_used == 0:
-            return True
-        time.sleep(0.01)
-    return False
 
 
 def test_models_and_a_greedy_chat_completion(served, client):

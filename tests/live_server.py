@@ -1,0 +1,41 @@
+"""A real localpd server on loopback for the API tests (test_server, test_ollama): the `served` fixture in
+conftest.py starts one a test module, on the default model with an API key."""
+
+import socket
+import threading
+import time
+
+import uvicorn
+
+KEY = "test-key"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    def __init__(self, app):
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def idle(engine) -> bool:
+    """Whether the engine settles with nothing running or waiting and no KV page in use (none leaked)."""
+    for _ in range(300):
+        s = engine.stats()
+        if s.running == 0 and s.waiting == 0 and s.kv_pages_used == 0:
+            return True
+        time.sleep(0.01)
+    return False
