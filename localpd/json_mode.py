@@ -18,13 +18,12 @@ format's (localpd.pattern), is held character by character as its escapes decode
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 from dataclasses import dataclass, field
 from fractions import Fraction
 
-from localpd.pattern import FORMATS, Pattern, PatternError
+from localpd.pattern import FORMATS, Pattern, PatternError, compiled
 from localpd.tokenizer import TokenText
 
 WS = " \t\n\r"
@@ -156,7 +155,7 @@ def compile_schema(schema: dict) -> tuple[Schema, ...]:
             elif kind == "string":
                 source = s.get("pattern", FORMATS.get(s.get("format")))
                 out.append(Schema(kind, min_length=int(s.get("minLength", 0)), max_length=s.get("maxLength"),
-                                  pattern=None if source is None else compiled(str(source))))
+                                  pattern=None if source is None else schema_pattern(str(source))))
             elif kind in ("number", "integer"):
                 low = number_bound(s, "minimum", "exclusiveMinimum", max)
                 high = number_bound(s, "maximum", "exclusiveMaximum", min)
@@ -182,10 +181,9 @@ def compile_schema(schema: dict) -> tuple[Schema, ...]:
     return root
 
 
-@functools.lru_cache(maxsize=256)
-def compiled(pattern: str) -> Pattern:
+def schema_pattern(pattern: str) -> Pattern:
     try:
-        return Pattern(pattern)
+        return compiled(pattern)
     except PatternError as e:
         raise SchemaError(f"the JSON schema's {e}") from None
 

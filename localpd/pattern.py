@@ -16,6 +16,7 @@ finished: step() on a character the pattern cannot go on with gives the empty se
 
 from __future__ import annotations
 
+import functools
 import re
 
 from localpd.tokenizer import TokenText
@@ -224,18 +225,24 @@ def _parse(pattern: str):
     return tree
 
 
-class Pattern:
-    """An NFA of a pattern, searched anywhere in the string: state 0 starts, `accept` ends. moves[s]: (ranges,
-    target) edges on a character; empty[s]: (kind, target) edges on none, kind "" always, "^" only before the
-    first character, "$" only after the last."""
+@functools.lru_cache(maxsize=256)
+def compiled(pattern: str, whole: bool = False) -> Pattern:
+    """Pattern(pattern, whole), built once for the requests and schemas that repeat it."""
+    return Pattern(pattern, whole)
 
-    def __init__(self, pattern: str):
+
+class Pattern:
+    """An NFA of a pattern, searched anywhere in the string (whole: matching all of it): state 0 starts, `accept`
+    ends. moves[s]: (ranges, target) edges on a character; empty[s]: (kind, target) edges on none, kind "" always,
+    "^" only before the first character, "$" only after the last."""
+
+    def __init__(self, pattern: str, whole: bool = False):
         self.source = pattern
         self.moves: list[list] = []
         self.empty: list[list] = []
         start, self.accept = self._state(), self._state()
-        s, e = self._build(("seq", [("rep", ("set", ANY), 0, None), _parse(pattern),
-                                    ("rep", ("set", ANY), 0, None)]))
+        around = [("^",), ("$",)] if whole else [("rep", ("set", ANY), 0, None)] * 2
+        s, e = self._build(("seq", [around[0], _parse(pattern), around[1]]))
         self.empty[start].append(("", s))
         self.empty[e].append(("", self.accept))
         self.live = self._live()
@@ -278,8 +285,8 @@ class Pattern:
             e = self._then(e, sub)
         end = self._state()
         if hi is None:
-            ps = len(self.moves)
-            pe = self._then(e, sub)
+            ps, pe = self._build(sub)
+            self.empty[e].append(("", ps))
             self.empty[pe] += [("", ps), ("", end)]
         else:
             for _ in range(hi - lo):
@@ -371,7 +378,7 @@ class PatternConstraint:
     reply is one (the sampler's constraint, as json_mode.JsonConstraint)."""
 
     def __init__(self, tokenizer, eos_ids: set[int], pattern: str):
-        self.pattern = Pattern(f"^(?:{pattern})$")
+        self.pattern = compiled(pattern, whole=True)
         self.states = self.pattern.start()
         self.eos_ids = set(eos_ids)
         self.text = TokenText(tokenizer)

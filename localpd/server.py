@@ -28,7 +28,7 @@ from localpd.engine import Engine, RequestHandle, TokenEvent
 from localpd.errors import LocalpdError
 from localpd.roofline import decode_ceiling_tps, utilisation
 from localpd.ollama import OllamaError, ollama_router
-from localpd.pattern import Pattern, PatternError, choice_pattern
+from localpd.pattern import PatternError, choice_pattern, compiled
 from localpd.sampling import SamplingParams
 from localpd.reasoning import ThinkSplit, reply_split, split_reply
 from localpd.server_schema import (ChatRequest, CompletionRequest, DetokenizeRequest, Message, NamedToolChoice,
@@ -595,7 +595,7 @@ def guided(body: Sampling) -> tuple[str | None, dict | None, str | None]:
         return name, value, None
     try:
         regex = choice_pattern(value) if name.endswith("choice") else value
-        Pattern(regex)
+        compiled(regex, whole=True)  # the constraint's own, built once
     except PatternError as err:
         raise ApiError(400, f"{name}: {err}", param=name) from None
     return name, None, regex
