@@ -312,9 +312,12 @@ class Engine:
 
     # -- front-door API ----------------------------------------------------------------------------------------
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    template_vars: dict | None = None, tools: list[dict] | None = None) -> list[int]:
+                    template_vars: dict | None = None, tools: list[dict] | None = None,
+                    continue_final: bool = False) -> list[int]:
         """Token ids of a conversation in the model's chat template; template_vars: more variables for it (Qwen3's
-        enable_thinking); tools: OpenAI-style function specs the model may call (localpd.tools)."""
+        enable_thinking); tools: OpenAI-style function specs the model may call (localpd.tools); continue_final:
+        the last message is the start of the assistant's reply, which the model goes on with (vLLM's
+        continue_final_message): the prompt ends where its text does, before the template closes the turn."""
         if self.tokenizer is None:
             raise LocalpdError(f"{self.name} has no tokenizer")
         for m in messages:
@@ -324,7 +327,19 @@ class Engine:
             if not isinstance(m.get("content", ""), str):
                 raise LocalpdError("message content must be a string")
         tools = check_tools(tools) if tools else None
+        if continue_final:
+            if not messages or messages[-1].get("role") != "assistant" or not messages[-1].get("content"):
+                raise LocalpdError("continuing the final message needs a last message from the assistant with text")
+            add_generation_prompt = False
         text = self.tokenizer.render_chat(messages, add_generation_prompt, tools, **(template_vars or {}))
+        if continue_final:
+            content = messages[-1]["content"]
+            end = text.rfind(content)
+            end = end + len(content) if end >= 0 else text.rfind(content.strip()) + len(content.strip())
+            if end < len(content.strip()):
+                raise LocalpdError("the chat template does not show the final message's text as written, so it "
+                                   "cannot be continued")
+            text = text[:end]
         return self.tokenizer.encode(text, add_bos=False)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> RequestHandle:

@@ -176,7 +176,8 @@ def ollama_router(ready: Callable[[], Engine], finished: Callable[[Engine, Reque
         tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
         try:
             ids = e.encode_chat([template_message(m) for m in body.messages], template_vars=thinking(body),
-                                tools=tools or None)
+                                tools=tools or None,
+                                continue_final=body.messages[-1].role == "assistant" and bool(body.messages[-1].content))
         except LocalpdError as err:
             raise OllamaError(400, str(err)) from None
         return await run(e, body, ids, chat=True, tools=bool(tools))

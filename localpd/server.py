@@ -258,7 +258,8 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
         except LocalpdError as err:
             raise ApiError(400, str(err), param="tool_choice") from None
         try:
-            ids = e.encode_chat(messages, template_vars=body.chat_template_kwargs, tools=tools or None)
+            ids = e.encode_chat(messages, template_vars=body.chat_template_kwargs, tools=tools or None,
+                                continue_final=body.continue_final_message)
         except LocalpdError as err:
             raise ApiError(400, str(err), param="messages") from None
         think = reply_split(e.tokenizer, ids) if split_reasoning and not prefix else None

@@ -130,6 +130,8 @@ class ChatRequest(Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     # variables for the model's chat template, as vLLM takes them: {"enable_thinking": false} for Qwen3
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the last message (the assistant's) is the reply's start, which the model goes on with
+    continue_final_message: bool = False
     tools: list[ToolSpec] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True

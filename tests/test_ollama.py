@@ -58,6 +58,18 @@ def test_generate_applies_the_template_unless_raw_and_options_reach_the_sampler(
     assert plain.response == want
 
 
+def test_a_final_assistant_message_is_continued(served, client):
+    """As Ollama does: a conversation that ends with the assistant's words gets their continuation."""
+    start = "Sure! The capital of France is"
+    r = client.chat(model="x", messages=ASK + [{"role": "assistant", "content": start}],
+                    options={"temperature": 0, "num_predict": 6})
+    engine = served[0]
+    text = engine.tokenizer.render_chat(ASK + [{"role": "assistant", "content": start}], add_generation_prompt=False)
+    prompt = engine.tokenizer.encode(text[:text.rindex(start) + len(start)], add_bos=False)
+    want = "".join(ev.text for ev in engine.generate(prompt, SamplingParams(temperature=0, max_tokens=6)))
+    assert r.message.content == want and "Paris" in want
+
+
 def test_format_holds_the_reply_to_json_or_a_schema(client):
     r = client.chat(model="smollm2", messages=[{"role": "user", "content": "Describe Paris as JSON."}],
                     format="json", options={"temperature": 0, "num_predict": 64})

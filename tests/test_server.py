@@ -210,6 +210,24 @@ def test_vllms_structured_outputs_hold_the_reply_to_a_choice_a_pattern_or_a_sche
     assert idle(served[0])
 
 
+def test_continue_final_message_goes_on_with_the_assistants_start(served, client):
+    """vLLM's continue_final_message: the prompt ends where the assistant's text does (the template's end of turn
+    left off), so the reply is what a plain completion of that text gives; the content is the new text alone."""
+    engine = served[0]
+    start = "Sure! The capital of France is"
+    messages = Q + [{"role": "assistant", "content": start}]
+    r = client.chat.completions.create(model="x", messages=messages, temperature=0, max_tokens=6,
+                                       extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    text = engine.tokenizer.render_chat(messages, add_generation_prompt=False)
+    prompt = text[:text.rindex(start) + len(start)]
+    assert r.usage.prompt_tokens == len(engine.tokenizer.encode(prompt, add_bos=False))
+    plain = client.completions.create(model="x", prompt=prompt, temperature=0, max_tokens=6)
+    assert r.choices[0].message.content == plain.choices[0].text and "Paris" in plain.choices[0].text
+    bad = httpx.post(served[1].url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                     json={"messages": Q, "continue_final_message": True})
+    assert bad.status_code == 400 and "last message from the assistant" in bad.json()["error"]["message"]
+
+
 def test_a_union_of_models_parses_into_the_one_begun(client):
     """A list of Cat | Dog (anyOf two object schemas): each item holds to the model its first key chose, so the
     parse, which would raise on a cat with a dog's key or a cat's bounds broken, succeeds at any seed."""
