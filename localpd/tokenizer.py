@@ -280,21 +280,26 @@ class TokenText:
     def added(self, token: int) -> tuple[str, tuple[int, int] | None]:
         """The whole characters `token` would add, and if it would leave bytes of one more pending, the range of
         code points they may still become."""
+        whole, pending, _ = self._read(token)
+        return whole, pending
+
+    def _read(self, token: int) -> tuple[str, tuple[int, int] | None, bytes]:
+        """added(token), and the bytes of the incomplete character it would leave (b"" for none)."""
         text = self.tokenizer.decode(self.ids[-self.WINDOW:] + [token])
         if not text.startswith(self.tail):
-            return "", None
+            return "", None, b""
         added = text[len(self.tail):]
         if not (self.pending or "\ufffd" in added):
-            return added, None
+            return added, None, b""
         after = self._pending_after(token)
         if after is None:  # not UTF-8: it adds nothing a constraint takes
-            return "", None
+            return "", None, b""
         if after:  # the pending bytes decode as replacement characters (one, or one a byte)
-            return added.rstrip("\ufffd"), code_range(after)
+            return added.rstrip("\ufffd"), code_range(after), after
         if self.tokenizer.token_bytes(token) is None:  # bytes unknown: as the text shows it
             whole = added.rstrip("\ufffd")
-            return whole, (0x80, 0x10FFFF) if whole != added else None
-        return added, None  # complete (a replacement character written as such included)
+            return whole, (0x80, 0x10FFFF) if whole != added else None, b""
+        return added, None, b""  # complete (a replacement character written as such included)
 
     def _pending_after(self, token: int) -> bytes | None:
         """The incomplete character's bytes after token (b"" for none), or None if its bytes are not UTF-8 (or
@@ -311,8 +316,7 @@ class TokenText:
 
     def push(self, token: int) -> str:
         """Take `token` as the reply's next; the whole characters it added."""
-        whole = self.added(token)[0]
-        self.pending = self._pending_after(token) or b""
+        whole, _, self.pending = self._read(token)
         self.ids.append(token)
         self.tail = self.tokenizer.decode(self.ids[-self.WINDOW:]).rstrip("\ufffd")
         return whole
