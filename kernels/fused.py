@@ -79,15 +79,17 @@ def act_mul_kernel(gu, out, I, s_gu, s_o, BLOCK: tl.constexpr, ACT: tl.constexpr
 
 
 @triton.jit
-def rope_kernel(x, cos, sin, s_t, s_h, s_c, HALF: tl.constexpr):
-    """Program (t, head): x[t, head] = (x1 * c - x2 * s, x2 * c + x1 * s) in place, x1/x2 its two halves."""
+def rope_kernel(x, cos, sin, s_t, s_h, s_c, HALF: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (t, head): x[t, head] = (x1 * c - x2 * s, x2 * c + x1 * s) in place, x1/x2 its two halves of HALF
+    elements each (in a tile of BLOCK, a power of two: 48 in 64 for heads of 96)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    i = tl.arange(0, HALF)
+    i = tl.arange(0, BLOCK)
+    m = i < HALF
     base = x + t * s_t + h * s_h
-    x1 = tl.load(base + i).to(tl.float32)
-    x2 = tl.load(base + HALF + i).to(tl.float32)
-    c = tl.load(cos + t * s_c + i).to(tl.float32)
-    s = tl.load(sin + t * s_c + i).to(tl.float32)
-    tl.store(base + i, (x1 * c - x2 * s).to(x.dtype.element_ty))
-    tl.store(base + HALF + i, (x2 * c + x1 * s).to(x.dtype.element_ty))
+    x1 = tl.load(base + i, mask=m).to(tl.float32)
+    x2 = tl.load(base + HALF + i, mask=m).to(tl.float32)
+    c = tl.load(cos + t * s_c + i, mask=m).to(tl.float32)
+    s = tl.load(sin + t * s_c + i, mask=m).to(tl.float32)
+    tl.store(base + i, (x1 * c - x2 * s).to(x.dtype.element_ty), mask=m)
+    tl.store(base + HALF + i, (x2 * c + x1 * s).to(x.dtype.element_ty), mask=m)

@@ -108,12 +108,13 @@ def qk_norm(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, n
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE in place on x [T, heads, head_dim] (a strided view is fine: the q and k heads of a qkv output)."""
     T, H, D = x.shape
-    if not use_triton(x) or x.stride(-1) != 1 or D & (D - 1) or D < 4 or cos.stride(-1) != 1:
+    if not use_triton(x) or x.stride(-1) != 1 or D % 2 or D < 4 or cos.stride(-1) != 1:
         return rope_ref(x, cos, sin)
     from localpd.kernels.fused import rope_kernel
 
     if T and H:
-        rope_kernel[(T, H)](x, cos, sin, x.stride(0), x.stride(1), cos.stride(0), HALF=D // 2, num_warps=1)
+        rope_kernel[(T, H)](x, cos, sin, x.stride(0), x.stride(1), cos.stride(0), HALF=D // 2,
+                            BLOCK=triton_block(D // 2), num_warps=1)
     return x
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from localpd.kernels.dispatch import cdiv, sm_count, use_triton
-from localpd.kernels.fused_dispatch import rope
+from localpd.kernels.fused_dispatch import rope, triton_block
 from localpd.quant.kv import PER_PAGE, KVLayer, dequantize_kv, quantize_kv
 
 
@@ -123,12 +123,16 @@ BLOCK_M = 16  # query rows of each query head in a prefill program (GP x 16 rows
 PREFILL_TILE_ELEMS_PER_WARP = 2048
 
 
-KERNEL_HEAD_DIMS = (64, 128, 256)  # powers of two the kernels tile (256: Gemma 3); others are padded (loader.pad_heads)
+def kernel_head_dim(head_dim: int) -> bool:
+    """Whether the kernels take heads of this size as they are: multiples of 32 (an int4 group) up to 256 (Gemma
+    3), each in a tile of the power of two that covers it (Phi-3-mini's 96 in 128, the columns past 96 masked, so
+    neither the KV cache nor a load holds padding). Others are padded (loader.pad_heads)."""
+    return head_dim % 32 == 0 and 32 <= head_dim <= 256
 
 
 def triton_supports(layer: KVLayer, head_dim: int) -> bool:
-    """Heads of KERNEL_HEAD_DIMS, pages of 16 or 32 tokens."""
-    return head_dim in KERNEL_HEAD_DIMS and layer.page_size in (16, 32)
+    """Heads kernel_head_dim takes, pages of 16 or 32 tokens."""
+    return kernel_head_dim(head_dim) and layer.page_size in (16, 32)
 
 
 def _strides(data: torch.Tensor, scale: torch.Tensor | None):
@@ -150,8 +154,10 @@ def _stage_args(stage, stage_slots, dummy):
 
 def rope_write_warps(layer: KVLayer, head_dim: int) -> int:
     """One warp a (token, head) program; four for an int4ch page rewrite of heads of 256, whose [page, 128] tiles
-    spilled 352-744 bytes of registers at one warp (sm_86/90, scripts/compile_check.py)."""
-    return 4 if head_dim > 128 and "int4ch" in (layer.k_format, layer.v_format) else 1
+    spilled 352-744 bytes of registers at one warp (sm_86/90, scripts/compile_check.py), and of heads that do not
+    fill their tile (96 in 128: the masks took 255 registers and spilled 208-216 bytes on sm_90 at one warp)."""
+    wide = head_dim > 128 or head_dim != triton_block(head_dim)
+    return 4 if wide and "int4ch" in (layer.k_format, layer.v_format) else 1
 
 
 def prefill_block_m(head_dim: int, group_padded: int) -> int:
@@ -180,7 +186,7 @@ def write_kv(layer: KVLayer, k: torch.Tensor, v: torch.Tensor, slots: torch.Tens
         write_kv_kernel[(T, H)](x, slots, data, dummy if scale is None else scale, dummy if zero is None else zero,
                                 st, slots if stage_slots is None else stage_slots, T, x.stride(0), x.stride(1),
                                 *_strides(data, scale), st_t, st_h, KIND=KINDS[fmt], PS=layer.page_size, D=D,
-                                STAGED=staged)
+                                DP=triton_block(D), STAGED=staged)
 
 
 def rope_write_kv_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: KVLayer, slots: torch.Tensor,
@@ -213,7 +219,8 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer
             slots if stage_slots is None else stage_slots, qkv.stride(0), cos.stride(0),
             *_strides(layer.k, layer.k_scale), *_strides(layer.v, layer.v_scale), ks_t, ks_h, vs_t, vs_h,
             n_heads, n_kv_heads, T, K_KIND=KINDS[layer.k_format], V_KIND=KINDS[layer.v_format],
-            PS=layer.page_size, D=D, K_STAGED=k_staged, V_STAGED=v_staged, num_warps=rope_write_warps(layer, D))
+            PS=layer.page_size, D=D, DP=triton_block(D), K_STAGED=k_staged, V_STAGED=v_staged,
+            num_warps=rope_write_warps(layer, D))
     return qkv.view(T, -1, D)[:, :n_heads]
 
 
@@ -229,8 +236,8 @@ DECODE_MAX_SPLITS = 64  # the reduce holds all of a head's splits in one [splits
 
 
 def decode_block_t(page_size: int, head_dim: int) -> int:
-    """Tokens per decode tile: DECODE_TILE_ELEMS elements, and at least one page."""
-    return max(page_size, DECODE_TILE_ELEMS // head_dim)
+    """Tokens per decode tile: DECODE_TILE_ELEMS elements of the head's tile width, and at least one page."""
+    return max(page_size, DECODE_TILE_ELEMS // triton_block(head_dim))
 
 
 def decode_splits(batch_heads: int, tiles: int, device: torch.device) -> tuple[int, int]:
@@ -254,6 +261,7 @@ def paged_attention(q: torch.Tensor, layer: KVLayer, page_table: torch.Tensor, s
     query over its last `window` keys. Decode kernel when every sequence has one query row (T == B, known without
     reading the device), else the prefill kernel."""
     T, Hq, D = q.shape
+    DP = triton_block(D)
     if not (use_triton(q) and triton_supports(layer, D)):
         return paged_attention_ref(q, layer, page_table, seq_lens, q_starts, scale, window)
     from localpd.kernels.paged_attention import decode_kernel, decode_reduce_kernel, prefill_kernel
@@ -274,9 +282,9 @@ def paged_attention(q: torch.Tensor, layer: KVLayer, page_table: torch.Tensor, s
         part_ml = torch.empty(B * Hq * splits, 2, dtype=torch.float32, device=q.device)
         decode_kernel[(B, H, splits)](q, layer.k, layer.v, ks, vs, kz, vz, page_table, seq_lens, part_acc, part_ml,
                                       scale, q.stride(0), q.stride(1), page_table.stride(0), *strides,
-                                      per_split * block_t // ps, splits, window, **kinds, PS=ps, D=D, GROUP=group,
-                                      GP=gp, BLOCK_T=block_t, num_warps=DECODE_WARPS)
-        decode_reduce_kernel[(B, Hq)](part_acc, part_ml, out, out.stride(0), out.stride(1), splits, D=D,
+                                      per_split * block_t // ps, splits, window, **kinds, PS=ps, D=D, DP=DP,
+                                      GROUP=group, GP=gp, BLOCK_T=block_t, num_warps=DECODE_WARPS)
+        decode_reduce_kernel[(B, Hq)](part_acc, part_ml, out, out.stride(0), out.stride(1), splits, D=D, DP=DP,
                                       SP=1 << (splits - 1).bit_length(), num_warps=4)
         return out
     gp = 1 << (group - 1).bit_length()
@@ -284,6 +292,6 @@ def paged_attention(q: torch.Tensor, layer: KVLayer, page_table: torch.Tensor, s
     prefill_kernel[(B, cdiv(T, block_m), H)](q, layer.k, layer.v, ks, vs, kz, vz, page_table, seq_lens, q_starts,
                                              out, scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                                              page_table.stride(0), *strides, window, **kinds, PS=layer.page_size, D=D,
-                                             GROUP=group, GP=gp, BLOCK_M=block_m,
-                                             num_warps=max(4, gp * block_m * D // PREFILL_TILE_ELEMS_PER_WARP))
+                                             DP=DP, GROUP=group, GP=gp, BLOCK_M=block_m,
+                                             num_warps=max(4, gp * block_m * DP // PREFILL_TILE_ELEMS_PER_WARP))
     return out

@@ -30,13 +30,14 @@ def _token_scales(scale, pages, offs, mask, head, c_page, c_tok, c_head):
 
 
 @triton.jit
-def _load_tokens(data, pages, offs, mask, head, s_page, s_tok, s_head, D: tl.constexpr):
-    """Tokens (pages[i], offs[i]) of one KV head as float32 [len(pages), D]: float pages as stored, int8 and fp8
+def _load_tokens(data, pages, offs, mask, head, s_page, s_tok, s_head, D: tl.constexpr, DP: tl.constexpr):
+    """Tokens (pages[i], offs[i]) of one KV head as float32 [len(pages), DP]: float pages as stored, int8 and fp8
     without their per-token scale (the caller applies _token_scales to whole rows; int4 is read by _halves).
-    Masked tokens read 0, so stale or never-written memory past a sequence's end cannot turn into NaN."""
-    d = tl.arange(0, D)
+    Masked tokens read 0, so stale or never-written memory past a sequence's end cannot turn into NaN; so do the
+    columns past the head's D elements where DP, the tile, is wider (heads of 96 in tiles of 128)."""
+    d = tl.arange(0, DP)
     tok = pages[:, None] * s_page + offs[:, None] * s_tok + head * s_head
-    return tl.load(data + tok + d[None, :], mask=mask[:, None], other=0.0).to(tl.float32)
+    return tl.load(data + tok + d[None, :], mask=mask[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -49,22 +50,24 @@ def _rint(y):
 
 @triton.jit
 def _head_values(src, idx, cos_row, sin_row, ROPE: tl.constexpr, HALF: tl.constexpr):
-    """Elements idx of the head at src as float32; with ROPE rotated (HF's half-rotated layout: element i pairs
-    with i +- HALF) and rounded to src's dtype, exactly as rope_kernel would store them."""
-    x = tl.load(src + idx).to(tl.float32)
+    """Elements idx of the head at src (2 * HALF wide) as float32, 0 for idx past its end (a tile wider than the
+    head); with ROPE rotated (HF's half-rotated layout: element i pairs with i +- HALF) and rounded to src's dtype,
+    exactly as rope_kernel would store them."""
+    inside = idx < 2 * HALF
+    x = tl.load(src + idx, mask=inside, other=0.0).to(tl.float32)
     if ROPE:
         first = idx < HALF
-        other = tl.load(src + tl.where(first, idx + HALF, idx - HALF)).to(tl.float32)
-        c = tl.load(cos_row + idx % HALF).to(tl.float32)
-        s = tl.load(sin_row + idx % HALF).to(tl.float32)
+        other = tl.load(src + tl.where(first, idx + HALF, idx - HALF), mask=inside, other=0.0).to(tl.float32)
+        c = tl.load(cos_row + idx % HALF, mask=inside, other=0.0).to(tl.float32)
+        s = tl.load(sin_row + idx % HALF, mask=inside, other=0.0).to(tl.float32)
         x = tl.where(first, x * c - other * s, x * c + other * s).to(src.dtype.element_ty).to(tl.float32)
     return x
 
 
 @triton.jit
 def _write_page_run(src, s_src_t, cos, sin, s_c, slots, t, T, data, scale, zero, h, s_page, s_tok, s_head, c_page,
-                    c_head, stage, stage_slots, s_st_t, PS: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr,
-                    STAGED: tl.constexpr):
+                    c_head, stage, stage_slots, s_st_t, PS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                    ROPE: tl.constexpr, STAGED: tl.constexpr):
     """int4ch, the program of token t (src: its head at token 0, rows s_src_t apart): if t is the first new token
     of its page in this step, re-quantize the page's earlier tokens together with the step's new ones over each
     channel's range across them (as kv_dispatch._write_pages_ref); any other token's program does nothing.
@@ -76,7 +79,8 @@ def _write_page_run(src, s_src_t, cos, sin, s_c, slots, t, T, data, scale, zero,
     if (t == 0) | (prev // PS != slot // PS):
         page, off0 = slot // PS, slot % PS
         o = tl.arange(0, PS)
-        j = tl.arange(0, D // 2)
+        j = tl.arange(0, DP // 2)  # byte j: channels 2j and 2j + 1
+        jm = j < D // 2
         r = t + o - off0  # the row that would hold offset o if this page's new tokens are consecutive rows
         cand = (o >= off0) & (r < T)
         new = cand & (tl.load(slots + r, mask=cand, other=-1) == slot + o - off0)
@@ -88,7 +92,7 @@ def _write_page_run(src, s_src_t, cos, sin, s_c, slots, t, T, data, scale, zero,
                                 sin + r[:, None] * s_c, ROPE, D // 2)
         new_odd = _head_values(src + r[:, None] * s_src_t, 2 * j[None, :] + 1, cos + r[:, None] * s_c,
                                sin + r[:, None] * s_c, ROPE, D // 2)
-        old = (o < off0)[:, None]
+        old = (o < off0)[:, None] & jm[None, :]
         if STAGED:
             staged = stage + (tl.load(stage_slots + t) - off0 + o)[:, None] * s_st_t  # offset o's staged row
             even = tl.where(new[:, None], new_even,
@@ -96,46 +100,55 @@ def _write_page_run(src, s_src_t, cos, sin, s_c, slots, t, T, data, scale, zero,
             odd = tl.where(new[:, None], new_odd,
                            tl.load(staged + 2 * j[None, :] + 1, mask=old, other=0.0).to(tl.float32))
             # only a page left open is staged: its sequence's last in this step (a full page is never rewritten)
-            keep = (new & (tl.sum(valid.to(tl.int32), axis=0) + tl.zeros_like(o) < PS))[:, None]
+            keep = (new & (tl.sum(valid.to(tl.int32), axis=0) + tl.zeros_like(o) < PS))[:, None] & jm[None, :]
             et = stage.dtype.element_ty
             tl.store(staged + 2 * j[None, :], new_even.to(et), mask=keep)
             tl.store(staged + 2 * j[None, :] + 1, new_odd.to(et), mask=keep)
         else:
             byte = tl.load(base + o[:, None] * s_tok + j[None, :], mask=old, other=0).to(tl.int32)
             even = tl.where(new[:, None], new_even,
-                            (byte & 15).to(tl.float32) * tl.load(scale + cb + 2 * j).to(tl.float32)[None, :]
-                            + tl.load(zero + cb + 2 * j).to(tl.float32)[None, :])
+                            (byte & 15).to(tl.float32) * _channels(scale + cb + 2 * j, jm)[None, :]
+                            + _channels(zero + cb + 2 * j, jm)[None, :])
             odd = tl.where(new[:, None], new_odd,
-                           ((byte >> 4) & 15).to(tl.float32) * tl.load(scale + cb + 2 * j + 1).to(tl.float32)[None, :]
-                           + tl.load(zero + cb + 2 * j + 1).to(tl.float32)[None, :])
+                           ((byte >> 4) & 15).to(tl.float32) * _channels(scale + cb + 2 * j + 1, jm)[None, :]
+                           + _channels(zero + cb + 2 * j + 1, jm)[None, :])
         tl.debug_barrier()  # every thread has read the page's old codes, scales and zeros before any is rewritten
-        q_even = _quantize_channels(even, valid, scale + cb + 2 * j, zero + cb + 2 * j)
-        q_odd = _quantize_channels(odd, valid, scale + cb + 2 * j + 1, zero + cb + 2 * j + 1)
-        tl.store(base + o[:, None] * s_tok + j[None, :], (q_even | (q_odd << 4)).to(tl.uint8), mask=valid[:, None])
+        q_even = _quantize_channels(even, valid, scale + cb + 2 * j, zero + cb + 2 * j, jm)
+        q_odd = _quantize_channels(odd, valid, scale + cb + 2 * j + 1, zero + cb + 2 * j + 1, jm)
+        tl.store(base + o[:, None] * s_tok + j[None, :], (q_even | (q_odd << 4)).to(tl.uint8),
+                 mask=valid[:, None] & jm[None, :])
 
 
 @triton.jit
-def _quantize_channels(v, valid, scale_ptrs, zero_ptrs):
-    """int4 codes of v [tokens, channels] with one scale and zero per channel over the valid tokens, stored."""
+def _channels(ptrs, mask):
+    """One float16 per channel (a page's scales or zeros) as float32, 0 where masked."""
+    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _quantize_channels(v, valid, scale_ptrs, zero_ptrs, cmask):
+    """int4 codes of v [tokens, channels] with one scale and zero per channel over the valid tokens, stored for
+    the channels cmask keeps."""
     lo = tl.min(tl.where(valid[:, None], v, float("inf")), axis=0)
     hi = tl.max(tl.where(valid[:, None], v, float("-inf")), axis=0)
     sc = ((hi - lo) / 15).to(tl.float16)
     zr = lo.to(tl.float16)
-    tl.store(scale_ptrs, sc)
-    tl.store(zero_ptrs, zr)
+    tl.store(scale_ptrs, sc, mask=cmask)
+    tl.store(zero_ptrs, zr, mask=cmask)
     sf = sc.to(tl.float32)
     return tl.clamp(_rint((v - zr.to(tl.float32)[None, :]) / tl.where(sf > 0, sf, 1.0)[None, :]), 0, 15).to(tl.int32)
 
 
 @triton.jit
 def _write_head(src, cos_row, sin_row, data, scale, zero, slot, h, s_page, s_tok, s_head, c_page, c_tok, c_head,
-                KIND: tl.constexpr, PS: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr):
-    """Quantize the head at src (rotated first with ROPE) into kv head h of its slot."""
+                KIND: tl.constexpr, PS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, ROPE: tl.constexpr):
+    """Quantize the head at src (rotated first with ROPE) into kv head h of its slot (D elements, in a tile of DP)."""
     page, off = slot // PS, slot % PS
     base = data + page * s_page + off * s_tok + h * s_head
     cbase = page * c_page + off * c_tok + h * c_head
     if KIND == 3:
-        g = tl.arange(0, D // 32)
+        g = tl.arange(0, DP // 32)
+        gm = (g < D // 32)[:, None]
         j = tl.arange(0, 16)
         idx = g[:, None] * 32 + 2 * j[None, :]  # [G, 16]: the even element of each byte
         lo = _head_values(src, idx, cos_row, sin_row, ROPE, D // 2)
@@ -149,47 +162,48 @@ def _write_head(src, cos_row, sin_row, data, scale, zero, slot, h, s_page, s_tok
         qlo = tl.clamp(_rint((lo - zr.to(tl.float32)[:, None]) / safe[:, None]), 0, 15)
         qhi = tl.clamp(_rint((hi - zr.to(tl.float32)[:, None]) / safe[:, None]), 0, 15)
         packed = (qlo.to(tl.int32) | (qhi.to(tl.int32) << 4)).to(tl.uint8)
-        tl.store(base + g[:, None] * 16 + j[None, :], packed)
-        tl.store(scale + cbase + g, sc)
-        tl.store(zero + cbase + g, zr)
+        tl.store(base + g[:, None] * 16 + j[None, :], packed, mask=gm)
+        tl.store(scale + cbase + g, sc, mask=g < D // 32)
+        tl.store(zero + cbase + g, zr, mask=g < D // 32)
     elif KIND == 0:
-        d = tl.arange(0, D)
-        tl.store(base + d, _head_values(src, d, cos_row, sin_row, ROPE, D // 2).to(data.dtype.element_ty))
+        d = tl.arange(0, DP)
+        tl.store(base + d, _head_values(src, d, cos_row, sin_row, ROPE, D // 2).to(data.dtype.element_ty),
+                 mask=d < D)
     else:
-        d = tl.arange(0, D)
+        d = tl.arange(0, DP)
         x = _head_values(src, d, cos_row, sin_row, ROPE, D // 2)
         top = 127.0 if KIND == 1 else 448.0
         sc = (tl.max(tl.abs(x), axis=0) / top).to(tl.float16)
         sf = sc.to(tl.float32)
         y = x / tl.where(sf > 0, sf, 1.0)
         if KIND == 1:
-            tl.store(base + d, tl.clamp(_rint(y), -127, 127).to(tl.int8))
+            tl.store(base + d, tl.clamp(_rint(y), -127, 127).to(tl.int8), mask=d < D)
         else:
-            tl.store(base + d, tl.clamp(y, -448.0, 448.0).to(tl.float8e4nv))
+            tl.store(base + d, tl.clamp(y, -448.0, 448.0).to(tl.float8e4nv), mask=d < D)
         tl.store(scale + cbase, sc)
 
 
 @triton.jit
 def write_kv_kernel(src, slots, data, scale, zero, stage, stage_slots, T, s_src_t, s_src_h, s_page, s_tok, s_head,
                     c_page, c_tok, c_head, s_st_t, s_st_h, KIND: tl.constexpr, PS: tl.constexpr, D: tl.constexpr,
-                    STAGED: tl.constexpr):
+                    DP: tl.constexpr, STAGED: tl.constexpr):
     """One program per (token, head): quantize x[D] into its slot (int4ch: the page's run, from its first token)."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     if KIND == 4:
         _write_page_run(src + h * s_src_h, s_src_t, src, src, 0, slots, t, T, data, scale, zero, h, s_page, s_tok,
-                        s_head, c_page, c_head, stage + h * s_st_h, stage_slots, s_st_t, PS, D, False, STAGED)
+                        s_head, c_page, c_head, stage + h * s_st_h, stage_slots, s_st_t, PS, D, DP, False, STAGED)
     else:
         _write_head(src + t * s_src_t + h * s_src_h, src, src, data, scale, zero, tl.load(slots + t), h, s_page,
-                    s_tok, s_head, c_page, c_tok, c_head, KIND, PS, D, False)
+                    s_tok, s_head, c_page, c_tok, c_head, KIND, PS, D, DP, False)
 
 
 @triton.jit
 def rope_write_kv_kernel(qkv, cos, sin, slots, k, v, k_scale, v_scale, k_zero, v_zero, k_stage, v_stage, stage_slots,
                          s_t, s_c, sk_page, sk_tok, sk_head, ck_page, ck_tok, ck_head, sv_page, sv_tok, sv_head,
                          cv_page, cv_tok, cv_head, sks_t, sks_h, svs_t, svs_h, HQ, H, T, K_KIND: tl.constexpr,
-                         V_KIND: tl.constexpr, PS: tl.constexpr, D: tl.constexpr, K_STAGED: tl.constexpr,
-                         V_STAGED: tl.constexpr):
+                         V_KIND: tl.constexpr, PS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                         K_STAGED: tl.constexpr, V_STAGED: tl.constexpr):
     """Program (token, head) over a qkv row's HQ query, H key and H value heads: rotates a query head in place,
     writes a key head rotated and a value head as is into the token's slot (RoPE and the KV write in one launch;
     the key heads of qkv are left unrotated)."""
@@ -198,61 +212,63 @@ def rope_write_kv_kernel(qkv, cos, sin, slots, k, v, k_scale, v_scale, k_zero, v
     row = qkv + t * s_t
     cos_row, sin_row = cos + t * s_c, sin + t * s_c
     if h < HQ:
-        d = tl.arange(0, D)
+        d = tl.arange(0, DP)
         x = _head_values(row + h * D, d, cos_row, sin_row, True, D // 2)
-        tl.store(row + h * D + d, x.to(qkv.dtype.element_ty))
+        tl.store(row + h * D + d, x.to(qkv.dtype.element_ty), mask=d < D)
     elif h < HQ + H:
         if K_KIND == 4:
             _write_page_run(qkv + h * D, s_t, cos, sin, s_c, slots, t, T, k, k_scale, k_zero, h - HQ, sk_page, sk_tok,
-                            sk_head, ck_page, ck_head, k_stage + (h - HQ) * sks_h, stage_slots, sks_t, PS, D, True,
-                            K_STAGED)
+                            sk_head, ck_page, ck_head, k_stage + (h - HQ) * sks_h, stage_slots, sks_t, PS, D, DP,
+                            True, K_STAGED)
         else:
             _write_head(row + h * D, cos_row, sin_row, k, k_scale, k_zero, tl.load(slots + t), h - HQ, sk_page,
-                        sk_tok, sk_head, ck_page, ck_tok, ck_head, K_KIND, PS, D, True)
+                        sk_tok, sk_head, ck_page, ck_tok, ck_head, K_KIND, PS, D, DP, True)
     else:
         if V_KIND == 4:
             _write_page_run(qkv + h * D, s_t, cos, sin, s_c, slots, t, T, v, v_scale, v_zero, h - HQ - H, sv_page,
                             sv_tok, sv_head, cv_page, cv_head, v_stage + (h - HQ - H) * svs_h, stage_slots, svs_t,
-                            PS, D, False, V_STAGED)
+                            PS, D, DP, False, V_STAGED)
         else:
             _write_head(row + h * D, cos_row, sin_row, v, v_scale, v_zero, tl.load(slots + t), h - HQ - H, sv_page,
-                        sv_tok, sv_head, cv_page, cv_tok, cv_head, V_KIND, PS, D, False)
+                        sv_tok, sv_head, cv_page, cv_tok, cv_head, V_KIND, PS, D, DP, False)
 
 
 @triton.jit
 def _int4_halves(data, scale, zero, pages, offs, mask, head, s_page, s_tok, s_head, c_page, c_tok, c_head,
-                 D: tl.constexpr):
-    """Grouped int4 tokens of one KV head as two float32 tiles [len(pages), D / 2]: the even elements (each
-    byte's low nibble) and the odd ones (its high nibble). The bytes, scales and zeros are each loaded as one
-    contiguous tile per token (a group's scale is broadcast over its 16 bytes in registers), where loading per
-    element issued a load for every element's byte, scale and zero."""
+                 D: tl.constexpr, DP: tl.constexpr):
+    """Grouped int4 tokens of one KV head as two float32 tiles [len(pages), DP / 2]: the even elements (each
+    byte's low nibble) and the odd ones (its high nibble), 0 past the head's D elements. The bytes, scales and
+    zeros are each loaded as one contiguous tile per token (a group's scale is broadcast over its 16 bytes in
+    registers), where loading per element issued a load for every element's byte, scale and zero."""
     T: tl.constexpr = pages.shape[0]
-    G: tl.constexpr = D // 32
-    j = tl.arange(0, D // 2)
-    m = mask[:, None]
-    p = tl.load(data + pages[:, None] * s_page + offs[:, None] * s_tok + head * s_head + j[None, :], mask=m,
-                other=0).to(tl.int32)
-    off = pages[:, None] * c_page + offs[:, None] * c_tok + head * c_head + tl.arange(0, G)[None, :]
+    G: tl.constexpr = DP // 32
+    j = tl.arange(0, DP // 2)
+    g = tl.arange(0, G)
+    p = tl.load(data + pages[:, None] * s_page + offs[:, None] * s_tok + head * s_head + j[None, :],
+                mask=mask[:, None] & (j < D // 2)[None, :], other=0).to(tl.int32)
+    off = pages[:, None] * c_page + offs[:, None] * c_tok + head * c_head + g[None, :]
+    m = mask[:, None] & (g < D // 32)[None, :]
     sc = tl.load(scale + off, mask=m, other=0.0).to(tl.float32)[:, :, None]  # [T, G, 1]
     zr = tl.load(zero + off, mask=m, other=0.0).to(tl.float32)[:, :, None]
-    even = tl.reshape(tl.reshape((p & 15).to(tl.float32), (T, G, 16)) * sc + zr, (T, D // 2))
-    odd = tl.reshape(tl.reshape((p >> 4).to(tl.float32), (T, G, 16)) * sc + zr, (T, D // 2))
+    even = tl.reshape(tl.reshape((p & 15).to(tl.float32), (T, G, 16)) * sc + zr, (T, DP // 2))
+    odd = tl.reshape(tl.reshape((p >> 4).to(tl.float32), (T, G, 16)) * sc + zr, (T, DP // 2))
     return even, odd
 
 
 @triton.jit
 def _int4ch_halves(data, scale, zero, pages, offs, mask, head, s_page, s_tok, s_head, c_page, c_head,
-                   D: tl.constexpr, PS: tl.constexpr):
+                   D: tl.constexpr, DP: tl.constexpr, PS: tl.constexpr):
     """int4ch tokens of one KV head as _int4_halves returns them, for tiles of whole pages (len(pages) a multiple
     of PS, starting on a page): each page's per-channel scales and zeros are loaded once, as int32 words holding
     an even and an odd channel's float16 each, and broadcast over the page's tokens in registers."""
     T: tl.constexpr = pages.shape[0]
     NP: tl.constexpr = T // PS
-    j = tl.arange(0, D // 2)
+    j = tl.arange(0, DP // 2)
+    jm = (j < D // 2)[None, :]
     p = tl.load(data + pages[:, None] * s_page + offs[:, None] * s_tok + head * s_head + j[None, :],
-                mask=mask[:, None], other=0).to(tl.int32)
+                mask=mask[:, None] & jm, other=0).to(tl.int32)
     pg = tl.max(tl.reshape(tl.where(mask, pages, 0), (NP, PS)), axis=1)  # each page's id (0 if none of it is read)
-    live = (tl.max(tl.reshape(mask.to(tl.int32), (NP, PS)), axis=1) > 0)[:, None]
+    live = (tl.max(tl.reshape(mask.to(tl.int32), (NP, PS)), axis=1) > 0)[:, None] & jm
     word = ((pg * c_page + head * c_head) // 2)[:, None] + j[None, :]  # [NP, D / 2]: channels 2j and 2j + 1
     sw = tl.load(scale.to(tl.pointer_type(tl.int32)) + word, mask=live, other=0)
     zw = tl.load(zero.to(tl.pointer_type(tl.int32)) + word, mask=live, other=0)
@@ -273,49 +289,52 @@ def _page_channels(q, scale_bits, zero_bits, PS: tl.constexpr):
 
 @triton.jit
 def _halves(data, scale, zero, pages, offs, mask, head, s_page, s_tok, s_head, c_page, c_tok, c_head,
-            KIND: tl.constexpr, D: tl.constexpr, PS: tl.constexpr):
-    """The even and odd elements of int4 tokens (KIND 3 grouped, 4 per channel) as float32 [len(pages), D / 2]."""
+            KIND: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, PS: tl.constexpr):
+    """The even and odd elements of int4 tokens (KIND 3 grouped, 4 per channel) as float32 [len(pages), DP / 2]."""
     if KIND == 3:
         even, odd = _int4_halves(data, scale, zero, pages, offs, mask, head, s_page, s_tok, s_head, c_page, c_tok,
-                                 c_head, D)
+                                 c_head, D, DP)
     else:
         even, odd = _int4ch_halves(data, scale, zero, pages, offs, mask, head, s_page, s_tok, s_head, c_page,
-                                   c_head, D, PS)
+                                   c_head, D, DP, PS)
     return even, odd
 
 
 @triton.jit
-def _query_tiles(q_rows, mask, sm_scale, D: tl.constexpr):
-    """Query rows (q_rows: each row's first element) times sm_scale in float32: whole [rows, D], and their even
-    and odd elements [rows, D / 2] for int4 keys (unused loads are compiled away)."""
-    d = tl.arange(0, D)
-    h2 = tl.arange(0, D // 2)
+def _query_tiles(q_rows, mask, sm_scale, D: tl.constexpr, DP: tl.constexpr):
+    """Query rows (q_rows: each row's first element) times sm_scale in float32: whole [rows, DP], and their even
+    and odd elements [rows, DP / 2] for int4 keys (unused loads are compiled away); 0 past the head's D."""
+    d = tl.arange(0, DP)
+    h2 = tl.arange(0, DP // 2)
     m = mask[:, None]
-    whole = tl.load(q_rows + d[None, :], mask=m, other=0.0).to(tl.float32) * sm_scale
-    even = tl.load(q_rows + 2 * h2[None, :], mask=m, other=0.0).to(tl.float32) * sm_scale
-    odd = tl.load(q_rows + 2 * h2[None, :] + 1, mask=m, other=0.0).to(tl.float32) * sm_scale
+    whole = tl.load(q_rows + d[None, :], mask=m & (d < D)[None, :], other=0.0).to(tl.float32) * sm_scale
+    m2 = m & (h2 < D // 2)[None, :]
+    even = tl.load(q_rows + 2 * h2[None, :], mask=m2, other=0.0).to(tl.float32) * sm_scale
+    odd = tl.load(q_rows + 2 * h2[None, :] + 1, mask=m2, other=0.0).to(tl.float32) * sm_scale
     return whole, even, odd
 
 
 @triton.jit
-def _store_rows(rows, acc, acc_even, acc_odd, mask, HALVES: tl.constexpr, D: tl.constexpr):
-    """acc [rows, D] at rows (each row's first element) in their dtype, or with HALVES the even and odd elements
-    (int4 values' two accumulators) interleaved."""
+def _store_rows(rows, acc, acc_even, acc_odd, mask, HALVES: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
+    """The first D columns of acc [rows, DP] at rows (each row's first element) in their dtype, or with HALVES the
+    even and odd elements (int4 values' two accumulators) interleaved."""
     et = rows.dtype.element_ty
     m = mask[:, None]
     if HALVES:
-        h2 = tl.arange(0, D // 2)
-        tl.store(rows + 2 * h2[None, :], acc_even.to(et), mask=m)
-        tl.store(rows + 2 * h2[None, :] + 1, acc_odd.to(et), mask=m)
+        h2 = tl.arange(0, DP // 2)
+        m2 = m & (h2 < D // 2)[None, :]
+        tl.store(rows + 2 * h2[None, :], acc_even.to(et), mask=m2)
+        tl.store(rows + 2 * h2[None, :] + 1, acc_odd.to(et), mask=m2)
     else:
-        tl.store(rows + tl.arange(0, D)[None, :], acc.to(et), mask=m)
+        d = tl.arange(0, DP)
+        tl.store(rows + d[None, :], acc.to(et), mask=m & (d < D)[None, :])
 
 
 @triton.jit
 def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_lens, part_acc, part_ml, sm_scale,
                   s_q_t, s_q_h, s_pt_b, sk_page, sk_tok, sk_head, ck_page, ck_tok, ck_head,
                   sv_page, sv_tok, sv_head, cv_page, cv_tok, cv_head, pages_per_split, SPLITS, window,
-                  K_KIND: tl.constexpr, V_KIND: tl.constexpr, PS: tl.constexpr, D: tl.constexpr,
+                  K_KIND: tl.constexpr, V_KIND: tl.constexpr, PS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                   GROUP: tl.constexpr, GP: tl.constexpr, BLOCK_T: tl.constexpr):
     """Program (b, kv head, split): the group's queries (padded to GP >= 16 rows for tl.dot) against this split's
     tokens, BLOCK_T at a time across several pages; partial softmax results out.
@@ -339,12 +358,12 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
     V_INT4: tl.constexpr = V_KIND == 3 or V_KIND == 4
     # float32 operands: tf32 on the GPU, which holds bf16/fp16 queries and keys exactly (and the interpreter has
     # no bf16 dot)
-    qv, q_even, q_odd = _query_tiles(q + b * s_q_t + (kh * GROUP + g)[:, None] * s_q_h, gmask, sm_scale, D)
+    qv, q_even, q_odd = _query_tiles(q + b * s_q_t + (kh * GROUP + g)[:, None] * s_q_h, gmask, sm_scale, D, DP)
     m = tl.full((GP,), float("-inf"), tl.float32)
     l = tl.zeros((GP,), tl.float32)
-    acc = tl.zeros((GP, D), tl.float32)
-    acc_even = tl.zeros((GP, D // 2), tl.float32)  # int4 values: the even and odd output elements
-    acc_odd = tl.zeros((GP, D // 2), tl.float32)
+    acc = tl.zeros((GP, DP), tl.float32)
+    acc_even = tl.zeros((GP, DP // 2), tl.float32)  # int4 values: the even and odd output elements
+    acc_odd = tl.zeros((GP, DP // 2), tl.float32)
     t = tl.arange(0, BLOCK_T)
     for t0 in range(first, last, BLOCK_T):
         pos = t0 + t
@@ -354,14 +373,14 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
         # V is requested with K, before the math, so both tiles are in flight together
         if K_INT4:
             k_even, k_odd = _halves(k, k_scale, k_zero, pages, offs, tmask, kh, sk_page, sk_tok, sk_head, ck_page,
-                                    ck_tok, ck_head, K_KIND, D, PS)
+                                    ck_tok, ck_head, K_KIND, D, DP, PS)
         else:
-            kt = _load_tokens(k, pages, offs, tmask, kh, sk_page, sk_tok, sk_head, D)
+            kt = _load_tokens(k, pages, offs, tmask, kh, sk_page, sk_tok, sk_head, D, DP)
         if V_INT4:
             v_even, v_odd = _halves(v, v_scale, v_zero, pages, offs, tmask, kh, sv_page, sv_tok, sv_head, cv_page,
-                                    cv_tok, cv_head, V_KIND, D, PS)
+                                    cv_tok, cv_head, V_KIND, D, DP, PS)
         else:
-            vt = _load_tokens(v, pages, offs, tmask, kh, sv_page, sv_tok, sv_head, D)
+            vt = _load_tokens(v, pages, offs, tmask, kh, sv_page, sv_tok, sv_head, D, DP)
         if K_INT4:
             s = tl.dot(q_even, tl.trans(k_even)) + tl.dot(q_odd, tl.trans(k_odd))  # [GP, BLOCK_T]
         else:
@@ -383,34 +402,35 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
             acc = acc * alpha[:, None] + tl.dot(w, vt)
     # [B, query heads, SPLITS]: the group's real rows only, each head's splits side by side for the reduce
     row = ((b * tl.num_programs(1) + kh) * GROUP + g) * SPLITS + sp
-    _store_rows(part_acc + row[:, None] * D, acc, acc_even, acc_odd, gmask, V_INT4, D)
+    _store_rows(part_acc + row[:, None] * D, acc, acc_even, acc_odd, gmask, V_INT4, D, DP)
     tl.store(part_ml + row * 2, m, mask=gmask)
     tl.store(part_ml + row * 2 + 1, l, mask=gmask)
 
 
 @triton.jit
-def decode_reduce_kernel(part_acc, part_ml, out, s_o_t, s_o_h, SPLITS, D: tl.constexpr, SP: tl.constexpr):
+def decode_reduce_kernel(part_acc, part_ml, out, s_o_t, s_o_h, SPLITS, D: tl.constexpr, DP: tl.constexpr,
+                         SP: tl.constexpr):
     """Program (b, query head): merge the head's SPLITS partial softmaxes (padded to SP, a power of two) into its
     output row. They are loaded as one tile: a loop over the splits would wait on a round trip for each."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.arange(0, SP)
-    d = tl.arange(0, D)
+    d = tl.arange(0, DP)
     live = sp < SPLITS
     row = (b * tl.num_programs(1) + h) * SPLITS + sp
     ms = tl.load(part_ml + row * 2, mask=live, other=float("-inf"))
     f = tl.where(ms == float("-inf"), 0.0, tl.exp(ms - tl.max(ms, axis=0)))  # empty splits weigh nothing
     l = tl.sum(f * tl.load(part_ml + row * 2 + 1, mask=live, other=0.0), axis=0)
-    acc = tl.load(part_acc + row[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
+    acc = tl.load(part_acc + row[:, None] * D + d[None, :], mask=live[:, None] & (d < D)[None, :], other=0.0)
     o = tl.sum(f[:, None] * acc, axis=0) / tl.where(l > 0, l, 1.0)
-    tl.store(out + b * s_o_t + h * s_o_h + d, o.to(out.dtype.element_ty))
+    tl.store(out + b * s_o_t + h * s_o_h + d, o.to(out.dtype.element_ty), mask=d < D)
 
 
 @triton.jit
 def prefill_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_lens, q_starts, out, sm_scale,
                    s_q_t, s_q_h, s_o_t, s_o_h, s_pt_b, sk_page, sk_tok, sk_head, ck_page, ck_tok, ck_head,
                    sv_page, sv_tok, sv_head, cv_page, cv_tok, cv_head, window,
-                   K_KIND: tl.constexpr, V_KIND: tl.constexpr, PS: tl.constexpr, D: tl.constexpr,
+                   K_KIND: tl.constexpr, V_KIND: tl.constexpr, PS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                    GROUP: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr):
     """Program (b, query block, kv head): BLOCK_M query rows of one sequence for each of the GROUP query heads that
     share the kv head (GP * BLOCK_M rows, the group padded to GP, a power of two), against its pages, causal: each
@@ -431,12 +451,12 @@ def prefill_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_le
     pos = n - q_len + rows  # absolute positions of the query rows
     K_INT4: tl.constexpr = K_KIND == 3 or K_KIND == 4
     V_INT4: tl.constexpr = V_KIND == 3 or V_KIND == 4
-    qv, q_even, q_odd = _query_tiles(q + (q0 + rows)[:, None] * s_q_t + h[:, None] * s_q_h, rmask, sm_scale, D)
+    qv, q_even, q_odd = _query_tiles(q + (q0 + rows)[:, None] * s_q_t + h[:, None] * s_q_h, rmask, sm_scale, D, DP)
     m = tl.full((GP * BLOCK_M,), float("-inf"), tl.float32)
     l = tl.zeros((GP * BLOCK_M,), tl.float32)
-    acc = tl.zeros((GP * BLOCK_M, D), tl.float32)
-    acc_even = tl.zeros((GP * BLOCK_M, D // 2), tl.float32)
-    acc_odd = tl.zeros((GP * BLOCK_M, D // 2), tl.float32)
+    acc = tl.zeros((GP * BLOCK_M, DP), tl.float32)
+    acc_even = tl.zeros((GP * BLOCK_M, DP // 2), tl.float32)
+    acc_odd = tl.zeros((GP * BLOCK_M, DP // 2), tl.float32)
     t = tl.arange(0, PS)
     last_pos = n - q_len + tl.minimum(mb * BLOCK_M + BLOCK_M, q_len) - 1
     lo = tl.where(window > 0, tl.maximum(n - q_len + mb * BLOCK_M - window + 1, 0), 0)
@@ -446,10 +466,10 @@ def prefill_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_le
         kmask = p * PS + t < n
         if K_INT4:
             k_even, k_odd = _halves(k, k_scale, k_zero, pages, t, kmask, kh, sk_page, sk_tok, sk_head, ck_page,
-                                    ck_tok, ck_head, K_KIND, D, PS)
+                                    ck_tok, ck_head, K_KIND, D, DP, PS)
             s = tl.dot(q_even, tl.trans(k_even)) + tl.dot(q_odd, tl.trans(k_odd))  # [BLOCK_M, PS]
         else:
-            kt = _load_tokens(k, pages, t, kmask, kh, sk_page, sk_tok, sk_head, D)
+            kt = _load_tokens(k, pages, t, kmask, kh, sk_page, sk_tok, sk_head, D, DP)
             s = tl.dot(qv, tl.trans(kt))
         if K_KIND == 1 or K_KIND == 2:
             s = s * _token_scales(k_scale, pages, t, kmask, kh, ck_page, ck_tok, ck_head)[None, :]
@@ -466,12 +486,12 @@ def prefill_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_le
             w = w * _token_scales(v_scale, pages, t, kmask, kh, cv_page, cv_tok, cv_head)[None, :]
         if V_INT4:
             v_even, v_odd = _halves(v, v_scale, v_zero, pages, t, kmask, kh, sv_page, sv_tok, sv_head, cv_page,
-                                    cv_tok, cv_head, V_KIND, D, PS)
+                                    cv_tok, cv_head, V_KIND, D, DP, PS)
             acc_even = acc_even * alpha[:, None] + tl.dot(w, v_even)
             acc_odd = acc_odd * alpha[:, None] + tl.dot(w, v_odd)
         else:
-            vt = _load_tokens(v, pages, t, kmask, kh, sv_page, sv_tok, sv_head, D)
+            vt = _load_tokens(v, pages, t, kmask, kh, sv_page, sv_tok, sv_head, D, DP)
             acc = acc * alpha[:, None] + tl.dot(w, vt)
     inv = 1.0 / tl.where(l > 0, l, 1.0)[:, None]
     _store_rows(out + (q0 + rows)[:, None] * s_o_t + h[:, None] * s_o_h, acc * inv, acc_even * inv, acc_odd * inv,
-                rmask, V_INT4, D)
+                rmask, V_INT4, D, DP)

@@ -33,8 +33,8 @@ class ModelConfig:
     sandwich_norms: bool = False  # Gemma: an RMSNorm on the attention's and the MLP's outputs too, before each add
     act: str = "silu"  # the gated MLP's activation: silu, or gelu_tanh (Gemma)
     attn_scale: float = 0.0  # the softmax scale of q.k; 0: 1 / sqrt(the projections' head size)
-    # the head size q, k and v's projections make where the attention and KV cache take a larger one (Phi-3-mini's
-    # 96 in heads of 128, which the Triton kernels tile; loader.pad_heads); 0: head_dim
+    # the head size q, k and v's projections make where the attention and KV cache take a larger one (heads of 80
+    # in heads of 96, which the Triton kernels take; loader.pad_heads); 0: head_dim
     proj_head_dim: int = 0
     max_context: int = 4096
     tie_embeddings: bool = False

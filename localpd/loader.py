@@ -13,7 +13,7 @@ import torch
 from localpd.config import ModelConfig, matrix_shapes
 from localpd.errors import LocalpdError
 from localpd.gguf import GGUFFile
-from localpd.kernels.kv_dispatch import KERNEL_HEAD_DIMS
+from localpd.kernels.kv_dispatch import kernel_head_dim
 from localpd.quant.store import is_quantized_dir, load_quantized, tokenizer_meta
 from localpd.quant.weights import Weight, from_gguf
 from localpd.schemes import GGUF_REQUANT, check_scheme, head_scheme, imports_exactly, is_matrix, quantize
@@ -110,16 +110,16 @@ def rotary_rows(n_heads: int, head_dim: int, rotary_dim: int) -> torch.Tensor:
 
 
 def pad_heads(config: ModelConfig) -> ModelConfig:
-    """A head size the attention kernels do not tile (Phi-3-mini's 96) taken in the next one they do (128): the
-    projections stay as they are (proj_head_dim), and the model puts each head's two halves at the front of the
-    padded head's halves (Transformer.head_cols), so RoPE's pairs stay pairs and the padding, zero, turns by angle 0
-    (rotary_dim) and adds nothing to q.k. The KV cache stores the padded heads. Not for per-head q/k norms, which
-    the padding would change."""
+    """A head size the attention kernels do not take (kv_dispatch.kernel_head_dim: not a multiple of 32, such as
+    80 or 48) taken in the next one they do (96, 64): the projections stay as they are (proj_head_dim), and the
+    model puts each head's two halves at the front of the padded head's halves (Transformer.head_cols), so RoPE's
+    pairs stay pairs and the padding, zero, turns by angle 0 (rotary_dim) and adds nothing to q.k. The KV cache
+    stores the padded heads. Not for per-head q/k norms, which the padding would change."""
     p = config.head_dim
-    if p in KERNEL_HEAD_DIMS or p > max(KERNEL_HEAD_DIMS) or p % 2 or config.qk_norm or config.proj_head_dim:
+    if kernel_head_dim(p) or p > 256 or p % 2 or config.qk_norm or config.proj_head_dim:
         return config
     config.proj_head_dim, config.rotary_dim = p, config.rotary_dim or p
-    config.head_dim = min(d for d in KERNEL_HEAD_DIMS if d >= p)
+    config.head_dim = max(32, -(-p // 32) * 32)
     return config
 
 

@@ -9,7 +9,7 @@ import torch
 
 from localpd.config import ModelConfig, matrix_shapes
 from localpd.errors import LocalpdError
-from localpd.loader import GEMMA3_GLOBAL_STEP, LoadedModel, pad_heads
+from localpd.loader import GEMMA3_GLOBAL_STEP, LoadedModel
 from localpd.quant.bnb import NF4_BLOCKSIZE, BnbInt8Weight, Nf4Weight
 from localpd.quant.weights import Int4Weight, Int8Weight, Weight
 from localpd.schemes import DENSE, INT4, head_scheme, int4_group
@@ -37,8 +37,8 @@ SYNTHETIC = {
                               tie_embeddings=True, qk_norm=True),
     "smollm2-135m": ModelConfig("llama", 49152, 576, 30, 9, 3, 64, 1536, 1e-5, 100000.0, max_context=8192,
                                 tie_embeddings=True),
-    # heads of 96, taken in heads of 128 by the attention and the KV cache (loader.pad_heads); LongRoPE left out
-    "phi3.5-mini": pad_heads(ModelConfig("phi3", 32064, 3072, 32, 32, 32, 96, 8192, 1e-5, 10000.0, max_context=8192)),
+    # heads of 96, which the kernels take in tiles of 128 with the last 32 columns masked; LongRoPE left out
+    "phi3.5-mini": ModelConfig("phi3", 32064, 3072, 32, 32, 32, 96, 8192, 1e-5, 10000.0, max_context=8192),
     "gemma3-1b": ModelConfig("gemma3", 262144, 1152, 26, 4, 1, 256, 6912, 1e-6, 1000000.0, max_context=8192,
                              tie_embeddings=True, qk_norm=True, **gemma3_layout(1152, 26, 512)),
     "gemma3-4b": ModelConfig("gemma3", 262208, 2560, 34, 8, 4, 256, 10240, 1e-6, 1000000.0, max_context=8192,

@@ -5,8 +5,8 @@ when a program needs more shared memory than the card gives a block (99 KB on sm
 227 KB on sm_90). This script finds such launches, compile errors and register spills before any GPU sees them:
 
 1. record: a process with Triton's interpreter switched on runs the model's steps (the head layouts of
-   Llama-3-8B, Qwen2.5-7B, Llama-3.2-1B, SmolLM2, Qwen3-8B, Gemma 3 1B/4B and Phi-3.5-mini (heads of 96 padded
-   to 128, no query groups) with fewer heads and narrow widths of the same divisibility, one layer) through a
+   Llama-3-8B, Qwen2.5-7B, Llama-3.2-1B, SmolLM2, Qwen3-8B, Gemma 3 1B/4B and Phi-3.5-mini (heads of 96 in
+   tiles of 128, no query groups) with fewer heads and narrow widths of the same divisibility, one layer) through a
    prefill, a prefill after a cached prefix mixed with a decode, and decode
    batches of 1-9 sequences, in bf16 with every KV format and weight scheme; each kernel launch is recorded as
    Triton's launcher would specialise it (argument types, 16-divisible pointers and integers, constexprs) and

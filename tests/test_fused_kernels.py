@@ -80,7 +80,7 @@ def test_act_mul(triton_on, dtype, T, I, act):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 96, 128])
 def test_rope_in_place_on_a_qkv_view(triton_on, dtype, D):
     T, Hq, Hkv = 3, 5, 2
     qkv = rand(T, (Hq + 2 * Hkv) * D, dtype=dtype, seed=8)
@@ -114,14 +114,15 @@ def test_qk_norm_in_place(triton_on, dtype, T, Hq, Hkv, D):
 
 
 def tiny_model(scheme: str, dtype: torch.dtype, device: str, qk_norm: bool = False,
-               gemma: bool = False, padded: bool = False) -> Transformer:
+               gemma: bool = False, padded: bool = False, head: int = 64) -> Transformer:
     """Two layers, GQA, head_dim 64 (the KV kernels' size), an odd MLP width; random norms and biases; qk_norm:
     Qwen3's per-head norms of queries and keys too; gemma: Gemma 3's layout, the first layer's attention a sliding
     window of 5 with its own RoPE base, norms around each sublayer, GELU, scaled embeddings and q.k; padded: heads
-    of 48 from the projections, taken in heads of 64 (loader.pad_heads, as Phi-3-mini's 96 in 128)."""
-    c = ModelConfig("llama", 300, 128, 2, 4, 2, 64, 160, 1e-5, 10000.0, max_context=256, qkv_bias=True,
+    of 48 from the projections, taken in heads of 64 (loader.pad_heads, as a head of 80 in 96); head: the head
+    size otherwise (96: Phi-3-mini's, which the kernels take as it is)."""
+    c = ModelConfig("llama", 300, 128, 2, 4, 2, head, 160, 1e-5, 10000.0, max_context=256, qkv_bias=True,
                     qk_norm=qk_norm or gemma, proj_head_dim=48 if padded else 0, rotary_dim=48 if padded else 0)
-    p = 48 if padded else 64
+    p = 48 if padded else head
     if gemma:
         c = replace(c, arch="gemma3", rope_theta=1e6, sliding_window=5, swa_layers=[0], rope_local_theta=1e4,
                     embed_scale=128 ** 0.5, sandwich_norms=True, act="gelu_tanh", attn_scale=24 ** -0.5)
@@ -139,7 +140,7 @@ def tiny_model(scheme: str, dtype: torch.dtype, device: str, qk_norm: bool = Fal
             w[f"layers.{i}.{norm}"] = (1 + 0.1 * torch.randn(128, generator=g)).to(dtype)
         if qk_norm or gemma:
             for norm in ("q_norm", "k_norm"):
-                w[f"layers.{i}.{norm}"] = (1 + 0.1 * torch.randn(64, generator=g)).to(dtype)
+                w[f"layers.{i}.{norm}"] = (1 + 0.1 * torch.randn(head, generator=g)).to(dtype)
         for norm in ("attn_out_norm", "mlp_out_norm") if gemma else ():
             w[f"layers.{i}.{norm}"] = (1 + 0.1 * torch.randn(128, generator=g)).to(dtype)
     return Transformer(c, {k: move(v, device) for k, v in w.items()})
@@ -164,17 +165,18 @@ def prompt_then_decode(model: Transformer, kv_dtype: str) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("scheme,kv_dtype,qk", [("int4-g32", "int8", False), ("fp32", "fp32", False),
                                                 ("int8", "int4ch/int4", False), ("int4-g32", "int8/int4", True),
-                                                ("int4-g32", "int8", "gemma"), ("int4-g32", "int4", "padded")])
+                                                ("int4-g32", "int8", "gemma"), ("int4-g32", "int4", "padded"),
+                                                ("int4-g32", "int4ch/int4", "head96"), ("int8", "int8", "head96")])
 def test_whole_model_on_triton_kernels_matches_the_references(monkeypatch, scheme, kv_dtype, qk):
     """Prefill then two decode steps with every kernel in Triton (matmuls, KV writes, attention, fused norms,
-    RoPE, SiLU, Qwen3's q/k norm; Gemma 3's sliding-window attention; heads of 48 in heads of 64) against the
-    same model on the torch references."""
+    RoPE, SiLU, Qwen3's q/k norm; Gemma 3's sliding-window attention; heads of 48 in heads of 64; heads of 96 as
+    they are) against the same model on the torch references."""
     monkeypatch.delenv("LOCALPD_TRITON_INTERPRET", raising=False)
-    qk, gemma, padded = qk is True, qk == "gemma", qk == "padded"
-    ref = prompt_then_decode(tiny_model(scheme, torch.float32, "cpu", qk, gemma, padded), kv_dtype)
+    qk, gemma, padded, head = qk is True, qk == "gemma", qk == "padded", 96 if qk == "head96" else 64
+    ref = prompt_then_decode(tiny_model(scheme, torch.float32, "cpu", qk, gemma, padded, head), kv_dtype)
     if DEV == "cpu":
         monkeypatch.setenv("LOCALPD_TRITON_INTERPRET", "1")
-    out = prompt_then_decode(tiny_model(scheme, torch.float32, DEV, qk, gemma, padded), kv_dtype)
+    out = prompt_then_decode(tiny_model(scheme, torch.float32, DEV, qk, gemma, padded, head), kv_dtype)
     for o, r in zip(out, ref):
         assert o.shape == r.shape
         assert rel_err(o, r) < 1e-4

@@ -39,7 +39,7 @@ def dequantized(layer):
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "int8", "int4", "int8/int4", "int4/bf16"])
-@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("D", [32, 64, 96, 128, 160, 256])
 def test_write_kv_matches_the_reference(kv_dtype, D):
     g = torch.Generator().manual_seed(3)
     ps, H, T = 16, 2, 37
@@ -65,7 +65,8 @@ def test_write_kv_matches_the_reference(kv_dtype, D):
 @pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "int8", "int4", "int8/int4", "int4/bf16", "fp8/int8",
                                       "int4ch/int4", "int4ch"])
 @pytest.mark.parametrize("D,Hq,H,ps,T,dtype", [(64, 9, 3, 16, 37, torch.float32), (128, 4, 4, 32, 5, torch.bfloat16),
-                                                (64, 7, 1, 16, 1, torch.float16), (256, 4, 1, 16, 19, torch.bfloat16)])
+                                                (64, 7, 1, 16, 1, torch.float16), (256, 4, 1, 16, 19, torch.bfloat16),
+                                                (96, 3, 3, 16, 21, torch.bfloat16)])
 def test_rope_and_kv_write_in_one_kernel(kv_dtype, D, Hq, H, ps, T, dtype):
     """rope_write_kv (one launch) writes what RoPE then write_kv write as separate kernels, bit for bit, and the
     torch reference within the formats' rounding; the query heads come back rotated."""
@@ -101,12 +102,14 @@ def test_rope_and_kv_write_in_one_kernel(kv_dtype, D, Hq, H, ps, T, dtype):
 
 
 @pytest.mark.parametrize("staged", [False, True])
-@pytest.mark.parametrize("D,ps", [(64, 16), (128, 32)])
+@pytest.mark.parametrize("D,ps", [(64, 16), (128, 32), (96, 16)])
 def test_per_channel_keys_rewrite_their_page_as_it_fills(D, ps, staged):
     """int4ch: a prefill that ends mid-page, then decode steps of two sequences (one starting on a fresh page of a
     pool full of garbage), a chunk that continues a page: the kernel writes what the reference writes (pages and,
-    staged, each sequence's stage row), and every token so far stays within one quantum of its channel's range on
-    that page."""
+    staged, each sequence's stage row). Every token so far stays within half a quantum of its channel's range on
+    that page where the page is re-quantized from its staged values (one rounding), and within one and a half
+    where it is re-quantized from its codes (each widening rounds the rounded values again: up to 1.25 quanta over
+    seeds)."""
     g = torch.Generator().manual_seed(D)
     tri, ref = [new_kv_pool("int4ch/int4", 1, 8, ps, 2, D, torch.float32, DEV, stage_rows=3) for _ in range(2)]
     for t in (tri.k, tri.k_scale, tri.k_zero, ref.k, ref.k_scale, ref.k_zero, tri.k_stage, ref.k_stage):
@@ -131,11 +134,12 @@ def test_per_channel_keys_rewrite_their_page_as_it_fills(D, ps, staged):
         slots = sorted(s for s in written if s // ps == page)
         x = torch.stack([written[s] for s in slots])
         quantum = (x.amax(0) - x.amin(0)) / 15
-        assert ((keys[slots] - x).abs() <= quantum * 1.01 + 1e-3).all()
+        assert ((keys[slots] - x).abs() <= quantum * (0.505 if staged else 1.5) + 1e-3).all()
 
 
 @pytest.mark.parametrize("kv_dtype,D,ps,dtype", [("int4ch", 64, 16, torch.float32),
-                                                 ("int4ch/int4", 128, 32, torch.bfloat16)])
+                                                 ("int4ch/int4", 128, 32, torch.bfloat16),
+                                                 ("int4ch/int4", 96, 16, torch.bfloat16)])
 def test_a_page_written_token_by_token_through_its_stage_equals_one_written_whole(kv_dtype, D, ps, dtype):
     """Decode fills a page a token at a time and re-quantizes it each time its range widens. With the stage, the
     page it ends up with is bit for bit the page a prefill writes in one go (kernel and reference, RoPE fused or
@@ -245,6 +249,19 @@ def test_heads_of_256(kv_dtype):
         check(build_case(kv_dtype, 16, 1, group, [70, 1, 33], [1, 1, 1], D=256, seed=group, poison=True), 1e-4,
               window)
         check(build_case(kv_dtype, 16, 2, group, [50, 40], [21, 40], D=256, seed=group + 1), 1e-4, window)
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "int8", "fp8", "int4", "int8/int4", "int4ch/int4"])
+def test_heads_that_are_not_a_power_of_two(kv_dtype):
+    """Phi-3-mini's heads of 96 (no query groups) and heads of 32 and 160, taken as they are in tiles of 128, 32
+    and 256 whose last columns are masked: decode across tiles over a pool of garbage (what lies past a head's
+    last column, the next head's or page's elements or NaN, must not reach the output) and prefill chunks after a
+    cached prefix."""
+    bt = decode_block_t(16, 96)
+    assert bt == decode_block_t(16, 128)  # the tile's tokens follow its width, not the head's
+    for D, group in ((96, 1), (96, 3), (32, 4), (160, 2)):
+        check(build_case(kv_dtype, 16, 2, group, [bt + 5, 1, 40], [1, 1, 1], D=D, seed=D, poison=True), 1e-4)
+        check(build_case(kv_dtype, 16, 2, group, [50, 33], [21, 33], D=D, seed=D + 1, poison=True), 1e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -87,9 +87,9 @@ def test_safetensors_directory_matches_transformers_logits(kind, shard, tmp_path
     assert lm.config.qkv_bias == (kind == "qwen2") and lm.config.qk_norm == (kind in ("qwen3", "gemma3",
                                                                                        "gemma3-scaled"))
     assert lm.config.nope_layers == ([3] if kind == "smollm3" else [])
-    # heads of 16, which the kernels do not tile, are taken in heads of 64 (loader.pad_heads); not those with norms
+    # heads of 16, which the kernels do not take, are taken in heads of 32 (loader.pad_heads); not those with norms
     padded = not lm.config.qk_norm
-    assert (lm.config.head_dim, lm.config.proj_head_dim) == ((64, 16) if padded else (32, 0))
+    assert (lm.config.head_dim, lm.config.proj_head_dim) == ((32, 16) if padded else (32, 0))
     assert lm.config.rotary_dim == (12 if kind == "phi3-longrope" else 16 if padded else 32)
     assert_same_logits(lm, ref)
 
@@ -175,8 +175,8 @@ def test_gguf_written_as_llama_cpp_does_matches_transformers_logits(kind, tmp_pa
     lm = load_model(path, scheme="fp32")
     c = lm.config
     assert (c.arch, c.qk_norm, c.head_dim, c.proj_head_dim, c.nope_layers, c.rotary_dim) == {
-        "qwen3": ("qwen3", True, 32, 0, [], 32), "smollm3": ("llama", False, 64, 16, [3], 16),
-        "phi3-longrope": ("phi3", False, 64, 16, [], 12), "gemma3": ("gemma3", True, 32, 0, [], 32)}[kind]
+        "qwen3": ("qwen3", True, 32, 0, [], 32), "smollm3": ("llama", False, 32, 16, [3], 16),
+        "phi3-longrope": ("phi3", False, 32, 16, [], 12), "gemma3": ("gemma3", True, 32, 0, [], 32)}[kind]
     if arch == "gemma3":
         assert (c.swa_layers, c.sliding_window, c.rope_local_theta, c.max_context) == ([0, 1, 2, 3, 4], 5, 1e4, 256)
     assert_same_logits(lm, ref)
@@ -244,12 +244,13 @@ def test_unsupported_architectures(tmp_path):
 
 
 @pytest.mark.parametrize("head, rotary, qk_norm, taken", [
-    (96, 96, False, (128, 96, 96)),  # Phi-3-mini, Phi-3.5-mini
-    (80, 0, False, (128, 80, 80)), (160, 160, False, (256, 160, 160)), (48, 36, False, (64, 48, 36)),
-    (64, 64, False, (64, 0, 64)), (128, 96, False, (128, 0, 96)), (256, 256, False, (256, 0, 256)),
-    (96, 96, True, (96, 0, 96)),  # a per-head norm would see the padding: left to the torch attention
+    (96, 96, False, (96, 0, 96)),  # Phi-3-mini, Phi-3.5-mini: the kernels take heads of 96 as they are
+    (80, 0, False, (96, 80, 80)), (160, 160, False, (160, 0, 160)), (48, 36, False, (64, 48, 36)),
+    (16, 16, False, (32, 16, 16)), (64, 64, False, (64, 0, 64)), (128, 96, False, (128, 0, 96)),
+    (256, 256, False, (256, 0, 256)), (320, 320, False, (320, 0, 320)),  # past 256: left to the torch attention
+    (80, 80, True, (80, 0, 80)),  # a per-head norm would see the padding: left to the torch attention
 ])
-def test_heads_the_kernels_do_not_tile_are_padded_to_the_next_they_do(head, rotary, qk_norm, taken):
+def test_heads_the_kernels_do_not_take_are_padded_to_the_next_they_do(head, rotary, qk_norm, taken):
     from localpd.config import ModelConfig, matrix_shapes
     from localpd.loader import pad_heads
 
