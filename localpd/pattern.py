@@ -66,14 +66,17 @@ CLASS_ESCAPES = {"d": DIGIT, "D": complement(DIGIT), "w": WORD, "W": complement(
 CHAR_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "0": "\0"}
 
 # the formats a model is asked for most (pydantic's date, datetime, time, UUID, EmailStr, IPv4Address, AnyUrl);
-# others are annotations and are not held. A date's day is one every year has (the 29th of February is not
-# written), so whatever is written parses.
+# others are annotations and are not held. Whatever is written parses: years 0001-9999 (Python's), each month's
+# days, and the 29th of February in leap years only (divisible by 4, and a century only if by 400).
+_YEAR = r"([1-9]\d{3}|0[1-9]\d\d|00[1-9]\d|000[1-9])"
+_LEAP = r"(\d\d(0[48]|[2468][048]|[13579][26])|(0[48]|[2468][048]|[13579][26])00)"
 _DAY = r"((0[13578]|1[02])-(0[1-9]|[12]\d|3[01])|(0[469]|11)-(0[1-9]|[12]\d|30)|02-(0[1-9]|1\d|2[0-8]))"
+_DATE = rf"({_YEAR}-{_DAY}|{_LEAP}-02-29)"
 _TIME = r"([01]\d|2[0-3]):[0-5]\d:[0-5]\d(\.\d{1,6})?(Z|[+-]([01]\d|2[0-3]):[0-5]\d)"
 _OCTET = r"(25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)"
 FORMATS = {
-    "date": rf"^\d{{4}}-{_DAY}$",
-    "date-time": rf"^\d{{4}}-{_DAY}T{_TIME}$",
+    "date": rf"^{_DATE}$",
+    "date-time": rf"^{_DATE}T{_TIME}$",
     "time": rf"^{_TIME}$",
     "uuid": r"^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$",
     "email": r"^[A-Za-z0-9._%+-]{1,64}@[A-Za-z0-9-]{1,63}(\.[A-Za-z0-9-]{1,63}){1,4}$",
