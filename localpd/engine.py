@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import AsyncIterator, Iterator
 
 import torch
+import torch.nn.functional as F
 
 from localpd.errors import LocalpdError
 from localpd.json_mode import JsonConstraint
@@ -75,6 +76,7 @@ class TokenEvent:
     logprob: float | None = None  # of the chosen token, when SamplingParams.logprobs is set
     top_logprobs: list[tuple[int, float]] | None = None
     error: str | None = None
+    embedding: list[float] | None = None  # an embedding request's one (final) event: its vector (Engine.embed)
 
 
 @dataclass
@@ -198,6 +200,7 @@ class Request:
     eos: set[int]
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
+    embed: bool = False  # ends after its prompt with the last position's hidden state instead of a token
 
 
 def default_device() -> str:
@@ -342,8 +345,9 @@ class Engine:
             text = text[:end]
         return self.tokenizer.encode(text, add_bos=False)
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> RequestHandle:
-        """Queue a request; the checks run here, so bad input raises before any event."""
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+               embed: bool = False) -> RequestHandle:
+        """Queue a request; the checks run here, so bad input raises before any event. embed: see Engine.embed."""
         params.validate()
         if not prompt_ids:
             raise LocalpdError("the prompt is empty")
@@ -370,7 +374,7 @@ class Engine:
             seq=Sequence(rid, prompt, budget), handle=handle, params=params,
             sampler=Sampler(params, device=self.device, constraint=self._constraint(params, eos, prompt)),
             detok=IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None,
-            stops=StopMatcher(params.stop), eos=eos,
+            stops=StopMatcher(params.stop), eos=eos, embed=embed,
         )
         with self._wake:
             self._inbox.append(req)
@@ -396,6 +400,21 @@ class Engine:
             return make() if split is None else ThinkFirst(make, self.tokenizer, eos, split.inside)
         except ValueError as e:  # a schema or pattern localpd cannot take, or a lead it does not fit
             raise LocalpdError(str(e), param="regex" if params.regex is not None else None) from None
+
+    def embed(self, prompt_ids: list[int], request_id: str | None = None) -> RequestHandle:
+        """Queue an embedding of a prompt: it is prefilled like any other (its full pages found in and left to the
+        prefix cache), and its one event carries the last position's final hidden state (the model's final norm
+        applied), L2-normalised: last-token pooling, as vLLM pools a decoder-only model."""
+        return self.submit(prompt_ids, SamplingParams(max_tokens=1, temperature=0.0), request_id, embed=True)
+
+    def embedding(self, prompt_ids: list[int]) -> list[float]:
+        """Engine.embed's vector, waited for."""
+        for ev in self.embed(prompt_ids):
+            if ev.finish_reason == "error":
+                raise RuntimeError(ev.error or "the embedding failed")
+            if ev.embedding is not None:
+                return ev.embedding
+        raise RuntimeError("the embedding was cancelled")
 
     def submit_chat(self, messages: list[dict], params: SamplingParams, request_id: str | None = None):
         return self.submit(self.encode_chat(messages), params, request_id)
@@ -470,19 +489,24 @@ class Engine:
         t0 = time.perf_counter()
         timer = StepTimer(self.device)
         try:
-            logits = None
-            if self.graphs is not None and all(w.n == 1 and w.sample for w in work):
+            samples = [w for w in work if w.sample]
+            embeds = [self._requests[w.seq].embed for w in samples]  # rows that end in a vector, not a token
+            logits, hidden = None, None
+            if self.graphs is not None and all(w.n == 1 and w.sample for w in work) and not any(embeds):
                 inputs = self._decode_inputs(work)
                 timer.start()
                 logits = self.graphs.run(*inputs)
             if logits is None:
                 batch = self._batch(work)
                 timer.start()
-                logits = self.model.forward(batch, self.kv)
+                if any(embeds):
+                    logits, hidden = self.model.forward(batch, self.kv, hidden=True)
+                else:
+                    logits = self.model.forward(batch, self.kv)
             timer.stop()
             self.scheduler.finish_step(work)
-            samples = [w for w in work if w.sample]
-            tokens = [self._sample(self._requests[w.seq], row) for w, row in zip(samples, logits)]
+            outcomes = [F.normalize(hidden[i], dim=0).tolist() if embed else self._sample(self._requests[w.seq], row)
+                        for i, (w, row, embed) in enumerate(zip(samples, logits, embeds))]
         except Exception as e:  # a failed step fails its requests, never the engine
             log.exception("engine step failed")
             for w in work:
@@ -493,8 +517,11 @@ class Engine:
         cost = step_cost(self.model, [(w.start, w.n) for w in work], self.kv_traffic, len(samples))
         step = StepStats(phase_of(work), sum(w.n for w in work), timer.seconds(now - t0), len(work), cost.bytes,
                          cost.flops, now - t0)
-        for w, (token, lp, top) in zip(samples, tokens):
-            self._emit(self._requests[w.seq], token, lp, top, step, now)
+        for w, outcome, embed in zip(samples, outcomes, embeds):
+            if embed:
+                self._embedded(self._requests[w.seq], outcome, step, now)
+            else:
+                self._emit(self._requests[w.seq], *outcome, step, now)
         for w in work:
             if w.seq in self._requests:
                 self._requests[w.seq].handle.stats.bytes_moved += step.bytes
@@ -553,6 +580,11 @@ class Engine:
             top = list(zip(idx.tolist(), vals.tolist()))
         return token, float(lp[token]), top
 
+    def _embedded(self, req: Request, vector: list[float], step: StepStats, now: float) -> None:
+        s = req.handle.stats
+        s.prefill_seconds, s.cached_tokens = now - req.arrival, req.seq.cached_tokens
+        self._finish(req, TokenEvent(None, "", "stop", step, embedding=vector))
+
     def _flush(self, req: Request) -> str:
         return req.stops.flush(req.detok.flush() if req.detok else "")
 
@@ -578,6 +610,31 @@ class Engine:
             self._finish(req, TokenEvent(token, text + self._flush(req), "length", step, lp, top))
         else:
             req.handle._push(TokenEvent(token, text, None, step, lp, top))
+
+
+MAX_EMBED_INPUTS = 2048  # inputs of one embeddings request (the servers' limit), as OpenAI allows
+
+
+async def embeddings(engine: Engine, prompts: list[list[int]]) -> list[list[float]]:
+    """Engine.embed of several prompts at once (their prefills share steps), awaited. A prompt the engine refuses
+    raises LocalpdError, one that fails while running RuntimeError; either way the others are cancelled."""
+    handles: list[RequestHandle] = []
+    try:
+        for ids in prompts:
+            handles.append(engine.embed(ids))
+        out = []
+        for handle in handles:
+            async for ev in handle:
+                if ev.finish_reason == "error":
+                    raise RuntimeError(ev.error or "the embedding failed")
+                if ev.embedding is not None:
+                    out.append(ev.embedding)
+        if len(out) < len(prompts):
+            raise RuntimeError("an embedding was cancelled")
+        return out
+    finally:
+        for handle in handles:
+            handle.cancel()  # a no-op once finished
 
 
 class StepTimer:

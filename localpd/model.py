@@ -262,10 +262,11 @@ class Transformer:
         return angles.cos() * scale, angles.sin() * scale
 
     @torch.inference_mode()
-    def forward(self, batch: Batch, kv: KVPool) -> torch.Tensor:
+    def forward(self, batch: Batch, kv: KVPool, hidden: bool = False):
         """Run a step's tokens, writing their keys and values into the paged cache; returns the float32 logits
-        of batch.logit_rows ([R, vocab]). x is the residual stream and out the last sublayer's output, not yet
-        added to it: each projection after a norm adds it and normalises (QuantLinear.normed)."""
+        of batch.logit_rows ([R, vocab]), and with hidden also their last hidden states, the final norm applied
+        ([R, dim], float32: what an embedding pools). x is the residual stream and out the last sublayer's
+        output, not yet added to it: each projection after a norm adds it and normalises (QuantLinear.normed)."""
         c = self.config
         T = batch.tokens.shape[0]
         rope = self._rope(batch.positions, self.inv_freq, self.rope_scale)
@@ -306,6 +307,8 @@ class Transformer:
                 out = add_rms_norm(out, None, layer.mlp_out_norm, c.norm_eps)[0]
         rows = batch.logit_rows
         logits, _ = normed(self.lm_head, out[rows], x[rows], self.norm, c.norm_eps)
+        if hidden:
+            return logits.float(), add_rms_norm(out[rows], x[rows], self.norm, c.norm_eps)[0].float()
         return logits.float()
 
     def _body(self):

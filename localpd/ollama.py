@@ -1,6 +1,7 @@
 """Ollama's API beside the OpenAI one, so apps made for Ollama (Open WebUI, Continue, the ollama Python and JS
 libraries) work against `localpd serve` as they do against Ollama's port: POST /api/chat and /api/generate (NDJSON
-streams by default, or one object with "stream": false), GET /api/tags, /api/ps and /api/version, POST /api/show.
+streams by default, or one object with "stream": false), POST /api/embed and /api/embeddings (Engine.embed's
+vectors), GET /api/tags, /api/ps and /api/version, POST /api/show.
 
 A request maps onto the same engine as /v1/chat/completions: `options` onto the sampler (Ollama's defaults:
 temperature 0.8, top_k 40, top_p 0.9; num_predict -1 runs to the context), `format` ("json" or a JSON schema) onto
@@ -23,7 +24,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from localpd import __version__
-from localpd.engine import Engine, RequestHandle
+from localpd.engine import MAX_EMBED_INPUTS, Engine, RequestHandle, embeddings
 from localpd.errors import LocalpdError
 from localpd.reasoning import ThinkSplit, reply_split
 from localpd.sampling import SamplingParams
@@ -75,6 +76,24 @@ class GenerateBody(OllamaRequest):
     images: list[str] | None = None
     context: list[int] | None = None
     template: str | None = None
+
+
+class EmbedBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str = ""
+    input: str | list[str] = []
+    truncate: bool = True  # an input past the context keeps its start; False: a 400
+    dimensions: int | None = None
+    options: dict[str, Any] | None = None
+    keep_alive: Any = None
+
+
+class LegacyEmbedBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str = ""
+    prompt: str = ""
+    options: dict[str, Any] | None = None
+    keep_alive: Any = None
 
 
 def now() -> str:
@@ -163,9 +182,47 @@ def ollama_router(ready: Callable[[], Engine], finished: Callable[[Engine, Reque
                 "capabilities": caps}
 
     @router.post("/embed")
+    async def embed(body: EmbedBody):
+        """Each input's last-token hidden state, L2-normalised (Engine.embed)."""
+        e = ready()
+        start = time.perf_counter()
+        inputs = [body.input] if isinstance(body.input, str) else body.input
+        if body.dimensions is not None and body.dimensions != e.config.dim:
+            raise OllamaError(400, f"{e.name}'s embeddings have {e.config.dim} dimensions and cannot be shortened")
+        vectors, ids = await embed_texts(e, inputs, body.truncate)
+        return {"model": e.name, "embeddings": vectors, "total_duration": ns(time.perf_counter() - start),
+                "load_duration": 0, "prompt_eval_count": sum(map(len, ids))}
+
     @router.post("/embeddings")
-    async def embed():
-        raise OllamaError(400, "localpd does not compute embeddings; it runs chat and completion models")
+    async def legacy_embed(body: LegacyEmbedBody):
+        """The older endpoint: one prompt, {"embedding": [...]} ([] for an empty prompt, as Ollama answers)."""
+        e = ready()
+        if not body.prompt:
+            return {"embedding": []}
+        vectors, _ = await embed_texts(e, [body.prompt], truncate=True)
+        return {"embedding": vectors[0]}
+
+    async def embed_texts(e: Engine, texts: list[str], truncate: bool) -> tuple[list[list[float]], list[list[int]]]:
+        if e.tokenizer is None:
+            raise OllamaError(400, f"{e.name} has no tokenizer")
+        if any(not t for t in texts):
+            raise OllamaError(400, "an input is empty")
+        if len(texts) > MAX_EMBED_INPUTS:
+            raise OllamaError(400, f"at most {MAX_EMBED_INPUTS} inputs a request, {len(texts)} were sent")
+        ids = [e.tokenizer.encode(t) for t in texts]
+        room = e.max_context - 1
+        if not truncate and any(len(x) > room for x in ids):
+            raise OllamaError(400, f"an input has more tokens than this model's context of {e.max_context} takes "
+                                   f"({max(map(len, ids))}); send truncate true to embed its start")
+        ids = [x[:room] for x in ids]
+        if e.stats().waiting > max_waiting:
+            raise OllamaError(503, "too many requests are waiting; try again shortly")
+        try:
+            return await embeddings(e, ids), ids
+        except LocalpdError as err:
+            raise OllamaError(400, str(err)) from None
+        except RuntimeError as err:
+            raise OllamaError(500, str(err)) from None
 
     @router.post("/chat")
     async def chat(body: ChatBody):

@@ -8,9 +8,11 @@ always have OpenAI's shape {"error": {"message", "type", "param", "code"}}.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 import threading
+import struct
 import time
 import uuid
 from dataclasses import replace
@@ -24,14 +26,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from localpd.chat_template import check_template_vars
 from localpd.device import device_info
-from localpd.engine import Engine, RequestHandle, TokenEvent
+from localpd.engine import MAX_EMBED_INPUTS, Engine, RequestHandle, TokenEvent, embeddings
 from localpd.errors import LocalpdError
 from localpd.roofline import decode_ceiling_tps, utilisation
 from localpd.ollama import OllamaError, ollama_router
 from localpd.pattern import PatternError, choice_pattern, compiled
 from localpd.sampling import SamplingParams
 from localpd.reasoning import ThinkSplit, reply_split, split_reply
-from localpd.server_schema import (ChatRequest, CompletionRequest, DetokenizeRequest, Message, NamedToolChoice,
+from localpd.server_schema import (ChatRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, Message,
+                                   NamedToolChoice,
                                    Sampling, TokenizeRequest, error_body)
 from localpd.tools import CallStream, ToolCall, call_schema, check_choice, forced_prefix, parse_calls
 
@@ -298,6 +301,47 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
         if body.echo:
             echo = [p if isinstance(p, str) else e.tokenizer.decode(p) if e.tokenizer else "" for p in prompts]
         return await respond(e, body, ids, body.max_tokens or 16, body.logprobs, chat=False, echo=echo)
+
+    @app.post("/v1/embeddings")
+    async def embed(body: EmbeddingRequest):
+        """Each input's last-token hidden state, L2-normalised (Engine.embed), as OpenAI's embeddings: floats, or
+        base64 of little-endian float32 (what the openai client asks for by default)."""
+        e = ready()
+        log_unknown(body)
+        inputs = body.input
+        if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)):
+            inputs = [inputs]
+        if not inputs:
+            raise ApiError(400, "the input is empty", param="input")
+        if len(inputs) > MAX_EMBED_INPUTS:
+            raise ApiError(400, f"at most {MAX_EMBED_INPUTS} inputs a request, {len(inputs)} were sent", param="input")
+        if body.dimensions is not None and body.dimensions != e.config.dim:
+            raise ApiError(400, f"{e.name}'s embeddings have {e.config.dim} dimensions and cannot be shortened",
+                           param="dimensions")
+        if isinstance(inputs[0], str) and e.tokenizer is None:
+            raise ApiError(400, f"{e.name} has no tokenizer: send the input as token ids", param="input")
+        ids = [e.tokenizer.encode(x) if isinstance(x, str) else list(x) for x in inputs]
+        for i, x in enumerate(ids):
+            if not x:
+                raise ApiError(400, f"input {i} is empty", param="input")
+            if len(x) >= e.max_context:
+                raise ApiError(400, f"this model's context is {e.max_context} tokens; input {i} has {len(x)}",
+                               param="input", code="context_length_exceeded")
+        if e.stats().waiting > max_waiting:
+            raise ApiError(503, "too many requests are waiting; try again shortly", "server_error", code="overloaded")
+        try:
+            vectors = await embeddings(e, ids)
+        except LocalpdError as err:  # refused at submission: a token id outside the vocabulary, say
+            raise ApiError(400, str(err), param=err.param or "input") from None
+        except RuntimeError as err:
+            raise ApiError(500, str(err), "server_error") from None
+
+        def encoded(v: list[float]):
+            return base64.b64encode(struct.pack(f"<{len(v)}f", *v)).decode() if body.encoding_format == "base64" else v
+
+        n = sum(map(len, ids))
+        return {"object": "list", "model": e.name, "usage": {"prompt_tokens": n, "total_tokens": n},
+                "data": [{"object": "embedding", "index": i, "embedding": encoded(v)} for i, v in enumerate(vectors)]}
 
     async def respond(e: Engine, body: Sampling, prompts: list[list[int]], limit: int | None,
                       logprobs: int | None, chat: bool, reply: Callable[[], Reply] | None = None,

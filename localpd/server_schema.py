@@ -145,6 +145,17 @@ class CompletionRequest(Sampling):
     suffix: str | None = None  # refused: no fill-in-the-middle
 
 
+class EmbeddingRequest(BaseModel):
+    """POST /v1/embeddings: one input or several, as texts or token ids."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)  # only the model's own: its vectors are not shortened
+    user: str | None = None
+
+
 class TokenizeRequest(BaseModel):
     """POST /tokenize: a prompt, or messages in the chat template."""
 

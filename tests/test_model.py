@@ -114,3 +114,27 @@ def test_decode_graph_inputs_pad_onto_the_scratch_page_and_stage_row(engine):
     assert not torch.equal(pool.k_zero[:, 5], before.k_zero[:, 5])  # the padding rows wrote the scratch page
     changed = (pool.k_stage != before.k_stage).flatten(2).any(-1).any(0)  # by stage slot
     assert changed.nonzero().flatten().tolist() == [4, ps + 7, 2 * ps]  # A's offset 4, B's 7, the scratch row's 0
+
+
+def test_an_embedding_is_the_last_positions_final_hidden_state_normalised(engine, hf_reference):
+    """Engine.embed: transformers' last hidden state (after the final norm) of the prompt's last position, unit
+    length; the same prompt again (now from the prefix cache, its last token recomputed) gives the same vector,
+    beside generations in the same steps; another prompt another vector; and no page is left behind."""
+    hf_model, tok = hf_reference
+    texts = ["The capital of France is Paris. " * 12, "Bananas are yellow."]
+    ids = [tok(t).input_ids for t in texts]
+    vectors = []
+    for i in ids:
+        with torch.no_grad():
+            ref = hf_model(torch.tensor([i]), output_hidden_states=True).hidden_states[-1][0, -1]
+        ours = torch.tensor(engine.embedding(i))
+        assert ours.shape == ref.shape and abs(ours.norm().item() - 1) < 1e-5
+        assert torch.allclose(ours, ref / ref.norm(), atol=1e-4)
+        vectors.append(ours)
+    busy = engine.submit(ids[1], SamplingParams(temperature=0, max_tokens=8))
+    again = torch.tensor(engine.embedding(ids[0]))
+    assert [ev.finish_reason for ev in busy][-1] in ("stop", "length")
+    assert torch.allclose(again, vectors[0], atol=1e-5) and engine.stats().prefix_hit_tokens > 0
+    assert (vectors[0] @ vectors[1]).item() < 0.99
+    s = engine.stats()
+    assert s.running == 0 and s.kv_pages_used == 0

@@ -138,12 +138,37 @@ def test_listing_showing_and_version(served, client):
     ("/api/generate", {"model": "x", "prompt": "hi", "context": [1, 2]}, 400, "/api/chat"),
     ("/api/generate", {"model": "x", "prompt": "hi", "suffix": "x"}, 400, "suffix"),
     ("/api/generate", {"model": "x", "prompt": "word " * 2000}, 400, "context is 1024 tokens"),
-    ("/api/embed", {"model": "x", "input": "hi"}, 400, "embeddings"), ("/api/nothing", {}, 404, "Not Found"),
+    ("/api/embed", {"model": "x", "input": ["hi", ""]}, 400, "empty"),
+    ("/api/embed", {"model": "x", "input": "word " * 2000, "truncate": False}, 400, "truncate"),
+    ("/api/embed", {"model": "x", "input": "hi", "dimensions": 8}, 400, "576 dimensions"),
+    ("/api/nothing", {}, 404, "Not Found"),
 ])
 def test_bad_requests_get_ollamas_error_shape(served, path, body, status, fragment):
     r = httpx.post(served[1].url + path, json=body, headers={"Authorization": f"Bearer {KEY}"})
     assert r.status_code == status and set(r.json()) == {"error"} and fragment in r.json()["error"], r.text
     assert idle(served[0])
+
+
+def test_embed_gives_the_engines_vectors_and_truncates_a_long_input(served, client):
+    """/api/embed: one vector per input, the engine's (Engine.embedding), unit length; an input past the context
+    keeps its start (truncate, Ollama's default); /api/embeddings, the older endpoint, one prompt's vector."""
+    engine = served[0]
+    texts = ["Paris is the capital of France.", "The cat sat on the mat."]
+    want = [engine.embedding(engine.tokenizer.encode(t)) for t in texts]
+    r = client.embed(model="smollm2", input=texts)
+    assert len(r.embeddings) == 2 and len(r.embeddings[0]) == engine.config.dim
+    for got, ref in zip(r.embeddings, want):
+        assert max(abs(a - b) for a, b in zip(got, ref)) < 1e-5
+    assert r.prompt_eval_count == sum(len(engine.tokenizer.encode(t)) for t in texts) and r.total_duration > 0
+    assert client.embed(model="smollm2", input=texts[0]).embeddings[0] == r.embeddings[0]
+    long = "word " * 2000
+    start = engine.tokenizer.encode(long)[:engine.max_context - 1]
+    got = client.embed(model="smollm2", input=long).embeddings[0]
+    assert max(abs(a - b) for a, b in zip(got, engine.embedding(start))) < 1e-5
+    legacy = client.embeddings(model="smollm2", prompt=texts[1]).embedding
+    assert max(abs(a - b) for a, b in zip(legacy, r.embeddings[1])) < 1e-5
+    assert client.embeddings(model="smollm2", prompt="").embedding == []
+    assert idle(engine)
 
 
 def test_a_client_that_goes_away_mid_stream_frees_its_pages(served):

@@ -465,6 +465,34 @@ def test_bad_completion_requests_are_400s(served, payload, fragment):
     assert idle(served[0])
 
 
+def test_embeddings_are_the_engines_vectors_as_floats_or_base64(served, client):
+    """/v1/embeddings through the openai client (which asks for base64 and decodes it) and as floats: each input's
+    vector is the engine's (Engine.embedding), in order, unit length; token ids embed as their text does."""
+    engine = served[0]
+    texts = ["Paris is the capital of France.", "Bananas are yellow.", "Paris is the capital of France."]
+    want = [engine.embedding(engine.tokenizer.encode(t)) for t in texts[:2]]
+    r = client.embeddings.create(model="x", input=texts)
+    assert [d.index for d in r.data] == [0, 1, 2] and r.usage.prompt_tokens == r.usage.total_tokens > 10
+    for d, ref in zip(r.data, want + want[:1]):
+        assert len(d.embedding) == engine.config.dim and max(abs(a - b) for a, b in zip(d.embedding, ref)) < 1e-5
+    floats = httpx.post(served[1].url + "/v1/embeddings", headers={"Authorization": f"Bearer {KEY}"},
+                        json={"input": engine.tokenizer.encode(texts[1]), "encoding_format": "float"}).json()
+    assert max(abs(a - b) for a, b in zip(floats["data"][0]["embedding"], want[1])) < 1e-5
+    assert idle(engine)
+
+
+@pytest.mark.parametrize("payload, fragment", [
+    ({"input": []}, "the input is empty"), ({"input": ["a", ""]}, "input 1 is empty"),
+    ({"input": "word " * 2000}, "context"), ({"input": "a", "dimensions": 64}, "576 dimensions"),
+    ({"input": [[1, 2], [10**9]]}, "vocabulary"), ({"input": "a", "encoding_format": "hex"}, "encoding_format"),
+])
+def test_bad_embedding_requests_are_400s(served, payload, fragment):
+    r = httpx.post(served[1].url + "/v1/embeddings", json=payload, headers={"Authorization": f"Bearer {KEY}"})
+    status, error = status_and_error(r)
+    assert status == 400 and fragment in error["message"], error
+    assert idle(served[0])
+
+
 def test_logit_bias_bans_and_forces_tokens(served, client):
     """OpenAI's logit_bias: -100 keeps a token out of the reply, +100 makes it the only one; ids outside the
     vocabulary and values outside [-100, 100] are 400s naming logit_bias."""
