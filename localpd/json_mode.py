@@ -13,7 +13,9 @@ Held too: a string's minLength and maxLength, a number's or an integer's minimum
 included): a character is taken only while some number it begins lies in range, and a bounded number is written
 without an exponent. A choice between alternatives of one kind (anyOf two object schemas, a union of pydantic
 models) is read on a branch per alternative, each held to its own (JsonPrefix). A string's pattern, or its
-format's (localpd.pattern), is held character by character as its escapes decode. Not held: uniqueItems.
+format's (localpd.pattern), is held character by character as its escapes decode, together with its lengths: a
+character is taken only while some match of an allowed length goes on from it (Pattern.fits). Not held:
+uniqueItems.
 """
 
 from __future__ import annotations
@@ -156,6 +158,10 @@ def compile_schema(schema: dict) -> tuple[Schema, ...]:
                 source = s.get("pattern", FORMATS.get(s.get("format")))
                 out.append(Schema(kind, min_length=int(s.get("minLength", 0)), max_length=s.get("maxLength"),
                                   pattern=None if source is None else schema_pattern(str(source))))
+                p, least, most = out[-1].pattern, out[-1].min_length, out[-1].max_length
+                if p is not None and not p.fits(p.start(), 0, least, most):
+                    raise SchemaError(f"no string matches the pattern {p.source!r} within minLength {least} and "
+                                      f"maxLength {most}"[:200])
             elif kind in ("number", "integer"):
                 low = number_bound(s, "minimum", "exclusiveMinimum", max)
                 high = number_bound(s, "maximum", "exclusiveMaximum", min)
@@ -615,10 +621,14 @@ class Branch:
         return room and self._may_take(lo, hi)
 
     def _matches(self, ch: str) -> bool:
-        """The string value goes on with ch under its pattern (if it has one)."""
+        """The string value goes on with ch under its pattern (if it has one), to some match of a length its
+        minLength and maxLength allow."""
         if self.matched is None:
             return True
-        self.matched = self.value.pattern.step(self.matched, ch)
+        v = self.value
+        self.matched = v.pattern.step(self.matched, ch)
+        if self.matched and (v.min_length or v.max_length is not None):
+            return v.pattern.fits(self.matched, self.length, v.min_length, v.max_length)
         return bool(self.matched)
 
     def _may_take(self, lo: int, hi: int) -> bool:

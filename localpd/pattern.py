@@ -17,7 +17,9 @@ finished: step() on a character the pattern cannot go on with gives the empty se
 from __future__ import annotations
 
 import functools
+import math
 import re
+from collections import deque
 
 from localpd.tokenizer import TokenText
 
@@ -251,6 +253,9 @@ class Pattern:
         self.live = self._live()
         self.first = self._close({start}, True)
         self._steps: dict = {}
+        self._dist: list[float] | None = None  # fewest characters from each state to a match (_shortest)
+        self._anys: dict = {}
+        self._fits: dict = {}
 
     def _state(self) -> int:
         if len(self.moves) >= MAX_STATES:
@@ -343,6 +348,63 @@ class Pattern:
 
     def accepts(self, states: frozenset) -> bool:
         return self.accept in self._close(states, False, True)
+
+    def fits(self, states: frozenset, used: int, least: int, most: int | None) -> bool:
+        """Whether from these states, `used` characters in, some string ends in a match with least <= its whole
+        length <= most (None: no limit): a pattern and a string's minLength/maxLength held together, so that
+        neither leads the other into a string no character can finish."""
+        key = (states, max(0, least - used), None if most is None else most - used)
+        if key not in self._fits:
+            if len(self._fits) > 100_000:
+                self._fits.clear()
+            self._fits[key] = self._fit(states, *key[1:])
+        return self._fits[key]
+
+    def _fit(self, states: frozenset, least: int, most: int | None) -> bool:
+        dist = self._shortest()
+        for k in range(least + 1):  # k more characters, whatever they are
+            if not states or most is not None and k > most:
+                return False
+            if k == least:  # every live state leads to a match; the nearest must be near enough
+                return most is None or k + min(dist[s] for s in states) <= most
+            states = self._any(states)
+        return False
+
+    def _any(self, states: frozenset) -> frozenset:
+        """The live states one character (any) on."""
+        if states not in self._anys:
+            if len(self._anys) > 100_000:
+                self._anys.clear()
+            self._anys[states] = self._close({t for s in states for _, t in self.moves[s]}, False) & self.live
+        return self._anys[states]
+
+    def _shortest(self) -> list[float]:
+        """Fewest characters from each state to one from which empty edges end a match (0-1 BFS backwards:
+        a character edge weighs 1, a plain empty edge 0; "^" edges cannot be taken past the start)."""
+        if self._dist is None:
+            back: list[list[tuple[int, int]]] = [[] for _ in self.moves]
+            back_end: list[list[int]] = [[] for _ in self.moves]
+            for s in range(len(self.moves)):
+                for _, t in self.moves[s]:
+                    back[t].append((s, 1))
+                for kind, t in self.empty[s]:
+                    if kind == "":
+                        back[t].append((s, 0))
+                    if kind != "^":
+                        back_end[t].append(s)
+            dist = [math.inf] * len(self.moves)
+            todo: deque = deque()
+            for s in _reach(back_end, {self.accept}):
+                dist[s] = 0
+                todo.append(s)
+            while todo:
+                t = todo.popleft()
+                for s, w in back[t]:
+                    if dist[t] + w < dist[s]:
+                        dist[s] = dist[t] + w
+                        todo.appendleft(s) if w == 0 else todo.append(s)
+            self._dist = dist
+        return self._dist
 
     def takes(self, states: frozenset, lo: int, hi: int) -> bool:
         """Whether some character in [lo, hi] goes on from these states."""

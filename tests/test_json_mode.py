@@ -446,3 +446,50 @@ def test_a_date_format_takes_every_date_python_has(day):
 def test_patterns_localpd_cannot_hold_are_one_line_errors(pattern, fragment):
     with pytest.raises(SchemaError, match=re.escape(fragment)):
         compile_schema({"type": "string", "pattern": pattern})
+
+
+def test_a_pattern_and_string_lengths_are_held_together_so_neither_dead_ends():
+    """Each character leaves some match of an allowed length: under `[a-z]*x` and maxLength 3 the third character
+    must be the x; under `(ab)+` and maxLength 5 a third pair cannot begin; under minLength 5 the string cannot
+    close at four. A schema whose pattern and lengths admit no string is refused when compiled."""
+    def state(**s):
+        return JsonPrefix(compile_schema({"type": "string", **s}))
+
+    x = state(pattern="^[a-z]*x$", maxLength=3)
+    assert x.feed('"ab') and not x.copy().feed("c") and x.feed('x"') and x.done
+    pairs = state(pattern="^(ab)+$", maxLength=5)
+    assert pairs.feed('"abab') and not pairs.copy().feed("a") and pairs.feed('"') and pairs.done
+    longer = state(pattern="^(ab)+$", minLength=5)
+    assert longer.feed('"abab') and not longer.copy().feed('"') and longer.feed('ab"') and longer.done
+    dated = state(format="date", maxLength=10)  # the format's own length: nothing refused
+    assert dated.feed('"2024-02-29"') and dated.done
+    for s in ({"pattern": "^a{5}$", "maxLength": 3}, {"pattern": "^(ab)+$", "minLength": 5, "maxLength": 5},
+              {"format": "uuid", "maxLength": 20}):
+        with pytest.raises(SchemaError, match="no string matches the pattern"):
+            compile_schema({"type": "string", **s})
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(["^[a-c]{2,6}$", "^(ab|c)+d?$", "^x*[0-9]{3}$", "^[a-z]+(-[a-z]+)*$"]),
+       st.integers(0, 6), st.integers(0, 8), st.randoms(use_true_random=False))
+def test_random_walks_under_a_pattern_and_lengths_always_finish(pattern, least, extra, rng):
+    """Whatever characters a reply picks among those taken, it can always close the string: a walk that takes a
+    random allowed character (or closes when it may) ends in a string of the pattern and the lengths."""
+    import re
+
+    schema = {"type": "string", "pattern": pattern, "minLength": least, "maxLength": least + extra}
+    try:
+        s = JsonPrefix(compile_schema(schema))
+    except SchemaError:
+        return
+    assert s.feed('"')
+    text = ""
+    for _ in range(40):
+        options = [c for c in 'abcdx0123-"' if s.copy().feed(c)]
+        assert options, (schema, text)  # never a dead end
+        c = rng.choice(options)
+        assert s.feed(c)
+        if c == '"':
+            break
+        text += c
+    assert s.done and re.fullmatch(pattern.strip("^$"), text) and least <= len(text) <= least + extra
