@@ -14,8 +14,9 @@ included): a character is taken only while some number it begins lies in range, 
 without an exponent. A choice between alternatives of one kind (anyOf two object schemas, a union of pydantic
 models) is read on a branch per alternative, each held to its own (JsonPrefix). A string's pattern, or its
 format's (localpd.pattern), is held character by character as its escapes decode, together with its lengths: a
-character is taken only while some match of an allowed length goes on from it (Pattern.fits). Not held:
-uniqueItems.
+character is taken only while some match of an allowed length goes on from it (Pattern.fits). uniqueItems is
+held for scalar items (strings, numbers, literals): an enum's value already taken is not offered again, and a
+string or number equal to an earlier item may not end there; objects and arrays as items are not compared.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ class Schema:
     prefix: tuple = ()  # an array's first items, each its own alternatives (prefixItems: a tuple)
     min_items: int = 0
     max_items: int | None = None
+    unique: bool = False  # uniqueItems: no scalar item equal to an earlier one (objects and arrays as items: not held)
     min_length: int = 0  # a string's characters (an escape counts as one)
     max_length: int | None = None
     pattern: Pattern | None = None  # a string's pattern, or its format's
@@ -149,7 +151,14 @@ def compile_schema(schema: dict) -> tuple[Schema, ...]:
                 out.append(Schema("array", items=None if items is False else True if items in (True, {}) else
                                   _Lazy(items, alternatives, depth),
                                   prefix=tuple(_Lazy(p, alternatives, depth) for p in prefix),
-                                  min_items=int(s.get("minItems", 0)), max_items=most))
+                                  min_items=int(s.get("minItems", 0)), max_items=most,
+                                  unique=bool(s.get("uniqueItems"))))
+                if out[-1].unique and isinstance(out[-1].items, _Lazy) and not prefix:
+                    alts = out[-1].items.get()
+                    if all(a.kind == "texts" for a in alts) and out[-1].min_items > len({t for a in alts
+                                                                                        for t in a.texts}):
+                        raise SchemaError(f"minItems {out[-1].min_items} unique items, but the items may take "
+                                          f"only these values: {s}"[:200])
             elif kind == "boolean":
                 out.append(Schema("texts", ("true", "false")))
             elif kind == "null":
@@ -299,6 +308,15 @@ def resolve(x) -> tuple[Schema, ...]:
     return ANY if x is True else x.get() if isinstance(x, _Lazy) else x
 
 
+def canonical(text: str) -> str:
+    """The JSON value `text` begins with (anything after it ignored: the character that ended a number), written
+    one way: numbers compare by value (1.0 is 1), strings by what their escapes stand for."""
+    value, _ = json.JSONDecoder().raw_decode(text.strip())
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return json.dumps(value)
+
+
 def dump(value) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
@@ -331,6 +349,7 @@ class Frame:
     schema: Schema
     keys: tuple[str, ...] = ()
     count: int = 0  # an array's values so far
+    seen: tuple[str, ...] = ()  # an array with uniqueItems: its scalar items so far, canonical (canonical())
 
 
 @dataclass
@@ -358,23 +377,26 @@ class Branch:
     hexa: str = ""  # inside a string value's \u escape: its hex digits so far
     high: bool = False  # the string value's last character was a \u escape of a high surrogate
     matched: frozenset | None = None  # inside a string value with a pattern: the pattern's states so far
+    item: str | None = None  # inside a scalar item of an array with uniqueItems: its text so far
     forks: list = field(default_factory=list)  # the branches the last character opened beside this one
 
     def copy(self) -> Branch:
         c = Branch.__new__(Branch)
         c.__dict__.update(self.__dict__)
-        c.stack = [Frame(f.kind, f.schema, f.keys, f.count) for f in self.stack]
+        c.stack = [Frame(f.kind, f.schema, f.keys, f.count, f.seen) for f in self.stack]
         c.forks = []
         return c
 
     def key(self) -> tuple:
         """Two branches with the same key read the rest of the text alike: one of them is enough."""
         d = {k: v for k, v in self.__dict__.items() if k not in ("stack", "forks", "value", "schema")}
-        return (tuple((f.kind, id(f.schema), f.keys, f.count) for f in self.stack), id(self.value),
+        return (tuple((f.kind, id(f.schema), f.keys, f.count, f.seen) for f in self.stack), id(self.value),
                 tuple(d.values()))
 
     def step(self, c: str) -> list[Branch]:
         """The branches this one becomes on c: itself if c is taken, and any the value c begins opened."""
+        if self.item is not None:
+            self.item += c  # (a branch that refuses c is dropped, so c need not be taken back)
         ok = self._char(c)
         out = ([self] if ok else []) + self.forks
         self.forks = []
@@ -427,7 +449,8 @@ class Branch:
             if self.number not in NUMBER_ENDS or not self._in_range():
                 return False
             self.number = None
-            self._value_ended()  # c is the first character after the number
+            if not self._value_ended():  # c is the first character after the number
+                return False
         if c in WS:
             self.ws += 1
             self.breaks += c == "\n"
@@ -467,6 +490,9 @@ class Branch:
         return False  # done: nothing but the end may follow
 
     def _value_start(self, c: str) -> bool:
+        f = self.stack[-1] if self.stack else None
+        if f is not None and f.kind == "[" and f.schema.unique and c not in "{[":
+            self.item = c  # a scalar item: its text is kept to compare with the earlier ones
         fits = _fits(self._value_schema(), c)
         if not fits:
             return False
@@ -481,7 +507,11 @@ class Branch:
         if alt.kind == "any" and c in "tfn":
             alt = LITERALS  # any value starting so is one of JSON's literals
         if alt.kind == "texts":
-            self.choices, self.choosing_key = tuple(t[1:] for t in alt.texts if t.startswith(c)), False
+            seen = self.stack[-1].seen if self.item is not None else ()
+            self.choices = tuple(t[1:] for t in alt.texts if t.startswith(c) and canonical(t) not in seen)
+            self.choosing_key = False
+            if not self.choices:
+                return False
             if self.choices == ("",):
                 self._choice_made()
             return True
@@ -561,12 +591,19 @@ class Branch:
         self._value_ended()
         return True
 
-    def _value_ended(self) -> None:
+    def _value_ended(self) -> bool:
+        """A value is complete; False if it is a scalar item its array (uniqueItems) holds already."""
         self.value, self.length, self.digits, self.integer, self.hexa, self.high = ANY[0], 0, "", False, "", False
         self.matched = None
+        if self.item is not None:
+            item, self.item = canonical(self.item), None
+            if item in self.stack[-1].seen:
+                return False
+            self.stack[-1].seen += (item,)
         if self.stack and self.stack[-1].kind == "[":
             self.stack[-1].count += 1
         self.expect = "comma_or_close" if self.stack else "done"
+        return True
 
     def _string_char(self, c: str) -> bool:
         """A character of a string value. Its length counts characters: an escape is one, counted at its
@@ -604,8 +641,7 @@ class Branch:
                     self.value.pattern.accepts(self.matched):
                 return False
             self.string = None
-            self._value_ended()
-            return True
+            return self._value_ended()
         return ord(c) >= 0x20 and self._counted() and self._matches(c)
 
     def may_take(self, lo: int, hi: int) -> bool:

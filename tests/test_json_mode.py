@@ -493,3 +493,40 @@ def test_random_walks_under_a_pattern_and_lengths_always_finish(pattern, least, 
             break
         text += c
     assert s.done and re.fullmatch(pattern.strip("^$"), text) and least <= len(text) <= least + extra
+
+
+def test_unique_items_are_held_for_scalars():
+    """uniqueItems (pydantic's set[...]): a string or number equal to an earlier item may not end there (it may go
+    on into another value), an enum's or literal's value already taken is not offered again, numbers compare by
+    value and strings by what their escapes stand for; objects as items are not compared."""
+    def state(items, **s):
+        return JsonPrefix(compile_schema({"type": "array", "items": items, "uniqueItems": True, **s}))
+
+    tags = state({"type": "string"})
+    assert tags.feed('["a", "b", "a') and not tags.copy().feed('"') and tags.feed('b", "\\u0062')
+    assert not tags.copy().feed('"') and tags.feed('c"]') and tags.done
+    nums = state({"type": "number"})
+    assert nums.feed("[1, 2.5, 1.0") and not nums.copy().feed(",") and not nums.copy().feed("]")
+    assert nums.feed("1]") and nums.done
+    colours = state({"enum": ["red", "green", "blue"]}, minItems=3)
+    assert colours.feed('["green", ') and not colours.copy().feed('"g') and colours.feed('"blue", "red"]')
+    assert colours.done
+    flags = state({"type": "boolean"})
+    assert flags.feed("[true, ") and not flags.copy().feed("t") and flags.feed("false]") and flags.done
+    anything = state(True)
+    assert anything.feed('[1, "1", null, ') and not anything.copy().feed("null") and not anything.copy().feed('"1"')
+    objects = state({"type": "object"})
+    assert objects.feed('[{}, {}]') and objects.done  # not compared
+    with pytest.raises(SchemaError, match="unique items"):
+        compile_schema({"type": "array", "items": {"enum": ["a", "b"]}, "uniqueItems": True, "minItems": 3})
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.one_of(st.integers(-3, 3), st.sampled_from(["a", "b", "é", "a\u0301"]), st.booleans(),
+                          st.none(), st.floats(-2, 2).map(lambda x: round(x, 1))), max_size=8))
+def test_a_unique_array_takes_exactly_the_lists_without_repeats(values):
+    import json as js
+
+    text = js.dumps(values)
+    distinct = len({js.dumps(float(v) + 0.0 if type(v) in (int, float) else v) for v in values}) == len(values)  # -0.0 is 0
+    assert whole(text, {"type": "array", "uniqueItems": True}) == distinct, text
