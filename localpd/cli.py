@@ -1,4 +1,4 @@
-"""The `localpd` command: chat, pull, models."""
+"""The `localpd` command: chat, tui, serve, bench, quantize, embed, pull, models, eval."""
 
 from __future__ import annotations
 
@@ -133,6 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument("--no-calibration", action="store_true",
                        help="int4 without activation importance (clipping search and refit alone)")
 
+    embed = sub.add_parser("embed", help="embedding vectors of texts, one JSON array a line (the server's /v1/embeddings)")
+    embed.add_argument("model")
+    embed.add_argument("texts", nargs="*", metavar="TEXT", help="texts to embed (default: each line of stdin)")
+    add_model_options(embed)
+
     pull = sub.add_parser("pull", help="download a model from the registry")
     pull.add_argument("model")
 
@@ -187,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
             return print_models()
         if args.command == "eval":
             return eval_perplexity(args)
+        if args.command == "embed":
+            return embed_texts(args)
     except LocalpdError as e:
         print(f"localpd: error: {e}", file=sys.stderr)
         return 1
@@ -211,6 +218,32 @@ def print_models() -> int:
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[3])
+    return 0
+
+
+def embed_texts(args) -> int:
+    """Each text's vector (Engine.embed: the last token's final hidden state, L2-normalised) as a JSON array on a
+    line of its own, in order; the texts are embedded together."""
+    import asyncio
+    import json
+
+    from localpd.engine import Engine, embeddings
+
+    texts = args.texts or [line.rstrip("\n") for line in sys.stdin]
+    if not texts or any(not t.strip() for t in texts):
+        raise LocalpdError("nothing to embed: give non-empty texts, as arguments or one a line on stdin")
+    engine = Engine(args.model, device=args.device, quant=args.quant, kv=args.kv, max_context=args.ctx,
+                    kv_memory=args.kv_memory)
+    try:
+        ids = [engine.tokenizer.encode(t) for t in texts]
+        longest = max(range(len(ids)), key=lambda i: len(ids[i]))
+        if len(ids[longest]) >= engine.max_context:
+            raise LocalpdError(f"text {longest + 1} has {len(ids[longest])} tokens; the context is "
+                               f"{engine.max_context} (--ctx)")
+        for vector in asyncio.run(embeddings(engine, ids)):
+            print(json.dumps([round(x, 6) for x in vector]))
+    finally:
+        engine.close()
     return 0
 
 
