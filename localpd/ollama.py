@@ -1,7 +1,7 @@
 """Ollama's API beside the OpenAI one, so apps made for Ollama (Open WebUI, Continue, the ollama Python and JS
 libraries) work against `localpd serve` as they do against Ollama's port: POST /api/chat and /api/generate (NDJSON
 streams by default, or one object with "stream": false), POST /api/embed and /api/embeddings (Engine.embed's
-vectors), GET /api/tags, /api/ps and /api/version, POST /api/show.
+vectors), GET /api/tags, /api/ps and /api/version, POST /api/show, and POST /api/pull of the loaded model.
 
 A request maps onto the same engine as /v1/chat/completions: `options` onto the sampler (Ollama's defaults:
 temperature 0.8, top_k 40, top_p 0.9; num_predict -1 runs to the context), `format` ("json" or a JSON schema) onto
@@ -169,6 +169,27 @@ def ollama_router(ready: Callable[[], Engine], finished: Callable[[Engine, Reque
         e = ready()
         return {"models": [{**describe(e), "size_vram": e.model.weight_bytes if e.device.type == "cuda" else 0,
                             "expires_at": "0001-01-01T00:00:00Z", "context_length": e.max_context}]}
+
+    @router.post("/pull")
+    async def pull(body: dict[str, Any]):
+        """The loaded model is there already: success, as Ollama answers for a model it has (streamed by
+        default); another model cannot be added to a running server."""
+        e = ready()
+        name = str(body.get("model") or body.get("name") or "")
+        if name.removesuffix(":latest") != e.name:
+            raise OllamaError(400, f"localpd serve runs one model, {e.name}, loaded at start: pull {name or 'a model'} "
+                                   f"with `localpd pull NAME` and serve it with `localpd serve NAME`")
+        if body.get("stream", True) is False:
+            return {"status": "success"}
+        return StreamingResponse(iter([json.dumps({"status": "success"}) + "\n"]), media_type="application/x-ndjson")
+
+    @router.post("/create")
+    @router.post("/copy")
+    @router.post("/push")
+    @router.delete("/delete")
+    async def manage():
+        raise OllamaError(400, "localpd serve runs the one model it was started with; models are managed with "
+                               "`localpd pull` and `localpd models`, not through the API")
 
     @router.post("/show")
     async def show(body: dict[str, Any]):

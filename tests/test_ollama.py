@@ -127,6 +127,12 @@ def test_listing_showing_and_version(served, client):
     assert httpx.get(served[1].url + "/api/version", headers=headers).json()["version"]
     root = httpx.get(served[1].url + "/")  # what clients probe to see a server is up: no key needed, as /health
     assert root.status_code == 200 and "running" in root.text
+    assert client.pull(engine.name).status == "success"  # scripts pull before they chat: it is here already
+    assert [p.status for p in client.pull(engine.name + ":latest", stream=True)] == ["success"]
+    with pytest.raises(ollama.ResponseError, match="localpd pull NAME"):
+        client.pull("llama3.2")
+    with pytest.raises(ollama.ResponseError, match="not through the API"):
+        client.delete(engine.name)
 
 
 @pytest.mark.parametrize("path, body, status, fragment", [
