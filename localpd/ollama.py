@@ -16,6 +16,7 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import replace
 from datetime import datetime, timezone
 from typing import Any, Callable, Literal
 
@@ -263,8 +264,7 @@ def ollama_router(ready: Callable[[], Engine], finished: Callable[[Engine, Reque
     @router.post("/generate")
     async def generate(body: GenerateBody):
         e = ready()
-        for field, value in (("images", body.images), ("context", body.context), ("suffix", body.suffix),
-                             ("template", body.template)):
+        for field, value in (("images", body.images), ("context", body.context), ("template", body.template)):
             if value:
                 raise OllamaError(400, f"{field} is not supported by localpd's /api/generate"
                                        + ("; send the conversation to /api/chat" if field == "context" else ""))
@@ -273,6 +273,9 @@ def ollama_router(ready: Callable[[], Engine], finished: Callable[[Engine, Reque
         if e.tokenizer is None:
             raise OllamaError(400, f"{e.name} has no tokenizer")
         try:
+            if body.suffix:  # fill in the middle (a code model's FIM tokens), as an editor's completion asks
+                ids = e.tokenizer.fim_prompt(body.prompt, body.suffix)
+                return await run(e, body, ids, chat=False, tools=False, raw=True, ends=e.tokenizer.fim_end_ids)
             if body.raw:
                 ids = e.tokenizer.encode(body.prompt)
             else:
@@ -283,12 +286,16 @@ def ollama_router(ready: Callable[[], Engine], finished: Callable[[Engine, Reque
             raise OllamaError(400, str(err)) from None
         return await run(e, body, ids, chat=False, tools=False, raw=body.raw)
 
-    async def run(e: Engine, body: OllamaRequest, ids: list[int], chat: bool, tools: bool, raw: bool = False):
+    async def run(e: Engine, body: OllamaRequest, ids: list[int], chat: bool, tools: bool, raw: bool = False,
+                  ends: set[int] = frozenset()):
+        """ends: tokens that end the reply beside eos (an infill's)."""
         if len(ids) >= e.max_context:
             raise OllamaError(400, f"this model's context is {e.max_context} tokens; the prompt has {len(ids)}")
         if e.stats().waiting >= max_waiting:
             raise OllamaError(503, "server busy: too many requests are waiting; try again shortly")
         params = sampling(e, body)
+        if ends:
+            params = replace(params, stop_token_ids=sorted(set(params.stop_token_ids) | ends))
         think = reply_split(e.tokenizer, ids) if split_reasoning and not raw else None
         try:
             handle = e.submit(ids, params, request_id="ollama-" + uuid.uuid4().hex[:24])

@@ -289,13 +289,20 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
             raise ApiError(400, "the prompt is empty", param="prompt")
         if body.best_of is not None and body.best_of != body.n:
             raise ApiError(400, "best_of other than n is not supported (candidates are not ranked)", param="best_of")
-        if body.suffix:
-            raise ApiError(400, "suffix (fill-in-the-middle) is not supported", param="suffix")
         if body.echo and body.logprobs is not None:
             raise ApiError(400, "echo with logprobs (the prompt's own log-probabilities) is not supported",
                            param="echo")
         if isinstance(prompts[0], str) and e.tokenizer is None:
             raise ApiError(400, f"{e.name} has no tokenizer: send the prompt as token ids", param="prompt")
+        if body.suffix is not None:  # fill in the middle: what goes between each prompt and the suffix
+            if body.echo or not all(isinstance(p, str) for p in prompts):
+                raise ApiError(400, "suffix takes prompts as text, without echo", param="suffix")
+            try:
+                ids = [e.tokenizer.fim_prompt(p, body.suffix) for p in prompts]
+            except LocalpdError as err:
+                raise ApiError(400, f"{e.name}: {err}", param="suffix") from None
+            body.stop_token_ids = sorted(set(body.stop_token_ids or []) | e.tokenizer.fim_end_ids)
+            return await respond(e, body, ids, body.max_tokens or 16, body.logprobs, chat=False)
         ids = [e.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         echo = None
         if body.echo:

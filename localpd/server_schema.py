@@ -142,7 +142,7 @@ class CompletionRequest(Sampling):
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
     best_of: int | None = Field(None, ge=1)  # refused above n: localpd does not rank candidates
-    suffix: str | None = None  # refused: no fill-in-the-middle
+    suffix: str | None = None  # fill in the middle (a code model's FIM tokens): the reply goes before it
 
 
 class EmbeddingRequest(BaseModel):

@@ -30,6 +30,12 @@ IGNORE_MERGES_PRES = ("llama-bpe", "llama3", "llama-v3", "smaug-bpe", "falcon3")
 # Tokens that end a turn besides eos, when the vocabulary has them.
 END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|endoftext|>", "<end_of_turn>",
               "<|end|>")
+# fill-in-the-middle: (prefix, suffix, middle) tokens as code models spell them: Qwen2.5-Coder, StarCoder and
+# SantaCoder, DeepSeek-Coder, Code Llama (with and without SentencePiece's space)
+FIM_TOKENS = (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"), ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+              ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"), ("▁<PRE>", "▁<SUF>", "▁<MID>"),
+              ("<PRE>", "<SUF>", "<MID>"))
+FIM_ENDS = ("▁<EOT>", "<EOT>", "<|fim_pad|>", "<|file_sep|>")  # what code models end an infill with, beside eos
 
 
 def _byte_alphabet() -> dict[int, str]:
@@ -200,6 +206,30 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special)
+
+    @property
+    def fim_ids(self) -> tuple[int, int, int] | None:
+        """The model's fill-in-the-middle tokens (prefix, suffix, middle), or None for a model without them."""
+        for spelling in FIM_TOKENS:
+            ids = tuple(self.tok.token_to_id(t) for t in spelling)
+            if None not in ids:
+                return ids
+        return None
+
+    @property
+    def fim_end_ids(self) -> set[int]:
+        """Tokens beside eos that end an infill (Code Llama's <EOT>, Qwen2.5-Coder's <|fim_pad|>)."""
+        return {i for t in FIM_ENDS if (i := self.tok.token_to_id(t)) is not None}
+
+    def fim_prompt(self, prefix: str, suffix: str) -> list[int]:
+        """The tokens that ask a code model for what goes between prefix and suffix (prefix, suffix, middle order,
+        as llama.cpp's server builds it; bos first where the model takes one)."""
+        if self.fim_ids is None:
+            raise LocalpdError("this model has no fill-in-the-middle tokens (a code model such as Qwen2.5-Coder has "
+                               "them); send the prompt without a suffix", param="suffix")
+        pre, suf, mid = self.fim_ids
+        bos = [self.bos_id] if self.add_bos and self.bos_id is not None else []
+        return bos + [pre] + self.encode(prefix, add_bos=False) + [suf] + self.encode(suffix, add_bos=False) + [mid]
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
                     **template_vars) -> str:

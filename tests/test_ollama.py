@@ -142,7 +142,7 @@ def test_listing_showing_and_version(served, client):
     ("/api/chat", {"model": "x", "messages": ASK, "options": {"top_p": 7}}, 400, "top_p"),
     ("/api/chat", {"model": "x", "messages": ASK, "format": {"type": "tuple"}}, 400, "JSON schema type"),
     ("/api/generate", {"model": "x", "prompt": "hi", "context": [1, 2]}, 400, "/api/chat"),
-    ("/api/generate", {"model": "x", "prompt": "hi", "suffix": "x"}, 400, "suffix"),
+    ("/api/generate", {"model": "x", "prompt": "hi", "suffix": "x"}, 400, "no fill-in-the-middle tokens"),
     ("/api/generate", {"model": "x", "prompt": "word " * 2000}, 400, "context is 1024 tokens"),
     ("/api/embed", {"model": "x", "input": ["hi", ""]}, 400, "empty"),
     ("/api/embed", {"model": "x", "input": "word " * 2000, "truncate": False}, 400, "truncate"),
@@ -153,6 +153,21 @@ def test_bad_requests_get_ollamas_error_shape(served, path, body, status, fragme
     r = httpx.post(served[1].url + path, json=body, headers={"Authorization": f"Bearer {KEY}"})
     assert r.status_code == status and set(r.json()) == {"error"} and fragment in r.json()["error"], r.text
     assert idle(served[0])
+
+
+def test_generate_with_a_suffix_fills_in_the_middle(served, client, monkeypatch):
+    """Ollama's suffix (what editors' code completion sends): the model's FIM tokens around prompt and suffix, no
+    template; three of SmolLM2's special tokens stand in for a code model's (SmolLM2 has none: a 400)."""
+    from localpd.tokenizer import Tokenizer
+
+    engine = served[0]
+    monkeypatch.setattr(Tokenizer, "fim_ids", property(lambda self: (3, 4, 5)))
+    prefix, suffix = "def add(a, b):\n    return", "\n\nprint(add(1, 2))\n"
+    ids = [3, *engine.tokenizer.encode(prefix), 4, *engine.tokenizer.encode(suffix), 5]
+    want = "".join(ev.text for ev in engine.generate(ids, SamplingParams(temperature=0, max_tokens=12)))
+    r = client.generate(model="x", prompt=prefix, suffix=suffix, options={"temperature": 0, "num_predict": 12})
+    assert r.response == want and r.prompt_eval_count <= len(ids)
+    assert idle(engine)
 
 
 def test_embed_gives_the_engines_vectors_and_truncates_a_long_input(served, client):

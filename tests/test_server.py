@@ -455,7 +455,7 @@ def test_bad_requests_get_openai_shaped_4xx(served, payload, status, fragment):
     ({"prompt": ["a", "word " * 2000]}, "context"),
     ({"prompt": [[1, 2], "a"]}, "prompt"),
     ({"prompt": "a", "best_of": 3}, "best_of"),
-    ({"prompt": "a", "suffix": "b"}, "suffix"),
+    ({"prompt": "a", "suffix": "b"}, "no fill-in-the-middle tokens"),
 ])
 def test_bad_completion_requests_are_400s(served, payload, fragment):
     r = httpx.post(served[1].url + "/v1/completions", json={"max_tokens": 2, **payload},
@@ -463,6 +463,25 @@ def test_bad_completion_requests_are_400s(served, payload, fragment):
     status, error = status_and_error(r)
     assert status == 400 and fragment in error["message"], error
     assert idle(served[0])
+
+
+def test_a_suffix_fills_in_the_middle_with_the_models_fim_tokens(served, client, monkeypatch):
+    """suffix on /v1/completions: the prompt becomes prefix token, prompt, suffix token, suffix, middle token, and
+    the reply is what the engine generates from exactly those tokens. SmolLM2 has no FIM tokens (a 400, see
+    test_bad_completion_requests_are_400s), so three of its special tokens stand in for a code model's."""
+    from localpd.tokenizer import Tokenizer
+
+    engine = served[0]
+    monkeypatch.setattr(Tokenizer, "fim_ids", property(lambda self: (3, 4, 5)))
+    prefix, suffix = "def add(a, b):\n    return", "\n\nprint(add(1, 2))\n"
+    ids = [3, *engine.tokenizer.encode(prefix), 4, *engine.tokenizer.encode(suffix), 5]
+    want = "".join(ev.text for ev in engine.generate(ids, SamplingParams(temperature=0, max_tokens=12)))
+    r = client.completions.create(model="x", prompt=prefix, suffix=suffix, temperature=0, max_tokens=12)
+    assert r.choices[0].text == want and r.usage.prompt_tokens == len(ids)
+    bad = httpx.post(served[1].url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                     json={"prompt": [1, 2], "suffix": "x"})
+    assert bad.status_code == 400 and "suffix takes prompts as text" in bad.json()["error"]["message"]
+    assert idle(engine)
 
 
 def test_embeddings_are_the_engines_vectors_as_floats_or_base64(served, client):

@@ -236,3 +236,22 @@ def test_token_text_follows_the_bytes_of_a_character_and_refuses_what_is_not_utf
         text.push(byte[b])
     assert text.added(byte[0x41]) == ("", None)  # "A" would cut the character short
     assert text.push(byte[0xB5]) == "🍵" and text.pending == b""
+
+
+@pytest.mark.parametrize("spelling", [("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
+                                      ("▁<PRE>", "▁<SUF>", "▁<MID>")])
+def test_fill_in_the_middle_prompt_with_the_models_own_tokens(meta, spelling):
+    """A code model's FIM tokens (Qwen2.5-Coder's, Code Llama's) found in its vocabulary: prefix token, the
+    prefix, suffix token, the suffix, middle token; a model without them (SmolLM2) is a clear error."""
+    from tokenizers import AddedToken
+
+    plain = Tokenizer.from_gguf_metadata(meta)
+    assert plain.fim_ids is None
+    with pytest.raises(LocalpdError, match="no fill-in-the-middle tokens"):
+        plain.fim_prompt("def f():", "\n")
+    coder = Tokenizer.from_gguf_metadata(meta)
+    coder.tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (*spelling, "<|fim_pad|>")])
+    pre, suf, mid = (coder.tok.token_to_id(t) for t in spelling)
+    assert coder.fim_ids == (pre, suf, mid) and coder.fim_end_ids == {coder.tok.token_to_id("<|fim_pad|>")}
+    prefix, suffix = "def add(a, b):\n    return ", "\n\nprint(add(1, 2))\n"
+    assert coder.fim_prompt(prefix, suffix) == [pre, *plain.encode(prefix), suf, *plain.encode(suffix), mid]
