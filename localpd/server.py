@@ -294,7 +294,7 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
                            param="echo")
         if isinstance(prompts[0], str) and e.tokenizer is None:
             raise ApiError(400, f"{e.name} has no tokenizer: send the prompt as token ids", param="prompt")
-        if body.suffix is not None:  # fill in the middle: what goes between each prompt and the suffix
+        if body.suffix:  # fill in the middle: what goes between each prompt and the suffix ("": none)
             if body.echo or not all(isinstance(p, str) for p in prompts):
                 raise ApiError(400, "suffix takes prompts as text, without echo", param="suffix")
             try:
