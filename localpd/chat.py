@@ -12,6 +12,7 @@ from localpd.chat_template import think_vars
 from localpd.device import DeviceInfo, device_info
 from localpd.engine import Engine, GenerationStats
 from localpd.errors import LocalpdError
+from localpd.pattern import choice_pattern
 from localpd.reasoning import reply_split
 from localpd.roofline import decode_ceiling_tps
 from localpd.sampling import SamplingParams
@@ -37,10 +38,12 @@ SETTINGS = {  # /set name -> (SamplingParams field, parser)
 
 
 def params_from_args(args) -> SamplingParams:
+    choices, regex = getattr(args, "choice", None), getattr(args, "regex", None)
     return SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
         repetition_penalty=args.repeat_penalty, max_tokens=args.max_tokens, seed=args.seed, stop=list(args.stop),
         json_object=getattr(args, "format", None) is not None, json_schema=getattr(args, "format", None) or None,
+        regex=choice_pattern(choices) if choices else regex,
     ).validate()
 
 

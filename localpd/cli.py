@@ -66,6 +66,23 @@ def format_arg(text: str) -> dict:
     return schema
 
 
+def nonempty(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
+def regex_arg(text: str) -> str:
+    """--regex: a pattern localpd can hold, checked now."""
+    from localpd.pattern import PatternError, compiled
+
+    try:
+        compiled(text, whole=True)
+    except PatternError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def kv_dtype_arg(text: str) -> str:
     try:
         kv_formats(text)
@@ -86,9 +103,15 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--think", choices=["on", "off"],
                       help="thinking models (Qwen3): reason in a <think> block first, or answer at once (default: "
                            "the model's own choice)")
-    chat.add_argument("--format", type=format_arg, metavar="json|SCHEMA.json",
-                      help="json: every reply is one JSON object; a JSON schema file: one value of that schema "
-                           "(constrained decoding)")
+    shape = chat.add_mutually_exclusive_group()
+    shape.add_argument("--format", type=format_arg, metavar="json|SCHEMA.json",
+                       help="json: every reply is one JSON object; a JSON schema file: one value of that schema "
+                            "(constrained decoding)")
+    shape.add_argument("--regex", type=regex_arg, metavar="PATTERN",
+                       help="every reply is a whole match of this regular expression (ECMA's regular part, as the "
+                            "server's guided_regex)")
+    shape.add_argument("--choice", action="append", type=nonempty, metavar="TEXT",
+                       help="every reply is one of these texts (repeatable; the server's guided_choice)")
     add_model_options(chat)
     add_sampling_options(chat)
 

@@ -75,6 +75,22 @@ def test_embed_prints_one_unit_vector_a_line_as_the_engine_computes_it(default_g
     assert "context" in one_line_error(localpd(["embed", str(default_gguf), "word " * 3000, "--ctx", "256"]))
 
 
+def test_regex_and_choice_hold_the_reply(default_gguf):
+    r = localpd(["chat", str(default_gguf), "What is the capital of France?", "--regex", "The [a-z ]+ is [A-Z][a-z]+\\.",
+                 "--temperature", "0", "--max-tokens", "24"])
+    assert r.returncode == 0, r.stderr
+    import re
+
+    assert re.fullmatch(r"The [a-z ]+ is [A-Z][a-z]+\.", r.stdout.strip()), r.stdout
+    picked = localpd(["chat", str(default_gguf), "Is Paris in France? Answer yes or no.", "--choice", "yes",
+                      "--choice", "no", "--temperature", "0"])
+    assert picked.returncode == 0 and picked.stdout.strip() in ("yes", "no"), picked.stderr
+    assert "lookaround" in one_line_error(localpd(["chat", str(default_gguf), "Hi", "--regex", "(?=a)"]), code=2)
+    assert "not allowed with" in one_line_error(localpd(["chat", str(default_gguf), "Hi", "--regex", "a",
+                                                         "--format", "json"]), code=2)
+    assert "must not be empty" in one_line_error(localpd(["chat", str(default_gguf), "Hi", "--choice", ""]), code=2)
+
+
 def test_verbose_prints_timings(default_gguf):
     r = localpd(["chat", str(default_gguf), "Hi", "--temperature", "0", "--max-tokens", "8", "--verbose"])
     assert r.returncode == 0, r.stderr
