@@ -499,14 +499,15 @@ class Engine:
             if logits is None:
                 batch = self._batch(work)
                 timer.start()
-                if any(embeds):
-                    logits, hidden = self.model.forward(batch, self.kv, hidden=True)
+                if any(embeds):  # the output head only where some row samples a token
+                    logits, hidden = self.model.forward(batch, self.kv, hidden=True, logits=not all(embeds))
                 else:
                     logits = self.model.forward(batch, self.kv)
             timer.stop()
             self.scheduler.finish_step(work)
-            outcomes = [F.normalize(hidden[i], dim=0).tolist() if embed else self._sample(self._requests[w.seq], row)
-                        for i, (w, row, embed) in enumerate(zip(samples, logits, embeds))]
+            outcomes = [F.normalize(hidden[i], dim=0).tolist() if embed
+                        else self._sample(self._requests[w.seq], logits[i])
+                        for i, (w, embed) in enumerate(zip(samples, embeds))]
         except Exception as e:  # a failed step fails its requests, never the engine
             log.exception("engine step failed")
             for w in work:
@@ -514,7 +515,8 @@ class Engine:
                     self._finish(self._requests[w.seq], TokenEvent(None, "", "error", error=f"{type(e).__name__}: {e}"))
             return
         now = time.perf_counter()
-        cost = step_cost(self.model, [(w.start, w.n) for w in work], self.kv_traffic, len(samples))
+        head_rows = 0 if all(embeds) else len(samples)  # rows the output head ran on
+        cost = step_cost(self.model, [(w.start, w.n) for w in work], self.kv_traffic, head_rows)
         step = StepStats(phase_of(work), sum(w.n for w in work), timer.seconds(now - t0), len(work), cost.bytes,
                          cost.flops, now - t0)
         for w, outcome, embed in zip(samples, outcomes, embeds):

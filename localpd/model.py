@@ -262,10 +262,11 @@ class Transformer:
         return angles.cos() * scale, angles.sin() * scale
 
     @torch.inference_mode()
-    def forward(self, batch: Batch, kv: KVPool, hidden: bool = False):
+    def forward(self, batch: Batch, kv: KVPool, hidden: bool = False, logits: bool = True):
         """Run a step's tokens, writing their keys and values into the paged cache; returns the float32 logits
-        of batch.logit_rows ([R, vocab]), and with hidden also their last hidden states, the final norm applied
-        ([R, dim], float32: what an embedding pools). x is the residual stream and out the last sublayer's
+        of batch.logit_rows ([R, vocab]), and with hidden (logits, their last hidden states with the final norm
+        applied ([R, dim], float32: what an embedding pools)), the logits None without logits (a step of
+        embeddings alone does not run the output head). x is the residual stream and out the last sublayer's
         output, not yet added to it: each projection after a norm adds it and normalises (QuantLinear.normed)."""
         c = self.config
         T = batch.tokens.shape[0]
@@ -306,10 +307,10 @@ class Transformer:
             if layer.mlp_out_norm is not None:
                 out = add_rms_norm(out, None, layer.mlp_out_norm, c.norm_eps)[0]
         rows = batch.logit_rows
-        logits, _ = normed(self.lm_head, out[rows], x[rows], self.norm, c.norm_eps)
+        scores = normed(self.lm_head, out[rows], x[rows], self.norm, c.norm_eps)[0].float() if logits else None
         if hidden:
-            return logits.float(), add_rms_norm(out[rows], x[rows], self.norm, c.norm_eps)[0].float()
-        return logits.float()
+            return scores, add_rms_norm(out[rows], x[rows], self.norm, c.norm_eps)[0].float()
+        return scores
 
     def _body(self):
         linears = [l for L in self.layers for l in (L.qkv, L.o, L.gate_up, L.down)]

@@ -136,5 +136,11 @@ def test_an_embedding_is_the_last_positions_final_hidden_state_normalised(engine
     assert [ev.finish_reason for ev in busy][-1] in ("stop", "length")
     assert torch.allclose(again, vectors[0], atol=1e-5) and engine.stats().prefix_hit_tokens > 0
     assert (vectors[0] @ vectors[1]).item() < 0.99
+    from localpd.roofline import step_cost
+
+    fresh = tok("Plums are purple.").input_ids  # a step of this embedding alone, cold: the output head does not run
+    [last] = list(engine.embed(fresh))
+    assert last.stats.bytes == step_cost(engine.model, [(0, len(fresh))], engine.kv_traffic, 0).bytes
+    assert torch.allclose(torch.tensor(last.embedding), torch.tensor(engine.embedding(fresh)), atol=1e-6)
     s = engine.stats()
     assert s.running == 0 and s.kv_pages_used == 0
