@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from localpd.errors import LocalpdError
+from localpd.kernels import cpu
 from localpd.quant.bnb import LLM_INT8_THRESHOLD, BnbInt8Weight, Nf4Weight, bitsandbytes, nf4_code
 from localpd.quant.weights import Int4Weight, Int8Weight
 
@@ -197,20 +198,29 @@ def _linear(x, w_shape, run, gated=None, norm=None):
     return y[0].reshape(*lead, w_shape[0]), y[1].reshape(x.shape)
 
 
+def _int_matmul(x: torch.Tensor, w: Int4Weight | Int8Weight, bias, norm):
+    """The implementation for this product: Triton on CUDA (or under the interpreter), localpd's CPU kernels where
+    they take it (kernels/cpu.py), else the torch reference. Each is called as fn(x2, w, bias, gated, norm)."""
+    int4 = isinstance(w, Int4Weight)
+    if use_triton(x):
+        fn = _triton_fn("int4" if int4 else "int8")
+    elif cpu.takes_linear(x, w, bias, norm):
+        return functools.partial(cpu.linear, cpu.library())
+    else:
+        fn = int4_matmul_ref if int4 else int8_matmul_ref
+    tensors = (w.packed, w.scales, w.biases) if int4 else (w.data, w.scales)
+    return lambda x2, _, b, g, n: fn(x2, *tensors, w.group, bias=b, gated=g, norm=n)
+
+
 def linear_int4(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None, gated: str | None = None,
                 norm: PreNorm | None = None):
     """x @ W.T (+ bias); gated ("silu" or "gelu_tanh"): x = [gate | up] and the product is (act(gate) * up) @ W.T;
     norm: the product is RMSNorm(x + residual) @ W.T, returned with x + residual (PreNorm)."""
-    fn = _triton_fn("int4") if use_triton(x) else int4_matmul_ref
-    return _linear(x, w.shape, lambda x2, n: fn(x2, w.packed, w.scales, w.biases, w.group, bias=bias, gated=gated,
-                                                 norm=n), gated, norm)
+    fn = _int_matmul(x, w, bias, norm)
+    return _linear(x, w.shape, lambda x2, n: fn(x2, w, bias, gated, n), gated, norm)
 
 
-def linear_int8(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None, gated: str | None = None,
-                norm: PreNorm | None = None):
-    fn = _triton_fn("int8") if use_triton(x) else int8_matmul_ref
-    return _linear(x, w.shape, lambda x2, n: fn(x2, w.data, w.scales, w.group, bias=bias, gated=gated, norm=n),
-                   gated, norm)
+linear_int8 = linear_int4  # the same dispatch: the weight's type picks the kernel
 
 
 def bnb_matmul_ref(x: torch.Tensor, w: Nf4Weight | BnbInt8Weight) -> torch.Tensor:

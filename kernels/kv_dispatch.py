@@ -1,4 +1,5 @@
-"""Writing keys and values into KV pages and attending over them: the torch references, which the CPU runs.
+"""Writing keys and values into KV pages and attending over them: the torch references, and launchers of the
+Triton kernels (CUDA) and of localpd's CPU kernels (fp32 pages; kernels/cpu.py).
 
 paged_attention serves every kind of step: query rows are B sequences concatenated (q_starts), sequence b's
 keys are positions 0 .. seq_lens[b] - 1 (its new tokens' included, written first), and query row j of a
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from localpd.kernels import cpu
 from localpd.kernels.dispatch import cdiv, sm_count, use_triton
 from localpd.kernels.fused_dispatch import rope, triton_block
 from localpd.quant.kv import PER_PAGE, KVLayer, dequantize_kv, quantize_kv
@@ -206,6 +208,8 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer
     """rope_write_kv_ref in one kernel launch (where three would run: RoPE, the key write, the value write)."""
     T = qkv.shape[0]
     D = qkv.shape[1] // (n_heads + 2 * n_kv_heads)
+    if not use_triton(qkv) and cpu.takes_rope_write(qkv, cos, sin, layer):
+        return cpu.rope_write(cpu.library(), qkv, cos, sin, layer, slots, n_heads, n_kv_heads)
     if (not (use_triton(qkv) and triton_supports(layer, D)) or qkv.stride(-1) != 1 or cos.stride(-1) != 1
             or "fp8" in (layer.k_format, layer.v_format)):  # fp8 pages are written by torch (see write_kv)
         return rope_write_kv_ref(qkv, cos, sin, layer, slots, n_heads, n_kv_heads, stage_slots)
@@ -262,6 +266,8 @@ def paged_attention(q: torch.Tensor, layer: KVLayer, page_table: torch.Tensor, s
     reading the device), else the prefill kernel."""
     T, Hq, D = q.shape
     DP = triton_block(D)
+    if not use_triton(q) and cpu.takes_attention(q, layer):
+        return cpu.attention(cpu.library(), q, layer, page_table, seq_lens, q_starts, scale, window)
     if not (use_triton(q) and triton_supports(layer, D)):
         return paged_attention_ref(q, layer, page_table, seq_lens, q_starts, scale, window)
     from localpd.kernels.paged_attention import decode_kernel, decode_reduce_kernel, prefill_kernel

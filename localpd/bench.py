@@ -20,6 +20,7 @@ import torch
 from localpd.device import DeviceInfo, describe, device_info
 from localpd.engine import Engine, StepStats
 from localpd.roofline import step_cost, utilisation
+from localpd.schemes import default_scheme
 from localpd.sampling import SamplingParams
 
 
@@ -159,7 +160,7 @@ def fits(args, engine_name: str, device: torch.device) -> str:
         return ""
     from localpd.synthetic import synthetic_nbytes
 
-    need = synthetic_nbytes(args.synthetic, args.quant or ("fp32" if device.type == "cpu" else "native"))
+    need = synthetic_nbytes(args.synthetic, args.quant or default_scheme(device))
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
     else:

@@ -35,7 +35,7 @@ from localpd.registry import resolve_model
 from localpd.roofline import step_cost
 from localpd.sampling import Sampler, SamplingParams
 from localpd.scheduler import MAX_RUNNING, MAX_STEP_TOKENS, Scheduler, Sequence, Work
-from localpd.schemes import check_scheme, compute_dtype, group_notes
+from localpd.schemes import check_scheme, compute_dtype, default_scheme, group_notes
 from localpd.stops import StopMatcher
 from localpd.tokenizer import IncrementalDetokenizer, Tokenizer
 from localpd.tools import check_tools
@@ -226,8 +226,8 @@ class Engine:
                  kv: str | None = None, max_context: int | None = None, kv_memory: str | int | None = None,
                  kv_tokens: int | None = None, progress: bool = False, max_step_tokens: int = MAX_STEP_TOKENS,
                  max_running: int = MAX_RUNNING, cuda_graphs: bool = True):
-        """quant: a weight scheme (localpd.schemes.SCHEMES); by default the file's own format on a GPU ("native")
-        and float32 on the CPU. kv: the KV cache dtype (localpd.quant.kv.KV_DTYPES); by default the compute
+        """quant: a weight scheme (localpd.schemes.SCHEMES); by default the file's own format ("native"; on a
+        CPU without localpd's CPU kernels, float32: schemes.default_scheme). kv: the KV cache dtype (localpd.quant.kv.KV_DTYPES); by default the compute
         dtype. kv_memory: bytes for the KV cache (default: most of the free GPU memory; on the CPU room for
         two full contexts); or kv_tokens: room for that many tokens. cuda_graphs: replay decode steps as CUDA
         graphs on a GPU (localpd.cuda_graph)."""
@@ -235,7 +235,7 @@ class Engine:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise LocalpdError("--device cuda asked for, but torch sees no CUDA GPU")
         prequantized = is_quantized_dir(Path(str(model)))  # `localpd quantize` output: run as stored
-        self.quant = check_scheme(quant or ("fp32" if self.device.type == "cpu" and not prequantized else "native"))
+        self.quant = check_scheme(quant or default_scheme(self.device, prequantized))
         self.compute_dtype = compute_dtype(self.quant, self.device)
         loaded = self._load(str(model), progress)
         self.config = loaded.config

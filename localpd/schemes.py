@@ -25,6 +25,18 @@ def check_scheme(scheme: str) -> str:
     return scheme
 
 
+def default_scheme(device: torch.device, prequantized: bool = False) -> str:
+    """The file's own format ("native"), on the GPU's kernels or the CPU's (localpd.kernels.cpu); on a CPU where
+    those could not be built, float32 (the int4/int8 references dequantize every matrix at every step), unless
+    the model is a `localpd quantize` directory, which runs as stored."""
+    if device.type == "cpu" and not prequantized:
+        from localpd.kernels import cpu
+
+        if cpu.unavailable():
+            return "fp32"
+    return "native"
+
+
 def compute_dtype(scheme: str, device: torch.device) -> torch.dtype:
     """The dtype of activations (and of dense weights): a dense scheme's own, else fp32 on CPU, bf16 on GPU."""
     if scheme in DENSE:

@@ -1,0 +1,257 @@
+"""localpd's CPU kernels (kernels/cpu_kernels.c): int4/int8 weight-only matmuls on int8-rounded activations, paged
+attention over fp32 pages, RoPE with the KV write. They are what the CPU runs in place of the torch references.
+
+The C file is built on first use with the machine's C compiler (`cc`, or $CC) for this processor (-march=native:
+AVX512-VNNI, AVX2 or plain C, whichever it has), kept under $LOCALPD_HOME/cpu-kernels keyed by the source, the
+flags and the processor, and loaded with ctypes. Where that fails (no compiler, say), or LOCALPD_CPU_KERNELS=0,
+the torch references run instead and `unavailable()` says why. Each call's work is shared by torch's thread count
+(torch.set_num_threads, `--threads`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from localpd.quant.weights import Int4Weight, Int8Weight
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+FLAGS = ("-O3", "-ffast-math", "-fno-finite-math-only", "-fPIC", "-shared", "-pthread")
+PRE = {None: 0, "norm": 1, "silu": 2, "gelu_tanh": 3}  # lpd_linear's input steps
+
+_P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
+SIGNATURES = {
+    "lpd_isa": ([], ctypes.c_char_p),
+    "lpd_threads": ([], ctypes.c_char_p),
+    "lpd_linear": ([_I, _P, _P, _P, _F, _P, _I, _I, _I, _P, _P, _P, _I, _I, _P, _P, _I], _I),
+    "lpd_attention": ([_P, _L, _L, _I, _I, _I, _P, _P, _I, _I, _P, _L, _P, _P, _I, _F, _I, _P, _I], _I),
+    "lpd_rope_write": ([_P, _L, _I, _I, _I, _I, _P, _P, _L, _P, _P, _P], None),
+    "lpd_dequantize": ([_I, _P, _P, _P, _I, _I, _I, _I, _P, _I], None),
+}
+# From this many rows on, a product dequantizes its weight a slice at a time and multiplies in float32 with
+# torch's GEMM (compute-bound prefill), where fewer rows (decode) take lpd_linear's int8 dot products.
+GEMM_ROWS = 16
+GEMM_SLICE = 1 << 22  # weight elements dequantized at a time (16 MiB of float32)
+
+
+def march_flags(march: str = "native") -> list[str]:
+    """The flag that builds for a processor: -march on x86, -mcpu on ARM (where gcc and clang name it so)."""
+    arm = platform.machine().lower() in ("arm64", "aarch64")
+    return [f"-mcpu={march}" if arm else f"-march={march}"]
+
+
+def _cache_dir() -> Path:
+    home = os.environ.get("LOCALPD_HOME") or str(Path.home() / ".cache" / "localpd")
+    return Path(home) / "cpu-kernels"
+
+
+def _processor() -> str:
+    """What -march=native builds for: the processor's model and feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    keep = [l for l in lines if l.startswith(("model name", "flags", "Features", "CPU part"))]
+    return "\n".join(dict.fromkeys(keep))
+
+
+def torch_openmp() -> Path | None:
+    """torch's own OpenMP runtime (libgomp) where it ships one: the kernels link to it, so that their threads are
+    torch's threads (two runtimes would each spin on the cores the other needs)."""
+    found = sorted((Path(torch.__file__).parent / "lib").glob("libgomp*.so*"))
+    return found[0] if found else None
+
+
+def _compile(cc: str, flags: list[str], openmp: Path | None, out: Path) -> subprocess.CompletedProcess:
+    if openmp is None:
+        return subprocess.run([cc, *flags, "-o", str(out), str(SOURCE), "-lm"], capture_output=True, text=True)
+    obj = out.with_suffix(".o")  # compiled with -fopenmp, linked to torch's runtime rather than the system's
+    run = subprocess.run([cc, *flags, "-fopenmp", "-c", "-o", str(obj), str(SOURCE)], capture_output=True, text=True)
+    if run.returncode != 0:
+        return run
+    return subprocess.run([cc, *flags, "-o", str(out), str(obj), str(openmp), f"-Wl,-rpath,{openmp.parent}", "-lm"],
+                          capture_output=True, text=True)
+
+
+def build(march: str = "native", out_dir: Path | None = None, openmp: bool = True) -> Path:
+    """The compiled library for `march` (built now unless already kept); raises RuntimeError with the reason.
+    openmp: share torch's OpenMP threads where it can (else a thread pool of the library's own)."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if not cc:
+        raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
+    flags = [*FLAGS, *march_flags(march)]
+    runtime = torch_openmp() if openmp else None
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, " ".join([cc, *flags, str(runtime)]).encode(),
+                                     _processor().encode()])).hexdigest()
+    out_dir = out_dir or _cache_dir()
+    lib = out_dir / f"localpd_cpu_{march}_{key[:16]}.so"
+    if lib.exists():
+        return lib
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        part = Path(tmp) / lib.name
+        run = _compile(cc, flags, runtime, part)
+        if run.returncode != 0 and runtime is not None:
+            return build(march, out_dir, openmp=False)
+        if run.returncode != 0:
+            first = (run.stderr.strip().splitlines() or ["no output"])[0]
+            raise RuntimeError(f"{Path(cc).name} failed to build {SOURCE.name}: {first}")
+        os.replace(part, lib)  # atomic: a concurrent build of the same key writes the same file
+    return lib
+
+
+def open_library(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    for name, (args, res) in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, res
+    return lib
+
+
+_why_not: list[str] = []
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The kernels built for this processor, or None (unavailable() says why, and a line on stderr once)."""
+    if os.environ.get("LOCALPD_CPU_KERNELS", "1").lower() in ("0", "false", "no"):
+        _why_not.append("LOCALPD_CPU_KERNELS=0")
+        return None
+    try:
+        return open_library(build())
+    except (RuntimeError, OSError) as e:
+        _why_not.append(str(e))
+        print(f"localpd: CPU kernels unavailable ({e}); the torch reference path runs instead", file=sys.stderr)
+        return None
+
+
+def unavailable() -> str | None:
+    """Why the CPU kernels do not run (None when they do)."""
+    return None if library() is not None else _why_not[-1]
+
+
+def describe() -> str:
+    """Which CPU path runs, in words (chat --verbose, bench)."""
+    lib = library()
+    if lib is None:
+        return f"CPU path: torch references ({unavailable()})"
+    return (f"CPU path: localpd kernels ({lib.lpd_isa().decode()}, {torch.get_num_threads()} threads, "
+            f"{lib.lpd_threads().decode()})")
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _f32(t: torch.Tensor | None) -> bool:
+    return t is None or (t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu")
+
+
+def takes_linear(x: torch.Tensor, w, bias, norm) -> bool:
+    """Whether lpd_linear takes this product: fp32 rows on the CPU, an int4 or int8 weight whose groups and width
+    are whole blocks of 32, fp32 bias and norm tensors."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or not isinstance(w, (Int4Weight, Int8Weight)):
+        return False
+    k = w.shape[1]
+    if k % 32 or w.group % 32 or not _f32(bias) or library() is None:
+        return False
+    return norm is None or (_f32(norm.weight) and (norm.residual is None or norm.residual.dtype == torch.float32))
+
+
+def _weight_args(w: Int4Weight | Int8Weight) -> tuple:
+    if isinstance(w, Int4Weight):
+        return 4, _ptr(w.packed), _ptr(w.scales), _ptr(w.biases)
+    return 8, _ptr(w.data), _ptr(w.scales), None
+
+
+def linear(lib, x: torch.Tensor, w: Int4Weight | Int8Weight, bias=None, gated: str | None = None, norm=None):
+    """int4_matmul_ref / int8_matmul_ref (kernels/dispatch.py) on x [M, K or 2K] with the same arguments."""
+    x = x.contiguous()
+    n, k = w.shape
+    m = x.shape[0]
+    if m >= GEMM_ROWS:
+        return _gemm(lib, x, w, bias, gated, norm)
+    y = torch.empty(m, n, dtype=torch.float32)
+    s = res = nw = None
+    eps = 0.0
+    if norm is not None:
+        s = torch.empty(m, k, dtype=torch.float32)
+        res = None if norm.residual is None else norm.residual.contiguous()
+        nw, eps = norm.weight, norm.eps
+    if m and lib.lpd_linear(PRE["norm" if norm is not None else gated], _ptr(x), _ptr(res), _ptr(nw), eps, _ptr(s),
+                            m, k, *_weight_args(w), w.group, n, _ptr(bias), _ptr(y), torch.get_num_threads()):
+        raise MemoryError("lpd_linear could not allocate its scratch")
+    return y if norm is None else (y, s)
+
+
+def _gemm(lib, x, w, bias, gated, norm):
+    """linear() for many rows: the input step in torch, then float32 GEMMs against the weight dequantized a slice
+    of rows at a time (the slice buffer is all the extra memory it takes)."""
+    from localpd.kernels.fused_dispatch import act_mul_ref, add_rms_norm_ref  # it imports dispatch, which imports us
+
+    s = None
+    if norm is not None:
+        x, s = add_rms_norm_ref(x, norm.residual, norm.weight, norm.eps)
+    elif gated:
+        x = act_mul_ref(x, gated)
+    n, k = w.shape
+    rows = max(1, min(n, GEMM_SLICE // k))
+    y = torch.empty(x.shape[0], n, dtype=torch.float32)
+    part = torch.empty(rows, k, dtype=torch.float32)
+    args = _weight_args(w)
+    for n0 in range(0, n, rows):
+        n1 = min(n, n0 + rows)
+        lib.lpd_dequantize(*args, w.group, k, n0, n1, _ptr(part), torch.get_num_threads())
+        torch.mm(x, part[:n1 - n0].T, out=y[:, n0:n1]) if rows == n else y[:, n0:n1].copy_(x @ part[:n1 - n0].T)
+    if bias is not None:
+        y += bias
+    return y if norm is None else (y, s)
+
+
+def takes_attention(q: torch.Tensor, layer) -> bool:
+    """fp32 queries (unit stride along head_dim) over fp32 keys and values."""
+    return (q.device.type == "cpu" and q.dtype == torch.float32 and q.stride(-1) == 1 and layer.k.dtype == torch.float32
+            and layer.v.dtype == torch.float32 and layer.k.is_contiguous() and layer.v.is_contiguous()
+            and library() is not None)
+
+
+def attention(lib, q, layer, page_table, seq_lens, q_starts, scale: float, window: int = 0) -> torch.Tensor:
+    """paged_attention_ref (kernels/kv_dispatch.py) with the same arguments."""
+    T, Hq, D = q.shape
+    out = torch.empty(T, Hq, D, dtype=torch.float32)
+    pt, lens, starts = (t.to(torch.int32).contiguous() for t in (page_table, seq_lens, q_starts))
+    if T:
+        lib.lpd_attention(_ptr(q), q.stride(0), q.stride(1), T, Hq, D, _ptr(layer.k), _ptr(layer.v), layer.page_size,
+                          layer.k.shape[2], _ptr(pt), pt.stride(0), _ptr(lens), _ptr(starts), lens.shape[0], scale,
+                          window, _ptr(out), torch.get_num_threads())
+    return out
+
+
+def takes_rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer) -> bool:
+    """fp32 rows and pages (no per-page format, so no stage to write)."""
+    return (qkv.device.type == "cpu" and qkv.dtype == torch.float32 and qkv.stride(-1) == 1 and cos.stride(-1) == 1
+            and sin.stride() == cos.stride() and cos.dtype == sin.dtype == torch.float32 and layer.k.dtype == torch.float32 and layer.v.dtype == torch.float32
+            and layer.k.is_contiguous() and layer.v.is_contiguous() and layer.k_stage is None and layer.v_stage is None
+            and library() is not None)
+
+
+def rope_write(lib, qkv, cos, sin, layer, slots, n_heads: int, n_kv_heads: int) -> torch.Tensor:
+    """rope_write_kv_ref (kernels/kv_dispatch.py) with the same arguments."""
+    T = qkv.shape[0]
+    D = qkv.shape[1] // (n_heads + 2 * n_kv_heads)
+    slots = slots.to(torch.int64).contiguous()
+    if T:
+        lib.lpd_rope_write(_ptr(qkv), qkv.stride(0), T, n_heads, n_kv_heads, D, _ptr(cos), _ptr(sin), cos.stride(0),
+                           _ptr(slots), _ptr(layer.k), _ptr(layer.v))
+    return qkv.view(T, -1, D)[:, :n_heads]

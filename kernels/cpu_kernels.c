@@ -1,0 +1,659 @@
+/* localpd's CPU kernels, called through ctypes (kernels/cpu.py builds this file with the machine's C compiler at
+ * first use, -O3 -march=native, and caches the library).
+ *
+ * - lpd_linear: y = x @ W.T (+ bias) for an int4 (group-wise scale + bias) or int8 (group-wise scale) weight as
+ *   quant/weights.py stores it, with the input step fused in front (residual add + RMSNorm, or act(gate) * up).
+ *   The input rows are rounded to int8 in blocks of 32 (one float scale a block, as llama.cpp's Q8 blocks), and
+ *   each block's products are summed in int32 (AVX512-VNNI vpdpbusd, AVX2 pmaddubsw, or plain C), then scaled.
+ * - lpd_attention: paged attention over fp32 keys and values (decode rows and causal prefill chunks, GQA, sliding
+ *   windows), softmax in float.
+ * - lpd_rope_write: RoPE on the query and key heads of a qkv row, in place, and the key and value heads written
+ *   into their fp32 KV slots.
+ * Each has a torch reference with the same arguments (kernels/dispatch.py, kernels/kv_dispatch.py), which the tests
+ * compare it with. Work is shared by a small pool of threads that spin between calls, then sleep. */
+#include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define cpu_relax() _mm_pause()
+#else
+#define cpu_relax() ((void)0)
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define LPD_ISA "avx512-vnni"
+#define LPD_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define LPD_ISA "avx2"
+#define LPD_AVX2 1
+#else
+#define LPD_ISA "c"
+#endif
+
+const char *lpd_isa(void) { return LPD_ISA; }
+
+/* ------------------------------------------------------------------------------------------------------------
+ * Threads. Built with OpenMP (linked to torch's own runtime, kernels/cpu.py), a call's shares run on the same team
+ * of threads as torch's operators, so that neither spins on a core the other needs. Without it, a small pool of
+ * our own: workers 1..n-1 wait for a new generation, run their share, count down; the caller runs share 0. */
+typedef void (*task_fn)(void *ctx, int ith, int nth);
+
+#if defined(_OPENMP)
+#include <omp.h>
+const char *lpd_threads(void) { return "openmp"; }
+
+static void parallel(task_fn fn, void *ctx, int nth) {
+    if (nth <= 1) {
+        fn(ctx, 0, 1);
+        return;
+    }
+#pragma omp parallel num_threads(nth)
+    fn(ctx, omp_get_thread_num(), omp_get_num_threads());
+}
+#else
+const char *lpd_threads(void) { return "pthreads"; }
+
+#define MAX_THREADS 64
+#define SPINS 20000
+
+static pthread_t workers[MAX_THREADS];
+static int n_workers;
+static atomic_uint generation;
+static atomic_int pending, sleeping;
+static task_fn task;
+static void *task_ctx;
+static int task_nth;
+static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t pool_cv = PTHREAD_COND_INITIALIZER;
+
+static unsigned start_generation[MAX_THREADS]; /* the generation a worker was started at: it runs the next one */
+
+static void *worker_main(void *arg) {
+    int id = (int)(intptr_t)arg;
+    unsigned seen = start_generation[id];
+    for (;;) {
+        unsigned g;
+        int spins = 0;
+        while ((g = atomic_load_explicit(&generation, memory_order_acquire)) == seen) {
+            if (++spins < SPINS) {
+                cpu_relax();
+                continue;
+            }
+            pthread_mutex_lock(&pool_mu);
+            atomic_fetch_add(&sleeping, 1);
+            while (atomic_load(&generation) == seen) pthread_cond_wait(&pool_cv, &pool_mu);
+            atomic_fetch_sub(&sleeping, 1);
+            pthread_mutex_unlock(&pool_mu);
+            spins = 0;
+        }
+        seen = g;
+        if (id < task_nth) task(task_ctx, id, task_nth);
+        atomic_fetch_sub_explicit(&pending, 1, memory_order_release);
+    }
+    return NULL;
+}
+
+static pthread_mutex_t call_mu = PTHREAD_MUTEX_INITIALIZER; /* one caller at a time (ctypes drops the GIL) */
+
+static void parallel(task_fn fn, void *ctx, int nth) {
+    if (nth > MAX_THREADS) nth = MAX_THREADS;
+    if (nth <= 1) {
+        fn(ctx, 0, 1);
+        return;
+    }
+    pthread_mutex_lock(&call_mu);
+    while (n_workers < nth - 1) {
+        start_generation[n_workers + 1] = atomic_load(&generation);
+        if (pthread_create(&workers[n_workers], NULL, worker_main, (void *)(intptr_t)(n_workers + 1)) != 0) break;
+        n_workers++;
+    }
+    if (n_workers < nth - 1) nth = n_workers + 1;
+    task = fn;
+    task_ctx = ctx;
+    task_nth = nth;
+    atomic_store(&pending, n_workers);
+    atomic_fetch_add(&generation, 1);
+    if (atomic_load(&sleeping)) {
+        pthread_mutex_lock(&pool_mu);
+        pthread_cond_broadcast(&pool_cv);
+        pthread_mutex_unlock(&pool_mu);
+    }
+    fn(ctx, 0, nth);
+    for (int spins = 0; atomic_load_explicit(&pending, memory_order_acquire); spins++) {
+        if (spins < 4096) cpu_relax();
+        else sched_yield(); /* a worker that is not running (more threads than free cores) needs this core */
+    }
+    pthread_mutex_unlock(&call_mu);
+}
+#endif
+
+static void share(int n, int ith, int nth, int *lo, int *hi) { /* [lo, hi) of n items for thread ith */
+    *lo = (int)((long)n * ith / nth);
+    *hi = (int)((long)n * (ith + 1) / nth);
+}
+
+/* Scratch that lives as long as the calling thread: grown, never shrunk. */
+static void *scratch(void **buf, size_t *cap, size_t need) {
+    if (need > *cap) {
+        free(*buf);
+        *buf = aligned_alloc(64, (need + 63) / 64 * 64);
+        *cap = *buf ? need : 0;
+    }
+    return *buf;
+}
+
+static inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: normalise */
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) { man <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000 | (man << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+/* ------------------------------------------------------------------------------------------------------------
+ * The input step and the activations' int8 blocks. */
+enum { PRE_NONE = 0, PRE_NORM = 1, PRE_SILU = 2, PRE_GELU_TANH = 3 };
+
+static inline float silu(float g) { return g / (1.0f + expf(-g)); }
+static inline float gelu_tanh(float g) {
+    return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+}
+
+/* Row h of the matmul's input, in float, from input row x (K floats, or 2K for a gate): x as it is; RMSNorm(x +
+ * residual) * norm_w, storing x + residual in sum_out; or act(gate) * up. */
+static void input_row(int pre, const float *x, const float *residual, const float *norm_w, float eps, float *sum_out,
+                      int K, float *h) {
+    if (pre == PRE_NORM) {
+        float ss = 0.f;
+        for (int k = 0; k < K; k++) {
+            float s = residual ? x[k] + residual[k] : x[k];
+            sum_out[k] = s;
+            ss += s * s;
+        }
+        float r = 1.0f / sqrtf(ss / K + eps);
+        for (int k = 0; k < K; k++) h[k] = sum_out[k] * r * norm_w[k];
+    } else if (pre == PRE_SILU) {
+        for (int k = 0; k < K; k++) h[k] = silu(x[k]) * x[K + k];
+    } else if (pre == PRE_GELU_TANH) {
+        for (int k = 0; k < K; k++) h[k] = gelu_tanh(x[k]) * x[K + k];
+    } else {
+        memcpy(h, x, sizeof(float) * K);
+    }
+}
+
+/* Blocks of 32 values to int8 with scale amax / 127; `deint` stores each block's even columns first, then its odd
+ * ones (the order of an int4 block's low and high nibbles). */
+static void quantize_row(const float *h, int K, int deint, int8_t *q, float *d, int32_t *isum) {
+    for (int b = 0; b < K / 32; b++) {
+        const float *v = h + b * 32;
+        float amax = 0.f;
+        for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(v[j]));
+        float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+        int32_t s = 0;
+        for (int j = 0; j < 32; j++) {
+            int8_t c = (int8_t)lrintf(v[j] * inv);
+            int at = deint ? (j & 1) * 16 + (j >> 1) : j;
+            q[b * 32 + at] = c;
+            s += c;
+        }
+        d[b] = scale;
+        isum[b] = s;
+    }
+}
+
+/* ------------------------------------------------------------------------------------------------------------
+ * The products. Weight row n: int4 `w4` K/2 bytes (byte i: column 2i low nibble, 2i+1 high), or int8 `w8` K bytes;
+ * scales (and int4 biases) float16, one per group of columns. ds[b] = the weight's scale times the activation
+ * block's scale: the factor of block b's integer sum. */
+typedef struct {
+    int M, N, K, group, bits;
+    const int8_t *xq;
+    const float *xd;
+    const int32_t *xsum;
+    const uint8_t *w;
+    const uint16_t *scales, *biases;
+    const float *bias;
+    float *y;
+} gemm_args;
+
+/* Integer sums of weight row `wrow` against activation rows xq[0..mm) (row stride K), all nb blocks: out[m * nb + b]. */
+static void block_sums(const gemm_args *a, const uint8_t *wrow, const int8_t *xq, int mm, int32_t *out) {
+    int K = a->K, nb = K / 32;
+    for (int b = 0; b < nb; b++) {
+#if defined(LPD_AVX512) || defined(LPD_AVX2)
+        __m256i wv;
+        if (a->bits == 4) {
+            __m128i raw = _mm_loadu_si128((const __m128i *)(wrow + b * 16));
+            __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(15));
+            __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(15));
+            wv = _mm256_set_m128i(hi, lo);
+        } else {
+            wv = _mm256_loadu_si256((const __m256i *)(wrow + b * 32));
+        }
+        for (int m = 0; m < mm; m++) {
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (size_t)m * K + b * 32));
+            __m256i p16;
+            if (a->bits == 4) {
+                p16 = _mm256_maddubs_epi16(wv, xv);
+            } else { /* |w| times x with w's sign */
+                p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
+            }
+            __m256i p = _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+            out[m * nb + b] = _mm_cvtsi128_si32(s4);
+        }
+#else
+        for (int m = 0; m < mm; m++) {
+            const int8_t *x = xq + (size_t)m * K + b * 32;
+            int32_t s = 0;
+            if (a->bits == 4) {
+                const uint8_t *wb = wrow + b * 16;
+                for (int j = 0; j < 16; j++) s += (wb[j] & 15) * x[j] + (wb[j] >> 4) * x[16 + j];
+            } else {
+                const int8_t *wb = (const int8_t *)wrow + b * 32;
+                for (int j = 0; j < 32; j++) s += wb[j] * x[j];
+            }
+            out[m * nb + b] = s;
+        }
+#endif
+    }
+}
+
+#if defined(LPD_AVX512)
+/* Two blocks at a time in 512-bit registers: acc[m] += float(sum of each block's products) * ds, per lane. */
+static inline __m512i expand_int4_pair(const uint8_t *p) {
+    __m256i raw = _mm256_loadu_si256((const __m256i *)p);                 /* blocks b, b+1: 16 bytes each */
+    __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1);
+    both = _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));    /* lo b, hi b, lo b+1, hi b+1 */
+    return _mm512_and_si512(both, _mm512_set1_epi8(15));
+}
+#endif
+
+#define ROWS_AT_ONCE 4
+
+/* Row n's scales (and int4 biases) as floats, one per block of 32 columns. */
+static void row_scales(const gemm_args *a, int n, float *ws, float *wb) {
+    int nb = a->K / 32, ng = a->K / a->group, per_group = a->group / 32;
+    const uint16_t *srow = a->scales + (size_t)n * ng, *brow = a->biases ? a->biases + (size_t)n * ng : NULL;
+    int b = 0;
+#if defined(LPD_AVX512)
+    if (per_group == 1) {
+        for (; b + 16 <= nb; b += 16) {
+            _mm512_storeu_ps(ws + b, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(srow + b))));
+            if (brow) _mm512_storeu_ps(wb + b, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(brow + b))));
+        }
+    }
+#endif
+    for (; b < nb; b++) {
+        ws[b] = half_to_float(srow[b / per_group]);
+        if (brow) wb[b] = half_to_float(brow[b / per_group]);
+    }
+}
+
+#if defined(LPD_AVX512)
+/* One input row (decode) against weight rows n .. n + 3, every block in a pair (nb even): the four rows' sums stay
+ * in registers and share each load of the input. ds: 4 x nb factors, extra: 4 per-row terms (as gemm_task's). */
+static void gemv4(const gemm_args *a, int n, const float *ds, const float *extra) {
+    int K = a->K, nb = K / 32;
+    size_t row_bytes = a->bits == 4 ? K / 2 : K;
+    const uint8_t *w0 = a->w + (size_t)n * row_bytes, *w1 = w0 + row_bytes, *w2 = w1 + row_bytes, *w3 = w2 + row_bytes;
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+#define LPD_ROW(r, wv)                                                                                             \
+    acc##r = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, x)),             \
+                             _mm512_insertf32x8(_mm512_set1_ps(ds[r * nb + b]), _mm256_set1_ps(ds[r * nb + b + 1]), 1), \
+                             acc##r)
+    size_t ahead = 8 * row_bytes; /* the next four rows, the same bytes along: fetched while these are summed */
+    if (a->bits == 4) {
+        for (int b = 0; b < nb; b += 2) {
+            __m512i x = _mm512_loadu_si512(a->xq + b * 32);
+            _mm_prefetch((const char *)(w0 + ahead + b * 16), _MM_HINT_T0);
+            _mm_prefetch((const char *)(w1 + ahead + b * 16), _MM_HINT_T0);
+            _mm_prefetch((const char *)(w2 + ahead + b * 16), _MM_HINT_T0);
+            _mm_prefetch((const char *)(w3 + ahead + b * 16), _MM_HINT_T0);
+            LPD_ROW(0, expand_int4_pair(w0 + b * 16));
+            LPD_ROW(1, expand_int4_pair(w1 + b * 16));
+            LPD_ROW(2, expand_int4_pair(w2 + b * 16));
+            LPD_ROW(3, expand_int4_pair(w3 + b * 16));
+        }
+    } else {
+        const __m512i flip = _mm512_set1_epi8((char)0x80);
+        for (int b = 0; b < nb; b += 2) {
+            __m512i x = _mm512_loadu_si512(a->xq + b * 32);
+            _mm_prefetch((const char *)(w0 + ahead + b * 32), _MM_HINT_T0);
+            _mm_prefetch((const char *)(w1 + ahead + b * 32), _MM_HINT_T0);
+            _mm_prefetch((const char *)(w2 + ahead + b * 32), _MM_HINT_T0);
+            _mm_prefetch((const char *)(w3 + ahead + b * 32), _MM_HINT_T0);
+            LPD_ROW(0, _mm512_xor_si512(_mm512_loadu_si512(w0 + b * 32), flip));
+            LPD_ROW(1, _mm512_xor_si512(_mm512_loadu_si512(w1 + b * 32), flip));
+            LPD_ROW(2, _mm512_xor_si512(_mm512_loadu_si512(w2 + b * 32), flip));
+            LPD_ROW(3, _mm512_xor_si512(_mm512_loadu_si512(w3 + b * 32), flip));
+        }
+    }
+#undef LPD_ROW
+    float *y = a->y + n;
+    y[0] = _mm512_reduce_add_ps(acc0) + extra[0];
+    y[1] = _mm512_reduce_add_ps(acc1) + extra[1];
+    y[2] = _mm512_reduce_add_ps(acc2) + extra[2];
+    y[3] = _mm512_reduce_add_ps(acc3) + extra[3];
+}
+#endif
+
+/* Row n's factors for input rows m0 .. m0 + mm - 1: ds[m * nb + b] = weight scale x input scale of block b, and
+ * extra[m] = what is added to the scaled sums (int4 biases x input sums, AVX512's int8 correction for its first
+ * xor_blocks blocks, the layer's bias). ws, wb: nb floats of scratch each. */
+static void row_factors(const gemm_args *a, int n, int m0, int mm, int xor_blocks, float *ws, float *wb, float *ds,
+                        float *extra) {
+    int nb = a->K / 32;
+    row_scales(a, n, ws, wb);
+    for (int m = 0; m < mm; m++) {
+        const float *xd = a->xd + (size_t)(m0 + m) * nb;
+        const int32_t *xs = a->xsum + (size_t)(m0 + m) * nb;
+        float *dm = ds + m * nb, e = 0.f, c = 0.f;
+        for (int b = 0; b < nb; b++) dm[b] = ws[b] * xd[b];
+        if (a->bits == 4) { /* the groups' biases times the blocks' sums */
+            for (int b = 0; b < nb; b++) e += wb[b] * xd[b] * (float)xs[b];
+        } else { /* AVX512's (w + 128) x, less 128 * sum(x) */
+            for (int b = 0; b < xor_blocks; b++) c += dm[b] * (float)xs[b];
+            e = -128.f * c;
+        }
+        extra[m] = e + (a->bias ? a->bias[n] : 0.f);
+    }
+}
+
+static void gemm_task(void *ctx, int ith, int nth) {
+    const gemm_args *a = ctx;
+    int K = a->K, nb = K / 32, N = a->N;
+    size_t row_bytes = a->bits == 4 ? K / 2 : K;
+    int n0, n1;
+    share(N, ith, nth, &n0, &n1);
+    static __thread void *buf;
+    static __thread size_t cap;
+    float *ws = scratch(&buf, &cap, sizeof(float) * (2 * nb + 2 * ROWS_AT_ONCE * nb) + 64);
+    if (!ws) return;
+    float *wb = ws + nb, *ds = wb + nb;
+    int32_t *sums = (int32_t *)(ds + ROWS_AT_ONCE * nb);
+#if defined(LPD_AVX512)
+    int vec_blocks = nb & ~1, xor_blocks = vec_blocks; /* two at a time; an odd last one goes alone */
+#elif defined(LPD_AVX2)
+    int vec_blocks = nb, xor_blocks = 0;
+#else
+    int vec_blocks = 0, xor_blocks = 0;
+#endif
+    int n = n0;
+#if defined(LPD_AVX512)
+    if (a->M == 1 && vec_blocks == nb) {
+        for (; n + 4 <= n1; n += 4) {
+            float extra[4];
+            for (int r = 0; r < 4; r++) row_factors(a, n + r, 0, 1, xor_blocks, ws, wb, ds + r * nb, extra + r);
+            gemv4(a, n, ds, extra);
+        }
+    }
+#endif
+    for (; n < n1; n++) {
+        const uint8_t *wrow = a->w + (size_t)n * row_bytes;
+        for (int m0 = 0; m0 < a->M; m0 += ROWS_AT_ONCE) {
+            int mm = a->M - m0 < ROWS_AT_ONCE ? a->M - m0 : ROWS_AT_ONCE;
+            float extra[ROWS_AT_ONCE];
+            row_factors(a, n, m0, mm, xor_blocks, ws, wb, ds, extra);
+            float y[ROWS_AT_ONCE] = {0};
+#if defined(LPD_AVX512)
+            __m512 acc[ROWS_AT_ONCE];
+            for (int m = 0; m < mm; m++) acc[m] = _mm512_setzero_ps();
+            for (int b = 0; b < vec_blocks; b += 2) {
+                __m512i wv = a->bits == 4 ? expand_int4_pair(wrow + b * 16)
+                                          : _mm512_xor_si512(_mm512_loadu_si512(wrow + b * 32),
+                                                             _mm512_set1_epi8((char)0x80));
+                for (int m = 0; m < mm; m++) {
+                    const int8_t *x = a->xq + (size_t)(m0 + m) * K + b * 32;
+                    __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, _mm512_loadu_si512(x));
+                    __m512 f = _mm512_insertf32x8(_mm512_set1_ps(ds[m * nb + b]), _mm256_set1_ps(ds[m * nb + b + 1]), 1);
+                    acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), f, acc[m]);
+                }
+            }
+            for (int m = 0; m < mm; m++) y[m] = _mm512_reduce_add_ps(acc[m]);
+#elif defined(LPD_AVX2)
+            __m256 acc[ROWS_AT_ONCE];
+            for (int m = 0; m < mm; m++) acc[m] = _mm256_setzero_ps();
+            for (int b = 0; b < vec_blocks; b++) {
+                __m256i wv;
+                if (a->bits == 4) {
+                    __m128i raw = _mm_loadu_si128((const __m128i *)(wrow + b * 16));
+                    wv = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(15));
+                } else {
+                    wv = _mm256_loadu_si256((const __m256i *)(wrow + b * 32));
+                }
+                __m256i wa = a->bits == 4 ? wv : _mm256_sign_epi8(wv, wv);
+                for (int m = 0; m < mm; m++) {
+                    __m256i xv = _mm256_loadu_si256((const __m256i *)(a->xq + (size_t)(m0 + m) * K + b * 32));
+                    if (a->bits == 8) xv = _mm256_sign_epi8(xv, wv); /* |w| times x with w's sign */
+                    __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wa, xv), _mm256_set1_epi16(1));
+                    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(ds[m * nb + b]), acc[m]);
+                }
+            }
+            for (int m = 0; m < mm; m++) {
+                __m128 r = _mm_add_ps(_mm256_castps256_ps128(acc[m]), _mm256_extractf128_ps(acc[m], 1));
+                r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+                y[m] = _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
+            }
+#endif
+            if (vec_blocks < nb) { /* what the vector loop left: every block in plain C, AVX512's odd last one */
+                gemm_args rest = *a;
+                rest.K = K - vec_blocks * 32;
+                for (int m = 0; m < mm; m++) {
+                    const int8_t *x = a->xq + (size_t)(m0 + m) * K + vec_blocks * 32;
+                    block_sums(&rest, wrow + (a->bits == 4 ? vec_blocks * 16 : vec_blocks * 32), x, 1, sums);
+                    for (int b = vec_blocks; b < nb; b++) y[m] += ds[m * nb + b] * (float)sums[b - vec_blocks];
+                }
+            }
+            for (int m = 0; m < mm; m++) a->y[(size_t)(m0 + m) * N + n] = y[m] + extra[m];
+        }
+    }
+}
+
+typedef struct {
+    int pre, M, K, deint;
+    const float *x, *residual, *norm_w;
+    float eps;
+    float *sum_out;
+    int8_t *xq;
+    float *xd;
+    int32_t *xsum;
+} input_args;
+
+static void input_task(void *ctx, int ith, int nth) {
+    const input_args *a = ctx;
+    int lo, hi, nb = a->K / 32, xw = a->pre >= PRE_SILU ? 2 * a->K : a->K;
+    share(a->M, ith, nth, &lo, &hi);
+    static __thread void *buf;
+    static __thread size_t cap;
+    float *h = scratch(&buf, &cap, sizeof(float) * a->K);
+    if (!h) return;
+    for (int m = lo; m < hi; m++) {
+        input_row(a->pre, a->x + (size_t)m * xw, a->residual ? a->residual + (size_t)m * a->K : NULL, a->norm_w,
+                  a->eps, a->sum_out ? a->sum_out + (size_t)m * a->K : NULL, a->K, h);
+        quantize_row(h, a->K, a->deint, a->xq + (size_t)m * a->K, a->xd + (size_t)m * nb, a->xsum + (size_t)m * nb);
+    }
+}
+
+/* y [M, N] = input step of x, then @ W.T (+ bias). bits 4: w = packed int4 [N, K/2] with scales and biases [N,
+ * K/group] float16; bits 8: w = int8 [N, K] with scales [N, K/group], biases NULL. pre: PRE_NONE (x [M, K]),
+ * PRE_NORM (x, residual or NULL, norm_w [K], eps; x + residual stored in sum_out [M, K]), or an activation (x =
+ * [gate | up], [M, 2K]). K a multiple of 32, group a multiple of 32 dividing K. Returns 0, or -1 without memory. */
+int lpd_linear(int pre, const float *x, const float *residual, const float *norm_w, float eps, float *sum_out, int M,
+               int K, int bits, const void *w, const uint16_t *scales, const uint16_t *biases, int group, int N,
+               const float *bias, float *y, int nth) {
+    static __thread void *buf;
+    static __thread size_t cap;
+    int nb = K / 32;
+    size_t q_bytes = ((size_t)M * K + 63) / 64 * 64, d_bytes = ((size_t)M * nb * 4 + 63) / 64 * 64;
+    char *mem = scratch(&buf, &cap, q_bytes + 2 * d_bytes);
+    if (!mem) return -1;
+    input_args in = {pre, M, K, bits == 4, x, residual, norm_w, eps, sum_out, (int8_t *)mem,
+                     (float *)(mem + q_bytes), (int32_t *)(mem + q_bytes + d_bytes)};
+    parallel(input_task, &in, M >= 8 ? nth : 1);
+    gemm_args g = {M, N, K, group, bits, in.xq, in.xd, in.xsum, w, scales, biases, bias, y};
+    parallel(gemm_task, &g, nth);
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------------------------------
+ * Paged attention over fp32 pages [n_pages, PS, H, D]. Query rows of sequence b: q_starts[b] .. q_starts[b + 1];
+ * its keys: positions 0 .. seq_lens[b] - 1 at page page_table[b, pos / PS]; its rows are the last positions. */
+typedef struct {
+    const float *q;
+    long q_t, q_h;
+    int T, Hq, D, H, PS, B, window;
+    const float *k, *v;
+    const int32_t *page_table, *seq_lens, *q_starts;
+    long pt_stride;
+    float scale;
+    float *out;
+    int *row_seq; /* each row's sequence */
+} attn_args;
+
+static void attention_task(void *ctx, int ith, int nth) {
+    const attn_args *a = ctx;
+    int D = a->D, H = a->H, PS = a->PS, group = a->Hq / a->H;
+    long tok = (long)H * D;
+    int lo, hi;
+    share(a->T * a->Hq, ith, nth, &lo, &hi);
+    static __thread void *buf;
+    static __thread size_t cap;
+    for (int task_i = lo; task_i < hi; task_i++) {
+        int t = task_i / a->Hq, hq = task_i % a->Hq, b = a->row_seq[t], kvh = hq / group;
+        int n = a->seq_lens[b], rows = a->q_starts[b + 1] - a->q_starts[b];
+        int pos = n - rows + (t - a->q_starts[b]);
+        int first = a->window > 0 && pos - a->window + 1 > 0 ? pos - a->window + 1 : 0;
+        int len = pos + 1 - first;
+        float *s = scratch(&buf, &cap, sizeof(float) * (size_t)(len + D));
+        if (!s) return;
+        float *acc = s + len;
+        const float *q = a->q + t * a->q_t + hq * a->q_h;
+        const int32_t *pages = a->page_table + b * a->pt_stride;
+        float mx = -INFINITY;
+        for (int j = 0; j < len; j++) {
+            int p = first + j;
+            const float *kr = a->k + ((long)pages[p / PS] * PS + p % PS) * tok + (long)kvh * D;
+            float dot = 0.f;
+            for (int d = 0; d < D; d++) dot += q[d] * kr[d];
+            s[j] = dot * a->scale;
+            mx = fmaxf(mx, s[j]);
+        }
+        float sum = 0.f;
+        for (int j = 0; j < len; j++) {
+            s[j] = expf(s[j] - mx);
+            sum += s[j];
+        }
+        for (int d = 0; d < D; d++) acc[d] = 0.f;
+        for (int j = 0; j < len; j++) {
+            int p = first + j;
+            const float *vr = a->v + ((long)pages[p / PS] * PS + p % PS) * tok + (long)kvh * D;
+            float e = s[j];
+            for (int d = 0; d < D; d++) acc[d] += e * vr[d];
+        }
+        float inv = 1.0f / sum, *o = a->out + ((long)t * a->Hq + hq) * D;
+        for (int d = 0; d < D; d++) o[d] = acc[d] * inv;
+    }
+}
+
+/* out [T, Hq, D] (contiguous) = attention of q (row stride q_t, head stride q_h, in floats) over the pages. */
+int lpd_attention(const float *q, long q_t, long q_h, int T, int Hq, int D, const float *k, const float *v, int PS,
+                  int H, const int32_t *page_table, long pt_stride, const int32_t *seq_lens, const int32_t *q_starts,
+                  int B, float scale, int window, float *out, int nth) {
+    static __thread void *buf;
+    static __thread size_t cap;
+    int *row_seq = scratch(&buf, &cap, sizeof(int) * (size_t)(T > 0 ? T : 1));
+    if (!row_seq) return -1;
+    for (int b = 0; b < B; b++)
+        for (int t = q_starts[b]; t < q_starts[b + 1]; t++) row_seq[t] = b;
+    attn_args a = {q, q_t, q_h, T, Hq, D, H, PS, B, window, k, v, page_table, seq_lens, q_starts, pt_stride, scale,
+                   out, row_seq};
+    parallel(attention_task, &a, T * Hq >= 2 ? nth : 1);
+    return 0;
+}
+
+/* RoPE (HF's half-rotated layout) on the n_heads query and n_kv key heads of each row of qkv [T, (n_heads + 2 n_kv)
+ * * D] (row stride qkv_t), in place; cos, sin [T, D/2] (row stride cs_t); then each row's key and value heads into
+ * fp32 pages at slots[t] (slot = page * PS + offset; a page [PS, n_kv, D]). */
+void lpd_rope_write(float *qkv, long qkv_t, int T, int n_heads, int n_kv, int D, const float *cos, const float *sin,
+                    long cs_t, const int64_t *slots, float *k, float *v) {
+    int half = D / 2;
+    long tok = (long)n_kv * D;
+    for (int t = 0; t < T; t++) {
+        float *row = qkv + t * qkv_t;
+        const float *c = cos + t * cs_t, *s = sin + t * cs_t;
+        for (int h = 0; h < n_heads + n_kv; h++) {
+            float *x = row + (long)h * D;
+            for (int i = 0; i < half; i++) {
+                float x1 = x[i], x2 = x[half + i];
+                x[i] = x1 * c[i] - x2 * s[i];
+                x[half + i] = x2 * c[i] + x1 * s[i];
+            }
+        }
+        memcpy(k + slots[t] * tok, row + (long)n_heads * D, sizeof(float) * tok);
+        memcpy(v + slots[t] * tok, row + (long)(n_heads + n_kv) * D, sizeof(float) * tok);
+    }
+}
+
+/* ------------------------------------------------------------------------------------------------------------
+ * Rows n0 .. n1 - 1 of an int4 or int8 weight as floats, out [(n1 - n0), K]: what a prefill chunk's GEMM (torch's,
+ * compute-bound) multiplies, a slice at a time. */
+typedef struct {
+    int bits, group, K, n0, n1;
+    const uint8_t *w;
+    const uint16_t *scales, *biases;
+    float *out;
+} dequant_args;
+
+static void dequant_task(void *ctx, int ith, int nth) {
+    const dequant_args *a = ctx;
+    int lo, hi, K = a->K, ng = K / a->group;
+    share(a->n1 - a->n0, ith, nth, &lo, &hi);
+    for (int r = lo; r < hi; r++) {
+        int n = a->n0 + r;
+        float *o = a->out + (size_t)r * K;
+        for (int g = 0; g < ng; g++) {
+            float s = half_to_float(a->scales[(size_t)n * ng + g]);
+            if (a->bits == 4) {
+                float m = half_to_float(a->biases[(size_t)n * ng + g]);
+                const uint8_t *p = a->w + (size_t)n * (K / 2) + g * (a->group / 2);
+                for (int j = 0; j < a->group / 2; j++) {
+                    o[g * a->group + 2 * j] = (float)(p[j] & 15) * s + m;
+                    o[g * a->group + 2 * j + 1] = (float)(p[j] >> 4) * s + m;
+                }
+            } else {
+                const int8_t *p = (const int8_t *)a->w + (size_t)n * K + g * a->group;
+                for (int j = 0; j < a->group; j++) o[g * a->group + j] = (float)p[j] * s;
+            }
+        }
+    }
+}
+
+void lpd_dequantize(int bits, const void *w, const uint16_t *scales, const uint16_t *biases, int group, int K, int n0,
+                    int n1, float *out, int nth) {
+    dequant_args a = {bits, group, K, n0, n1, w, scales, biases, out};
+    parallel(dequant_task, &a, nth);
+}

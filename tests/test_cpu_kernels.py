@@ -1,0 +1,201 @@
+"""localpd's CPU kernels (kernels/cpu_kernels.c) against their torch references, on fresh random inputs with odd
+shapes, for every instruction set this processor can run: AVX512-VNNI, AVX2 and plain C are each built and
+checked where the machine has them."""
+
+import platform
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from localpd.kernels import cpu
+from localpd.kernels.dispatch import PreNorm, int4_matmul_ref, int8_matmul_ref
+from localpd.kernels.fused_dispatch import act_mul_ref, add_rms_norm_ref
+from localpd.kernels.kv_dispatch import paged_attention_ref, rope_write_kv_ref
+from localpd.quant.kv import new_kv_pool
+from localpd.quant.weights import Int4Weight, Int8Weight
+
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    m = re.search(r"^flags\s*:(.*)$", text, re.M)
+    return set(m.group(1).split()) if m else set()
+
+
+FLAGS = _cpu_flags()
+# (march, the instruction set it selects, whether this processor runs it)
+VARIANTS = [("native", None, True)]
+if X86:
+    VARIANTS += [("haswell", "avx2", {"avx2", "fma", "f16c"} <= FLAGS),
+                 ("x86-64", "c", True),
+                 ("icelake-server", "avx512-vnni", {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= FLAGS)]
+
+
+@pytest.fixture(scope="module", params=VARIANTS, ids=[v[0] for v in VARIANTS])
+def lib(request, tmp_path_factory):
+    march, isa, runs = request.param
+    if not runs:
+        pytest.skip(f"this processor cannot run -march={march}")
+    try:
+        path = cpu.build(march, tmp_path_factory.mktemp(f"cpu-{march}"))
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    built = cpu.open_library(path)
+    if isa:
+        assert built.lpd_isa().decode() == isa
+    return built
+
+
+def rounded_rows(h: torch.Tensor, deinterleave: bool = False) -> torch.Tensor:
+    """h with every block of 32 rounded to int8 at scale amax / 127, as lpd_linear rounds its input (the order of a
+    block's values does not change the result, so deinterleave is only there to show it need not be emulated)."""
+    g = h.float().reshape(*h.shape[:-1], -1, 32)
+    d = g.abs().amax(-1, keepdim=True) / 127
+    return (torch.round(g / torch.where(d > 0, d, torch.ones_like(d))) * d).reshape(h.shape)
+
+
+def weights(kind: str, n: int, k: int, group: int, g: torch.Generator):
+    dense = torch.randn(n, k, generator=g)
+    if kind == "int4":
+        return Int4Weight.quantize_rtn(dense, group)
+    return Int8Weight.quantize(dense, None if group == k else group)
+
+
+def ref(w, x, bias=None, gated=None, norm=None):
+    if isinstance(w, Int4Weight):
+        return int4_matmul_ref(x, w.packed, w.scales, w.biases, w.group, bias=bias, gated=gated, norm=norm)
+    return int8_matmul_ref(x, w.data, w.scales, w.group, bias=bias, gated=gated, norm=norm)
+
+
+def rel_err(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("kind,group", [("int4", 32), ("int4", 64), ("int4", 128), ("int8", 32), ("int8", None)])
+@pytest.mark.parametrize("m,n,k", [(1, 61, 96), (3, 128, 576), (5, 17, 32), (9, 33, 1536), (1, 1, 4096)])
+def test_linear_matches_the_reference_on_its_rounded_input(lib, kind, group, m, n, k):
+    """Exact up to float summation against the reference fed the int8-rounded input; within the rounding's own
+    size of the reference fed the input as it is."""
+    group = k if group is None else group
+    if k % group:
+        pytest.skip("group does not divide the width")
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    w = weights(kind, n, k, group, g)
+    x = torch.randn(m, k, generator=g) * 3
+    bias = torch.randn(n, generator=g)
+    y = cpu.linear(lib, x, w, bias)
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    assert rel_err(y, ref(w, rounded_rows(x), bias)) < 2e-5
+    assert rel_err(y, ref(w, x, bias)) < 1.5e-2
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("residual", [False, True])
+def test_linear_with_rms_norm_in_front(lib, kind, residual):
+    g = torch.Generator().manual_seed(5 + residual)
+    m, n, k = 3, 70, 192
+    w = weights(kind, n, k, 32, g)
+    x, res, nw = torch.randn(m, k, generator=g), torch.randn(m, k, generator=g), torch.rand(k, generator=g) + 0.5
+    norm = PreNorm(res if residual else None, nw, 1e-5)
+    y, s = cpu.linear(lib, x, w, None, None, norm)
+    h, s_ref = add_rms_norm_ref(x, norm.residual, nw, 1e-5)
+    assert torch.equal(s, s_ref)
+    assert rel_err(y, ref(w, rounded_rows(h))) < 2e-5
+    y_ref, _ = ref(w, x, norm=norm)
+    assert rel_err(y, y_ref) < 1.5e-2
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_linear_with_the_gate_in_front(lib, kind, act):
+    g = torch.Generator().manual_seed(9)
+    m, n, k = 4, 50, 160
+    w = weights(kind, n, k, 32, g)
+    x = torch.randn(m, 2 * k, generator=g) * 2
+    y = cpu.linear(lib, x, w, None, act)
+    assert rel_err(y, ref(w, rounded_rows(act_mul_ref(x, act)))) < 2e-5
+    assert rel_err(y, ref(w, x, gated=act)) < 1.5e-2
+
+
+def test_linear_of_an_all_zero_block_and_extreme_values(lib):
+    """A block of zeros rounds to scale 0 (no division by it); a block with one huge value keeps it."""
+    g = torch.Generator().manual_seed(3)
+    w = weights("int4", 24, 128, 32, g)
+    x = torch.randn(2, 128, generator=g)
+    x[0, :32] = 0
+    x[1, 40] = 1e4
+    y = cpu.linear(lib, x, w)
+    assert torch.isfinite(y).all()
+    assert rel_err(y, ref(w, rounded_rows(x))) < 2e-5
+
+
+def _pool(D, H, ps, n_pages, g):
+    pool = new_kv_pool("fp32", 1, n_pages, ps, H, D, torch.float32, "cpu")
+    pool.k.copy_(torch.randn(pool.k.shape, generator=g))
+    pool.v.copy_(torch.randn(pool.v.shape, generator=g))
+    return pool.layer(0)
+
+
+@pytest.mark.parametrize("D,Hq,H,ps", [(64, 9, 3, 16), (96, 4, 4, 32), (32, 8, 2, 16), (128, 2, 1, 16)])
+@pytest.mark.parametrize("window", [0, 5])
+def test_attention_decode_and_prefill_chunks(lib, D, Hq, H, ps, window):
+    """A step of a decode row (long context), a prefill chunk after a cached prefix and a whole prompt, pages out
+    of order, over pages full of other sequences' values."""
+    g = torch.Generator().manual_seed(D + Hq + window)
+    layer = _pool(D, H, ps, 24, g)
+    lens, rows = [37, 20, 7], [1, 6, 7]
+    perm = torch.randperm(24, generator=g).to(torch.int32)
+    page_table = torch.stack([perm[0:8], perm[8:16], perm[16:24]])
+    q_starts = torch.tensor([0, 1, 7, 14], dtype=torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(sum(rows), Hq, D, generator=g)
+    out = cpu.attention(lib, q, layer, page_table, seq_lens, q_starts, 0.125, window)
+    want = paged_attention_ref(q, layer, page_table, seq_lens, q_starts, 0.125, window)
+    assert (out - want).abs().max().item() < 1e-5
+
+
+def test_attention_of_strided_queries(lib):
+    """Queries as a view of the qkv rows (row stride past the query heads), as the model passes them."""
+    g = torch.Generator().manual_seed(2)
+    layer = _pool(64, 3, 16, 4, g)
+    qkv = torch.randn(2, (9 + 6) * 64, generator=g)
+    q = qkv.view(2, 15, 64)[:, :9]
+    args = (layer, torch.tensor([[2, 0], [1, 3]], dtype=torch.int32), torch.tensor([20, 9], dtype=torch.int32),
+            torch.tensor([0, 1, 2], dtype=torch.int32), 0.125)
+    assert (cpu.attention(lib, q, *args) - paged_attention_ref(q, *args)).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("D,Hq,H,T", [(64, 9, 3, 5), (96, 4, 2, 1), (32, 2, 2, 17)])
+def test_rope_write_matches_the_reference(lib, D, Hq, H, T):
+    g = torch.Generator().manual_seed(T)
+    ps = 16
+    want_layer, got_layer = _pool(D, H, ps, 4, g), _pool(D, H, ps, 4, g)
+    got_layer.k.copy_(want_layer.k), got_layer.v.copy_(want_layer.v)
+    qkv = torch.randn(T, (Hq + 2 * H) * D, generator=g)
+    angles = torch.rand(T, D // 2, generator=g) * 6
+    cos, sin = angles.cos(), angles.sin()
+    slots = torch.randperm(4 * ps, generator=g)[:T]
+    want_q = rope_write_kv_ref(qkv.clone(), cos, sin, want_layer, slots, Hq, H)
+    got_q = cpu.rope_write(lib, qkv, cos, sin, got_layer, slots, Hq, H)
+    assert (got_q - want_q).abs().max().item() < 1e-5
+    assert (got_layer.k - want_layer.k).abs().max().item() < 1e-5
+    assert torch.equal(got_layer.v, want_layer.v)
+
+
+def test_the_app_takes_the_kernels_on_the_cpu_and_says_which():
+    """On this machine (a C compiler is part of the test setup) the CPU kernels are built and describe() names
+    the instruction set; a product they cannot take (bf16 input, a width not in blocks of 32) goes to the
+    reference."""
+    assert cpu.unavailable() is None
+    assert "localpd kernels" in cpu.describe()
+    w = Int4Weight.quantize_rtn(torch.randn(8, 64), 32)
+    assert cpu.takes_linear(torch.randn(1, 64), w, None, None)
+    assert not cpu.takes_linear(torch.randn(1, 64, dtype=torch.bfloat16), w, None, None)
+    w8 = Int8Weight(torch.ones(4, 40, dtype=torch.int8), torch.ones(4, 5, dtype=torch.float16))
+    assert not cpu.takes_linear(torch.randn(1, 40), w8, None, None)
