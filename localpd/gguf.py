@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from localpd.errors import LocalpdError
+from localpd.gguf_header import HeaderError, read_header
 
 # type name -> (elements per block, bytes per block)
 BLOCKS = {
@@ -113,8 +114,6 @@ class GGUFFile:
     """A GGUF file: plain-python metadata and memory-mapped tensor blocks."""
 
     def __init__(self, path):
-        from gguf import GGUFReader
-
         self.path = Path(path)
         if not self.path.is_file():
             raise LocalpdError(f"model file not found: {self.path}")
@@ -122,19 +121,15 @@ class GGUFFile:
             if f.read(4) != b"GGUF":
                 raise LocalpdError(f"{self.path} is not a GGUF file (bad magic)")
         try:
-            self.reader = GGUFReader(self.path)
-        except Exception as e:  # noqa: BLE001 -- the reader raises ValueError, IndexError, struct errors... on corrupt headers
+            self.metadata, self.tensors = read_header(self.path)
+        except (HeaderError, ValueError, OverflowError) as e:  # HeaderError, or a string that is not UTF-8
             raise LocalpdError(f"{self.path} is not a readable GGUF file (corrupt or truncated header: "
                                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
         size = self.path.stat().st_size
-        end = max((t.data_offset + t.n_bytes for t in self.reader.tensors), default=0)
+        end = max((t.data_offset + t.n_bytes for t in self.tensors), default=0)
         if end > size:
             raise LocalpdError(f"{self.path} is truncated: its tensors end at byte {end} but the file has {size} bytes")
-        self.metadata: dict[str, Any] = {}
-        for key, field in self.reader.fields.items():
-            if not key.startswith("GGUF."):
-                self.metadata[key] = field.contents()
-        self._tensors = {t.name: t for t in self.reader.tensors}
+        self._tensors = {t.name: t for t in self.tensors}
 
     @property
     def tensor_names(self) -> list[str]:
@@ -150,7 +145,7 @@ class GGUFFile:
 
     def tensor_shape(self, name: str) -> tuple[int, ...]:
         """Torch order (rows, cols): GGUF's ne order reversed."""
-        return tuple(int(n) for n in reversed(self._tensor(name).shape.tolist()))
+        return tuple(reversed(self._tensor(name).shape))
 
     def raw(self, name: str) -> np.ndarray:
         """The stored data as the reader maps it (uint8 blocks, or float arrays for F32/F16); no copy."""

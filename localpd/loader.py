@@ -209,7 +209,7 @@ def gemma3(config: ModelConfig, swa_layers: list[int], context: int, local_theta
 def gguf_longrope(g: GGUFFile, config: ModelConfig, arch_name: str) -> dict | None:
     """LongRoPE as llama.cpp stores Phi's: the factors as tensors rope_factors_long/short, the original context
     and the attention factor as metadata."""
-    names = {t.name for t in g.reader.tensors}
+    names = {t.name for t in g.tensors}
     if "rope_factors_long.weight" not in names:
         return None
     meta = g.metadata
@@ -236,7 +236,7 @@ def gguf_key(tensor_name: str) -> tuple[str, bool] | None:
 
 def gguf_tied(g: GGUFFile) -> bool:
     """Whether the output head is the token embeddings (the file has no output.weight)."""
-    return not any(t.name == "output.weight" for t in g.reader.tensors)
+    return not any(t.name == "output.weight" for t in g.tensors)
 
 
 def load_gguf(path: Path, dtype, device, scheme: str = "native", importance: dict | None = None) -> LoadedModel:
@@ -245,7 +245,7 @@ def load_gguf(path: Path, dtype, device, scheme: str = "native", importance: dic
     config.tie_embeddings = gguf_tied(g)
     config.rope_scaling = gguf_longrope(g, config, g.metadata["general.architecture"]) or config.rope_scaling
     weights = {}
-    for t in g.reader.tensors:
+    for t in g.tensors:
         if not (found := gguf_key(t.name)):
             continue
         key, bias = found
@@ -273,7 +273,7 @@ def imports_every_matrix_exactly(path: Path, scheme: str) -> bool:
         return False
     g = GGUFFile(Path(path))
     tied = gguf_tied(g)
-    for t in g.reader.tensors:
+    for t in g.tensors:
         key, bias = gguf_key(t.name) or (None, True)
         if bias or not is_matrix(key, tied):
             continue
@@ -287,7 +287,7 @@ def gguf_matrix(g: GGUFFile, t, scheme: str, dtype, device, heads: int | None,
     """A GGUF weight matrix in the scheme; blocks already in the scheme's format are imported exactly."""
     kind = t.tensor_type.name
     if imports_exactly(kind, scheme):
-        shape = tuple(int(n) for n in reversed(t.shape.tolist()))
+        shape = tuple(reversed(t.shape))
         w = from_gguf(kind, torch.from_numpy(np.array(t.data, dtype=np.uint8)), shape)
         w = replace(w, **{f.name: getattr(w, f.name).to(device) for f in fields(w)})
         return unpermute_qk(w, heads) if heads else w
