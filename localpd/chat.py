@@ -9,7 +9,7 @@ import sys
 from dataclasses import replace
 
 from localpd.chat_template import think_vars
-from localpd.device import DeviceInfo, device_info
+from localpd.device import DeviceInfo, cache_note, device_info
 from localpd.engine import Engine, GenerationStats
 from localpd.errors import LocalpdError
 from localpd.pattern import choice_pattern
@@ -66,6 +66,8 @@ def format_stats(s: GenerationStats, engine: Engine | None = None, info: DeviceI
         which = "measured copy" if info.measured_bandwidth else f"{info.peak_source} peak"
         line += f" ({rate / bandwidth:.0%} of {bandwidth / 1e9:.0f} GB/s, {which})"
     lines.append(line)
+    if engine is not None and cache_note(engine.model.weight_bytes, info):
+        lines.append(f"                      {cache_note(engine.model.weight_bytes, info)}")
     if bandwidth and engine is not None:
         context = s.prompt_tokens + s.output_tokens
         ceiling = decode_ceiling_tps(engine.model, context, engine.kv_traffic, bandwidth)

@@ -1,6 +1,10 @@
 """The device's ceilings: theoretical peak bandwidth (NVML, else a table of cards), a measured copy bandwidth
 (cached per device, driver and torch), and peak tensor FLOP/s (table). Every number says where it came from;
-one that is not known is None, never a guess."""
+one that is not known is None, never a guess.
+
+On a CPU the copy runs over buffers well past the last-level cache (together four times its size), so the
+measured ceiling is DRAM's, not the cache's; a model whose weights fit in that cache can decode above it, and
+`cache_note` says so in words."""
 
 from __future__ import annotations
 
@@ -35,6 +39,8 @@ class DeviceInfo:
     measured_source: str  # "measured", "cache" or "not measured"
     peak_flops: float | None  # dense bf16/fp16 tensor FLOP/s
     flops_source: str
+    llc_bytes: int | None = None  # last-level cache (all of a CPU's instances; a GPU's L2), None if unknown
+    measured_note: str = ""  # how the copy was measured: buffer size against the cache, threads
 
     @property
     def bandwidth(self) -> float | None:
@@ -59,6 +65,92 @@ def nvml_bandwidth(index: int) -> float | None:
         return clock_mhz * 1e6 * bus_bits / 8 * 2
     except Exception:  # noqa: BLE001 - no library, no driver, an old GPU: fall back to the table
         return None
+
+
+def parse_cache_size(text: str) -> int:
+    """sysfs's cache size ("491520K", "32M", "1024") in bytes."""
+    text = text.strip().upper()
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    return int(text[:-1] if scale > 1 else text) * scale
+
+
+def llc_bytes(root: str | Path = "/sys/devices/system/cpu") -> int | None:
+    """The CPU's last-level cache in bytes: the highest-level data or unified cache in sysfs, times its instances
+    (one per socket, or per CCX on AMD: distinct shared_cpu_list sets); else glibc's sysconf; else None."""
+    root = Path(root)
+    best = None  # (level, size, index directory name)
+    for d in sorted((root / "cpu0" / "cache").glob("index*")):
+        try:
+            if (d / "type").read_text().strip() == "Instruction":
+                continue
+            level, size = int((d / "level").read_text()), parse_cache_size((d / "size").read_text())
+        except (OSError, ValueError):
+            continue
+        if best is None or level > best[0]:
+            best = (level, size, d.name)
+    if best is not None:
+        shared = set()
+        for d in root.glob(f"cpu[0-9]*/cache/{best[2]}/shared_cpu_list"):
+            try:
+                shared.add(d.read_text().strip())
+            except OSError:
+                pass
+        return best[1] * max(1, len(shared))
+    for name in ("SC_LEVEL4_CACHE_SIZE", "SC_LEVEL3_CACHE_SIZE", "SC_LEVEL2_CACHE_SIZE"):
+        try:
+            value = os.sysconf(name)
+        except (ValueError, OSError):
+            continue
+        if value and value > 0:
+            return value
+    return None
+
+
+def available_memory() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None
+
+
+def cpu_copy_bytes(llc: int | None, available: int | None) -> tuple[int, str]:
+    """Bytes of each of the two buffers the CPU copy runs over, and a note on what that measures: together four
+    times the last-level cache (so the copy streams from DRAM), at least 256 MiB each, at most a quarter of the
+    available memory each. A note says so where that cap leaves them within twice the cache."""
+    nbytes = max(2 * llc if llc else 0, 256 << 20)
+    nbytes -= nbytes % (1 << 20)
+    if available and nbytes > available // 4:  # a power of two, so that the cache key stays put as memory drifts
+        nbytes = 1 << max(20, (available // 4).bit_length() - 1)
+    if llc is None:
+        return nbytes, f"{nbytes >> 20} MiB buffers, last-level cache unknown"
+    if nbytes < llc:
+        return nbytes, (f"{nbytes >> 20} MiB buffers, too little free memory to pass the {llc >> 20} MiB "
+                        f"last-level cache: may be a cache bandwidth")
+    return nbytes, f"2 x {nbytes >> 20} MiB, past the {llc >> 20} MiB last-level cache: DRAM"
+
+
+def physical_cores() -> int:
+    """Physical cores among the CPUs this process may run on (sched_getaffinity, each CPU's package and core id
+    in sysfs); torch's own default is the machine's physical cores, affinity aside. Falls back to torch's."""
+    try:
+        cpus = os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        return torch.get_num_threads()
+    cores = set()
+    for cpu in cpus:
+        topo = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            cores.add(((topo / "physical_package_id").read_text().strip(), (topo / "core_id").read_text().strip()))
+        except OSError:
+            return min(len(cpus), torch.get_num_threads()) or 1
+    return len(cores) or 1
 
 
 def measure_copy_bandwidth(device: torch.device, nbytes: int, reps: int = 5) -> float:
@@ -105,11 +197,16 @@ def device_info(device: torch.device | str = "cpu", measure: bool = True) -> Dev
         name = torch.cuda.get_device_name(index)
         key = f"{name}|driver {torch.version.cuda}|torch {torch.__version__}"
         nbytes = 1 << 30
+        props = torch.cuda.get_device_properties(index)
+        llc, note = getattr(props, "L2_cache_size", None) or None, "1 GiB buffers"
     else:
         index = None
         name = cpu_name()
-        key = f"cpu {name}|{os.cpu_count()} cores|torch {torch.__version__}"
-        nbytes = 1 << 28
+        llc = llc_bytes()
+        nbytes, note = cpu_copy_bytes(llc, available_memory()) if measure else (0, "")
+        threads = torch.get_num_threads()
+        note += f", {threads} thread" + ("s" if threads > 1 else "")
+        key = f"cpu {name}|{os.cpu_count()} cpus|{threads} threads|copy {nbytes >> 20} MiB|torch {torch.__version__}"
     entry = card_entry(name) if device.type == "cuda" else None
     peak, peak_source = (nvml_bandwidth(index), "nvml") if index is not None else (None, "unknown")
     if peak is None and entry:
@@ -121,7 +218,7 @@ def device_info(device: torch.device | str = "cpu", measure: bool = True) -> Dev
         measured, measured_source = cached_or_measured(key, device, nbytes)
     flops = entry[1] * 1e12 if entry else None
     return DeviceInfo(name, device.type, peak, peak_source, measured, measured_source, flops,
-                      "table" if entry else "unknown")
+                      "table" if entry else "unknown", llc, note if measure else "")
 
 
 def cached_or_measured(key: str, device: torch.device, nbytes: int) -> tuple[float, str]:
@@ -148,5 +245,21 @@ def describe(info: DeviceInfo) -> str:
     def gbs(x):
         return "?" if x is None else f"{x / 1e9:.0f} GB/s"
 
+    how = f"{info.measured_source}, {info.measured_note}" if info.measured_note else info.measured_source
     return (f"{info.name}: peak {gbs(info.peak_bandwidth)} ({info.peak_source}), "
-            f"measured {gbs(info.measured_bandwidth)} ({info.measured_source})")
+            f"measured {gbs(info.measured_bandwidth)} ({how})")
+
+
+def fits_in_cache(weight_bytes: int, info: DeviceInfo | None) -> bool:
+    """Whether the weights a decode step reads fit in the device's last-level cache (then they can be served from
+    it, and decode can pass the measured ceiling, which is DRAM's on a CPU)."""
+    return info is not None and bool(info.llc_bytes) and 0 < weight_bytes <= info.llc_bytes
+
+
+def cache_note(weight_bytes: int, info: DeviceInfo | None) -> str:
+    """'' unless the weights fit in the last-level cache; then a sentence saying so, and what it does to MBU."""
+    if not fits_in_cache(weight_bytes, info):
+        return ""
+    memory = "DRAM" if info.kind == "cpu" else "memory"
+    return (f"weights ({weight_bytes / 2**20:.0f} MiB) fit in the {info.llc_bytes / 2**20:.0f} MiB last-level "
+            f"cache: served from cache, so decode can run above the {memory} ceiling (MBU over 100%)")

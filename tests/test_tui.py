@@ -198,3 +198,15 @@ def test_a_thinking_models_reasoning_is_quoted_above_its_answer(default_gguf, tm
             assert app.clipboard == "Paris."
 
     asyncio.run(scenario())
+
+
+def test_panel_says_when_the_weights_fit_in_the_last_level_cache():
+    from localpd.device import DeviceInfo
+    from localpd.tui.panel import cache_lines
+
+    info = DeviceInfo("Intel(R) Xeon(R) Processor", "cpu", None, "unknown", 14e9, "cache", None, "unknown",
+                      llc_bytes=480 * 2**20)
+    lines = cache_lines(92 * 2**20, info)  # the default model's Q4_1 weights
+    assert lines[0].startswith("LLC      480 MiB: weights fit") and "MBU may pass 100%" in lines[-1]
+    assert all(len(line) <= 31 for line in lines)  # the panel's 34 columns less its border and padding
+    assert cache_lines(540 * 2**20, info) == [] and cache_lines(92 * 2**20, None) == []
