@@ -25,7 +25,36 @@ def positive_int(text: str) -> int:
     return value
 
 
+def threads_arg(text: str) -> int:
+    """--threads: a positive whole number."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def apply_threads(args) -> None:
+    """torch's intra-op threads, before any model loads: --threads, else the physical cores this process may run
+    on (torch's own default counts the machine's physical cores, whatever the affinity). OMP_NUM_THREADS or
+    MKL_NUM_THREADS, when set, stand as torch read them. The CPU kernels size their pools from
+    torch.get_num_threads(), so this one call sets them too."""
+    import torch
+
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
+    elif hasattr(args, "threads") and not (os.environ.get("OMP_NUM_THREADS") or os.environ.get("MKL_NUM_THREADS")):
+        from localpd.device import physical_cores
+
+        torch.set_num_threads(physical_cores())
+
+
 def add_model_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", "-t", type=threads_arg, metavar="N",
+                   help="CPU threads for torch and the CPU kernels, as llama.cpp's -t (default: the physical cores "
+                        "this process may run on)")
     p.add_argument("--device", choices=["cpu", "cuda"], help="where to run (default: cuda when available)")
     p.add_argument("--ctx", type=positive_int, help="context length in tokens (default: the model's, at most 8192)")
     p.add_argument("--quant", choices=SCHEMES, metavar="SCHEME",
@@ -184,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_kernels(argv[2:])
     args = build_parser().parse_args(argv)
+    apply_threads(args)
     try:
         if args.command == "chat":
             from localpd.chat import run_chat

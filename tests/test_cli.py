@@ -218,3 +218,36 @@ def test_serve_answers_an_openai_client_until_stopped(default_gguf):
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0 and "Traceback" not in err, err[-2000:]
+
+
+@pytest.mark.parametrize("command", ["chat", "serve", "bench", "tui"])
+@pytest.mark.parametrize("value", ["0", "-2", "two", "1.5"])
+def test_threads_must_be_a_positive_whole_number(command, value):
+    line = one_line_error(localpd([command, "--threads", value]), code=2)
+    assert "--threads" in line and ">= 1" in line
+
+
+def test_threads_sets_torchs_threads_before_the_model_loads(default_gguf, monkeypatch):
+    """In-process: --threads 1 is what torch (and the engine's own thread, where the CPU kernels read it) uses;
+    without it, the physical cores this process may run on."""
+    import threading
+
+    import torch
+
+    from localpd.cli import main
+    from localpd.device import physical_cores
+
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    try:
+        assert main(["chat", str(default_gguf), "Hi", "--threads", "1", "--temperature", "0", "--max-tokens", "4"]) == 0
+        seen = []
+        t = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        t.start()
+        t.join()
+        assert torch.get_num_threads() == 1 and seen == [1]
+        assert main(["chat", "no-such-model", "hi"]) == 1  # the default is set before loading fails
+        assert torch.get_num_threads() == physical_cores()
+    finally:
+        torch.set_num_threads(before)
