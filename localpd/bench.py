@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from localpd.device import DeviceInfo, describe, device_info
+from localpd.device import DeviceInfo, cache_note, describe, device_info
 from localpd.engine import Engine, StepStats
 from localpd.roofline import step_cost, utilisation
 from localpd.schemes import default_scheme
@@ -188,8 +188,9 @@ def run(args) -> int:
     info = device_info(engine.device)
     print(f"# {engine.name} | weights {engine.quant} ({engine.model.weight_bytes / 2**20:.0f} MiB per decode step) | "
           f"kv {engine.kv_dtype} | {describe(info)}")
-    for note in engine.notes:
-        print(f"# {note}")
+    for note in engine.notes + [cache_note(engine.model.weight_bytes, info)]:
+        if note:
+            print(f"# {note}")
     points = []
     try:
         run_point(engine, info, min(prompts), 1, 2, seed=0)  # warm-up: first-call costs stay out of the table
