@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -158,41 +159,67 @@ def _f32(t: torch.Tensor | None) -> bool:
     return t is None or (t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu")
 
 
+class Plan(NamedTuple):
+    """What lpd_linear needs of a weight, worked out once per weight (kept on it: weight_plan)."""
+
+    bits: int
+    data: int
+    scales: int
+    biases: int | None
+    group: int
+    n: int
+    k: int
+
+
+def weight_plan(w) -> Plan | None:
+    """The weight's Plan, or None where lpd_linear cannot take it (not int4/int8, a width or group not in blocks
+    of 32, tensors not contiguous, or no kernels)."""
+    plan = w.__dict__.get("_cpu_plan", False) if isinstance(w, (Int4Weight, Int8Weight)) else None
+    if plan is False:
+        n, k = w.shape
+        parts = (w.packed, w.scales, w.biases) if isinstance(w, Int4Weight) else (w.data, w.scales)
+        if k % 32 or w.group % 32 or library() is None or not all(t.is_contiguous() for t in parts):
+            plan = None
+        else:
+            ptrs = [t.data_ptr() for t in parts]
+            plan = Plan(4 if isinstance(w, Int4Weight) else 8, ptrs[0], ptrs[1], ptrs[2] if len(ptrs) > 2 else None,
+                        w.group, n, k)
+        w.__dict__["_cpu_plan"] = plan
+    return plan
+
+
 def takes_linear(x: torch.Tensor, w, bias, norm) -> bool:
-    """Whether lpd_linear takes this product: fp32 rows on the CPU, an int4 or int8 weight whose groups and width
-    are whole blocks of 32, fp32 bias and norm tensors."""
-    if x.device.type != "cpu" or x.dtype != torch.float32 or not isinstance(w, (Int4Weight, Int8Weight)):
-        return False
-    k = w.shape[1]
-    if k % 32 or w.group % 32 or not _f32(bias) or library() is None:
-        return False
-    return norm is None or (_f32(norm.weight) and (norm.residual is None or norm.residual.dtype == torch.float32))
+    """Whether lpd_linear takes this product: fp32 rows on the CPU, a weight with a Plan, fp32 bias and norm."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and weight_plan(w) is not None and _f32(bias)
+            and (norm is None or (_f32(norm.weight) and (norm.residual is None
+                                                          or norm.residual.dtype == torch.float32))))
 
 
-def _weight_args(w: Int4Weight | Int8Weight) -> tuple:
-    if isinstance(w, Int4Weight):
-        return 4, _ptr(w.packed), _ptr(w.scales), _ptr(w.biases)
-    return 8, _ptr(w.data), _ptr(w.scales), None
-
-
-def linear(lib, x: torch.Tensor, w: Int4Weight | Int8Weight, bias=None, gated: str | None = None, norm=None):
-    """int4_matmul_ref / int8_matmul_ref (kernels/dispatch.py) on x [M, K or 2K] with the same arguments."""
-    x = x.contiguous()
-    n, k = w.shape
+def linear(x: torch.Tensor, w: Int4Weight | Int8Weight, bias=None, gated: str | None = None, norm=None, lib=None):
+    """int4_matmul_ref / int8_matmul_ref (kernels/dispatch.py) with the same arguments, on x [..., K or 2K]
+    (takes_linear said yes). lib: a library other than library() (tests build one per instruction set)."""
+    lib = lib or library()
+    p = weight_plan(w)
+    k = x.shape[-1]
+    lead = x.shape[:-1]
+    x = x.reshape(-1, k).contiguous()
     m = x.shape[0]
     if m >= GEMM_ROWS:
-        return _gemm(lib, x, w, bias, gated, norm)
-    y = torch.empty(m, n, dtype=torch.float32)
-    s = res = nw = None
-    eps = 0.0
-    if norm is not None:
-        s = torch.empty(m, k, dtype=torch.float32)
-        res = None if norm.residual is None else norm.residual.contiguous()
-        nw, eps = norm.weight, norm.eps
-    if m and lib.lpd_linear(PRE["norm" if norm is not None else gated], _ptr(x), _ptr(res), _ptr(nw), eps, _ptr(s),
-                            m, k, *_weight_args(w), w.group, n, _ptr(bias), _ptr(y), torch.get_num_threads()):
-        raise MemoryError("lpd_linear could not allocate its scratch")
-    return y if norm is None else (y, s)
+        y, s = _gemm(lib, x, w, bias, gated, norm)
+    else:
+        y = torch.empty(m, p.n, dtype=torch.float32)
+        s = res = nw = None
+        eps = 0.0
+        if norm is not None:
+            s = torch.empty(m, p.k, dtype=torch.float32)
+            res = None if norm.residual is None else norm.residual.reshape(m, p.k).contiguous()
+            nw, eps = norm.weight, norm.eps
+        if m and lib.lpd_linear(PRE["norm" if norm is not None else gated], x.data_ptr(), _ptr(res), _ptr(nw),
+                                      eps, _ptr(s), m, p.k, p.bits, p.data, p.scales, p.biases, p.group, p.n,
+                                      _ptr(bias), y.data_ptr(), torch.get_num_threads()):
+            raise MemoryError("lpd_linear could not allocate its scratch")
+    y = y.reshape(*lead, p.n)
+    return y if norm is None else (y, s.reshape(*lead, p.k))
 
 
 def _gemm(lib, x, w, bias, gated, norm):
@@ -205,18 +232,18 @@ def _gemm(lib, x, w, bias, gated, norm):
         x, s = add_rms_norm_ref(x, norm.residual, norm.weight, norm.eps)
     elif gated:
         x = act_mul_ref(x, gated)
-    n, k = w.shape
+    p = weight_plan(w)
+    n, k = p.n, p.k
     rows = max(1, min(n, GEMM_SLICE // k))
     y = torch.empty(x.shape[0], n, dtype=torch.float32)
     part = torch.empty(rows, k, dtype=torch.float32)
-    args = _weight_args(w)
     for n0 in range(0, n, rows):
         n1 = min(n, n0 + rows)
-        lib.lpd_dequantize(*args, w.group, k, n0, n1, _ptr(part), torch.get_num_threads())
+        lib.lpd_dequantize(p.bits, p.data, p.scales, p.biases, p.group, k, n0, n1, _ptr(part), torch.get_num_threads())
         torch.mm(x, part[:n1 - n0].T, out=y[:, n0:n1]) if rows == n else y[:, n0:n1].copy_(x @ part[:n1 - n0].T)
     if bias is not None:
         y += bias
-    return y if norm is None else (y, s)
+    return y, s
 
 
 def takes_attention(q: torch.Tensor, layer) -> bool:
@@ -226,8 +253,9 @@ def takes_attention(q: torch.Tensor, layer) -> bool:
             and library() is not None)
 
 
-def attention(lib, q, layer, page_table, seq_lens, q_starts, scale: float, window: int = 0) -> torch.Tensor:
+def attention(q, layer, page_table, seq_lens, q_starts, scale: float, window: int = 0, lib=None) -> torch.Tensor:
     """paged_attention_ref (kernels/kv_dispatch.py) with the same arguments."""
+    lib = lib or library()
     T, Hq, D = q.shape
     out = torch.empty(T, Hq, D, dtype=torch.float32)
     pt, lens, starts = (t.to(torch.int32).contiguous() for t in (page_table, seq_lens, q_starts))
@@ -246,8 +274,9 @@ def takes_rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, la
             and library() is not None)
 
 
-def rope_write(lib, qkv, cos, sin, layer, slots, n_heads: int, n_kv_heads: int) -> torch.Tensor:
-    """rope_write_kv_ref (kernels/kv_dispatch.py) with the same arguments."""
+def rope_write(qkv, cos, sin, layer, slots, n_heads: int, n_kv_heads: int, lib=None) -> torch.Tensor:
+    """rope_write_kv_ref (kernels/kv_dispatch.py) with the same arguments (stage_slots aside: no stage here)."""
+    lib = lib or library()
     T = qkv.shape[0]
     D = qkv.shape[1] // (n_heads + 2 * n_kv_heads)
     slots = slots.to(torch.int64).contiguous()

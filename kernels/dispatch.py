@@ -198,26 +198,23 @@ def _linear(x, w_shape, run, gated=None, norm=None):
     return y[0].reshape(*lead, w_shape[0]), y[1].reshape(x.shape)
 
 
-def _int_matmul(x: torch.Tensor, w: Int4Weight | Int8Weight, bias, norm):
-    """The implementation for this product: Triton on CUDA (or under the interpreter), localpd's CPU kernels where
-    they take it (kernels/cpu.py), else the torch reference. Each is called as fn(x2, w, bias, gated, norm)."""
-    int4 = isinstance(w, Int4Weight)
-    if use_triton(x):
-        fn = _triton_fn("int4" if int4 else "int8")
-    elif cpu.takes_linear(x, w, bias, norm):
-        return functools.partial(cpu.linear, cpu.library())
-    else:
-        fn = int4_matmul_ref if int4 else int8_matmul_ref
-    tensors = (w.packed, w.scales, w.biases) if int4 else (w.data, w.scales)
-    return lambda x2, _, b, g, n: fn(x2, *tensors, w.group, bias=b, gated=g, norm=n)
-
-
 def linear_int4(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None, gated: str | None = None,
                 norm: PreNorm | None = None):
     """x @ W.T (+ bias); gated ("silu" or "gelu_tanh"): x = [gate | up] and the product is (act(gate) * up) @ W.T;
-    norm: the product is RMSNorm(x + residual) @ W.T, returned with x + residual (PreNorm)."""
-    fn = _int_matmul(x, w, bias, norm)
-    return _linear(x, w.shape, lambda x2, n: fn(x2, w, bias, gated, n), gated, norm)
+    norm: the product is RMSNorm(x + residual) @ W.T, returned with x + residual (PreNorm). Runs Triton on CUDA (or
+    under the interpreter), localpd's CPU kernels where they take it (kernels/cpu.py), else the torch reference."""
+    int4 = isinstance(w, Int4Weight)
+    if x.shape[-1] != w.shape[1] * (2 if gated else 1):
+        twice = " twice (gated)" if gated else ""
+        raise LocalpdError(f"input has {x.shape[-1]} features but the weight expects {w.shape[1]}{twice}")
+    if use_triton(x):
+        fn = _triton_fn("int4" if int4 else "int8")
+    elif cpu.takes_linear(x, w, bias, norm):
+        return cpu.linear(x, w, bias, gated, norm)
+    else:
+        fn = int4_matmul_ref if int4 else int8_matmul_ref
+    tensors = (w.packed, w.scales, w.biases) if int4 else (w.data, w.scales)
+    return _linear(x, w.shape, lambda x2, n: fn(x2, *tensors, w.group, bias=bias, gated=gated, norm=n), gated, norm)
 
 
 linear_int8 = linear_int4  # the same dispatch: the weight's type picks the kernel

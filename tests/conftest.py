@@ -55,9 +55,12 @@ def hf_reference(default_gguf):
 
 @pytest.fixture(scope="session")
 def engine(default_gguf):
+    """The default model on the reference path (fp32 weights, exactly the file's values dequantized; fp32
+    activations), which the tests hold to transformers' logits. The CPU's default scheme (native, on localpd's CPU
+    kernels) is held to this path in tests/test_cpu_fidelity.py."""
     from localpd.engine import Engine
 
-    return Engine(default_gguf, device="cpu", max_context=2048)
+    return Engine(default_gguf, device="cpu", max_context=2048, quant="fp32")
 
 
 @pytest.fixture(scope="module")
