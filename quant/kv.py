@@ -22,6 +22,8 @@ instead: +1.1% in 7,920 bytes per token where int8/int4 takes 9,540 (docs/PERF.m
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -239,24 +241,33 @@ class KVTraffic:
         return self.n_layers * self.n_kv_heads * per_head
 
 
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """torch.zeros, but on the CPU over fresh anonymous memory, which the OS hands out already zeroed, a page at a
+    time as it is first touched: a pool sized for two full contexts costs nothing up front (zero-filling it took
+    up to 2 s at start-up), and only the pages written stay resident."""
+    n = math.prod(shape) * dtype.itemsize
+    if torch.device(device).type != "cpu" or n == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.frombuffer(mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE), dtype=torch.uint8).view(dtype).view(shape)
+
+
 def new_kv_pool(kv_dtype: str, n_layers: int, n_pages: int, page_size: int, n_kv_heads: int, head_dim: int,
                 compute_dtype: torch.dtype, device, stage_rows: int = 1) -> KVPool:
     """stage_rows: how many sequences may have an open page at once (the scheduler's running sequences), for the
-    per-page formats' stage."""
+    per-page formats' stage. Every page starts zeroed (lazy_zeros)."""
     base = (n_layers, n_pages, page_size, n_kv_heads)
 
     def side(fmt):  # (data, scale, zero) of keys or values in their format
         storage, packed, groups, zeros = _layout(fmt, head_dim)
-        data = torch.zeros(base + (packed,), dtype=storage, device=device)
+        data = lazy_zeros(base + (packed,), storage, device)
         scale_shape = (n_layers, n_pages, 1, n_kv_heads, groups) if fmt in PER_PAGE else base + (groups,)
-        scale = torch.zeros(scale_shape, dtype=SCALE_DTYPE, device=device) if groups else None
-        return data, scale, torch.zeros_like(scale) if zeros else None
+        scale = lazy_zeros(scale_shape, SCALE_DTYPE, device) if groups else None
+        return data, scale, lazy_zeros(scale_shape, SCALE_DTYPE, device) if zeros else None
 
     def stage(fmt):
         if fmt not in PER_PAGE:
             return None
-        return torch.zeros((n_layers, stage_rows * page_size, n_kv_heads, head_dim), dtype=compute_dtype,
-                           device=device)
+        return lazy_zeros((n_layers, stage_rows * page_size, n_kv_heads, head_dim), compute_dtype, device)
 
     (k, ks, kz), (v, vs, vz) = (side(fmt) for fmt in kv_formats(kv_dtype))
     k_stage, v_stage = (stage(fmt) for fmt in kv_formats(kv_dtype))
