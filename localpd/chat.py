@@ -131,7 +131,7 @@ def run_chat(args) -> int:
     try:
         chat = Chat(engine, params, args.system, verbose=args.verbose, think=args.think)
         if interactive or args.verbose:
-            for note in engine.notes:
+            for note in engine.notes + ([engine.path] if args.verbose else []):
                 print(note, file=sys.stderr)
         if not interactive:
             chat.reply(args.prompt)

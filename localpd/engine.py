@@ -241,6 +241,11 @@ class Engine:
         self.config = loaded.config
         self.tokenizer: Tokenizer | None = loaded.tokenizer()
         self.notes = group_notes(loaded.weights, self.quant)  # how the scheme had to adapt to this model
+        self.path = f"{self.device.type} path: weights {self.quant}"  # which kernels run, in words (--verbose)
+        if self.device.type == "cpu":  # localpd's CPU kernels, or why the references run
+            from localpd.kernels import cpu
+
+            self.path = f"{cpu.describe()}; weights {self.quant}"
         self.max_context = min(max_context or self.config.max_context, self.config.max_context)
         if self.max_context < 2:
             raise LocalpdError(f"context length must be at least 2, got {self.max_context}")

@@ -50,7 +50,7 @@ def test_greedy_flips_only_where_the_reference_is_closer_than_the_error(engine, 
     top2 = ref.topk(2, dim=-1).values
     gap = top2[:, 0] - top2[:, 1]
     flips = fast.argmax(-1) != ref.argmax(-1)
-    assert err.max().item() < 1.0  # int8 blocks of activations: seen up to ~0.3 on logits of ~25
+    assert err.max().item() < 0.05  # two int8 levels a block of activations: seen up to 0.01 on logits of ~25
     assert bool((gap[flips] < err[flips]).all()), f"flips at steps {flips.nonzero().flatten().tolist()}"
 
 
