@@ -1,0 +1,120 @@
+"""localpd against llama.cpp on the CPU: the same GGUF file, the same threads, in one run.
+
+llama.cpp's `llama-bench -m FILE -t T -p 128 -n 128 -o json` and `localpd bench --prompt-len 128 --gen-len 128
+--batch 1,8 --threads T --json` run in turn (llama.cpp, localpd, llama.cpp, localpd ... for --repeats rounds),
+since this shared machine's speed drifts; each round's pair is as close in time as a pair can be. The table gives
+every round and the median of the rounds: decode tok/s at batch 1, prefill tok/s of the 128-token prompt, their
+ratio (localpd / llama.cpp), and localpd's batch-8 decode (tokens/s summed over the 8 sequences) beside llama.cpp's
+batch 1. llama.cpp's tg128 decodes from an empty context, localpd's decode follows its 128-token prompt.
+
+    python scripts/bench_cpu_vs_llamacpp.py [--model FILE] [--threads 2] [--quant SCHEME] [--repeats 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TOKENS = 128
+
+
+def llama_bin() -> str:
+    out = subprocess.run(["bash", str(REPO.parent / "shared" / "peers" / "llama-cpp.sh")], capture_output=True,
+                         text=True, check=True)
+    return out.stdout.strip().splitlines()[-1]
+
+
+def llama_round(bin_dir: str, model: str, threads: int) -> dict:
+    """llama-bench's pp128 and tg128: {"prefill": tok/s, "decode": tok/s}."""
+    out = subprocess.run([str(Path(bin_dir) / "llama-bench"), "-m", model, "-t", str(threads), "-p", str(TOKENS),
+                          "-n", str(TOKENS), "-o", "json"], capture_output=True, text=True)
+    if out.returncode:
+        sys.exit(f"llama-bench failed ({out.returncode}): {out.stderr.strip()[-800:]}")
+    rows = json.loads(out.stdout)
+    pick = {("prefill" if r["n_gen"] == 0 else "decode"): r["avg_ts"] for r in rows}
+    return {"prefill": pick["prefill"], "decode": pick["decode"], "type": rows[0].get("model_type", "?")}
+
+
+def localpd_round(model: str, threads: int, quant: str | None) -> dict:
+    """localpd bench at batch 1 and 8, read from its --json (localpd.bench.Point fields)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "bench.json")
+        cmd = [sys.executable, "-m", "localpd.cli", "bench", model, "--device", "cpu", "--threads", str(threads),
+               "--prompt-len", str(TOKENS), "--gen-len", str(TOKENS), "--batch", "1,8", "--json", path]
+        out = subprocess.run(cmd + (["--quant", quant] if quant else []), capture_output=True, text=True, cwd=REPO)
+        if out.returncode:
+            sys.exit(f"localpd bench failed ({out.returncode}): {out.stderr.strip()[-800:]}")
+        result = json.loads(Path(path).read_text())
+    points = {p["batch"]: p for p in result["points"]}
+    return {"prefill": points[1]["prefill_tps"], "decode": points[1]["decode_tps"], "decode8": points[8]["decode_tps"],
+            "mbu": points[1]["decode_mbu"], "quant": result["quant"], "device": result["device"]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="a GGUF file (default: localpd's default model)")
+    ap.add_argument("--threads", type=int, default=2, help="threads for both (default 2)")
+    ap.add_argument("--quant", help="localpd's weight scheme (default: localpd's default on the CPU)")
+    ap.add_argument("--repeats", type=int, default=2, help="interleaved rounds (default 2)")
+    ap.add_argument("--llama-bin", help="folder holding llama-bench (default: what ../shared/peers/llama-cpp.sh prints)")
+    args = ap.parse_args()
+    if args.model is None:
+        sys.path.insert(0, str(REPO))
+        from localpd.registry import resolve_model
+
+        args.model = str(resolve_model("smollm2-135m").path)
+    bin_dir = args.llama_bin or llama_bin()
+
+    load = [os.getloadavg()[0]]
+    rounds = []
+    for i in range(args.repeats):
+        llama = llama_round(bin_dir, args.model, args.threads)
+        print(f"# round {i + 1}: llama.cpp decode {llama['decode']:.1f} tok/s", file=sys.stderr, flush=True)
+        ours = localpd_round(args.model, args.threads, args.quant)
+        print(f"# round {i + 1}: localpd decode {ours['decode']:.1f} tok/s", file=sys.stderr, flush=True)
+        rounds.append((llama, ours))
+        load.append(os.getloadavg()[0])
+
+    dev = rounds[0][1]["device"]
+    built = next((p.name for p in Path(bin_dir).resolve().parents if p.name.startswith("llama.cpp")), bin_dir)
+    print(f"# {Path(args.model).name} ({rounds[0][0]['type']}) | {args.threads} threads | localpd --quant "
+          f"{rounds[0][1]['quant']} | {built} | {dev['name']}, copy {dev['measured_bandwidth'] / 1e9:.1f} GB/s "
+          f"({dev.get('measured_note') or dev['measured_source']})")
+    busy = max(load) > 0.5 + args.threads
+    print(f"# load average {min(load):.1f} to {max(load):.1f} on {os.cpu_count()} CPUs during the run"
+          + (": other work shared the cores, so both sides' numbers are low and noisy" if busy else ""))
+    head = ("round", "llama dec", "localpd dec", "ratio", "llama pp128", "localpd pp128", "ratio", "localpd dec x8",
+            "x8 / llama dec", "localpd MBU")
+    table = [head]
+
+    def row(label, llama, ours):
+        mbu = "—" if ours["mbu"] is None else f"{ours['mbu']:.0%}"
+        return (label, f"{llama['decode']:.1f}", f"{ours['decode']:.1f}", f"{ours['decode'] / llama['decode']:.2f}",
+                f"{llama['prefill']:.1f}", f"{ours['prefill']:.1f}", f"{ours['prefill'] / llama['prefill']:.2f}",
+                f"{ours['decode8']:.1f}", f"{ours['decode8'] / llama['decode']:.2f}", mbu)
+
+    for i, (llama, ours) in enumerate(rounds):
+        table.append(row(str(i + 1), llama, ours))
+    if len(rounds) > 1:
+        med = {k: statistics.median(r[0][k] for r in rounds) for k in ("decode", "prefill")}
+        ours_med = {k: statistics.median(r[1][k] for r in rounds) for k in ("decode", "prefill", "decode8")}
+        mbus = [r[1]["mbu"] for r in rounds if r[1]["mbu"] is not None]
+        ours_med["mbu"] = statistics.median(mbus) if mbus else None
+        table.append(row("median", med, ours_med))
+    widths = [max(len(r[i]) for r in table) for i in range(len(head))]
+    for r in table:
+        print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
+    print("# tok/s; dec: batch-1 decode of 128 tokens (llama.cpp's tg128 from an empty context, localpd's after the "
+          "128-token prompt); x8: localpd's 8 sequences together, summed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
