@@ -38,6 +38,8 @@ SIGNATURES = {
     "lpd_attention": ([_P, _L, _L, _I, _I, _I, _P, _P, _I, _I, _P, _L, _P, _P, _I, _F, _I, _P, _I], _I),
     "lpd_rope_write": ([_P, _L, _I, _I, _I, _I, _P, _P, _L, _P, _P, _P], None),
     "lpd_dequantize": ([_I, _P, _P, _P, _I, _I, _I, _I, _P, _I], None),
+    "lpd_decode_layer": ([_P, _P, _P, _I, _I, _P, _P, _P, _P, _P, _L, _P, _P, _P, _I, _P, _L, _P, _P, _I, _F, _I,
+                          _I], _I),
 }
 # From this many rows on, a product dequantizes its weight a slice at a time and multiplies in float32 with
 # torch's GEMM (compute-bound prefill), where fewer rows (decode) take lpd_linear's int8 dot products.
@@ -284,3 +286,49 @@ def rope_write(qkv, cos, sin, layer, slots, n_heads: int, n_kv_heads: int, lib=N
         lib.lpd_rope_write(_ptr(qkv), qkv.stride(0), T, n_heads, n_kv_heads, D, _ptr(cos), _ptr(sin), cos.stride(0),
                            _ptr(slots), _ptr(layer.k), _ptr(layer.v))
     return qkv.view(T, -1, D)[:, :n_heads]
+
+
+class LinPlan(ctypes.Structure):
+    """lin_plan in cpu_kernels.c: one projection's weight (a Plan) and bias."""
+
+    _fields_ = [("bits", _I), ("w", _P), ("scales", _P), ("biases", _P), ("group", _I), ("N", _I), ("K", _I),
+                ("bias", _P)]
+
+
+class LayerPlan(ctypes.Structure):
+    """layer_plan in cpu_kernels.c: what lpd_decode_layer needs of a decoder layer, built once (layer_plan)."""
+
+    _fields_ = [("n_heads", _I), ("n_kv", _I), ("head_dim", _I), ("act", _I), ("eps", _F), ("attn_norm", _P),
+                ("mlp_norm", _P), ("qkv", LinPlan), ("o", LinPlan), ("gate_up", LinPlan), ("down", LinPlan)]
+
+
+def layer_plan(linears: list, attn_norm: torch.Tensor, mlp_norm: torch.Tensor, n_heads: int, n_kv_heads: int,
+               head_dim: int, act: str, eps: float) -> LayerPlan | None:
+    """The plan of a layer whose qkv, o, gate_up and down (QuantLinear-like: .weight, .bias) lpd_linear takes, with
+    fp32 norms; None otherwise. The tensors must outlive the plan (the model holds them)."""
+    parts = []
+    for lin in linears:
+        plan = weight_plan(getattr(lin, "weight", None))
+        if plan is None or not _f32(lin.bias):
+            return None
+        parts.append(LinPlan(plan.bits, plan.data, plan.scales, plan.biases, plan.group, plan.n, plan.k,
+                             _ptr(lin.bias)))
+    if not (_f32(attn_norm) and _f32(mlp_norm)) or act not in PRE:
+        return None
+    return LayerPlan(n_heads, n_kv_heads, head_dim, PRE[act], eps, attn_norm.data_ptr(), mlp_norm.data_ptr(), *parts)
+
+
+def decode_layer(plan: LayerPlan, out: torch.Tensor, x: torch.Tensor, has_residual: bool, scratch: tuple,
+                 cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor, v: torch.Tensor, page_size: int, slots,
+                 page_table, seq_lens, q_starts, scale: float, window: int, lib=None) -> None:
+    """One decoder layer in one call (lpd_decode_layer), in place on out and x: the model's op-by-op forward for
+    that layer, with the same kernels in the same order. slots int64, page_table/seq_lens/q_starts int32, all
+    contiguous; scratch: (qkv, attn, gate_up) rows; cos/sin fp32 [T, head_dim / 2]; k, v: the layer's fp32 pages."""
+    lib = lib or library()
+    qkv, attn, gate_up = scratch
+    if lib.lpd_decode_layer(ctypes.byref(plan), out.data_ptr(), x.data_ptr(), int(has_residual), out.shape[0],
+                            qkv.data_ptr(), attn.data_ptr(), gate_up.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                            cos.stride(0), slots.data_ptr(), k.data_ptr(), v.data_ptr(), page_size,
+                            page_table.data_ptr(), page_table.stride(0), seq_lens.data_ptr(), q_starts.data_ptr(),
+                            seq_lens.shape[0], scale, window, torch.get_num_threads()):
+        raise MemoryError("lpd_decode_layer could not allocate its scratch")

@@ -683,3 +683,46 @@ void lpd_dequantize(int bits, const void *w, const uint16_t *scales, const uint1
     dequant_args a = {bits, group, K, n0, n1, w, scales, biases, out};
     parallel(dequant_task, &a, nth);
 }
+
+/* ------------------------------------------------------------------------------------------------------------
+ * One decoder layer of a batch of rows (decode steps, small chunks), as the model's forward runs it op by op:
+ * RMSNorm + qkv, RoPE and the KV write, attention, o, RMSNorm + gate/up, act * up + down; the residual adds in
+ * the norms. One call where the forward makes six, for the plain Llama layer (localpd.model decides when). */
+typedef struct {
+    int bits;
+    const void *w;
+    const uint16_t *scales, *biases;
+    int group, N, K;
+    const float *bias;
+} lin_plan;
+
+typedef struct {
+    int n_heads, n_kv, head_dim, act;
+    float eps;
+    const float *attn_norm, *mlp_norm;
+    lin_plan qkv, o, gate_up, down;
+} layer_plan;
+
+static int run_linear(int pre, const lin_plan *l, const float *x, const float *residual, const float *norm_w,
+                      float eps, float *sum_out, int M, float *y, int nth) {
+    return lpd_linear(pre, x, residual, norm_w, eps, sum_out, M, l->K, l->bits, l->w, l->scales, l->biases, l->group,
+                      l->N, l->bias, y, nth);
+}
+
+/* out [T, dim]: the last sublayer's output, in and out; x [T, dim]: the residual stream (in only when
+ * has_residual, else it starts as out); qkv, attn, gate_up: scratch rows of the projections' widths. */
+int lpd_decode_layer(const layer_plan *L, float *out, float *x, int has_residual, int T, float *qkv, float *attn,
+                     float *gate_up, const float *cos, const float *sin, long cs_t, const int64_t *slots, float *k,
+                     float *v, int PS, const int32_t *page_table, long pt_stride, const int32_t *seq_lens,
+                     const int32_t *q_starts, int B, float scale, int window, int nth) {
+    int D = L->head_dim, Hq = L->n_heads, H = L->n_kv;
+    long row = (long)(Hq + 2 * H) * D;
+    if (run_linear(PRE_NORM, &L->qkv, out, has_residual ? x : NULL, L->attn_norm, L->eps, x, T, qkv, nth)) return -1;
+    lpd_rope_write(qkv, row, T, Hq, H, D, cos, sin, cs_t, slots, k, v);
+    if (lpd_attention(qkv, row, D, T, Hq, D, k, v, PS, H, page_table, pt_stride, seq_lens, q_starts, B, scale, window,
+                      attn, nth))
+        return -1;
+    if (run_linear(PRE_NONE, &L->o, attn, NULL, NULL, 0.f, NULL, T, out, nth)) return -1;
+    if (run_linear(PRE_NORM, &L->gate_up, out, x, L->mlp_norm, L->eps, x, T, gate_up, nth)) return -1;
+    return run_linear(L->act, &L->down, gate_up, NULL, NULL, 0.f, NULL, T, out, nth);
+}

@@ -16,7 +16,9 @@ import torch.nn.functional as F
 
 from localpd.config import ModelConfig
 from localpd.errors import LocalpdError
-from localpd.kernels.dispatch import PreNorm, linear_bnb_int8, linear_bnb_nf4, linear_int4, linear_int8
+from localpd.kernels import cpu
+from localpd.kernels.dispatch import (PreNorm, linear_bnb_int8, linear_bnb_nf4, linear_int4, linear_int8,
+                                      use_triton)
 from localpd.kernels.fused_dispatch import act_mul, add_rms_norm, qk_norm
 from localpd.kernels.kv_dispatch import paged_attention, rope_write_kv, rope_write_kv_ref
 from localpd.quant.bnb import BnbInt8Weight, Nf4Weight
@@ -285,7 +287,10 @@ class Transformer:
         out, x = take_rows(self.embed, batch.tokens, self.dtype), None
         if c.embed_scale != 1.0:
             out = out * c.embed_scale
-        for li, layer in enumerate(self.layers):
+        plans = self._cpu_layer_plans(kv, T) if self.fused else None
+        if plans is not None:  # each layer in one call of localpd's CPU kernels
+            out, x = self._cpu_layers(plans, batch, kv, out, rope, local, still, scale)
+        for li, layer in enumerate(self.layers if plans is None else []):
             pages = kv.layer(li)
             qkv, x = normed(layer.qkv, out, x, layer.attn_norm, c.norm_eps)
             if self.head_cols is not None:  # projected heads into the wider ones the attention takes
@@ -311,6 +316,41 @@ class Transformer:
         if hidden:
             return scores, add_rms_norm(out[rows], x[rows], self.norm, c.norm_eps)[0].float()
         return scores
+
+    def _cpu_layer_plans(self, kv: KVPool, T: int) -> list | None:
+        """Every layer's cpu.LayerPlan where one call of the CPU kernels can run each layer of this step (fp32 rows on
+        the CPU, few enough for their int8 dot products, fp32 pages, the plain Llama layer with int4/int8 weights);
+        else None, and the layers run op by op."""
+        c = self.config
+        if (self.device.type != "cpu" or self.dtype != torch.float32 or T >= cpu.GEMM_ROWS or use_triton(kv.k)
+                or kv.k.dtype != torch.float32 or kv.v.dtype != torch.float32 or kv.has_stage or cpu.library() is None):
+            return None
+        if not hasattr(self, "_cpu_plans"):
+            plain = self.head_cols is None and not c.qk_norm and not c.sandwich_norms
+            plans = [cpu.layer_plan([L.qkv, L.o, L.gate_up, L.down], L.attn_norm, L.mlp_norm, c.n_heads,
+                                    c.n_kv_heads, c.head_dim, c.act, c.norm_eps) if plain else None
+                     for L in self.layers]
+            self._cpu_plans = None if None in plans else plans
+        return self._cpu_plans
+
+    def _cpu_layers(self, plans: list, batch: Batch, kv: KVPool, out: torch.Tensor, rope, local, still,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward's layer loop as one cpu.decode_layer call a layer (the same kernels in the same order): the last
+        layer's output and the residual stream."""
+        c = self.config
+        T = out.shape[0]
+        nope, swa = set(c.nope_layers), set(c.swa_layers)
+        out = out.contiguous()
+        x = torch.empty_like(out)
+        scratch = (out.new_empty(T, (c.n_heads + 2 * c.n_kv_heads) * c.head_dim),
+                   out.new_empty(T, c.n_heads * c.head_dim), out.new_empty(T, plans[0].gate_up.N))
+        slots, lens, starts = batch.slots.contiguous(), batch.seq_lens.contiguous(), batch.q_starts.contiguous()
+        table = batch.page_table.contiguous()
+        for li in range(len(plans)):
+            rot_cos, rot_sin = still if li in nope else local if li in swa else rope
+            cpu.decode_layer(plans[li], out, x, li > 0, scratch, rot_cos, rot_sin, kv.k[li], kv.v[li], kv.page_size,
+                             slots, table, lens, starts, scale, c.sliding_window if li in swa else 0)
+        return out, x
 
     def _body(self):
         linears = [l for L in self.layers for l in (L.qkv, L.o, L.gate_up, L.down)]
