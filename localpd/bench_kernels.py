@@ -17,6 +17,7 @@ import time
 import torch
 
 from localpd.device import device_info, measure_copy_bandwidth
+from localpd.kernels import cpu
 from localpd.kernels.dispatch import int4_matmul_ref, int8_matmul_ref, linear_int4, linear_int8
 from localpd.quant.weights import Int4Weight, Int8Weight
 
@@ -124,7 +125,7 @@ def run(args) -> int:
     copy_bw = measure_copy_bandwidth(device, (1 << 30) if gpu else (1 << 27))
     info = device_info(device, measure=False)
     print(f"# {info.name}: measured copy bandwidth {copy_bw / 1e9:.0f} GB/s"
-          + ("" if gpu else " | no GPU: CPU torch reference timings on shapes / 16, not kernel numbers"))
+          + ("" if gpu else f" | no GPU: the CPU's products on shapes / 16 ({cpu.describe()})"))
     bench = graph_time if gpu else cpu_time
     rows = []
     for name, n, k in SHAPES:

@@ -8,6 +8,7 @@ several sequences, whose keys and values live in a paged KV cache.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 
@@ -359,22 +360,22 @@ class Transformer:
                                if t is not None]
         return linears, norms
 
-    @property
+    @functools.cached_property  # the weights are fixed once loaded; every step's cost reads it
     def body_bytes(self) -> int:
         """Bytes every step reads whatever its size: all layers' matrices and norms (not the embedding or head)."""
         linears, norms = self._body()
         return sum(l.nbytes for l in linears) + sum(weight_nbytes(t) for t in norms)
 
-    @property
+    @functools.cached_property  # the weights are fixed once loaded; every step's cost reads it
     def body_params(self) -> int:
         return sum(l.params for l in self._body()[0])
 
-    @property
+    @functools.cached_property  # the weights are fixed once loaded; every step's cost reads it
     def embed_row_bytes(self) -> int:
         """Bytes of one token's embedding row (scales included for a quantized embedding)."""
         return weight_nbytes(self.embed) // self.config.vocab_size
 
-    @property
+    @functools.cached_property  # the weights are fixed once loaded; every step's cost reads it
     def weight_bytes(self) -> int:
         """The bytes of one decode step's weights: the body, the output head and one embedding row."""
         return self.body_bytes + self.lm_head.nbytes + self.embed_row_bytes

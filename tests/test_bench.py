@@ -55,11 +55,13 @@ def test_engine_runs_a_synthetic_model_without_a_tokenizer():
     engine.close()
 
 
-def test_bench_kernels_without_a_gpu_runs_the_references_and_says_so(tmp_path, capsys):
+def test_bench_kernels_without_a_gpu_runs_the_cpu_path_and_says_so(tmp_path, capsys):
     out = tmp_path / "k.json"
     assert main(["bench", "kernels", "--m", "1", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "no GPU" in text and "tinygemm int4-g128: n/a (GPU only)" in text
     rows = json.loads(out.read_text())["rows"]
     assert [r["shape"] for r in rows] == ["qkv", "o", "gate_up", "down", "lm_head"]
-    assert all(r["rel_err"]["int8"] < 1e-6 and r["cells"]["int4-g128"][0] > 0 for r in rows)
+    # localpd's CPU kernels round each block of 32 inputs to two int8 levels: ~1e-5 from the fp32 reference
+    assert all(r["rel_err"]["int8"] < 1e-4 and r["cells"]["int4-g128"][0] > 0 for r in rows)
+    assert "CPU path: localpd kernels" in text
