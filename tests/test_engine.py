@@ -36,7 +36,7 @@ def test_later_turn_is_served_by_the_prefix_cache_and_matches_a_cold_run(engine,
     warm_tokens, _, _, handle = run(engine, ids2)
     assert handle.stats.cached_tokens >= len(first_ids) // 16 * 16  # every full page of the first turn
     assert handle.stats.prompt_tokens == len(ids2)
-    cold = Engine(default_gguf, device="cpu", max_context=2048)
+    cold = Engine(default_gguf, device="cpu", max_context=2048, quant=engine.quant)
     cold_tokens, _, _, cold_handle = run(cold, ids2)
     cold.close()
     assert warm_tokens == cold_tokens and cold_handle.stats.cached_tokens == 0
@@ -58,12 +58,12 @@ def assert_same_trace(a, b):
 def test_cold_warm_chunked_and_concurrent_runs_give_the_same_tokens_and_logprobs(engine, default_gguf):
     ids = engine.encode_chat([{"role": "system", "content": "You are a careful assistant. " * 8}] + Q)
     alone = logprob_trace(engine, ids)  # may be warm from earlier tests: compared with a cold engine below
-    cold_engine = Engine(default_gguf, device="cpu", max_context=2048)
+    cold_engine = Engine(default_gguf, device="cpu", max_context=2048, quant=engine.quant)  # the same path
     assert_same_trace(logprob_trace(cold_engine, ids), alone)
     assert_same_trace(logprob_trace(cold_engine, ids), alone)  # now warm: the prompt's full pages are cached
     cold_engine.close()
     for chunk in (7, 16, 33):  # prompts spread over several steps, cut mid-page and at page boundaries
-        chunked = Engine(default_gguf, device="cpu", max_context=2048, max_step_tokens=chunk)
+        chunked = Engine(default_gguf, device="cpu", max_context=2048, max_step_tokens=chunk, quant=engine.quant)
         assert_same_trace(logprob_trace(chunked, ids), alone)
         chunked.close()
     others = [engine.encode_chat([{"role": "user", "content": f"Count to {n}."}]) for n in (3, 5, 7)]
