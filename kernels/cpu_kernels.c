@@ -376,6 +376,59 @@ static void gemv4(const gemm_args *a, int n, const float *ds, const float *extra
 }
 #endif
 
+#if defined(LPD_AVX2)
+/* gemv4 for AVX2: a block of 32 at a time in 256-bit registers, pmaddubsw (or AVX-VNNI's vpdpbusd where the
+ * processor has it) for each level of the input. */
+static inline __m256i dot_levels(__m256i wa, __m256i xh, __m256i xl) {
+#if defined(__AVXVNNI__)
+    return _mm256_add_epi32(_mm256_slli_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), wa, xh), 8),
+                            _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), wa, xl));
+#else
+    __m256i one = _mm256_set1_epi16(1);
+    return _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(wa, xh), one), 8),
+                            _mm256_madd_epi16(_mm256_maddubs_epi16(wa, xl), one));
+#endif
+}
+
+static inline __m256i load_block(const gemm_args *a, const uint8_t *wrow, int b) {
+    if (a->bits == 4) {
+        __m128i raw = _mm_loadu_si128((const __m128i *)(wrow + b * 16));
+        return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(15));
+    }
+    return _mm256_loadu_si256((const __m256i *)(wrow + b * 32));
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    return _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
+}
+
+static void gemv4(const gemm_args *a, int n, const float *ds, const float *extra) {
+    int K = a->K, nb = K / 32;
+    size_t row_bytes = a->bits == 4 ? K / 2 : K, ahead = 8 * row_bytes;
+    const uint8_t *w[4] = {a->w + (size_t)n * row_bytes, a->w + (size_t)(n + 1) * row_bytes,
+                           a->w + (size_t)(n + 2) * row_bytes, a->w + (size_t)(n + 3) * row_bytes};
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int b = 0; b < nb; b++) {
+        __m256i xh = _mm256_loadu_si256((const __m256i *)(a->xq + b * 32));
+        __m256i xl = _mm256_loadu_si256((const __m256i *)(a->xq + a->lo + b * 32));
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; r++) {
+            _mm_prefetch((const char *)(w[r] + ahead + b * (a->bits == 4 ? 16 : 32)), _MM_HINT_T0);
+            __m256i wv = load_block(a, w[r], b), wa = wv, h = xh, l = xl;
+            if (a->bits == 8) { /* |w| times x with w's sign */
+                wa = _mm256_sign_epi8(wv, wv);
+                h = _mm256_sign_epi8(xh, wv);
+                l = _mm256_sign_epi8(xl, wv);
+            }
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_levels(wa, h, l)), _mm256_set1_ps(ds[r * nb + b]), acc[r]);
+        }
+    }
+    for (int r = 0; r < 4; r++) a->y[n + r] = hsum8(acc[r]) + extra[r];
+}
+#endif
+
 /* Row n's factors for input rows m0 .. m0 + mm - 1: ds[m * nb + b] = weight scale x input scale of block b, and
  * extra[m] = what is added to the scaled sums (int4 biases x input sums, AVX512's int8 correction for its first
  * xor_blocks blocks, the layer's bias). ws, wb: nb floats of scratch each. */
@@ -418,7 +471,7 @@ static void gemm_task(void *ctx, int ith, int nth) {
     int vec_blocks = 0, xor_blocks = 0;
 #endif
     int n = n0;
-#if defined(LPD_AVX512)
+#if defined(LPD_AVX512) || defined(LPD_AVX2)
     if (a->M == 1 && vec_blocks == nb) {
         for (; n + 4 <= n1; n += 4) {
             float extra[4];
