@@ -27,7 +27,10 @@ import torch
 from localpd.quant.weights import Int4Weight, Int8Weight
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-FLAGS = ("-O3", "-ffast-math", "-fno-finite-math-only", "-fPIC", "-shared", "-pthread")
+# fast-math's reassociation (so loops vectorize), without -ffast-math itself: linked into a library it sets the
+# processor's flush-to-zero mode for the whole process (crtfastmath.o), which Python's floats would then run under
+FLAGS = ("-O3", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros", "-freciprocal-math",
+         "-fPIC", "-shared", "-pthread")
 PRE = {None: 0, "norm": 1, "silu": 2, "gelu_tanh": 3}  # lpd_linear's input steps
 
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float

@@ -62,14 +62,14 @@ def test_format_takes_a_json_schema_file(default_gguf, tmp_path):
 
 def test_embed_prints_one_unit_vector_a_line_as_the_engine_computes_it(default_gguf, engine):
     texts = ["Paris is the capital of France.", "Bananas are yellow."]
-    r = localpd(["embed", str(default_gguf), *texts, "--ctx", "2048"])
+    r = localpd(["embed", str(default_gguf), *texts, "--ctx", "2048", "--quant", engine.quant])  # the same path
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in r.stdout.splitlines()]
     assert len(rows) == 2 and all(len(v) == engine.config.dim for v in rows)
     for row, text in zip(rows, texts):
         want = engine.embedding(engine.tokenizer.encode(text))
         assert max(abs(a - b) for a, b in zip(row, want)) < 1e-5
-    piped = localpd(["embed", str(default_gguf)], stdin="\n".join(texts) + "\n")
+    piped = localpd(["embed", str(default_gguf), "--quant", engine.quant], stdin="\n".join(texts) + "\n")
     assert piped.returncode == 0 and [json.loads(line) for line in piped.stdout.splitlines()] == rows
     assert "nothing to embed" in one_line_error(localpd(["embed", str(default_gguf)], stdin="a\n\nb\n"))
     assert "context" in one_line_error(localpd(["embed", str(default_gguf), "word " * 3000, "--ctx", "256"]))

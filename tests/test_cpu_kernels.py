@@ -4,6 +4,7 @@ checked where the machine has them."""
 
 import platform
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -198,6 +199,8 @@ def test_the_app_takes_the_kernels_on_the_cpu_and_says_which():
     reference."""
     assert cpu.unavailable() is None
     assert "localpd kernels" in cpu.describe()
+    tiny = sys.float_info.min
+    assert tiny / 2 > 0 and tiny / 2 * 2 == tiny  # loading them left the process's floats IEEE (no flush-to-zero)
     w = Int4Weight.quantize_rtn(torch.randn(8, 64), 32)
     assert cpu.takes_linear(torch.randn(1, 64), w, None, None)
     assert not cpu.takes_linear(torch.randn(1, 64, dtype=torch.bfloat16), w, None, None)
