@@ -376,6 +376,38 @@ static void gemv4(const gemm_args *a, int n, const float *ds, const float *extra
 }
 #endif
 
+#if defined(LPD_AVX512)
+/* Weight row n against input rows m0 .. m0 + mm - 1 (mm <= 4; a missing row repeats the first and is not stored),
+ * every block in a pair: each expanded pair of weight blocks serves the four rows, their sums in registers. */
+static void gemm1x4(const gemm_args *a, int n, int m0, int mm, const float *ds, const float *extra) {
+    int K = a->K, nb = K / 32;
+    size_t row_bytes = a->bits == 4 ? K / 2 : K;
+    const uint8_t *wrow = a->w + (size_t)n * row_bytes;
+    const int8_t *x[4];
+    const float *d[4];
+    for (int m = 0; m < 4; m++) {
+        int r = m < mm ? m : 0;
+        x[m] = a->xq + (size_t)(m0 + r) * K;
+        d[m] = ds + r * nb;
+    }
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    for (int b = 0; b < nb; b += 2) {
+        __m512i wv = a->bits == 4 ? expand_int4_pair(wrow + b * 16)
+                                  : _mm512_xor_si512(_mm512_loadu_si512(wrow + b * 32), flip);
+#pragma GCC unroll 4
+        for (int m = 0; m < 4; m++) {
+            __m512i p = _mm512_add_epi32(
+                _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, _mm512_loadu_si512(x[m] + b * 32)), 8),
+                _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, _mm512_loadu_si512(x[m] + a->lo + b * 32)));
+            __m512 f = _mm512_insertf32x8(_mm512_set1_ps(d[m][b]), _mm256_set1_ps(d[m][b + 1]), 1);
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), f, acc[m]);
+        }
+    }
+    for (int m = 0; m < mm; m++) a->y[(size_t)(m0 + m) * a->N + n] = _mm512_reduce_add_ps(acc[m]) + extra[m];
+}
+#endif
+
 #if defined(LPD_AVX2)
 /* gemv4 for AVX2: a block of 32 at a time in 256-bit registers, pmaddubsw (or AVX-VNNI's vpdpbusd where the
  * processor has it) for each level of the input. */
@@ -486,6 +518,12 @@ static void gemm_task(void *ctx, int ith, int nth) {
             int mm = a->M - m0 < ROWS_AT_ONCE ? a->M - m0 : ROWS_AT_ONCE;
             float extra[ROWS_AT_ONCE];
             row_factors(a, n, m0, mm, xor_blocks, ws, wb, ds, extra);
+#if defined(LPD_AVX512)
+            if (vec_blocks == nb) {
+                gemm1x4(a, n, m0, mm, ds, extra);
+                continue;
+            }
+#endif
             float y[ROWS_AT_ONCE] = {0};
 #if defined(LPD_AVX512)
             __m512 acc[ROWS_AT_ONCE];
