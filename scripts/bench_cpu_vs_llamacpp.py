@@ -84,8 +84,9 @@ def main() -> int:
 
     dev = rounds[0][1]["device"]
     built = next((p.name for p in Path(bin_dir).resolve().parents if p.name.startswith("llama.cpp")), bin_dir)
-    print(f"# {Path(args.model).name} ({rounds[0][0]['type']}) | {args.threads} threads | localpd --quant "
-          f"{rounds[0][1]['quant']} | {built} | {dev['name']}, copy {dev['measured_bandwidth'] / 1e9:.1f} GB/s "
+    threads = f"{args.threads} thread" + "s" * (args.threads > 1)
+    print(f"# {Path(args.model).name} ({rounds[0][0]['type']}) | {threads} | localpd --quant {rounds[0][1]['quant']} | "
+          f"{built} | {dev['name']}, copy {dev['measured_bandwidth'] / 1e9:.1f} GB/s "
           f"({dev.get('measured_note') or dev['measured_source']})")
     busy = max(load) > 0.5 + args.threads
     print(f"# load average {min(load):.1f} to {max(load):.1f} on {os.cpu_count()} CPUs during the run"
