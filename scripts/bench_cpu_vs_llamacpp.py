@@ -63,7 +63,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2, help="threads for both (default 2)")
     ap.add_argument("--quant", help="localpd's weight scheme (default: localpd's default on the CPU)")
     ap.add_argument("--repeats", type=int, default=2, help="interleaved rounds (default 2)")
-    ap.add_argument("--llama-bin", help="folder holding llama-bench (default: what ../shared/peers/llama-cpp.sh prints)")
+    ap.add_argument("--llama-bin", help="folder holding llama-bench (default: ../shared/peers/llama-cpp.sh's output)")
     args = ap.parse_args()
     if args.model is None:
         sys.path.insert(0, str(REPO))
