@@ -41,6 +41,7 @@ SIGNATURES = {
     "lpd_attention": ([_P, _L, _L, _I, _I, _I, _P, _P, _I, _I, _P, _L, _P, _P, _I, _F, _I, _P, _I], _I),
     "lpd_rope_write": ([_P, _L, _I, _I, _I, _I, _P, _P, _L, _P, _P, _P], None),
     "lpd_dequantize": ([_I, _P, _P, _P, _I, _I, _I, _I, _P, _I], None),
+    "lpd_round_input": ([_I, _P, _P, _P, _F, _P, _I, _I, _P, _I], None),
     "lpd_decode_layer": ([_P, _P, _P, _I, _I, _P, _P, _P, _P, _P, _L, _P, _P, _P, _I, _P, _L, _P, _P, _I, _F, _I,
                           _I], _I),
 }
@@ -205,50 +206,42 @@ def linear(x: torch.Tensor, w: Int4Weight | Int8Weight, bias=None, gated: str | 
     (takes_linear said yes). lib: a library other than library() (tests build one per instruction set)."""
     lib = lib or library()
     p = weight_plan(w)
-    k = x.shape[-1]
     lead = x.shape[:-1]
-    x = x.reshape(-1, k).contiguous()
+    x = x.reshape(-1, x.shape[-1]).contiguous()
     m = x.shape[0]
+    y = torch.empty(m, p.n, dtype=torch.float32)
+    s = res = nw = None
+    eps = 0.0
+    if norm is not None:
+        s = torch.empty(m, p.k, dtype=torch.float32)
+        res = None if norm.residual is None else norm.residual.reshape(m, p.k).contiguous()
+        nw, eps = norm.weight, norm.eps
+    pre = PRE["norm" if norm is not None else gated]
     if m >= GEMM_ROWS:
-        y, s = _gemm(lib, x, w, bias, gated, norm)
-    else:
-        y = torch.empty(m, p.n, dtype=torch.float32)
-        s = res = nw = None
-        eps = 0.0
-        if norm is not None:
-            s = torch.empty(m, p.k, dtype=torch.float32)
-            res = None if norm.residual is None else norm.residual.reshape(m, p.k).contiguous()
-            nw, eps = norm.weight, norm.eps
-        if m and lib.lpd_linear(PRE["norm" if norm is not None else gated], x.data_ptr(), _ptr(res), _ptr(nw),
-                                      eps, _ptr(s), m, p.k, p.bits, p.data, p.scales, p.biases, p.group, p.n,
-                                      _ptr(bias), y.data_ptr(), torch.get_num_threads()):
-            raise MemoryError("lpd_linear could not allocate its scratch")
+        _gemm(lib, p, pre, x, res, nw, eps, s, bias, y)
+    elif m and lib.lpd_linear(pre, x.data_ptr(), _ptr(res), _ptr(nw), eps, _ptr(s), m, p.k, p.bits, p.data, p.scales,
+                              p.biases, p.group, p.n, _ptr(bias), y.data_ptr(), torch.get_num_threads()):
+        raise MemoryError("lpd_linear could not allocate its scratch")
     y = y.reshape(*lead, p.n)
     return y if norm is None else (y, s.reshape(*lead, p.k))
 
 
-def _gemm(lib, x, w, bias, gated, norm):
-    """linear() for many rows: the input step in torch, then float32 GEMMs against the weight dequantized a slice
-    of rows at a time (the slice buffer is all the extra memory it takes)."""
-    from localpd.kernels.fused_dispatch import act_mul_ref, add_rms_norm_ref  # it imports dispatch, which imports us
-
-    s = None
-    if norm is not None:
-        x, s = add_rms_norm_ref(x, norm.residual, norm.weight, norm.eps)
-    elif gated:
-        x = act_mul_ref(x, gated)
-    p = weight_plan(w)
-    n, k = p.n, p.k
-    rows = max(1, min(n, GEMM_SLICE // k))
-    y = torch.empty(x.shape[0], n, dtype=torch.float32)
-    part = torch.empty(rows, k, dtype=torch.float32)
-    for n0 in range(0, n, rows):
-        n1 = min(n, n0 + rows)
-        lib.lpd_dequantize(p.bits, p.data, p.scales, p.biases, p.group, k, n0, n1, _ptr(part), torch.get_num_threads())
-        torch.mm(x, part[:n1 - n0].T, out=y[:, n0:n1]) if rows == n else y[:, n0:n1].copy_(x @ part[:n1 - n0].T)
+def _gemm(lib, p: Plan, pre: int, x, res, nw, eps: float, s, bias, y) -> None:
+    """lpd_linear's arguments for many rows, into y: its input step and rounding (lpd_round_input: the same code,
+    so the rows multiplied are bit for bit those a decode step multiplies, whatever else shares the step), then
+    float32 GEMMs against the weight dequantized a slice of rows at a time (the slice is all the extra memory)."""
+    m = x.shape[0]
+    h = torch.empty(m, p.k, dtype=torch.float32)
+    threads = torch.get_num_threads()
+    lib.lpd_round_input(pre, x.data_ptr(), _ptr(res), _ptr(nw), eps, _ptr(s), m, p.k, h.data_ptr(), threads)
+    rows = max(1, min(p.n, GEMM_SLICE // p.k))
+    part = torch.empty(rows, p.k, dtype=torch.float32)
+    for n0 in range(0, p.n, rows):
+        n1 = min(p.n, n0 + rows)
+        lib.lpd_dequantize(p.bits, p.data, p.scales, p.biases, p.group, p.k, n0, n1, part.data_ptr(), threads)
+        torch.mm(h, part[:n1 - n0].T, out=y[:, n0:n1]) if rows == p.n else y[:, n0:n1].copy_(h @ part[:n1 - n0].T)
     if bias is not None:
         y += bias
-    return y, s
 
 
 def takes_attention(q: torch.Tensor, layer) -> bool:

@@ -817,3 +817,38 @@ int lpd_decode_layer(const layer_plan *L, float *out, float *x, int has_residual
     if (run_linear(PRE_NORM, &L->gate_up, out, x, L->mlp_norm, L->eps, x, T, gate_up, nth)) return -1;
     return run_linear(L->act, &L->down, gate_up, NULL, NULL, 0.f, NULL, T, out, nth);
 }
+
+/* lpd_linear's input step and rounding, back in float: out [M, K] = the rows it would multiply (its two int8
+ * levels times their scale), computed by the same code, so that a prefill's float GEMM multiplies exactly what a
+ * decode step's int8 products do and a row's product does not depend on how many rows share its step. */
+typedef struct {
+    input_args in;
+    float *out;
+} round_args;
+
+static void round_task(void *ctx, int ith, int nth) {
+    const round_args *r = ctx;
+    const input_args *a = &r->in;
+    int lo, hi, K = a->K, nb = K / 32, xw = a->pre >= PRE_SILU ? 2 * K : K;
+    share(a->M, ith, nth, &lo, &hi);
+    static __thread void *buf;
+    static __thread size_t cap;
+    float *h = scratch(&buf, &cap, sizeof(float) * (size_t)K + 2 * (size_t)K + (sizeof(float) + sizeof(int32_t)) * nb);
+    if (!h) return;
+    int8_t *q = (int8_t *)(h + K);
+    float *d = (float *)(q + 2 * K);
+    int32_t *isum = (int32_t *)(d + nb);
+    for (int m = lo; m < hi; m++) {
+        input_row(a->pre, a->x + (size_t)m * xw, a->residual ? a->residual + (size_t)m * K : NULL, a->norm_w, a->eps,
+                  a->sum_out ? a->sum_out + (size_t)m * K : NULL, K, h);
+        quantize_row(h, K, 0, q, q + K, d, isum);
+        float *row = r->out + (size_t)m * K;
+        for (int k = 0; k < K; k++) row[k] = (float)(256 * (int)q[k] + (int)q[K + k]) * d[k / 32];
+    }
+}
+
+void lpd_round_input(int pre, const float *x, const float *residual, const float *norm_w, float eps, float *sum_out,
+                     int M, int K, float *out, int nth) {
+    round_args a = {{pre, M, K, 0, x, residual, norm_w, eps, sum_out, NULL, NULL, NULL}, out};
+    parallel(round_task, &a, nth);
+}
