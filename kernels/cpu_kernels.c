@@ -59,7 +59,7 @@ static void parallel(task_fn fn, void *ctx, int nth) {
 const char *lpd_threads(void) { return "pthreads"; }
 
 #define MAX_THREADS 64
-#define SPINS 20000
+#define SPINS 50000 /* ~2000 pauses, then ~50 ms of yields, then sleep */
 
 static pthread_t workers[MAX_THREADS];
 static int n_workers;
@@ -80,8 +80,9 @@ static void *worker_main(void *arg) {
         unsigned g;
         int spins = 0;
         while ((g = atomic_load_explicit(&generation, memory_order_acquire)) == seen) {
-            if (++spins < SPINS) {
-                cpu_relax();
+            if (++spins < SPINS) { /* pause a while, then yield the core to whatever else wants it (torch's threads) */
+                if (spins < 2000) cpu_relax();
+                else sched_yield();
                 continue;
             }
             pthread_mutex_lock(&pool_mu);
