@@ -153,8 +153,13 @@ def describe() -> str:
     lib = library()
     if lib is None:
         return f"CPU path: torch references ({unavailable()})"
-    return (f"CPU path: localpd kernels ({lib.lpd_isa().decode()}, {torch.get_num_threads()} threads, "
+    return (f"CPU path: localpd kernels ({lib.lpd_isa().decode()}, {threads()} threads, "
             f"{lib.lpd_threads().decode()})")
+
+
+def threads() -> int:
+    """How many threads share a call's work: torch's (torch.set_num_threads, `--threads`)."""
+    return torch.get_num_threads()
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -220,7 +225,7 @@ def linear(x: torch.Tensor, w: Int4Weight | Int8Weight, bias=None, gated: str | 
     if m >= GEMM_ROWS:
         _gemm(lib, p, pre, x, res, nw, eps, s, bias, y)
     elif m and lib.lpd_linear(pre, x.data_ptr(), _ptr(res), _ptr(nw), eps, _ptr(s), m, p.k, p.bits, p.data, p.scales,
-                              p.biases, p.group, p.n, _ptr(bias), y.data_ptr(), torch.get_num_threads()):
+                              p.biases, p.group, p.n, _ptr(bias), y.data_ptr(), threads()):
         raise MemoryError("lpd_linear could not allocate its scratch")
     y = y.reshape(*lead, p.n)
     return y if norm is None else (y, s.reshape(*lead, p.k))
@@ -232,13 +237,13 @@ def _gemm(lib, p: Plan, pre: int, x, res, nw, eps: float, s, bias, y) -> None:
     float32 GEMMs against the weight dequantized a slice of rows at a time (the slice is all the extra memory)."""
     m = x.shape[0]
     h = torch.empty(m, p.k, dtype=torch.float32)
-    threads = torch.get_num_threads()
-    lib.lpd_round_input(pre, x.data_ptr(), _ptr(res), _ptr(nw), eps, _ptr(s), m, p.k, h.data_ptr(), threads)
+    nth = threads()
+    lib.lpd_round_input(pre, x.data_ptr(), _ptr(res), _ptr(nw), eps, _ptr(s), m, p.k, h.data_ptr(), nth)
     rows = max(1, min(p.n, GEMM_SLICE // p.k))
     part = torch.empty(rows, p.k, dtype=torch.float32)
     for n0 in range(0, p.n, rows):
         n1 = min(p.n, n0 + rows)
-        lib.lpd_dequantize(p.bits, p.data, p.scales, p.biases, p.group, p.k, n0, n1, part.data_ptr(), threads)
+        lib.lpd_dequantize(p.bits, p.data, p.scales, p.biases, p.group, p.k, n0, n1, part.data_ptr(), nth)
         torch.mm(h, part[:n1 - n0].T, out=y[:, n0:n1]) if rows == p.n else y[:, n0:n1].copy_(h @ part[:n1 - n0].T)
     if bias is not None:
         y += bias
@@ -260,7 +265,7 @@ def attention(q, layer, page_table, seq_lens, q_starts, scale: float, window: in
     if T:
         lib.lpd_attention(_ptr(q), q.stride(0), q.stride(1), T, Hq, D, _ptr(layer.k), _ptr(layer.v), layer.page_size,
                           layer.k.shape[2], _ptr(pt), pt.stride(0), _ptr(lens), _ptr(starts), lens.shape[0], scale,
-                          window, _ptr(out), torch.get_num_threads())
+                          window, _ptr(out), threads())
     return out
 
 
@@ -326,5 +331,5 @@ def decode_layer(plan: LayerPlan, out: torch.Tensor, x: torch.Tensor, has_residu
                             qkv.data_ptr(), attn.data_ptr(), gate_up.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                             cos.stride(0), slots.data_ptr(), k.data_ptr(), v.data_ptr(), page_size,
                             page_table.data_ptr(), page_table.stride(0), seq_lens.data_ptr(), q_starts.data_ptr(),
-                            seq_lens.shape[0], scale, window, torch.get_num_threads()):
+                            seq_lens.shape[0], scale, window, threads()):
         raise MemoryError("lpd_decode_layer could not allocate its scratch")
