@@ -58,7 +58,8 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=["cpu", "cuda"], help="where to run (default: cuda when available)")
     p.add_argument("--ctx", type=positive_int, help="context length in tokens (default: the model's, at most 8192)")
     p.add_argument("--quant", choices=SCHEMES, metavar="SCHEME",
-                   help="weight scheme: " + ", ".join(SCHEMES) + " (default: native on a GPU, fp32 on the CPU)")
+                   help="weight scheme: " + ", ".join(SCHEMES) + " (default: native; fp32 on a CPU where localpd's CPU "
+                   "kernels cannot be built)")
     p.add_argument("--kv", type=kv_dtype_arg, metavar="DTYPE",
                    help="KV cache dtype: " + ", ".join(FORMATS) + ", or KEYS/VALUES such as int4ch/int4 "
                    "(default: the compute dtype)")
