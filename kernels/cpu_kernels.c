@@ -301,6 +301,12 @@ static inline __m512i expand_int4_pair(const uint8_t *p) {
     both = _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));    /* lo b, hi b, lo b+1, hi b+1 */
     return _mm512_and_si512(both, _mm512_set1_epi8(15));
 }
+/* Weight blocks b, b + 1 of a row as 64 unsigned bytes for vpdpbusd: int4 codes as they are, int8 flipped by 128
+ * (corrected by 128 x the input's sum, row_factors). */
+static inline __m512i load_pair(const gemm_args *a, const uint8_t *wrow, int b) {
+    if (a->bits == 4) return expand_int4_pair(wrow + b * 16);
+    return _mm512_xor_si512(_mm512_loadu_si512(wrow + b * 32), _mm512_set1_epi8((char)0x80));
+}
 #endif
 
 #define ROWS_AT_ONCE 4
@@ -341,32 +347,17 @@ static void gemv4(const gemm_args *a, int n, const float *ds, const float *extra
                                  _mm512_insertf32x8(_mm512_set1_ps(ds[r * nb + b]), _mm256_set1_ps(ds[r * nb + b + 1]), 1), \
                                  acc##r);                                                                          \
     }
-    size_t ahead = 8 * row_bytes; /* the next four rows, the same bytes along: fetched while these are summed */
-    if (a->bits == 4) {
-        for (int b = 0; b < nb; b += 2) {
-            __m512i x = _mm512_loadu_si512(a->xq + b * 32), xl = _mm512_loadu_si512(a->xq + a->lo + b * 32);
-            _mm_prefetch((const char *)(w0 + ahead + b * 16), _MM_HINT_T0);
-            _mm_prefetch((const char *)(w1 + ahead + b * 16), _MM_HINT_T0);
-            _mm_prefetch((const char *)(w2 + ahead + b * 16), _MM_HINT_T0);
-            _mm_prefetch((const char *)(w3 + ahead + b * 16), _MM_HINT_T0);
-            LPD_ROW(0, expand_int4_pair(w0 + b * 16));
-            LPD_ROW(1, expand_int4_pair(w1 + b * 16));
-            LPD_ROW(2, expand_int4_pair(w2 + b * 16));
-            LPD_ROW(3, expand_int4_pair(w3 + b * 16));
-        }
-    } else {
-        const __m512i flip = _mm512_set1_epi8((char)0x80);
-        for (int b = 0; b < nb; b += 2) {
-            __m512i x = _mm512_loadu_si512(a->xq + b * 32), xl = _mm512_loadu_si512(a->xq + a->lo + b * 32);
-            _mm_prefetch((const char *)(w0 + ahead + b * 32), _MM_HINT_T0);
-            _mm_prefetch((const char *)(w1 + ahead + b * 32), _MM_HINT_T0);
-            _mm_prefetch((const char *)(w2 + ahead + b * 32), _MM_HINT_T0);
-            _mm_prefetch((const char *)(w3 + ahead + b * 32), _MM_HINT_T0);
-            LPD_ROW(0, _mm512_xor_si512(_mm512_loadu_si512(w0 + b * 32), flip));
-            LPD_ROW(1, _mm512_xor_si512(_mm512_loadu_si512(w1 + b * 32), flip));
-            LPD_ROW(2, _mm512_xor_si512(_mm512_loadu_si512(w2 + b * 32), flip));
-            LPD_ROW(3, _mm512_xor_si512(_mm512_loadu_si512(w3 + b * 32), flip));
-        }
+    size_t ahead = 8 * row_bytes, step = a->bits == 4 ? 16 : 32; /* prefetch the next four rows, as far along */
+    for (int b = 0; b < nb; b += 2) {
+        __m512i x = _mm512_loadu_si512(a->xq + b * 32), xl = _mm512_loadu_si512(a->xq + a->lo + b * 32);
+        _mm_prefetch((const char *)(w0 + ahead + b * step), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w1 + ahead + b * step), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w2 + ahead + b * step), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w3 + ahead + b * step), _MM_HINT_T0);
+        LPD_ROW(0, load_pair(a, w0, b));
+        LPD_ROW(1, load_pair(a, w1, b));
+        LPD_ROW(2, load_pair(a, w2, b));
+        LPD_ROW(3, load_pair(a, w3, b));
     }
 #undef LPD_ROW
     float *y = a->y + n;
@@ -392,10 +383,8 @@ static void gemm1x4(const gemm_args *a, int n, int m0, int mm, const float *ds, 
         d[m] = ds + r * nb;
     }
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    const __m512i flip = _mm512_set1_epi8((char)0x80);
     for (int b = 0; b < nb; b += 2) {
-        __m512i wv = a->bits == 4 ? expand_int4_pair(wrow + b * 16)
-                                  : _mm512_xor_si512(_mm512_loadu_si512(wrow + b * 32), flip);
+        __m512i wv = load_pair(a, wrow, b);
 #pragma GCC unroll 4
         for (int m = 0; m < 4; m++) {
             __m512i p = _mm512_add_epi32(
@@ -530,9 +519,7 @@ static void gemm_task(void *ctx, int ith, int nth) {
             __m512 acc[ROWS_AT_ONCE];
             for (int m = 0; m < mm; m++) acc[m] = _mm512_setzero_ps();
             for (int b = 0; b < vec_blocks; b += 2) {
-                __m512i wv = a->bits == 4 ? expand_int4_pair(wrow + b * 16)
-                                          : _mm512_xor_si512(_mm512_loadu_si512(wrow + b * 32),
-                                                             _mm512_set1_epi8((char)0x80));
+                __m512i wv = load_pair(a, wrow, b);
                 for (int m = 0; m < mm; m++) {
                     const int8_t *x = a->xq + (size_t)(m0 + m) * K + b * 32;
                     __m512i p = _mm512_add_epi32(
