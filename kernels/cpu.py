@@ -1,11 +1,14 @@
-"""localpd's CPU kernels (kernels/cpu_kernels.c): int4/int8 weight-only matmuls on int8-rounded activations, paged
-attention over fp32 pages, RoPE with the KV write. They are what the CPU runs in place of the torch references.
+"""localpd's CPU kernels (kernels/cpu_kernels.c): int4/int8 weight-only products on activations rounded a block of
+32 at a time to two int8 levels, prefill GEMMs over the same rounded rows, paged attention over fp32 pages, RoPE with
+the KV write, and a decoder layer in one call. They are what the CPU runs in place of the torch references.
 
 The C file is built on first use with the machine's C compiler (`cc`, or $CC) for this processor (-march=native:
-AVX512-VNNI, AVX2 or plain C, whichever it has), kept under $LOCALPD_HOME/cpu-kernels keyed by the source, the
-flags and the processor, and loaded with ctypes. Where that fails (no compiler, say), or LOCALPD_CPU_KERNELS=0,
-the torch references run instead and `unavailable()` says why. Each call's work is shared by torch's thread count
-(torch.set_num_threads, `--threads`).
+AVX512-VNNI, AVX2 with or without AVX-VNNI, or plain C), linked to torch's own OpenMP runtime where torch ships one
+(else a thread pool of its own), kept under $LOCALPD_HOME/cpu-kernels keyed by the source, the flags and the
+processor, and loaded with ctypes. Where that fails (no compiler, say), or LOCALPD_CPU_KERNELS=0, the torch
+references run instead and `unavailable()` says why. Each call's work is shared by torch's thread count
+(torch.set_num_threads, `--threads`). The kernels trust no table: a page, slot or row outside the KV pool is a
+LocalpdError.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import NamedTuple
 
 import torch
 
+from localpd.errors import LocalpdError
 from localpd.quant.weights import Int4Weight, Int8Weight
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
@@ -38,12 +42,12 @@ SIGNATURES = {
     "lpd_isa": ([], ctypes.c_char_p),
     "lpd_threads": ([], ctypes.c_char_p),
     "lpd_linear": ([_I, _P, _P, _P, _F, _P, _I, _I, _I, _P, _P, _P, _I, _I, _P, _P, _I], _I),
-    "lpd_attention": ([_P, _L, _L, _I, _I, _I, _P, _P, _I, _I, _P, _L, _P, _P, _I, _F, _I, _P, _I], _I),
-    "lpd_rope_write": ([_P, _L, _I, _I, _I, _I, _P, _P, _L, _P, _P, _P], None),
+    "lpd_attention": ([_P, _L, _L, _I, _I, _I, _P, _P, _I, _I, _P, _L, _I, _I, _P, _P, _I, _F, _I, _P, _I], _I),
+    "lpd_rope_write": ([_P, _L, _I, _I, _I, _I, _P, _P, _L, _P, _P, _P, _L], _I),
     "lpd_dequantize": ([_I, _P, _P, _P, _I, _I, _I, _I, _P, _I], None),
     "lpd_round_input": ([_I, _P, _P, _P, _F, _P, _I, _I, _P, _I], None),
-    "lpd_decode_layer": ([_P, _P, _P, _I, _I, _P, _P, _P, _P, _P, _L, _P, _P, _P, _I, _P, _L, _P, _P, _I, _F, _I,
-                          _I], _I),
+    "lpd_decode_layer": ([_P, _P, _P, _I, _I, _P, _P, _P, _P, _P, _L, _P, _P, _P, _I, _P, _L, _I, _I, _P, _P, _I, _F,
+                          _I, _I], _I),
 }
 # From this many rows on, a product dequantizes its weight a slice at a time and multiplies in float32 with
 # torch's GEMM (compute-bound prefill), where fewer rows (decode) take lpd_linear's int8 dot products.
@@ -157,6 +161,14 @@ def describe() -> str:
             f"{lib.lpd_threads().decode()})")
 
 
+def _check(rc: int, name: str) -> None:
+    """A kernel's return code: -1 out of memory, -2 a page table, slot or query row outside the KV pool."""
+    if rc == -1:
+        raise MemoryError(f"{name} could not allocate its scratch")
+    if rc:
+        raise LocalpdError(f"{name}: the step's page table, slots or rows lie outside the KV pool")
+
+
 def threads() -> int:
     """How many threads share a call's work: torch's (torch.set_num_threads, `--threads`)."""
     return torch.get_num_threads()
@@ -226,7 +238,7 @@ def linear(x: torch.Tensor, w: Int4Weight | Int8Weight, bias=None, gated: str | 
         _gemm(lib, p, pre, x, res, nw, eps, s, bias, y)
     elif m and lib.lpd_linear(pre, x.data_ptr(), _ptr(res), _ptr(nw), eps, _ptr(s), m, p.k, p.bits, p.data, p.scales,
                               p.biases, p.group, p.n, _ptr(bias), y.data_ptr(), threads()):
-        raise MemoryError("lpd_linear could not allocate its scratch")
+        raise MemoryError("lpd_linear could not allocate its scratch")  # its only failure
     y = y.reshape(*lead, p.n)
     return y if norm is None else (y, s.reshape(*lead, p.k))
 
@@ -263,9 +275,10 @@ def attention(q, layer, page_table, seq_lens, q_starts, scale: float, window: in
     out = torch.empty(T, Hq, D, dtype=torch.float32)
     pt, lens, starts = (t.to(torch.int32).contiguous() for t in (page_table, seq_lens, q_starts))
     if T:
-        lib.lpd_attention(_ptr(q), q.stride(0), q.stride(1), T, Hq, D, _ptr(layer.k), _ptr(layer.v), layer.page_size,
-                          layer.k.shape[2], _ptr(pt), pt.stride(0), _ptr(lens), _ptr(starts), lens.shape[0], scale,
-                          window, _ptr(out), threads())
+        _check(lib.lpd_attention(_ptr(q), q.stride(0), q.stride(1), T, Hq, D, _ptr(layer.k), _ptr(layer.v),
+                                 layer.page_size, layer.k.shape[2], _ptr(pt), pt.stride(0), pt.shape[1],
+                                 layer.k.shape[0], _ptr(lens), _ptr(starts), lens.shape[0], scale, window, _ptr(out),
+                                 threads()), "lpd_attention")
     return out
 
 
@@ -284,8 +297,9 @@ def rope_write(qkv, cos, sin, layer, slots, n_heads: int, n_kv_heads: int, lib=N
     D = qkv.shape[1] // (n_heads + 2 * n_kv_heads)
     slots = slots.to(torch.int64).contiguous()
     if T:
-        lib.lpd_rope_write(_ptr(qkv), qkv.stride(0), T, n_heads, n_kv_heads, D, _ptr(cos), _ptr(sin), cos.stride(0),
-                           _ptr(slots), _ptr(layer.k), _ptr(layer.v))
+        _check(lib.lpd_rope_write(_ptr(qkv), qkv.stride(0), T, n_heads, n_kv_heads, D, _ptr(cos), _ptr(sin),
+                                  cos.stride(0), _ptr(slots), _ptr(layer.k), _ptr(layer.v),
+                                  layer.k.shape[0] * layer.page_size), "lpd_rope_write")
     return qkv.view(T, -1, D)[:, :n_heads]
 
 
@@ -327,9 +341,9 @@ def decode_layer(plan: LayerPlan, out: torch.Tensor, x: torch.Tensor, has_residu
     contiguous; scratch: (qkv, attn, gate_up) rows; cos/sin fp32 [T, head_dim / 2]; k, v: the layer's fp32 pages."""
     lib = lib or library()
     qkv, attn, gate_up = scratch
-    if lib.lpd_decode_layer(ctypes.byref(plan), out.data_ptr(), x.data_ptr(), int(has_residual), out.shape[0],
-                            qkv.data_ptr(), attn.data_ptr(), gate_up.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                            cos.stride(0), slots.data_ptr(), k.data_ptr(), v.data_ptr(), page_size,
-                            page_table.data_ptr(), page_table.stride(0), seq_lens.data_ptr(), q_starts.data_ptr(),
-                            seq_lens.shape[0], scale, window, threads()):
-        raise MemoryError("lpd_decode_layer could not allocate its scratch")
+    _check(lib.lpd_decode_layer(ctypes.byref(plan), out.data_ptr(), x.data_ptr(), int(has_residual), out.shape[0],
+                                qkv.data_ptr(), attn.data_ptr(), gate_up.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                                cos.stride(0), slots.data_ptr(), k.data_ptr(), v.data_ptr(), page_size,
+                                page_table.data_ptr(), page_table.stride(0), page_table.shape[1], k.shape[0],
+                                seq_lens.data_ptr(), q_starts.data_ptr(), seq_lens.shape[0], scale, window, threads()),
+           "lpd_decode_layer")

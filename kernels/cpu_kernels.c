@@ -684,10 +684,30 @@ static void attention_task(void *ctx, int ith, int nth) {
     }
 }
 
-/* out [T, Hq, D] (contiguous) = attention of q (row stride q_t, head stride q_h, in floats) over the pages. */
+/* Whether the step's tables stay inside the pool (a sequence's rows within its length, its pages within the page
+ * table's width and the pool, its slots within the pool): -2 where they do not, so that a caller's bug is an error,
+ * not a read or write of memory outside the pages. */
+static int check_tables(int T, int B, const int32_t *seq_lens, const int32_t *q_starts, const int32_t *page_table,
+                        long pt_stride, int pt_width, int n_pages, int PS, const int64_t *slots) {
+    if (q_starts[0] != 0 || q_starts[B] != T) return -2;
+    for (int b = 0; b < B; b++) {
+        int n = seq_lens[b], rows = q_starts[b + 1] - q_starts[b], pages = (n + PS - 1) / PS;
+        if (rows < 0 || rows > n || pages > pt_width) return -2;
+        for (int i = 0; i < pages; i++)
+            if (page_table[b * pt_stride + i] < 0 || page_table[b * pt_stride + i] >= n_pages) return -2;
+    }
+    for (int t = 0; slots && t < T; t++)
+        if (slots[t] < 0 || slots[t] >= (int64_t)n_pages * PS) return -2;
+    return 0;
+}
+
+/* out [T, Hq, D] (contiguous) = attention of q (row stride q_t, head stride q_h, in floats) over the pages; the page
+ * table is [B, pt_width] (row stride pt_stride) into a pool of n_pages pages. Returns 0, -1 without memory, or -2
+ * where the tables leave the pool (check_tables). */
 int lpd_attention(const float *q, long q_t, long q_h, int T, int Hq, int D, const float *k, const float *v, int PS,
-                  int H, const int32_t *page_table, long pt_stride, const int32_t *seq_lens, const int32_t *q_starts,
-                  int B, float scale, int window, float *out, int nth) {
+                  int H, const int32_t *page_table, long pt_stride, int pt_width, int n_pages, const int32_t *seq_lens,
+                  const int32_t *q_starts, int B, float scale, int window, float *out, int nth) {
+    if (check_tables(T, B, seq_lens, q_starts, page_table, pt_stride, pt_width, n_pages, PS, NULL)) return -2;
     static __thread void *buf;
     static __thread size_t cap;
     int *row_seq = scratch(&buf, &cap, sizeof(int) * (size_t)(T > 0 ? T : 1));
@@ -702,9 +722,12 @@ int lpd_attention(const float *q, long q_t, long q_h, int T, int Hq, int D, cons
 
 /* RoPE (HF's half-rotated layout) on the n_heads query and n_kv key heads of each row of qkv [T, (n_heads + 2 n_kv)
  * * D] (row stride qkv_t), in place; cos, sin [T, D/2] (row stride cs_t); then each row's key and value heads into
- * fp32 pages at slots[t] (slot = page * PS + offset; a page [PS, n_kv, D]). */
-void lpd_rope_write(float *qkv, long qkv_t, int T, int n_heads, int n_kv, int D, const float *cos, const float *sin,
-                    long cs_t, const int64_t *slots, float *k, float *v) {
+ * fp32 pages at slots[t] (slot = page * PS + offset; a page [PS, n_kv, D]), of n_slots in the pool: -2 (nothing
+ * written) where a slot is outside it. */
+int lpd_rope_write(float *qkv, long qkv_t, int T, int n_heads, int n_kv, int D, const float *cos, const float *sin,
+                   long cs_t, const int64_t *slots, float *k, float *v, long n_slots) {
+    for (int t = 0; t < T; t++)
+        if (slots[t] < 0 || slots[t] >= n_slots) return -2;
     int half = D / 2;
     long tok = (long)n_kv * D;
     for (int t = 0; t < T; t++) {
@@ -721,6 +744,7 @@ void lpd_rope_write(float *qkv, long qkv_t, int T, int n_heads, int n_kv, int D,
         memcpy(k + slots[t] * tok, row + (long)n_heads * D, sizeof(float) * tok);
         memcpy(v + slots[t] * tok, row + (long)(n_heads + n_kv) * D, sizeof(float) * tok);
     }
+    return 0;
 }
 
 /* ------------------------------------------------------------------------------------------------------------
@@ -792,15 +816,16 @@ static int run_linear(int pre, const lin_plan *l, const float *x, const float *r
  * has_residual, else it starts as out); qkv, attn, gate_up: scratch rows of the projections' widths. */
 int lpd_decode_layer(const layer_plan *L, float *out, float *x, int has_residual, int T, float *qkv, float *attn,
                      float *gate_up, const float *cos, const float *sin, long cs_t, const int64_t *slots, float *k,
-                     float *v, int PS, const int32_t *page_table, long pt_stride, const int32_t *seq_lens,
-                     const int32_t *q_starts, int B, float scale, int window, int nth) {
+                     float *v, int PS, const int32_t *page_table, long pt_stride, int pt_width, int n_pages,
+                     const int32_t *seq_lens, const int32_t *q_starts, int B, float scale, int window, int nth) {
     int D = L->head_dim, Hq = L->n_heads, H = L->n_kv;
+    if (check_tables(T, B, seq_lens, q_starts, page_table, pt_stride, pt_width, n_pages, PS, slots)) return -2;
     long row = (long)(Hq + 2 * H) * D;
     if (run_linear(PRE_NORM, &L->qkv, out, has_residual ? x : NULL, L->attn_norm, L->eps, x, T, qkv, nth)) return -1;
-    lpd_rope_write(qkv, row, T, Hq, H, D, cos, sin, cs_t, slots, k, v);
-    if (lpd_attention(qkv, row, D, T, Hq, D, k, v, PS, H, page_table, pt_stride, seq_lens, q_starts, B, scale, window,
-                      attn, nth))
-        return -1;
+    lpd_rope_write(qkv, row, T, Hq, H, D, cos, sin, cs_t, slots, k, v, (long)n_pages * PS); /* checked above */
+    int err = lpd_attention(qkv, row, D, T, Hq, D, k, v, PS, H, page_table, pt_stride, pt_width, n_pages, seq_lens,
+                            q_starts, B, scale, window, attn, nth);
+    if (err) return err;
     if (run_linear(PRE_NONE, &L->o, attn, NULL, NULL, 0.f, NULL, T, out, nth)) return -1;
     if (run_linear(PRE_NORM, &L->gate_up, out, x, L->mlp_norm, L->eps, x, T, gate_up, nth)) return -1;
     return run_linear(L->act, &L->down, gate_up, NULL, NULL, 0.f, NULL, T, out, nth);

@@ -206,3 +206,25 @@ def test_the_app_takes_the_kernels_on_the_cpu_and_says_which():
     assert not cpu.takes_linear(torch.randn(1, 64, dtype=torch.bfloat16), w, None, None)
     w8 = Int8Weight(torch.ones(4, 40, dtype=torch.int8), torch.ones(4, 5, dtype=torch.float16))
     assert not cpu.takes_linear(torch.randn(1, 40), w8, None, None)
+
+
+def test_tables_outside_the_pool_are_an_error_not_a_crash(lib):
+    """A page index past the pool, a sequence longer than its page table, or a slot past the pool: a LocalpdError,
+    and nothing written, where the kernels would otherwise read or write outside the pages."""
+    from localpd.errors import LocalpdError
+
+    g = torch.Generator().manual_seed(4)
+    layer = _pool(64, 3, 16, 4, g)
+    q = torch.randn(1, 9, 64, generator=g)
+    one, starts = torch.tensor([1], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32)
+    with pytest.raises(LocalpdError, match="outside the KV pool"):
+        cpu.attention(q, layer, torch.tensor([[7]], dtype=torch.int32), one, starts, 0.125, lib=lib)
+    with pytest.raises(LocalpdError, match="outside the KV pool"):
+        cpu.attention(q, layer, torch.tensor([[0]], dtype=torch.int32), torch.tensor([20], dtype=torch.int32),
+                      starts, 0.125, lib=lib)
+    before = layer.k.clone()
+    qkv = torch.randn(2, 15 * 64, generator=g)
+    angles = torch.rand(2, 32, generator=g)
+    with pytest.raises(LocalpdError, match="outside the KV pool"):
+        cpu.rope_write(qkv, angles.cos(), angles.sin(), layer, torch.tensor([3, 64]), 9, 3, lib=lib)
+    assert torch.equal(layer.k, before)
