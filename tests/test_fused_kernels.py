@@ -171,7 +171,10 @@ def test_whole_model_on_triton_kernels_matches_the_references(monkeypatch, schem
     """Prefill then two decode steps with every kernel in Triton (matmuls, KV writes, attention, fused norms,
     RoPE, SiLU, Qwen3's q/k norm; Gemma 3's sliding-window attention; heads of 48 in heads of 64; heads of 96 as
     they are) against the same model on the torch references."""
+    from localpd.kernels import cpu
+
     monkeypatch.delenv("LOCALPD_TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(cpu, "library", lambda: None)  # the torch references, not localpd's CPU kernels
     qk, gemma, padded, head = qk is True, qk == "gemma", qk == "padded", 96 if qk == "head96" else 64
     ref = prompt_then_decode(tiny_model(scheme, torch.float32, "cpu", qk, gemma, padded, head), kv_dtype)
     if DEV == "cpu":
