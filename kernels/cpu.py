@@ -261,11 +261,19 @@ def _gemm(lib, p: Plan, pre: int, x, res, nw, eps: float, s, bias, y) -> None:
         y += bias
 
 
+def _fp32_rows(t: torch.Tensor) -> bool:
+    """fp32 rows on the CPU with unit stride along the last dimension (a strided view of qkv's heads is fine)."""
+    return t.device.type == "cpu" and t.dtype == torch.float32 and t.stride(-1) == 1
+
+
+def _fp32_pages(layer) -> bool:
+    """A KV layer whose keys and values are contiguous fp32 pages, and kernels to read them."""
+    return _f32(layer.k) and _f32(layer.v) and library() is not None
+
+
 def takes_attention(q: torch.Tensor, layer) -> bool:
     """fp32 queries (unit stride along head_dim) over fp32 keys and values."""
-    return (q.device.type == "cpu" and q.dtype == torch.float32 and q.stride(-1) == 1 and layer.k.dtype == torch.float32
-            and layer.v.dtype == torch.float32 and layer.k.is_contiguous() and layer.v.is_contiguous()
-            and library() is not None)
+    return _fp32_rows(q) and _fp32_pages(layer)
 
 
 def attention(q, layer, page_table, seq_lens, q_starts, scale: float, window: int = 0, lib=None) -> torch.Tensor:
@@ -284,10 +292,8 @@ def attention(q, layer, page_table, seq_lens, q_starts, scale: float, window: in
 
 def takes_rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer) -> bool:
     """fp32 rows and pages (no per-page format, so no stage to write)."""
-    return (qkv.device.type == "cpu" and qkv.dtype == torch.float32 and qkv.stride(-1) == 1 and cos.stride(-1) == 1
-            and sin.stride() == cos.stride() and cos.dtype == sin.dtype == torch.float32 and layer.k.dtype == torch.float32 and layer.v.dtype == torch.float32
-            and layer.k.is_contiguous() and layer.v.is_contiguous() and layer.k_stage is None and layer.v_stage is None
-            and library() is not None)
+    return (_fp32_rows(qkv) and _fp32_rows(cos) and sin.stride() == cos.stride() and sin.dtype == torch.float32
+            and layer.k_stage is None and layer.v_stage is None and _fp32_pages(layer))
 
 
 def rope_write(qkv, cos, sin, layer, slots, n_heads: int, n_kv_heads: int, lib=None) -> torch.Tensor:

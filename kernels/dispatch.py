@@ -184,12 +184,17 @@ def _triton_fn(name: str):
     return fn
 
 
+def check_width(x: torch.Tensor, w_shape, gated: str | None = None) -> None:
+    """x's features against the weight's inputs (twice them for a gate): a one-line error where they differ."""
+    if x.shape[-1] != w_shape[1] * (2 if gated else 1):
+        twice = " twice (gated)" if gated else ""
+        raise LocalpdError(f"input has {x.shape[-1]} features but the weight expects {w_shape[1]}{twice}")
+
+
 def _linear(x, w_shape, run, gated=None, norm=None):
     """run(x2, norm) on x flattened to rows (run adds the bias); the result in x's leading shape."""
     lead, k = x.shape[:-1], x.shape[-1]
-    if k != w_shape[1] * (2 if gated else 1):
-        twice = " twice (gated)" if gated else ""
-        raise LocalpdError(f"input has {k} features but the weight expects {w_shape[1]}{twice}")
+    check_width(x, w_shape, gated)
     if norm is not None and norm.residual is not None:
         norm = replace(norm, residual=norm.residual.reshape(-1, k))
     y = run(x.reshape(-1, k), norm)
@@ -204,12 +209,10 @@ def linear_int4(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None
     norm: the product is RMSNorm(x + residual) @ W.T, returned with x + residual (PreNorm). Runs Triton on CUDA (or
     under the interpreter), localpd's CPU kernels where they take it (kernels/cpu.py), else the torch reference."""
     int4 = isinstance(w, Int4Weight)
-    if x.shape[-1] != w.shape[1] * (2 if gated else 1):
-        twice = " twice (gated)" if gated else ""
-        raise LocalpdError(f"input has {x.shape[-1]} features but the weight expects {w.shape[1]}{twice}")
     if use_triton(x):
         fn = _triton_fn("int4" if int4 else "int8")
     elif cpu.takes_linear(x, w, bias, norm):
+        check_width(x, w.shape, gated)  # _linear checks it on the other paths
         return cpu.linear(x, w, bias, gated, norm)
     else:
         fn = int4_matmul_ref if int4 else int8_matmul_ref

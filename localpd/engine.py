@@ -227,8 +227,8 @@ class Engine:
                  kv_tokens: int | None = None, progress: bool = False, max_step_tokens: int = MAX_STEP_TOKENS,
                  max_running: int = MAX_RUNNING, cuda_graphs: bool = True):
         """quant: a weight scheme (localpd.schemes.SCHEMES); by default the file's own format ("native"; on a
-        CPU without localpd's CPU kernels, float32: schemes.default_scheme). kv: the KV cache dtype (localpd.quant.kv.KV_DTYPES); by default the compute
-        dtype. kv_memory: bytes for the KV cache (default: most of the free GPU memory; on the CPU room for
+        CPU without localpd's CPU kernels, float32: schemes.default_scheme). kv: the KV cache dtype
+        (localpd.quant.kv.KV_DTYPES); by default the compute dtype. kv_memory: bytes for the KV cache (default: most of the free GPU memory; on the CPU room for
         two full contexts); or kv_tokens: room for that many tokens. cuda_graphs: replay decode steps as CUDA
         graphs on a GPU (localpd.cuda_graph)."""
         self.device = torch.device(device or default_device())
