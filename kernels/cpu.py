@@ -3,7 +3,7 @@
 the KV write, and a decoder layer in one call. They are what the CPU runs in place of the torch references.
 
 The C file is built on first use with the machine's C compiler (`cc`, or $CC) for this processor (-march=native:
-AVX512-VNNI, AVX2 with or without AVX-VNNI, or plain C), linked to torch's own OpenMP runtime where torch ships one
+AVX512-VNNI, AVX2 or plain C), linked to torch's own OpenMP runtime where torch ships one
 (else a thread pool of its own), kept under $LOCALPD_HOME/cpu-kernels keyed by the source, the flags and the
 processor, and loaded with ctypes. Where that fails (no compiler, say), or LOCALPD_CPU_KERNELS=0, the torch
 references run instead and `unavailable()` says why. Each call's work is shared by torch's thread count

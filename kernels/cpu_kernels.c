@@ -4,7 +4,7 @@
  * - lpd_linear: y = x @ W.T (+ bias) for an int4 (group-wise scale + bias) or int8 (group-wise scale) weight as
  *   quant/weights.py stores it, with the input step fused in front (residual add + RMSNorm, or act(gate) * up).
  *   The input rows are rounded to int8 in blocks of 32 (one float scale a block, as llama.cpp's Q8 blocks), and
- *   each block's products are summed in int32 (AVX512-VNNI vpdpbusd, AVX2 pmaddubsw, or plain C), then scaled.
+ *   each block's products are summed in int32 (AVX512-VNNI vpdpbusd, AVX2 vpmaddwd, or plain C), then scaled.
  * - lpd_attention: paged attention over fp32 keys and values (decode rows and causal prefill chunks, GQA, sliding
  *   windows), softmax in float.
  * - lpd_rope_write: RoPE on the query and key heads of a qkv row, in place, and the key and value heads written
@@ -238,6 +238,7 @@ typedef struct {
     size_t lo;
     const float *xd;
     const int32_t *xsum;
+    const int16_t *x16; /* AVX2: each input value as one int16, 256 hi + lo (gemm_task fills it) */
     const uint8_t *w;
     const uint16_t *scales, *biases;
     const float *bias;
@@ -323,6 +324,13 @@ static void row_scales(const gemm_args *a, int n, float *ws, float *wb) {
             if (brow) _mm512_storeu_ps(wb + b, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(brow + b))));
         }
     }
+#elif defined(LPD_AVX2)
+    if (per_group == 1) {
+        for (; b + 8 <= nb; b += 8) {
+            _mm256_storeu_ps(ws + b, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(srow + b))));
+            if (brow) _mm256_storeu_ps(wb + b, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(brow + b))));
+        }
+    }
 #endif
     for (; b < nb; b++) {
         ws[b] = half_to_float(srow[b / per_group]);
@@ -399,25 +407,22 @@ static void gemm1x4(const gemm_args *a, int n, int m0, int mm, const float *ds, 
 #endif
 
 #if defined(LPD_AVX2)
-/* gemv4 for AVX2: a block of 32 at a time in 256-bit registers, pmaddubsw (or AVX-VNNI's vpdpbusd where the
- * processor has it) for each level of the input. */
-static inline __m256i dot_levels(__m256i wa, __m256i xh, __m256i xl) {
-#if defined(__AVXVNNI__)
-    return _mm256_add_epi32(_mm256_slli_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), wa, xh), 8),
-                            _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), wa, xl));
-#else
-    __m256i one = _mm256_set1_epi16(1);
-    return _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(wa, xh), one), 8),
-                            _mm256_madd_epi16(_mm256_maddubs_epi16(wa, xl), one));
-#endif
-}
-
-static inline __m256i load_block(const gemm_args *a, const uint8_t *wrow, int b) {
-    if (a->bits == 4) {
-        __m128i raw = _mm_loadu_si128((const __m128i *)(wrow + b * 16));
-        return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(15));
+/* AVX2's products take each input value whole, as the int16 256 hi + lo (exact: |256 hi + lo| < 2^15), against
+ * the weight's codes widened to int16: vpmaddwd sums a pair of products into each int32 lane, two multiplies a
+ * block where pmaddubsw on each int8 level took four (and four more instructions to join the levels). A lane's sum
+ * is at most 4 x 128 x 32639 < 2^24: exact in float too. */
+static inline __m256i dot16(const gemm_args *a, const uint8_t *wrow, int b, __m256i x0, __m256i x1) {
+    __m256i w0, w1;
+    if (a->bits == 4) { /* low nibbles: the block's even columns (x0), high: its odd ones (x1) */
+        __m128i raw = _mm_loadu_si128((const __m128i *)(wrow + b * 16)), m = _mm_set1_epi8(15);
+        w0 = _mm256_cvtepu8_epi16(_mm_and_si128(raw, m));
+        w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), m));
+    } else {
+        __m256i raw = _mm256_loadu_si256((const __m256i *)(wrow + b * 32));
+        w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(raw));
+        w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(raw, 1));
     }
-    return _mm256_loadu_si256((const __m256i *)(wrow + b * 32));
+    return _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
 }
 
 static inline float hsum8(__m256 v) {
@@ -426,6 +431,7 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
 }
 
+/* Rows n .. n + 3 against input row 0, the input's blocks loaded once for the four. */
 static void gemv4(const gemm_args *a, int n, const float *ds, const float *extra) {
     int K = a->K, nb = K / 32;
     size_t row_bytes = a->bits == 4 ? K / 2 : K, ahead = 8 * row_bytes;
@@ -433,18 +439,13 @@ static void gemv4(const gemm_args *a, int n, const float *ds, const float *extra
                            a->w + (size_t)(n + 2) * row_bytes, a->w + (size_t)(n + 3) * row_bytes};
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int b = 0; b < nb; b++) {
-        __m256i xh = _mm256_loadu_si256((const __m256i *)(a->xq + b * 32));
-        __m256i xl = _mm256_loadu_si256((const __m256i *)(a->xq + a->lo + b * 32));
+        __m256i x0 = _mm256_loadu_si256((const __m256i *)(a->x16 + b * 32));
+        __m256i x1 = _mm256_loadu_si256((const __m256i *)(a->x16 + b * 32 + 16));
 #pragma GCC unroll 4
         for (int r = 0; r < 4; r++) {
             _mm_prefetch((const char *)(w[r] + ahead + b * (a->bits == 4 ? 16 : 32)), _MM_HINT_T0);
-            __m256i wv = load_block(a, w[r], b), wa = wv, h = xh, l = xl;
-            if (a->bits == 8) { /* |w| times x with w's sign */
-                wa = _mm256_sign_epi8(wv, wv);
-                h = _mm256_sign_epi8(xh, wv);
-                l = _mm256_sign_epi8(xl, wv);
-            }
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_levels(wa, h, l)), _mm256_set1_ps(ds[r * nb + b]), acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot16(a, w[r], b, x0, x1)), _mm256_set1_ps(ds[r * nb + b]),
+                                     acc[r]);
         }
     }
     for (int r = 0; r < 4; r++) a->y[n + r] = hsum8(acc[r]) + extra[r];
@@ -481,10 +482,23 @@ static void gemm_task(void *ctx, int ith, int nth) {
     share(N, ith, nth, &n0, &n1);
     static __thread void *buf;
     static __thread size_t cap;
-    float *ws = scratch(&buf, &cap, sizeof(float) * (2 * nb + 2 * ROWS_AT_ONCE * nb) + 64);
+    size_t factors = sizeof(float) * (2 * nb + 2 * ROWS_AT_ONCE * nb);
+#if defined(LPD_AVX2)
+    size_t wide = sizeof(int16_t) * (size_t)a->M * K;
+#else
+    size_t wide = 0;
+#endif
+    float *ws = scratch(&buf, &cap, factors + wide + 64);
     if (!ws) return;
     float *wb = ws + nb, *ds = wb + nb;
     int32_t *sums = (int32_t *)(ds + ROWS_AT_ONCE * nb);
+#if defined(LPD_AVX2)
+    gemm_args wide_args = *a;
+    int16_t *x16 = (int16_t *)((char *)ws + factors);
+    for (size_t i = 0; i < (size_t)a->M * K; i++) x16[i] = (int16_t)(256 * a->xq[i] + a->xq[a->lo + i]);
+    wide_args.x16 = x16;
+    a = &wide_args;
+#endif
 #if defined(LPD_AVX512)
     int vec_blocks = nb & ~1, xor_blocks = vec_blocks; /* two at a time; an odd last one goes alone */
 #elif defined(LPD_AVX2)
@@ -534,34 +548,14 @@ static void gemm_task(void *ctx, int ith, int nth) {
             __m256 acc[ROWS_AT_ONCE];
             for (int m = 0; m < mm; m++) acc[m] = _mm256_setzero_ps();
             for (int b = 0; b < vec_blocks; b++) {
-                __m256i wv;
-                if (a->bits == 4) {
-                    __m128i raw = _mm_loadu_si128((const __m128i *)(wrow + b * 16));
-                    wv = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(15));
-                } else {
-                    wv = _mm256_loadu_si256((const __m256i *)(wrow + b * 32));
-                }
-                __m256i wa = a->bits == 4 ? wv : _mm256_sign_epi8(wv, wv);
                 for (int m = 0; m < mm; m++) {
-                    const int8_t *x = a->xq + (size_t)(m0 + m) * K + b * 32;
-                    __m256i xh = _mm256_loadu_si256((const __m256i *)x);
-                    __m256i xl = _mm256_loadu_si256((const __m256i *)(x + a->lo));
-                    if (a->bits == 8) { /* |w| times x with w's sign */
-                        xh = _mm256_sign_epi8(xh, wv);
-                        xl = _mm256_sign_epi8(xl, wv);
-                    }
-                    __m256i one = _mm256_set1_epi16(1);
-                    __m256i p = _mm256_add_epi32(
-                        _mm256_slli_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(wa, xh), one), 8),
-                        _mm256_madd_epi16(_mm256_maddubs_epi16(wa, xl), one));
+                    const int16_t *x = a->x16 + (size_t)(m0 + m) * K + b * 32;
+                    __m256i p = dot16(a, wrow, b, _mm256_loadu_si256((const __m256i *)x),
+                                      _mm256_loadu_si256((const __m256i *)(x + 16)));
                     acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(ds[m * nb + b]), acc[m]);
                 }
             }
-            for (int m = 0; m < mm; m++) {
-                __m128 r = _mm_add_ps(_mm256_castps256_ps128(acc[m]), _mm256_extractf128_ps(acc[m], 1));
-                r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-                y[m] = _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
-            }
+            for (int m = 0; m < mm; m++) y[m] = hsum8(acc[m]);
 #endif
             if (vec_blocks < nb) { /* what the vector loop left: every block in plain C, AVX512's odd last one */
                 gemm_args rest = *a;
@@ -619,7 +613,7 @@ int lpd_linear(int pre, const float *x, const float *residual, const float *norm
     input_args in = {pre, M, K, bits == 4, x, residual, norm_w, eps, sum_out, (int8_t *)mem,
                      (float *)(mem + q_bytes), (int32_t *)(mem + q_bytes + d_bytes)};
     parallel(input_task, &in, M >= 8 ? nth : 1);
-    gemm_args g = {M, N, K, group, bits, in.xq, (size_t)M * K, in.xd, in.xsum, w, scales, biases, bias, y};
+    gemm_args g = {M, N, K, group, bits, in.xq, (size_t)M * K, in.xd, in.xsum, NULL, w, scales, biases, bias, y};
     parallel(gemm_task, &g, nth);
     return 0;
 }

@@ -34,7 +34,6 @@ FLAGS = _cpu_flags()
 VARIANTS = [("native", None, True)]
 if X86:
     VARIANTS += [("haswell", "avx2", {"avx2", "fma", "f16c"} <= FLAGS),
-                 ("alderlake", "avx2", {"avx2", "fma", "f16c", "avx_vnni"} <= FLAGS),  # AVX-VNNI's vpdpbusd
                  ("x86-64", "c", True),
                  ("icelake-server", "avx512-vnni", {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= FLAGS)]
 
