@@ -631,50 +631,102 @@ typedef struct {
     float scale;
     float *out;
     int *row_seq; /* each row's sequence */
+    int heads_per_task; /* query heads of one key head a task takes */
 } attn_args;
+
+/* q . k over a head: four independent sums, where one sum's chain of adds set the pace */
+static inline float dot_head(const float *q, const float *k, int D) {
+#if defined(LPD_AVX2) || defined(LPD_AVX512)
+    if (D % 32 == 0) {
+        __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps(), s2 = _mm256_setzero_ps(), s3 = _mm256_setzero_ps();
+        for (int d = 0; d < D; d += 32) {
+            s0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), s0);
+            s1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), _mm256_loadu_ps(k + d + 8), s1);
+            s2 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 16), _mm256_loadu_ps(k + d + 16), s2);
+            s3 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 24), _mm256_loadu_ps(k + d + 24), s3);
+        }
+        __m256 v = _mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3));
+        __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+        return _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
+    }
+#endif
+    float s = 0.f;
+    for (int d = 0; d < D; d++) s += q[d] * k[d];
+    return s;
+}
+
+#define PREFETCH 4 /* rows ahead */
+#define MAX_GROUP 8 /* query heads a task takes at most */
+static inline void prefetch_row(const float *row, int D) { /* a prefetch never faults: past a page is harmless */
+#if defined(__x86_64__) || defined(__i386__)
+    for (int d = 0; d < D; d += 16) _mm_prefetch((const char *)(row + d), _MM_HINT_T0);
+#else
+    (void)row, (void)D;
+#endif
+}
 
 static void attention_task(void *ctx, int ith, int nth) {
     const attn_args *a = ctx;
-    int D = a->D, H = a->H, PS = a->PS, group = a->Hq / a->H;
+    int D = a->D, H = a->H, PS = a->PS, group = a->Hq / a->H, per = a->heads_per_task, parts = group / per;
     long tok = (long)H * D;
     int lo, hi;
-    share(a->T * a->Hq, ith, nth, &lo, &hi);
+    share(a->T * H * parts, ith, nth, &lo, &hi);
     static __thread void *buf;
     static __thread size_t cap;
     for (int task_i = lo; task_i < hi; task_i++) {
-        int t = task_i / a->Hq, hq = task_i % a->Hq, b = a->row_seq[t], kvh = hq / group;
-        int n = a->seq_lens[b], rows = a->q_starts[b + 1] - a->q_starts[b];
+        int t = task_i / (H * parts), kvh = task_i / parts % H, hq0 = kvh * group + task_i % parts * per;
+        int b = a->row_seq[t], n = a->seq_lens[b], rows = a->q_starts[b + 1] - a->q_starts[b];
         int pos = n - rows + (t - a->q_starts[b]);
         int first = a->window > 0 && pos - a->window + 1 > 0 ? pos - a->window + 1 : 0;
         int len = pos + 1 - first;
-        float *s = scratch(&buf, &cap, sizeof(float) * (size_t)(len + D));
+        float *s = scratch(&buf, &cap, sizeof(float) * (size_t)per * (len + D));
         if (!s) return;
-        float *acc = s + len;
-        const float *q = a->q + t * a->q_t + hq * a->q_h;
+        float *acc = s + (size_t)per * len;
+        const float *q = a->q + t * a->q_t + hq0 * a->q_h;
         const int32_t *pages = a->page_table + b * a->pt_stride;
-        float mx = -INFINITY;
-        for (int j = 0; j < len; j++) {
-            int p = first + j;
-            const float *kr = a->k + ((long)pages[p / PS] * PS + p % PS) * tok + (long)kvh * D;
-            float dot = 0.f;
-            for (int d = 0; d < D; d++) dot += q[d] * kr[d];
-            s[j] = dot * a->scale;
-            mx = fmaxf(mx, s[j]);
+        /* per query heads sharing a key head take each key and value row from memory once; the rows go page by
+         * page (no division a row), the row PREFETCH ahead requested early: a layer's pages have left the caches
+         * by the next step, and the page table hides the stride from the hardware */
+        float mx[MAX_GROUP];
+        for (int h = 0; h < per; h++) mx[h] = -INFINITY;
+        const float *kbase = a->k + (long)kvh * D, *vbase = a->v + (long)kvh * D;
+        for (int j = 0; j < len;) {
+            int p = first + j, slot = p % PS, run = PS - slot < len - j ? PS - slot : len - j;
+            const float *kr = kbase + ((long)pages[p / PS] * PS + slot) * tok;
+            for (int i = 0; i < run; i++, j++, kr += tok) {
+                prefetch_row(kr + PREFETCH * tok, D);
+                for (int h = 0; h < per; h++) {
+                    float sj = s[h * len + j] = dot_head(q + h * a->q_h, kr, D) * a->scale;
+                    mx[h] = sj > mx[h] ? sj : mx[h];
+                }
+            }
         }
-        float sum = 0.f;
-        for (int j = 0; j < len; j++) {
-            s[j] = expf(s[j] - mx);
-            sum += s[j];
+        float sum[MAX_GROUP];
+        for (int h = 0; h < per; h++) {
+            float *sh = s + h * len, z = 0.f;
+            for (int j = 0; j < len; j++) {
+                sh[j] = expf(sh[j] - mx[h]);
+                z += sh[j];
+            }
+            sum[h] = z;
         }
-        for (int d = 0; d < D; d++) acc[d] = 0.f;
-        for (int j = 0; j < len; j++) {
-            int p = first + j;
-            const float *vr = a->v + ((long)pages[p / PS] * PS + p % PS) * tok + (long)kvh * D;
-            float e = s[j];
-            for (int d = 0; d < D; d++) acc[d] += e * vr[d];
+        for (int d = 0; d < per * D; d++) acc[d] = 0.f;
+        for (int j = 0; j < len;) {
+            int p = first + j, slot = p % PS, run = PS - slot < len - j ? PS - slot : len - j;
+            const float *vr = vbase + ((long)pages[p / PS] * PS + slot) * tok;
+            for (int i = 0; i < run; i++, j++, vr += tok) {
+                prefetch_row(vr + PREFETCH * tok, D);
+                for (int h = 0; h < per; h++) {
+                    float e = s[h * len + j], *ah = acc + h * D;
+                    for (int d = 0; d < D; d++) ah[d] += e * vr[d];
+                }
+            }
         }
-        float inv = 1.0f / sum, *o = a->out + ((long)t * a->Hq + hq) * D;
-        for (int d = 0; d < D; d++) o[d] = acc[d] * inv;
+        for (int h = 0; h < per; h++) {
+            float inv = 1.0f / sum[h], *o = a->out + ((long)t * a->Hq + hq0 + h) * D;
+            for (int d = 0; d < D; d++) o[d] = acc[h * D + d] * inv;
+        }
     }
 }
 
@@ -708,8 +760,11 @@ int lpd_attention(const float *q, long q_t, long q_h, int T, int Hq, int D, cons
     if (!row_seq) return -1;
     for (int b = 0; b < B; b++)
         for (int t = q_starts[b]; t < q_starts[b + 1]; t++) row_seq[t] = b;
+    /* a task takes as many query heads of a key head as keeps two tasks a thread (a divisor of the group) */
+    int group = Hq / H, per = group;
+    while (per > 1 && (per > MAX_GROUP || group % per || (long)T * H * (group / per) < 2L * nth)) per--;
     attn_args a = {q, q_t, q_h, T, Hq, D, H, PS, B, window, k, v, page_table, seq_lens, q_starts, pt_stride, scale,
-                   out, row_seq};
+                   out, row_seq, per};
     parallel(attention_task, &a, T * Hq >= 2 ? nth : 1);
     return 0;
 }
