@@ -1,2 +1,2 @@
 """Weight and KV quantization formats (installed as localpd.quant). GGUF block layouts are decoded in
-localpd.gguf today; the quantized formats themselves arrive with the quantization issue."""
+localpd.load.gguf today; the quantized formats themselves arrive with the quantization issue."""

@@ -68,7 +68,7 @@ class KVLayer:
 @dataclass
 class KVPool:
     """All layers' paged keys and values. Page p holds tokens [p * page_size, (p + 1) * page_size) of whatever
-    sequence owns it (localpd.kvcache decides who)."""
+    sequence owns it (localpd.kvcache.pages decides who)."""
 
     kv_dtype: str
     page_size: int
@@ -187,8 +187,8 @@ def kv_bytes_per_token(kv_dtype: str, n_layers: int, n_kv_heads: int, head_dim: 
 
 @dataclass(frozen=True)
 class KVTraffic:
-    """Bytes a step moves in a KV cache of this format and shape (localpd.roofline counts them). Per-token formats
-    read and write each token's codes and scales. A per-page format (int4ch) reads a page's scales and zeros
+    """Bytes a step moves in a KV cache of this format and shape (localpd.measure.roofline counts them). Per-token
+    formats read and write each token's codes and scales. A per-page format (int4ch) reads a page's scales and zeros
     once however few of its tokens are attended, and its write re-quantizes every page it touches whole, as the
     write kernel does: it reads the page's earlier tokens from the stage, writes the codes of every token up to
     the last new one and the page's scales and zeros, and stages the new tokens of a page it leaves open."""

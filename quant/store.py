@@ -15,7 +15,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from localpd.config import ModelConfig
+from localpd.model.config import ModelConfig
 from localpd.errors import LocalpdError
 from localpd.quant.bnb import BnbInt8Weight, Nf4Weight, bitsandbytes
 from localpd.quant.weights import Int4Weight, Int8Weight, Weight

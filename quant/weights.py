@@ -118,7 +118,7 @@ class Int4Weight:
         Scale and bias are rounded to float16 before the error is measured, so the choice is made on what
         is stored. Ratio 1.0 is tried first, so the result is never worse than plain round-to-nearest.
         importance: optional non-negative weights per input column [K] (the mean square of the activations that
-        meet that column, localpd.calibrate), so the error is measured where the activations make it count:
+        meet that column, localpd.quantize.calibrate), so the error is measured where the activations make it count:
         sum_k importance[k] * (w[n, k] - w_hat[n, k])^2 (llama.cpp's importance matrix does the same).
         """
         n, k = w.shape

@@ -11,7 +11,7 @@ import time
 import torch
 
 from localpd.engine import Engine
-from localpd.sampling import SamplingParams
+from localpd.engine.sampling import SamplingParams
 
 MESSAGES = [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]
 

@@ -18,9 +18,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from localpd.bench_kernels import tinygemm
-from localpd.device import measure_copy_bandwidth
-from localpd.synthetic import SYNTHETIC
+from localpd.measure.bench_kernels import tinygemm
+from localpd.measure.device import measure_copy_bandwidth
+from localpd.load.synthetic import SYNTHETIC
 
 
 class TorchLlama:
@@ -122,7 +122,7 @@ def graphed(model: TorchLlama):
 def localpd_decode(name: str, quant: str, steps: int, context: int, graphs: bool = True,
                    fused: bool = True) -> tuple[float, int]:
     from localpd.engine import Engine
-    from localpd.sampling import SamplingParams
+    from localpd.engine.sampling import SamplingParams
 
     engine = Engine(f"synthetic:{name}", device="cuda", quant=quant, max_context=context + steps + 16,
                     kv_memory="2GiB", cuda_graphs=graphs)

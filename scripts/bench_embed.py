@@ -10,8 +10,9 @@ import argparse
 import asyncio
 import time
 
-from localpd.engine import Engine, embeddings
-from localpd.sampling import SamplingParams
+from localpd.engine import Engine
+from localpd.engine.engine import embeddings
+from localpd.engine.sampling import SamplingParams
 
 
 def main() -> None:

@@ -17,12 +17,12 @@ import time
 
 import torch
 
-from localpd.bench_kernels import copies_for, graph_time
+from localpd.measure.bench_kernels import copies_for, graph_time
 from localpd.engine import Engine
 from localpd.errors import LocalpdError
 from localpd.kernels.kv_dispatch import paged_attention, write_kv
 from localpd.quant.kv import KV_DTYPES, check_kv_dtype, kv_bytes_per_token, new_kv_pool
-from localpd.sampling import SamplingParams
+from localpd.engine.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=1)
 
@@ -150,7 +150,7 @@ def main() -> None:
     args = ap.parse_args()
     contexts = [int(x) for x in args.contexts.split(",")]
     if args.attention_only:
-        from localpd.synthetic import SYNTHETIC
+        from localpd.load.synthetic import SYNTHETIC
 
         dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         config = SYNTHETIC[args.model.removeprefix("synthetic:")]

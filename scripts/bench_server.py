@@ -73,7 +73,7 @@ def start_server(model: str, ctx: int):
     import uvicorn
 
     from localpd.engine import Engine
-    from localpd.server import create_app
+    from localpd.api.app import create_app
 
     engine = Engine(model, max_context=ctx)
     with socket.socket() as s:

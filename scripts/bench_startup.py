@@ -146,7 +146,7 @@ def main() -> None:
     ap.add_argument("--json", help="write every run and the summary here")
     args = ap.parse_args()
 
-    from localpd.registry import resolve_model
+    from localpd.load.registry import resolve_model
 
     gguf = resolve_model(args.model).path
     server = llama_bin(args.llama_bin) / "llama-server"

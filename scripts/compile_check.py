@@ -55,10 +55,10 @@ def record(out: str) -> None:
     from triton.backends.compiler import BaseBackend
     from triton.runtime.interpreter import InterpretedFunction
 
-    from localpd.config import ModelConfig
-    from localpd.model import Batch, Transformer
+    from localpd.model.config import ModelConfig
+    from localpd.model.transformer import Batch, Transformer
     from localpd.quant.kv import new_kv_pool
-    from localpd.synthetic import SYNTHETIC, synthetic_model
+    from localpd.load.synthetic import SYNTHETIC, synthetic_model
 
     seen: dict[str, dict] = {}
 

@@ -11,13 +11,13 @@ import sys
 
 import torch
 
-import localpd.model as model_module
+import localpd.model.transformer as model_module
 from localpd.kernels.fused_dispatch import rope_ref
 from localpd.kernels.kv_dispatch import write_kv_ref
-from localpd.model import Batch, Transformer
+from localpd.model.transformer import Batch, Transformer
 from localpd.quant.kv import new_kv_pool
 from localpd.quant.weights import Int4Weight, Int8Weight
-from localpd.synthetic import synthetic_model
+from localpd.load.synthetic import synthetic_model
 
 PS = 16
 rope_write_kv = model_module.rope_write_kv
@@ -94,7 +94,7 @@ def graphs_match_eager() -> bool:
     """Three concurrent greedy requests on the engine: CUDA-graph decode against eager decode, same tokens (with
     the compute dtype's KV, and with int4ch/int4, whose graphs also take the sequences' stage slots)."""
     from localpd.engine import Engine
-    from localpd.sampling import SamplingParams
+    from localpd.engine.sampling import SamplingParams
 
     ok = True
     for kv in (None, "int4ch/int4"):

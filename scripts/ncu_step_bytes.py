@@ -1,6 +1,6 @@
 """Cross-check the per-step byte accounting against Nsight Compute: one batch-1 decode step of a synthetic model,
 profiled for DRAM bytes read and written by every kernel (caches flushed before each, ncu's default), summed,
-beside localpd.roofline.step_cost for the same step. Issue 5 asks for agreement within 10%.
+beside localpd.measure.roofline.step_cost for the same step. Issue 5 asks for agreement within 10%.
 
 On the GPU machine:
     ncu --profile-from-start off --metrics dram__bytes_read.sum,dram__bytes_write.sum --csv \\
@@ -21,10 +21,10 @@ UNITS = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "KB": 1e3, "MB": 1
 def run(args) -> int:
     import torch
 
-    from localpd.model import Batch, Transformer
+    from localpd.model.transformer import Batch, Transformer
     from localpd.quant.kv import KVTraffic, new_kv_pool
-    from localpd.roofline import step_cost
-    from localpd.synthetic import synthetic_model
+    from localpd.measure.roofline import step_cost
+    from localpd.load.synthetic import synthetic_model
 
     dev = torch.device(args.device)
     gpu = dev.type == "cuda"

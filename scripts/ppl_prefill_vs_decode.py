@@ -10,7 +10,7 @@ them, and the attention output each position's fp32 query gets from them: measur
 rounding spreads through later layers.
 
     python scripts/ppl_prefill_vs_decode.py --text tests/data/apache-2.0.txt fp32 int4ch/int4 int8/int4 int4
-    python scripts/ppl_prefill_vs_decode.py --modes prefill --text localpd/calibration.txt fp32
+    python scripts/ppl_prefill_vs_decode.py --modes prefill --text localpd/quantize/calibration.txt fp32
     python scripts/ppl_prefill_vs_decode.py --key-error --tokens 512 --text tests/data/apache-2.0.txt int4ch/int4
 """
 
@@ -23,12 +23,12 @@ from pathlib import Path
 
 import torch
 
-import localpd.model as model_module
+import localpd.model.transformer as model_module
 from localpd.kernels.kv_dispatch import gather_kv, write_kv_ref
-from localpd.loader import load_model
-from localpd.model import Batch, Transformer
+from localpd.load.loader import load_model
+from localpd.model.transformer import Batch, Transformer
 from localpd.quant.kv import new_kv_pool
-from localpd.registry import resolve_model
+from localpd.load.registry import resolve_model
 
 PAGE_SIZE = 16
 

@@ -22,10 +22,10 @@ from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource
 
-from localpd.device import card_entry
+from localpd.measure.device import card_entry
 
 TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-# card -> (SMs, boost clock GHz), datasheets; bandwidth from localpd.device's table, the H100's as measured here
+# card -> (SMs, boost clock GHz), datasheets; bandwidth from localpd.measure.device's table, the H100's as measured here
 CARDS = {"H100 SXM": (132, 1.98), "RTX 5090": (170, 2.41), "RTX 4090": (128, 2.52), "RTX 4070": (46, 2.48),
          "RTX 3090": (82, 1.70)}
 H100_MEASURED = 2950  # GB/s, a 1 GiB device-to-device copy (docs/PERF.md)

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from localpd.bench_kernels import SHAPES, copies_for, graph_time, random_int4, random_int8
-from localpd.device import measure_copy_bandwidth
+from localpd.measure.bench_kernels import SHAPES, copies_for, graph_time, random_int4, random_int8
+from localpd.measure.device import measure_copy_bandwidth
 from localpd.kernels.dispatch import (cdiv, device_key, gemv_block_m, gemv_tile_fits, int4_matmul_ref,
                                      int8_matmul_ref, linear_int4, linear_int8)
 from localpd.kernels.gemv_mma import gemv_mma, mma_fits

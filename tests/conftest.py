@@ -36,7 +36,7 @@ def default_gguf() -> Path:
     env = os.environ.get("LOCALPD_TEST_GGUF")
     if env:
         return Path(env)
-    from localpd.registry import resolve_model
+    from localpd.load.registry import resolve_model
 
     return resolve_model("smollm2-135m").path
 
@@ -70,7 +70,7 @@ def served(default_gguf):
     from live_server import KEY, LiveServer
 
     from localpd.engine import Engine
-    from localpd.server import create_app
+    from localpd.api.app import create_app
 
     # the reference path, as the engine fixture: the API tests hold batched requests to lone ones token for token,
     # which the CPU's native path keeps only to ~1e-3 in the logits (a prefill of 16 rows or more multiplies in

@@ -4,11 +4,11 @@ import json
 
 import torch
 
-from localpd.cli import main
+from localpd.cli.main import main
 from localpd.engine import Engine
-from localpd.model import Transformer
-from localpd.synthetic import SYNTHETIC, matrix_shapes, synthetic_model, synthetic_nbytes
-from localpd.sampling import SamplingParams
+from localpd.model.transformer import Transformer
+from localpd.load.synthetic import SYNTHETIC, matrix_shapes, synthetic_model, synthetic_nbytes
+from localpd.engine.sampling import SamplingParams
 
 
 def test_bench_prints_the_table_and_writes_json_and_png(default_gguf, tmp_path, capsys, monkeypatch):

@@ -1,4 +1,4 @@
-"""Activation importance (localpd.calibrate) and int4 quantization weighted by it."""
+"""Activation importance (localpd.quantize.calibrate) and int4 quantization weighted by it."""
 
 import json
 from pathlib import Path
@@ -7,14 +7,14 @@ import pytest
 import torch
 from localpd.quant.weights import Int4Weight
 
-from localpd.calibrate import calibrate, calibrate_text, default_text
-from localpd.cli import main
+from localpd.quantize.calibrate import calibrate, calibrate_text, default_text
+from localpd.cli.main import main
 from localpd.engine import Engine
 from localpd.errors import LocalpdError
-from localpd.loader import imports_every_matrix_exactly, load_model
-from localpd.model import QuantLinear, Transformer
-from localpd.perplexity import perplexity
-from localpd.sampling import SamplingParams
+from localpd.load.loader import imports_every_matrix_exactly, load_model
+from localpd.model.transformer import QuantLinear, Transformer
+from localpd.measure.perplexity import perplexity
+from localpd.engine.sampling import SamplingParams
 
 
 def weighted_error(q: Int4Weight, w: torch.Tensor, h: torch.Tensor) -> float:

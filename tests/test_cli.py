@@ -234,8 +234,8 @@ def test_threads_sets_torchs_threads_before_the_model_loads(default_gguf, monkey
 
     import torch
 
-    from localpd.cli import main
-    from localpd.device import physical_cores
+    from localpd.cli.main import main
+    from localpd.measure.device import physical_cores
 
     before = torch.get_num_threads()
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)

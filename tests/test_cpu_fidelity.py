@@ -38,7 +38,7 @@ def decode_logits(model, ids: list[int], prompt: int) -> torch.Tensor:
 def test_greedy_flips_only_where_the_reference_is_closer_than_the_error(engine, native, messages):
     """Along the reference's greedy reply (48 tokens), every step's top token is the reference's, except where the
     reference's top two logits are closer than the fast path's logit error measured at that very step."""
-    from localpd.sampling import SamplingParams
+    from localpd.engine.sampling import SamplingParams
 
     prompt = engine.encode_chat(messages)
     reply = [ev.token_id for ev in engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=48))

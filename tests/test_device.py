@@ -2,7 +2,7 @@
 
 import pytest
 
-from localpd.device import card_entry, describe, device_info
+from localpd.measure.device import card_entry, describe, device_info
 
 
 @pytest.mark.parametrize("name, gbs", [
@@ -19,7 +19,7 @@ def test_unknown_card_has_no_entry():
 
 
 def test_cpu_has_no_datasheet_but_a_measured_and_cached_bandwidth(tmp_path, monkeypatch):
-    from localpd import device
+    from localpd.measure import device
 
     monkeypatch.setenv("LOCALPD_HOME", str(tmp_path))
     monkeypatch.setattr(device, "llc_bytes", lambda: 16 * 2**20)  # the real copy is past the real LLC: too slow here
@@ -52,7 +52,7 @@ def fake_sysfs(root, caches, cpus=2, shared=("0-1", "0-1")):
 
 
 def test_cache_sizes_parse_as_sysfs_writes_them():
-    from localpd.device import parse_cache_size
+    from localpd.measure.device import parse_cache_size
 
     assert parse_cache_size("491520K\n") == 480 * 2**20
     assert parse_cache_size("32M") == 32 * 2**20 and parse_cache_size("1G") == 2**30
@@ -60,7 +60,7 @@ def test_cache_sizes_parse_as_sysfs_writes_them():
 
 
 def test_last_level_cache_is_the_highest_level_times_its_instances(tmp_path, monkeypatch):
-    from localpd.device import llc_bytes
+    from localpd.measure.device import llc_bytes
 
     intel = [(1, "Data", "48K"), (1, "Instruction", "64K"), (2, "Unified", "2048K"), (3, "Unified", "491520K")]
     assert llc_bytes(fake_sysfs(tmp_path / "one", intel)) == 480 * 2**20  # one L3 shared by both CPUs
@@ -77,7 +77,7 @@ def test_last_level_cache_is_the_highest_level_times_its_instances(tmp_path, mon
 
 
 def test_cpu_copy_buffers_pass_the_cache_or_say_they_could_not():
-    from localpd.device import cpu_copy_bytes
+    from localpd.measure.device import cpu_copy_bytes
 
     llc = 480 * 2**20
     nbytes, note = cpu_copy_bytes(llc, 22 * 2**30)
@@ -91,7 +91,7 @@ def test_cpu_copy_buffers_pass_the_cache_or_say_they_could_not():
 
 
 def test_weights_in_the_last_level_cache_are_said_to_be_served_from_it():
-    from localpd.device import DeviceInfo, cache_note, fits_in_cache
+    from localpd.measure.device import DeviceInfo, cache_note, fits_in_cache
 
     cpu = DeviceInfo("cpu", "cpu", None, "unknown", 14e9, "cache", None, "unknown", llc_bytes=480 * 2**20)
     note = cache_note(92 * 2**20, cpu)
@@ -107,7 +107,7 @@ def test_weights_in_the_last_level_cache_are_said_to_be_served_from_it():
 def test_physical_cores_counts_cores_this_process_may_use():
     import os
 
-    from localpd.device import physical_cores
+    from localpd.measure.device import physical_cores
 
     n = physical_cores()
     assert 1 <= n <= len(os.sched_getaffinity(0))

@@ -10,7 +10,7 @@ import pytest
 
 from localpd.engine import Engine
 from localpd.errors import LocalpdError
-from localpd.sampling import SamplingParams
+from localpd.engine.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
 Q = [{"role": "user", "content": "What is the capital of France?"}]
@@ -116,7 +116,7 @@ def test_abandoned_iterator_cancels_the_request(engine):
 LEAVE_MID_STREAM = """
 import sys
 from localpd.engine import Engine
-from localpd.sampling import SamplingParams
+from localpd.engine.sampling import SamplingParams
 e = Engine(sys.argv[1], device="cpu", max_context=512)
 stream = iter(e.submit([1, 2, 3, 4], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)))
 next(stream), next(stream)
@@ -233,7 +233,7 @@ def test_preemption_under_page_pressure_keeps_outputs_exact(default_gguf):
 
 def tight_bytes(path):
     from localpd.quant.kv import kv_bytes_per_token
-    from localpd.loader import load_model
+    from localpd.load.loader import load_model
 
     c = load_model(path).config
     return kv_bytes_per_token("fp32", c.n_layers, c.n_kv_heads, c.head_dim) * 16 * 16  # 16 pages of 16 tokens
@@ -262,8 +262,8 @@ def test_int4ch_pages_the_engine_fills_while_decoding_are_the_ones_a_lone_sequen
 
     import torch
 
-    from localpd.kvcache import PageTable
-    from localpd.model import Batch
+    from localpd.kvcache.pages import PageTable
+    from localpd.model.transformer import Batch
     from localpd.quant.kv import new_kv_pool
 
     e = Engine(default_gguf, device="cpu", max_context=512, kv="int4ch/int4")
@@ -300,7 +300,7 @@ THINKING_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.cont
 def test_template_variables_reach_the_chat_template(engine, monkeypatch):
     """`localpd chat --think off` and a request's chat_template_kwargs end in the template's enable_thinking; a
     variable localpd itself passes cannot be replaced; the default model's own template ignores the variable."""
-    from localpd.chat import Chat
+    from localpd.cli.chat import Chat
 
     plain = engine.encode_chat(Q)
     assert engine.encode_chat(Q, template_vars={"enable_thinking": False}) == plain
@@ -324,7 +324,7 @@ def test_template_variables_reach_the_chat_template(engine, monkeypatch):
 def test_the_repl_shows_reasoning_apart_from_the_answer(engine, monkeypatch, capsys):
     """`localpd chat` with a thinking model: reasoning on stderr when stdout is not a terminal (stdout holds the
     answer alone); a prompt that opened the <think> block makes the reply's text reasoning until </think>."""
-    from localpd.chat import Chat, ReplyPrinter
+    from localpd.cli.chat import Chat, ReplyPrinter
 
     monkeypatch.setattr(engine.tokenizer, "chat_template", THINKING_TEMPLATE)
     printer = ReplyPrinter(engine, engine.encode_chat(Q))
@@ -345,7 +345,7 @@ def test_the_repl_saves_and_loads_a_conversation(engine, tmp_path, capsys):
     """/save writes the system prompt, the turns and the settings; /load goes on from them: the next prompt is the
     one the first chat would have sent, and the prefix cache serves its earlier turns. A file that is not a saved
     conversation, or a save that cannot be written, is a one-line message that changes nothing."""
-    from localpd.chat import Chat
+    from localpd.cli.chat import Chat
 
     first = Chat(engine, replace(GREEDY, max_tokens=12), "Answer in one sentence.")
     first.set("top_k 5")

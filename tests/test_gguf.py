@@ -8,7 +8,7 @@ from gguf.quants import dequantize as ref_dequantize
 from gguf.quants import quantize as ref_quantize
 
 from localpd.errors import LocalpdError
-from localpd.gguf import BLOCKS, GGUFFile, dequantize_blocks
+from localpd.load.gguf import BLOCKS, GGUFFile, dequantize_blocks
 
 Q = gguf.GGMLQuantizationType
 # byte offsets of the f16 scale fields inside one block: random bytes there could be inf/nan

@@ -1,4 +1,4 @@
-"""JSON mode (localpd.json_mode): the prefix recogniser against Python's json, and the token constraint."""
+"""JSON mode (localpd.constrain.json_mode): the prefix recogniser against Python's json, and the token constraint."""
 
 import json
 import re
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from localpd.json_mode import JsonPrefix, SchemaError, compile_schema
+from localpd.constrain.json_mode import JsonPrefix, SchemaError, compile_schema
 
 scalars = st.none() | st.booleans() | st.integers(-10**12, 10**12) | st.text(max_size=8) | st.floats(
     allow_nan=False, allow_infinity=False)
@@ -150,7 +150,7 @@ def test_every_instance_of_a_schema_is_accepted_whole(person, layout):
     ({"type": "tuple"}, "unknown JSON schema type"), ({"enum": []}, "non-empty list"), ("object", "must be an object"),
 ])
 def test_bad_schemas_are_one_line_errors(schema, fragment):
-    from localpd.json_mode import SchemaError
+    from localpd.constrain.json_mode import SchemaError
 
     with pytest.raises(SchemaError, match=fragment.replace("$", r"\$")):
         JsonPrefix(compile_schema(schema)).feed('{"a": 1}')
@@ -267,7 +267,7 @@ def test_every_instance_of_a_union_is_accepted_and_readings_merge_once_a_value_e
 def test_integer_bounds_against_brute_force(low, width, n):
     """Whole integers are accepted exactly when in range, and a prefix is taken exactly when some integer in range
     begins with it (so the recogniser neither lets a reply into a dead end nor refuses a way out)."""
-    from localpd.json_mode import integer_reachable
+    from localpd.constrain.json_mode import integer_reachable
 
     high = low + width
     schema = {"type": "integer", "minimum": low, "maximum": high}
@@ -327,7 +327,7 @@ def test_number_bounds_against_brute_force(low10, width10, low_open, high_open, 
     range is taken, and every prefix taken still has a completion in range (found within four more characters)."""
     from fractions import Fraction
 
-    from localpd.json_mode import number_reachable
+    from localpd.constrain.json_mode import number_reachable
 
     low, high = Fraction(low10, 10), Fraction(low10 + width10, 10)
     schema = {"type": "number", "exclusiveMinimum" if low_open else "minimum": float(low),

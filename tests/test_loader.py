@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from localpd.errors import LocalpdError
-from localpd.loader import load_model
+from localpd.load.loader import load_model
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +97,7 @@ def test_safetensors_directory_matches_transformers_logits(kind, shard, tmp_path
 def assert_same_logits(lm, ref, n=17, context=None):
     """The loaded model's logits of every position of a random n-token prompt are the transformers model's
     (context: the longest sequence the model is built for; default its own maximum)."""
-    from localpd.model import Batch, Transformer
+    from localpd.model.transformer import Batch, Transformer
     from localpd.quant.kv import new_kv_pool
 
     ids = torch.randint(0, 128, (n,))
@@ -193,7 +193,7 @@ def test_longrope_takes_its_short_factors_for_a_context_within_the_original(tmp_
         assert_same_logits(lm, ref, n=12, context=64)
     from dataclasses import replace
 
-    from localpd.model import Transformer
+    from localpd.model.transformer import Transformer
 
     short = replace(lm.config, rope_scaling={**lm.config.rope_scaling, "short_factor": [1.0] * 5})
     with pytest.raises(LocalpdError, match="needs 6 factors"):  # 12 rotated dims, 6 pairs
@@ -202,7 +202,7 @@ def test_longrope_takes_its_short_factors_for_a_context_within_the_original(tmp_
 
 def test_a_sliding_window_caps_the_context():
     """Within its window a sliding-window model attends to everything, as localpd does: the context stops there."""
-    from localpd.loader import hf_config
+    from localpd.load.loader import hf_config
 
     common = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96,
                   max_position_embeddings=32768)
@@ -251,8 +251,8 @@ def test_unsupported_architectures(tmp_path):
     (80, 80, True, (80, 0, 80)),  # a per-head norm would see the padding: left to the torch attention
 ])
 def test_heads_the_kernels_do_not_take_are_padded_to_the_next_they_do(head, rotary, qk_norm, taken):
-    from localpd.config import ModelConfig, matrix_shapes
-    from localpd.loader import pad_heads
+    from localpd.model.config import ModelConfig, matrix_shapes
+    from localpd.load.loader import pad_heads
 
     c = ModelConfig("phi3", 100, 3072, 1, 32, 8, head, 8192, rotary_dim=rotary, qk_norm=qk_norm)
     shapes = matrix_shapes(c)

@@ -5,9 +5,9 @@ import copy
 import pytest
 import torch
 
-from localpd.model import Batch
+from localpd.model.transformer import Batch
 from localpd.quant.kv import new_kv_pool
-from localpd.sampling import SamplingParams
+from localpd.engine.sampling import SamplingParams
 
 # Both sides dequantize the same blocks to float32 and run float32 arithmetic in a different order, so the
 # logits differ by rounding only: |Δ| stays under 1e-3 on logits of magnitude ~25 (seen: ~5e-5).
@@ -88,7 +88,7 @@ def test_decode_graph_inputs_pad_onto_the_scratch_page_and_stage_row(engine):
     in a bucket of four become a four-row batch whose padding rows decode on the scratch page and the scratch
     stage row, and the step writes nothing else but the two sequences' open pages and stage slots (int4ch keeps
     each sequence's open page in its stage row)."""
-    from localpd.cuda_graph import DecodeGraphs
+    from localpd.engine.cuda_graph import DecodeGraphs
 
     model, c, ps = engine.model, engine.config, 16
     pool = new_kv_pool("int4ch/int4", c.n_layers, 6, ps, c.n_kv_heads, c.head_dim, model.dtype, "cpu", stage_rows=3)
@@ -136,7 +136,7 @@ def test_an_embedding_is_the_last_positions_final_hidden_state_normalised(engine
     assert [ev.finish_reason for ev in busy][-1] in ("stop", "length")
     assert torch.allclose(again, vectors[0], atol=1e-5) and engine.stats().prefix_hit_tokens > 0
     assert (vectors[0] @ vectors[1]).item() < 0.99
-    from localpd.roofline import step_cost
+    from localpd.measure.roofline import step_cost
 
     fresh = tok("Plums are purple.").input_ids  # a step of this embedding alone, cold: the output head does not run
     [last] = list(engine.embed(fresh))

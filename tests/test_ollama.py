@@ -7,8 +7,8 @@ import ollama
 import pytest
 from live_server import KEY, LiveServer, idle
 
-from localpd.sampling import SamplingParams
-from localpd.server import create_app
+from localpd.engine.sampling import SamplingParams
+from localpd.api.app import create_app
 
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = {"temperature": 0, "num_predict": 16}
@@ -158,7 +158,7 @@ def test_bad_requests_get_ollamas_error_shape(served, path, body, status, fragme
 def test_generate_with_a_suffix_fills_in_the_middle(served, client, monkeypatch):
     """Ollama's suffix (what editors' code completion sends): the model's FIM tokens around prompt and suffix, no
     template; three of SmolLM2's special tokens stand in for a code model's (SmolLM2 has none: a 400)."""
-    from localpd.tokenizer import Tokenizer
+    from localpd.text.tokenizer import Tokenizer
 
     engine = served[0]
     monkeypatch.setattr(Tokenizer, "fim_ids", property(lambda self: (3, 4, 5)))
@@ -215,7 +215,7 @@ def test_a_thinking_models_reasoning_comes_back_as_thinking(served, client, monk
     assert "".join(p.message.thinking or "" for p in parts) == raw.strip()
     g = client.generate(model="x", prompt=ASK[0]["content"], options={"temperature": 0, "num_predict": 12})
     assert g.thinking == raw.strip() and g.response == ""
-    from localpd.ollama import OllamaMessage, template_message
+    from localpd.api.ollama import OllamaMessage, template_message
 
     history = ASK + [{"role": "assistant", "content": "Paris.", "thinking": "France's capital."},
                      {"role": "user", "content": "And Spain?"}]

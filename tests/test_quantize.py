@@ -7,16 +7,16 @@ import sys
 import pytest
 import torch
 
-from localpd.cli import main
+from localpd.cli.main import main
 from localpd.engine import Engine
 from localpd.errors import LocalpdError
-from localpd.loader import load_model
-from localpd.model import Batch, Transformer
+from localpd.load.loader import load_model
+from localpd.model.transformer import Batch, Transformer
 from localpd.quant.bnb import BnbInt8Weight, Nf4Weight
 from localpd.quant.kv import new_kv_pool
 from localpd.quant.weights import Int4Weight, Int8Weight
-from localpd.quantize import quantize_model
-from localpd.sampling import SamplingParams
+from localpd.quantize.quantize import quantize_model
+from localpd.engine.sampling import SamplingParams
 
 Q = [{"role": "user", "content": "What is the capital of France?"}]
 needs_bnb = pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes not installed")

@@ -1,10 +1,10 @@
-"""A thinking model's reply split into reasoning and answer (localpd.reasoning), whole and streamed."""
+"""A thinking model's reply split into reasoning and answer (localpd.constrain.reasoning), whole and streamed."""
 
 import random
 
 import pytest
 
-from localpd.reasoning import ThinkSplit, opens_thinking, split_reply, thinks
+from localpd.constrain.reasoning import ThinkSplit, opens_thinking, split_reply, thinks
 
 
 @pytest.mark.parametrize("text, inside, reasoning, answer", [
@@ -66,8 +66,8 @@ def script(tok, text):
 def test_json_modes_constraint_starts_after_the_reasoning(engine, inside, reply):
     """A thinking model in JSON mode (the real tokenizer, whose pieces split the tags): the reasoning is free text,
     the reply cannot end inside it, and the answer after </think> is held to the schema."""
-    from localpd.json_mode import JsonConstraint
-    from localpd.reasoning import ThinkFirst
+    from localpd.constrain.json_mode import JsonConstraint
+    from localpd.constrain.reasoning import ThinkFirst
 
     tok, eos = engine.tokenizer, set(engine.tokenizer.eos_ids)
     schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -84,8 +84,8 @@ def test_json_modes_constraint_starts_after_the_reasoning(engine, inside, reply)
 
 
 def test_a_token_that_closes_the_reasoning_may_not_start_the_answer_too(engine):
-    from localpd.json_mode import JsonConstraint
-    from localpd.reasoning import ThinkFirst
+    from localpd.constrain.json_mode import JsonConstraint
+    from localpd.constrain.reasoning import ThinkFirst
 
     tok, eos = engine.tokenizer, set(engine.tokenizer.eos_ids)
     c = ThinkFirst(lambda: JsonConstraint(tok, eos), tok, eos, inside=True)

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from localpd import registry
+from localpd.load import registry
 from localpd.errors import LocalpdError
-from localpd.registry import ModelEntry, fetch, list_models, load_registry, parse_source, resolve_model
+from localpd.load.registry import ModelEntry, fetch, list_models, load_registry, parse_source, resolve_model
 
 DEAD_HUB = "http://127.0.0.1:9"  # nothing listens on the discard port: connection refused at once
 PAYLOAD = b"GGUF" + bytes(range(256)) * 64

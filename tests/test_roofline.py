@@ -4,10 +4,10 @@ config's shapes."""
 import pytest
 import torch
 
-from localpd.model import QuantLinear, StackedLinear
+from localpd.model.transformer import QuantLinear, StackedLinear
 from localpd.quant.kv import KVTraffic, new_kv_pool
-from localpd.roofline import decode_ceiling_tps, step_cost, utilisation
-from localpd.sampling import SamplingParams
+from localpd.measure.roofline import decode_ceiling_tps, step_cost, utilisation
+from localpd.engine.sampling import SamplingParams
 
 
 def tensor_bytes(obj) -> int:
@@ -134,8 +134,8 @@ def test_ceiling_and_utilisation_arithmetic(engine):
 
 
 def test_chat_stats_show_the_decode_bandwidth_against_the_ceiling(engine):
-    from localpd.chat import format_stats
-    from localpd.device import DeviceInfo
+    from localpd.cli.chat import format_stats
+    from localpd.measure.device import DeviceInfo
 
     ids = engine.encode_chat([{"role": "user", "content": "Name a colour."}])
     handle = engine.submit(ids, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))

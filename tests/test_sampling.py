@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from localpd.errors import LocalpdError
-from localpd.sampling import Sampler, SamplingParams, sample_from
+from localpd.engine.sampling import Sampler, SamplingParams, sample_from
 
 
 def draws(logits, n=400, **kw):

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from localpd.kvcache import PagePool, PageTable
-from localpd.scheduler import Scheduler, Sequence
+from localpd.kvcache.pages import PagePool, PageTable
+from localpd.engine.scheduler import Scheduler, Sequence
 
 
 def test_prefix_match_needs_the_same_chain_and_full_pages():

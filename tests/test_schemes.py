@@ -7,17 +7,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from localpd.cli import main
+from localpd.cli.main import main
 from localpd.engine import Engine
 from localpd.errors import LocalpdError
-from localpd.loader import load_model
-from localpd.model import Batch
-from localpd.perplexity import perplexity
+from localpd.load.loader import load_model
+from localpd.model.transformer import Batch
+from localpd.measure.perplexity import perplexity
 from localpd.quant.bnb import BnbInt8Weight, Nf4Weight
 from localpd.quant.kv import new_kv_pool
 from localpd.quant.weights import Int4Weight, Int8Weight
-from localpd.sampling import SamplingParams
-from localpd.schemes import int4_group
+from localpd.engine.sampling import SamplingParams
+from localpd.quant.schemes import int4_group
 
 Q = [{"role": "user", "content": "What is the capital of France?"}]
 

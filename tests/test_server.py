@@ -10,8 +10,8 @@ import pytest
 from live_server import KEY, LiveServer, idle
 
 from localpd.engine import Engine
-from localpd.sampling import SamplingParams
-from localpd.server import create_app
+from localpd.engine.sampling import SamplingParams
+from localpd.api.app import create_app
 
 Q = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -96,7 +96,7 @@ def test_forced_calls_follow_the_tools_schemas_whatever_is_sampled(client):
     the reply is a call whose arguments are the named function's parameters (required with one tool: that one) or,
     with several tools, one of their names and that one's parameters, unless max_tokens cuts it (then it is a JSON
     prefix)."""
-    from localpd.json_mode import JsonPrefix
+    from localpd.constrain.json_mode import JsonPrefix
 
     clock = {"type": "function", "function": {"name": "get_time", "parameters": {
         "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
@@ -469,7 +469,7 @@ def test_a_suffix_fills_in_the_middle_with_the_models_fim_tokens(served, client,
     """suffix on /v1/completions: the prompt becomes prefix token, prompt, suffix token, suffix, middle token, and
     the reply is what the engine generates from exactly those tokens. SmolLM2 has no FIM tokens (a 400, see
     test_bad_completion_requests_are_400s), so three of its special tokens stand in for a code model's."""
-    from localpd.tokenizer import Tokenizer
+    from localpd.text.tokenizer import Tokenizer
 
     engine = served[0]
     monkeypatch.setattr(Tokenizer, "fim_ids", property(lambda self: (3, 4, 5)))

@@ -8,7 +8,7 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 
 from localpd.engine import Engine
-from localpd.server import create_app
+from localpd.api.app import create_app
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-from localpd.stops import StopMatcher
+from localpd.text.stops import StopMatcher
 
 
 def feed(stops, pieces):

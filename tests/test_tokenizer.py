@@ -5,9 +5,9 @@ import json
 import gguf
 import pytest
 
-from localpd.chat_template import render
+from localpd.text.chat_template import render
 from localpd.errors import LocalpdError
-from localpd.tokenizer import IncrementalDetokenizer, Tokenizer
+from localpd.text.tokenizer import IncrementalDetokenizer, Tokenizer
 
 TEXTS = [
     "Hello, world!",
@@ -219,7 +219,7 @@ def test_unsupported_vocabulary_is_a_clear_error():
 def test_token_text_follows_the_bytes_of_a_character_and_refuses_what_is_not_utf8(tok, vocab):
     """A token that ends inside a character adds nothing yet and says which code points it may still become; one
     that would make the bytes invalid UTF-8 (a stray continuation, a character cut short) adds nothing at all."""
-    from localpd.tokenizer import TokenText
+    from localpd.text.tokenizer import TokenText
 
     if vocab == "sentencepiece":
         pieces, tok = _tiny_spm()

@@ -1,13 +1,13 @@
-"""Tool calling: tools and earlier calls into the prompt, calls out of the reply (localpd.tools)."""
+"""Tool calling: tools and earlier calls into the prompt, calls out of the reply (localpd.constrain.tools)."""
 
 import json
 import random
 
 import pytest
 
-from localpd.chat_template import render
+from localpd.text.chat_template import render
 from localpd.errors import LocalpdError
-from localpd.tools import CallStream, check_choice, check_tools, forced_prefix, parse_calls, template_messages
+from localpd.constrain.tools import CallStream, check_choice, check_tools, forced_prefix, parse_calls, template_messages
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},

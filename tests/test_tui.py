@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from localpd.engine import Engine
-from localpd.sampling import SamplingParams
+from localpd.engine.sampling import SamplingParams
 from localpd.tui.app import LocalpdApp, MessageView, SettingsScreen
 from localpd.tui.panel import BandwidthPanel
 from localpd.tui.store import Store
@@ -201,7 +201,7 @@ def test_a_thinking_models_reasoning_is_quoted_above_its_answer(default_gguf, tm
 
 
 def test_panel_says_when_the_weights_fit_in_the_last_level_cache():
-    from localpd.device import DeviceInfo
+    from localpd.measure.device import DeviceInfo
     from localpd.tui.panel import cache_lines
 
     info = DeviceInfo("Intel(R) Xeon(R) Processor", "cpu", None, "unknown", 14e9, "cache", None, "unknown",

@@ -4,7 +4,7 @@ every machine; the live numbers themselves are tested against the engine in test
 
 from textual.widgets import Input
 
-from localpd.device import DeviceInfo
+from localpd.measure.device import DeviceInfo
 from localpd.tui.app import LocalpdApp
 from localpd.tui.panel import BandwidthPanel, PanelData
 
@@ -47,7 +47,7 @@ def test_panel_with_a_finished_reply(snap_compare, tmp_path):
 
 
 def test_model_picker(snap_compare, tmp_path, monkeypatch):
-    from localpd import registry
+    from localpd.load import registry
 
     entries = [(e, None, None) for e in registry.load_registry()[1].values()]
     monkeypatch.setattr(registry, "list_models", lambda: entries)

@@ -19,14 +19,15 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Footer, Header, Input, Label, ListItem, ListView, Markdown, OptionList, TextArea
 from textual.widgets.option_list import Option
 
-from localpd.chat_template import think_vars
-from localpd.device import device_info
-from localpd.engine import Engine, RequestHandle
+from localpd.text.chat_template import think_vars
+from localpd.measure.device import device_info
+from localpd.engine import Engine
+from localpd.engine.engine import RequestHandle
 from localpd.errors import LocalpdError
-from localpd.reasoning import CLOSE as THINK_CLOSE
-from localpd.reasoning import OPEN as THINK_OPEN
-from localpd.reasoning import reply_split, split_reply
-from localpd.sampling import SamplingParams
+from localpd.constrain.reasoning import CLOSE as THINK_CLOSE
+from localpd.constrain.reasoning import OPEN as THINK_OPEN
+from localpd.constrain.reasoning import reply_split, split_reply
+from localpd.engine.sampling import SamplingParams
 from localpd.tui.panel import BandwidthPanel
 from localpd.tui.store import Conversation, Store
 
@@ -163,7 +164,7 @@ class ModelPicker(ModalScreen[str | None]):
     BINDINGS = [Binding("escape", "cancel", "cancel")]
 
     def compose(self) -> ComposeResult:
-        from localpd.registry import list_models
+        from localpd.load.registry import list_models
 
         options = []
         for entry, path, size in list_models():
@@ -502,13 +503,13 @@ class LocalpdApp(App):
 
 
 def run_tui(args) -> int:
-    from localpd.chat import params_from_args
-    from localpd.registry import cache_dir
+    from localpd.cli.chat import params_from_args
+    from localpd.load.registry import cache_dir
 
     params = params_from_args(args)
 
     def load(name: str | None) -> Engine:
-        from localpd.chat import default_model
+        from localpd.cli.chat import default_model
 
         return Engine(name or default_model(), device=args.device, quant=args.quant, kv=args.kv,
                       max_context=args.ctx or 8192, kv_memory=args.kv_memory)

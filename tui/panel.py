@@ -10,9 +10,10 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import Sparkline, Static
 
-from localpd.device import DeviceInfo, fits_in_cache
-from localpd.engine import Engine, RequestHandle, TokenEvent
-from localpd.roofline import decode_ceiling_tps, utilisation
+from localpd.measure.device import DeviceInfo, fits_in_cache
+from localpd.engine import Engine
+from localpd.engine.engine import RequestHandle, TokenEvent
+from localpd.measure.roofline import decode_ceiling_tps, utilisation
 
 
 @dataclass

@@ -1,0 +1,329 @@
+"""The `localpd` command: chat, tui, serve, bench, quantize, embed, pull, models, eval."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from localpd.errors import LocalpdError
+from localpd.quant.kv import FORMATS, kv_formats
+from localpd.engine.scheduler import MAX_RUNNING, MAX_STEP_TOKENS
+from localpd.quant.schemes import SCHEMES
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, not a usage dump
+        print(f"localpd: error: {message} (see '{self.prog} --help')", file=sys.stderr)
+        sys.exit(2)
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def threads_arg(text: str) -> int:
+    """--threads: a positive whole number."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def apply_threads(args) -> None:
+    """torch's intra-op threads, before any model loads: --threads, else the physical cores this process may run
+    on (torch's own default counts the machine's physical cores, whatever the affinity). OMP_NUM_THREADS or
+    MKL_NUM_THREADS, when set, stand as torch read them. The CPU kernels size their pools from
+    torch.get_num_threads(), so this one call sets them too."""
+    import torch
+
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
+    elif hasattr(args, "threads") and not (os.environ.get("OMP_NUM_THREADS") or os.environ.get("MKL_NUM_THREADS")):
+        from localpd.measure.device import physical_cores
+
+        torch.set_num_threads(physical_cores())
+
+
+def add_model_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", "-t", type=threads_arg, metavar="N",
+                   help="CPU threads for torch and the CPU kernels, as llama.cpp's -t (default: the physical cores "
+                        "this process may run on)")
+    p.add_argument("--device", choices=["cpu", "cuda"], help="where to run (default: cuda when available)")
+    p.add_argument("--ctx", type=positive_int, help="context length in tokens (default: the model's, at most 8192)")
+    p.add_argument("--quant", choices=SCHEMES, metavar="SCHEME",
+                   help="weight scheme: " + ", ".join(SCHEMES) + " (default: native; fp32 on a CPU where localpd's CPU "
+                   "kernels cannot be built)")
+    p.add_argument("--kv", type=kv_dtype_arg, metavar="DTYPE",
+                   help="KV cache dtype: " + ", ".join(FORMATS) + ", or KEYS/VALUES such as int4ch/int4 "
+                   "(default: the compute dtype)")
+    p.add_argument("--kv-memory", metavar="SIZE",
+                   help="bytes for the KV cache, e.g. 4GiB (default: most of the free GPU memory; two contexts on CPU)")
+
+
+def add_sampling_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, default=0.7, help="0 for greedy (default 0.7)")
+    p.add_argument("--top-p", type=float, default=0.9)
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repeat-penalty", type=float, default=1.0)
+    p.add_argument("--max-tokens", type=positive_int, default=512)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def format_arg(text: str) -> dict:
+    """--format: "json" ({} : any object), or a file holding a JSON schema (the schema)."""
+    if text == "json":
+        return {}
+    import json
+
+    from localpd.constrain.json_mode import SchemaError, compile_schema
+
+    try:
+        schema = json.loads(open(text, encoding="utf-8").read())
+        compile_schema(schema)
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"neither json nor a readable schema file: {e.strerror}: {text}") from None
+    except (ValueError, SchemaError) as e:
+        raise argparse.ArgumentTypeError(f"{text} is not a JSON schema localpd can take: {e}") from None
+    return schema
+
+
+def nonempty(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
+def regex_arg(text: str) -> str:
+    """--regex: a pattern localpd can hold, checked now."""
+    from localpd.constrain.pattern import PatternError, compiled
+
+    try:
+        compiled(text, whole=True)
+    except PatternError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def kv_dtype_arg(text: str) -> str:
+    try:
+        kv_formats(text)
+    except LocalpdError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="localpd", description="Local LLM inference that shows how close it comes to the card's limit.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+
+    chat = sub.add_parser("chat", help="chat with a model (one answer when PROMPT is given or stdin is piped)")
+    chat.add_argument("model", nargs="?", help="registry name, .gguf file or model directory (default: the registry's default)")
+    chat.add_argument("prompt", nargs="?", help="answer this once and exit")
+    chat.add_argument("--system", help="system prompt")
+    chat.add_argument("--verbose", action="store_true", help="print timings after each reply")
+    chat.add_argument("--think", choices=["on", "off"],
+                      help="thinking models (Qwen3): reason in a <think> block first, or answer at once (default: "
+                           "the model's own choice)")
+    shape = chat.add_mutually_exclusive_group()
+    shape.add_argument("--format", type=format_arg, metavar="json|SCHEMA.json",
+                       help="json: every reply is one JSON object; a JSON schema file: one value of that schema "
+                            "(constrained decoding)")
+    shape.add_argument("--regex", type=regex_arg, metavar="PATTERN",
+                       help="every reply is a whole match of this regular expression (ECMA's regular part, as the "
+                            "server's guided_regex)")
+    shape.add_argument("--choice", action="append", type=nonempty, metavar="TEXT",
+                       help="every reply is one of these texts (repeatable; the server's guided_choice)")
+    add_model_options(chat)
+    add_sampling_options(chat)
+
+    tui = sub.add_parser("tui", help="the chat app: saved conversations and the live bandwidth panel")
+    tui.add_argument("model", nargs="?", help="registry name, .gguf file or model directory (default: the registry's default)")
+    tui.add_argument("--system", help="system prompt for new conversations")
+    add_model_options(tui)
+    add_sampling_options(tui)
+
+    serve = sub.add_parser("serve", help="an OpenAI-compatible API on localhost (/v1/chat/completions ...)")
+    serve.add_argument("model", nargs="?", help="registry name, .gguf file or model directory (default: the registry's default)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    serve.add_argument("--port", type=positive_int, default=8000)
+    serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but / and /health")
+    serve.add_argument("--max-waiting", type=positive_int, default=64, help="queued requests before answering 503")
+    serve.add_argument("--max-running", type=positive_int, default=MAX_RUNNING,
+                       help=f"sequences decoded together; more wait their turn (default {MAX_RUNNING})")
+    serve.add_argument("--step-tokens", type=positive_int, default=MAX_STEP_TOKENS,
+                       help=f"tokens one step computes, prompt chunks included: more is faster prefill, fewer is "
+                            f"shorter decode stalls behind a long prompt; it caps --max-running too "
+                            f"(default {MAX_STEP_TOKENS})")
+    serve.add_argument("--cors", action="append", default=[], metavar="ORIGIN",
+                       help="let web pages from ORIGIN (e.g. http://localhost:3000, or * for any) call the API from "
+                            "a browser (repeatable; default: none)")
+    serve.add_argument("--reasoning", choices=("split", "inline"), default="split",
+                       help="a thinking model's <think> block: in reasoning_content (split, the default) or left in "
+                            "the content (inline)")
+    add_model_options(serve)
+
+    bench = sub.add_parser("bench", help="prefill/decode speed, MBU and MFU against the device's ceilings")
+    from localpd.measure.bench import add_arguments
+
+    add_arguments(bench)
+    add_model_options(bench)
+
+    quant = sub.add_parser("quantize", help="quantize a model once and save it (loads memory-mapped afterwards)")
+    quant.add_argument("model", help="registry name, .gguf file or model directory")
+    quant.add_argument("--scheme", required=True, choices=SCHEMES, metavar="SCHEME", help=", ".join(SCHEMES))
+    quant.add_argument("--out", help="output directory (default: $LOCALPD_HOME/quantized/NAME-SCHEME)")
+    quant.add_argument("--calibration", metavar="FILE",
+                       help="text whose activations weigh the int4 rounding error (default: localpd's own text)")
+    quant.add_argument("--no-calibration", action="store_true",
+                       help="int4 without activation importance (clipping search and refit alone)")
+
+    embed = sub.add_parser("embed", help="embedding vectors of texts, one JSON array a line (the server's /v1/embeddings)")
+    embed.add_argument("model")
+    embed.add_argument("texts", nargs="*", metavar="TEXT", help="texts to embed (default: each line of stdin)")
+    add_model_options(embed)
+
+    pull = sub.add_parser("pull", help="download a model from the registry")
+    pull.add_argument("model")
+
+    sub.add_parser("models", help="list the registry's models, and which are present locally")
+
+    ev = sub.add_parser("eval", help="measure a model")
+    ev_sub = ev.add_subparsers(dest="metric", required=True, parser_class=Parser)
+    ppl = ev_sub.add_parser("perplexity", help="perplexity on a text file (sliding window past the context)")
+    ppl.add_argument("model")
+    ppl.add_argument("--text", required=True, help="a UTF-8 text file")
+    ppl.add_argument("--max-tokens", type=positive_int, help="score only the first N tokens of the text")
+    ppl.add_argument("--window", type=positive_int, default=1024, help="tokens per window (default 1024)")
+    add_model_options(ppl)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["bench", "kernels"]:  # its own options; `bench MODEL` takes the rest
+        from localpd.measure.bench_kernels import main as bench_kernels
+
+        return bench_kernels(argv[2:])
+    args = build_parser().parse_args(argv)
+    apply_threads(args)
+    try:
+        if args.command == "chat":
+            from localpd.cli.chat import run_chat
+
+            return run_chat(args)
+        if args.command == "tui":
+            from localpd.tui.app import run_tui
+
+            return run_tui(args)
+        if args.command == "serve":
+            from localpd.api.app import serve
+
+            return serve(args)
+        if args.command == "bench":
+            from localpd.measure.bench import run
+
+            return run(args)
+        if args.command == "quantize":
+            from localpd.quantize.quantize import run_quantize
+
+            return run_quantize(args)
+        if args.command == "pull":
+            from localpd.load.registry import pull
+
+            resolved = pull(args.model)
+            print(resolved.path)
+            return 0
+        if args.command == "models":
+            return print_models()
+        if args.command == "eval":
+            return eval_perplexity(args)
+        if args.command == "embed":
+            return embed_texts(args)
+    except LocalpdError as e:
+        print(f"localpd: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    return 2
+
+
+def print_models() -> int:
+    from localpd.load.registry import list_models, load_registry
+
+    default, _ = load_registry()
+    rows = [("NAME", "SIZE", "LOCAL", "DESCRIPTION")]
+    for entry, path, size in list_models():
+        name = entry.name + (" (default)" if entry.name == default else "")
+        local = f"{size / 1e6:.0f} MB" if size else "-"
+        rows.append((name, entry.size_hint or "", local, entry.description or ""))
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[3])
+    return 0
+
+
+def embed_texts(args) -> int:
+    """Each text's vector (Engine.embed: the last token's final hidden state, L2-normalised) as a JSON array on a
+    line of its own, in order; the texts are embedded together."""
+    import asyncio
+    import json
+
+    from localpd.engine import Engine
+    from localpd.engine.engine import embeddings
+
+    texts = args.texts or [line.rstrip("\n") for line in sys.stdin]
+    if not texts or any(not t.strip() for t in texts):
+        raise LocalpdError("nothing to embed: give non-empty texts, as arguments or one a line on stdin")
+    engine = Engine(args.model, device=args.device, quant=args.quant, kv=args.kv, max_context=args.ctx,
+                    kv_memory=args.kv_memory)
+    try:
+        ids = [engine.tokenizer.encode(t) for t in texts]
+        longest = max(range(len(ids)), key=lambda i: len(ids[i]))
+        if len(ids[longest]) >= engine.max_context:
+            raise LocalpdError(f"text {longest + 1} has {len(ids[longest])} tokens; the context is "
+                               f"{engine.max_context} (--ctx)")
+        for vector in asyncio.run(embeddings(engine, ids)):
+            print(json.dumps([round(x, 6) for x in vector]))
+    finally:
+        engine.close()
+    return 0
+
+
+def eval_perplexity(args) -> int:
+    from pathlib import Path
+
+    from localpd.engine import Engine
+    from localpd.measure.perplexity import perplexity
+
+    path = Path(args.text)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise LocalpdError(f"cannot read text file {path}: {e}") from None
+    engine = Engine(args.model, device=args.device, quant=args.quant, kv=args.kv, max_context=args.ctx,
+                    kv_memory=args.kv_memory)
+    for note in engine.notes:
+        print(note, file=sys.stderr)
+    ids = engine.tokenizer.encode(text)[: args.max_tokens]
+    window = min(args.window, engine.max_context)
+    r = perplexity(engine.model, ids, window=window, kv_dtype=engine.kv_dtype)
+    print(f"perplexity {r.perplexity:.4f} over {r.tokens_scored} tokens ({r.windows} windows of {window}), "
+          f"model {engine.name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

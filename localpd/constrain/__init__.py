@@ -1,0 +1,1 @@
+"""What may be sampled: JSON mode, patterns, tool calls, reasoning."""

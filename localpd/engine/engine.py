@@ -1,0 +1,683 @@
+"""The engine: one model, a paged KV cache and a scheduler, running many requests at once on its own thread.
+
+Front doors (chat, tui, server, bench) never touch tensors: they submit token ids or chat messages and consume a
+RequestHandle's TokenEvents, from a plain thread or from asyncio. A request's prompt is matched against the
+prefix cache first, so a repeated system prompt or the earlier turns of a chat are not computed again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import itertools
+import logging
+import threading
+import time
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import AsyncIterator, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from localpd.errors import LocalpdError
+from localpd.constrain.json_mode import JsonConstraint
+from localpd.constrain.pattern import PatternConstraint
+from localpd.kvcache.pages import PagePool
+from localpd.load.loader import LoadedModel, load_model
+from localpd.model.transformer import Batch, Transformer
+from localpd.quant.kv import KVTraffic, check_kv_dtype, new_kv_pool, same_kv
+from localpd.quant.store import is_quantized_dir
+from localpd.constrain.reasoning import ThinkFirst, reply_split
+from localpd.load.registry import resolve_model
+from localpd.measure.roofline import step_cost
+from localpd.engine.sampling import Sampler, SamplingParams
+from localpd.engine.scheduler import MAX_RUNNING, MAX_STEP_TOKENS, Scheduler, Sequence, Work
+from localpd.quant.schemes import check_scheme, compute_dtype, default_scheme, group_notes
+from localpd.text.stops import StopMatcher
+from localpd.text.tokenizer import IncrementalDetokenizer, Tokenizer
+from localpd.constrain.tools import check_tools
+
+log = logging.getLogger("localpd.engine.engine")
+
+PAGE_SIZE = 16
+
+_open_engines: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_engines() -> None:
+    """An engine thread still inside a torch op while the interpreter shuts down aborts the process ("terminate
+    called without an active exception"), so engines their owner did not close are closed here, each after its
+    current step."""
+    for engine in list(_open_engines):
+        engine.close()
+
+
+@dataclass
+class StepStats:
+    phase: str  # "prefill", "decode" or "mixed"
+    tokens: int  # tokens this step pushed through the model, all sequences together
+    seconds: float  # the step's time on the device: CUDA events on a GPU, the wall clock on the CPU
+    batch: int = 1  # sequences in the step
+    bytes: int = 0  # weight and KV bytes the step moved (localpd.measure.roofline.step_cost)
+    flops: int = 0
+    wall_seconds: float = 0.0  # the step on the host's clock, Python and sampling included
+
+
+@dataclass
+class TokenEvent:
+    token_id: int | None  # None on a final event that carries no new token
+    text: str  # the new text, UTF-8 safe, stop strings removed
+    finish_reason: str | None = None  # None while running; "stop", "length", "cancelled" or "error"
+    stats: StepStats | None = None
+    logprob: float | None = None  # of the chosen token, when SamplingParams.logprobs is set
+    top_logprobs: list[tuple[int, float]] | None = None
+    error: str | None = None
+    embedding: list[float] | None = None  # an embedding request's one (final) event: its vector (Engine.embed)
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    prefill_seconds: float = 0.0  # from submission to the first token (queueing included)
+    output_tokens: int = 0
+    decode_seconds: float = 0.0  # from the first token to the last
+    decode_step_seconds: float = 0.0  # time of the steps that produced tokens 2..n
+    decode_bytes: int = 0  # bytes those steps moved
+    bytes_moved: int = 0  # bytes of every step this request took part in
+    finish_reason: str | None = None
+
+    @property
+    def ttft(self) -> float:
+        return self.prefill_seconds
+
+    @property
+    def prefill_tps(self) -> float:
+        n = self.prompt_tokens - self.cached_tokens
+        return n / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        n = self.output_tokens - 1  # the first token comes out of prefill
+        return n / self.decode_seconds if self.decode_seconds > 0 and n > 0 else 0.0
+
+
+@dataclass
+class EngineStats:
+    running: int
+    waiting: int
+    kv_pages_used: int
+    kv_pages_total: int
+    kv_pages_cached: int  # pages holding prefix-cache entries (referenced or not)
+    kv_dtype: str
+    page_size: int
+    prefix_hit_tokens: int
+    prefix_query_tokens: int
+    preemptions: int
+    weight_bytes: int
+    max_running: int
+
+
+class RequestHandle:
+    """One request's event stream, readable from a thread (iterate) or from asyncio (async for)."""
+
+    def __init__(self, request_id: str, prompt_tokens: int, engine: Engine):
+        self.id = request_id
+        self.prompt_tokens = prompt_tokens
+        self.stats = GenerationStats(prompt_tokens=prompt_tokens)
+        self.finished = False
+        self._engine = engine
+        self._lock = threading.Lock()
+        self._ready = threading.Condition(self._lock)
+        self._events: deque[TokenEvent] = deque()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._aqueue: asyncio.Queue | None = None
+
+    def cancel(self) -> None:
+        """Stop the request; its pages are released at the engine's next step. Safe from any thread."""
+        if not self.finished:
+            self._engine._cancel(self)
+
+    def _push(self, event: TokenEvent) -> None:
+        with self._lock:
+            if event.finish_reason is not None:
+                self.finished = True
+            if self._loop is None:
+                self._events.append(event)
+                self._ready.notify_all()
+                return
+            try:
+                self._loop.call_soon_threadsafe(self._aqueue.put_nowait, event)
+            except RuntimeError:  # the listener's event loop is gone
+                pass
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        done = False
+        try:
+            while not done:
+                with self._lock:
+                    while not self._events:
+                        self._ready.wait()
+                    event = self._events.popleft()
+                done = event.finish_reason is not None
+                yield event
+        finally:
+            if not done:  # the consumer walked away: free the request's pages
+                self.cancel()
+
+    def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        return self._aiter()
+
+    async def _aiter(self) -> AsyncIterator[TokenEvent]:
+        with self._lock:
+            self._loop = asyncio.get_running_loop()
+            self._aqueue = asyncio.Queue()
+            while self._events:
+                self._aqueue.put_nowait(self._events.popleft())
+        done = False
+        try:
+            while not done:
+                event = await self._aqueue.get()
+                done = event.finish_reason is not None
+                yield event
+        finally:
+            if not done:
+                self.cancel()
+
+
+@dataclass(eq=False)
+class Request:
+    seq: Sequence
+    handle: RequestHandle
+    params: SamplingParams
+    sampler: Sampler
+    detok: IncrementalDetokenizer | None
+    stops: StopMatcher
+    eos: set[int]
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    embed: bool = False  # ends after its prompt with the last position's hidden state instead of a token
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def parse_bytes(text: str | int | None) -> int | None:
+    """'4GiB', '512MB', '2g', or a plain number of bytes."""
+    if text is None or isinstance(text, int):
+        return text
+    units = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
+             "g": 2**30, "gb": 10**9, "gib": 2**30}
+    t = text.strip().lower()
+    num = t.rstrip("kmgib")
+    try:
+        return int(float(num) * units[t[len(num):]])
+    except (ValueError, KeyError):
+        raise LocalpdError(f"cannot read '{text}' as a size (examples: 2GiB, 512MB, 1000000)") from None
+
+
+class Engine:
+    def __init__(self, model: str | Path = "smollm2-135m", device: str | None = None, quant: str | None = None,
+                 kv: str | None = None, max_context: int | None = None, kv_memory: str | int | None = None,
+                 kv_tokens: int | None = None, progress: bool = False, max_step_tokens: int = MAX_STEP_TOKENS,
+                 max_running: int = MAX_RUNNING, cuda_graphs: bool = True):
+        """quant: a weight scheme (localpd.quant.schemes.SCHEMES); by default the file's own format ("native"; on a
+        CPU without localpd's CPU kernels, float32: schemes.default_scheme). kv: the KV cache dtype
+        (localpd.quant.kv.KV_DTYPES); by default the compute dtype. kv_memory: bytes for the KV cache (default: most of the free GPU memory; on the CPU room for
+        two full contexts); or kv_tokens: room for that many tokens. cuda_graphs: replay decode steps as CUDA
+        graphs on a GPU (localpd.engine.cuda_graph)."""
+        self.device = torch.device(device or default_device())
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise LocalpdError("--device cuda asked for, but torch sees no CUDA GPU")
+        prequantized = is_quantized_dir(Path(str(model)))  # `localpd quantize` output: run as stored
+        self.quant = check_scheme(quant or default_scheme(self.device, prequantized))
+        self.compute_dtype = compute_dtype(self.quant, self.device)
+        loaded = self._load(str(model), progress)
+        self.config = loaded.config
+        self.tokenizer: Tokenizer | None = loaded.tokenizer()
+        self.notes = group_notes(loaded.weights, self.quant)  # how the scheme had to adapt to this model
+        self.path = f"{self.device.type} path: weights {self.quant}"  # which kernels run, in words (--verbose)
+        if self.device.type == "cpu":  # localpd's CPU kernels, or why the references run
+            from localpd.kernels import cpu
+
+            self.path = f"{cpu.describe()}; weights {self.quant}"
+        self.max_context = min(max_context or self.config.max_context, self.config.max_context)
+        if self.max_context < 2:
+            raise LocalpdError(f"context length must be at least 2, got {self.max_context}")
+        window = 0 if self.config.swa_layers else self.config.sliding_window  # Gemma's windows are per layer
+        if window and max_context and max_context > window:
+            self.notes.append(f"context capped at {window} tokens: the model attends within a window of that many, "
+                              f"and localpd to the whole context, which is the same up to there")
+        self.model = Transformer(loaded.config, loaded.weights, context=self.max_context)
+        default_kv = same_kv(self.compute_dtype)
+        self.kv_dtype = check_kv_dtype(kv or default_kv, self.device)
+        c = self.config
+        self.kv_traffic = KVTraffic(self.kv_dtype, c.n_layers, c.n_kv_heads, c.head_dim, PAGE_SIZE,
+                                    self.compute_dtype.itemsize, len(c.swa_layers), c.sliding_window)
+        if kv_tokens is not None and kv_memory is None:
+            kv_memory = -(-max(kv_tokens, self.max_context + 1) // PAGE_SIZE) * PAGE_SIZE * self.kv_token_bytes
+        n_pages = self._kv_pages(parse_bytes(kv_memory))
+        graphs = cuda_graphs and self.device.type == "cuda"
+        # with graphs, one more page than the allocator hands out: the scratch page of padded decode rows
+        # and one more stage row than running sequences: the scratch row of padded decode rows
+        self.kv = new_kv_pool(self.kv_dtype, c.n_layers, n_pages + graphs, PAGE_SIZE, c.n_kv_heads, c.head_dim,
+                              self.compute_dtype, self.device, stage_rows=max_running + graphs)
+        self.graphs = None
+        if graphs:
+            from localpd.engine.cuda_graph import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self.model, self.kv, -(-(self.max_context + 1) // PAGE_SIZE), n_pages,
+                                       max_running, min(max_running, 64))
+        self.pages = PagePool(n_pages, PAGE_SIZE, salt=f"{self.name}|{self.quant}|{self.kv_dtype}")
+        self.scheduler = Scheduler(self.pages, max_step_tokens, max_running)
+        self._requests: dict[Sequence, Request] = {}
+        self._inbox: deque[Request] = deque()
+        self._cancels: set[RequestHandle] = set()
+        self._wake = threading.Condition()
+        self._closed = False
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._run, name="localpd-engine", daemon=True)
+        self._thread.start()
+        _open_engines.add(self)
+
+    def _load(self, model: str, progress: bool) -> LoadedModel:
+        if model.startswith("synthetic:"):
+            from localpd.load.synthetic import synthetic_model
+
+            self.name = model
+            return synthetic_model(model.split(":", 1)[1], self.quant, self.compute_dtype, self.device)
+        resolved = resolve_model(model, pull=True, progress=progress)
+        self.name = resolved.name
+        self.resolved = resolved
+        return load_model(resolved.path, dtype=self.compute_dtype, device=self.device, scheme=self.quant)
+
+    @property
+    def kv_token_bytes(self) -> int:
+        """Storage bytes of one token's keys and values over all layers (what sizes the pool)."""
+        return self.kv_traffic.per_token
+
+    def _kv_pages(self, kv_memory: int | None) -> int:
+        page_bytes = self.kv_token_bytes * PAGE_SIZE
+        need = -(-(self.max_context + 1) // PAGE_SIZE)  # one full context must fit
+        if kv_memory is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                kv_memory = int(free * 0.9) - (1 << 30)  # leave room for activations and the allocator
+            else:
+                kv_memory = 2 * need * page_bytes
+        pages = kv_memory // page_bytes
+        if pages < need:
+            raise LocalpdError(
+                f"the KV cache budget ({kv_memory / 2**20:.0f} MiB, {pages} pages) does not hold one context of "
+                f"{self.max_context} tokens ({need} pages of {page_bytes / 2**10:.0f} KiB in {self.kv_dtype}); "
+                f"lower --ctx or raise --kv-memory")
+        return int(pages)
+
+    # -- front-door API ----------------------------------------------------------------------------------------
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    template_vars: dict | None = None, tools: list[dict] | None = None,
+                    continue_final: bool = False) -> list[int]:
+        """Token ids of a conversation in the model's chat template; template_vars: more variables for it (Qwen3's
+        enable_thinking); tools: OpenAI-style function specs the model may call (localpd.constrain.tools);
+        continue_final: the last message is the start of the assistant's reply, which the model goes on with (vLLM's
+        continue_final_message): the prompt ends where its text does, before the template closes the turn."""
+        if self.tokenizer is None:
+            raise LocalpdError(f"{self.name} has no tokenizer")
+        for m in messages:
+            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
+                raise LocalpdError(f"unknown message role {m.get('role') if isinstance(m, dict) else m!r}; "
+                                   f"expected system, user, assistant or tool")
+            if not isinstance(m.get("content", ""), str):
+                raise LocalpdError("message content must be a string")
+        tools = check_tools(tools) if tools else None
+        if continue_final:
+            if not messages or messages[-1].get("role") != "assistant" or not messages[-1].get("content"):
+                raise LocalpdError("continuing the final message needs a last message from the assistant with text")
+            add_generation_prompt = False
+        text = self.tokenizer.render_chat(messages, add_generation_prompt, tools, **(template_vars or {}))
+        if continue_final:
+            content = messages[-1]["content"]
+            end = text.rfind(content)
+            end = end + len(content) if end >= 0 else text.rfind(content.strip()) + len(content.strip())
+            if end < len(content.strip()):
+                raise LocalpdError("the chat template does not show the final message's text as written, so it "
+                                   "cannot be continued")
+            text = text[:end]
+        return self.tokenizer.encode(text, add_bos=False)
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+               embed: bool = False) -> RequestHandle:
+        """Queue a request; the checks run here, so bad input raises before any event. embed: see Engine.embed."""
+        params.validate()
+        if not prompt_ids:
+            raise LocalpdError("the prompt is empty")
+        if len(prompt_ids) >= self.max_context:
+            raise LocalpdError(f"the prompt has {len(prompt_ids)} tokens, more than the context of "
+                               f"{self.max_context} allows (leave room for at least one reply token)")
+        bad = [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < self.config.vocab_size)]
+        if bad:
+            raise LocalpdError(f"token id {bad[0]} is outside the vocabulary of {self.config.vocab_size}")
+        for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.config.vocab_size)]
+            if bad:
+                raise LocalpdError(f"{name} names token id {bad[0]}, outside the vocabulary of "
+                                   f"{self.config.vocab_size}", param=name)
+        if self._closed:
+            raise LocalpdError("the engine is closed")
+        prompt = list(prompt_ids)
+        rid = request_id or f"req-{next(self._ids)}"
+        handle = RequestHandle(rid, len(prompt), self)
+        budget = min(params.max_tokens, self.max_context - len(prompt))
+        eos = set() if params.ignore_eos or self.tokenizer is None else set(self.tokenizer.eos_ids)
+        eos |= set(params.stop_token_ids)
+        req = Request(
+            seq=Sequence(rid, prompt, budget), handle=handle, params=params,
+            sampler=Sampler(params, device=self.device, constraint=self._constraint(params, eos, prompt)),
+            detok=IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None,
+            stops=StopMatcher(params.stop), eos=eos, embed=embed,
+        )
+        with self._wake:
+            self._inbox.append(req)
+            self._wake.notify()
+        return handle
+
+    def _constraint(self, params: SamplingParams, eos: set[int], prompt: list[int]):
+        """JSON mode's constraint, or a pattern's; a thinking model's reasoning before the JSON (or the match) is
+        left free (a forced tool call's prompt opened the JSON already, so that reply does not reason first)."""
+        if not params.json_object and params.regex is None:
+            return None
+        if self.tokenizer is None or not eos:
+            raise LocalpdError(f"a constrained reply needs a tokenizer with an end-of-sequence token; {self.name} "
+                               f"has none")
+
+        def make():
+            if params.regex is not None:
+                return PatternConstraint(self.tokenizer, eos, params.regex)
+            return JsonConstraint(self.tokenizer, eos, params.json_lead, params.json_schema)
+
+        split = None if params.json_lead else reply_split(self.tokenizer, prompt)
+        try:
+            return make() if split is None else ThinkFirst(make, self.tokenizer, eos, split.inside)
+        except ValueError as e:  # a schema or pattern localpd cannot take, or a lead it does not fit
+            raise LocalpdError(str(e), param="regex" if params.regex is not None else None) from None
+
+    def embed(self, prompt_ids: list[int], request_id: str | None = None) -> RequestHandle:
+        """Queue an embedding of a prompt: it is prefilled like any other (its full pages found in and left to the
+        prefix cache), and its one event carries the last position's final hidden state (the model's final norm
+        applied), L2-normalised: last-token pooling, as vLLM pools a decoder-only model."""
+        return self.submit(prompt_ids, SamplingParams(max_tokens=1, temperature=0.0), request_id, embed=True)
+
+    def embedding(self, prompt_ids: list[int]) -> list[float]:
+        """Engine.embed's vector, waited for."""
+        for ev in self.embed(prompt_ids):
+            if ev.finish_reason == "error":
+                raise RuntimeError(ev.error or "the embedding failed")
+            if ev.embedding is not None:
+                return ev.embedding
+        raise RuntimeError("the embedding was cancelled")
+
+    def submit_chat(self, messages: list[dict], params: SamplingParams, request_id: str | None = None):
+        return self.submit(self.encode_chat(messages), params, request_id)
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[TokenEvent]:
+        return iter(self.submit(prompt_ids, params))
+
+    def chat(self, messages: list[dict], params: SamplingParams) -> Iterator[TokenEvent]:
+        return iter(self.submit_chat(messages, params))
+
+    def stats(self) -> EngineStats:
+        p = self.pages
+        return EngineStats(
+            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting) + len(self._inbox),
+            kv_pages_used=p.used, kv_pages_total=p.n_pages, kv_pages_cached=len(p.cached), kv_dtype=self.kv_dtype,
+            page_size=p.page_size, prefix_hit_tokens=p.hit_tokens, prefix_query_tokens=p.query_tokens,
+            preemptions=self.scheduler.preemptions, weight_bytes=self.model.weight_bytes,
+            max_running=self.scheduler.max_running)
+
+    def close(self) -> None:
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=30)
+
+    def __del__(self):
+        self._closed = True
+
+    def _cancel(self, handle: RequestHandle) -> None:
+        with self._wake:
+            self._cancels.add(handle)
+            self._wake.notify()
+
+    # -- the engine thread -------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while True:
+                with self._wake:
+                    while not (self._closed or self._inbox or self._cancels or self.scheduler.running
+                               or self.scheduler.waiting):
+                        self._wake.wait()
+                    if self._closed:
+                        break
+                    inbox, self._inbox = list(self._inbox), deque()
+                    cancels, self._cancels = self._cancels, set()
+                for req in inbox:
+                    self._requests[req.seq] = req
+                    self.scheduler.add(req.seq)
+                for req in [r for r in self._requests.values() if r.handle in cancels]:
+                    self._finish(req, TokenEvent(None, "", "cancelled"))
+                self._step()
+        for req in list(self._requests.values()):
+            self._finish(req, TokenEvent(None, "", "cancelled", error="the engine was closed"))
+
+    def _finish(self, req: Request, event: TokenEvent) -> None:
+        self.scheduler.remove(req.seq)
+        self._requests.pop(req.seq, None)
+        req.handle.stats.finish_reason = event.finish_reason
+        req.handle._push(event)
+
+    def _step(self) -> None:
+        work = self.scheduler.step()
+        if not work:
+            if self.scheduler.waiting and not self.scheduler.running:  # the head cannot fit even alone
+                req = self._requests[self.scheduler.waiting[0]]
+                if req.seq.output:
+                    self._finish(req, TokenEvent(None, self._flush(req), "length"))
+                else:
+                    self._finish(req, TokenEvent(None, "", "error", error="the prompt does not fit in the KV cache"))
+            return
+        t0 = time.perf_counter()
+        timer = StepTimer(self.device)
+        try:
+            samples = [w for w in work if w.sample]
+            embeds = [self._requests[w.seq].embed for w in samples]  # rows that end in a vector, not a token
+            logits, hidden = None, None
+            if self.graphs is not None and all(w.n == 1 and w.sample for w in work) and not any(embeds):
+                inputs = self._decode_inputs(work)
+                timer.start()
+                logits = self.graphs.run(*inputs)
+            if logits is None:
+                batch = self._batch(work)
+                timer.start()
+                if any(embeds):  # the output head only where some row samples a token
+                    logits, hidden = self.model.forward(batch, self.kv, hidden=True, logits=not all(embeds))
+                else:
+                    logits = self.model.forward(batch, self.kv)
+            timer.stop()
+            self.scheduler.finish_step(work)
+            outcomes = [F.normalize(hidden[i], dim=0).tolist() if embed
+                        else self._sample(self._requests[w.seq], logits[i])
+                        for i, (w, embed) in enumerate(zip(samples, embeds))]
+        except Exception as e:  # a failed step fails its requests, never the engine
+            log.exception("engine step failed")
+            for w in work:
+                if w.seq in self._requests:
+                    self._finish(self._requests[w.seq], TokenEvent(None, "", "error", error=f"{type(e).__name__}: {e}"))
+            return
+        now = time.perf_counter()
+        head_rows = 0 if all(embeds) else len(samples)  # rows the output head ran on
+        cost = step_cost(self.model, [(w.start, w.n) for w in work], self.kv_traffic, head_rows)
+        step = StepStats(phase_of(work), sum(w.n for w in work), timer.seconds(now - t0), len(work), cost.bytes,
+                         cost.flops, now - t0)
+        for w, outcome, embed in zip(samples, outcomes, embeds):
+            if embed:
+                self._embedded(self._requests[w.seq], outcome, step, now)
+            else:
+                self._emit(self._requests[w.seq], *outcome, step, now)
+        for w in work:
+            if w.seq in self._requests:
+                self._requests[w.seq].handle.stats.bytes_moved += step.bytes
+
+    def _batch(self, work: list[Work]) -> Batch:
+        ps = self.pages.page_size
+        ids, positions, slots, stage_slots, starts, lens, rows = [], [], [], [], [0], [], []
+        for w in work:
+            seq_tokens = w.seq.tokens
+            ids += seq_tokens[w.start:w.start + w.n]
+            pages = w.seq.table.pages
+            slots += (slot_of(pages, pos, ps) for pos in range(w.start, w.start + w.n))
+            if self.kv.has_stage:
+                stage_slots += (w.seq.stage_row * ps + pos % ps for pos in range(w.start, w.start + w.n))
+            positions += range(w.start, w.start + w.n)
+            starts.append(starts[-1] + w.n)
+            lens.append(w.start + w.n)
+            if w.sample:
+                rows.append(starts[-1] - 1)
+        width = max(len(w.seq.table.pages) for w in work)
+        table = [w.seq.table.pages + [0] * (width - len(w.seq.table.pages)) for w in work]
+
+        def t(x, dtype=torch.int32):
+            return torch.tensor(x, dtype=dtype, device=self.device)
+
+        return Batch(tokens=t(ids, torch.long), positions=t(positions, torch.long), slots=t(slots, torch.long),
+                     page_table=t(table), seq_lens=t(lens), q_starts=t(starts), logit_rows=t(rows, torch.long),
+                     stage_slots=t(stage_slots, torch.long) if self.kv.has_stage else None)
+
+    def _decode_inputs(self, work: list[Work]):
+        """(tokens, positions, slots, stage slots, page lists, lengths) of a step in which every sequence decodes
+        one token."""
+        ps = self.pages.page_size
+        tokens, positions, slots, stage_slots, tables, lens = [], [], [], [], [], []
+        for w in work:
+            p, pages = w.start, w.seq.table.pages
+            tokens.append(w.seq.tokens[p])
+            positions.append(p)
+            slots.append(slot_of(pages, p, ps))
+            stage_slots.append(w.seq.stage_row * ps + p % ps)
+            tables.append(pages)
+            lens.append(p + 1)
+        return tokens, positions, slots, stage_slots, tables, lens
+
+    def _sample(self, req: Request, logits: torch.Tensor):
+        if len(req.seq.output) < req.params.min_tokens and req.eos:
+            logits[list(req.eos)] = float("-inf")  # a row of this step's logits, read by nothing after
+        token = req.sampler(logits, req.seq.prompt, req.seq.output)
+        k = req.params.logprobs
+        if k is None:
+            return token, None, None
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        top = None
+        if k > 0:
+            vals, idx = lp.topk(k)
+            top = list(zip(idx.tolist(), vals.tolist()))
+        return token, float(lp[token]), top
+
+    def _embedded(self, req: Request, vector: list[float], step: StepStats, now: float) -> None:
+        s = req.handle.stats
+        s.prefill_seconds, s.cached_tokens = now - req.arrival, req.seq.cached_tokens
+        self._finish(req, TokenEvent(None, "", "stop", step, embedding=vector))
+
+    def _flush(self, req: Request) -> str:
+        return req.stops.flush(req.detok.flush() if req.detok else "")
+
+    def _emit(self, req: Request, token: int, lp, top, step: StepStats, now: float) -> None:
+        s = req.handle.stats
+        if req.first_token_at is None:
+            req.first_token_at = now
+            s.prefill_seconds = now - req.arrival
+            s.cached_tokens = req.seq.cached_tokens
+        else:
+            s.decode_seconds = now - req.first_token_at
+            s.decode_step_seconds += step.seconds
+            s.decode_bytes += step.bytes
+        if token in req.eos:
+            self._finish(req, TokenEvent(None, self._flush(req), "stop", step))
+            return
+        req.seq.output.append(token)
+        s.output_tokens = len(req.seq.output)
+        text, hit = req.stops.push(req.detok.push(token) if req.detok else "")
+        if hit:
+            self._finish(req, TokenEvent(token, text, "stop", step, lp, top))
+        elif len(req.seq.output) >= req.seq.max_tokens:
+            self._finish(req, TokenEvent(token, text + self._flush(req), "length", step, lp, top))
+        else:
+            req.handle._push(TokenEvent(token, text, None, step, lp, top))
+
+
+MAX_EMBED_INPUTS = 2048  # inputs of one embeddings request (the servers' limit), as OpenAI allows
+
+
+async def embeddings(engine: Engine, prompts: list[list[int]]) -> list[list[float]]:
+    """Engine.embed of several prompts at once (their prefills share steps), awaited. A prompt the engine refuses
+    raises LocalpdError, one that fails while running RuntimeError; either way the others are cancelled."""
+    handles: list[RequestHandle] = []
+    try:
+        for ids in prompts:
+            handles.append(engine.embed(ids))
+        out = []
+        for handle in handles:
+            async for ev in handle:
+                if ev.finish_reason == "error":
+                    raise RuntimeError(ev.error or "the embedding failed")
+                if ev.embedding is not None:
+                    out.append(ev.embedding)
+        if len(out) < len(prompts):
+            raise RuntimeError("an embedding was cancelled")
+        return out
+    finally:
+        for handle in handles:
+            handle.cancel()  # a no-op once finished
+
+
+class StepTimer:
+    """A step's device time. On a GPU, CUDA events around the step's forward (its inputs already built), read
+    after sampling has copied the tokens to the host (which waits for those kernels anyway), so timing adds no
+    synchronisation of its own; only a step that samples nothing (a prompt chunk) waits for its end event. On the
+    CPU, the wall clock of the whole step."""
+
+    def __init__(self, device: torch.device):
+        self.events = None
+        if device.type == "cuda":
+            self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+
+    def start(self) -> None:
+        if self.events:
+            self.events[0].record()
+
+    def stop(self) -> None:
+        if self.events:
+            self.events[1].record()
+
+    def seconds(self, wall: float) -> float:
+        if not self.events:
+            return wall
+        start, end = self.events
+        if not end.query():
+            end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+
+def slot_of(pages: list[int], pos: int, page_size: int) -> int:
+    """Where position pos of a sequence with these pages keeps its key and value: page * page_size + offset."""
+    return pages[pos // page_size] * page_size + pos % page_size
+
+
+def phase_of(work: list[Work]) -> str:
+    decode = [w.n == 1 and w.start >= len(w.seq.prompt) for w in work]
+    return "decode" if all(decode) else "prefill" if not any(decode) else "mixed"
+

@@ -1,0 +1,1 @@
+"""The KV cache's bookkeeping: pages, their reference counts and the prefix cache."""

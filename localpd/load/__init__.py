@@ -1,0 +1,1 @@
+"""Weights in: the model registry, GGUF and safetensors files, synthetic models."""

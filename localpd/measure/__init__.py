@@ -1,0 +1,1 @@
+"""Measurement: bandwidth and FLOP ceilings, a step's bytes, benchmarks, perplexity."""

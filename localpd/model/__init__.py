@@ -1,0 +1,1 @@
+"""The transformer: its configuration, layers and forward pass."""

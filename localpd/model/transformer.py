@@ -1,0 +1,381 @@
+"""The Llama-family transformer (Llama 2/3, SmolLM 1-3, Mistral, Qwen2, Qwen3, Phi-3/4, Gemma 3) with separate
+prefill and decode paths.
+
+Weights arrive as a flat dict with HF-style names (see localpd.load.loader). One forward call runs an engine step: any
+mix of prompt chunks (attending causally to their cached prefix plus themselves) and single decode tokens of
+several sequences, whose keys and values live in a paged KV cache.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+from localpd.model.config import ModelConfig
+from localpd.errors import LocalpdError
+from localpd.kernels import cpu
+from localpd.kernels.dispatch import (PreNorm, linear_bnb_int8, linear_bnb_nf4, linear_int4, linear_int8,
+                                      use_triton)
+from localpd.kernels.fused_dispatch import act_mul, add_rms_norm, qk_norm
+from localpd.kernels.kv_dispatch import paged_attention, rope_write_kv, rope_write_kv_ref
+from localpd.quant.bnb import BnbInt8Weight, Nf4Weight
+from localpd.quant.kv import KVPool
+from localpd.quant.weights import Int4Weight, Int8Weight, Weight, cat_rows, take_rows, weight_nbytes
+
+
+class QuantLinear:
+    """y = x @ W.T (+ b) for a dense, int8, int4 or bitsandbytes weight: the one place model code touches a weight
+    matrix, so the model never branches on the format."""
+
+    def __init__(self, weight: Weight, bias: torch.Tensor | None = None):
+        self.weight = weight
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if isinstance(w, Int4Weight):
+            return linear_int4(x, w, self.bias)
+        if isinstance(w, Int8Weight):
+            return linear_int8(x, w, self.bias)
+        if isinstance(w, Nf4Weight):
+            return linear_bnb_nf4(x, w, self.bias)
+        if isinstance(w, BnbInt8Weight):
+            return linear_bnb_int8(x, w, self.bias)
+        return F.linear(x, w, self.bias)
+
+    def gated(self, gate_up: torch.Tensor, act: str = "silu") -> torch.Tensor:
+        """self(act(gate) * up) for gate_up = [gate | up]: the int4/int8 GEMVs compute the activation as they
+        load it, so a decode step launches no kernel of its own for it."""
+        w = self.weight
+        if isinstance(w, Int4Weight):
+            return linear_int4(gate_up, w, self.bias, gated=act)
+        if isinstance(w, Int8Weight):
+            return linear_int8(gate_up, w, self.bias, gated=act)
+        return self(act_mul(gate_up, act))
+
+    def normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+               eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(RMSNorm(s) * norm_weight), s) for s = x + residual (x without one): the int4/int8 GEMVs
+        normalise their input as they load it, so a decode step launches no norm kernel of its own."""
+        w, norm = self.weight, PreNorm(residual, norm_weight, eps)
+        if isinstance(w, Int4Weight):
+            return linear_int4(x, w, self.bias, norm=norm)
+        if isinstance(w, Int8Weight):
+            return linear_int8(x, w, self.bias, norm=norm)
+        return normed_separately(self, x, residual, norm_weight, eps)
+
+    @property
+    def nbytes(self) -> int:
+        return weight_nbytes(self.weight) + (0 if self.bias is None else weight_nbytes(self.bias))
+
+    @property
+    def params(self) -> int:
+        n, k = self.weight.shape
+        return n * k
+
+
+class StackedLinear:
+    """Projections of one input whose weights cannot share one matrix (different formats): outputs concatenated."""
+
+    def __init__(self, parts: list[QuantLinear]):
+        self.parts = parts
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+    def normed(self, x, residual, norm_weight, eps):
+        return normed_separately(self, x, residual, norm_weight, eps)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    @property
+    def params(self) -> int:
+        return sum(p.params for p in self.parts)
+
+
+def normed_separately(linear, x, residual, norm_weight, eps):
+    """QuantLinear.normed with the residual add and RMSNorm in a kernel of their own (add_rms_norm)."""
+    h, s = add_rms_norm(x, residual, norm_weight, eps)
+    return linear(h), s
+
+
+def fuse(parts: list[QuantLinear]) -> QuantLinear | StackedLinear:
+    """One matrix for projections that read the same input (q/k/v, gate/up): one launch instead of several."""
+    weights = [p.weight for p in parts]
+    kinds = {(type(w), getattr(w, "group", None), getattr(w, "dtype", None)) for w in weights}
+    if len(kinds) > 1:
+        return StackedLinear(parts)
+    biases = [p.bias for p in parts]
+    bias = None if any(b is None for b in biases) else torch.cat(biases)
+    return QuantLinear(cat_rows(weights), bias)
+
+
+@dataclass
+class Layer:
+    attn_norm: torch.Tensor
+    qkv: QuantLinear | StackedLinear  # q, k and v stacked along the output dimension
+    o: QuantLinear
+    mlp_norm: torch.Tensor
+    gate_up: QuantLinear | StackedLinear  # gate and up stacked along the output dimension
+    down: QuantLinear
+    q_norm: torch.Tensor | None = None  # Qwen3: RMSNorm weights [head_dim] of each query and key head
+    k_norm: torch.Tensor | None = None
+    attn_out_norm: torch.Tensor | None = None  # Gemma: RMSNorm weights of the attention's and the MLP's outputs
+    mlp_out_norm: torch.Tensor | None = None
+
+
+@dataclass
+class Batch:
+    """One engine step: the new tokens of several sequences, concatenated, and where their keys and values go.
+
+    Sequence b owns rows q_starts[b]:q_starts[b + 1]; its keys are positions 0 .. seq_lens[b] - 1, at page
+    page_table[b, pos // page_size]. slots[i] = page * page_size + offset is where token i's K/V are written.
+    logit_rows: the rows whose next-token logits are wanted. stage_slots[i] = r * page_size + offset, r the
+    sequence's row in the KV pool's stage (per-page KV formats keep the open page there as computed; quant.kv);
+    without them such pages are re-quantized from their codes."""
+
+    tokens: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slots: torch.Tensor  # [T] int64
+    page_table: torch.Tensor  # [B, max_pages] int32
+    seq_lens: torch.Tensor  # [B] int32
+    q_starts: torch.Tensor  # [B + 1] int32
+    logit_rows: torch.Tensor  # [R] int64
+    stage_slots: torch.Tensor | None = None  # [T] int64
+
+    @classmethod
+    def single(cls, tokens: list[int], start: int, n_pages: int, page_size: int, device, all_logits: bool = False):
+        """One sequence whose pages are 0 .. n_pages - 1 in order (position p at slot p), stage row 0: perplexity,
+        tests."""
+        n = len(tokens)
+        positions = torch.arange(start, start + n, device=device)
+        rows = torch.arange(n, device=device) if all_logits else torch.tensor([n - 1], device=device)
+        return cls(torch.tensor(tokens, device=device), positions, positions.clone(),
+                   torch.arange(n_pages, dtype=torch.int32, device=device)[None],
+                   torch.tensor([start + n], dtype=torch.int32, device=device),
+                   torch.tensor([0, n], dtype=torch.int32, device=device), rows, positions % page_size)
+
+
+def head_cols(config: ModelConfig) -> torch.Tensor:
+    """Where each projected q/k/v column goes in the padded heads (loader.pad_heads): each half of a head of
+    proj_head_dim to the front of the same half of a head of head_dim."""
+    p, d = config.proj_head_dim, config.head_dim
+    head = torch.cat([torch.arange(p // 2), d // 2 + torch.arange(p // 2)])
+    heads = config.n_heads + 2 * config.n_kv_heads
+    return (torch.arange(heads)[:, None] * d + head).flatten()
+
+
+def rope_tables(config: ModelConfig, rope_freqs: torch.Tensor | None = None,
+                context: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """RoPE's inverse frequencies for the head_dim / 2 pairs the kernels rotate, and the factor cos and sin are
+    scaled by (None: 1). Llama 3.1 scaling where configured; LongRoPE (Phi) with its long factors where the
+    context runs past the original one (as llama.cpp decides, once for the whole cache) and its attention factor.
+    A partially rotated head (rotary_dim < head_dim; the loader has put its unrotated dims at the end of each half,
+    localpd.load.loader.rotary_rows) gets frequency 0 and factor 1 there: those pairs turn by angle 0."""
+    hd = config.head_dim
+    rd = config.rotary_dim or hd
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, rd, 2, dtype=torch.float64) / rd))
+    s = config.rope_scaling or {}
+    attention = None
+    if rope_freqs is not None:  # GGUF stores Llama 3.1's scaling as per-frequency divisors
+        inv = inv / rope_freqs.double()
+    elif s.get("type") == "linear":
+        inv = inv / s["factor"]
+    elif s.get("type") == "longrope":
+        long = (context or config.max_context) > s["original_max_position_embeddings"]
+        factors = s["long_factor" if long else "short_factor"]
+        if len(factors) != rd // 2:
+            raise LocalpdError(f"LongRoPE needs {rd // 2} factors (one per rotated pair), the model gives {len(factors)}")
+        inv = inv / torch.tensor(factors, dtype=torch.float64)
+        attention = s["attention_factor"]
+    elif s:
+        factor, low, high = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+        old_ctx = s.get("original_max_position_embeddings", 8192)
+        wavelen = 2 * math.pi / inv
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+        inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    pad = torch.zeros((hd - rd) // 2, dtype=torch.float64)
+    scale = None
+    if attention is not None and attention != 1.0:
+        scale = torch.cat((torch.full((rd // 2,), attention, dtype=torch.float64), pad + 1)).float()
+    return torch.cat((inv, pad)).float(), scale
+
+
+class Transformer:
+    # False runs the steps between the matmuls as kernels of their own (RMSNorm, SiLU * mul, RoPE, the K and V
+    # writes), as before the fusions: for measuring what the fusions save (scripts/bench_decode_peers.py)
+    fused = True
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], context: int | None = None):
+        """context: the longest sequence the caller will run (LongRoPE picks its factors by it; default: the
+        model's own maximum)."""
+        self.config = config
+        w = dict(weights)
+
+        def take(name: str) -> torch.Tensor:
+            if name not in w:
+                raise LocalpdError(f"model weights lack tensor '{name}'")
+            return w.pop(name)
+
+        def linear(name: str) -> QuantLinear:
+            return QuantLinear(take(name), w.pop(name + ".bias", None))
+
+        self.embed = take("embed_tokens")
+        self.layers = [
+            Layer(
+                attn_norm=take(f"layers.{i}.input_layernorm"),
+                qkv=fuse([linear(f"layers.{i}.{n}_proj") for n in "qkv"]),
+                o=linear(f"layers.{i}.o_proj"),
+                mlp_norm=take(f"layers.{i}.post_attention_layernorm"),
+                gate_up=fuse([linear(f"layers.{i}.gate_proj"), linear(f"layers.{i}.up_proj")]),
+                down=linear(f"layers.{i}.down_proj"),
+                q_norm=take(f"layers.{i}.q_norm") if config.qk_norm else None,
+                k_norm=take(f"layers.{i}.k_norm") if config.qk_norm else None,
+                attn_out_norm=take(f"layers.{i}.attn_out_norm") if config.sandwich_norms else None,
+                mlp_out_norm=take(f"layers.{i}.mlp_out_norm") if config.sandwich_norms else None,
+            )
+            for i in range(config.n_layers)
+        ]
+        self.norm = take("norm")
+        self.lm_head = QuantLinear(self.embed) if config.tie_embeddings else linear("lm_head")
+        self.dtype = self.norm.dtype
+        self.device = self.norm.device
+        inv_freq, rope_scale = rope_tables(config, w.pop("rope_freqs", None), context)
+        self.inv_freq = inv_freq.to(self.device)
+        self.rope_scale = None if rope_scale is None else rope_scale.to(self.device)
+        self.local_inv_freq = None  # the sliding-window layers' own RoPE base (Gemma 3)
+        if config.swa_layers and config.rope_local_theta:
+            local = replace(config, rope_theta=config.rope_local_theta, rope_scaling=None)
+            self.local_inv_freq = rope_tables(local)[0].to(self.device)
+        self.head_cols = head_cols(config).to(self.device) if config.proj_head_dim else None
+
+    def _rope(self, positions: torch.Tensor, inv_freq: torch.Tensor, scale: torch.Tensor | None = None):
+        angles = torch.outer(positions.float(), inv_freq)
+        if scale is None:
+            return angles.cos(), angles.sin()
+        return angles.cos() * scale, angles.sin() * scale
+
+    @torch.inference_mode()
+    def forward(self, batch: Batch, kv: KVPool, hidden: bool = False, logits: bool = True):
+        """Run a step's tokens, writing their keys and values into the paged cache; returns the float32 logits
+        of batch.logit_rows ([R, vocab]), and with hidden (logits, their last hidden states with the final norm
+        applied ([R, dim], float32: what an embedding pools)), the logits None without logits (a step of
+        embeddings alone does not run the output head). x is the residual stream and out the last sublayer's
+        output, not yet added to it: each projection after a norm adds it and normalises (QuantLinear.normed)."""
+        c = self.config
+        T = batch.tokens.shape[0]
+        rope = self._rope(batch.positions, self.inv_freq, self.rope_scale)
+        # a layer without RoPE (SmolLM3's every 4th) rotates by angle 0: cos 1 and sin 0 leave q and k as they are
+        nope, swa = set(c.nope_layers), set(c.swa_layers)
+        still = (torch.ones_like(rope[0]), torch.zeros_like(rope[1])) if nope else None
+        local = rope if self.local_inv_freq is None else self._rope(batch.positions, self.local_inv_freq)
+        scale = c.attn_scale or 1.0 / math.sqrt(c.proj_head_dim or c.head_dim)
+        heads = c.n_heads + 2 * c.n_kv_heads
+        if self.fused:
+            normed, write = (lambda lin, *a: lin.normed(*a)), rope_write_kv
+            gated = lambda lin, gu: lin.gated(gu, c.act)  # noqa: E731
+        else:
+            normed, gated, write = normed_separately, (lambda lin, gu: lin(act_mul(gu, c.act))), rope_write_kv_ref
+        out, x = take_rows(self.embed, batch.tokens, self.dtype), None
+        if c.embed_scale != 1.0:
+            out = out * c.embed_scale
+        plans = self._cpu_layer_plans(kv, T) if self.fused else None
+        if plans is not None:  # each layer in one call of localpd's CPU kernels
+            out, x = self._cpu_layers(plans, batch, kv, out, rope, local, still, scale)
+        for li, layer in enumerate(self.layers if plans is None else []):
+            pages = kv.layer(li)
+            qkv, x = normed(layer.qkv, out, x, layer.attn_norm, c.norm_eps)
+            if self.head_cols is not None:  # projected heads into the wider ones the attention takes
+                qkv = qkv.new_zeros(T, heads * c.head_dim).index_copy_(1, self.head_cols, qkv)
+            if layer.q_norm is not None:
+                qk_norm(qkv, layer.q_norm, layer.k_norm, c.n_heads, c.n_kv_heads, c.norm_eps)
+            rot_cos, rot_sin = still if li in nope else local if li in swa else rope
+            q = write(qkv, rot_cos, rot_sin, pages, batch.slots, c.n_heads, c.n_kv_heads, batch.stage_slots)
+            attn = paged_attention(q, pages, batch.page_table, batch.seq_lens, batch.q_starts, scale,
+                                   c.sliding_window if li in swa else 0)
+            attn = attn.reshape(T, c.n_heads * c.head_dim)
+            if self.head_cols is not None:
+                attn = attn[:, self.head_cols[:c.n_heads * c.proj_head_dim]]
+            out = layer.o(attn)
+            if layer.attn_out_norm is not None:
+                out = add_rms_norm(out, None, layer.attn_out_norm, c.norm_eps)[0]
+            gate_up, x = normed(layer.gate_up, out, x, layer.mlp_norm, c.norm_eps)
+            out = gated(layer.down, gate_up)
+            if layer.mlp_out_norm is not None:
+                out = add_rms_norm(out, None, layer.mlp_out_norm, c.norm_eps)[0]
+        rows = batch.logit_rows
+        scores = normed(self.lm_head, out[rows], x[rows], self.norm, c.norm_eps)[0].float() if logits else None
+        if hidden:
+            return scores, add_rms_norm(out[rows], x[rows], self.norm, c.norm_eps)[0].float()
+        return scores
+
+    def _cpu_layer_plans(self, kv: KVPool, T: int) -> list | None:
+        """Every layer's cpu.LayerPlan where one call of the CPU kernels can run each layer of this step (fp32 rows on
+        the CPU, few enough for their int8 dot products, fp32 pages, the plain Llama layer with int4/int8 weights);
+        else None, and the layers run op by op."""
+        c = self.config
+        if (self.device.type != "cpu" or self.dtype != torch.float32 or T >= cpu.GEMM_ROWS or use_triton(kv.k)
+                or kv.k.dtype != torch.float32 or kv.v.dtype != torch.float32 or kv.has_stage or cpu.library() is None):
+            return None
+        if not hasattr(self, "_cpu_plans"):
+            plain = self.head_cols is None and not c.qk_norm and not c.sandwich_norms
+            plans = [cpu.layer_plan([L.qkv, L.o, L.gate_up, L.down], L.attn_norm, L.mlp_norm, c.n_heads,
+                                    c.n_kv_heads, c.head_dim, c.act, c.norm_eps) if plain else None
+                     for L in self.layers]
+            self._cpu_plans = None if None in plans else plans
+        return self._cpu_plans
+
+    def _cpu_layers(self, plans: list, batch: Batch, kv: KVPool, out: torch.Tensor, rope, local, still,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward's layer loop as one cpu.decode_layer call a layer (the same kernels in the same order): the last
+        layer's output and the residual stream."""
+        c = self.config
+        T = out.shape[0]
+        nope, swa = set(c.nope_layers), set(c.swa_layers)
+        out = out.contiguous()
+        x = torch.empty_like(out)
+        scratch = (out.new_empty(T, (c.n_heads + 2 * c.n_kv_heads) * c.head_dim),
+                   out.new_empty(T, c.n_heads * c.head_dim), out.new_empty(T, plans[0].gate_up.N))
+        slots, lens, starts = batch.slots.contiguous(), batch.seq_lens.contiguous(), batch.q_starts.contiguous()
+        table = batch.page_table.contiguous()
+        for li in range(len(plans)):
+            rot_cos, rot_sin = still if li in nope else local if li in swa else rope
+            cpu.decode_layer(plans[li], out, x, li > 0, scratch, rot_cos, rot_sin, kv.k[li], kv.v[li], kv.page_size,
+                             slots, table, lens, starts, scale, c.sliding_window if li in swa else 0)
+        return out, x
+
+    def _body(self):
+        linears = [l for L in self.layers for l in (L.qkv, L.o, L.gate_up, L.down)]
+        norms = [self.norm] + [t for L in self.layers
+                               for t in (L.attn_norm, L.mlp_norm, L.q_norm, L.k_norm, L.attn_out_norm, L.mlp_out_norm)
+                               if t is not None]
+        return linears, norms
+
+    @functools.cached_property  # the weights are fixed once loaded; every step's cost reads it
+    def body_bytes(self) -> int:
+        """Bytes every step reads whatever its size: all layers' matrices and norms (not the embedding or head)."""
+        linears, norms = self._body()
+        return sum(l.nbytes for l in linears) + sum(weight_nbytes(t) for t in norms)
+
+    @functools.cached_property  # the weights are fixed once loaded; every step's cost reads it
+    def body_params(self) -> int:
+        return sum(l.params for l in self._body()[0])
+
+    @functools.cached_property  # the weights are fixed once loaded; every step's cost reads it
+    def embed_row_bytes(self) -> int:
+        """Bytes of one token's embedding row (scales included for a quantized embedding)."""
+        return weight_nbytes(self.embed) // self.config.vocab_size
+
+    @functools.cached_property  # the weights are fixed once loaded; every step's cost reads it
+    def weight_bytes(self) -> int:
+        """The bytes of one decode step's weights: the body, the output head and one embedding row."""
+        return self.body_bytes + self.lm_head.nbytes + self.embed_row_bytes

@@ -1,0 +1,1 @@
+"""Text <-> token ids: the tokenizer, chat templates, stop strings."""
