@@ -509,10 +509,9 @@ def run_tui(args) -> int:
     params = params_from_args(args)
 
     def load(name: str | None) -> Engine:
-        from localpd.cli.chat import default_model
+        from localpd.cli.engine_args import CHAT_CONTEXT, engine_from_args
 
-        return Engine(name or default_model(), device=args.device, quant=args.quant, kv=args.kv,
-                      max_context=args.ctx or 8192, kv_memory=args.kv_memory)
+        return engine_from_args(args, name, default_ctx=CHAT_CONTEXT)
 
     LocalpdApp(load, Path(cache_dir()) / "conversations.db", args.model, params, args.system or "").run()
     return 0

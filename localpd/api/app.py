@@ -662,12 +662,10 @@ def log_unknown(body: Sampling) -> None:
 def serve(args) -> int:
     import uvicorn
 
-    from localpd.cli.chat import default_model
+    from localpd.cli.engine_args import engine_from_args
 
     def load() -> Engine:
-        engine = Engine(args.model or default_model(), device=args.device, quant=args.quant, kv=args.kv,
-                        max_context=args.ctx, kv_memory=args.kv_memory, max_step_tokens=args.step_tokens,
-                        max_running=args.max_running)
+        engine = engine_from_args(args, max_step_tokens=args.step_tokens, max_running=args.max_running)
         for note in engine.notes:
             log.info(note)
         return engine

@@ -8,6 +8,7 @@ import os
 import sys
 from dataclasses import replace
 
+from localpd.cli.engine_args import CHAT_CONTEXT, engine_from_args
 from localpd.text.chat_template import think_vars
 from localpd.measure.device import DeviceInfo, cache_note, device_info
 from localpd.engine import Engine
@@ -127,8 +128,7 @@ def run_chat(args) -> int:
             raise LocalpdError("no prompt: stdin was empty")
     if interactive:
         print(f"loading {args.model or 'the default model'} ...", file=sys.stderr)
-    engine = Engine(args.model or default_model(), device=args.device, quant=args.quant, kv=args.kv,
-                    max_context=args.ctx or 8192, kv_memory=args.kv_memory, progress=True)
+    engine = engine_from_args(args, default_ctx=CHAT_CONTEXT, progress=True)
     try:
         chat = Chat(engine, params, args.system, verbose=args.verbose, think=args.think)
         if interactive or args.verbose:
@@ -142,12 +142,6 @@ def run_chat(args) -> int:
         return 0
     finally:
         engine.close()  # the engine thread must not be mid-step while the interpreter shuts down
-
-
-def default_model() -> str:
-    from localpd.load.registry import load_registry
-
-    return load_registry()[0]
 
 
 class Chat:

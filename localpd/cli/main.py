@@ -281,14 +281,13 @@ def embed_texts(args) -> int:
     import asyncio
     import json
 
-    from localpd.engine import Engine
+    from localpd.cli.engine_args import engine_from_args
     from localpd.engine.engine import embeddings
 
     texts = args.texts or [line.rstrip("\n") for line in sys.stdin]
     if not texts or any(not t.strip() for t in texts):
         raise LocalpdError("nothing to embed: give non-empty texts, as arguments or one a line on stdin")
-    engine = Engine(args.model, device=args.device, quant=args.quant, kv=args.kv, max_context=args.ctx,
-                    kv_memory=args.kv_memory)
+    engine = engine_from_args(args)
     try:
         ids = [engine.tokenizer.encode(t) for t in texts]
         longest = max(range(len(ids)), key=lambda i: len(ids[i]))
@@ -305,7 +304,7 @@ def embed_texts(args) -> int:
 def eval_perplexity(args) -> int:
     from pathlib import Path
 
-    from localpd.engine import Engine
+    from localpd.cli.engine_args import engine_from_args
     from localpd.measure.perplexity import perplexity
 
     path = Path(args.text)
@@ -313,8 +312,7 @@ def eval_perplexity(args) -> int:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise LocalpdError(f"cannot read text file {path}: {e}") from None
-    engine = Engine(args.model, device=args.device, quant=args.quant, kv=args.kv, max_context=args.ctx,
-                    kv_memory=args.kv_memory)
+    engine = engine_from_args(args)
     for note in engine.notes:
         print(note, file=sys.stderr)
     ids = engine.tokenizer.encode(text)[: args.max_tokens]

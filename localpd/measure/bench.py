@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from localpd.cli.engine_args import engine_from_args
 from localpd.measure.device import DeviceInfo, cache_note, describe, device_info
 from localpd.engine import Engine
 from localpd.engine.engine import StepStats
@@ -184,8 +185,8 @@ def run(args) -> int:
         return 0
     longest = max(prompts) + args.gen_len + 1
     context = max(longest, 256)
-    engine = Engine(name, device=str(device), quant=args.quant, kv=args.kv, max_context=context,
-                    kv_memory=args.kv_memory, kv_tokens=None if device.type == "cuda" else max(batches) * context)
+    engine = engine_from_args(args, name, device=str(device), max_context=context,
+                              kv_tokens=None if device.type == "cuda" else max(batches) * context)
     info = device_info(engine.device)
     print(f"# {engine.name} | weights {engine.quant} ({engine.model.weight_bytes / 2**20:.0f} MiB per decode step) | "
           f"kv {engine.kv_dtype} | {describe(info)}")

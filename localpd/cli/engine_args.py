@@ -1,0 +1,23 @@
+"""The one place an Engine is built from the command line's model options (cli.main.add_model_options), for chat,
+the TUI, serve, bench, embed and perplexity."""
+
+from __future__ import annotations
+
+from localpd.engine import Engine
+
+CHAT_CONTEXT = 8192  # --ctx's default in chat and the TUI: the model's own context, at most this many tokens
+
+
+def default_model() -> str:
+    from localpd.load.registry import load_registry
+
+    return load_registry()[0]
+
+
+def engine_from_args(args, model: str | None = None, default_ctx: int | None = None, **options) -> Engine:
+    """The Engine that --device, --quant, --kv, --ctx (default_ctx where it is not given) and --kv-memory ask for,
+    of model (by default the command's MODEL, else the registry's default). options: the command's own Engine
+    arguments (progress, max_running, ...), which also override the ones above."""
+    kw = dict(device=args.device, quant=args.quant, kv=args.kv, max_context=args.ctx or default_ctx,
+              kv_memory=args.kv_memory)
+    return Engine(model or args.model or default_model(), **{**kw, **options})
