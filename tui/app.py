@@ -22,7 +22,7 @@ from textual.widgets.option_list import Option
 from localpd.text.chat_template import think_vars
 from localpd.measure.device import device_info
 from localpd.engine import Engine
-from localpd.engine.engine import RequestHandle
+from localpd.engine.requests import RequestHandle
 from localpd.errors import LocalpdError
 from localpd.constrain.reasoning import CLOSE as THINK_CLOSE
 from localpd.constrain.reasoning import OPEN as THINK_OPEN

@@ -12,7 +12,7 @@ from textual.widgets import Sparkline, Static
 
 from localpd.measure.device import DeviceInfo, fits_in_cache
 from localpd.engine import Engine
-from localpd.engine.engine import RequestHandle, TokenEvent
+from localpd.engine.requests import RequestHandle, TokenEvent
 from localpd.measure.roofline import decode_ceiling_tps, utilisation
 
 

@@ -27,7 +27,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from localpd.text.chat_template import check_template_vars
 from localpd.measure.device import device_info
 from localpd.engine import Engine
-from localpd.engine.engine import MAX_EMBED_INPUTS, RequestHandle, TokenEvent, embeddings
+from localpd.engine.engine import MAX_EMBED_INPUTS, embeddings
+from localpd.engine.requests import RequestHandle, TokenEvent
 from localpd.errors import LocalpdError
 from localpd.measure.roofline import decode_ceiling_tps, utilisation
 from localpd.api.ollama import OllamaError, ollama_router

@@ -26,7 +26,8 @@ from pydantic import BaseModel, ConfigDict
 
 from localpd import __version__
 from localpd.engine import Engine
-from localpd.engine.engine import MAX_EMBED_INPUTS, RequestHandle, embeddings
+from localpd.engine.engine import MAX_EMBED_INPUTS, embeddings
+from localpd.engine.requests import RequestHandle
 from localpd.errors import LocalpdError
 from localpd.constrain.reasoning import ThinkSplit, reply_split
 from localpd.engine.sampling import SamplingParams

@@ -12,7 +12,7 @@ from localpd.cli.engine_args import CHAT_CONTEXT, engine_from_args
 from localpd.text.chat_template import think_vars
 from localpd.measure.device import DeviceInfo, cache_note, device_info
 from localpd.engine import Engine
-from localpd.engine.engine import GenerationStats
+from localpd.engine.requests import GenerationStats
 from localpd.errors import LocalpdError
 from localpd.constrain.pattern import choice_pattern
 from localpd.constrain.reasoning import reply_split

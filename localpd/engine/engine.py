@@ -12,33 +12,32 @@ import atexit
 import itertools
 import logging
 import threading
-import time
 import weakref
 from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator, Iterator
+from typing import Iterator
 
 import torch
-import torch.nn.functional as F
 
-from localpd.errors import LocalpdError
 from localpd.constrain.json_mode import JsonConstraint
 from localpd.constrain.pattern import PatternConstraint
+from localpd.constrain.reasoning import ThinkFirst, reply_split
+from localpd.constrain.tools import check_tools
+from localpd.engine.output import OutputProcessor
+from localpd.engine.requests import EngineStats, Request, RequestHandle, TokenEvent
+from localpd.engine.runner import ModelRunner
+from localpd.engine.sampling import Sampler, SamplingParams
+from localpd.engine.scheduler import MAX_RUNNING, MAX_STEP_TOKENS, Scheduler, Sequence
+from localpd.errors import LocalpdError
 from localpd.kvcache.pages import PagePool
 from localpd.load.loader import LoadedModel, load_model
-from localpd.model.transformer import Batch, Transformer
-from localpd.quant.kv import KVTraffic, check_kv_dtype, new_kv_pool, same_kv
-from localpd.quant.store import is_quantized_dir
-from localpd.constrain.reasoning import ThinkFirst, reply_split
 from localpd.load.registry import resolve_model
-from localpd.measure.roofline import step_cost
-from localpd.engine.sampling import Sampler, SamplingParams
-from localpd.engine.scheduler import MAX_RUNNING, MAX_STEP_TOKENS, Scheduler, Sequence, Work
+from localpd.model.transformer import Transformer
+from localpd.quant.kv import KVTraffic, check_kv_dtype, new_kv_pool, same_kv
 from localpd.quant.schemes import check_scheme, compute_dtype, default_scheme, group_notes
+from localpd.quant.store import is_quantized_dir
 from localpd.text.stops import StopMatcher
 from localpd.text.tokenizer import IncrementalDetokenizer, Tokenizer
-from localpd.constrain.tools import check_tools
 
 log = logging.getLogger("localpd.engine.engine")
 
@@ -54,153 +53,6 @@ def _close_open_engines() -> None:
     current step."""
     for engine in list(_open_engines):
         engine.close()
-
-
-@dataclass
-class StepStats:
-    phase: str  # "prefill", "decode" or "mixed"
-    tokens: int  # tokens this step pushed through the model, all sequences together
-    seconds: float  # the step's time on the device: CUDA events on a GPU, the wall clock on the CPU
-    batch: int = 1  # sequences in the step
-    bytes: int = 0  # weight and KV bytes the step moved (localpd.measure.roofline.step_cost)
-    flops: int = 0
-    wall_seconds: float = 0.0  # the step on the host's clock, Python and sampling included
-
-
-@dataclass
-class TokenEvent:
-    token_id: int | None  # None on a final event that carries no new token
-    text: str  # the new text, UTF-8 safe, stop strings removed
-    finish_reason: str | None = None  # None while running; "stop", "length", "cancelled" or "error"
-    stats: StepStats | None = None
-    logprob: float | None = None  # of the chosen token, when SamplingParams.logprobs is set
-    top_logprobs: list[tuple[int, float]] | None = None
-    error: str | None = None
-    embedding: list[float] | None = None  # an embedding request's one (final) event: its vector (Engine.embed)
-
-
-@dataclass
-class GenerationStats:
-    prompt_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens served by the prefix cache
-    prefill_seconds: float = 0.0  # from submission to the first token (queueing included)
-    output_tokens: int = 0
-    decode_seconds: float = 0.0  # from the first token to the last
-    decode_step_seconds: float = 0.0  # time of the steps that produced tokens 2..n
-    decode_bytes: int = 0  # bytes those steps moved
-    bytes_moved: int = 0  # bytes of every step this request took part in
-    finish_reason: str | None = None
-
-    @property
-    def ttft(self) -> float:
-        return self.prefill_seconds
-
-    @property
-    def prefill_tps(self) -> float:
-        n = self.prompt_tokens - self.cached_tokens
-        return n / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
-
-    @property
-    def decode_tps(self) -> float:
-        n = self.output_tokens - 1  # the first token comes out of prefill
-        return n / self.decode_seconds if self.decode_seconds > 0 and n > 0 else 0.0
-
-
-@dataclass
-class EngineStats:
-    running: int
-    waiting: int
-    kv_pages_used: int
-    kv_pages_total: int
-    kv_pages_cached: int  # pages holding prefix-cache entries (referenced or not)
-    kv_dtype: str
-    page_size: int
-    prefix_hit_tokens: int
-    prefix_query_tokens: int
-    preemptions: int
-    weight_bytes: int
-    max_running: int
-
-
-class RequestHandle:
-    """One request's event stream, readable from a thread (iterate) or from asyncio (async for)."""
-
-    def __init__(self, request_id: str, prompt_tokens: int, engine: Engine):
-        self.id = request_id
-        self.prompt_tokens = prompt_tokens
-        self.stats = GenerationStats(prompt_tokens=prompt_tokens)
-        self.finished = False
-        self._engine = engine
-        self._lock = threading.Lock()
-        self._ready = threading.Condition(self._lock)
-        self._events: deque[TokenEvent] = deque()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._aqueue: asyncio.Queue | None = None
-
-    def cancel(self) -> None:
-        """Stop the request; its pages are released at the engine's next step. Safe from any thread."""
-        if not self.finished:
-            self._engine._cancel(self)
-
-    def _push(self, event: TokenEvent) -> None:
-        with self._lock:
-            if event.finish_reason is not None:
-                self.finished = True
-            if self._loop is None:
-                self._events.append(event)
-                self._ready.notify_all()
-                return
-            try:
-                self._loop.call_soon_threadsafe(self._aqueue.put_nowait, event)
-            except RuntimeError:  # the listener's event loop is gone
-                pass
-
-    def __iter__(self) -> Iterator[TokenEvent]:
-        done = False
-        try:
-            while not done:
-                with self._lock:
-                    while not self._events:
-                        self._ready.wait()
-                    event = self._events.popleft()
-                done = event.finish_reason is not None
-                yield event
-        finally:
-            if not done:  # the consumer walked away: free the request's pages
-                self.cancel()
-
-    def __aiter__(self) -> AsyncIterator[TokenEvent]:
-        return self._aiter()
-
-    async def _aiter(self) -> AsyncIterator[TokenEvent]:
-        with self._lock:
-            self._loop = asyncio.get_running_loop()
-            self._aqueue = asyncio.Queue()
-            while self._events:
-                self._aqueue.put_nowait(self._events.popleft())
-        done = False
-        try:
-            while not done:
-                event = await self._aqueue.get()
-                done = event.finish_reason is not None
-                yield event
-        finally:
-            if not done:
-                self.cancel()
-
-
-@dataclass(eq=False)
-class Request:
-    seq: Sequence
-    handle: RequestHandle
-    params: SamplingParams
-    sampler: Sampler
-    detok: IncrementalDetokenizer | None
-    stops: StopMatcher
-    eos: set[int]
-    arrival: float = field(default_factory=time.perf_counter)
-    first_token_at: float | None = None
-    embed: bool = False  # ends after its prompt with the last position's hidden state instead of a token
 
 
 def default_device() -> str:
@@ -275,6 +127,8 @@ class Engine:
                                        max_running, min(max_running, 64))
         self.pages = PagePool(n_pages, PAGE_SIZE, salt=f"{self.name}|{self.quant}|{self.kv_dtype}")
         self.scheduler = Scheduler(self.pages, max_step_tokens, max_running)
+        self.runner = ModelRunner(self.model, self.kv, self.kv_traffic, self.scheduler, self.graphs, self.device)
+        self.output = OutputProcessor(self._finish)
         self._requests: dict[Sequence, Request] = {}
         self._inbox: deque[Request] = deque()
         self._cancels: set[RequestHandle] = set()
@@ -482,141 +336,26 @@ class Engine:
         req.handle._push(event)
 
     def _step(self) -> None:
+        """One step: the scheduler picks the work, the model runner computes it and samples, the output processor
+        turns the samples into events."""
         work = self.scheduler.step()
         if not work:
             if self.scheduler.waiting and not self.scheduler.running:  # the head cannot fit even alone
                 req = self._requests[self.scheduler.waiting[0]]
                 if req.seq.output:
-                    self._finish(req, TokenEvent(None, self._flush(req), "length"))
+                    self._finish(req, TokenEvent(None, self.output.flush(req), "length"))
                 else:
                     self._finish(req, TokenEvent(None, "", "error", error="the prompt does not fit in the KV cache"))
             return
-        t0 = time.perf_counter()
-        timer = StepTimer(self.device)
         try:
-            samples = [w for w in work if w.sample]
-            embeds = [self._requests[w.seq].embed for w in samples]  # rows that end in a vector, not a token
-            logits, hidden = None, None
-            if self.graphs is not None and all(w.n == 1 and w.sample for w in work) and not any(embeds):
-                inputs = self._decode_inputs(work)
-                timer.start()
-                logits = self.graphs.run(*inputs)
-            if logits is None:
-                batch = self._batch(work)
-                timer.start()
-                if any(embeds):  # the output head only where some row samples a token
-                    logits, hidden = self.model.forward(batch, self.kv, hidden=True, logits=not all(embeds))
-                else:
-                    logits = self.model.forward(batch, self.kv)
-            timer.stop()
-            self.scheduler.finish_step(work)
-            outcomes = [F.normalize(hidden[i], dim=0).tolist() if embed
-                        else self._sample(self._requests[w.seq], logits[i])
-                        for i, (w, embed) in enumerate(zip(samples, embeds))]
+            out = self.runner.run(work, [self._requests[w.seq] for w in work if w.sample])
         except Exception as e:  # a failed step fails its requests, never the engine
             log.exception("engine step failed")
             for w in work:
                 if w.seq in self._requests:
                     self._finish(self._requests[w.seq], TokenEvent(None, "", "error", error=f"{type(e).__name__}: {e}"))
             return
-        now = time.perf_counter()
-        head_rows = 0 if all(embeds) else len(samples)  # rows the output head ran on
-        cost = step_cost(self.model, [(w.start, w.n) for w in work], self.kv_traffic, head_rows)
-        step = StepStats(phase_of(work), sum(w.n for w in work), timer.seconds(now - t0), len(work), cost.bytes,
-                         cost.flops, now - t0)
-        for w, outcome, embed in zip(samples, outcomes, embeds):
-            if embed:
-                self._embedded(self._requests[w.seq], outcome, step, now)
-            else:
-                self._emit(self._requests[w.seq], *outcome, step, now)
-        for w in work:
-            if w.seq in self._requests:
-                self._requests[w.seq].handle.stats.bytes_moved += step.bytes
-
-    def _batch(self, work: list[Work]) -> Batch:
-        ps = self.pages.page_size
-        ids, positions, slots, stage_slots, starts, lens, rows = [], [], [], [], [0], [], []
-        for w in work:
-            seq_tokens = w.seq.tokens
-            ids += seq_tokens[w.start:w.start + w.n]
-            pages = w.seq.table.pages
-            slots += (slot_of(pages, pos, ps) for pos in range(w.start, w.start + w.n))
-            if self.kv.has_stage:
-                stage_slots += (w.seq.stage_row * ps + pos % ps for pos in range(w.start, w.start + w.n))
-            positions += range(w.start, w.start + w.n)
-            starts.append(starts[-1] + w.n)
-            lens.append(w.start + w.n)
-            if w.sample:
-                rows.append(starts[-1] - 1)
-        width = max(len(w.seq.table.pages) for w in work)
-        table = [w.seq.table.pages + [0] * (width - len(w.seq.table.pages)) for w in work]
-
-        def t(x, dtype=torch.int32):
-            return torch.tensor(x, dtype=dtype, device=self.device)
-
-        return Batch(tokens=t(ids, torch.long), positions=t(positions, torch.long), slots=t(slots, torch.long),
-                     page_table=t(table), seq_lens=t(lens), q_starts=t(starts), logit_rows=t(rows, torch.long),
-                     stage_slots=t(stage_slots, torch.long) if self.kv.has_stage else None)
-
-    def _decode_inputs(self, work: list[Work]):
-        """(tokens, positions, slots, stage slots, page lists, lengths) of a step in which every sequence decodes
-        one token."""
-        ps = self.pages.page_size
-        tokens, positions, slots, stage_slots, tables, lens = [], [], [], [], [], []
-        for w in work:
-            p, pages = w.start, w.seq.table.pages
-            tokens.append(w.seq.tokens[p])
-            positions.append(p)
-            slots.append(slot_of(pages, p, ps))
-            stage_slots.append(w.seq.stage_row * ps + p % ps)
-            tables.append(pages)
-            lens.append(p + 1)
-        return tokens, positions, slots, stage_slots, tables, lens
-
-    def _sample(self, req: Request, logits: torch.Tensor):
-        if len(req.seq.output) < req.params.min_tokens and req.eos:
-            logits[list(req.eos)] = float("-inf")  # a row of this step's logits, read by nothing after
-        token = req.sampler(logits, req.seq.prompt, req.seq.output)
-        k = req.params.logprobs
-        if k is None:
-            return token, None, None
-        lp = torch.log_softmax(logits.float(), dim=-1)
-        top = None
-        if k > 0:
-            vals, idx = lp.topk(k)
-            top = list(zip(idx.tolist(), vals.tolist()))
-        return token, float(lp[token]), top
-
-    def _embedded(self, req: Request, vector: list[float], step: StepStats, now: float) -> None:
-        s = req.handle.stats
-        s.prefill_seconds, s.cached_tokens = now - req.arrival, req.seq.cached_tokens
-        self._finish(req, TokenEvent(None, "", "stop", step, embedding=vector))
-
-    def _flush(self, req: Request) -> str:
-        return req.stops.flush(req.detok.flush() if req.detok else "")
-
-    def _emit(self, req: Request, token: int, lp, top, step: StepStats, now: float) -> None:
-        s = req.handle.stats
-        if req.first_token_at is None:
-            req.first_token_at = now
-            s.prefill_seconds = now - req.arrival
-            s.cached_tokens = req.seq.cached_tokens
-        else:
-            s.decode_seconds = now - req.first_token_at
-            s.decode_step_seconds += step.seconds
-            s.decode_bytes += step.bytes
-        if token in req.eos:
-            self._finish(req, TokenEvent(None, self._flush(req), "stop", step))
-            return
-        req.seq.output.append(token)
-        s.output_tokens = len(req.seq.output)
-        text, hit = req.stops.push(req.detok.push(token) if req.detok else "")
-        if hit:
-            self._finish(req, TokenEvent(token, text, "stop", step, lp, top))
-        elif len(req.seq.output) >= req.seq.max_tokens:
-            self._finish(req, TokenEvent(token, text + self._flush(req), "length", step, lp, top))
-        else:
-            req.handle._push(TokenEvent(token, text, None, step, lp, top))
+        self.output.process(out, self._requests)
 
 
 MAX_EMBED_INPUTS = 2048  # inputs of one embeddings request (the servers' limit), as OpenAI allows
@@ -642,42 +381,3 @@ async def embeddings(engine: Engine, prompts: list[list[int]]) -> list[list[floa
     finally:
         for handle in handles:
             handle.cancel()  # a no-op once finished
-
-
-class StepTimer:
-    """A step's device time. On a GPU, CUDA events around the step's forward (its inputs already built), read
-    after sampling has copied the tokens to the host (which waits for those kernels anyway), so timing adds no
-    synchronisation of its own; only a step that samples nothing (a prompt chunk) waits for its end event. On the
-    CPU, the wall clock of the whole step."""
-
-    def __init__(self, device: torch.device):
-        self.events = None
-        if device.type == "cuda":
-            self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-
-    def start(self) -> None:
-        if self.events:
-            self.events[0].record()
-
-    def stop(self) -> None:
-        if self.events:
-            self.events[1].record()
-
-    def seconds(self, wall: float) -> float:
-        if not self.events:
-            return wall
-        start, end = self.events
-        if not end.query():
-            end.synchronize()
-        return start.elapsed_time(end) / 1e3
-
-
-def slot_of(pages: list[int], pos: int, page_size: int) -> int:
-    """Where position pos of a sequence with these pages keeps its key and value: page * page_size + offset."""
-    return pages[pos // page_size] * page_size + pos % page_size
-
-
-def phase_of(work: list[Work]) -> str:
-    decode = [w.n == 1 and w.start >= len(w.seq.prompt) for w in work]
-    return "decode" if all(decode) else "prefill" if not any(decode) else "mixed"
-

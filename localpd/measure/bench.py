@@ -20,7 +20,7 @@ import torch
 from localpd.cli.engine_args import engine_from_args
 from localpd.measure.device import DeviceInfo, cache_note, describe, device_info
 from localpd.engine import Engine
-from localpd.engine.engine import StepStats
+from localpd.engine.requests import StepStats
 from localpd.measure.roofline import step_cost, utilisation
 from localpd.quant.schemes import default_scheme
 from localpd.engine.sampling import SamplingParams

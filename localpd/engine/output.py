@@ -1,0 +1,58 @@
+"""The output processor: a step's sampled tokens become each request's events. It detokenizes (UTF-8 safe), holds
+back and cuts stop strings, ends a request at an end-of-sequence token or its token budget, and keeps the request's
+timings; an embedding request ends with its vector."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from localpd.engine.requests import Request, StepStats, TokenEvent
+from localpd.engine.runner import StepOutput
+
+
+class OutputProcessor:
+    def __init__(self, finish: Callable[[Request, TokenEvent], None]):
+        self.finish = finish  # the engine's: the request leaves the scheduler, its last event goes out
+
+    def process(self, out: StepOutput, requests: dict) -> None:
+        """requests: the engine's running requests by sequence (each of the step's adds the step's bytes)."""
+        step, now = out.stats, out.now
+        for req, outcome in zip(out.requests, out.outcomes):
+            if req.embed:
+                self._embedded(req, outcome, step, now)
+            else:
+                self._emit(req, *outcome, step, now)
+        for w in out.work:
+            if w.seq in requests:
+                requests[w.seq].handle.stats.bytes_moved += step.bytes
+
+    def _embedded(self, req: Request, vector: list[float], step: StepStats, now: float) -> None:
+        s = req.handle.stats
+        s.prefill_seconds, s.cached_tokens = now - req.arrival, req.seq.cached_tokens
+        self.finish(req, TokenEvent(None, "", "stop", step, embedding=vector))
+
+    def flush(self, req: Request) -> str:
+        return req.stops.flush(req.detok.flush() if req.detok else "")
+
+    def _emit(self, req: Request, token: int, lp, top, step: StepStats, now: float) -> None:
+        s = req.handle.stats
+        if req.first_token_at is None:
+            req.first_token_at = now
+            s.prefill_seconds = now - req.arrival
+            s.cached_tokens = req.seq.cached_tokens
+        else:
+            s.decode_seconds = now - req.first_token_at
+            s.decode_step_seconds += step.seconds
+            s.decode_bytes += step.bytes
+        if token in req.eos:
+            self.finish(req, TokenEvent(None, self.flush(req), "stop", step))
+            return
+        req.seq.output.append(token)
+        s.output_tokens = len(req.seq.output)
+        text, hit = req.stops.push(req.detok.push(token) if req.detok else "")
+        if hit:
+            self.finish(req, TokenEvent(token, text, "stop", step, lp, top))
+        elif len(req.seq.output) >= req.seq.max_tokens:
+            self.finish(req, TokenEvent(token, text + self.flush(req), "length", step, lp, top))
+        else:
+            req.handle._push(TokenEvent(token, text, None, step, lp, top))

@@ -1,0 +1,158 @@
+"""The model runner: one scheduled step's work through the model (a CUDA graph's replay where every sequence
+decodes one token, else the eager forward over a batch built from the work), then a token sampled for each row
+that reaches the end of its sequence, or an embedding's vector. The scheduler learns what the forward computed
+before sampling starts, so a step that fails in sampling leaves its computed pages cached."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from localpd.engine.requests import Request, StepStats
+from localpd.engine.scheduler import Scheduler, Work
+from localpd.measure.roofline import step_cost
+from localpd.model.transformer import Batch, Transformer
+from localpd.quant.kv import KVPool, KVTraffic
+
+
+@dataclass
+class StepOutput:
+    """What a step produced for its sampled rows: requests[i]'s outcome is (token, logprob, top logprobs), or an
+    embedding request's vector."""
+
+    work: list[Work]
+    requests: list[Request]
+    outcomes: list
+    stats: StepStats
+    now: float  # when the step ended (perf_counter)
+
+
+class ModelRunner:
+    def __init__(self, model: Transformer, kv: KVPool, kv_traffic: KVTraffic, scheduler: Scheduler, graphs,
+                 device: torch.device):
+        self.model, self.kv, self.kv_traffic, self.scheduler = model, kv, kv_traffic, scheduler
+        self.graphs = graphs  # localpd.engine.cuda_graph.DecodeGraphs, or None
+        self.device = device
+
+    def run(self, work: list[Work], requests: list[Request]) -> StepOutput:
+        """requests: those of the work's sampled rows (Work.sample), in order."""
+        t0 = time.perf_counter()
+        timer = StepTimer(self.device)
+        embeds = [r.embed for r in requests]  # rows that end in a vector, not a token
+        logits, hidden = None, None
+        if self.graphs is not None and all(w.n == 1 and w.sample for w in work) and not any(embeds):
+            inputs = self._decode_inputs(work)
+            timer.start()
+            logits = self.graphs.run(*inputs)
+        if logits is None:
+            batch = self._batch(work)
+            timer.start()
+            if any(embeds):  # the output head only where some row samples a token
+                logits, hidden = self.model.forward(batch, self.kv, hidden=True, logits=not all(embeds))
+            else:
+                logits = self.model.forward(batch, self.kv)
+        timer.stop()
+        self.scheduler.finish_step(work)
+        outcomes = [F.normalize(hidden[i], dim=0).tolist() if req.embed else self._sample(req, logits[i])
+                    for i, req in enumerate(requests)]
+        now = time.perf_counter()
+        head_rows = 0 if all(embeds) else len(requests)  # rows the output head ran on
+        cost = step_cost(self.model, [(w.start, w.n) for w in work], self.kv_traffic, head_rows)
+        stats = StepStats(phase_of(work), sum(w.n for w in work), timer.seconds(now - t0), len(work), cost.bytes,
+                          cost.flops, now - t0)
+        return StepOutput(work, requests, outcomes, stats, now)
+
+    def _batch(self, work: list[Work]) -> Batch:
+        ps = self.kv.page_size
+        ids, positions, slots, stage_slots, starts, lens, rows = [], [], [], [], [0], [], []
+        for w in work:
+            seq_tokens = w.seq.tokens
+            ids += seq_tokens[w.start:w.start + w.n]
+            pages = w.seq.table.pages
+            slots += (slot_of(pages, pos, ps) for pos in range(w.start, w.start + w.n))
+            if self.kv.has_stage:
+                stage_slots += (w.seq.stage_row * ps + pos % ps for pos in range(w.start, w.start + w.n))
+            positions += range(w.start, w.start + w.n)
+            starts.append(starts[-1] + w.n)
+            lens.append(w.start + w.n)
+            if w.sample:
+                rows.append(starts[-1] - 1)
+        width = max(len(w.seq.table.pages) for w in work)
+        table = [w.seq.table.pages + [0] * (width - len(w.seq.table.pages)) for w in work]
+
+        def t(x, dtype=torch.int32):
+            return torch.tensor(x, dtype=dtype, device=self.device)
+
+        return Batch(tokens=t(ids, torch.long), positions=t(positions, torch.long), slots=t(slots, torch.long),
+                     page_table=t(table), seq_lens=t(lens), q_starts=t(starts), logit_rows=t(rows, torch.long),
+                     stage_slots=t(stage_slots, torch.long) if self.kv.has_stage else None)
+
+    def _decode_inputs(self, work: list[Work]):
+        """(tokens, positions, slots, stage slots, page lists, lengths) of a step in which every sequence decodes
+        one token."""
+        ps = self.kv.page_size
+        tokens, positions, slots, stage_slots, tables, lens = [], [], [], [], [], []
+        for w in work:
+            p, pages = w.start, w.seq.table.pages
+            tokens.append(w.seq.tokens[p])
+            positions.append(p)
+            slots.append(slot_of(pages, p, ps))
+            stage_slots.append(w.seq.stage_row * ps + p % ps)
+            tables.append(pages)
+            lens.append(p + 1)
+        return tokens, positions, slots, stage_slots, tables, lens
+
+    def _sample(self, req: Request, logits: torch.Tensor):
+        if len(req.seq.output) < req.params.min_tokens and req.eos:
+            logits[list(req.eos)] = float("-inf")  # a row of this step's logits, read by nothing after
+        token = req.sampler(logits, req.seq.prompt, req.seq.output)
+        k = req.params.logprobs
+        if k is None:
+            return token, None, None
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        top = None
+        if k > 0:
+            vals, idx = lp.topk(k)
+            top = list(zip(idx.tolist(), vals.tolist()))
+        return token, float(lp[token]), top
+
+
+class StepTimer:
+    """A step's device time. On a GPU, CUDA events around the step's forward (its inputs already built), read
+    after sampling has copied the tokens to the host (which waits for those kernels anyway), so timing adds no
+    synchronisation of its own; only a step that samples nothing (a prompt chunk) waits for its end event. On the
+    CPU, the wall clock of the whole step."""
+
+    def __init__(self, device: torch.device):
+        self.events = None
+        if device.type == "cuda":
+            self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+
+    def start(self) -> None:
+        if self.events:
+            self.events[0].record()
+
+    def stop(self) -> None:
+        if self.events:
+            self.events[1].record()
+
+    def seconds(self, wall: float) -> float:
+        if not self.events:
+            return wall
+        start, end = self.events
+        if not end.query():
+            end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+
+def slot_of(pages: list[int], pos: int, page_size: int) -> int:
+    """Where position pos of a sequence with these pages keeps its key and value: page * page_size + offset."""
+    return pages[pos // page_size] * page_size + pos % page_size
+
+
+def phase_of(work: list[Work]) -> str:
+    decode = [w.n == 1 and w.start >= len(w.seq.prompt) for w in work]
+    return "decode" if all(decode) else "prefill" if not any(decode) else "mixed"
