@@ -20,6 +20,7 @@ from textual.widgets import Button, Footer, Header, Input, Label, ListItem, List
 from textual.widgets.option_list import Option
 
 from localpd.text.chat_template import think_vars
+from localpd.text.prompt import fit_turns
 from localpd.measure.device import device_info
 from localpd.engine import Engine
 from localpd.engine.requests import RequestHandle
@@ -396,14 +397,11 @@ class LocalpdApp(App):
     def prompt_ids(self) -> list[int]:
         """The conversation as token ids, oldest turns dropped until it leaves room for the reply."""
         messages = [{"role": m.role, "content": m.content} for m in self.store.messages(self.conversation.id)]
-        head = [{"role": "system", "content": self.conversation.system}] if self.conversation.system else []
-        limit = self.engine.max_context - min(self.params().max_tokens, self.engine.max_context // 4)
+        system = [{"role": "system", "content": self.conversation.system}] if self.conversation.system else []
         template_vars = think_vars(self.conversation.settings.get("think"))
-        while True:
-            ids = self.engine.encode_chat(head + messages, template_vars=template_vars)
-            if len(ids) <= limit or len(messages) <= 1:
-                return ids
-            messages = messages[2:]
+        ids, _ = fit_turns(lambda m: self.engine.encode_chat(m, template_vars=template_vars), system, messages[:-1],
+                           messages[-1:], self.engine.max_context, self.params().max_tokens)
+        return ids
 
     @work(exclusive=True, group="reply")
     async def reply(self) -> None:

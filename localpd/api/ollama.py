@@ -18,32 +18,26 @@ import time
 import uuid
 from dataclasses import replace
 from datetime import datetime, timezone
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from localpd import __version__
-from localpd.engine import Engine
-from localpd.engine.engine import MAX_EMBED_INPUTS, embeddings
-from localpd.engine.requests import RequestHandle
-from localpd.errors import LocalpdError
-from localpd.constrain.reasoning import ThinkSplit, reply_split
-from localpd.engine.sampling import SamplingParams
+from localpd.api.reply import Reply
 from localpd.api.schemas import ToolSpec
+from localpd.api.service import ApiError, Service
+from localpd.engine import Engine
+from localpd.engine.requests import RequestHandle
+from localpd.engine.sampling import SamplingParams
+from localpd.errors import LocalpdError
 
 log = logging.getLogger("localpd.api.app")
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.0, "repeat_penalty": 1.0,
             "presence_penalty": 0.0, "frequency_penalty": 0.0}
 TAKEN = {*DEFAULTS, "num_predict", "seed", "stop"}  # the options localpd reads; others (num_ctx, num_gpu...) are
 # the loaded model's or Ollama's own, and are logged and left
-
-
-class OllamaError(Exception):
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status, self.message = status, message
 
 
 class OllamaMessage(BaseModel):
@@ -117,14 +111,14 @@ def sampling(e: Engine, body: OllamaRequest) -> SamplingParams:
         try:
             return kind(o[key])
         except (TypeError, ValueError):
-            raise OllamaError(400, f"option {key} must be a number, got {o[key]!r}") from None
+            raise ApiError(400, f"option {key} must be a number, got {o[key]!r}") from None
 
     limit = number("num_predict", int) if "num_predict" in o else -1
     stop = o.get("stop") or []
     if isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise OllamaError(400, "option stop must be a list of strings")
+        raise ApiError(400, "option stop must be a list of strings")
     fmt = body.format
     return SamplingParams(
         temperature=number("temperature"), top_k=max(number("top_k", int), 0), top_p=number("top_p"),
@@ -141,7 +135,7 @@ def thinking(body: OllamaRequest) -> dict | None:
 
 def template_message(m: OllamaMessage) -> dict:
     if m.images:
-        raise OllamaError(400, "the models localpd runs take text only; a message with images cannot be read")
+        raise ApiError(400, "the models localpd runs take text only; a message with images cannot be read")
     out: dict[str, Any] = {"role": m.role, "content": m.content}
     if m.tool_calls:
         out["tool_calls"] = [{"type": "function", "function": c.get("function", c)} for c in m.tool_calls]
@@ -152,11 +146,7 @@ def template_message(m: OllamaMessage) -> dict:
     return out
 
 
-def ollama_router(ready: Callable[[], Engine], finished: Callable[[Engine, RequestHandle], dict], reply_factory,
-                  split_reasoning: bool, max_waiting: int) -> APIRouter:
-    """ready: the loaded engine (or raises); finished: records a request's metrics once and gives its timings;
-    reply_factory(think_split, call_prefix): a Reply (localpd.api.app) that splits reasoning and parses calls;
-    max_waiting: queued requests before a 503."""
+def ollama_router(service: Service) -> APIRouter:
     router = APIRouter(prefix="/api")
 
     @router.get("/version")
@@ -165,11 +155,11 @@ def ollama_router(ready: Callable[[], Engine], finished: Callable[[Engine, Reque
 
     @router.get("/tags")
     async def tags():
-        return {"models": [describe(ready())]}
+        return {"models": [describe(service.ready())]}
 
     @router.get("/ps")
     async def ps():
-        e = ready()
+        e = service.ready()
         return {"models": [{**describe(e), "size_vram": e.model.weight_bytes if e.device.type == "cuda" else 0,
                             "expires_at": "0001-01-01T00:00:00Z", "context_length": e.max_context}]}
 
@@ -177,11 +167,11 @@ def ollama_router(ready: Callable[[], Engine], finished: Callable[[Engine, Reque
     async def pull(body: dict[str, Any]):
         """The loaded model is there already: success, as Ollama answers for a model it has (streamed by
         default); another model cannot be added to a running server."""
-        e = ready()
+        e = service.ready()
         name = str(body.get("model") or body.get("name") or "")
         if name.removesuffix(":latest") != e.name:
-            raise OllamaError(400, f"localpd serve runs one model, {e.name}, loaded at start: pull {name or 'a model'} "
-                                   f"with `localpd pull NAME` and serve it with `localpd serve NAME`")
+            raise ApiError(400, f"localpd serve runs one model, {e.name}, loaded at start: pull {name or 'a model'} "
+                                f"with `localpd pull NAME` and serve it with `localpd serve NAME`")
         if body.get("stream", True) is False:
             return {"status": "success"}
         return StreamingResponse(iter([json.dumps({"status": "success"}) + "\n"]), media_type="application/x-ndjson")
@@ -191,12 +181,12 @@ def ollama_router(ready: Callable[[], Engine], finished: Callable[[Engine, Reque
     @router.post("/push")
     @router.delete("/delete")
     async def manage():
-        raise OllamaError(400, "localpd serve runs the one model it was started with; models are managed with "
-                               "`localpd pull` and `localpd models`, not through the API")
+        raise ApiError(400, "localpd serve runs the one model it was started with; models are managed with "
+                            "`localpd pull` and `localpd models`, not through the API")
 
     @router.post("/show")
     async def show(body: dict[str, Any]):
-        e = ready()
+        e = service.ready()
         template = e.tokenizer.chat_template if e.tokenizer else None
         caps = ["completion"] + (["tools"] if template and "tools" in template else []) + (
             ["thinking"] if template and "think" in template else [])
@@ -208,170 +198,148 @@ def ollama_router(ready: Callable[[], Engine], finished: Callable[[Engine, Reque
     @router.post("/embed")
     async def embed(body: EmbedBody):
         """Each input's last-token hidden state, L2-normalised (Engine.embed)."""
-        e = ready()
+        e = service.ready()
         start = time.perf_counter()
         inputs = [body.input] if isinstance(body.input, str) else body.input
-        if body.dimensions is not None and body.dimensions != e.config.dim:
-            raise OllamaError(400, f"{e.name}'s embeddings have {e.config.dim} dimensions and cannot be shortened")
-        vectors, ids = await embed_texts(e, inputs, body.truncate)
+        service.check_dimensions(e, body.dimensions)
+        vectors, ids = await embed_texts(service, e, inputs, body.truncate)
         return {"model": e.name, "embeddings": vectors, "total_duration": ns(time.perf_counter() - start),
                 "load_duration": 0, "prompt_eval_count": sum(map(len, ids))}
 
     @router.post("/embeddings")
     async def legacy_embed(body: LegacyEmbedBody):
         """The older endpoint: one prompt, {"embedding": [...]} ([] for an empty prompt, as Ollama answers)."""
-        e = ready()
+        e = service.ready()
         if not body.prompt:
             return {"embedding": []}
-        vectors, _ = await embed_texts(e, [body.prompt], truncate=True)
+        vectors, _ = await embed_texts(service, e, [body.prompt], truncate=True)
         return {"embedding": vectors[0]}
-
-    async def embed_texts(e: Engine, texts: list[str], truncate: bool) -> tuple[list[list[float]], list[list[int]]]:
-        if e.tokenizer is None:
-            raise OllamaError(400, f"{e.name} has no tokenizer")
-        if any(not t for t in texts):
-            raise OllamaError(400, "an input is empty")
-        if len(texts) > MAX_EMBED_INPUTS:
-            raise OllamaError(400, f"at most {MAX_EMBED_INPUTS} inputs a request, {len(texts)} were sent")
-        ids = [e.tokenizer.encode(t) for t in texts]
-        room = e.max_context - 1
-        if not truncate and any(len(x) > room for x in ids):
-            raise OllamaError(400, f"an input has more tokens than this model's context of {e.max_context} takes "
-                                   f"({max(map(len, ids))}); send truncate true to embed its start")
-        ids = [x[:room] for x in ids]
-        if e.stats().waiting > max_waiting:
-            raise OllamaError(503, "too many requests are waiting; try again shortly")
-        try:
-            return await embeddings(e, ids), ids
-        except LocalpdError as err:
-            raise OllamaError(400, str(err)) from None
-        except RuntimeError as err:
-            raise OllamaError(500, str(err)) from None
 
     @router.post("/chat")
     async def chat(body: ChatBody):
-        e = ready()
+        e = service.ready()
         if not body.messages:  # Ollama's way to load a model: nothing to answer
             return {"model": e.name, "created_at": now(), "message": {"role": "assistant", "content": ""},
                     "done_reason": "load", "done": True}
         tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
-        try:
-            ids = e.encode_chat([template_message(m) for m in body.messages], template_vars=thinking(body),
-                                tools=tools or None,
-                                continue_final=body.messages[-1].role == "assistant" and bool(body.messages[-1].content))
-        except LocalpdError as err:
-            raise OllamaError(400, str(err)) from None
-        return await run(e, body, ids, chat=True, tools=bool(tools))
+        last_reply = body.messages[-1].role == "assistant" and bool(body.messages[-1].content)
+        ids = service.chat_prompt(e, [template_message(m) for m in body.messages], thinking(body), tools or None,
+                                  continue_final=last_reply)
+        return await run(service, e, body, ids, chat=True, tools=bool(tools))
 
     @router.post("/generate")
     async def generate(body: GenerateBody):
-        e = ready()
+        e = service.ready()
         for field, value in (("images", body.images), ("context", body.context), ("template", body.template)):
             if value:
-                raise OllamaError(400, f"{field} is not supported by localpd's /api/generate"
-                                       + ("; send the conversation to /api/chat" if field == "context" else ""))
+                raise ApiError(400, f"{field} is not supported by localpd's /api/generate"
+                                    + ("; send the conversation to /api/chat" if field == "context" else ""))
         if not body.prompt:
             return {"model": e.name, "created_at": now(), "response": "", "done_reason": "load", "done": True}
         if e.tokenizer is None:
-            raise OllamaError(400, f"{e.name} has no tokenizer")
-        try:
-            if body.suffix:  # fill in the middle (a code model's FIM tokens), as an editor's completion asks
+            raise ApiError(400, f"{e.name} has no tokenizer")
+        if body.suffix:  # fill in the middle (a code model's FIM tokens), as an editor's completion asks
+            try:
                 ids = e.tokenizer.fim_prompt(body.prompt, body.suffix)
-                return await run(e, body, ids, chat=False, tools=False, raw=True, ends=e.tokenizer.fim_end_ids)
-            if body.raw:
-                ids = e.tokenizer.encode(body.prompt)
-            else:
-                messages = ([{"role": "system", "content": body.system}] if body.system else []) + [
-                    {"role": "user", "content": body.prompt}]
-                ids = e.encode_chat(messages, template_vars=thinking(body))
-        except LocalpdError as err:
-            raise OllamaError(400, str(err)) from None
-        return await run(e, body, ids, chat=False, tools=False, raw=body.raw)
-
-    async def run(e: Engine, body: OllamaRequest, ids: list[int], chat: bool, tools: bool, raw: bool = False,
-                  ends: set[int] = frozenset()):
-        """ends: tokens that end the reply beside eos (an infill's)."""
-        if len(ids) >= e.max_context:
-            raise OllamaError(400, f"this model's context is {e.max_context} tokens; the prompt has {len(ids)}")
-        if e.stats().waiting >= max_waiting:
-            raise OllamaError(503, "server busy: too many requests are waiting; try again shortly")
-        params = sampling(e, body)
-        if ends:
-            params = replace(params, stop_token_ids=sorted(set(params.stop_token_ids) | ends))
-        think = reply_split(e.tokenizer, ids) if split_reasoning and not raw else None
-        try:
-            handle = e.submit(ids, params, request_id="ollama-" + uuid.uuid4().hex[:24])
-        except LocalpdError as err:
-            raise OllamaError(400, str(err)) from None
-        reply = reply_factory(None if think is None else ThinkSplit(think.inside), "" if tools else None)
-        start = time.monotonic()
-        if body.stream:
-            return StreamingResponse(lines(e, handle, reply, chat, start), media_type="application/x-ndjson")
-        return await whole(e, handle, reply, chat, start)
-
-    def part(e: Engine, chat: bool, text: str, reasoning: str, calls: list[dict] | None = None) -> dict:
-        out: dict[str, Any] = {"model": e.name, "created_at": now()}
-        if chat:
-            out["message"] = {"role": "assistant", "content": text}
-            if reasoning:
-                out["message"]["thinking"] = reasoning
-            if calls:
-                out["message"]["tool_calls"] = calls
+            except LocalpdError as err:
+                raise ApiError(400, str(err)) from None
+            return await run(service, e, body, ids, chat=False, tools=False, raw=True, ends=e.tokenizer.fim_end_ids)
+        if body.raw:
+            ids = e.tokenizer.encode(body.prompt)
         else:
-            out["response"] = text
-            if reasoning:
-                out["thinking"] = reasoning
-        return {**out, "done": False}
-
-    def last(e: Engine, handle: RequestHandle, chat: bool, start: float, reason: str | None) -> dict:
-        s = handle.stats
-        out = part(e, chat, "", "")
-        out.update(done=True, done_reason="length" if reason == "length" else "stop",
-                   total_duration=ns(time.monotonic() - start), load_duration=0,
-                   prompt_eval_count=s.prompt_tokens - s.cached_tokens, prompt_eval_duration=ns(s.prefill_seconds),
-                   eval_count=s.output_tokens, eval_duration=ns(s.decode_seconds), timings=finished(e, handle))
-        return out
-
-    async def lines(e: Engine, handle: RequestHandle, reply, chat: bool, start: float):
-        ended = False
-        try:
-            async for ev in handle:
-                if ev.finish_reason == "error":
-                    yield json.dumps({"error": ev.error or "generation failed"}) + "\n"
-                    return
-                reasoning, text = reply.feed(ev.text)
-                calls = []
-                if ev.finish_reason is not None:
-                    more, rest, calls = reply.finish()
-                    reasoning, text = reasoning + more, text + rest
-                if text or reasoning:
-                    yield json.dumps(part(e, chat, text, reasoning)) + "\n"
-                if calls:
-                    yield json.dumps(part(e, chat, "", "", shaped(calls))) + "\n"
-                if ev.finish_reason is not None:
-                    ended = True
-                    yield json.dumps(last(e, handle, chat, start, ev.finish_reason)) + "\n"
-        finally:
-            handle.cancel()  # no-op when finished; frees the pages of a client that went away
-            if not ended:
-                finished(e, handle)
-
-    async def whole(e: Engine, handle: RequestHandle, reply, chat: bool, start: float):
-        text, reason = [], None
-        try:
-            async for ev in handle:
-                if ev.finish_reason == "error":
-                    finished(e, handle)
-                    return JSONResponse({"error": ev.error or "generation failed"}, status_code=500)
-                text.append(ev.text)
-                reason = ev.finish_reason
-        finally:
-            handle.cancel()
-        reasoning, answer, calls = reply.whole("".join(text))
-        return {**last(e, handle, chat, start, reason), **part(e, chat, answer, reasoning, shaped(calls)),
-                "done": True}
+            messages = ([{"role": "system", "content": body.system}] if body.system else []) + [
+                {"role": "user", "content": body.prompt}]
+            ids = service.chat_prompt(e, messages, thinking(body))
+        return await run(service, e, body, ids, chat=False, tools=False, raw=body.raw)
 
     return router
+
+
+async def embed_texts(service: Service, e: Engine, texts: list[str],
+                      truncate: bool) -> tuple[list[list[float]], list[list[int]]]:
+    if any(not t for t in texts):
+        raise ApiError(400, "an input is empty")
+    ids = service.embedding_ids(e, texts, truncate)
+    return await service.embed(e, ids), ids
+
+
+async def run(service: Service, e: Engine, body: OllamaRequest, ids: list[int], chat: bool, tools: bool,
+              raw: bool = False, ends: set[int] = frozenset()):
+    """ends: tokens that end the reply beside eos (an infill's)."""
+    service.check_context(e, ids)
+    service.admit(e, 1)
+    params = sampling(e, body)
+    if ends:
+        params = replace(params, stop_token_ids=sorted(set(params.stop_token_ids) | ends))
+    reply = service.replies(e, ids, not raw, "" if tools else None)()
+    handle = service.submit(e, [ids], params, 1, "ollama-" + uuid.uuid4().hex[:24])[0]
+    start = time.monotonic()
+    if body.stream:
+        return StreamingResponse(lines(service, e, handle, reply, chat, start), media_type="application/x-ndjson")
+    return await whole(service, e, handle, reply, chat, start)
+
+
+def part(e: Engine, chat: bool, text: str, reasoning: str, calls: list[dict] | None = None) -> dict:
+    out: dict[str, Any] = {"model": e.name, "created_at": now()}
+    if chat:
+        out["message"] = {"role": "assistant", "content": text}
+        if reasoning:
+            out["message"]["thinking"] = reasoning
+        if calls:
+            out["message"]["tool_calls"] = calls
+    else:
+        out["response"] = text
+        if reasoning:
+            out["thinking"] = reasoning
+    return {**out, "done": False}
+
+
+def last(service: Service, e: Engine, handle: RequestHandle, chat: bool, start: float, reason: str | None) -> dict:
+    s = handle.stats
+    out = part(e, chat, "", "")
+    out.update(done=True, done_reason="length" if reason == "length" else "stop",
+               total_duration=ns(time.monotonic() - start), load_duration=0,
+               prompt_eval_count=s.prompt_tokens - s.cached_tokens, prompt_eval_duration=ns(s.prefill_seconds),
+               eval_count=s.output_tokens, eval_duration=ns(s.decode_seconds), timings=service.finished(e, handle))
+    return out
+
+
+async def lines(service: Service, e: Engine, handle: RequestHandle, reply: Reply, chat: bool, start: float):
+    ended = False
+    try:
+        async for ev in handle:
+            if ev.finish_reason == "error":
+                yield json.dumps({"error": ev.error or "generation failed"}) + "\n"
+                return
+            reasoning, text = reply.feed(ev.text)
+            calls = []
+            if ev.finish_reason is not None:
+                more, rest, calls = reply.finish()
+                reasoning, text = reasoning + more, text + rest
+            if text or reasoning:
+                yield json.dumps(part(e, chat, text, reasoning)) + "\n"
+            if calls:
+                yield json.dumps(part(e, chat, "", "", shaped(calls))) + "\n"
+            if ev.finish_reason is not None:
+                ended = True
+                yield json.dumps(last(service, e, handle, chat, start, ev.finish_reason)) + "\n"
+    finally:
+        handle.cancel()  # no-op when finished; frees the pages of a client that went away
+        if not ended:
+            service.finished(e, handle)
+
+
+async def whole(service: Service, e: Engine, handle: RequestHandle, reply: Reply, chat: bool, start: float):
+    try:
+        result = await service.collect(handle)
+    finally:
+        handle.cancel()
+    if result.finish_reason == "error":
+        service.finished(e, handle)
+        return JSONResponse({"error": result.error or "generation failed"}, status_code=500)
+    reasoning, answer, calls = reply.whole(result.text)
+    return {**last(service, e, handle, chat, start, result.finish_reason),
+            **part(e, chat, answer, reasoning, shaped(calls)), "done": True}
 
 
 def shaped(calls: list[dict]) -> list[dict]:

@@ -10,6 +10,7 @@ from dataclasses import replace
 
 from localpd.cli.engine_args import CHAT_CONTEXT, engine_from_args
 from localpd.text.chat_template import think_vars
+from localpd.text.prompt import fit_turns
 from localpd.measure.device import DeviceInfo, cache_note, device_info
 from localpd.engine import Engine
 from localpd.engine.requests import GenerationStats
@@ -162,19 +163,14 @@ class Chat:
             self._info = device_info(self.engine.device)
         return self._info
 
-    def prompt_messages(self, user_text: str) -> list[dict]:
-        head = [{"role": "system", "content": self.system}] if self.system else []
-        return head + self.messages + [{"role": "user", "content": user_text}]
-
     def fit_to_context(self, user_text: str) -> list[int]:
         """Token ids of the conversation plus the new message, dropping the oldest turns if they don't fit."""
-        limit = self.engine.max_context - min(self.params.max_tokens, self.engine.max_context // 4)
         think = think_vars(self.think)
-        while True:
-            ids = self.engine.encode_chat(self.prompt_messages(user_text), template_vars=think)
-            if len(ids) <= limit or not self.messages:
-                return ids
-            self.messages = self.messages[2:]
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        ids, self.messages = fit_turns(lambda m: self.engine.encode_chat(m, template_vars=think), system,
+                                       self.messages, [{"role": "user", "content": user_text}],
+                                       self.engine.max_context, self.params.max_tokens)
+        return ids
 
     def reply(self, user_text: str) -> str:
         parts: list[str] = []

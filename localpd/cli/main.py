@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_tui(args)
         if args.command == "serve":
-            from localpd.api.app import serve
+            from localpd.cli.serve import serve
 
             return serve(args)
         if args.command == "bench":

@@ -358,9 +358,6 @@ class Engine:
         self.output.process(out, self._requests)
 
 
-MAX_EMBED_INPUTS = 2048  # inputs of one embeddings request (the servers' limit), as OpenAI allows
-
-
 async def embeddings(engine: Engine, prompts: list[list[int]]) -> list[list[float]]:
     """Engine.embed of several prompts at once (their prefills share steps), awaited. A prompt the engine refuses
     raises LocalpdError, one that fails while running RuntimeError; either way the others are cancelled."""

@@ -1,0 +1,194 @@
+"""What the OpenAI and the Ollama APIs both do, once: the loaded engine (or why there is none), admission (the
+queue and the context), chat prompts, a reply's reasoning and tool calls, submitting and collecting, embeddings,
+and a finished request's metrics and timings. The routers parse a body, call this, and shape the answer."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, replace
+from typing import Callable
+
+from localpd.api.metrics import Metrics
+from localpd.api.reply import Reply
+from localpd.api.schemas import error_body
+from localpd.constrain.reasoning import ThinkSplit, reply_split
+from localpd.engine import Engine
+from localpd.engine.engine import embeddings
+from localpd.engine.requests import RequestHandle, TokenEvent
+from localpd.engine.sampling import SamplingParams
+from localpd.errors import LocalpdError
+from localpd.measure.device import device_info
+from localpd.measure.roofline import decode_ceiling_tps, utilisation
+
+log = logging.getLogger("localpd.api.app")
+
+MAX_EMBED_INPUTS = 2048  # inputs of one embeddings request, as OpenAI allows
+
+
+class ApiError(Exception):
+    """An answer other than 200, in OpenAI's error shape; under /api/ the app gives it Ollama's ({"error": ...})."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.body = status, error_body(message, type_, param, code)
+
+
+@dataclass
+class Collected:
+    """A whole reply: its text, the events that carry its log-probabilities, how it ended."""
+
+    text: str
+    events: list[TokenEvent]
+    finish_reason: str | None
+    error: str | None
+
+
+class Service:
+    def __init__(self, engine: Engine | None = None, load: Callable[[], Engine] | None = None,
+                 max_waiting: int = 64, bandwidth: float | None = None, split_reasoning: bool = True):
+        """engine: a loaded engine; or load: called on a background thread now (ready() says 503 until then).
+        max_waiting: requests queued before a 503. bandwidth: bytes/s that timings' MBU is measured against
+        (default: the device's measured copy bandwidth, else its datasheet peak). split_reasoning: a thinking
+        model's <think> block apart from the answer."""
+        self.engine, self.error = engine, None
+        self.max_waiting, self.bandwidth, self.split_reasoning = max_waiting, bandwidth, split_reasoning
+        self.metrics = Metrics()
+        if load is not None and engine is None:
+            threading.Thread(target=self._load, args=(load,), name="localpd-load", daemon=True).start()
+
+    def _load(self, load: Callable[[], Engine]) -> None:
+        try:
+            self.engine = load()
+        except Exception as e:  # noqa: BLE001 - reported by /health and every route
+            log.exception("loading the model failed")
+            self.error = str(e)
+
+    def ready(self) -> Engine:
+        if self.engine is None:
+            message = f"the model failed to load: {self.error}" if self.error else "the model is loading"
+            raise ApiError(503, message, "server_error", code="model_not_ready")
+        return self.engine
+
+    # -- admission ---------------------------------------------------------------------------------------------
+    def admit(self, e: Engine, requests: int) -> None:
+        """A 503 when `requests` more would queue more than max_waiting."""
+        if e.stats().waiting + requests > self.max_waiting:
+            raise ApiError(503, "server busy: too many requests are waiting; try again shortly", "server_error",
+                           code="overloaded")
+
+    @staticmethod
+    def check_context(e: Engine, ids: list[int], limit: int | None = None, what: str = "the prompt",
+                      param: str = "messages") -> None:
+        """A 400 when ids and `limit` reply tokens (at least one) do not fit in the context."""
+        room = e.max_context - len(ids)
+        if room < 1 or (limit is not None and limit > room):
+            more = f" and {limit or 1} more were asked for" if limit is not None else ""
+            raise ApiError(400, f"this model's context is {e.max_context} tokens; {what} has {len(ids)}{more}",
+                           param="max_tokens" if room >= 1 else param, code="context_length_exceeded")
+
+    # -- prompts and replies -----------------------------------------------------------------------------------
+    @staticmethod
+    def chat_prompt(e: Engine, messages: list[dict], template_vars: dict | None = None,
+                    tools: list[dict] | None = None, continue_final: bool = False,
+                    add_generation_prompt: bool = True) -> list[int]:
+        """A conversation's token ids in the model's chat template; what it cannot take is a 400."""
+        try:
+            return e.encode_chat(messages, template_vars=template_vars, tools=tools, continue_final=continue_final,
+                                 add_generation_prompt=add_generation_prompt)
+        except LocalpdError as err:
+            raise ApiError(400, str(err), param="messages") from None
+
+    def replies(self, e: Engine, ids: list[int], split: bool = True, call_prefix: str | None = None,
+                parallel_calls: bool = True) -> Callable[[], Reply]:
+        """Makes a Reply for each choice of a prompt: its reasoning apart (when the server splits it, split is
+        true and the prompt leaves the model thinking or about to), its tool calls parsed (call_prefix: see
+        Reply)."""
+        think = reply_split(e.tokenizer, ids) if self.split_reasoning and split else None
+        return lambda: Reply(None if think is None else ThinkSplit(think.inside), call_prefix, parallel_calls)
+
+    # -- requests ----------------------------------------------------------------------------------------------
+    @staticmethod
+    def submit(e: Engine, prompts: list[list[int]], params: SamplingParams, n: int, request_id: str,
+               param: Callable[[LocalpdError], str | None] = lambda err: err.param) -> list[RequestHandle]:
+        """n requests of each prompt, choice j seeded with seed + j; one the engine refuses cancels those before
+        it and is a 400 (param: the field to blame)."""
+        handles: list[RequestHandle] = []
+        try:
+            for ids in prompts:
+                for j in range(n):
+                    seed = None if params.seed is None else params.seed + j
+                    handle_id = request_id if len(prompts) * n == 1 else f"{request_id}-{len(handles)}"
+                    handles.append(e.submit(ids, replace(params, seed=seed), request_id=handle_id))
+        except LocalpdError as err:
+            for handle in handles:
+                handle.cancel()
+            raise ApiError(400, str(err), param=param(err)) from None
+        return handles
+
+    @staticmethod
+    async def collect(handle: RequestHandle, keep_logprobs: bool = False) -> Collected:
+        text, events, reason, error = [], [], None, None
+        async for ev in handle:
+            text.append(ev.text)
+            if keep_logprobs and ev.token_id is not None:
+                events.append(ev)
+            reason, error = ev.finish_reason, ev.error
+        return Collected("".join(text), events, reason, error)
+
+    # -- embeddings --------------------------------------------------------------------------------------------
+    @staticmethod
+    def embedding_ids(e: Engine, inputs: list[str | list[int]], truncate: bool | None = None) -> list[list[int]]:
+        """Each input's token ids. One past the context is a 400, or with truncate its start is embedded."""
+        if len(inputs) > MAX_EMBED_INPUTS:
+            raise ApiError(400, f"at most {MAX_EMBED_INPUTS} inputs a request, {len(inputs)} were sent", param="input")
+        if any(isinstance(x, str) for x in inputs) and e.tokenizer is None:
+            raise ApiError(400, f"{e.name} has no tokenizer: send the input as token ids", param="input")
+        ids = [e.tokenizer.encode(x) if isinstance(x, str) else list(x) for x in inputs]
+        for i, x in enumerate(ids):
+            if not x:
+                raise ApiError(400, f"input {i} is empty", param="input")
+            if len(x) >= e.max_context and not truncate:
+                hint = "; send truncate true to embed its start" if truncate is False else ""
+                raise ApiError(400, f"this model's context is {e.max_context} tokens; input {i} has {len(x)}{hint}",
+                               param="input", code="context_length_exceeded")
+        return [x[:e.max_context - 1] for x in ids]
+
+    @staticmethod
+    def check_dimensions(e: Engine, dimensions: int | None) -> None:
+        if dimensions is not None and dimensions != e.config.dim:
+            raise ApiError(400, f"{e.name}'s embeddings have {e.config.dim} dimensions and cannot be shortened",
+                           param="dimensions")
+
+    async def embed(self, e: Engine, ids: list[list[int]]) -> list[list[float]]:
+        """The prompts' vectors (localpd.engine.engine.embeddings): one the engine refuses is a 400, one that fails
+        a 500."""
+        self.admit(e, 0)
+        try:
+            return await embeddings(e, ids)
+        except LocalpdError as err:  # refused at submission: a token id outside the vocabulary, say
+            raise ApiError(400, str(err), param=err.param or "input") from None
+        except RuntimeError as err:
+            raise ApiError(500, str(err), "server_error") from None
+
+    # -- a finished request ------------------------------------------------------------------------------------
+    def finished(self, e: Engine, handle: RequestHandle) -> dict:
+        """Records a request's metrics (once, as it ends); its timings."""
+        t = self.timings(e, handle)
+        self.metrics.record(handle, t.get("decode_mbu"))
+        return t
+
+    def timings(self, e: Engine, handle: RequestHandle) -> dict:
+        s = handle.stats
+        out = {"ttft_ms": round(s.ttft * 1000, 3), "prefill_tokens_per_s": round(s.prefill_tps, 2),
+               "decode_tokens_per_s": round(s.decode_tps, 2),
+               "decode_bytes_per_s": round(s.decode_bytes / s.decode_step_seconds) if s.decode_step_seconds else 0}
+        if self.bandwidth is None:
+            self.bandwidth = device_info(e.device).bandwidth or 0.0
+        if self.bandwidth:
+            mbu = utilisation(s.decode_bytes, s.decode_step_seconds, self.bandwidth)
+            out["decode_mbu"] = None if mbu is None else round(mbu, 4)
+            context = s.prompt_tokens + s.output_tokens
+            out["ceiling_tokens_per_s"] = round(decode_ceiling_tps(e.model, context, e.kv_traffic, self.bandwidth), 2)
+        return out
