@@ -6,7 +6,8 @@ import torch
 
 from localpd.errors import LocalpdError
 from localpd.kernels.dispatch import bnb_matmul_ref, linear_bnb_int8, linear_bnb_nf4
-from localpd.model.transformer import QuantLinear, Transformer, fuse
+from localpd.model.linear import QuantLinear, fuse
+from localpd.model.transformer import Transformer
 from localpd.quant.bnb import NF4, BnbInt8Weight, Nf4Weight
 from localpd.quant.weights import cat_rows, take_rows, weight_nbytes
 from localpd.load.synthetic import SYNTHETIC, matrix_shapes, synthetic_model, synthetic_nbytes

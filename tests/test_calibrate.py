@@ -12,7 +12,8 @@ from localpd.cli.main import main
 from localpd.engine import Engine
 from localpd.errors import LocalpdError
 from localpd.load.loader import imports_every_matrix_exactly, load_model
-from localpd.model.transformer import QuantLinear, Transformer
+from localpd.model.linear import QuantLinear
+from localpd.model.transformer import Transformer
 from localpd.measure.perplexity import perplexity
 from localpd.engine.sampling import SamplingParams
 

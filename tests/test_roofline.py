@@ -4,7 +4,7 @@ config's shapes."""
 import pytest
 import torch
 
-from localpd.model.transformer import QuantLinear, StackedLinear
+from localpd.model.linear import QuantLinear, StackedLinear
 from localpd.quant.kv import KVTraffic, new_kv_pool
 from localpd.measure.roofline import decode_ceiling_tps, step_cost, utilisation
 from localpd.engine.sampling import SamplingParams

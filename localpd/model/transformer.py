@@ -13,107 +13,16 @@ import math
 from dataclasses import dataclass, replace
 
 import torch
-import torch.nn.functional as F
 
-from localpd.model.config import ModelConfig
 from localpd.errors import LocalpdError
 from localpd.kernels import cpu
-from localpd.kernels.dispatch import (PreNorm, linear_bnb_int8, linear_bnb_nf4, linear_int4, linear_int8,
-                                      use_triton)
+from localpd.kernels.dispatch import use_triton
 from localpd.kernels.fused_dispatch import act_mul, add_rms_norm, qk_norm
 from localpd.kernels.kv_dispatch import paged_attention, rope_write_kv, rope_write_kv_ref
-from localpd.quant.bnb import BnbInt8Weight, Nf4Weight
+from localpd.model.config import ModelConfig
+from localpd.model.linear import QuantLinear, StackedLinear, fuse, normed_separately
 from localpd.quant.kv import KVPool
-from localpd.quant.weights import Int4Weight, Int8Weight, Weight, cat_rows, take_rows, weight_nbytes
-
-
-class QuantLinear:
-    """y = x @ W.T (+ b) for a dense, int8, int4 or bitsandbytes weight: the one place model code touches a weight
-    matrix, so the model never branches on the format."""
-
-    def __init__(self, weight: Weight, bias: torch.Tensor | None = None):
-        self.weight = weight
-        self.bias = bias
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        if isinstance(w, Int4Weight):
-            return linear_int4(x, w, self.bias)
-        if isinstance(w, Int8Weight):
-            return linear_int8(x, w, self.bias)
-        if isinstance(w, Nf4Weight):
-            return linear_bnb_nf4(x, w, self.bias)
-        if isinstance(w, BnbInt8Weight):
-            return linear_bnb_int8(x, w, self.bias)
-        return F.linear(x, w, self.bias)
-
-    def gated(self, gate_up: torch.Tensor, act: str = "silu") -> torch.Tensor:
-        """self(act(gate) * up) for gate_up = [gate | up]: the int4/int8 GEMVs compute the activation as they
-        load it, so a decode step launches no kernel of its own for it."""
-        w = self.weight
-        if isinstance(w, Int4Weight):
-            return linear_int4(gate_up, w, self.bias, gated=act)
-        if isinstance(w, Int8Weight):
-            return linear_int8(gate_up, w, self.bias, gated=act)
-        return self(act_mul(gate_up, act))
-
-    def normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-               eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """(self(RMSNorm(s) * norm_weight), s) for s = x + residual (x without one): the int4/int8 GEMVs
-        normalise their input as they load it, so a decode step launches no norm kernel of its own."""
-        w, norm = self.weight, PreNorm(residual, norm_weight, eps)
-        if isinstance(w, Int4Weight):
-            return linear_int4(x, w, self.bias, norm=norm)
-        if isinstance(w, Int8Weight):
-            return linear_int8(x, w, self.bias, norm=norm)
-        return normed_separately(self, x, residual, norm_weight, eps)
-
-    @property
-    def nbytes(self) -> int:
-        return weight_nbytes(self.weight) + (0 if self.bias is None else weight_nbytes(self.bias))
-
-    @property
-    def params(self) -> int:
-        n, k = self.weight.shape
-        return n * k
-
-
-class StackedLinear:
-    """Projections of one input whose weights cannot share one matrix (different formats): outputs concatenated."""
-
-    def __init__(self, parts: list[QuantLinear]):
-        self.parts = parts
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([p(x) for p in self.parts], dim=-1)
-
-    def normed(self, x, residual, norm_weight, eps):
-        return normed_separately(self, x, residual, norm_weight, eps)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.parts)
-
-    @property
-    def params(self) -> int:
-        return sum(p.params for p in self.parts)
-
-
-def normed_separately(linear, x, residual, norm_weight, eps):
-    """QuantLinear.normed with the residual add and RMSNorm in a kernel of their own (add_rms_norm)."""
-    h, s = add_rms_norm(x, residual, norm_weight, eps)
-    return linear(h), s
-
-
-def fuse(parts: list[QuantLinear]) -> QuantLinear | StackedLinear:
-    """One matrix for projections that read the same input (q/k/v, gate/up): one launch instead of several."""
-    weights = [p.weight for p in parts]
-    kinds = {(type(w), getattr(w, "group", None), getattr(w, "dtype", None)) for w in weights}
-    if len(kinds) > 1:
-        return StackedLinear(parts)
-    biases = [p.bias for p in parts]
-    bias = None if any(b is None for b in biases) else torch.cat(biases)
-    return QuantLinear(cat_rows(weights), bias)
+from localpd.quant.weights import take_rows, weight_nbytes
 
 
 @dataclass

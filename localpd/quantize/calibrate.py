@@ -16,7 +16,8 @@ import torch
 
 from localpd.errors import LocalpdError
 from localpd.kernels.fused_dispatch import act_mul
-from localpd.model.transformer import Batch, Transformer, normed_separately
+from localpd.model.linear import normed_separately
+from localpd.model.transformer import Batch, Transformer
 from localpd.quant.kv import new_kv_pool, same_kv
 
 PAGE_SIZE, CHUNK = 16, 512
