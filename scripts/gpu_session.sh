@@ -15,9 +15,9 @@ stage() { local name=$1 limit=$2; shift 2; echo "=== $name (limit ${limit}s)"; l
   echo "=== $name rc=$rc in $((SECONDS - t0))s"; }
 for s in "$@"; do case $s in
   tests) TO="-s INT" stage gpu_kv_tests 150 env LOCALPD_TEST_DEVICE=cuda python3 -m pytest -q -n 12 -W ignore \
-           -p no:cacheprovider -rf --tb=line tests/test_kv_kernels.py
+           -p no:cacheprovider -rf --tb=line tests/kernels/test_kv_kernels.py
          TO="-s INT" stage gpu_mm_tests 150 env LOCALPD_TEST_DEVICE=cuda python3 -m pytest -q -n 14 -W ignore \
-           -p no:cacheprovider -rf --tb=line tests/test_kernels.py ;;
+           -p no:cacheprovider -rf --tb=line tests/kernels/test_kernels.py ;;
   check) stage gpu_check 150 python3 scripts/gpu_check.py ;;
   check3) stage gpu_check_qwen3 240 python3 scripts/gpu_check.py --model qwen3-0.6b ;;  # qk_norm, heads of 128
   sweep) TAIL=80 stage sweep_gemv 500 python3 scripts/sweep_gemv.py --no-mma --json "$OUT/sweep_gemv.json" \
@@ -27,7 +27,7 @@ for s in "$@"; do case $s in
          TAIL=40 stage sweep_mma_m$m 240 python3 scripts/sweep_gemv.py --m $m --no-gemv --no-kmajor \
            --json "$OUT/sweep_mma_m$m.json"; done ;;
   fused) TO="-s INT" stage gpu_fused_tests 90 env LOCALPD_TEST_DEVICE=cuda python3 -m pytest -q -W ignore \
-           -p no:cacheprovider -rf --tb=line tests/test_fused_kernels.py ;;
+           -p no:cacheprovider -rf --tb=line tests/kernels/test_fused_kernels.py ;;
   ncu) stage ncu_step 240 ncu --profile-from-start off --metrics dram__bytes_read.sum,dram__bytes_write.sum --csv \
          --log-file "$OUT/ncu.csv" python3 scripts/ncu_step_bytes.py run --json "$OUT/step.json"
        stage ncu_compare 20 python3 scripts/ncu_step_bytes.py compare "$OUT/ncu.csv" "$OUT/step.json" ;;

@@ -9,6 +9,18 @@ if os.environ.get("LOCALPD_TEST_DEVICE", "cpu") == "cpu":
 
 import pytest  # noqa: E402
 
+MODEL_FIXTURES = {"default_gguf", "engine", "hf_reference", "served"}
+INTERPRETED = {"test_kv_kernels.py", "test_fused_kernels.py"}  # Triton's kernels run by its interpreter, or compiled
+
+
+def pytest_collection_modifyitems(items):
+    """A test that loads the real default model or transformers (one of MODEL_FIXTURES, directly or through
+    another fixture), or runs the attention and fused kernels under Triton's interpreter, is slow:
+    `pytest -m "not slow"` runs the rest, `pytest` everything."""
+    for item in items:
+        if MODEL_FIXTURES & set(getattr(item, "fixturenames", ())) or item.path.name in INTERPRETED:
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture
 def sass_table():
@@ -57,26 +69,7 @@ def hf_reference(default_gguf):
 def engine(default_gguf):
     """The default model on the reference path (fp32 weights, exactly the file's values dequantized; fp32
     activations), which the tests hold to transformers' logits. The CPU's default scheme (native, on localpd's CPU
-    kernels) is held to this path in tests/test_cpu_fidelity.py."""
+    kernels) is held to this path in tests/model/test_cpu_fidelity.py."""
     from localpd.engine import Engine
 
     return Engine(default_gguf, device="cpu", max_context=2048, quant="fp32")
-
-
-@pytest.fixture(scope="module")
-def served(default_gguf):
-    """(engine, LiveServer): the default model served on loopback with the API key live_server.KEY, one a test
-    module."""
-    from live_server import KEY, LiveServer
-
-    from localpd.engine import Engine
-    from localpd.api.app import create_app
-
-    # the reference path, as the engine fixture: the API tests hold batched requests to lone ones token for token,
-    # which the CPU's native path keeps only to ~1e-3 in the logits (a prefill of 16 rows or more multiplies in
-    # float32, fewer rows in int32; tests/test_cpu_fidelity.py)
-    engine = Engine(default_gguf, device="cpu", max_context=1024, quant="fp32")
-    live = LiveServer(create_app(engine, api_key=KEY, bandwidth=10e9))
-    yield engine, live
-    live.stop()
-    engine.close()

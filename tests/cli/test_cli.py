@@ -23,6 +23,7 @@ def one_line_error(result, code=1):
     return lines[0]
 
 
+@pytest.mark.slow  # pulls and runs the default model
 def test_readme_command_answers_paris_from_an_empty_cache(tmp_path):
     env = {"LOCALPD_HOME": str(tmp_path / "localpd"), "HF_HOME": str(tmp_path / "hf")}
     r = localpd(PARIS, env=env)

@@ -11,7 +11,7 @@ import torch
 from localpd.kernels import cpu
 from test_model import CONVERSATIONS, new_pool, run_chunk
 
-TEXT = Path(__file__).parent / "data" / "apache-2.0.txt"
+TEXT = Path(__file__).parents[1] / "data" / "apache-2.0.txt"
 
 
 @pytest.fixture(scope="module")

@@ -356,7 +356,7 @@ def test_prefill_attention_compiles_without_spills_for_every_model_and_kv_format
 
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "LOCALPD_TRITON_INTERPRET")}
-    script = Path(__file__).parent.parent / "scripts" / "compile_check.py"
+    script = Path(__file__).parents[2] / "scripts" / "compile_check.py"
     out = subprocess.run([sys.executable, str(script), "--arch", "86,90", "--kernels", "prefill", "--strict"],
                          capture_output=True, text=True, env=env, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]

@@ -128,7 +128,7 @@ def test_a_corrupt_database_is_moved_aside(default_gguf, tmp_path):
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
 def test_real_terminal_capture_after_one_reply(default_gguf, tmp_path):
     out = tmp_path / "screen.txt"
-    script = Path(__file__).parent.parent / "scripts" / "tui_tmux_capture.sh"
+    script = Path(__file__).parents[2] / "scripts" / "tui_tmux_capture.sh"
     done = subprocess.run([str(script), str(default_gguf), str(out)], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHON": sys.executable})
     screen = out.read_text()
