@@ -67,7 +67,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.model is None:
         sys.path.insert(0, str(REPO))
-        from localpd.registry import resolve_model
+        from localpd.load.registry import resolve_model
 
         args.model = str(resolve_model("smollm2-135m").path)
     bin_dir = args.llama_bin or llama_bin()
