@@ -181,7 +181,8 @@ def test_embed_gives_the_engines_vectors_and_truncates_a_long_input(served, clie
     for got, ref in zip(r.embeddings, want):
         assert max(abs(a - b) for a, b in zip(got, ref)) < 1e-5
     assert r.prompt_eval_count == sum(len(engine.tokenizer.encode(t)) for t in texts) and r.total_duration > 0
-    assert client.embed(model="smollm2", input=texts[0]).embeddings[0] == r.embeddings[0]
+    alone = client.embed(model="smollm2", input=texts[0]).embeddings[0]  # a step of its own: other GEMM shapes
+    assert max(abs(a - b) for a, b in zip(alone, r.embeddings[0])) < 1e-5
     long = "word " * 2000
     start = engine.tokenizer.encode(long)[:engine.max_context - 1]
     got = client.embed(model="smollm2", input=long).embeddings[0]

@@ -71,7 +71,9 @@ def test_embed_prints_one_unit_vector_a_line_as_the_engine_computes_it(default_g
         want = engine.embedding(engine.tokenizer.encode(text))
         assert max(abs(a - b) for a, b in zip(row, want)) < 1e-5
     piped = localpd(["embed", str(default_gguf), "--quant", engine.quant], stdin="\n".join(texts) + "\n")
-    assert piped.returncode == 0 and [json.loads(line) for line in piped.stdout.splitlines()] == rows
+    assert piped.returncode == 0
+    again = [json.loads(line) for line in piped.stdout.splitlines()]  # the two may share a step or not: a tolerance
+    assert len(again) == 2 and all(max(abs(a - b) for a, b in zip(u, v)) < 1e-5 for u, v in zip(again, rows))
     assert "nothing to embed" in one_line_error(localpd(["embed", str(default_gguf)], stdin="a\n\nb\n"))
     assert "context" in one_line_error(localpd(["embed", str(default_gguf), "word " * 3000, "--ctx", "256"]))
 
