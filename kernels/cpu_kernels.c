@@ -657,6 +657,14 @@ static inline float dot_head(const float *q, const float *k, int D) {
 }
 
 #define PREFETCH 4 /* rows ahead */
+
+/* Where position p's row starts (in floats from the pool's start, rows of `tok` floats), and in *run how many rows
+ * from it on lie in the same page (at most `left`): a page's rows are walked by adding tok, without a division. */
+static inline long page_run(const int32_t *pages, int p, int PS, int left, long tok, int *run) {
+    int slot = p % PS;
+    *run = PS - slot < left ? PS - slot : left;
+    return ((long)pages[p / PS] * PS + slot) * tok;
+}
 #define MAX_GROUP 8 /* query heads a task takes at most */
 static inline void prefetch_row(const float *row, int D) { /* a prefetch never faults: past a page is harmless */
 #if defined(__x86_64__) || defined(__i386__)
@@ -691,9 +699,8 @@ static void attention_task(void *ctx, int ith, int nth) {
         float mx[MAX_GROUP];
         for (int h = 0; h < per; h++) mx[h] = -INFINITY;
         const float *kbase = a->k + (long)kvh * D, *vbase = a->v + (long)kvh * D;
-        for (int j = 0; j < len;) {
-            int p = first + j, slot = p % PS, run = PS - slot < len - j ? PS - slot : len - j;
-            const float *kr = kbase + ((long)pages[p / PS] * PS + slot) * tok;
+        for (int j = 0, run; j < len;) {
+            const float *kr = kbase + page_run(pages, first + j, PS, len - j, tok, &run);
             for (int i = 0; i < run; i++, j++, kr += tok) {
                 prefetch_row(kr + PREFETCH * tok, D);
                 for (int h = 0; h < per; h++) {
@@ -712,9 +719,8 @@ static void attention_task(void *ctx, int ith, int nth) {
             sum[h] = z;
         }
         for (int d = 0; d < per * D; d++) acc[d] = 0.f;
-        for (int j = 0; j < len;) {
-            int p = first + j, slot = p % PS, run = PS - slot < len - j ? PS - slot : len - j;
-            const float *vr = vbase + ((long)pages[p / PS] * PS + slot) * tok;
+        for (int j = 0, run; j < len;) {
+            const float *vr = vbase + page_run(pages, first + j, PS, len - j, tok, &run);
             for (int i = 0; i < run; i++, j++, vr += tok) {
                 prefetch_row(vr + PREFETCH * tok, D);
                 for (int h = 0; h < per; h++) {
