@@ -312,6 +312,15 @@ static inline __m512i load_pair(const gemm_args *a, const uint8_t *wrow, int b) 
 
 #define ROWS_AT_ONCE 4
 
+#if defined(LPD_AVX512) || defined(LPD_AVX2)
+/* The sum of a register's eight floats. */
+static inline float hsum8(__m256 v) {
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    return _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
+}
+#endif
+
 /* Row n's scales (and int4 biases) as floats, one per block of 32 columns. */
 static void row_scales(const gemm_args *a, int n, float *ws, float *wb) {
     int nb = a->K / 32, ng = a->K / a->group, per_group = a->group / 32;
@@ -423,12 +432,6 @@ static inline __m256i dot16(const gemm_args *a, const uint8_t *wrow, int b, __m2
         w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(raw, 1));
     }
     return _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
-}
-
-static inline float hsum8(__m256 v) {
-    __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-    return _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
 }
 
 /* Rows n .. n + 3 against input row 0, the input's blocks loaded once for the four. */
@@ -645,10 +648,7 @@ static inline float dot_head(const float *q, const float *k, int D) {
             s2 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 16), _mm256_loadu_ps(k + d + 16), s2);
             s3 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 24), _mm256_loadu_ps(k + d + 24), s3);
         }
-        __m256 v = _mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3));
-        __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-        r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-        return _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
+        return hsum8(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
     }
 #endif
     float s = 0.f;
@@ -657,6 +657,7 @@ static inline float dot_head(const float *q, const float *k, int D) {
 }
 
 #define PREFETCH 4 /* rows ahead */
+#define MAX_GROUP 8 /* query heads a task takes at most */
 
 /* Where position p's row starts (in floats from the pool's start, rows of `tok` floats), and in *run how many rows
  * from it on lie in the same page (at most `left`): a page's rows are walked by adding tok, without a division. */
@@ -665,7 +666,6 @@ static inline long page_run(const int32_t *pages, int p, int PS, int left, long 
     *run = PS - slot < left ? PS - slot : left;
     return ((long)pages[p / PS] * PS + slot) * tok;
 }
-#define MAX_GROUP 8 /* query heads a task takes at most */
 static inline void prefetch_row(const float *row, int D) { /* a prefetch never faults: past a page is harmless */
 #if defined(__x86_64__) || defined(__i386__)
     for (int d = 0; d < D; d += 16) _mm_prefetch((const char *)(row + d), _MM_HINT_T0);
