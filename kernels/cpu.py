@@ -46,8 +46,8 @@ SIGNATURES = {
     "lpd_rope_write": ([_P, _L, _I, _I, _I, _I, _P, _P, _L, _P, _P, _P, _L], _I),
     "lpd_dequantize": ([_I, _P, _P, _P, _I, _I, _I, _I, _P, _I], None),
     "lpd_round_input": ([_I, _P, _P, _P, _F, _P, _I, _I, _P, _I], None),
-    "lpd_decode_layer": ([_P, _P, _P, _I, _I, _P, _P, _P, _P, _P, _L, _P, _P, _P, _I, _P, _L, _I, _I, _P, _P, _I, _F,
-                          _I, _I], _I),
+    "lpd_decode_layers": ([_P, _P, _I, _P, _P, _I, _I, _P, _P, _P, _P, _P, _L, _P, _I, _P, _L, _I, _I, _P, _P, _I, _F,
+                           _I], _I),
 }
 # From this many rows on, a product dequantizes its weight a slice at a time and multiplies in float32 with
 # torch's GEMM (compute-bound prefill), where fewer rows (decode) take lpd_linear's int8 dot products.
@@ -339,17 +339,32 @@ def layer_plan(linears: list, attn_norm: torch.Tensor, mlp_norm: torch.Tensor, n
     return LayerPlan(n_heads, n_kv_heads, head_dim, PRE[act], eps, attn_norm.data_ptr(), mlp_norm.data_ptr(), *parts)
 
 
-def decode_layer(plan: LayerPlan, out: torch.Tensor, x: torch.Tensor, has_residual: bool, scratch: tuple,
-                 cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor, v: torch.Tensor, page_size: int, slots,
-                 page_table, seq_lens, q_starts, scale: float, window: int, lib=None) -> None:
-    """One decoder layer in one call (lpd_decode_layer), in place on out and x: the model's op-by-op forward for
-    that layer, with the same kernels in the same order. slots int64, page_table/seq_lens/q_starts int32, all
-    contiguous; scratch: (qkv, attn, gate_up) rows; cos/sin fp32 [T, head_dim / 2]; k, v: the layer's fp32 pages."""
+class LayerCache(ctypes.Structure):
+    """layer_cache in cpu_kernels.c: a layer's fp32 pages, its sliding window, and which rotation it takes (0 the
+    step's, 1 the local one of sliding-window layers, 2 none)."""
+
+    _fields_ = [("k", _P), ("v", _P), ("window", _I), ("rope", _I)]
+
+
+def layer_caches(k: list[torch.Tensor], v: list[torch.Tensor], windows: list[int], ropes: list[int]):
+    """The layers' LayerCache array (the pages must outlive it: the KV pool holds them)."""
+    return (LayerCache * len(k))(*(LayerCache(kl.data_ptr(), vl.data_ptr(), w, r)
+                                   for kl, vl, w, r in zip(k, v, windows, ropes)))
+
+
+def decode_layers(plans, caches, out: torch.Tensor, x: torch.Tensor, has_residual: bool, scratch: tuple,
+                  rotations: tuple, page_size: int, n_pages: int, slots, page_table, seq_lens, q_starts, scale: float,
+                  lib=None) -> None:
+    """The decoder layers of plans (a LayerPlan array) in one call (lpd_decode_layers), in place on out and x: the
+    model's op-by-op forward for those layers, with the same kernels in the same order, in one parallel region.
+    caches: their layer_caches; scratch: (qkv, attn, gate_up) rows; rotations: ((cos, sin), (local cos, local sin)),
+    fp32 [T, head_dim / 2] with one row stride; slots int64, page_table/seq_lens/q_starts int32, all contiguous."""
     lib = lib or library()
     qkv, attn, gate_up = scratch
-    _check(lib.lpd_decode_layer(ctypes.byref(plan), out.data_ptr(), x.data_ptr(), int(has_residual), out.shape[0],
-                                qkv.data_ptr(), attn.data_ptr(), gate_up.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                                cos.stride(0), slots.data_ptr(), k.data_ptr(), v.data_ptr(), page_size,
-                                page_table.data_ptr(), page_table.stride(0), page_table.shape[1], k.shape[0],
-                                seq_lens.data_ptr(), q_starts.data_ptr(), seq_lens.shape[0], scale, window, threads()),
-           "lpd_decode_layer")
+    (cos, sin), (lcos, lsin) = rotations
+    _check(lib.lpd_decode_layers(ctypes.byref(plans), ctypes.byref(caches), len(plans), out.data_ptr(), x.data_ptr(),
+                                 int(has_residual), out.shape[0], qkv.data_ptr(), attn.data_ptr(), gate_up.data_ptr(),
+                                 (_P * 2)(cos.data_ptr(), lcos.data_ptr()), (_P * 2)(sin.data_ptr(), lsin.data_ptr()),
+                                 cos.stride(0), slots.data_ptr(), page_size, page_table.data_ptr(),
+                                 page_table.stride(0), page_table.shape[1], n_pages, seq_lens.data_ptr(),
+                                 q_starts.data_ptr(), seq_lens.shape[0], scale, threads()), "lpd_decode_layers")

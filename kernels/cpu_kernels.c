@@ -181,34 +181,44 @@ static inline float gelu_tanh(float g) {
     return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
 }
 
-/* Row h of the matmul's input, in float, from input row x (K floats, or 2K for a gate): x as it is; RMSNorm(x +
- * residual) * norm_w, storing x + residual in sum_out; or act(gate) * up. */
-static void input_row(int pre, const float *x, const float *residual, const float *norm_w, float eps, float *sum_out,
-                      int K, float *h) {
+/* 1 / RMS of the row x + residual (residual NULL: x alone), K floats: RMSNorm's factor. */
+static float norm_factor(const float *x, const float *residual, int K, float eps) {
+    float ss = 0.f;
+    for (int k = 0; k < K; k++) {
+        float s = residual ? x[k] + residual[k] : x[k];
+        ss += s * s;
+    }
+    return 1.0f / sqrtf(ss / K + eps);
+}
+
+/* Columns k0 .. k1 - 1 of the matmul's input in float, h[k], from input row x (K floats, or 2K for a gate): x as it
+ * is; RMSNorm(x + residual) * norm_w (r: the row's norm_factor), storing x + residual in sum_out (which must not
+ * be x or residual: other threads read their whole rows meanwhile); or act(gate) * up. */
+static void input_cols(int pre, const float *x, const float *residual, const float *norm_w, float r, float *sum_out,
+                       int K, int k0, int k1, float *h) {
     if (pre == PRE_NORM) {
-        float ss = 0.f;
-        for (int k = 0; k < K; k++) {
+        for (int k = k0; k < k1; k++) {
             float s = residual ? x[k] + residual[k] : x[k];
             sum_out[k] = s;
-            ss += s * s;
+            h[k] = s * r * norm_w[k];
         }
-        float r = 1.0f / sqrtf(ss / K + eps);
-        for (int k = 0; k < K; k++) h[k] = sum_out[k] * r * norm_w[k];
     } else if (pre == PRE_SILU) {
-        for (int k = 0; k < K; k++) h[k] = silu(x[k]) * x[K + k];
+        for (int k = k0; k < k1; k++) h[k] = silu(x[k]) * x[K + k];
     } else if (pre == PRE_GELU_TANH) {
-        for (int k = 0; k < K; k++) h[k] = gelu_tanh(x[k]) * x[K + k];
+        for (int k = k0; k < k1; k++) h[k] = gelu_tanh(x[k]) * x[K + k];
     } else {
-        memcpy(h, x, sizeof(float) * K);
+        memcpy(h + k0, x + k0, sizeof(float) * (k1 - k0));
     }
 }
 
-/* Blocks of 32 values to two int8 levels, v ~ (256 hi + lo) d with d = amax / 127 / 256: hi rounds v at scale
- * 256 d, lo rounds what is left at scale d (|lo| <= 128, clamped to 127), so each block carries ~15 bits where one
- * int8 level alone cost +0.5% perplexity on the default model's decode. isum = sum of (256 hi + lo). `deint` stores
- * each block's even columns first, then its odd ones (the order of an int4 block's low and high nibbles). */
-static void quantize_row(const float *h, int K, int deint, int8_t *hi, int8_t *lo, float *d, int32_t *isum) {
-    for (int b = 0; b < K / 32; b++) {
+/* Blocks b0 .. b1 - 1 of h (32 values each) to two int8 levels, v ~ (256 hi + lo) d with d = amax / 127 / 256: hi
+ * rounds v at scale 256 d, lo rounds what is left at scale d (|lo| <= 128, clamped to 127), so each block carries
+ * ~15 bits where one int8 level alone cost +0.5% perplexity on the default model's decode. isum = sum of (256 hi +
+ * lo). `deint` stores each block's even columns first, then its odd ones (the order of an int4 block's low and
+ * high nibbles). hi, lo, d, isum: the row's, indexed as h is. */
+static void quantize_blocks(const float *h, int b0, int b1, int deint, int8_t *hi, int8_t *lo, float *d,
+                            int32_t *isum) {
+    for (int b = b0; b < b1; b++) {
         const float *v = h + b * 32;
         float amax = 0.f;
         for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(v[j]));
@@ -477,31 +487,12 @@ static void row_factors(const gemm_args *a, int n, int m0, int mm, int xor_block
     }
 }
 
-static void gemm_task(void *ctx, int ith, int nth) {
-    const gemm_args *a = ctx;
+/* Weight rows n0 .. n1 - 1 against every input row. ws: the thread's scratch (gemm_task). */
+static void gemm_rows(const gemm_args *a, int n0, int n1, float *ws) {
     int K = a->K, nb = K / 32, N = a->N;
     size_t row_bytes = a->bits == 4 ? K / 2 : K;
-    int n0, n1;
-    share(N, ith, nth, &n0, &n1);
-    static __thread void *buf;
-    static __thread size_t cap;
-    size_t factors = sizeof(float) * (2 * nb + 2 * ROWS_AT_ONCE * nb);
-#if defined(LPD_AVX2)
-    size_t wide = sizeof(int16_t) * (size_t)a->M * K;
-#else
-    size_t wide = 0;
-#endif
-    float *ws = scratch(&buf, &cap, factors + wide + 64);
-    if (!ws) return;
     float *wb = ws + nb, *ds = wb + nb;
     int32_t *sums = (int32_t *)(ds + ROWS_AT_ONCE * nb);
-#if defined(LPD_AVX2)
-    gemm_args wide_args = *a;
-    int16_t *x16 = (int16_t *)((char *)ws + factors);
-    for (size_t i = 0; i < (size_t)a->M * K; i++) x16[i] = (int16_t)(256 * a->xq[i] + a->xq[a->lo + i]);
-    wide_args.x16 = x16;
-    a = &wide_args;
-#endif
 #if defined(LPD_AVX512)
     int vec_blocks = nb & ~1, xor_blocks = vec_blocks; /* two at a time; an odd last one goes alone */
 #elif defined(LPD_AVX2)
@@ -574,6 +565,31 @@ static void gemm_task(void *ctx, int ith, int nth) {
     }
 }
 
+static void gemm_task(void *ctx, int ith, int nth) {
+    const gemm_args *a = ctx;
+    int K = a->K, nb = K / 32;
+    static __thread void *buf;
+    static __thread size_t cap;
+    size_t factors = sizeof(float) * (2 * nb + 2 * ROWS_AT_ONCE * nb);
+#if defined(LPD_AVX2)
+    size_t wide = sizeof(int16_t) * (size_t)a->M * K;
+#else
+    size_t wide = 0;
+#endif
+    float *ws = scratch(&buf, &cap, factors + wide + 64);
+    if (!ws) return;
+#if defined(LPD_AVX2)
+    gemm_args wide_args = *a;
+    int16_t *x16 = (int16_t *)((char *)ws + factors);
+    for (size_t i = 0; i < (size_t)a->M * K; i++) x16[i] = (int16_t)(256 * a->xq[i] + a->xq[a->lo + i]);
+    wide_args.x16 = x16;
+    a = &wide_args;
+#endif
+    int n0, n1;
+    share(a->N, ith, nth, &n0, &n1);
+    gemm_rows(a, n0, n1, ws);
+}
+
 typedef struct {
     int pre, M, K, deint;
     const float *x, *residual, *norm_w;
@@ -584,25 +600,29 @@ typedef struct {
     int32_t *xsum;
 } input_args;
 
-static void input_task(void *ctx, int ith, int nth) {
+static void input_task(void *ctx, int ith, int nth) { /* each thread its share of every row's blocks */
     const input_args *a = ctx;
-    int lo, hi, nb = a->K / 32, xw = a->pre >= PRE_SILU ? 2 * a->K : a->K;
-    share(a->M, ith, nth, &lo, &hi);
+    int b0, b1, K = a->K, nb = K / 32, xw = a->pre >= PRE_SILU ? 2 * K : K;
+    share(nb, ith, nth, &b0, &b1);
+    if (b0 == b1) return;
     static __thread void *buf;
     static __thread size_t cap;
-    float *h = scratch(&buf, &cap, sizeof(float) * a->K);
+    float *h = scratch(&buf, &cap, sizeof(float) * K);
     if (!h) return;
-    for (int m = lo; m < hi; m++) {
-        input_row(a->pre, a->x + (size_t)m * xw, a->residual ? a->residual + (size_t)m * a->K : NULL, a->norm_w,
-                  a->eps, a->sum_out ? a->sum_out + (size_t)m * a->K : NULL, a->K, h);
-        quantize_row(h, a->K, a->deint, a->xq + (size_t)m * a->K, a->xq + (size_t)a->M * a->K + (size_t)m * a->K,
-                     a->xd + (size_t)m * nb, a->xsum + (size_t)m * nb);
+    for (int m = 0; m < a->M; m++) {
+        const float *x = a->x + (size_t)m * xw, *res = a->residual ? a->residual + (size_t)m * K : NULL;
+        float r = a->pre == PRE_NORM ? norm_factor(x, res, K, a->eps) : 0.f;
+        input_cols(a->pre, x, res, a->norm_w, r, a->sum_out ? a->sum_out + (size_t)m * K : NULL, K, b0 * 32, b1 * 32,
+                   h);
+        quantize_blocks(h, b0, b1, a->deint, a->xq + (size_t)m * K, a->xq + (size_t)a->M * K + (size_t)m * K,
+                        a->xd + (size_t)m * nb, a->xsum + (size_t)m * nb);
     }
 }
 
 /* y [M, N] = input step of x, then @ W.T (+ bias). bits 4: w = packed int4 [N, K/2] with scales and biases [N,
  * K/group] float16; bits 8: w = int8 [N, K] with scales [N, K/group], biases NULL. pre: PRE_NONE (x [M, K]),
- * PRE_NORM (x, residual or NULL, norm_w [K], eps; x + residual stored in sum_out [M, K]), or an activation (x =
+ * PRE_NORM (x, residual or NULL, norm_w [K], eps; x + residual stored in sum_out [M, K], apart from both), or an
+ * activation (x =
  * [gate | up], [M, 2K]). K a multiple of 32, group a multiple of 32 dividing K. Returns 0, or -1 without memory. */
 int lpd_linear(int pre, const float *x, const float *residual, const float *norm_w, float eps, float *sum_out, int M,
                int K, int bits, const void *w, const uint16_t *scales, const uint16_t *biases, int group, int N,
@@ -635,6 +655,7 @@ typedef struct {
     float *out;
     int *row_seq; /* each row's sequence */
     int heads_per_task; /* query heads of one key head a task takes */
+    atomic_int *next;   /* where given (zero at the start), threads take a task at a time from it */
 } attn_args;
 
 /* q . k over a head: four independent sums, where one sum's chain of adds set the pace */
@@ -678,11 +699,14 @@ static void attention_task(void *ctx, int ith, int nth) {
     const attn_args *a = ctx;
     int D = a->D, H = a->H, PS = a->PS, group = a->Hq / a->H, per = a->heads_per_task, parts = group / per;
     long tok = (long)H * D;
-    int lo, hi;
-    share(a->T * H * parts, ith, nth, &lo, &hi);
+    int lo = 0, hi, tasks = a->T * H * parts;
+    if (a->next) hi = tasks; /* a task at a time from the counter, for as long as it has any */
+    else share(tasks, ith, nth, &lo, &hi);
     static __thread void *buf;
     static __thread size_t cap;
-    for (int task_i = lo; task_i < hi; task_i++) {
+    for (int i = lo; i < hi; i++) {
+        int task_i = a->next ? atomic_fetch_add_explicit(a->next, 1, memory_order_relaxed) : i;
+        if (task_i >= tasks) break;
         int t = task_i / (H * parts), kvh = task_i / parts % H, hq0 = kvh * group + task_i % parts * per;
         int b = a->row_seq[t], n = a->seq_lens[b], rows = a->q_starts[b + 1] - a->q_starts[b];
         int pos = n - rows + (t - a->q_starts[b]);
@@ -753,6 +777,13 @@ static int check_tables(int T, int B, const int32_t *seq_lens, const int32_t *q_
     return 0;
 }
 
+/* A task takes as many query heads of a key head as keeps two tasks a thread (a divisor of the group). */
+static int heads_per_task(int T, int Hq, int H, int nth) {
+    int group = Hq / H, per = group;
+    while (per > 1 && (per > MAX_GROUP || group % per || (long)T * H * (group / per) < 2L * nth)) per--;
+    return per;
+}
+
 /* out [T, Hq, D] (contiguous) = attention of q (row stride q_t, head stride q_h, in floats) over the pages; the page
  * table is [B, pt_width] (row stride pt_stride) into a pool of n_pages pages. Returns 0, -1 without memory, or -2
  * where the tables leave the pool (check_tables). */
@@ -766,11 +797,8 @@ int lpd_attention(const float *q, long q_t, long q_h, int T, int Hq, int D, cons
     if (!row_seq) return -1;
     for (int b = 0; b < B; b++)
         for (int t = q_starts[b]; t < q_starts[b + 1]; t++) row_seq[t] = b;
-    /* a task takes as many query heads of a key head as keeps two tasks a thread (a divisor of the group) */
-    int group = Hq / H, per = group;
-    while (per > 1 && (per > MAX_GROUP || group % per || (long)T * H * (group / per) < 2L * nth)) per--;
     attn_args a = {q, q_t, q_h, T, Hq, D, H, PS, B, window, k, v, page_table, seq_lens, q_starts, pt_stride, scale,
-                   out, row_seq, per};
+                   out, row_seq, heads_per_task(T, Hq, H, nth), NULL};
     parallel(attention_task, &a, T * Hq >= 2 ? nth : 1);
     return 0;
 }
@@ -779,16 +807,15 @@ int lpd_attention(const float *q, long q_t, long q_h, int T, int Hq, int D, cons
  * * D] (row stride qkv_t), in place; cos, sin [T, D/2] (row stride cs_t); then each row's key and value heads into
  * fp32 pages at slots[t] (slot = page * PS + offset; a page [PS, n_kv, D]), of n_slots in the pool: -2 (nothing
  * written) where a slot is outside it. */
-int lpd_rope_write(float *qkv, long qkv_t, int T, int n_heads, int n_kv, int D, const float *cos, const float *sin,
-                   long cs_t, const int64_t *slots, float *k, float *v, long n_slots) {
-    for (int t = 0; t < T; t++)
-        if (slots[t] < 0 || slots[t] >= n_slots) return -2;
+/* rope_write's rows t0 .. t1 - 1 (slots already checked); rotate 0: the heads as they are (a layer without RoPE). */
+static void rope_rows(float *qkv, long qkv_t, int t0, int t1, int n_heads, int n_kv, int D, const float *cos,
+                      const float *sin, long cs_t, int rotate, const int64_t *slots, float *k, float *v) {
     int half = D / 2;
     long tok = (long)n_kv * D;
-    for (int t = 0; t < T; t++) {
+    for (int t = t0; t < t1; t++) {
         float *row = qkv + t * qkv_t;
         const float *c = cos + t * cs_t, *s = sin + t * cs_t;
-        for (int h = 0; h < n_heads + n_kv; h++) {
+        for (int h = 0; rotate && h < n_heads + n_kv; h++) {
             float *x = row + (long)h * D;
             for (int i = 0; i < half; i++) {
                 float x1 = x[i], x2 = x[half + i];
@@ -799,6 +826,13 @@ int lpd_rope_write(float *qkv, long qkv_t, int T, int n_heads, int n_kv, int D, 
         memcpy(k + slots[t] * tok, row + (long)n_heads * D, sizeof(float) * tok);
         memcpy(v + slots[t] * tok, row + (long)(n_heads + n_kv) * D, sizeof(float) * tok);
     }
+}
+
+int lpd_rope_write(float *qkv, long qkv_t, int T, int n_heads, int n_kv, int D, const float *cos, const float *sin,
+                   long cs_t, const int64_t *slots, float *k, float *v, long n_slots) {
+    for (int t = 0; t < T; t++)
+        if (slots[t] < 0 || slots[t] >= n_slots) return -2;
+    rope_rows(qkv, qkv_t, 0, T, n_heads, n_kv, D, cos, sin, cs_t, 1, slots, k, v);
     return 0;
 }
 
@@ -861,29 +895,136 @@ typedef struct {
     lin_plan qkv, o, gate_up, down;
 } layer_plan;
 
-static int run_linear(int pre, const lin_plan *l, const float *x, const float *residual, const float *norm_w,
-                      float eps, float *sum_out, int M, float *y, int nth) {
-    return lpd_linear(pre, x, residual, norm_w, eps, sum_out, M, l->K, l->bits, l->w, l->scales, l->biases, l->group,
-                      l->N, l->bias, y, nth);
+typedef struct {
+    float *k, *v; /* the layer's fp32 pages */
+    int window;   /* sliding window (0: none) */
+    int rope;     /* 0: the step's cos/sin, 1: the local ones (sliding-window layers), 2: no rotation */
+} layer_cache;
+
+/* Threads that meet between a step's phases without leaving the parallel region: each arrival counts, the last
+ * one starts the next generation, the others spin on it (yielding the core after a while, should a thread of the
+ * team not be running). Starting a region costs tens of microseconds where the runtime's workers sleep (more
+ * threads than cores: the engine thread's team beside the main thread's); a meeting here costs a cache line. */
+typedef struct {
+    atomic_int arrived;
+    atomic_uint generation;
+    atomic_int work; /* the next phase's shared counter (attn_args.next): zero again at each meeting */
+} spin_barrier;
+
+static void barrier_wait(spin_barrier *b, int nth) {
+    if (nth <= 1) {
+        atomic_store_explicit(&b->work, 0, memory_order_relaxed);
+        return;
+    }
+    unsigned g = atomic_load_explicit(&b->generation, memory_order_acquire);
+    if (atomic_fetch_add_explicit(&b->arrived, 1, memory_order_acq_rel) == nth - 1) {
+        atomic_store_explicit(&b->arrived, 0, memory_order_relaxed);
+        atomic_store_explicit(&b->work, 0, memory_order_relaxed);
+        atomic_fetch_add_explicit(&b->generation, 1, memory_order_release);
+        return;
+    }
+    for (int spins = 0; atomic_load_explicit(&b->generation, memory_order_acquire) == g; spins++) {
+        if (spins < 4096) cpu_relax();
+        else sched_yield();
+    }
 }
 
-/* out [T, dim]: the last sublayer's output, in and out; x [T, dim]: the residual stream (in only when
- * has_residual, else it starts as out); qkv, attn, gate_up: scratch rows of the projections' widths. */
-int lpd_decode_layer(const layer_plan *L, float *out, float *x, int has_residual, int T, float *qkv, float *attn,
-                     float *gate_up, const float *cos, const float *sin, long cs_t, const int64_t *slots, float *k,
-                     float *v, int PS, const int32_t *page_table, long pt_stride, int pt_width, int n_pages,
-                     const int32_t *seq_lens, const int32_t *q_starts, int B, float scale, int window, int nth) {
-    int D = L->head_dim, Hq = L->n_heads, H = L->n_kv;
+typedef struct {
+    const layer_plan *plans;
+    const layer_cache *caches;
+    int n_layers, has_residual, T, B, PS;
+    float *out, *x, *qkv, *attn, *gate_up;
+    float *x2; /* the residual stream between a layer's two norms */
+    const float *cos[2], *sin[2];
+    long cs_t, pt_stride;
+    const int64_t *slots;
+    const int32_t *page_table, *seq_lens, *q_starts;
+    int *row_seq;
+    float scale;
+    int8_t *xq; /* the rounded input of the product at hand: 2 M Kmax bytes, then its block scales and sums */
+    float *xd;
+    int32_t *xsum;
+    spin_barrier barrier;
+} layers_args;
+
+/* One product inside the layers' region: the input step (rows shared), everyone meets, the rows of the weight
+ * shared, everyone meets. */
+static void linear_phase(layers_args *s, int ith, int nth, int pre, const lin_plan *l, const float *x,
+                         const float *residual, const float *norm_w, float eps, float *sum_out, float *y) {
+    int M = s->T;
+    input_args in = {pre, M, l->K, l->bits == 4, x, residual, norm_w, eps, sum_out, s->xq, s->xd, s->xsum};
+    input_task(&in, ith, nth);
+    barrier_wait(&s->barrier, nth);
+    gemm_args g = {M, l->N, l->K, l->group, l->bits, s->xq, (size_t)M * l->K, s->xd, s->xsum, NULL, l->w,
+                   l->scales, l->biases, l->bias, y}; /* equal shares: measured faster than
+                                                                          * taking chunks from a counter */
+    gemm_task(&g, ith, nth);
+    barrier_wait(&s->barrier, nth);
+}
+
+static void layers_task(void *ctx, int ith, int nth) {
+    layers_args *s = ctx;
+    int T = s->T;
+    for (int li = 0; li < s->n_layers; li++) {
+        const layer_plan *L = &s->plans[li];
+        const layer_cache *c = &s->caches[li];
+        int D = L->head_dim, Hq = L->n_heads, H = L->n_kv, r = c->rope == 1;
+        long row = (long)(Hq + 2 * H) * D;
+        /* the residual stream goes x -> x2 in the first norm and back in the second (input_cols' sum_out) */
+        const float *residual = li > 0 || s->has_residual ? s->x : NULL;
+        linear_phase(s, ith, nth, PRE_NORM, &L->qkv, s->out, residual, L->attn_norm, L->eps, s->x2, s->qkv);
+        int t0, t1;
+        share(T, ith, nth, &t0, &t1);
+        rope_rows(s->qkv, row, t0, t1, Hq, H, D, s->cos[r], s->sin[r], s->cs_t, c->rope != 2, s->slots, c->k, c->v);
+        barrier_wait(&s->barrier, nth);
+        attn_args a = {s->qkv, row, D, T, Hq, D, H, s->PS, s->B, c->window, c->k, c->v, s->page_table, s->seq_lens,
+                       s->q_starts, s->pt_stride, s->scale, s->attn, s->row_seq, heads_per_task(T, Hq, H, nth),
+                       &s->barrier.work};
+        attention_task(&a, ith, nth);
+        barrier_wait(&s->barrier, nth);
+        linear_phase(s, ith, nth, PRE_NONE, &L->o, s->attn, NULL, NULL, 0.f, NULL, s->out);
+        linear_phase(s, ith, nth, PRE_NORM, &L->gate_up, s->out, s->x2, L->mlp_norm, L->eps, s->x, s->gate_up);
+        linear_phase(s, ith, nth, L->act, &L->down, s->gate_up, NULL, NULL, 0.f, NULL, s->out);
+    }
+}
+
+/* n_layers decoder layers of a batch of rows (decode steps, small chunks) in one parallel region, as the model's
+ * forward runs them op by op: RMSNorm + qkv, RoPE and the KV write, attention, o, RMSNorm + gate/up, act * up +
+ * down, the residual adds in the norms; the same kernels in the same order, so the same floats. out [T, dim]: the
+ * last sublayer's output, in and out; x [T, dim]: the residual stream (in only when has_residual, else it starts
+ * as out); qkv, attn, gate_up: scratch rows of the projections' widths (every layer's the same); cos, sin [2]: the
+ * step's rotations [T, D/2] (row stride cs_t) and the sliding-window layers' (layer_cache.rope). Returns 0, -1
+ * without memory, -2 where the tables leave the pool. */
+int lpd_decode_layers(const layer_plan *plans, const layer_cache *caches, int n_layers, float *out, float *x,
+                      int has_residual, int T, float *qkv, float *attn, float *gate_up, const float *const *cos,
+                      const float *const *sin, long cs_t, const int64_t *slots, int PS, const int32_t *page_table,
+                      long pt_stride, int pt_width, int n_pages, const int32_t *seq_lens, const int32_t *q_starts,
+                      int B, float scale, int nth) {
+    if (T <= 0 || n_layers <= 0) return 0;
     if (check_tables(T, B, seq_lens, q_starts, page_table, pt_stride, pt_width, n_pages, PS, slots)) return -2;
-    long row = (long)(Hq + 2 * H) * D;
-    if (run_linear(PRE_NORM, &L->qkv, out, has_residual ? x : NULL, L->attn_norm, L->eps, x, T, qkv, nth)) return -1;
-    lpd_rope_write(qkv, row, T, Hq, H, D, cos, sin, cs_t, slots, k, v, (long)n_pages * PS); /* checked above */
-    int err = lpd_attention(qkv, row, D, T, Hq, D, k, v, PS, H, page_table, pt_stride, pt_width, n_pages, seq_lens,
-                            q_starts, B, scale, window, attn, nth);
-    if (err) return err;
-    if (run_linear(PRE_NONE, &L->o, attn, NULL, NULL, 0.f, NULL, T, out, nth)) return -1;
-    if (run_linear(PRE_NORM, &L->gate_up, out, x, L->mlp_norm, L->eps, x, T, gate_up, nth)) return -1;
-    return run_linear(L->act, &L->down, gate_up, NULL, NULL, 0.f, NULL, T, out, nth);
+    int kmax = 0;
+    for (int li = 0; li < n_layers; li++) {
+        const lin_plan *ls[4] = {&plans[li].qkv, &plans[li].o, &plans[li].gate_up, &plans[li].down};
+        for (int j = 0; j < 4; j++) kmax = ls[j]->K > kmax ? ls[j]->K : kmax;
+    }
+    static __thread void *buf;
+    static __thread size_t cap;
+    size_t q_bytes = (2 * (size_t)T * kmax + 63) / 64 * 64, d_bytes = ((size_t)T * (kmax / 32) * 4 + 63) / 64 * 64;
+    size_t x_bytes = ((size_t)T * plans[0].qkv.K * sizeof(float) + 63) / 64 * 64;
+    char *mem = scratch(&buf, &cap, x_bytes + q_bytes + 2 * d_bytes + sizeof(int) * (size_t)T);
+    if (!mem) return -1;
+    char *q_mem = mem + x_bytes;
+    layers_args s = {plans, caches, n_layers, has_residual, T, B, PS, out, x, qkv, attn, gate_up, (float *)mem,
+                     {cos[0], cos[1]}, {sin[0], sin[1]}, cs_t, pt_stride, slots, page_table, seq_lens, q_starts,
+                     (int *)(q_mem + q_bytes + 2 * d_bytes), scale, (int8_t *)q_mem, (float *)(q_mem + q_bytes),
+                     (int32_t *)(q_mem + q_bytes + d_bytes)};
+    atomic_init(&s.barrier.arrived, 0);
+    atomic_init(&s.barrier.generation, 0);
+    atomic_init(&s.barrier.work, 0);
+    for (int b = 0; b < B; b++)
+        for (int t = q_starts[b]; t < q_starts[b + 1]; t++) s.row_seq[t] = b;
+    parallel(layers_task, &s, nth);
+    return 0;
 }
 
 /* lpd_linear's input step and rounding, back in float: out [M, K] = the rows it would multiply (its two int8
@@ -907,9 +1048,10 @@ static void round_task(void *ctx, int ith, int nth) {
     float *d = (float *)(q + 2 * K);
     int32_t *isum = (int32_t *)(d + nb);
     for (int m = lo; m < hi; m++) {
-        input_row(a->pre, a->x + (size_t)m * xw, a->residual ? a->residual + (size_t)m * K : NULL, a->norm_w, a->eps,
-                  a->sum_out ? a->sum_out + (size_t)m * K : NULL, K, h);
-        quantize_row(h, K, 0, q, q + K, d, isum);
+        const float *xm = a->x + (size_t)m * xw, *res = a->residual ? a->residual + (size_t)m * K : NULL;
+        float rn = a->pre == PRE_NORM ? norm_factor(xm, res, K, a->eps) : 0.f;
+        input_cols(a->pre, xm, res, a->norm_w, rn, a->sum_out ? a->sum_out + (size_t)m * K : NULL, K, 0, K, h);
+        quantize_blocks(h, 0, nb, 0, q, q + K, d, isum);
         float *row = r->out + (size_t)m * K;
         for (int k = 0; k < K; k++) row[k] = (float)(256 * (int)q[k] + (int)q[K + k]) * d[k / 32];
     }

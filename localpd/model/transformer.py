@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from dataclasses import dataclass, replace
 
 import torch
@@ -199,7 +200,7 @@ class Transformer:
             out = out * c.embed_scale
         plans = self._cpu_layer_plans(kv, T) if self.fused else None
         if plans is not None:  # each layer in one call of localpd's CPU kernels
-            out, x = self._cpu_layers(plans, batch, kv, out, rope, local, still, scale)
+            out, x = self._cpu_layers(plans, batch, kv, out, rope, local, scale)
         for li, layer in enumerate(self.layers if plans is None else []):
             pages = kv.layer(li)
             qkv, x = normed(layer.qkv, out, x, layer.attn_norm, c.norm_eps)
@@ -227,10 +228,10 @@ class Transformer:
             return scores, add_rms_norm(out[rows], x[rows], self.norm, c.norm_eps)[0].float()
         return scores
 
-    def _cpu_layer_plans(self, kv: KVPool, T: int) -> list | None:
-        """Every layer's cpu.LayerPlan where one call of the CPU kernels can run each layer of this step (fp32 rows on
-        the CPU, few enough for their int8 dot products, fp32 pages, the plain Llama layer with int4/int8 weights);
-        else None, and the layers run op by op."""
+    def _cpu_layer_plans(self, kv: KVPool, T: int):
+        """Every layer's cpu.LayerPlan (a ctypes array) where one call of the CPU kernels can run the layers of this
+        step (fp32 rows on the CPU, few enough for their int8 dot products, fp32 pages, the plain Llama layer with
+        int4/int8 weights); else None, and the layers run op by op."""
         c = self.config
         if (self.device.type != "cpu" or self.dtype != torch.float32 or T >= cpu.GEMM_ROWS or use_triton(kv.k)
                 or kv.k.dtype != torch.float32 or kv.v.dtype != torch.float32 or kv.has_stage or cpu.library() is None):
@@ -240,26 +241,35 @@ class Transformer:
             plans = [cpu.layer_plan([L.qkv, L.o, L.gate_up, L.down], L.attn_norm, L.mlp_norm, c.n_heads,
                                     c.n_kv_heads, c.head_dim, c.act, c.norm_eps) if plain else None
                      for L in self.layers]
-            self._cpu_plans = None if None in plans else plans
+            self._cpu_plans = None if None in plans else (cpu.LayerPlan * len(plans))(*plans)
         return self._cpu_plans
 
-    def _cpu_layers(self, plans: list, batch: Batch, kv: KVPool, out: torch.Tensor, rope, local, still,
+    def _cpu_caches(self, kv: KVPool):
+        """The layers' cpu.LayerCache array for this pool (its pages, each layer's window and rotation), kept while
+        the same pool comes back."""
+        kept, key = getattr(self, "_cpu_kept", None), (kv.k.data_ptr(), kv.v.data_ptr())
+        if kept is None or kept[0]() is not kv or kept[1] != key:
+            c = self.config
+            nope, swa = set(c.nope_layers), set(c.swa_layers)
+            windows = [c.sliding_window if li in swa else 0 for li in range(c.n_layers)]
+            ropes = [2 if li in nope else 1 if li in swa else 0 for li in range(c.n_layers)]
+            kept = self._cpu_kept = (weakref.ref(kv), key, cpu.layer_caches(list(kv.k), list(kv.v), windows, ropes))
+        return kept[2]
+
+    def _cpu_layers(self, plans, batch: Batch, kv: KVPool, out: torch.Tensor, rope, local,
                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """forward's layer loop as one cpu.decode_layer call a layer (the same kernels in the same order): the last
+        """forward's layer loop as one cpu.decode_layers call (the same kernels in the same order): the last
         layer's output and the residual stream."""
         c = self.config
         T = out.shape[0]
-        nope, swa = set(c.nope_layers), set(c.swa_layers)
         out = out.contiguous()
         x = torch.empty_like(out)
         scratch = (out.new_empty(T, (c.n_heads + 2 * c.n_kv_heads) * c.head_dim),
                    out.new_empty(T, c.n_heads * c.head_dim), out.new_empty(T, plans[0].gate_up.N))
-        slots, lens, starts = batch.slots.contiguous(), batch.seq_lens.contiguous(), batch.q_starts.contiguous()
-        table = batch.page_table.contiguous()
-        for li in range(len(plans)):
-            rot_cos, rot_sin = still if li in nope else local if li in swa else rope
-            cpu.decode_layer(plans[li], out, x, li > 0, scratch, rot_cos, rot_sin, kv.k[li], kv.v[li], kv.page_size,
-                             slots, table, lens, starts, scale, c.sliding_window if li in swa else 0)
+        rotations = tuple((cos.contiguous(), sin.contiguous()) for cos, sin in (rope, local))
+        cpu.decode_layers(plans, self._cpu_caches(kv), out, x, False, scratch, rotations, kv.page_size, kv.k.shape[1],
+                          batch.slots.contiguous(), batch.page_table.contiguous(), batch.seq_lens.contiguous(),
+                          batch.q_starts.contiguous(), scale)
         return out, x
 
     def _body(self):

@@ -68,17 +68,17 @@ def test_decode_perplexity_within_two_thousandths_of_the_reference(engine, nativ
     assert abs(fast / ref - 1) < 0.002, (fast, ref)
 
 
-def test_a_layer_in_one_call_equals_the_layer_op_by_op(native, monkeypatch):
-    """Decode steps with each layer in one call of the CPU kernels (cpu.decode_layer, where the forward can) give
+def test_the_layers_in_one_call_equal_the_layers_op_by_op(native, monkeypatch):
+    """Decode steps with the layers in one call of the CPU kernels (cpu.decode_layers, where the forward can) give
     the very logits of the same kernels called op by op."""
     model = native.model
     ids = native.encode_chat(CONVERSATIONS[3])
     assert len(ids) > 30
     calls = []
-    real = cpu.decode_layer
-    monkeypatch.setattr(cpu, "decode_layer", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = cpu.decode_layers
+    monkeypatch.setattr(cpu, "decode_layers", lambda *a, **k: calls.append(1) or real(*a, **k))
     one_call = decode_logits(model, ids, 20)
-    assert len(calls) == (len(ids) - 21) * model.config.n_layers  # decode steps only: a 20-token prefill goes op by op
+    assert len(calls) == len(ids) - 21  # decode steps only: a 20-token prefill goes op by op
     monkeypatch.setattr(type(model), "_cpu_layer_plans", lambda self, kv, T: None)
     assert torch.equal(decode_logits(model, ids, 20), one_call)
 
