@@ -40,6 +40,8 @@ PRE = {None: 0, "norm": 1, "silu": 2, "gelu_tanh": 3}  # lpd_linear's input step
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 SIGNATURES = {
     "lpd_isa": ([], ctypes.c_char_p),
+    "lpd_huge_pages": ([_P, ctypes.c_size_t], _I),
+    "lpd_trim": ([], None),
     "lpd_threads": ([], ctypes.c_char_p),
     "lpd_linear": ([_I, _P, _P, _P, _F, _P, _I, _I, _I, _P, _P, _P, _I, _I, _P, _P, _I], _I),
     "lpd_attention": ([_P, _L, _L, _I, _I, _I, _P, _P, _I, _I, _P, _L, _I, _I, _P, _P, _I, _F, _I, _P, _I], _I),
@@ -209,6 +211,35 @@ def weight_plan(w) -> Plan | None:
                         w.group, n, k)
         w.__dict__["_cpu_plan"] = plan
     return plan
+
+
+HUGE_PAGE = 2 << 20
+
+
+def gather_weights(weights: list) -> int:
+    """Moves the tensors of these int4/int8 weights (each once, however often listed) into one buffer whose pages
+    are 2 MiB where the system allows (lpd_huge_pages), as llama.cpp's one mapped file is: the products stream them
+    with a TLB entry per 2 MiB instead of per 4 KiB. The weights' fields then view that buffer; returns its size in
+    bytes (0 without kernels or weights)."""
+    lib = library()
+    fields = {Int4Weight: ("packed", "scales", "biases"), Int8Weight: ("data", "scales")}
+    todo = {id(w): w for w in weights if type(w) in fields and getattr(w, fields[type(w)][0]).device.type == "cpu"}
+    todo = todo if lib else {}
+    parts = [(w, f, getattr(w, f)) for w in todo.values() for f in fields[type(w)]]
+    sizes = [(t.nbytes + 63) // 64 * 64 for _, _, t in parts]
+    if not parts:
+        return 0
+    buf = torch.empty(sum(sizes) + HUGE_PAGE, dtype=torch.uint8)
+    start = -buf.data_ptr() % HUGE_PAGE
+    lib.lpd_huge_pages(buf.data_ptr() + start, sum(sizes) // HUGE_PAGE * HUGE_PAGE)  # advice only: fine if refused
+    at = start
+    for (w, f, t), n in zip(parts, sizes):
+        view = buf[at:at + t.nbytes].view(t.dtype).view(t.shape)
+        setattr(w, f, view.copy_(t))
+        at += n
+    del parts, t
+    lib.lpd_trim()  # the first copies' memory back to the system
+    return sum(sizes)
 
 
 def takes_linear(x: torch.Tensor, w, bias, norm) -> bool:

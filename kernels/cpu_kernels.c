@@ -18,6 +18,12 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define cpu_relax() _mm_pause()
@@ -36,6 +42,26 @@
 #endif
 
 const char *lpd_isa(void) { return LPD_ISA; }
+
+/* Asks the kernel to back [p, p + n) with transparent huge pages before it is first written (Linux, where THP is
+ * "madvise"): a decode step streams every weight once, and on 4 KiB pages each page is a TLB miss that stops the
+ * hardware prefetcher at its boundary. Returns 0, or -1 where the kernel or the system does not take the advice. */
+int lpd_huge_pages(void *p, size_t n) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    return madvise(p, n, MADV_HUGEPAGE);
+#else
+    (void)p, (void)n;
+    return -1;
+#endif
+}
+
+/* Gives the C heap's free memory back to the system (glibc keeps freed chunks: the weights' first copies, once
+ * moved, would stay counted in the process's memory). */
+void lpd_trim(void) {
+#if defined(__GLIBC__)
+    malloc_trim(0);
+#endif
+}
 
 /* ------------------------------------------------------------------------------------------------------------
  * Threads. Built with OpenMP (linked to torch's own runtime, kernels/cpu.py), a call's shares run on the same team

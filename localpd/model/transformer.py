@@ -167,6 +167,9 @@ class Transformer:
             local = replace(config, rope_theta=config.rope_local_theta, rope_scaling=None)
             self.local_inv_freq = rope_tables(local)[0].to(self.device)
         self.head_cols = head_cols(config).to(self.device) if config.proj_head_dim else None
+        if self.device.type == "cpu":  # the CPU kernels' weights in one buffer on huge pages
+            cpu.gather_weights([lin.weight for L in self.layers for lin in (L.qkv, L.o, L.gate_up, L.down)]
+                               + [self.lm_head.weight, self.embed])
 
     def _rope(self, positions: torch.Tensor, inv_freq: torch.Tensor, scale: torch.Tensor | None = None):
         angles = torch.outer(positions.float(), inv_freq)

@@ -231,3 +231,70 @@ def test_tables_outside_the_pool_are_an_error_not_a_crash(lib):
     with pytest.raises(LocalpdError, match="outside the KV pool"):
         cpu.rope_write(qkv, angles.cos(), angles.sin(), layer, torch.tensor([3, 64]), 9, 3, lib=lib)
     assert torch.equal(layer.k, before)
+
+
+def test_decode_layers_in_one_call_equal_the_kernels_op_by_op(lib):
+    """lpd_decode_layers runs three layers (int4, int8 and per-row int8 weights, an odd block count in down, RoPE
+    of the step, the local one with a sliding window, none) over two sequences (a decode row and a two-row chunk,
+    pages out of order) in one parallel region: the same floats, KV writes and residual stream as the kernels
+    called one by one."""
+    from types import SimpleNamespace
+
+    from localpd.kernels.dispatch import PreNorm
+
+    g = torch.Generator().manual_seed(11)
+    Hq, H, D, dim, ffn, ps, eps = 4, 2, 16, 64, 96, 8, 1e-5
+    kinds, ropes, windows = [("int4", 32), ("int8", 32), ("int8", None)], [0, 1, 2], [0, 5, 0]
+    layers = []
+    for kind, group in kinds:
+        lin = [SimpleNamespace(weight=weights(kind, n, k, group or k, g), bias=None)
+               for n, k in [((Hq + 2 * H) * D, dim), (dim, Hq * D), (2 * ffn, dim), (dim, ffn)]]
+        layers.append((lin, torch.rand(dim, generator=g) + 0.5, torch.rand(dim, generator=g) + 0.5))
+    pool = new_kv_pool("fp32", 3, 8, ps, H, D, torch.float32, "cpu")
+    pool.k.copy_(torch.randn(pool.k.shape, generator=g))
+    pool.v.copy_(torch.randn(pool.v.shape, generator=g))
+    other = new_kv_pool("fp32", 3, 8, ps, H, D, torch.float32, "cpu")
+    other.k.copy_(pool.k), other.v.copy_(pool.v)
+    page_table = torch.tensor([[5, 2, 7], [0, 3, 0]], dtype=torch.int32)
+    seq_lens, q_starts = torch.tensor([20, 9], dtype=torch.int32), torch.tensor([0, 1, 3], dtype=torch.int32)
+    positions = [19, 7, 8]
+    slots = torch.tensor([int(page_table[b, p // ps]) * ps + p % ps for b, p in zip([0, 1, 1], positions)])
+    rotations = [((a := torch.rand(3, D // 2, generator=g) * 6).cos(), a.sin()) for _ in range(2)]
+    emb = torch.randn(3, dim, generator=g)
+
+    out, x = emb.clone(), None  # op by op
+    for li, ((qkv_l, o_l, gu_l, down_l), attn_norm, mlp_norm) in enumerate(layers):
+        layer = pool.layer(li)
+        qkv, x = cpu.linear(out, qkv_l.weight, None, None, PreNorm(x, attn_norm, eps), lib=lib)
+        cos, sin = rotations[ropes[li]] if ropes[li] < 2 else (torch.ones(3, D // 2), torch.zeros(3, D // 2))
+        q = cpu.rope_write(qkv, cos, sin, layer, slots, Hq, H, lib=lib)
+        attn = cpu.attention(q, layer, page_table, seq_lens, q_starts, 0.25, windows[li], lib=lib)
+        out = cpu.linear(attn.reshape(3, Hq * D), o_l.weight, lib=lib)
+        gate_up, x = cpu.linear(out, gu_l.weight, None, None, PreNorm(x, mlp_norm, eps), lib=lib)
+        out = cpu.linear(gate_up, down_l.weight, None, "silu", lib=lib)
+
+    plans = (cpu.LayerPlan * 3)(*[cpu.layer_plan(lin, an, mn, Hq, H, D, "silu", eps) for lin, an, mn in layers])
+    caches = cpu.layer_caches(list(other.k), list(other.v), windows, ropes)
+    got, got_x = emb.clone(), torch.empty(3, dim)
+    scratch = (torch.empty(3, (Hq + 2 * H) * D), torch.empty(3, Hq * D), torch.empty(3, 2 * ffn))
+    cpu.decode_layers(plans, caches, got, got_x, False, scratch, rotations, ps, 8, slots, page_table, seq_lens,
+                      q_starts, 0.25, lib=lib)
+    assert torch.equal(got, out) and torch.equal(got_x, x)
+    assert torch.equal(other.k, pool.k) and torch.equal(other.v, pool.v)
+
+
+def test_gathered_weights_view_one_buffer_and_multiply_the_same():
+    """gather_weights moves int4 and int8 weights (one listed twice) into one buffer, 2 MiB-aligned; the products
+    after the move equal those before, bit for bit."""
+    g = torch.Generator().manual_seed(8)
+    ws = [weights("int4", 96, 576, 32, g), weights("int8", 64, 160, 32, g)]
+    x = torch.randn(1, 576, generator=g), torch.randn(1, 160, generator=g)
+    before = [cpu.linear(xi, w) for xi, w in zip(x, ws)]
+    moved = cpu.gather_weights(ws + ws[:1])
+    assert moved >= sum(w.nbytes for w in ws)
+    tensors = [ws[0].packed, ws[0].scales, ws[0].biases, ws[1].data, ws[1].scales]
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
+    assert ws[0].packed.data_ptr() % cpu.HUGE_PAGE == 0
+    for w in ws:
+        w.__dict__.pop("_cpu_plan", None)  # its pointers were the old tensors'
+    assert all(torch.equal(cpu.linear(xi, w), b) for xi, w, b in zip(x, ws, before))
