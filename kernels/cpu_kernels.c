@@ -274,6 +274,7 @@ typedef struct {
     size_t lo;
     const float *xd;
     const int32_t *xsum;
+    const float *xsf;   /* xd x xsum, each block's sum in float (gemm_task fills it): what an int4 bias multiplies */
     const int16_t *x16; /* AVX2: each input value as one int16, 256 hi + lo (gemm_task fills it) */
     const uint8_t *w;
     const uint16_t *scales, *biases;
@@ -356,32 +357,6 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
 }
 #endif
-
-/* Row n's scales (and int4 biases) as floats, one per block of 32 columns. */
-static void row_scales(const gemm_args *a, int n, float *ws, float *wb) {
-    int nb = a->K / 32, ng = a->K / a->group, per_group = a->group / 32;
-    const uint16_t *srow = a->scales + (size_t)n * ng, *brow = a->biases ? a->biases + (size_t)n * ng : NULL;
-    int b = 0;
-#if defined(LPD_AVX512)
-    if (per_group == 1) {
-        for (; b + 16 <= nb; b += 16) {
-            _mm512_storeu_ps(ws + b, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(srow + b))));
-            if (brow) _mm512_storeu_ps(wb + b, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(brow + b))));
-        }
-    }
-#elif defined(LPD_AVX2)
-    if (per_group == 1) {
-        for (; b + 8 <= nb; b += 8) {
-            _mm256_storeu_ps(ws + b, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(srow + b))));
-            if (brow) _mm256_storeu_ps(wb + b, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(brow + b))));
-        }
-    }
-#endif
-    for (; b < nb; b++) {
-        ws[b] = half_to_float(srow[b / per_group]);
-        if (brow) wb[b] = half_to_float(brow[b / per_group]);
-    }
-}
 
 #if defined(LPD_AVX512)
 /* One input row (decode) against weight rows n .. n + 3, every block in a pair (nb even): the four rows' sums stay
@@ -492,32 +467,47 @@ static void gemv4(const gemm_args *a, int n, const float *ds, const float *extra
 #endif
 
 /* Row n's factors for input rows m0 .. m0 + mm - 1: ds[m * nb + b] = weight scale x input scale of block b, and
- * extra[m] = what is added to the scaled sums (int4 biases x input sums, AVX512's int8 correction for its first
- * xor_blocks blocks, the layer's bias). ws, wb: nb floats of scratch each. */
-static void row_factors(const gemm_args *a, int n, int m0, int mm, int xor_blocks, float *ws, float *wb, float *ds,
-                        float *extra) {
-    int nb = a->K / 32;
-    row_scales(a, n, ws, wb);
+ * extra[m] = what is added to the scaled sums (int4 biases x the blocks' sums, AVX512's int8 correction for its
+ * first xor_blocks blocks, the layer's bias). Eight blocks at a time from the float16 scales where a group is one
+ * block (Q4_1's, Q8_0's), the rest one by one. */
+static void row_factors(const gemm_args *a, int n, int m0, int mm, int xor_blocks, float *ds, float *extra) {
+    int nb = a->K / 32, ng = a->K / a->group, per_group = a->group / 32;
+    const uint16_t *srow = a->scales + (size_t)n * ng, *brow = a->bits == 4 ? a->biases + (size_t)n * ng : NULL;
     for (int m = 0; m < mm; m++) {
-        const float *xd = a->xd + (size_t)(m0 + m) * nb;
-        const int32_t *xs = a->xsum + (size_t)(m0 + m) * nb;
-        float *dm = ds + m * nb, e = 0.f, c = 0.f;
-        for (int b = 0; b < nb; b++) dm[b] = ws[b] * xd[b];
-        if (a->bits == 4) { /* the groups' biases times the blocks' sums */
-            for (int b = 0; b < nb; b++) e += wb[b] * xd[b] * (float)xs[b];
-        } else { /* AVX512's (w + 128) x, less 128 * sum(x) */
-            for (int b = 0; b < xor_blocks; b++) c += dm[b] * (float)xs[b];
+        const float *xd = a->xd + (size_t)(m0 + m) * nb, *xsf = a->xsf + (size_t)(m0 + m) * nb;
+        float *dm = ds + m * nb, e = 0.f;
+        int b = 0;
+#if defined(LPD_AVX512) || defined(LPD_AVX2)
+        if (per_group == 1) {
+            __m256 ev = _mm256_setzero_ps();
+            for (; b + 8 <= nb; b += 8) {
+                __m256 w = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(srow + b)));
+                _mm256_storeu_ps(dm + b, _mm256_mul_ps(w, _mm256_loadu_ps(xd + b)));
+                if (brow)
+                    ev = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(brow + b))),
+                                         _mm256_loadu_ps(xsf + b), ev);
+            }
+            e = hsum8(ev);
+        }
+#endif
+        for (; b < nb; b++) {
+            dm[b] = half_to_float(srow[b / per_group]) * xd[b];
+            if (brow) e += half_to_float(brow[b / per_group]) * xsf[b];
+        }
+        if (a->bits == 8) { /* AVX512's (w + 128) x, less 128 * sum(x) */
+            const int32_t *xs = a->xsum + (size_t)(m0 + m) * nb;
+            float c = 0.f;
+            for (b = 0; b < xor_blocks; b++) c += dm[b] * (float)xs[b];
             e = -128.f * c;
         }
         extra[m] = e + (a->bias ? a->bias[n] : 0.f);
     }
 }
 
-/* Weight rows n0 .. n1 - 1 against every input row. ws: the thread's scratch (gemm_task). */
-static void gemm_rows(const gemm_args *a, int n0, int n1, float *ws) {
+/* Weight rows n0 .. n1 - 1 against every input row. ds: the thread's scratch (gemm_task). */
+static void gemm_rows(const gemm_args *a, int n0, int n1, float *ds) {
     int K = a->K, nb = K / 32, N = a->N;
     size_t row_bytes = a->bits == 4 ? K / 2 : K;
-    float *wb = ws + nb, *ds = wb + nb;
     int32_t *sums = (int32_t *)(ds + ROWS_AT_ONCE * nb);
 #if defined(LPD_AVX512)
     int vec_blocks = nb & ~1, xor_blocks = vec_blocks; /* two at a time; an odd last one goes alone */
@@ -531,7 +521,7 @@ static void gemm_rows(const gemm_args *a, int n0, int n1, float *ws) {
     if (a->M == 1 && vec_blocks == nb) {
         for (; n + 4 <= n1; n += 4) {
             float extra[4];
-            for (int r = 0; r < 4; r++) row_factors(a, n + r, 0, 1, xor_blocks, ws, wb, ds + r * nb, extra + r);
+            for (int r = 0; r < 4; r++) row_factors(a, n + r, 0, 1, xor_blocks, ds + r * nb, extra + r);
             gemv4(a, n, ds, extra);
         }
     }
@@ -541,7 +531,7 @@ static void gemm_rows(const gemm_args *a, int n0, int n1, float *ws) {
         for (int m0 = 0; m0 < a->M; m0 += ROWS_AT_ONCE) {
             int mm = a->M - m0 < ROWS_AT_ONCE ? a->M - m0 : ROWS_AT_ONCE;
             float extra[ROWS_AT_ONCE];
-            row_factors(a, n, m0, mm, xor_blocks, ws, wb, ds, extra);
+            row_factors(a, n, m0, mm, xor_blocks, ds, extra);
 #if defined(LPD_AVX512)
             if (vec_blocks == nb) {
                 gemm1x4(a, n, m0, mm, ds, extra);
@@ -596,24 +586,26 @@ static void gemm_task(void *ctx, int ith, int nth) {
     int K = a->K, nb = K / 32;
     static __thread void *buf;
     static __thread size_t cap;
-    size_t factors = sizeof(float) * (2 * nb + 2 * ROWS_AT_ONCE * nb);
+    size_t factors = sizeof(float) * (2 * ROWS_AT_ONCE * nb + (size_t)a->M * nb); /* ds, sums, xsf */
 #if defined(LPD_AVX2)
     size_t wide = sizeof(int16_t) * (size_t)a->M * K;
 #else
     size_t wide = 0;
 #endif
-    float *ws = scratch(&buf, &cap, factors + wide + 64);
-    if (!ws) return;
+    float *ds = scratch(&buf, &cap, factors + wide + 64);
+    if (!ds) return;
+    gemm_args own = *a;
+    float *xsf = ds + 2 * ROWS_AT_ONCE * nb;
+    for (size_t i = 0; i < (size_t)a->M * nb; i++) xsf[i] = a->xd[i] * (float)a->xsum[i];
+    own.xsf = xsf;
 #if defined(LPD_AVX2)
-    gemm_args wide_args = *a;
-    int16_t *x16 = (int16_t *)((char *)ws + factors);
+    int16_t *x16 = (int16_t *)((char *)ds + factors);
     for (size_t i = 0; i < (size_t)a->M * K; i++) x16[i] = (int16_t)(256 * a->xq[i] + a->xq[a->lo + i]);
-    wide_args.x16 = x16;
-    a = &wide_args;
+    own.x16 = x16;
 #endif
     int n0, n1;
     share(a->N, ith, nth, &n0, &n1);
-    gemm_rows(a, n0, n1, ws);
+    gemm_rows(&own, n0, n1, ds);
 }
 
 typedef struct {
@@ -662,7 +654,8 @@ int lpd_linear(int pre, const float *x, const float *residual, const float *norm
     input_args in = {pre, M, K, bits == 4, x, residual, norm_w, eps, sum_out, (int8_t *)mem,
                      (float *)(mem + q_bytes), (int32_t *)(mem + q_bytes + d_bytes)};
     parallel(input_task, &in, M >= 8 ? nth : 1);
-    gemm_args g = {M, N, K, group, bits, in.xq, (size_t)M * K, in.xd, in.xsum, NULL, w, scales, biases, bias, y};
+    gemm_args g = {M, N, K, group, bits, in.xq, (size_t)M * K, in.xd, in.xsum, NULL, NULL, w, scales, biases,
+                   bias, y};
     parallel(gemm_task, &g, nth);
     return 0;
 }
@@ -981,7 +974,7 @@ static void linear_phase(layers_args *s, int ith, int nth, int pre, const lin_pl
     input_args in = {pre, M, l->K, l->bits == 4, x, residual, norm_w, eps, sum_out, s->xq, s->xd, s->xsum};
     input_task(&in, ith, nth);
     barrier_wait(&s->barrier, nth);
-    gemm_args g = {M, l->N, l->K, l->group, l->bits, s->xq, (size_t)M * l->K, s->xd, s->xsum, NULL, l->w,
+    gemm_args g = {M, l->N, l->K, l->group, l->bits, s->xq, (size_t)M * l->K, s->xd, s->xsum, NULL, NULL, l->w,
                    l->scales, l->biases, l->bias, y}; /* equal shares: measured faster than
                                                                           * taking chunks from a counter */
     gemm_task(&g, ith, nth);
