@@ -673,8 +673,11 @@ typedef struct {
     float scale;
     float *out;
     int *row_seq; /* each row's sequence */
-    int heads_per_task; /* query heads of one key head a task takes */
-    atomic_int *next;   /* where given (zero at the start), threads take a task at a time from it */
+    int per;      /* query heads of one key head a task takes: each key and value row read once for them */
+    int splits;   /* parts a row's positions are cut into, each a task (attention_shape) */
+    float *part;  /* splits > 1: each (row, query head, part)'s max score, sum of exponentials and D unscaled
+                   * outputs, [T, Hq, splits, D + 2], which merge_task joins */
+    atomic_int *next; /* where given (zero at the start), threads take a task at a time from it */
 } attn_args;
 
 /* q . k over a head: four independent sums, where one sum's chain of adds set the pace */
@@ -714,11 +717,12 @@ static inline void prefetch_row(const float *row, int D) { /* a prefetch never f
 #endif
 }
 
+/* A task: query heads hq0 .. hq0 + per - 1 of one key head, for one row, over one part of its positions. */
 static void attention_task(void *ctx, int ith, int nth) {
     const attn_args *a = ctx;
-    int D = a->D, H = a->H, PS = a->PS, group = a->Hq / a->H, per = a->heads_per_task, parts = group / per;
+    int D = a->D, H = a->H, PS = a->PS, group = a->Hq / a->H, per = a->per, parts = group / per, splits = a->splits;
     long tok = (long)H * D;
-    int lo = 0, hi, tasks = a->T * H * parts;
+    int lo = 0, hi, tasks = a->T * H * parts * splits;
     if (a->next) hi = tasks; /* a task at a time from the counter, for as long as it has any */
     else share(tasks, ith, nth, &lo, &hi);
     static __thread void *buf;
@@ -726,17 +730,19 @@ static void attention_task(void *ctx, int ith, int nth) {
     for (int i = lo; i < hi; i++) {
         int task_i = a->next ? atomic_fetch_add_explicit(a->next, 1, memory_order_relaxed) : i;
         if (task_i >= tasks) break;
-        int t = task_i / (H * parts), kvh = task_i / parts % H, hq0 = kvh * group + task_i % parts * per;
+        int sp = task_i % splits, head_task = task_i / splits;
+        int t = head_task / (H * parts), kvh = head_task / parts % H, hq0 = kvh * group + head_task % parts * per;
         int b = a->row_seq[t], n = a->seq_lens[b], rows = a->q_starts[b + 1] - a->q_starts[b];
         int pos = n - rows + (t - a->q_starts[b]);
         int first = a->window > 0 && pos - a->window + 1 > 0 ? pos - a->window + 1 : 0;
-        int len = pos + 1 - first;
+        int all = pos + 1 - first, j0 = (int)((long)all * sp / splits), len = (int)((long)all * (sp + 1) / splits) - j0;
+        first += j0;
         float *s = scratch(&buf, &cap, sizeof(float) * (size_t)per * (len + D));
         if (!s) return;
         float *acc = s + (size_t)per * len;
         const float *q = a->q + t * a->q_t + hq0 * a->q_h;
         const int32_t *pages = a->page_table + b * a->pt_stride;
-        /* per query heads sharing a key head take each key and value row from memory once; the rows go page by
+        /* the per query heads sharing a key head take each key and value row from memory once; the rows go page by
          * page (no division a row), the row PREFETCH ahead requested early: a layer's pages have left the caches
          * by the next step, and the page table hides the stride from the hardware */
         float mx[MAX_GROUP];
@@ -744,7 +750,7 @@ static void attention_task(void *ctx, int ith, int nth) {
         const float *kbase = a->k + (long)kvh * D, *vbase = a->v + (long)kvh * D;
         for (int j = 0, run; j < len;) {
             const float *kr = kbase + page_run(pages, first + j, PS, len - j, tok, &run);
-            for (int i = 0; i < run; i++, j++, kr += tok) {
+            for (int r = 0; r < run; r++, j++, kr += tok) {
                 prefetch_row(kr + PREFETCH * tok, D);
                 for (int h = 0; h < per; h++) {
                     float sj = s[h * len + j] = dot_head(q + h * a->q_h, kr, D) * a->scale;
@@ -764,7 +770,7 @@ static void attention_task(void *ctx, int ith, int nth) {
         for (int d = 0; d < per * D; d++) acc[d] = 0.f;
         for (int j = 0, run; j < len;) {
             const float *vr = vbase + page_run(pages, first + j, PS, len - j, tok, &run);
-            for (int i = 0; i < run; i++, j++, vr += tok) {
+            for (int r = 0; r < run; r++, j++, vr += tok) {
                 prefetch_row(vr + PREFETCH * tok, D);
                 for (int h = 0; h < per; h++) {
                     float e = s[h * len + j], *ah = acc + h * D;
@@ -773,9 +779,39 @@ static void attention_task(void *ctx, int ith, int nth) {
             }
         }
         for (int h = 0; h < per; h++) {
-            float inv = 1.0f / sum[h], *o = a->out + ((long)t * a->Hq + hq0 + h) * D;
-            for (int d = 0; d < D; d++) o[d] = acc[h * D + d] * inv;
+            long head = (long)t * a->Hq + hq0 + h;
+            if (splits == 1) {
+                float inv = 1.0f / sum[h], *o = a->out + head * D;
+                for (int d = 0; d < D; d++) o[d] = acc[h * D + d] * inv;
+            } else { /* this part's max, sum and unscaled outputs, for merge_task */
+                float *p = a->part + (head * splits + sp) * (D + 2);
+                p[0] = mx[h];
+                p[1] = sum[h];
+                memcpy(p + 2, acc + h * D, sizeof(float) * D);
+            }
         }
+    }
+}
+
+/* Each (row, query head)'s parts joined: outputs rescaled to the largest max among them, over their joint sum. */
+static void merge_task(void *ctx, int ith, int nth) {
+    const attn_args *a = ctx;
+    int D = a->D, splits = a->splits, lo, hi;
+    share(a->T * a->Hq, ith, nth, &lo, &hi);
+    for (int head = lo; head < hi; head++) {
+        const float *p = a->part + (long)head * splits * (D + 2);
+        float m = -INFINITY, z = 0.f, *o = a->out + (long)head * D;
+        for (int sp = 0; sp < splits; sp++) m = p[sp * (D + 2)] > m ? p[sp * (D + 2)] : m;
+        for (int d = 0; d < D; d++) o[d] = 0.f;
+        for (int sp = 0; sp < splits; sp++) {
+            const float *ps = p + sp * (D + 2);
+            if (ps[1] == 0.f) continue; /* a part without positions */
+            float f = expf(ps[0] - m);
+            z += f * ps[1];
+            for (int d = 0; d < D; d++) o[d] += f * ps[2 + d];
+        }
+        float inv = 1.0f / z;
+        for (int d = 0; d < D; d++) o[d] *= inv;
     }
 }
 
@@ -796,11 +832,30 @@ static int check_tables(int T, int B, const int32_t *seq_lens, const int32_t *q_
     return 0;
 }
 
-/* A task takes as many query heads of a key head as keeps two tasks a thread (a divisor of the group). */
-static int heads_per_task(int T, int Hq, int H, int nth) {
+/* How a step's attention is cut into tasks: each takes the query heads of a key head (at most MAX_GROUP, a divisor
+ * of the group) so that a key or value row is read once for all of them, and each row's positions are cut into
+ * `splits` parts where that leaves fewer than two tasks a thread (a decode row of a model with few key heads),
+ * each part at least 16 positions of the shortest row (`shortest`). */
+typedef struct {
+    int per, splits;
+} attn_shape;
+
+static attn_shape attention_shape(int T, int Hq, int H, int nth, int shortest) {
     int group = Hq / H, per = group;
-    while (per > 1 && (per > MAX_GROUP || group % per || (long)T * H * (group / per) < 2L * nth)) per--;
-    return per;
+    while (per > MAX_GROUP || group % per) per--;
+    long tasks = (long)T * H * (group / per), want = 2L * nth;
+    int splits = tasks >= want ? 1 : (int)((want + tasks - 1) / tasks), most = shortest / 16 > 1 ? shortest / 16 : 1;
+    return (attn_shape){per, splits < most ? splits : most};
+}
+
+/* The fewest positions a row of the step attends to (its window's, or its whole sequence's). */
+static int shortest_row(int B, const int32_t *seq_lens, const int32_t *q_starts, int window) {
+    int least = 1 << 30;
+    for (int b = 0; b < B; b++) {
+        int rows = q_starts[b + 1] - q_starts[b], n = seq_lens[b] - rows + 1; /* the first row's */
+        if (rows > 0) least = n < least ? n : least;
+    }
+    return window > 0 && window < least ? window : least;
 }
 
 /* out [T, Hq, D] (contiguous) = attention of q (row stride q_t, head stride q_h, in floats) over the pages; the page
@@ -812,13 +867,17 @@ int lpd_attention(const float *q, long q_t, long q_h, int T, int Hq, int D, cons
     if (check_tables(T, B, seq_lens, q_starts, page_table, pt_stride, pt_width, n_pages, PS, NULL)) return -2;
     static __thread void *buf;
     static __thread size_t cap;
-    int *row_seq = scratch(&buf, &cap, sizeof(int) * (size_t)(T > 0 ? T : 1));
-    if (!row_seq) return -1;
+    attn_shape shape = attention_shape(T, Hq, H, nth, shortest_row(B, seq_lens, q_starts, window));
+    size_t parts = shape.splits > 1 ? (size_t)T * Hq * shape.splits * (D + 2) : 0;
+    float *part = scratch(&buf, &cap, sizeof(float) * parts + sizeof(int) * (size_t)(T > 0 ? T : 1));
+    if (!part) return -1;
+    int *row_seq = (int *)(part + parts);
     for (int b = 0; b < B; b++)
         for (int t = q_starts[b]; t < q_starts[b + 1]; t++) row_seq[t] = b;
     attn_args a = {q, q_t, q_h, T, Hq, D, H, PS, B, window, k, v, page_table, seq_lens, q_starts, pt_stride, scale,
-                   out, row_seq, heads_per_task(T, Hq, H, nth), NULL};
-    parallel(attention_task, &a, T * Hq >= 2 ? nth : 1);
+                   out, row_seq, shape.per, shape.splits, part, NULL};
+    parallel(attention_task, &a, nth);
+    if (shape.splits > 1) parallel(merge_task, &a, nth);
     return 0;
 }
 
@@ -959,6 +1018,7 @@ typedef struct {
     const int64_t *slots;
     const int32_t *page_table, *seq_lens, *q_starts;
     int *row_seq;
+    float *part; /* attention's partial results (attn_args.part), sized for the most parts any layer takes */
     float scale;
     int8_t *xq; /* the rounded input of the product at hand: 2 M Kmax bytes, then its block scales and sums */
     float *xd;
@@ -996,11 +1056,16 @@ static void layers_task(void *ctx, int ith, int nth) {
         share(T, ith, nth, &t0, &t1);
         rope_rows(s->qkv, row, t0, t1, Hq, H, D, s->cos[r], s->sin[r], s->cs_t, c->rope != 2, s->slots, c->k, c->v);
         barrier_wait(&s->barrier, nth);
+        attn_shape shape = attention_shape(T, Hq, H, nth, shortest_row(s->B, s->seq_lens, s->q_starts, c->window));
         attn_args a = {s->qkv, row, D, T, Hq, D, H, s->PS, s->B, c->window, c->k, c->v, s->page_table, s->seq_lens,
-                       s->q_starts, s->pt_stride, s->scale, s->attn, s->row_seq, heads_per_task(T, Hq, H, nth),
+                       s->q_starts, s->pt_stride, s->scale, s->attn, s->row_seq, shape.per, shape.splits, s->part,
                        &s->barrier.work};
         attention_task(&a, ith, nth);
         barrier_wait(&s->barrier, nth);
+        if (shape.splits > 1) {
+            merge_task(&a, ith, nth);
+            barrier_wait(&s->barrier, nth);
+        }
         linear_phase(s, ith, nth, PRE_NONE, &L->o, s->attn, NULL, NULL, 0.f, NULL, s->out);
         linear_phase(s, ith, nth, PRE_NORM, &L->gate_up, s->out, s->x2, L->mlp_norm, L->eps, s->x, s->gate_up);
         linear_phase(s, ith, nth, L->act, &L->down, s->gate_up, NULL, NULL, 0.f, NULL, s->out);
@@ -1021,22 +1086,31 @@ int lpd_decode_layers(const layer_plan *plans, const layer_cache *caches, int n_
                       int B, float scale, int nth) {
     if (T <= 0 || n_layers <= 0) return 0;
     if (check_tables(T, B, seq_lens, q_starts, page_table, pt_stride, pt_width, n_pages, PS, slots)) return -2;
-    int kmax = 0;
+    int kmax = 0, heads = 0; /* the widest product input, and the most floats a row's attention outputs take */
     for (int li = 0; li < n_layers; li++) {
         const lin_plan *ls[4] = {&plans[li].qkv, &plans[li].o, &plans[li].gate_up, &plans[li].down};
         for (int j = 0; j < 4; j++) kmax = ls[j]->K > kmax ? ls[j]->K : kmax;
+        int h = plans[li].n_heads * (plans[li].head_dim + 2);
+        heads = h > heads ? h : heads;
+    }
+    /* scratch, each piece 64-byte aligned: the residual stream's second buffer, the rounded input (two int8 levels,
+     * block scales, block sums), attention's parts (at most 2 nth a row: attention_shape), each row's sequence */
+    size_t sizes[6] = {sizeof(float) * T * plans[0].qkv.K, 2 * (size_t)T * kmax, sizeof(float) * T * (kmax / 32),
+                       sizeof(int32_t) * T * (kmax / 32), sizeof(float) * T * heads * 2 * (nth > 1 ? nth : 1),
+                       sizeof(int) * T};
+    size_t at[6], total = 0;
+    for (int i = 0; i < 6; i++) {
+        at[i] = total;
+        total += (sizes[i] + 63) / 64 * 64;
     }
     static __thread void *buf;
     static __thread size_t cap;
-    size_t q_bytes = (2 * (size_t)T * kmax + 63) / 64 * 64, d_bytes = ((size_t)T * (kmax / 32) * 4 + 63) / 64 * 64;
-    size_t x_bytes = ((size_t)T * plans[0].qkv.K * sizeof(float) + 63) / 64 * 64;
-    char *mem = scratch(&buf, &cap, x_bytes + q_bytes + 2 * d_bytes + sizeof(int) * (size_t)T);
+    char *mem = scratch(&buf, &cap, total);
     if (!mem) return -1;
-    char *q_mem = mem + x_bytes;
     layers_args s = {plans, caches, n_layers, has_residual, T, B, PS, out, x, qkv, attn, gate_up, (float *)mem,
                      {cos[0], cos[1]}, {sin[0], sin[1]}, cs_t, pt_stride, slots, page_table, seq_lens, q_starts,
-                     (int *)(q_mem + q_bytes + 2 * d_bytes), scale, (int8_t *)q_mem, (float *)(q_mem + q_bytes),
-                     (int32_t *)(q_mem + q_bytes + d_bytes)};
+                     (int *)(mem + at[5]), (float *)(mem + at[4]), scale, (int8_t *)(mem + at[1]),
+                     (float *)(mem + at[2]), (int32_t *)(mem + at[3])};
     atomic_init(&s.barrier.arrived, 0);
     atomic_init(&s.barrier.generation, 0);
     atomic_init(&s.barrier.work, 0);

@@ -168,6 +168,24 @@ def test_attention_decode_and_prefill_chunks(lib, D, Hq, H, ps, window):
     assert (out - want).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("window", [0, 40])
+def test_a_decode_row_cut_into_parts_and_merged(lib, window):
+    """A decode row of one key head over a long context leaves the threads too few tasks, so its positions are cut
+    into parts (a part's max, sum and outputs, merged after): the same attention as the reference."""
+    g = torch.Generator().manual_seed(17 + window)
+    layer = _pool(64, 1, 16, 12, g)
+    q = torch.randn(1, 4, 64, generator=g)
+    args = (layer, torch.randperm(12, generator=g).to(torch.int32)[None], torch.tensor([181], dtype=torch.int32),
+            torch.tensor([0, 1], dtype=torch.int32), 0.125, window)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)  # eight parts wanted: two tasks for each of four threads
+    try:
+        out = cpu.attention(q, *args, lib=lib)
+    finally:
+        torch.set_num_threads(threads)
+    assert (out - paged_attention_ref(q, *args)).abs().max().item() < 1e-5
+
+
 def test_attention_of_strided_queries(lib):
     """Queries as a view of the qkv rows (row stride past the query heads), as the model passes them."""
     g = torch.Generator().manual_seed(2)
