@@ -200,6 +200,35 @@ static inline float half_to_float(uint16_t h) {
 
 /* ------------------------------------------------------------------------------------------------------------
  * The input step and the activations' int8 blocks. */
+#if defined(LPD_AVX512) || defined(LPD_AVX2)
+/* The sum of a register's eight floats. */
+static inline float hsum8(__m256 v) {
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    return _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
+}
+#endif
+
+#if defined(LPD_AVX512) || defined(LPD_AVX2)
+/* e^x of eight floats: x = n ln 2 + r, |r| <= ln 2 / 2, e^r by Cephes' expf polynomial (within 2 ulp of libm's
+ * expf), times 2^n through the exponent bits; x clamped to where e^x is a normal float. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33f)), _mm256_set1_ps(88.37f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
 enum { PRE_NONE = 0, PRE_NORM = 1, PRE_SILU = 2, PRE_GELU_TANH = 3 };
 
 static inline float silu(float g) { return g / (1.0f + expf(-g)); }
@@ -229,7 +258,15 @@ static void input_cols(int pre, const float *x, const float *residual, const flo
             h[k] = s * r * norm_w[k];
         }
     } else if (pre == PRE_SILU) {
-        for (int k = k0; k < k1; k++) h[k] = silu(x[k]) * x[K + k];
+        int k = k0;
+#if defined(LPD_AVX512) || defined(LPD_AVX2)
+        for (; k + 8 <= k1; k += 8) { /* g / (1 + e^-g) * up */
+            __m256 g = _mm256_loadu_ps(x + k), one = _mm256_set1_ps(1.f);
+            __m256 act = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+            _mm256_storeu_ps(h + k, _mm256_mul_ps(act, _mm256_loadu_ps(x + K + k)));
+        }
+#endif
+        for (; k < k1; k++) h[k] = silu(x[k]) * x[K + k];
     } else if (pre == PRE_GELU_TANH) {
         for (int k = k0; k < k1; k++) h[k] = gelu_tanh(x[k]) * x[K + k];
     } else {
@@ -242,17 +279,56 @@ static void input_cols(int pre, const float *x, const float *residual, const flo
  * ~15 bits where one int8 level alone cost +0.5% perplexity on the default model's decode. isum = sum of (256 hi +
  * lo). `deint` stores each block's even columns first, then its odd ones (the order of an int4 block's low and
  * high nibbles). hi, lo, d, isum: the row's, indexed as h is. */
+#if defined(LPD_AVX512) || defined(LPD_AVX2)
+/* Four registers of eight int32 (a block's 32 values in order, each within int8) as 32 int8 in that order, or
+ * with deint, the even columns first, then the odd ones. */
+static inline __m256i pack_block(__m256i v0, __m256i v1, __m256i v2, __m256i v3, int deint) {
+    __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(v0, v1), _mm256_packs_epi32(v2, v3)); /* lanes interleaved */
+    b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));            /* columns 0 .. 31 */
+    if (!deint) return b;
+    __m256i even_first = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                          0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    return _mm256_permute4x64_epi64(_mm256_shuffle_epi8(b, even_first), _MM_SHUFFLE(3, 1, 2, 0));
+}
+#endif
+
 static void quantize_blocks(const float *h, int b0, int b1, int deint, int8_t *hi, int8_t *lo, float *d,
                             int32_t *isum) {
     for (int b = b0; b < b1; b++) {
         const float *v = h + b * 32;
+#if defined(LPD_AVX512) || defined(LPD_AVX2)
+        __m256 x[4], sign = _mm256_set1_ps(-0.f);
+        for (int i = 0; i < 4; i++) x[i] = _mm256_loadu_ps(v + 8 * i);
+        __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, x[0]), _mm256_andnot_ps(sign, x[1])),
+                                 _mm256_max_ps(_mm256_andnot_ps(sign, x[2]), _mm256_andnot_ps(sign, x[3])));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        float step = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+        __m256 vstep = _mm256_set1_ps(step), vinv = _mm256_set1_ps(inv), vinv256 = _mm256_set1_ps(inv * 256.f);
+        __m256i c[4], r[4], lim = _mm256_set1_epi32(127), sum = _mm256_setzero_si256();
+        for (int i = 0; i < 4; i++) { /* hi = round(v / step); lo = round((v - hi step) / step * 256), clamped */
+            c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(x[i], vinv));
+            __m256 rest = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(c[i]), vstep, x[i]);
+            r[i] = _mm256_cvtps_epi32(_mm256_mul_ps(rest, vinv256));
+            r[i] = _mm256_max_epi32(_mm256_min_epi32(r[i], lim), _mm256_sub_epi32(_mm256_setzero_si256(), lim));
+            sum = _mm256_add_epi32(sum, _mm256_add_epi32(_mm256_slli_epi32(c[i], 8), r[i]));
+        }
+        _mm256_storeu_si256((__m256i *)(hi + b * 32), pack_block(c[0], c[1], c[2], c[3], deint));
+        _mm256_storeu_si256((__m256i *)(lo + b * 32), pack_block(r[0], r[1], r[2], r[3], deint));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+        d[b] = step / 256.f;
+        isum[b] = _mm_cvtsi128_si32(s4);
+#else
         float amax = 0.f;
         for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(v[j]));
         float step = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
         int32_t s = 0;
         for (int j = 0; j < 32; j++) {
             int c = (int)lrintf(v[j] * inv);
-            int r = (int)lrintf((v[j] - (float)c * step) * inv * 256.f);
+            int r = (int)lrintf((v[j] - (float)c * step) * (inv * 256.f));
             r = r > 127 ? 127 : r < -127 ? -127 : r;
             int at = deint ? (j & 1) * 16 + (j >> 1) : j;
             hi[b * 32 + at] = (int8_t)c;
@@ -261,6 +337,7 @@ static void quantize_blocks(const float *h, int b0, int b1, int deint, int8_t *h
         }
         d[b] = step / 256.f;
         isum[b] = s;
+#endif
     }
 }
 
@@ -349,14 +426,6 @@ static inline __m512i load_pair(const gemm_args *a, const uint8_t *wrow, int b) 
 
 #define ROWS_AT_ONCE 4
 
-#if defined(LPD_AVX512) || defined(LPD_AVX2)
-/* The sum of a register's eight floats. */
-static inline float hsum8(__m256 v) {
-    __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-    return _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
-}
-#endif
 
 #if defined(LPD_AVX512)
 /* One input row (decode) against weight rows n .. n + 3, every block in a pair (nb even): the four rows' sums stay
