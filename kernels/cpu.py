@@ -44,8 +44,9 @@ SIGNATURES = {
     "lpd_trim": ([], None),
     "lpd_threads": ([], ctypes.c_char_p),
     "lpd_linear": ([_I, _P, _P, _P, _F, _P, _I, _I, _I, _P, _P, _P, _I, _I, _P, _P, _I], _I),
-    "lpd_attention": ([_P, _L, _L, _I, _I, _I, _P, _P, _I, _I, _P, _L, _I, _I, _P, _P, _I, _F, _I, _P, _I], _I),
-    "lpd_rope_write": ([_P, _L, _I, _I, _I, _I, _P, _P, _L, _P, _P, _P, _L], _I),
+    "lpd_attention": ([_P, _L, _L, _I, _I, _I, _P, _P, _I, _I, _I, _P, _L, _I, _I, _P, _P, _I, _F, _I, _P, _I], _I),
+    "lpd_rope_write": ([_P, _L, _I, _I, _I, _I, _P, _P, _L, _P, _P, _P, _I, _L], _I),
+    "lpd_half_pages": ([], _I),
     "lpd_dequantize": ([_I, _P, _P, _P, _I, _I, _I, _I, _P, _I], None),
     "lpd_round_input": ([_I, _P, _P, _P, _F, _P, _I, _I, _P, _I], None),
     "lpd_decode_layers": ([_P, _P, _I, _P, _P, _I, _I, _P, _P, _P, _P, _P, _L, _P, _I, _P, _L, _I, _I, _P, _P, _I, _F,
@@ -297,14 +298,22 @@ def _fp32_rows(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.dtype == torch.float32 and t.stride(-1) == 1
 
 
-def _fp32_pages(layer) -> bool:
-    """A KV layer whose keys and values are contiguous fp32 pages, and kernels to read them."""
-    return _f32(layer.k) and _f32(layer.v) and library() is not None
+def float_pages(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Keys and values in contiguous float32 pages, or float16 ones where the library converts them (every x86 and
+    ARM build), and kernels to read them."""
+    lib = library()
+    if lib is None or k.dtype != v.dtype or k.device.type != "cpu" or not (k.is_contiguous() and v.is_contiguous()):
+        return False
+    return k.dtype == torch.float32 or (k.dtype == torch.float16 and bool(lib.lpd_half_pages()))
+
+
+def _half(layer) -> int:
+    return int(layer.k.dtype == torch.float16)
 
 
 def takes_attention(q: torch.Tensor, layer) -> bool:
-    """fp32 queries (unit stride along head_dim) over fp32 keys and values."""
-    return _fp32_rows(q) and _fp32_pages(layer)
+    """fp32 queries (unit stride along head_dim) over float32 or float16 keys and values."""
+    return _fp32_rows(q) and float_pages(layer.k, layer.v)
 
 
 def attention(q, layer, page_table, seq_lens, q_starts, scale: float, window: int = 0, lib=None) -> torch.Tensor:
@@ -315,16 +324,16 @@ def attention(q, layer, page_table, seq_lens, q_starts, scale: float, window: in
     pt, lens, starts = (t.to(torch.int32).contiguous() for t in (page_table, seq_lens, q_starts))
     if T:
         _check(lib.lpd_attention(_ptr(q), q.stride(0), q.stride(1), T, Hq, D, _ptr(layer.k), _ptr(layer.v),
-                                 layer.page_size, layer.k.shape[2], _ptr(pt), pt.stride(0), pt.shape[1],
+                                 _half(layer), layer.page_size, layer.k.shape[2], _ptr(pt), pt.stride(0), pt.shape[1],
                                  layer.k.shape[0], _ptr(lens), _ptr(starts), lens.shape[0], scale, window, _ptr(out),
                                  threads()), "lpd_attention")
     return out
 
 
 def takes_rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer) -> bool:
-    """fp32 rows and pages (no per-page format, so no stage to write)."""
+    """fp32 rows, float32 or float16 pages (no per-page format, so no stage to write)."""
     return (_fp32_rows(qkv) and _fp32_rows(cos) and sin.stride() == cos.stride() and sin.dtype == torch.float32
-            and layer.k_stage is None and layer.v_stage is None and _fp32_pages(layer))
+            and layer.k_stage is None and layer.v_stage is None and float_pages(layer.k, layer.v))
 
 
 def rope_write(qkv, cos, sin, layer, slots, n_heads: int, n_kv_heads: int, lib=None) -> torch.Tensor:
@@ -335,7 +344,7 @@ def rope_write(qkv, cos, sin, layer, slots, n_heads: int, n_kv_heads: int, lib=N
     slots = slots.to(torch.int64).contiguous()
     if T:
         _check(lib.lpd_rope_write(_ptr(qkv), qkv.stride(0), T, n_heads, n_kv_heads, D, _ptr(cos), _ptr(sin),
-                                  cos.stride(0), _ptr(slots), _ptr(layer.k), _ptr(layer.v),
+                                  cos.stride(0), _ptr(slots), _ptr(layer.k), _ptr(layer.v), _half(layer),
                                   layer.k.shape[0] * layer.page_size), "lpd_rope_write")
     return qkv.view(T, -1, D)[:, :n_heads]
 
@@ -371,15 +380,15 @@ def layer_plan(linears: list, attn_norm: torch.Tensor, mlp_norm: torch.Tensor, n
 
 
 class LayerCache(ctypes.Structure):
-    """layer_cache in cpu_kernels.c: a layer's fp32 pages, its sliding window, and which rotation it takes (0 the
-    step's, 1 the local one of sliding-window layers, 2 none)."""
+    """layer_cache in cpu_kernels.c: a layer's pages (float32, or float16: half), its sliding window, and which
+    rotation it takes (0 the step's, 1 the local one of sliding-window layers, 2 none)."""
 
-    _fields_ = [("k", _P), ("v", _P), ("window", _I), ("rope", _I)]
+    _fields_ = [("k", _P), ("v", _P), ("half", _I), ("window", _I), ("rope", _I)]
 
 
 def layer_caches(k: list[torch.Tensor], v: list[torch.Tensor], windows: list[int], ropes: list[int]):
     """The layers' LayerCache array (the pages must outlive it: the KV pool holds them)."""
-    return (LayerCache * len(k))(*(LayerCache(kl.data_ptr(), vl.data_ptr(), w, r)
+    return (LayerCache * len(k))(*(LayerCache(kl.data_ptr(), vl.data_ptr(), int(kl.dtype == torch.float16), w, r)
                                    for kl, vl, w, r in zip(k, v, windows, ropes)))
 
 

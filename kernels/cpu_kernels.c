@@ -198,6 +198,63 @@ static inline float half_to_float(uint16_t h) {
 #endif
 }
 
+/* Whether the library stores and reads float16 KV pages: with the processor's conversions (F16C) or the compiler's
+ * _Float16 (round to nearest even, as torch's .half()). */
+#if defined(__F16C__) || defined(__FLT16_MAX__)
+#define LPD_HALF_PAGES 1
+#endif
+int lpd_half_pages(void) {
+#if defined(LPD_HALF_PAGES)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#if defined(LPD_HALF_PAGES)
+static inline uint16_t float_to_half(float f) {
+#if defined(__F16C__)
+    return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+    _Float16 h = (_Float16)f;
+    uint16_t bits;
+    memcpy(&bits, &h, 2);
+    return bits;
+#endif
+}
+#endif
+
+/* n floats to float16 (dst) or copied as they are (half 0). */
+static void store_row(void *dst, const float *src, int n, int half) {
+    if (!half) {
+        memcpy(dst, src, sizeof(float) * n);
+        return;
+    }
+#if defined(LPD_HALF_PAGES)
+    uint16_t *d = dst;
+    int i = 0;
+#if defined(__F16C__) && defined(__AVX__)
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(d + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; i < n; i++) d[i] = float_to_half(src[i]);
+#endif
+}
+
+/* n floats from a float16 row (half 1) or a float row. */
+static inline void load_row(float *dst, const void *src, int n, int half) {
+    if (!half) {
+        memcpy(dst, src, sizeof(float) * n);
+        return;
+    }
+    const uint16_t *h = src;
+    int i = 0;
+#if defined(__F16C__) && defined(__AVX__)
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+#endif
+    for (; i < n; i++) dst[i] = half_to_float(h[i]);
+}
+
 /* ------------------------------------------------------------------------------------------------------------
  * The input step and the activations' int8 blocks. */
 #if defined(LPD_AVX512) || defined(LPD_AVX2)
@@ -730,13 +787,14 @@ int lpd_linear(int pre, const float *x, const float *residual, const float *norm
 }
 
 /* ------------------------------------------------------------------------------------------------------------
- * Paged attention over fp32 pages [n_pages, PS, H, D]. Query rows of sequence b: q_starts[b] .. q_starts[b + 1];
+ * Paged attention over float or float16 pages [n_pages, PS, H, D]. Query rows of sequence b: q_starts[b] .. q_starts[b + 1];
  * its keys: positions 0 .. seq_lens[b] - 1 at page page_table[b, pos / PS]; its rows are the last positions. */
 typedef struct {
     const float *q;
     long q_t, q_h;
     int T, Hq, D, H, PS, B, window;
-    const float *k, *v;
+    const void *k, *v; /* float pages, or float16 ones (half) */
+    int half;
     const int32_t *page_table, *seq_lens, *q_starts;
     long pt_stride;
     float scale;
@@ -778,11 +836,11 @@ static inline long page_run(const int32_t *pages, int p, int PS, int left, long 
     *run = PS - slot < left ? PS - slot : left;
     return ((long)pages[p / PS] * PS + slot) * tok;
 }
-static inline void prefetch_row(const float *row, int D) { /* a prefetch never faults: past a page is harmless */
+static inline void prefetch_row(const char *row, int bytes) { /* a prefetch never faults: past a page is harmless */
 #if defined(__x86_64__) || defined(__i386__)
-    for (int d = 0; d < D; d += 16) _mm_prefetch((const char *)(row + d), _MM_HINT_T0);
+    for (int d = 0; d < bytes; d += 64) _mm_prefetch(row + d, _MM_HINT_T0);
 #else
-    (void)row, (void)D;
+    (void)row, (void)bytes;
 #endif
 }
 
@@ -806,9 +864,9 @@ static void attention_task(void *ctx, int ith, int nth) {
         int first = a->window > 0 && pos - a->window + 1 > 0 ? pos - a->window + 1 : 0;
         int all = pos + 1 - first, j0 = (int)((long)all * sp / splits), len = (int)((long)all * (sp + 1) / splits) - j0;
         first += j0;
-        float *s = scratch(&buf, &cap, sizeof(float) * (size_t)per * (len + D));
+        float *s = scratch(&buf, &cap, sizeof(float) * ((size_t)per * (len + D) + D));
         if (!s) return;
-        float *acc = s + (size_t)per * len;
+        float *acc = s + (size_t)per * len, *row = acc + (size_t)per * D; /* row: a float16 row in float */
         const float *q = a->q + t * a->q_t + hq0 * a->q_h;
         const int32_t *pages = a->page_table + b * a->pt_stride;
         /* the per query heads sharing a key head take each key and value row from memory once; the rows go page by
@@ -816,11 +874,14 @@ static void attention_task(void *ctx, int ith, int nth) {
          * by the next step, and the page table hides the stride from the hardware */
         float mx[MAX_GROUP];
         for (int h = 0; h < per; h++) mx[h] = -INFINITY;
-        const float *kbase = a->k + (long)kvh * D, *vbase = a->v + (long)kvh * D;
+        size_t esz = a->half ? 2 : 4, tok_bytes = tok * esz;
+        const char *kbase = (const char *)a->k + kvh * D * esz, *vbase = (const char *)a->v + kvh * D * esz;
         for (int j = 0, run; j < len;) {
-            const float *kr = kbase + page_run(pages, first + j, PS, len - j, tok, &run);
-            for (int r = 0; r < run; r++, j++, kr += tok) {
-                prefetch_row(kr + PREFETCH * tok, D);
+            const char *kp = kbase + page_run(pages, first + j, PS, len - j, tok, &run) * esz;
+            for (int r = 0; r < run; r++, j++, kp += tok_bytes) {
+                prefetch_row(kp + PREFETCH * tok_bytes, D * esz);
+                const float *kr = (const float *)kp;
+                if (a->half) load_row(row, kp, D, 1), kr = row;
                 for (int h = 0; h < per; h++) {
                     float sj = s[h * len + j] = dot_head(q + h * a->q_h, kr, D) * a->scale;
                     mx[h] = sj > mx[h] ? sj : mx[h];
@@ -838,9 +899,11 @@ static void attention_task(void *ctx, int ith, int nth) {
         }
         for (int d = 0; d < per * D; d++) acc[d] = 0.f;
         for (int j = 0, run; j < len;) {
-            const float *vr = vbase + page_run(pages, first + j, PS, len - j, tok, &run);
-            for (int r = 0; r < run; r++, j++, vr += tok) {
-                prefetch_row(vr + PREFETCH * tok, D);
+            const char *vp = vbase + page_run(pages, first + j, PS, len - j, tok, &run) * esz;
+            for (int r = 0; r < run; r++, j++, vp += tok_bytes) {
+                prefetch_row(vp + PREFETCH * tok_bytes, D * esz);
+                const float *vr = (const float *)vp;
+                if (a->half) load_row(row, vp, D, 1), vr = row;
                 for (int h = 0; h < per; h++) {
                     float e = s[h * len + j], *ah = acc + h * D;
                     for (int d = 0; d < D; d++) ah[d] += e * vr[d];
@@ -930,9 +993,10 @@ static int shortest_row(int B, const int32_t *seq_lens, const int32_t *q_starts,
 /* out [T, Hq, D] (contiguous) = attention of q (row stride q_t, head stride q_h, in floats) over the pages; the page
  * table is [B, pt_width] (row stride pt_stride) into a pool of n_pages pages. Returns 0, -1 without memory, or -2
  * where the tables leave the pool (check_tables). */
-int lpd_attention(const float *q, long q_t, long q_h, int T, int Hq, int D, const float *k, const float *v, int PS,
-                  int H, const int32_t *page_table, long pt_stride, int pt_width, int n_pages, const int32_t *seq_lens,
-                  const int32_t *q_starts, int B, float scale, int window, float *out, int nth) {
+int lpd_attention(const float *q, long q_t, long q_h, int T, int Hq, int D, const void *k, const void *v, int half,
+                  int PS, int H, const int32_t *page_table, long pt_stride, int pt_width, int n_pages,
+                  const int32_t *seq_lens, const int32_t *q_starts, int B, float scale, int window, float *out,
+                  int nth) {
     if (check_tables(T, B, seq_lens, q_starts, page_table, pt_stride, pt_width, n_pages, PS, NULL)) return -2;
     static __thread void *buf;
     static __thread size_t cap;
@@ -943,8 +1007,8 @@ int lpd_attention(const float *q, long q_t, long q_h, int T, int Hq, int D, cons
     int *row_seq = (int *)(part + parts);
     for (int b = 0; b < B; b++)
         for (int t = q_starts[b]; t < q_starts[b + 1]; t++) row_seq[t] = b;
-    attn_args a = {q, q_t, q_h, T, Hq, D, H, PS, B, window, k, v, page_table, seq_lens, q_starts, pt_stride, scale,
-                   out, row_seq, shape.per, shape.splits, part, NULL};
+    attn_args a = {q, q_t, q_h, T, Hq, D, H, PS, B, window, k, v, half, page_table, seq_lens, q_starts, pt_stride,
+                   scale, out, row_seq, shape.per, shape.splits, part, NULL};
     parallel(attention_task, &a, nth);
     if (shape.splits > 1) parallel(merge_task, &a, nth);
     return 0;
@@ -952,34 +1016,35 @@ int lpd_attention(const float *q, long q_t, long q_h, int T, int Hq, int D, cons
 
 /* RoPE (HF's half-rotated layout) on the n_heads query and n_kv key heads of each row of qkv [T, (n_heads + 2 n_kv)
  * * D] (row stride qkv_t), in place; cos, sin [T, D/2] (row stride cs_t); then each row's key and value heads into
- * fp32 pages at slots[t] (slot = page * PS + offset; a page [PS, n_kv, D]), of n_slots in the pool: -2 (nothing
- * written) where a slot is outside it. */
+ * float or float16 (half) pages at slots[t] (slot = page * PS + offset; a page [PS, n_kv, D]), of n_slots in the
+ * pool: -2 (nothing written) where a slot is outside it. */
 /* rope_write's rows t0 .. t1 - 1 (slots already checked); rotate 0: the heads as they are (a layer without RoPE). */
 static void rope_rows(float *qkv, long qkv_t, int t0, int t1, int n_heads, int n_kv, int D, const float *cos,
-                      const float *sin, long cs_t, int rotate, const int64_t *slots, float *k, float *v) {
-    int half = D / 2;
+                      const float *sin, long cs_t, int rotate, const int64_t *slots, void *k, void *v, int half) {
+    int hd = D / 2;
     long tok = (long)n_kv * D;
     for (int t = t0; t < t1; t++) {
         float *row = qkv + t * qkv_t;
         const float *c = cos + t * cs_t, *s = sin + t * cs_t;
         for (int h = 0; rotate && h < n_heads + n_kv; h++) {
             float *x = row + (long)h * D;
-            for (int i = 0; i < half; i++) {
-                float x1 = x[i], x2 = x[half + i];
+            for (int i = 0; i < hd; i++) {
+                float x1 = x[i], x2 = x[hd + i];
                 x[i] = x1 * c[i] - x2 * s[i];
-                x[half + i] = x2 * c[i] + x1 * s[i];
+                x[hd + i] = x2 * c[i] + x1 * s[i];
             }
         }
-        memcpy(k + slots[t] * tok, row + (long)n_heads * D, sizeof(float) * tok);
-        memcpy(v + slots[t] * tok, row + (long)(n_heads + n_kv) * D, sizeof(float) * tok);
+        size_t at = slots[t] * tok * (half ? 2 : 4);
+        store_row((char *)k + at, row + (long)n_heads * D, tok, half);
+        store_row((char *)v + at, row + (long)(n_heads + n_kv) * D, tok, half);
     }
 }
 
 int lpd_rope_write(float *qkv, long qkv_t, int T, int n_heads, int n_kv, int D, const float *cos, const float *sin,
-                   long cs_t, const int64_t *slots, float *k, float *v, long n_slots) {
+                   long cs_t, const int64_t *slots, void *k, void *v, int half, long n_slots) {
     for (int t = 0; t < T; t++)
         if (slots[t] < 0 || slots[t] >= n_slots) return -2;
-    rope_rows(qkv, qkv_t, 0, T, n_heads, n_kv, D, cos, sin, cs_t, 1, slots, k, v);
+    rope_rows(qkv, qkv_t, 0, T, n_heads, n_kv, D, cos, sin, cs_t, 1, slots, k, v, half);
     return 0;
 }
 
@@ -1043,7 +1108,8 @@ typedef struct {
 } layer_plan;
 
 typedef struct {
-    float *k, *v; /* the layer's fp32 pages */
+    void *k, *v;  /* the layer's pages: float, or float16 (half) */
+    int half;
     int window;   /* sliding window (0: none) */
     int rope;     /* 0: the step's cos/sin, 1: the local ones (sliding-window layers), 2: no rotation */
 } layer_cache;
@@ -1123,12 +1189,13 @@ static void layers_task(void *ctx, int ith, int nth) {
         linear_phase(s, ith, nth, PRE_NORM, &L->qkv, s->out, residual, L->attn_norm, L->eps, s->x2, s->qkv);
         int t0, t1;
         share(T, ith, nth, &t0, &t1);
-        rope_rows(s->qkv, row, t0, t1, Hq, H, D, s->cos[r], s->sin[r], s->cs_t, c->rope != 2, s->slots, c->k, c->v);
+        rope_rows(s->qkv, row, t0, t1, Hq, H, D, s->cos[r], s->sin[r], s->cs_t, c->rope != 2, s->slots, c->k, c->v,
+                  c->half);
         barrier_wait(&s->barrier, nth);
         attn_shape shape = attention_shape(T, Hq, H, nth, shortest_row(s->B, s->seq_lens, s->q_starts, c->window));
-        attn_args a = {s->qkv, row, D, T, Hq, D, H, s->PS, s->B, c->window, c->k, c->v, s->page_table, s->seq_lens,
-                       s->q_starts, s->pt_stride, s->scale, s->attn, s->row_seq, shape.per, shape.splits, s->part,
-                       &s->barrier.work};
+        attn_args a = {s->qkv, row, D, T, Hq, D, H, s->PS, s->B, c->window, c->k, c->v, c->half, s->page_table,
+                       s->seq_lens, s->q_starts, s->pt_stride, s->scale, s->attn, s->row_seq, shape.per, shape.splits,
+                       s->part, &s->barrier.work};
         attention_task(&a, ith, nth);
         barrier_wait(&s->barrier, nth);
         if (shape.splits > 1) {

@@ -233,11 +233,11 @@ class Transformer:
 
     def _cpu_layer_plans(self, kv: KVPool, T: int):
         """Every layer's cpu.LayerPlan (a ctypes array) where one call of the CPU kernels can run the layers of this
-        step (fp32 rows on the CPU, few enough for their int8 dot products, fp32 pages, the plain Llama layer with
-        int4/int8 weights); else None, and the layers run op by op."""
+        step (fp32 rows on the CPU, few enough for their int8 dot products, float32 or float16 pages, the plain
+        Llama layer with int4/int8 weights); else None, and the layers run op by op."""
         c = self.config
         if (self.device.type != "cpu" or self.dtype != torch.float32 or T >= cpu.GEMM_ROWS or use_triton(kv.k)
-                or kv.k.dtype != torch.float32 or kv.v.dtype != torch.float32 or kv.has_stage or cpu.library() is None):
+                or kv.has_stage or not cpu.float_pages(kv.k, kv.v)):
             return None
         if not hasattr(self, "_cpu_plans"):
             plain = self.head_cols is None and not c.qk_norm and not c.sandwich_norms

@@ -143,8 +143,8 @@ def test_linear_of_an_all_zero_block_and_extreme_values(lib):
     assert rel_err(y, ref(w, rounded_rows(x))) < 2e-5
 
 
-def _pool(D, H, ps, n_pages, g):
-    pool = new_kv_pool("fp32", 1, n_pages, ps, H, D, torch.float32, "cpu")
+def _pool(D, H, ps, n_pages, g, kv="fp32"):
+    pool = new_kv_pool(kv, 1, n_pages, ps, H, D, torch.float32, "cpu")
     pool.k.copy_(torch.randn(pool.k.shape, generator=g))
     pool.v.copy_(torch.randn(pool.v.shape, generator=g))
     return pool.layer(0)
@@ -152,11 +152,12 @@ def _pool(D, H, ps, n_pages, g):
 
 @pytest.mark.parametrize("D,Hq,H,ps", [(64, 9, 3, 16), (96, 4, 4, 32), (32, 8, 2, 16), (128, 2, 1, 16)])
 @pytest.mark.parametrize("window", [0, 5])
-def test_attention_decode_and_prefill_chunks(lib, D, Hq, H, ps, window):
+@pytest.mark.parametrize("kv", ["fp32", "fp16"])
+def test_attention_decode_and_prefill_chunks(lib, D, Hq, H, ps, window, kv):
     """A step of a decode row (long context), a prefill chunk after a cached prefix and a whole prompt, pages out
-    of order, over pages full of other sequences' values."""
+    of order, over pages full of other sequences' values; float32 or float16 pages."""
     g = torch.Generator().manual_seed(D + Hq + window)
-    layer = _pool(D, H, ps, 24, g)
+    layer = _pool(D, H, ps, 24, g, kv)
     lens, rows = [37, 20, 7], [1, 6, 7]
     perm = torch.randperm(24, generator=g).to(torch.int32)
     page_table = torch.stack([perm[0:8], perm[8:16], perm[16:24]])
@@ -169,11 +170,12 @@ def test_attention_decode_and_prefill_chunks(lib, D, Hq, H, ps, window):
 
 
 @pytest.mark.parametrize("window", [0, 40])
-def test_a_decode_row_cut_into_parts_and_merged(lib, window):
+@pytest.mark.parametrize("kv", ["fp32", "fp16"])
+def test_a_decode_row_cut_into_parts_and_merged(lib, window, kv):
     """A decode row of one key head over a long context leaves the threads too few tasks, so its positions are cut
     into parts (a part's max, sum and outputs, merged after): the same attention as the reference."""
     g = torch.Generator().manual_seed(17 + window)
-    layer = _pool(64, 1, 16, 12, g)
+    layer = _pool(64, 1, 16, 12, g, kv)
     q = torch.randn(1, 4, 64, generator=g)
     args = (layer, torch.randperm(12, generator=g).to(torch.int32)[None], torch.tensor([181], dtype=torch.int32),
             torch.tensor([0, 1], dtype=torch.int32), 0.125, window)
@@ -198,10 +200,12 @@ def test_attention_of_strided_queries(lib):
 
 
 @pytest.mark.parametrize("D,Hq,H,T", [(64, 9, 3, 5), (96, 4, 2, 1), (32, 2, 2, 17)])
-def test_rope_write_matches_the_reference(lib, D, Hq, H, T):
+@pytest.mark.parametrize("kv", ["fp32", "fp16"])
+def test_rope_write_matches_the_reference(lib, D, Hq, H, T, kv):
+    """The rotated keys and the values written into float32 pages, or rounded to float16 as torch rounds them."""
     g = torch.Generator().manual_seed(T)
     ps = 16
-    want_layer, got_layer = _pool(D, H, ps, 4, g), _pool(D, H, ps, 4, g)
+    want_layer, got_layer = _pool(D, H, ps, 4, g, kv), _pool(D, H, ps, 4, g, kv)
     got_layer.k.copy_(want_layer.k), got_layer.v.copy_(want_layer.v)
     qkv = torch.randn(T, (Hq + 2 * H) * D, generator=g)
     angles = torch.rand(T, D // 2, generator=g) * 6
@@ -251,7 +255,8 @@ def test_tables_outside_the_pool_are_an_error_not_a_crash(lib):
     assert torch.equal(layer.k, before)
 
 
-def test_decode_layers_in_one_call_equal_the_kernels_op_by_op(lib):
+@pytest.mark.parametrize("kv", ["fp32", "fp16"])
+def test_decode_layers_in_one_call_equal_the_kernels_op_by_op(lib, kv):
     """lpd_decode_layers runs three layers (int4, int8 and per-row int8 weights, an odd block count in down, RoPE
     of the step, the local one with a sliding window, none) over two sequences (a decode row and a two-row chunk,
     pages out of order) in one parallel region: the same floats, KV writes and residual stream as the kernels
@@ -268,10 +273,10 @@ def test_decode_layers_in_one_call_equal_the_kernels_op_by_op(lib):
         lin = [SimpleNamespace(weight=weights(kind, n, k, group or k, g), bias=None)
                for n, k in [((Hq + 2 * H) * D, dim), (dim, Hq * D), (2 * ffn, dim), (dim, ffn)]]
         layers.append((lin, torch.rand(dim, generator=g) + 0.5, torch.rand(dim, generator=g) + 0.5))
-    pool = new_kv_pool("fp32", 3, 8, ps, H, D, torch.float32, "cpu")
+    pool = new_kv_pool(kv, 3, 8, ps, H, D, torch.float32, "cpu")
     pool.k.copy_(torch.randn(pool.k.shape, generator=g))
     pool.v.copy_(torch.randn(pool.v.shape, generator=g))
-    other = new_kv_pool("fp32", 3, 8, ps, H, D, torch.float32, "cpu")
+    other = new_kv_pool(kv, 3, 8, ps, H, D, torch.float32, "cpu")
     other.k.copy_(pool.k), other.v.copy_(pool.v)
     page_table = torch.tensor([[5, 2, 7], [0, 3, 0]], dtype=torch.int32)
     seq_lens, q_starts = torch.tensor([20, 9], dtype=torch.int32), torch.tensor([0, 1, 3], dtype=torch.int32)
