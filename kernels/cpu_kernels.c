@@ -19,7 +19,10 @@
 #include <stdlib.h>
 #include <string.h>
 #if defined(__linux__)
+#include <linux/futex.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 #if defined(__GLIBC__)
 #include <malloc.h>
@@ -1115,14 +1118,31 @@ typedef struct {
 } layer_cache;
 
 /* Threads that meet between a step's phases without leaving the parallel region: each arrival counts, the last
- * one starts the next generation, the others spin on it (yielding the core after a while, should a thread of the
- * team not be running). Starting a region costs tens of microseconds where the runtime's workers sleep (more
- * threads than cores: the engine thread's team beside the main thread's); a meeting here costs a cache line. */
+ * one starts the next generation, the others spin on it, and after BARRIER_SPINS pauses (a few hundred
+ * microseconds: longer than a phase of a decode step) sleep on it (a futex on Linux), so that a thread of the team
+ * that another process has taken the core from gets it back. Not sched_yield: that hands the core to whatever else
+ * is runnable, however low its priority, for a whole time slice, and a busy machine's decode then ran 4x slower
+ * than on one thread. Starting a region costs tens of microseconds where the runtime's workers sleep (more threads
+ * than cores: the engine thread's team beside the main thread's); a meeting here costs a cache line. */
+#define BARRIER_SPINS 20000
 typedef struct {
     atomic_int arrived;
     atomic_uint generation;
+    atomic_int sleeping; /* waiters asleep on generation */
     atomic_int work; /* the next phase's shared counter (attn_args.next): zero again at each meeting */
 } spin_barrier;
+
+#if defined(__linux__)
+static void generation_sleep(atomic_uint *g, unsigned seen) {
+    syscall(SYS_futex, (unsigned *)g, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0); /* returns at once if it moved */
+}
+static void generation_wake(atomic_uint *g) {
+    syscall(SYS_futex, (unsigned *)g, FUTEX_WAKE_PRIVATE, 1 << 30, NULL, NULL, 0);
+}
+#else
+static void generation_sleep(atomic_uint *g, unsigned seen) { (void)g, (void)seen, sched_yield(); }
+static void generation_wake(atomic_uint *g) { (void)g; }
+#endif
 
 static void barrier_wait(spin_barrier *b, int nth) {
     if (nth <= 1) {
@@ -1133,12 +1153,18 @@ static void barrier_wait(spin_barrier *b, int nth) {
     if (atomic_fetch_add_explicit(&b->arrived, 1, memory_order_acq_rel) == nth - 1) {
         atomic_store_explicit(&b->arrived, 0, memory_order_relaxed);
         atomic_store_explicit(&b->work, 0, memory_order_relaxed);
-        atomic_fetch_add_explicit(&b->generation, 1, memory_order_release);
+        atomic_fetch_add_explicit(&b->generation, 1, memory_order_seq_cst);
+        if (atomic_load_explicit(&b->sleeping, memory_order_seq_cst)) generation_wake(&b->generation);
         return;
     }
     for (int spins = 0; atomic_load_explicit(&b->generation, memory_order_acquire) == g; spins++) {
-        if (spins < 4096) cpu_relax();
-        else sched_yield();
+        if (spins < BARRIER_SPINS) {
+            cpu_relax();
+            continue;
+        }
+        atomic_fetch_add_explicit(&b->sleeping, 1, memory_order_seq_cst);
+        if (atomic_load_explicit(&b->generation, memory_order_seq_cst) == g) generation_sleep(&b->generation, g);
+        atomic_fetch_sub_explicit(&b->sleeping, 1, memory_order_relaxed);
     }
 }
 
@@ -1249,6 +1275,7 @@ int lpd_decode_layers(const layer_plan *plans, const layer_cache *caches, int n_
                      (float *)(mem + at[2]), (int32_t *)(mem + at[3])};
     atomic_init(&s.barrier.arrived, 0);
     atomic_init(&s.barrier.generation, 0);
+    atomic_init(&s.barrier.sleeping, 0);
     atomic_init(&s.barrier.work, 0);
     for (int b = 0; b < B; b++)
         for (int t = q_starts[b]; t < q_starts[b + 1]; t++) s.row_seq[t] = b;

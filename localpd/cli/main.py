@@ -62,7 +62,7 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                    "kernels cannot be built)")
     p.add_argument("--kv", type=kv_dtype_arg, metavar="DTYPE",
                    help="KV cache dtype: " + ", ".join(FORMATS) + ", or KEYS/VALUES such as int4ch/int4 "
-                   "(default: the compute dtype)")
+                   "(default: fp16 on the CPU's kernels, else the compute dtype)")
     p.add_argument("--kv-memory", metavar="SIZE",
                    help="bytes for the KV cache, e.g. 4GiB (default: most of the free GPU memory; two contexts on CPU)")
 
