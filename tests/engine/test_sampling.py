@@ -30,6 +30,18 @@ def test_top_p_keeps_smallest_nucleus():
     assert draws(logits, top_p=1.0) == {0, 1, 2, 3}
 
 
+def test_a_nucleus_wider_than_the_first_tokens_looked_at_is_whole():
+    """top-p over a flat vocabulary needs far more than the 256 most likely tokens: the draws reach the nucleus's
+    last token and never pass it."""
+    logits = -torch.arange(5000, dtype=torch.float32) * 1e-3  # nearly flat, most likely first: 687 in the nucleus
+    probs = torch.softmax(logits, -1)
+    nucleus = int(((probs.cumsum(0) - probs) < 0.5).sum())  # tokens whose mass before them is under top_p
+    assert nucleus > 256  # past the tokens looked at first
+    g = torch.Generator().manual_seed(3)
+    drawn = torch.tensor([int(sample_from(logits, 0, 0.5, 0.0, g)) for _ in range(4000)])
+    assert drawn.max().item() < nucleus and drawn.max().item() > nucleus - 40
+
+
 def test_min_p_drops_tokens_below_fraction_of_best():
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
     assert draws(logits, min_p=0.25) == {0, 1, 2}  # 0.05 < 0.25 * 0.5
