@@ -219,7 +219,7 @@ def test_kv_budget_too_small_for_one_context_is_refused(default_gguf):
 def test_preemption_under_page_pressure_keeps_outputs_exact(default_gguf):
     """Six streams in a cache that holds about three of them: preempted ones are recomputed and still produce
     what they produce alone."""
-    tight = Engine(default_gguf, device="cpu", max_context=160, kv_memory=tight_bytes(default_gguf))
+    tight = Engine(default_gguf, device="cpu", max_context=160, kv="fp32", kv_memory=tight_bytes(default_gguf))
     prompts = [tight.encode_chat([{"role": "user", "content": f"List {n} colours."}]) for n in range(2, 8)]
     p = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     alone = [run(tight, ids, p)[0] for ids in prompts]
