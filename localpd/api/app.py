@@ -17,6 +17,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from localpd.api.body import JsonBodies
 from localpd.api.ollama import ollama_router
 from localpd.api.openai import openai_router
 from localpd.api.schemas import error_body
@@ -40,6 +41,7 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
     app = FastAPI(title="localpd", version="0.1.0", description="OpenAI-compatible local inference")
     service = Service(engine, load, max_waiting, bandwidth, split_reasoning)
     add_error_handlers(app)
+    app.add_middleware(JsonBodies)  # inside the guard below: a refused request's body is not read
 
     @app.middleware("http")
     async def guard(request: Request, call_next):
@@ -77,10 +79,19 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
     return app
 
 
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+
+
 def error(request: Request, body: dict, status: int) -> JSONResponse:
-    """OpenAI's error shape, or under /api/ Ollama's ({"error": "..."})."""
-    if request.url.path.startswith("/api/"):
+    """OpenAI's error shape; under /api/ Ollama's ({"error": "..."}), under /v1/messages Anthropic's
+    ({"type": "error", "error": {"type", "message"}})."""
+    path = request.url.path
+    if path.startswith("/api/"):
         body = {"error": body["error"]["message"]}
+    elif path.startswith("/v1/messages"):
+        body = {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(status, "api_error"),
+                                           "message": body["error"]["message"]}}
     return JSONResponse(body, status_code=status)
 
 

@@ -39,8 +39,9 @@ class Metrics:
 
     def record(self, handle: RequestHandle, mbu: float | None) -> None:
         s = handle.stats
+        reason = s.finish_reason or "cancelled"  # recorded as the cancel is sent, before the engine ends it
         with self.lock:
-            self.requests[s.finish_reason] = self.requests.get(s.finish_reason, 0) + 1
+            self.requests[reason] = self.requests.get(reason, 0) + 1
             self.prompt_tokens += s.prompt_tokens
             self.generation_tokens += s.output_tokens
             if s.output_tokens:

@@ -43,7 +43,7 @@ TAKEN = {*DEFAULTS, "num_predict", "seed", "stop"}  # the options localpd reads;
 class OllamaMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "user", "assistant", "tool"]
-    content: str = ""
+    content: str | None = None  # a user's is needed
     images: list[str] | None = None
     thinking: str | None = None  # an earlier reply's reasoning
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls, arguments as objects
@@ -110,7 +110,7 @@ def sampling(e: Engine, body: OllamaRequest) -> SamplingParams:
     def number(key: str, kind=float):
         try:
             return kind(o[key])
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise ApiError(400, f"option {key} must be a number, got {o[key]!r}") from None
 
     limit = number("num_predict", int) if "num_predict" in o else -1
@@ -120,11 +120,12 @@ def sampling(e: Engine, body: OllamaRequest) -> SamplingParams:
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
         raise ApiError(400, "option stop must be a list of strings")
     fmt = body.format
+    seed = number("seed", int) if "seed" in o else -1  # negative: a random seed, as llama.cpp's -1
     return SamplingParams(
         temperature=number("temperature"), top_k=max(number("top_k", int), 0), top_p=number("top_p"),
         min_p=number("min_p"), repetition_penalty=number("repeat_penalty"),
         presence_penalty=number("presence_penalty"), frequency_penalty=number("frequency_penalty"),
-        seed=number("seed", int) if "seed" in o else None, max_tokens=limit if limit > 0 else e.max_context,
+        seed=seed if seed >= 0 else None, max_tokens=limit if limit > 0 else e.max_context,
         stop=stop, json_object=fmt not in (None, ""), json_schema=fmt if isinstance(fmt, dict) else None)
 
 
@@ -136,7 +137,9 @@ def thinking(body: OllamaRequest) -> dict | None:
 def template_message(m: OllamaMessage) -> dict:
     if m.images:
         raise ApiError(400, "the models localpd runs take text only; a message with images cannot be read")
-    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.role == "user" and m.content is None:
+        raise ApiError(400, "a user message needs content")
+    out: dict[str, Any] = {"role": m.role, "content": m.content or ""}
     if m.tool_calls:
         out["tool_calls"] = [{"type": "function", "function": c.get("function", c)} for c in m.tool_calls]
     if m.tool_name:
@@ -294,12 +297,15 @@ def part(e: Engine, chat: bool, text: str, reasoning: str, calls: list[dict] | N
     return {**out, "done": False}
 
 
+DONE_REASONS = {"length": "length", "cancelled": "abort"}  # cancelled: cut by the server's shutdown
+
+
 def last(service: Service, e: Engine, handle: RequestHandle, chat: bool, start: float, reason: str | None) -> dict:
     s = handle.stats
     out = part(e, chat, "", "")
-    out.update(done=True, done_reason="length" if reason == "length" else "stop",
+    out.update(done=True, done_reason=DONE_REASONS.get(reason, "stop"),
                total_duration=ns(time.monotonic() - start), load_duration=0,
-               prompt_eval_count=s.prompt_tokens - s.cached_tokens, prompt_eval_duration=ns(s.prefill_seconds),
+               prompt_eval_count=s.prompt_tokens, prompt_eval_duration=ns(s.prefill_seconds),
                eval_count=s.output_tokens, eval_duration=ns(s.decode_seconds), timings=service.finished(e, handle))
     return out
 

@@ -40,6 +40,14 @@ def openai_router(service: Service) -> APIRouter:
         return {"object": "list", "data": [{"id": e.name, "object": "model", "created": 0, "owned_by": "localpd",
                                             "max_model_len": e.max_context}]}
 
+    @router.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        e = service.ready()
+        if model_id != e.name:
+            raise ApiError(404, f"the model {model_id!r} does not exist; this server runs {e.name}",
+                           "not_found_error", param="model", code="model_not_found")
+        return {"id": e.name, "object": "model", "created": 0, "owned_by": "localpd", "max_model_len": e.max_context}
+
     @router.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         """Token ids of a prompt, or of a conversation in the model's chat template (vLLM's and llama.cpp's)."""
@@ -235,7 +243,7 @@ def choice(service: Service, e: Engine, i: int, handle: RequestHandle, r: Reply 
            logprobs: bool, echoed: str, several: bool) -> dict:
     """Choice i of a reply that was not streamed."""
     service.finished(e, handle)
-    out = {"index": i, "finish_reason": result.finish_reason}
+    out = {"index": i, "finish_reason": finish_reason(result.finish_reason)}
     if chat:
         reasoning, content, found = r.whole(result.text)
         empty = not content and (found or reasoning)  # a reply that is all calls or all reasoning
@@ -307,7 +315,7 @@ def choice_chunks(e: Engine, i: int, ev: TokenEvent, reply: Reply | None, chat: 
     if reason is not None and reply is not None:
         more_reasoning, rest, found = reply.finish()
         reasoning, text = reasoning + more_reasoning, text + rest
-    choice = {"index": i, "finish_reason": None if found else reason}
+    choice = {"index": i, "finish_reason": None if found else finish_reason(reason)}
     if chat:
         choice["delta"] = {"content": text} if text or (reason is None and not reasoning) else {}
         if reasoning:
@@ -322,6 +330,12 @@ def choice_chunks(e: Engine, i: int, ev: TokenEvent, reply: Reply | None, chat: 
                  "finish_reason": None},
                 {"index": i, "delta": {}, "finish_reason": "tool_calls"}]
     return out
+
+
+def finish_reason(reason: str | None) -> str | None:
+    """The engine's finish reason as OpenAI's shape gives it: a request the server's shutdown cut is vLLM's
+    "abort" (one whose client went away has no one to tell)."""
+    return "abort" if reason == "cancelled" else reason
 
 
 def usage(handles: list[RequestHandle], n: int = 1) -> dict:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class ContentPart(BaseModel):
@@ -36,6 +36,12 @@ class Message(BaseModel):
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
     name: str | None = None
+
+    @model_validator(mode="after")
+    def user_has_content(self):
+        if self.role == "user" and self.content is None:
+            raise ValueError("a user message needs content")
+        return self
 
     def template_dict(self) -> dict:
         """The message as chat templates take it (tool calls included)."""

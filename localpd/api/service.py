@@ -112,13 +112,14 @@ class Service:
     @staticmethod
     def submit(e: Engine, prompts: list[list[int]], params: SamplingParams, n: int, request_id: str,
                param: Callable[[LocalpdError], str | None] = lambda err: err.param) -> list[RequestHandle]:
-        """n requests of each prompt, choice j seeded with seed + j; one the engine refuses cancels those before
-        it and is a 400 (param: the field to blame)."""
+        """n requests of each prompt, choice j seeded with seed + j (modulo 2^64: OpenAI takes any integer, the
+        sampler's generator 64 bits); one the engine refuses cancels those before it and is a 400 (param: the field
+        to blame)."""
         handles: list[RequestHandle] = []
         try:
             for ids in prompts:
                 for j in range(n):
-                    seed = None if params.seed is None else params.seed + j
+                    seed = None if params.seed is None else (params.seed + j) % 2**64
                     handle_id = request_id if len(prompts) * n == 1 else f"{request_id}-{len(handles)}"
                     handles.append(e.submit(ids, replace(params, seed=seed), request_id=handle_id))
         except LocalpdError as err:

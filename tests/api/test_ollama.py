@@ -25,11 +25,12 @@ def test_chat_answers_as_the_engine_does_streamed_or_not(served, client):
     r = client.chat(model="smollm2", messages=ASK, options=GREEDY)
     assert r.message.role == "assistant" and r.message.content == alone and "Paris" in alone
     assert r.done and r.done_reason in ("stop", "length") and r.eval_count >= 2
-    assert 0 < r.prompt_eval_count <= len(engine.encode_chat(ASK))  # what the prefix cache did not serve
+    assert r.prompt_eval_count == len(engine.encode_chat(ASK))  # the cached tokens too, as Ollama counts them
     assert r.total_duration >= r.eval_duration > 0 and r.prompt_eval_duration > 0
     raw = httpx.post(served[1].url + "/api/chat", headers={"Authorization": f"Bearer {KEY}"},
                      json={"model": "x", "messages": ASK, "options": GREEDY, "stream": False}).json()
     assert raw["message"]["content"] == alone and raw["timings"]["decode_bytes_per_s"] > 0  # localpd's own numbers
+    assert raw["prompt_eval_count"] == r.prompt_eval_count  # served from the prefix cache this time
     parts = list(client.chat(model="smollm2", messages=ASK, options=GREEDY, stream=True))
     assert "".join(p.message.content for p in parts) == alone
     assert [p.done for p in parts] == [False] * (len(parts) - 1) + [True] and parts[-1].eval_count == r.eval_count
@@ -148,6 +149,7 @@ def test_listing_showing_and_version(served, client):
     ("/api/embed", {"model": "x", "input": "word " * 2000, "truncate": False}, 400, "truncate"),
     ("/api/embed", {"model": "x", "input": "hi", "dimensions": 8}, 400, "576 dimensions"),
     ("/api/nothing", {}, 404, "Not Found"),
+    ("/api/chat", {"model": "x", "messages": [{"role": "user"}]}, 400, "needs content"),
 ])
 def test_bad_requests_get_ollamas_error_shape(served, path, body, status, fragment):
     r = httpx.post(served[1].url + path, json=body, headers={"Authorization": f"Bearer {KEY}"})
@@ -166,7 +168,7 @@ def test_generate_with_a_suffix_fills_in_the_middle(served, client, monkeypatch)
     ids = [3, *engine.tokenizer.encode(prefix), 4, *engine.tokenizer.encode(suffix), 5]
     want = "".join(ev.text for ev in engine.generate(ids, SamplingParams(temperature=0, max_tokens=12)))
     r = client.generate(model="x", prompt=prefix, suffix=suffix, options={"temperature": 0, "num_predict": 12})
-    assert r.response == want and r.prompt_eval_count <= len(ids)
+    assert r.response == want and r.prompt_eval_count == len(ids)
     assert idle(engine)
 
 
@@ -237,3 +239,29 @@ def test_a_full_queue_is_a_503_in_ollamas_shape(served):
         assert r.status_code == 503 and "busy" in r.json()["error"]
     finally:
         busy.stop()
+
+
+def test_bodies_without_a_json_content_type_odd_seeds_and_lone_surrogates_are_answered(served):
+    """What `curl -d` and litellm's ollama providers send: JSON labelled as a form or not at all; seeds past 64
+    bits or negative (random); a string cut inside an emoji (a lone surrogate, replaced)."""
+    url, auth = served[1].url, {"Authorization": f"Bearer {KEY}"}
+    body = {"model": "x", "messages": ASK, "options": GREEDY, "stream": False}
+    answers = []
+    for content_type in (None, "application/x-www-form-urlencoded", "text/plain"):
+        headers = {**auth, **({"Content-Type": content_type} if content_type else {})}
+        r = httpx.post(url + "/api/chat", content=json.dumps(body), headers=headers)
+        assert r.status_code == 200, r.text
+        answers.append(r.json()["message"]["content"])
+    assert len(set(answers)) == 1 and "Paris" in answers[0]
+    r = httpx.post(url + "/api/chat", content=b"model=x&prompt=hi", headers=auth)
+    assert r.status_code == 400 and set(r.json()) == {"error"}
+    r = httpx.post(url + "/api/generate", content=b'{"prompt": "hi", "options": {"seed": 1e400}}', headers=auth)
+    assert r.status_code == 400 and "option seed must be a number" in r.json()["error"]
+    for seed in (2**64 + 5, -1, -(2**70)):
+        r = httpx.post(url + "/api/generate", headers=auth, json={
+            "model": "x", "prompt": "hi", "stream": False, "options": {"seed": seed, "num_predict": 2}})
+        assert r.status_code == 200, r.text
+    cut = httpx.post(url + "/api/generate", headers=auth, content=b'{"prompt": "smile \\ud83d", "stream": false, '
+                     b'"options": {"num_predict": 2}, "system": "\\udc00"}')
+    assert cut.status_code == 200 and cut.json()["done"], cut.text
+    assert idle(served[0])

@@ -440,6 +440,8 @@ def status_and_error(response):
     ({"messages": Q, "structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, 400,
      "structured_outputs.regex cannot be combined"),
     ({"messages": Q, "structured_outputs": {"json": {"type": "tuple"}}}, 400, "unknown JSON schema type"),
+    ({"messages": [{"role": "user"}]}, 400, "a user message needs content"),
+    ({"messages": [{"role": "user", "content": None}]}, 400, "a user message needs content"),
 ])
 def test_bad_requests_get_openai_shaped_4xx(served, payload, status, fragment):
     r = httpx.post(served[1].url + "/v1/chat/completions", json=payload, headers={"Authorization": f"Bearer {KEY}"})
@@ -623,6 +625,48 @@ def test_transport_level_errors(served):
     assert httpx.get(url + "/health").status_code == 200  # still serving
 
 
+def test_a_model_is_retrieved_by_its_id(served, client):
+    engine = served[0]
+    m = client.models.retrieve(engine.name)
+    assert m.id == engine.name and m.object == "model"
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.models.retrieve("gpt-5")
+    assert caught.value.body["code"] == "model_not_found" and "gpt-5" in caught.value.body["message"]
+
+
+def test_bodies_whatever_their_content_type_seeds_of_any_size_and_lone_surrogates(served, client):
+    """JSON is read as JSON without its Content-Type (what curl -d sends); a body that is not JSON is a 400; any
+    integer seed is taken (reduced modulo 2^64, so 2^64 + 7 samples as 7); a lone surrogate is replaced, not a
+    500."""
+    url, auth = served[1].url, {"Authorization": f"Bearer {KEY}"}
+    body = {"messages": Q, "temperature": 0, "max_tokens": 8}
+    texts = []
+    for content_type in (None, "application/x-www-form-urlencoded", "text/plain; charset=utf-8"):
+        headers = {**auth, **({"Content-Type": content_type} if content_type else {})}
+        r = httpx.post(url + "/v1/chat/completions", content=json.dumps(body), headers=headers)
+        assert r.status_code == 200, r.text
+        texts.append(r.json()["choices"][0]["message"]["content"])
+    assert len(set(texts)) == 1
+    for content_type in ("text/plain", "application/x-www-form-urlencoded"):
+        r = httpx.post(url + "/v1/chat/completions", content=b"messages=hi", headers={**auth, "Content-Type":
+                                                                                        content_type})
+        assert status_and_error(r)[0] == 400
+    story = [{"role": "user", "content": "Tell me a story about a cat."}]
+    seeded = [client.chat.completions.create(model="x", messages=story, seed=seed, max_tokens=8)
+              .choices[0].message.content for seed in (7, 2**64 + 7)]
+    assert seeded[0] == seeded[1]
+    for seed in (-1, -(2**80), 2**64):
+        assert client.completions.create(model="x", prompt="Once", seed=seed, max_tokens=2).choices[0].text
+    for raw in (b'{"messages": [{"role": "user", "content": "hi \\ud83d"}], "max_tokens": 2}',
+                b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}], "max_tokens": 2,'
+                b' "stop": ["\\ud800"]}'):
+        r = httpx.post(url + "/v1/chat/completions", content=raw, headers=auth)
+        assert r.status_code == 200, r.text
+    r = httpx.post(url + "/tokenize", content=b'{"prompt": "a\\ud800b"}', headers=auth)
+    assert r.json()["tokens"] == served[0].tokenizer.encode("a\ufffdb")
+    assert idle(served[0])
+
+
 def test_sixteen_concurrent_streams_match_their_single_answers(served, client):
     engine, _ = served
     prompts = [[{"role": "user", "content": f"Name {n} animals."}] for n in range(2, 18)]
@@ -658,6 +702,7 @@ def test_a_dropped_stream_frees_its_pages(served, client, n):
     assert idle(engine)
     metrics = httpx.get(live.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     assert "localpd_kv_pages_used 0" in metrics and "localpd_time_to_first_token_seconds_count" in metrics
+    assert 'localpd_requests_total{finish_reason="cancelled"}' in metrics and '"None"' not in metrics
 
 
 def test_health_is_503_while_loading_then_200(default_gguf):
