@@ -40,6 +40,7 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
     copy bandwidth, else its datasheet peak; localpd.measure.device)."""
     app = FastAPI(title="localpd", version="0.1.0", description="OpenAI-compatible local inference")
     service = Service(engine, load, max_waiting, bandwidth, split_reasoning)
+    app.state.service = service  # what `localpd serve` stops admitting and cuts at shutdown
     add_error_handlers(app)
     app.add_middleware(JsonBodies)  # inside the guard below: a refused request's body is not read
 

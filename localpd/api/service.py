@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -55,6 +56,8 @@ class Service:
         self.engine, self.error = engine, None
         self.max_waiting, self.bandwidth, self.split_reasoning = max_waiting, bandwidth, split_reasoning
         self.metrics = Metrics()
+        self.running: weakref.WeakSet[RequestHandle] = weakref.WeakSet()  # requests submitted, not yet released
+        self.closing, self.cut = False, 0  # shutting down: nothing more admitted; requests cut by it
         if load is not None and engine is None:
             threading.Thread(target=self._load, args=(load,), name="localpd-load", daemon=True).start()
 
@@ -73,7 +76,9 @@ class Service:
 
     # -- admission ---------------------------------------------------------------------------------------------
     def admit(self, e: Engine, requests: int) -> None:
-        """A 503 when `requests` more would queue more than max_waiting."""
+        """A 503 when the server is shutting down, or when `requests` more would queue more than max_waiting."""
+        if self.closing:
+            raise ApiError(503, "the server is shutting down", "server_error", code="shutting_down")
         if e.stats().waiting + requests > self.max_waiting:
             raise ApiError(503, "server busy: too many requests are waiting; try again shortly", "server_error",
                            code="overloaded")
@@ -109,8 +114,7 @@ class Service:
         return lambda: Reply(None if think is None else ThinkSplit(think.inside), call_prefix, parallel_calls)
 
     # -- requests ----------------------------------------------------------------------------------------------
-    @staticmethod
-    def submit(e: Engine, prompts: list[list[int]], params: SamplingParams, n: int, request_id: str,
+    def submit(self, e: Engine, prompts: list[list[int]], params: SamplingParams, n: int, request_id: str,
                param: Callable[[LocalpdError], str | None] = lambda err: err.param) -> list[RequestHandle]:
         """n requests of each prompt, choice j seeded with seed + j (modulo 2^64: OpenAI takes any integer, the
         sampler's generator 64 bits); one the engine refuses cancels those before it and is a 400 (param: the field
@@ -126,7 +130,17 @@ class Service:
             for handle in handles:
                 handle.cancel()
             raise ApiError(400, str(err), param=param(err)) from None
+        self.running.update(handles)
         return handles
+
+    def cut_running(self) -> int:
+        """Cancels every request not yet finished, as a shutdown's grace runs out: each one's reply ends with
+        finish_reason "abort" (done_reason under /api/). How many were cut."""
+        cut = [h for h in list(self.running) if not h.finished]
+        for handle in cut:
+            handle.cancel()
+        self.cut += len(cut)
+        return len(cut)
 
     @staticmethod
     async def collect(handle: RequestHandle, keep_logprobs: bool = False) -> Collected:

@@ -25,6 +25,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+def seconds_arg(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text}")
+    return value
+
+
 def threads_arg(text: str) -> int:
     """--threads: a positive whole number."""
     try:
@@ -169,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--reasoning", choices=("split", "inline"), default="split",
                        help="a thinking model's <think> block: in reasoning_content (split, the default) or left in "
                             "the content (inline)")
+    serve.add_argument("--shutdown-timeout", type=seconds_arg, default=5.0, metavar="SECONDS",
+                       help="on SIGTERM or Ctrl+C, how long running requests may go on before they are cut, each "
+                            "ending with finish_reason abort (default 5; a second signal exits at once)")
     add_model_options(serve)
 
     bench = sub.add_parser("bench", help="prefill/decode speed, MBU and MFU against the device's ceilings")
