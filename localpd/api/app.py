@@ -17,6 +17,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from localpd.api.anthropic import anthropic_router
 from localpd.api.body import JsonBodies
 from localpd.api.ollama import ollama_router
 from localpd.api.openai import openai_router
@@ -47,7 +48,9 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
     @app.middleware("http")
     async def guard(request: Request, call_next):
         if api_key and request.url.path not in ("/health", "/"):
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
+            given = request.headers.get("authorization", "").removeprefix("Bearer ") or request.headers.get(
+                "x-api-key")  # Anthropic's clients send x-api-key
+            if given != api_key:
                 return error(request, error_body("invalid or missing API key (Authorization: Bearer KEY)",
                                                  "authentication_error", code="invalid_api_key"), 401)
         size = request.headers.get("content-length")
@@ -74,6 +77,7 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
 
     app.include_router(openai_router(service))
     app.include_router(ollama_router(service))
+    app.include_router(anthropic_router(service))
     if cors_origins:  # added last, so it runs first: a browser's preflight carries no Authorization header
         app.add_middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])

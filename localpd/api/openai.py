@@ -19,7 +19,6 @@ from localpd.api.schemas import (ChatRequest, CompletionRequest, DetokenizeReque
                                  NamedToolChoice, Sampling, TokenizeRequest, error_body)
 from localpd.api.service import ApiError, Service
 from localpd.constrain.pattern import PatternError, choice_pattern, compiled
-from localpd.constrain.tools import call_schema, check_choice, forced_prefix
 from localpd.engine import Engine
 from localpd.engine.requests import RequestHandle, TokenEvent
 from localpd.engine.sampling import SamplingParams
@@ -84,23 +83,11 @@ def openai_router(service: Service) -> APIRouter:
         except LocalpdError as err:
             raise ApiError(400, str(err), param="chat_template_kwargs") from None
         choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedToolChoice) else body.tool_choice
-        tools = [t.model_dump(exclude_none=True) for t in body.tools or []] if choice != "none" else []
-        if choice == "required" and len(tools) == 1:  # one tool to call: call it by name, its parameters held
-            choice = {"type": "function", "function": {"name": tools[0]["function"]["name"]}}
-        template = e.tokenizer.chat_template if e.tokenizer else None
-        try:
-            check_choice(choice, tools)
-            prefix = forced_prefix(template, choice)
-            schema = call_schema(template, choice, tools)
-        except LocalpdError as err:
-            raise ApiError(400, str(err), param="tool_choice") from None
-        ids = service.chat_prompt(e, messages, body.chat_template_kwargs, tools or None, body.continue_final_message)
-        reply = service.replies(e, ids, not prefix, prefix if tools else None, body.parallel_tool_calls)
-        if prefix:
-            ids += e.tokenizer.encode(prefix, add_bos=False)
+        tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
+        ids, reply, forced = service.tool_prompt(e, messages, tools, choice, body.chat_template_kwargs,
+                                                 body.continue_final_message, body.parallel_tool_calls)
         top = body.top_logprobs if body.logprobs else None
         limit = body.max_completion_tokens or body.max_tokens
-        forced = (prefix[prefix.index("{"):], schema) if prefix else None
         return await respond(service, e, body, [ids], limit, None if not body.logprobs else (top or 0), chat=True,
                              reply=reply, forced=forced)
 

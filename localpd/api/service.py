@@ -14,6 +14,7 @@ from localpd.api.metrics import Metrics
 from localpd.api.reply import Reply
 from localpd.api.schemas import error_body
 from localpd.constrain.reasoning import ThinkSplit, reply_split
+from localpd.constrain.tools import call_schema, check_choice, forced_prefix
 from localpd.engine import Engine
 from localpd.engine.engine import embeddings
 from localpd.engine.requests import RequestHandle, TokenEvent
@@ -104,6 +105,29 @@ class Service:
                                  add_generation_prompt=add_generation_prompt)
         except LocalpdError as err:
             raise ApiError(400, str(err), param="messages") from None
+
+    def tool_prompt(self, e: Engine, messages: list[dict], tools: list[dict], choice, template_vars: dict | None = None,
+                    continue_final: bool = False, parallel_calls: bool = True
+                    ) -> tuple[list[int], Callable[[], Reply], tuple[str, dict] | None]:
+        """A conversation's prompt with its tools (OpenAI's shape) and tool_choice ("none", "auto", "required" or
+        {"type": "function", "function": {"name": ...}}): its token ids, what makes each choice's Reply, and for a
+        forced call (required, or a named function) the JSON it opened in the prompt and the call's schema, which
+        the reply is decoded against (SamplingParams.json_lead, json_schema). A choice that cannot be is a 400."""
+        tools = tools if choice != "none" else []
+        if choice == "required" and len(tools) == 1:  # one tool to call: call it by name, its parameters held
+            choice = {"type": "function", "function": {"name": tools[0]["function"]["name"]}}
+        template = e.tokenizer.chat_template if e.tokenizer else None
+        try:
+            check_choice(choice, tools)
+            prefix = forced_prefix(template, choice)
+            schema = call_schema(template, choice, tools)
+        except LocalpdError as err:
+            raise ApiError(400, str(err), param="tool_choice") from None
+        ids = self.chat_prompt(e, messages, template_vars, tools or None, continue_final)
+        reply = self.replies(e, ids, not prefix, prefix if tools else None, parallel_calls)
+        if prefix:
+            ids += e.tokenizer.encode(prefix, add_bos=False)
+        return ids, reply, (prefix[prefix.index("{"):], schema) if prefix else None
 
     def replies(self, e: Engine, ids: list[int], split: bool = True, call_prefix: str | None = None,
                 parallel_calls: bool = True) -> Callable[[], Reply]:
