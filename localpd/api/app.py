@@ -21,6 +21,7 @@ from localpd.api.anthropic import anthropic_router
 from localpd.api.body import JsonBodies
 from localpd.api.ollama import ollama_router
 from localpd.api.openai import openai_router
+from localpd.api.responses import responses_router
 from localpd.api.schemas import error_body
 from localpd.api.service import ApiError, Service
 from localpd.engine import Engine
@@ -78,6 +79,7 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
     app.include_router(openai_router(service))
     app.include_router(ollama_router(service))
     app.include_router(anthropic_router(service))
+    app.include_router(responses_router(service))
     if cors_origins:  # added last, so it runs first: a browser's preflight carries no Authorization header
         app.add_middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
