@@ -265,3 +265,53 @@ def test_bodies_without_a_json_content_type_odd_seeds_and_lone_surrogates_are_an
                      b'"options": {"num_predict": 2}, "system": "\\udc00"}')
     assert cut.status_code == 200 and cut.json()["done"], cut.text
     assert idle(served[0])
+
+
+@pytest.fixture(scope="module")
+def litellm():
+    import os
+
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch of its price list at import
+    import litellm
+
+    return litellm
+
+
+@pytest.mark.parametrize("provider", ["ollama", "ollama_chat"])
+def test_litellms_ollama_providers_chat_and_stream(served, litellm, provider):
+    """litellm's providers send their JSON without a Content-Type; ollama/ goes through /api/generate,
+    ollama_chat/ through /api/chat."""
+    kw = dict(model=f"{provider}/smollm2", api_base=served[1].url, extra_headers={"Authorization": f"Bearer {KEY}"},
+              temperature=0, max_tokens=16)
+    r = litellm.completion(messages=ASK, **kw)
+    assert "Paris" in r.choices[0].message.content
+    chunks = litellm.completion(messages=ASK, stream=True, **kw)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == r.choices[0].message.content
+    assert idle(served[0])
+
+
+def test_litellms_ollama_chat_provider_gets_tool_calls(served, litellm):
+    """OpenAI-shaped tools and earlier calls through litellm's ollama_chat/ provider; the small model, shown two
+    calls, calls the tool at some seeds."""
+    weather = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                                "parameters": {"type": "object", "required": ["city"],
+                                                               "properties": {"city": {"type": "string"}}}}}
+    history = []
+    for i, (city, report) in enumerate((("London", "12 C and rain"), ("Rome", "25 C and sun"))):
+        history += [{"role": "user", "content": f"What is the weather in {city}?"},
+                    {"role": "assistant", "content": "", "tool_calls": [{"id": f"c{i}", "type": "function", "function": {
+                        "name": "get_weather", "arguments": json.dumps({"city": city})}}]},
+                    {"role": "tool", "tool_call_id": f"c{i}", "content": report},
+                    {"role": "assistant", "content": f"It is {report} in {city}."}]
+    ask = history + [{"role": "user", "content": "What is the weather in Paris?"}]
+    calls = []
+    for seed in range(10):
+        r = litellm.completion(model="ollama_chat/smollm2", api_base=served[1].url, messages=ask, tools=[weather],
+                               extra_headers={"Authorization": f"Bearer {KEY}"}, temperature=1, top_p=1, seed=seed,
+                               max_tokens=40)
+        calls = r.choices[0].message.tool_calls
+        if calls:
+            break
+    assert calls, "no seed made a call"
+    assert calls[0].function.name == "get_weather" and json.loads(calls[0].function.arguments) == {"city": "Paris"}
+    assert idle(served[0])
