@@ -1,9 +1,11 @@
-"""`localpd serve`'s app: the OpenAI-compatible API (localpd.api.openai) and Ollama's (localpd.api.ollama) over one
-service (localpd.api.service), on loopback by default.
+"""`localpd serve`'s app: the OpenAI-compatible API (localpd.api.openai, and its Responses API in
+localpd.api.responses), Anthropic's Messages API (localpd.api.anthropic) and Ollama's (localpd.api.ollama) over one
+service (localpd.api.service), on loopback by default. Bodies are read as JSON whatever their Content-Type
+(localpd.api.body).
 
 A client that goes away mid-stream cancels its request, which frees its KV pages at the engine's next step. Errors
-always have OpenAI's shape {"error": {"message", "type", "param", "code"}}, under /api/ Ollama's {"error": "..."}.
-"""
+always have OpenAI's shape {"error": {"message", "type", "param", "code"}}, under /api/ Ollama's {"error": "..."},
+under /v1/messages Anthropic's {"type": "error", "error": {"type", "message"}}."""
 
 from __future__ import annotations
 

@@ -126,3 +126,18 @@ def test_bad_requests_get_openai_shaped_400s(served, payload, fragment):
     assert r.status_code == 400 and set(body["error"]) == {"message", "type", "param", "code"}, body
     assert fragment in body["error"]["message"], body
     assert idle(served[0])
+
+
+def test_a_thinking_models_reasoning_is_a_reasoning_item(served, client, monkeypatch):
+    from test_server import OPEN_THINK
+
+    engine = served[0]
+    monkeypatch.setattr(engine.tokenizer, "chat_template", OPEN_THINK)
+    ask = [{"role": "user", "content": Q}]
+    raw = "".join(ev.text for ev in engine.generate(engine.encode_chat(ask), SamplingParams(temperature=0,
+                                                                                            max_tokens=12)))
+    r = client.responses.create(model="x", input=Q, max_output_tokens=12, temperature=0)
+    assert r.output[0].type == "reasoning" and r.output[0].summary[0].text == raw.strip()
+    stream = list(client.responses.create(model="x", input=Q, max_output_tokens=12, temperature=0, stream=True))
+    assert "".join(ev.delta for ev in stream if ev.type == "response.reasoning_summary_text.delta") == raw.strip()
+    assert stream[-1].response.output[0].summary[0].text == raw.strip()

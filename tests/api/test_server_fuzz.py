@@ -31,3 +31,23 @@ def api_schema(app):
 def test_no_server_errors(case):
     response = case.call()
     assert response.status_code < 500, (case.method, case.path, case.body, response.text[:300])
+
+
+def test_every_post_route_takes_any_body_without_a_5xx(app):
+    """Each POST route (the OpenAI, Anthropic and Ollama ones alike): a body that is not JSON is a 400 whatever its
+    Content-Type; JSON of the wrong shape a 4xx; lone surrogates in every text field an answer or a 4xx."""
+    from starlette.testclient import TestClient
+
+    paths = sorted(path for path, operations in app.openapi()["paths"].items() if "post" in operations)
+    assert {"/v1/chat/completions", "/v1/messages", "/v1/responses", "/api/chat"} <= set(paths)
+    cut = (b'{"messages": [{"role": "user", "content": "\\udfff"}], "prompt": "a\\ud83d", "input": "\\ud800", '
+           b'"system": "\\udc00", "max_tokens": 2, "options": {"num_predict": 2}, "stream": false}')
+    with TestClient(app) as client:
+        for path in paths:
+            for body, content_type in ((b"{not json", "text/plain"), (b"{not json", None), (b"[]", "text/plain"),
+                                       (cut, "application/x-www-form-urlencoded")):
+                headers = {"content-type": content_type} if content_type else {}
+                r = client.post(path, content=body, headers=headers)
+                assert r.status_code < 500, (path, body, r.text[:300])
+                if body == b"{not json":
+                    assert r.status_code == 400, (path, r.text[:300])
