@@ -289,29 +289,3 @@ def test_litellms_ollama_providers_chat_and_stream(served, litellm, provider):
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == r.choices[0].message.content
     assert idle(served[0])
 
-
-def test_litellms_ollama_chat_provider_gets_tool_calls(served, litellm):
-    """OpenAI-shaped tools and earlier calls through litellm's ollama_chat/ provider; the small model, shown two
-    calls, calls the tool at some seeds."""
-    weather = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
-                                                "parameters": {"type": "object", "required": ["city"],
-                                                               "properties": {"city": {"type": "string"}}}}}
-    history = []
-    for i, (city, report) in enumerate((("London", "12 C and rain"), ("Rome", "25 C and sun"))):
-        history += [{"role": "user", "content": f"What is the weather in {city}?"},
-                    {"role": "assistant", "content": "", "tool_calls": [{"id": f"c{i}", "type": "function", "function": {
-                        "name": "get_weather", "arguments": json.dumps({"city": city})}}]},
-                    {"role": "tool", "tool_call_id": f"c{i}", "content": report},
-                    {"role": "assistant", "content": f"It is {report} in {city}."}]
-    ask = history + [{"role": "user", "content": "What is the weather in Paris?"}]
-    calls = []
-    for seed in range(10):
-        r = litellm.completion(model="ollama_chat/smollm2", api_base=served[1].url, messages=ask, tools=[weather],
-                               extra_headers={"Authorization": f"Bearer {KEY}"}, temperature=1, top_p=1, seed=seed,
-                               max_tokens=40)
-        calls = r.choices[0].message.tool_calls
-        if calls:
-            break
-    assert calls, "no seed made a call"
-    assert calls[0].function.name == "get_weather" and json.loads(calls[0].function.arguments) == {"city": "Paris"}
-    assert idle(served[0])
