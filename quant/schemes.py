@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from localpd.errors import LocalpdError
+from localpd.quant.gguf_blocks import DECODERS
 from localpd.quant.bnb import BnbInt8Weight, Nf4Weight, bitsandbytes
 from localpd.quant.weights import INT4_GROUPS, Int4Weight, Int8Weight, Weight
 
@@ -12,9 +13,11 @@ DENSE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 INT4 = {"int4-g32": 32, "int4-g64": 64, "int4-g128": 128}
 BNB = {"bnb-nf4": Nf4Weight, "bnb-int8": BnbInt8Weight}  # bitsandbytes' formats and matmuls (optional)
 SCHEMES = ("native", *DENSE, "int8", *INT4, *BNB)
-# GGUF block types that map exactly onto our formats; other quantized types are re-quantized to these
-GGUF_NATIVE = {"Q4_0", "Q4_1", "Q8_0"}
-GGUF_REQUANT = {"Q4_K": "int4-g32", "Q5_K": "int8", "Q6_K": "int8"}
+# GGUF block types that map onto our formats with group 32 (quant.gguf_blocks); under "native" every other quantized
+# type is re-quantized to int8 with a scale per NATIVE_INT8_GROUP values (native_weight)
+GGUF_NATIVE = set(DECODERS)
+GGUF_DENSE = {"F32", "F16", "BF16"}
+NATIVE_INT8_GROUP = 32
 
 
 def check_scheme(scheme: str) -> str:
@@ -63,6 +66,16 @@ def imports_exactly(gguf_type: str, scheme: str) -> bool:
     """Whether a GGUF block type already is the scheme's format, so it is imported as stored, not re-quantized."""
     return gguf_type in GGUF_NATIVE and (scheme == "native" or (scheme == "int8" and gguf_type == "Q8_0")
                                          or (scheme == "int4-g32" and gguf_type in ("Q4_0", "Q4_1")))
+
+
+def native_weight(dense: torch.Tensor, gguf_type: str, dtype: torch.dtype) -> Weight:
+    """A GGUF matrix under "native" whose type has no import of its own (imports_exactly): a float type stays dense;
+    a quantized one (Q5_1, Q2_K, Q3_K, Q5_K, Q6_K, the 1-3 bit IQ types...) becomes int8 with a float16 scale per 32
+    values. Each group of 32 spans one or two of the type's sub-blocks, so its rounding step is at most 1/127 of
+    the group's largest value, a small fraction of the step of the type's own 2-6 bit codes (docs/PERF.md)."""
+    if gguf_type in GGUF_DENSE:
+        return dense.to(dtype)
+    return Int8Weight.quantize(dense, NATIVE_INT8_GROUP)
 
 
 def int4_group(scheme: str, k: int) -> int:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from localpd.errors import LocalpdError
+from localpd.load.gguf_header import GGML_TYPES
+from localpd.quant import gguf_blocks
 from localpd.quant.bnb import BnbInt8Weight, Nf4Weight
 
 INT4_GROUPS = (32, 64, 128)
@@ -218,44 +220,41 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((pairs & 15, pairs >> 4), dim=-1).reshape(n, -1)
 
 
-# GGUF blocks of 32 values: Q8_0 = f16 d + 32 int8; Q4_0 = f16 d + 16 bytes; Q4_1 = f16 d + f16 m + 16 bytes.
-GGUF_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
-
-
 def from_gguf(type_name: str, raw_blocks_uint8: torch.Tensor, shape: tuple[int, int]) -> Int4Weight | Int8Weight:
-    """Lossless import of GGUF Q8_0 (-> Int8Weight, group 32), Q4_0 and Q4_1 (-> Int4Weight, group 32).
+    """Import of a GGUF block type whose groups of 32 are codes * scale (+ bias) (quant.gguf_blocks): Q4_0, Q4_1 and
+    Q4_K -> Int4Weight, Q8_0, Q5_0, IQ4_NL, IQ4_XS and MXFP4 -> Int8Weight, group 32. Bit for bit, but for Q4_K's
+    and IQ4_XS's scales (products of two stored fields), which are rounded to float16.
 
-    `raw_blocks_uint8` holds the tensor's blocks as stored (any shape, N * K / 32 blocks); `shape` is
-    (N rows, K columns) with blocks running along K.
+    `raw_blocks_uint8` holds the tensor's blocks as stored (any shape); `shape` is (N rows, K columns) with blocks
+    running along K.
     """
     type_name = type_name.upper()
-    if type_name not in GGUF_BLOCK_BYTES:
-        raise LocalpdError(f"GGUF type {type_name} cannot be imported as int4/int8 (supported: Q4_0, Q4_1, Q8_0)")
+    if type_name not in gguf_blocks.DECODERS:
+        raise LocalpdError(f"GGUF type {type_name} cannot be imported as int4/int8 "
+                           f"(supported: {', '.join(gguf_blocks.DECODERS)})")
     n, k = shape
-    if k % 32:
-        raise LocalpdError(f"GGUF {type_name} needs the input dimension ({k}) to be a multiple of 32")
-    size = GGUF_BLOCK_BYTES[type_name]
+    _, block, size = GGML_TYPES[type_name]
+    if k % block:
+        raise LocalpdError(f"GGUF {type_name} needs the input dimension ({k}) to be a multiple of {block}")
     raw = raw_blocks_uint8.reshape(-1)
-    if raw.dtype != torch.uint8 or raw.numel() != n * (k // 32) * size:
-        raise LocalpdError(f"GGUF {type_name} data for a {n}x{k} tensor must be {n * (k // 32) * size} uint8 bytes, "
+    if raw.dtype != torch.uint8 or raw.numel() != n * (k // block) * size:
+        raise LocalpdError(f"GGUF {type_name} data for a {n}x{k} tensor must be {n * (k // block) * size} uint8 bytes, "
                            f"got {raw.numel()} {raw.dtype}")
-    blocks = raw.reshape(n, k // 32, size)
+    g = gguf_blocks.DECODERS[type_name](raw.reshape(-1, size))
+    scales = _half_scales(g.scale, type_name).reshape(n, k // 32)
+    if type_name in gguf_blocks.INT4_TYPES:
+        biases = _half_scales(g.bias, type_name).reshape(n, k // 32)
+        return Int4Weight(pack_int4(g.codes.reshape(n, k)), scales, biases)
+    return Int8Weight(g.codes.reshape(n, k).contiguous(), scales)
 
-    def f16(lo: int) -> torch.Tensor:
-        return blocks[..., lo:lo + 2].contiguous().view(torch.float16).reshape(n, k // 32)
 
-    if type_name == "Q8_0":
-        data = blocks[..., 2:].contiguous().view(torch.int8).reshape(n, k)
-        return Int8Weight(data, f16(0).contiguous())
-    qs = blocks[..., size - 16:]                             # byte j: element j low, element j + 16 high
-    q = torch.cat((qs & 15, qs >> 4), dim=-1).reshape(n, k)  # element order within the block
-    d = f16(0)
-    if type_name == "Q4_0":
-        bias = d * -8  # exact in float16 unless |d| > 8188 overflows
-        if not torch.isfinite(bias).all():
-            raise LocalpdError("GGUF Q4_0 scale too large to import (|d| > 8188)")
-        return Int4Weight(pack_int4(q), d.contiguous(), bias.contiguous())
-    return Int4Weight(pack_int4(q), d.contiguous(), f16(2).contiguous())
+def _half_scales(x: torch.Tensor, type_name: str) -> torch.Tensor:
+    """float32 scales or biases -> float16, refusing what float16 cannot hold."""
+    h = x.half()
+    if not torch.isfinite(h).all():
+        raise LocalpdError(f"GGUF {type_name}: a block scale of {x[~torch.isfinite(h)].flatten()[0].item():g} "
+                           f"does not fit float16 (largest 65504)")
+    return h.contiguous()
 
 
 Weight = torch.Tensor | Int4Weight | Int8Weight | Nf4Weight | BnbInt8Weight  # a weight matrix in any format

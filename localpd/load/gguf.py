@@ -9,15 +9,11 @@ import numpy as np
 import torch
 
 from localpd.errors import LocalpdError
-from localpd.load.gguf_header import HeaderError, read_header
+from localpd.load.gguf_header import GGML_TYPES, HeaderError, read_header
+from localpd.quant import gguf_blocks
 
-# type name -> (elements per block, bytes per block)
-BLOCKS = {
-    "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2),
-    "Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20),
-    "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
-}
-SUPPORTED = ", ".join(BLOCKS)
+# type name -> (elements per block, bytes per block), for every type a tensor may have
+BLOCKS = {name: (block, size) for name, (_, block, size) in GGML_TYPES.items()}
 
 
 def _f16(raw: torch.Tensor) -> torch.Tensor:
@@ -25,51 +21,15 @@ def _f16(raw: torch.Tensor) -> torch.Tensor:
     return raw.contiguous().view(torch.float16).float()
 
 
-def _nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """[n, k] bytes -> [n, 2k]: the k low nibbles, then the k high nibbles (ggml's order within a 32-block)."""
-    return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
-
-
-def _q8_0(b: torch.Tensor) -> torch.Tensor:
-    return b[:, 2:].contiguous().view(torch.int8).float() * _f16(b[:, :2])
-
-
-def _q4_0(b: torch.Tensor) -> torch.Tensor:
-    return _f16(b[:, :2]) * (_nibbles(b[:, 2:]).float() - 8.0)
-
-
-def _q4_1(b: torch.Tensor) -> torch.Tensor:
-    return _f16(b[:, :2]) * _nibbles(b[:, 4:]).float() + _f16(b[:, 2:4])
-
-
-def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The 12 packed bytes of Q4_K/Q5_K -> 8 six-bit scales and 8 six-bit mins per block."""
-    s = s.int()
-    lo, hi = s[:, 0:4], s[:, 4:8]
-    sc = torch.cat([lo & 63, (s[:, 8:12] & 0x0F) | ((lo >> 6) << 4)], dim=-1)
-    mn = torch.cat([hi & 63, (s[:, 8:12] >> 4) | ((hi >> 6) << 4)], dim=-1)
-    return sc.float(), mn.float()
-
-
-def _k_sub(b: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Shared tail of Q4_K/Q5_K: q is [n, 8, 32] quant levels of the 8 sub-blocks."""
-    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
-    sc, mn = _k_scales(b[:, 4:16])
-    return ((d * sc)[..., None] * q.float() - (dmin * mn)[..., None]).reshape(-1, 256)
-
-
-def _q4_k(b: torch.Tensor) -> torch.Tensor:
-    qs = b[:, 16:144].reshape(-1, 4, 32)  # 4 chunks of 32 bytes = 64 values: low nibbles, then high
-    return _k_sub(b, torch.stack([qs & 0x0F, qs >> 4], dim=2).reshape(-1, 8, 32))
-
-
 def _q5_k(b: torch.Tensor) -> torch.Tensor:
+    """d * sc[j] * q - dmin * m[j] per sub-block of 32, as Q4_K, with a 5th bit per value."""
     qh = b[:, 16:48]  # bit j of qh[l] is the 5th bit of value l of sub-block j
     qs = b[:, 48:176].reshape(-1, 4, 32)
     low = torch.stack([qs & 0x0F, qs >> 4], dim=2).reshape(-1, 8, 32)
     shifts = torch.arange(8, dtype=torch.uint8, device=b.device)[None, :, None]
-    high = ((qh[:, None, :] >> shifts) & 1) << 4
-    return _k_sub(b, low | high)
+    q = (low | (((qh[:, None, :] >> shifts) & 1) << 4)).float()
+    sc, mn = gguf_blocks.k_scales(b[:, 4:16])
+    return ((_f16(b[:, 0:2]) * sc)[..., None] * q - (_f16(b[:, 2:4]) * mn)[..., None]).reshape(-1, 256)
 
 
 def _q6_k(b: torch.Tensor) -> torch.Tensor:
@@ -84,20 +44,32 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return ((d * sc) * q).reshape(-1, 256)
 
 
-def _f32(b: torch.Tensor) -> torch.Tensor:
-    return b.contiguous().view(torch.float32).reshape(-1, 1)
+def _elements(dtype: torch.dtype):
+    return lambda b: b.contiguous().view(dtype).float().reshape(-1, 1)
 
 
-def _f16_elems(b: torch.Tensor) -> torch.Tensor:
-    return b.contiguous().view(torch.float16).float().reshape(-1, 1)
+def _groups(decoder):
+    return lambda b: gguf_blocks.dequantize(decoder(b))
 
 
-def _bf16(b: torch.Tensor) -> torch.Tensor:
-    return b.contiguous().view(torch.bfloat16).float().reshape(-1, 1)
+def _reference(type_name: str):
+    """The gguf package's numpy dequantization, for the types localpd has no torch code of its own for."""
+    def run(b: torch.Tensor) -> torch.Tensor:
+        import gguf.quants  # imported on first use: half a second
+
+        out = gguf.quants.dequantize(b.numpy(), gguf.GGMLQuantizationType[type_name])
+        return torch.from_numpy(np.asarray(out, dtype=np.float32))
+    return run
 
 
-DEQUANT = {"F32": _f32, "F16": _f16_elems, "BF16": _bf16, "Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1,
-           "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+# torch code for the common types (fast, and the group-32 ones shared with the int4/int8 import); the gguf package's
+# numpy reference for the rest (Q5_1, Q2_K, Q3_K, the 1-3 bit IQ types, TQ*, NVFP4)
+DEQUANT = {"F32": _elements(torch.float32), "F16": _elements(torch.float16), "BF16": _elements(torch.bfloat16),
+           **{name: _groups(decoder) for name, decoder in gguf_blocks.DECODERS.items()},
+           "Q5_K": _q5_k, "Q6_K": _q6_k}
+DEQUANT.update({name: _reference(name) for name in ("Q5_1", "Q2_K", "Q3_K", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS",
+                                                     "IQ3_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0", "NVFP4")})
+SUPPORTED = ", ".join(DEQUANT)
 
 
 def dequantize_blocks(type_name: str, raw_uint8: torch.Tensor, n_elements: int) -> torch.Tensor:
@@ -123,12 +95,13 @@ class GGUFFile:
         try:
             self.metadata, self.tensors = read_header(self.path)
         except (HeaderError, ValueError, OverflowError) as e:  # HeaderError, or a string that is not UTF-8
-            raise LocalpdError(f"{self.path} is not a readable GGUF file (corrupt or truncated header: "
-                               f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise LocalpdError(f"{self.path} is not a readable GGUF file: {why}") from None
         size = self.path.stat().st_size
-        end = max((t.data_offset + t.n_bytes for t in self.tensors), default=0)
-        if end > size:
-            raise LocalpdError(f"{self.path} is truncated: its tensors end at byte {end} but the file has {size} bytes")
+        for t in self.tensors:
+            if t.data_offset + t.n_bytes > size:
+                raise LocalpdError(f"{self.path} is truncated: tensor {t.name} ends at byte {t.data_offset + t.n_bytes} "
+                                   f"but the file has {size} bytes")
         self._tensors = {t.name: t for t in self.tensors}
 
     @property
@@ -139,6 +112,24 @@ class GGUFFile:
         if name not in self._tensors:
             raise LocalpdError(f"tensor {name} not found in {self.path}")
         return self._tensors[name]
+
+    def type_counts(self) -> dict[str, int]:
+        """How many tensors of each type the file holds, the most common first."""
+        counts: dict[str, int] = {}
+        for t in self.tensors:
+            counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+        return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+    def bits_per_weight(self) -> float:
+        """Stored bits per element over all tensors, as llama.cpp counts them."""
+        return 8 * sum(t.n_bytes for t in self.tensors) / max(1, sum(t.n_elements for t in self.tensors))
+
+    def check_types(self, names) -> None:
+        """Refuse, before anything is loaded, a tensor among `names` whose type localpd cannot dequantize."""
+        for name in names:
+            kind = self.tensor_type(name)
+            if kind not in DEQUANT:
+                raise LocalpdError(f"unsupported GGUF tensor type {kind} in {name}; supported: {SUPPORTED}")
 
     def tensor_type(self, name: str) -> str:
         return self._tensor(name).tensor_type.name
@@ -152,10 +143,9 @@ class GGUFFile:
         return self._tensor(name).data
 
     def dequantize(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        self.check_types([name])
         t = self._tensor(name)
         kind = t.tensor_type.name
-        if kind not in DEQUANT:
-            raise LocalpdError(f"unsupported GGUF tensor type {kind} in {name}; supported: {SUPPORTED}")
         raw = torch.from_numpy(np.array(t.data, copy=True).reshape(-1).view(np.uint8))  # off the read-only map
         shape = self.tensor_shape(name)
         flat = dequantize_blocks(kind, raw, int(np.prod(shape)))

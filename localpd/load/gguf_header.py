@@ -154,8 +154,12 @@ def read_header(path) -> tuple[dict[str, Any], list[TensorInfo]]:
         try:
             ggml_type = GGMLType(kind)
         except ValueError:
-            raise HeaderError(f"tensor {name} has unknown type {kind}") from None
+            raise HeaderError(f"tensor {name} has type id {kind}, which is not a ggml type localpd knows "
+                              f"(known: {', '.join(GGML_TYPES)})") from None
         block, size = BLOCK[ggml_type]
+        if dims and dims[0] % block:
+            raise HeaderError(f"tensor {name} ({ggml_type.name}) has rows of {dims[0]} values, not whole blocks of "
+                              f"{block}: its byte size does not match its type and shape")
         n = math.prod(dims)
         n_bytes = n * size // block
         begin = start + offset
@@ -167,4 +171,14 @@ def read_header(path) -> tuple[dict[str, Any], list[TensorInfo]]:
             else:
                 data = data.reshape(shape[:-1] + (shape[-1] // block * size,) if shape else shape)
         tensors.append(TensorInfo(name, ggml_type, dims, n, n_bytes, begin, data))
+    check_overlaps(tensors)
     return metadata, tensors
+
+
+def check_overlaps(tensors: list[TensorInfo]) -> None:
+    """Each tensor's bytes (as its type and shape size them) end before the next tensor's begin."""
+    placed = sorted(tensors, key=lambda t: t.data_offset)
+    for a, b in zip(placed, placed[1:]):
+        if a.data_offset + a.n_bytes > b.data_offset:
+            raise HeaderError(f"tensor {a.name} ({a.tensor_type.name}, shape {list(a.shape)}) needs {a.n_bytes} bytes, "
+                              f"which run into tensor {b.name}: its byte size does not match its type and shape")

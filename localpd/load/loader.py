@@ -16,7 +16,7 @@ from localpd.load.gguf import GGUFFile
 from localpd.kernels.kv_dispatch import kernel_head_dim
 from localpd.quant.store import is_quantized_dir, load_quantized, tokenizer_meta
 from localpd.quant.weights import Weight, from_gguf
-from localpd.quant.schemes import GGUF_REQUANT, check_scheme, head_scheme, imports_exactly, is_matrix, quantize
+from localpd.quant.schemes import check_scheme, head_scheme, imports_exactly, is_matrix, native_weight, quantize
 from localpd.text.tokenizer import Tokenizer
 
 GGUF_NAMES = {  # GGUF tensor name (after blk.N.) -> HF-style name (after layers.N.)
@@ -244,6 +244,7 @@ def load_gguf(path: Path, dtype, device, scheme: str = "native", importance: dic
     config = gguf_config(g.metadata, path)
     config.tie_embeddings = gguf_tied(g)
     config.rope_scaling = gguf_longrope(g, config, g.metadata["general.architecture"]) or config.rope_scaling
+    g.check_types(t.name for t in g.tensors if gguf_key(t.name))
     weights = {}
     for t in g.tensors:
         if not (found := gguf_key(t.name)):
@@ -287,14 +288,16 @@ def gguf_matrix(g: GGUFFile, t, scheme: str, dtype, device, heads: int | None,
     """A GGUF weight matrix in the scheme; blocks already in the scheme's format are imported exactly."""
     kind = t.tensor_type.name
     if imports_exactly(kind, scheme):
-        shape = tuple(reversed(t.shape))
-        w = from_gguf(kind, torch.from_numpy(np.array(t.data, dtype=np.uint8)), shape)
+        try:
+            w = from_gguf(kind, torch.from_numpy(np.array(t.data, dtype=np.uint8)), tuple(reversed(t.shape)))
+        except LocalpdError as e:
+            raise LocalpdError(f"{g.path}: tensor {t.name}: {e}") from None
         w = replace(w, **{f.name: getattr(w, f.name).to(device) for f in fields(w)})
         return unpermute_qk(w, heads) if heads else w
     dense = g.dequantize(t.name).to(device)
     if heads:
         dense = unpermute_qk(dense, heads)
-    return quantize(dense, GGUF_REQUANT.get(kind, "native") if scheme == "native" else scheme, dtype, importance)
+    return native_weight(dense, kind, dtype) if scheme == "native" else quantize(dense, scheme, dtype, importance)
 
 
 # Gemma3TextConfig's defaults, which Gemma 3's own config.json files leave out

@@ -11,9 +11,15 @@ from localpd.errors import LocalpdError
 from localpd.load.gguf import BLOCKS, GGUFFile, dequantize_blocks
 
 Q = gguf.GGMLQuantizationType
-# byte offsets of the f16 scale fields inside one block: random bytes there could be inf/nan
-F16_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+# byte offsets of the f16 scale fields inside one block of each type localpd decodes with torch code of its own:
+# random bytes there could be inf/nan (MXFP4's scale is a power-of-two byte, any value of which is finite)
+F16_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "Q5_0": [0],
+              "IQ4_NL": [0], "IQ4_XS": [0], "MXFP4": []}
 COUNTS = [1, 3, 8, 17]
+# extreme scales (-0.0, the largest finite float16 and its negative, the smallest subnormal) and codes (all bytes
+# equal: every code the lowest, the highest, or one value)
+EXTREME_SCALES = [-0.0, 65504.0, -65504.0, 2.0 ** -24]
+EXTREME_BYTES = [0x00, 0xFF, 0x88, 0x5A]
 
 
 def random_blocks(type_name: str, n_blocks: int, rng) -> np.ndarray:
@@ -40,8 +46,25 @@ def test_random_block_bytes(type_name, n_blocks):
     check(type_name, random_blocks(type_name, n_blocks, rng))
 
 
+@pytest.mark.parametrize("type_name", list(F16_FIELDS))
+def test_extreme_blocks(type_name):
+    """Every pair of an extreme scale (in every scale field) and a block of equal bytes, and the MXFP4 scale bytes
+    at both ends of their range."""
+    size = BLOCKS[type_name][1]
+    blocks = []
+    for scale in EXTREME_SCALES:
+        for byte in EXTREME_BYTES:
+            raw = np.full(size, byte, dtype=np.uint8)
+            for off in F16_FIELDS[type_name]:
+                raw[off:off + 2] = np.array([scale], dtype=np.float16).view(np.uint8)
+            if type_name == "MXFP4":
+                raw[0] = [0, 1, 2, 127, 254, 255][(len(blocks)) % 6]
+            blocks.append(raw)
+    check(type_name, np.stack(blocks))
+
+
 @pytest.mark.parametrize("n_blocks", COUNTS)
-@pytest.mark.parametrize("type_name", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("type_name", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "MXFP4"])
 def test_quantized_random_floats(type_name, n_blocks):
     rng = np.random.default_rng(n_blocks)
     x = rng.standard_normal((n_blocks, 32)).astype(np.float32) * rng.uniform(0.01, 3.0, (n_blocks, 1)).astype(np.float32)
@@ -50,14 +73,14 @@ def test_quantized_random_floats(type_name, n_blocks):
 
 
 def test_unsupported_type_names_type_and_tensor(tmp_path):
-    path = tmp_path / "iq.gguf"
+    path = tmp_path / "q8k.gguf"
     w = gguf.GGUFWriter(path, "llama")
-    size = gguf.GGML_QUANT_SIZES[Q.IQ2_XS][1]
-    w.add_tensor("blk.0.ffn_up.weight", np.zeros((1, size), dtype=np.uint8), raw_dtype=Q.IQ2_XS)
+    size = gguf.GGML_QUANT_SIZES[Q.Q8_K][1]
+    w.add_tensor("blk.0.ffn_up.weight", np.zeros((1, size), dtype=np.uint8), raw_dtype=Q.Q8_K)
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
     g = GGUFFile(path)
-    assert g.tensor_type("blk.0.ffn_up.weight") == "IQ2_XS" and g.tensor_shape("blk.0.ffn_up.weight") == (1, 256)
-    with pytest.raises(LocalpdError, match=r"unsupported GGUF tensor type IQ2_XS in blk\.0\.ffn_up\.weight; supported: F32"):
+    assert g.tensor_type("blk.0.ffn_up.weight") == "Q8_K" and g.tensor_shape("blk.0.ffn_up.weight") == (1, 256)
+    with pytest.raises(LocalpdError, match=r"unsupported GGUF tensor type Q8_K in blk\.0\.ffn_up\.weight; supported: F32"):
         g.dequantize("blk.0.ffn_up.weight")
 
 

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+import gguf
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
@@ -90,33 +91,55 @@ def test_group_errors():
         pack_int4(torch.zeros(2, 12, dtype=torch.uint8))
 
 
+# bytes of a block after its float16 scale fields (the rest of the block is random)
+F16_FIELDS = {"Q8_0": 1, "Q4_0": 1, "Q4_1": 2, "Q5_0": 1, "Q4_K": 2, "IQ4_NL": 1, "IQ4_XS": 1, "MXFP4": 0}
+ROUNDED = {"Q4_K", "IQ4_XS"}  # their scales are products of two stored fields, rounded to float16 on import
+
+
 def _random_blocks(type_name, n_blocks, rng):
-    """GGUF blocks with random finite f16 scales (and mins) and random quant bytes."""
+    """GGUF blocks with random finite f16 scales (and mins) and random bytes in the rest; MXFP4's scale byte in the
+    range float16 holds."""
     def f16(lo, hi):
         mag = np.exp(rng.uniform(np.log(lo), np.log(hi), n_blocks)) * rng.choice([-1, 1], n_blocks)
         return mag.astype(np.float16).view(np.uint8).reshape(n_blocks, 2)
 
-    if type_name == "Q8_0":
-        parts = [f16(1e-6, 10), rng.integers(0, 256, (n_blocks, 32), dtype=np.uint8)]
-    elif type_name == "Q4_0":
-        parts = [f16(1e-6, 100), rng.integers(0, 256, (n_blocks, 16), dtype=np.uint8)]
-    else:
-        parts = [f16(1e-6, 10), f16(1e-6, 10), rng.integers(0, 256, (n_blocks, 16), dtype=np.uint8)]
-    return np.concatenate(parts, axis=1)
+    size = gguf.GGML_QUANT_SIZES[GGMLQuantizationType[type_name]][1]
+    hi = 100 if type_name == "Q4_0" else 10
+    parts = [f16(1e-6, hi) for _ in range(F16_FIELDS[type_name])]
+    if type_name == "MXFP4":
+        parts.append(rng.integers(110, 140, (n_blocks, 1), dtype=np.uint8))
+    rest = size - sum(p.shape[1] for p in parts)
+    return np.concatenate(parts + [rng.integers(0, 256, (n_blocks, rest), dtype=np.uint8)], axis=1)
 
 
-@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("type_name", list(F16_FIELDS))
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_gguf_import_is_exact(type_name, seed):
     rng = np.random.default_rng(seed)
-    n, k = 24, 96 * (seed + 1)
-    blocks = _random_blocks(type_name, n * k // 32, rng)
-    expected = gguf_dequantize(blocks.reshape(-1), GGMLQuantizationType[type_name]).reshape(n, k)
+    n, k = 24, 256 * (seed + 1)
+    block, size = gguf.GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    blocks = _random_blocks(type_name, n * k // block, rng)
+    expected = torch.from_numpy(gguf_dequantize(blocks.reshape(-1), GGMLQuantizationType[type_name]).reshape(n, k))
     w = from_gguf(type_name, torch.from_numpy(blocks.reshape(-1).copy()), (n, k))
-    assert isinstance(w, Int8Weight if type_name == "Q8_0" else Int4Weight)
+    assert isinstance(w, Int4Weight if type_name in ("Q4_0", "Q4_1", "Q4_K") else Int8Weight)
     assert w.group == 32 and w.shape == (n, k)
-    assert torch.equal(w.dequantize(torch.float32), torch.from_numpy(expected.astype(np.float32)))
-    assert w.nbytes <= blocks.nbytes + n * k // 32 * 2  # Q4_0 gains a stored bias per block
+    got = w.dequantize(torch.float32)
+    if type_name in ROUNDED:  # each value off by at most float16's rounding of its scale (and bias)
+        scale = w.scales.float().abs().repeat_interleave(32, dim=1)
+        bias = w.biases.float().abs().repeat_interleave(32, dim=1) if type_name == "Q4_K" else 0
+        bound = 2 ** -11 * (scale * (15 if type_name == "Q4_K" else 127) + bias)
+        assert ((got - expected.float()).abs() <= bound).all()
+    else:
+        assert torch.equal(got, expected.float())
+    assert w.nbytes <= blocks.nbytes * 2 + n * k // 32 * 2  # at most int8 codes and a float16 scale per 32
+
+
+def test_gguf_import_scale_beyond_float16():
+    block = np.zeros(144, dtype=np.uint8)  # Q4_K: d = 65504 times sub-block scale 63 is no float16
+    block[0:2] = np.array([65504], dtype=np.float16).view(np.uint8)
+    block[4] = 63
+    with pytest.raises(LocalpdError, match="does not fit float16"):
+        from_gguf("Q4_K", torch.from_numpy(block), (1, 256))
 
 
 def test_gguf_import_errors():
