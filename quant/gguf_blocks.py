@@ -2,7 +2,8 @@
 
 In this form a block type maps onto localpd's own formats with group 32: codes 0..15 with a scale and a bias are
 an Int4Weight, signed codes with a scale alone an Int8Weight. Scales computed from several stored fields (Q4_K's
-d * sc, IQ4_XS's d * (ls - 32)) are rounded to float16 there; the other types import bit for bit.
+d * sc, IQ4_XS's d * (ls - 32)) are rounded to float16 there; the other types import bit for bit, but Q5_1 and
+Q5_K (5-bit codes and a bias), which become int8 with the least error (quant.weights.int8_near).
 
 Each decoder takes the stored blocks as uint8 [n_blocks, bytes per block] and returns Groups, one row per group of
 32 values, in file order. `dequantize(groups)` computes in float32 exactly as ggml (and the gguf package) do.
@@ -52,10 +53,18 @@ def q4_1(b: torch.Tensor) -> Groups:
 
 
 def q5_0(b: torch.Tensor) -> Groups:
-    j = torch.arange(32, device=b.device)
-    high = (b[:, 2 + j // 8] >> (j % 8).to(torch.uint8)) & 1  # bit j of the 4 bytes qh: the 5th bit of value j
-    q = (_nibbles(b[:, 6:]) | (high << 4)).to(torch.int32)
+    q = (_nibbles(b[:, 6:]) | (_fifth_bits(b[:, 2:6]) << 4)).to(torch.int32)
     return Groups((q - 16).to(torch.int8), _f16(b[:, :2]), None)
+
+
+def q5_1(b: torch.Tensor) -> Groups:
+    return Groups(_nibbles(b[:, 8:]) | (_fifth_bits(b[:, 4:8]) << 4), _f16(b[:, :2]), _f16(b[:, 2:4]))
+
+
+def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
+    """The 4 bytes qh of Q5_0/Q5_1 -> [n, 32]: bit j is the 5th bit of value j."""
+    j = torch.arange(32, device=qh.device)
+    return (qh[:, j // 8] >> (j % 8).to(torch.uint8)) & 1
 
 
 def iq4_nl(b: torch.Tensor) -> Groups:
@@ -71,12 +80,26 @@ def k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc.float(), mn.float()
 
 
-def q4_k(b: torch.Tensor) -> Groups:
-    """256 values in 8 sub-blocks of 32: d * sc[j] * q - dmin * m[j]."""
+def _k_groups(b: torch.Tensor, q: torch.Tensor) -> Groups:
+    """Q4_K/Q5_K: 256 values in 8 sub-blocks of 32, d * sc[j] * q - dmin * m[j]; q [n_blocks * 8, 32]."""
     sc, mn = k_scales(b[:, 4:16])
-    qs = b[:, 16:144].reshape(-1, 4, 32)  # 4 chunks of 32 bytes = 64 values: low nibbles, then high
-    q = torch.stack([qs & 0x0F, qs >> 4], dim=2).reshape(-1, 32)
     return Groups(q, (_f16(b[:, 0:2]) * sc).reshape(-1, 1), (-(_f16(b[:, 2:4]) * mn)).reshape(-1, 1))
+
+
+def _k_nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """128 bytes in 4 chunks of 32 (each 64 values: low nibbles, then high) -> [n_blocks * 8, 32]."""
+    qs = qs.reshape(-1, 4, 32)
+    return torch.stack([qs & 0x0F, qs >> 4], dim=2).reshape(-1, 32)
+
+
+def q4_k(b: torch.Tensor) -> Groups:
+    return _k_groups(b, _k_nibbles(b[:, 16:144]))
+
+
+def q5_k(b: torch.Tensor) -> Groups:
+    shifts = torch.arange(8, dtype=torch.uint8, device=b.device)[None, :, None]
+    high = (b[:, None, 16:48] >> shifts) & 1  # bit j of qh[l]: the 5th bit of value l of sub-block j
+    return _k_groups(b, _k_nibbles(b[:, 48:176]) | (high.reshape(-1, 32) << 4))
 
 
 def iq4_xs(b: torch.Tensor) -> Groups:
@@ -100,9 +123,10 @@ def mxfp4(b: torch.Tensor) -> Groups:
     return Groups(_lookup(MXFP4_VALUES, _nibbles(b[:, 1:])), e8m0_half(b[:, :1]), None)
 
 
-DECODERS = {"Q8_0": q8_0, "Q4_0": q4_0, "Q4_1": q4_1, "Q5_0": q5_0, "Q4_K": q4_k, "IQ4_NL": iq4_nl,
-            "IQ4_XS": iq4_xs, "MXFP4": mxfp4}
+DECODERS = {"Q8_0": q8_0, "Q4_0": q4_0, "Q4_1": q4_1, "Q5_0": q5_0, "Q5_1": q5_1, "Q4_K": q4_k, "Q5_K": q5_k,
+            "IQ4_NL": iq4_nl, "IQ4_XS": iq4_xs, "MXFP4": mxfp4}
 INT4_TYPES = {"Q4_0", "Q4_1", "Q4_K"}  # codes 0..15 with a bias: Int4Weight; the rest are Int8Weight
+INT8_NEAR = {"Q5_1", "Q5_K"}  # 5-bit codes with a bias: Int8Weight has no bias, so these are not exact there
 
 
 def dequantize(g: Groups) -> torch.Tensor:

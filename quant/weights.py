@@ -241,11 +241,41 @@ def from_gguf(type_name: str, raw_blocks_uint8: torch.Tensor, shape: tuple[int, 
         raise LocalpdError(f"GGUF {type_name} data for a {n}x{k} tensor must be {n * (k // block) * size} uint8 bytes, "
                            f"got {raw.numel()} {raw.dtype}")
     g = gguf_blocks.DECODERS[type_name](raw.reshape(-1, size))
+    if type_name in gguf_blocks.INT8_NEAR:
+        codes, scales = int8_near(g)
+        return Int8Weight(codes.reshape(n, k), _half_scales(scales, type_name).reshape(n, k // 32))
     scales = _half_scales(g.scale, type_name).reshape(n, k // 32)
     if type_name in gguf_blocks.INT4_TYPES:
         biases = _half_scales(g.bias, type_name).reshape(n, k // 32)
         return Int4Weight(pack_int4(g.codes.reshape(n, k)), scales, biases)
     return Int8Weight(g.codes.reshape(n, k).contiguous(), scales)
+
+
+NEAR_STEPS = range(1, 9)
+
+
+def int8_near(g: gguf_blocks.Groups) -> tuple[torch.Tensor, torch.Tensor]:
+    """Groups of codes * scale + bias (5-bit codes) as int8 codes and a scale per 32, with the least squared error
+    among: scale / k for k in NEAR_STEPS, where the codes are k * code + round(bias * k / scale), off from what the
+    file holds by one constant per group (the bias's remainder), and plain round-to-nearest (absmax / 127).
+    Measured on Q5_1 tensors: 41% less error than round-to-nearest alone (docs/PERF.md)."""
+    v = gguf_blocks.dequantize(g).reshape(-1, 32)
+    best_err = best_codes = best_scale = None
+    for s in [v.abs().amax(dim=1, keepdim=True) / 127] + [g.scale / k for k in NEAR_STEPS]:
+        s = s.half().float()
+        usable = torch.isfinite(s) & (s != 0)
+        codes = torch.round(v / torch.where(usable, s, torch.ones_like(s))).clamp(-127, 127)
+        err = torch.where(usable, ((codes * s - v) ** 2).sum(dim=1, keepdim=True), torch.inf)
+        if best_err is None:
+            best_err, best_codes, best_scale = err, codes, torch.where(usable, s, torch.zeros_like(s))
+            continue
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_codes = torch.where(better, codes, best_codes)
+        best_scale = torch.where(better, s, best_scale)
+    if not torch.isfinite(best_err).all():
+        raise LocalpdError(f"a block of values up to {v.abs().max().item():g} has no int8 scale within float16")
+    return best_codes.to(torch.int8), best_scale
 
 
 def _half_scales(x: torch.Tensor, type_name: str) -> torch.Tensor:

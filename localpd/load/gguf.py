@@ -21,17 +21,6 @@ def _f16(raw: torch.Tensor) -> torch.Tensor:
     return raw.contiguous().view(torch.float16).float()
 
 
-def _q5_k(b: torch.Tensor) -> torch.Tensor:
-    """d * sc[j] * q - dmin * m[j] per sub-block of 32, as Q4_K, with a 5th bit per value."""
-    qh = b[:, 16:48]  # bit j of qh[l] is the 5th bit of value l of sub-block j
-    qs = b[:, 48:176].reshape(-1, 4, 32)
-    low = torch.stack([qs & 0x0F, qs >> 4], dim=2).reshape(-1, 8, 32)
-    shifts = torch.arange(8, dtype=torch.uint8, device=b.device)[None, :, None]
-    q = (low | (((qh[:, None, :] >> shifts) & 1) << 4)).float()
-    sc, mn = gguf_blocks.k_scales(b[:, 4:16])
-    return ((_f16(b[:, 0:2]) * sc)[..., None] * q - (_f16(b[:, 2:4]) * mn)[..., None]).reshape(-1, 256)
-
-
 def _q6_k(b: torch.Tensor) -> torch.Tensor:
     ql = b[:, 0:128].reshape(-1, 2, 2, 32)  # [half, byte-row, l]
     qh = b[:, 128:192].reshape(-1, 2, 1, 32)  # [half, l]
@@ -63,11 +52,11 @@ def _reference(type_name: str):
 
 
 # torch code for the common types (fast, and the group-32 ones shared with the int4/int8 import); the gguf package's
-# numpy reference for the rest (Q5_1, Q2_K, Q3_K, the 1-3 bit IQ types, TQ*, NVFP4)
+# numpy reference for the rest (Q2_K, Q3_K, the 1-3 bit IQ types, TQ*, NVFP4)
 DEQUANT = {"F32": _elements(torch.float32), "F16": _elements(torch.float16), "BF16": _elements(torch.bfloat16),
            **{name: _groups(decoder) for name, decoder in gguf_blocks.DECODERS.items()},
-           "Q5_K": _q5_k, "Q6_K": _q6_k}
-DEQUANT.update({name: _reference(name) for name in ("Q5_1", "Q2_K", "Q3_K", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS",
+           "Q6_K": _q6_k}
+DEQUANT.update({name: _reference(name) for name in ("Q2_K", "Q3_K", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS",
                                                      "IQ3_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0", "NVFP4")})
 SUPPORTED = ", ".join(DEQUANT)
 

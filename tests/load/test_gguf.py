@@ -13,7 +13,7 @@ from localpd.load.gguf import BLOCKS, GGUFFile, dequantize_blocks
 Q = gguf.GGMLQuantizationType
 # byte offsets of the f16 scale fields inside one block of each type localpd decodes with torch code of its own:
 # random bytes there could be inf/nan (MXFP4's scale is a power-of-two byte, any value of which is finite)
-F16_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "Q5_0": [0],
+F16_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "Q5_0": [0], "Q5_1": [0, 2],
               "IQ4_NL": [0], "IQ4_XS": [0], "MXFP4": []}
 COUNTS = [1, 3, 8, 17]
 # extreme scales (-0.0, the largest finite float16 and its negative, the smallest subnormal) and codes (all bytes
@@ -64,7 +64,7 @@ def test_extreme_blocks(type_name):
 
 
 @pytest.mark.parametrize("n_blocks", COUNTS)
-@pytest.mark.parametrize("type_name", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "MXFP4"])
+@pytest.mark.parametrize("type_name", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4"])
 def test_quantized_random_floats(type_name, n_blocks):
     rng = np.random.default_rng(n_blocks)
     x = rng.standard_normal((n_blocks, 32)).astype(np.float32) * rng.uniform(0.01, 3.0, (n_blocks, 1)).astype(np.float32)

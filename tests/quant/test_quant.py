@@ -92,7 +92,8 @@ def test_group_errors():
 
 
 # bytes of a block after its float16 scale fields (the rest of the block is random)
-F16_FIELDS = {"Q8_0": 1, "Q4_0": 1, "Q4_1": 2, "Q5_0": 1, "Q4_K": 2, "IQ4_NL": 1, "IQ4_XS": 1, "MXFP4": 0}
+F16_FIELDS = {"Q8_0": 1, "Q4_0": 1, "Q4_1": 2, "Q5_0": 1, "Q4_K": 2, "IQ4_NL": 1, "IQ4_XS": 1, "MXFP4": 0,
+              "Q5_1": 2, "Q5_K": 2}
 ROUNDED = {"Q4_K", "IQ4_XS"}  # their scales are products of two stored fields, rounded to float16 on import
 
 
@@ -112,7 +113,7 @@ def _random_blocks(type_name, n_blocks, rng):
     return np.concatenate(parts + [rng.integers(0, 256, (n_blocks, rest), dtype=np.uint8)], axis=1)
 
 
-@pytest.mark.parametrize("type_name", list(F16_FIELDS))
+@pytest.mark.parametrize("type_name", [t for t in F16_FIELDS if t not in ("Q5_1", "Q5_K")])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_gguf_import_is_exact(type_name, seed):
     rng = np.random.default_rng(seed)
@@ -132,6 +133,24 @@ def test_gguf_import_is_exact(type_name, seed):
     else:
         assert torch.equal(got, expected.float())
     assert w.nbytes <= blocks.nbytes * 2 + n * k // 32 * 2  # at most int8 codes and a float16 scale per 32
+
+
+@pytest.mark.parametrize("type_name", ["Q5_1", "Q5_K"])
+def test_gguf_5bit_import_beats_round_to_nearest(type_name):
+    """5-bit codes with a bias have no exact int8 form: each group's error is at most plain round-to-nearest's
+    (int8, absmax / 127 per 32), and over all groups well below it."""
+    rng = np.random.default_rng(3)
+    n, k = 32, 512
+    block = gguf.GGML_QUANT_SIZES[GGMLQuantizationType[type_name]][0]
+    blocks = _random_blocks(type_name, n * k // block, rng)
+    exact = torch.from_numpy(gguf_dequantize(blocks.reshape(-1), GGMLQuantizationType[type_name]).reshape(n, k))
+    w = from_gguf(type_name, torch.from_numpy(blocks.reshape(-1).copy()), (n, k))
+    assert isinstance(w, Int8Weight) and w.group == 32
+    rtn = Int8Weight.quantize(exact, 32)
+    err = ((w.dequantize() - exact) ** 2).reshape(-1, 32).sum(1)
+    err_rtn = ((rtn.dequantize() - exact) ** 2).reshape(-1, 32).sum(1)
+    assert (err <= err_rtn * (1 + 1e-6)).all()
+    assert err.sum() < 0.8 * err_rtn.sum()
 
 
 def test_gguf_import_scale_beyond_float16():
