@@ -263,8 +263,9 @@ def int8_near(g: gguf_blocks.Groups) -> tuple[torch.Tensor, torch.Tensor]:
     best_err = best_codes = best_scale = None
     for s in [v.abs().amax(dim=1, keepdim=True) / 127] + [g.scale / k for k in NEAR_STEPS]:
         s = s.half().float()
-        usable = torch.isfinite(s) & (s != 0)
-        codes = torch.round(v / torch.where(usable, s, torch.ones_like(s))).clamp(-127, 127)
+        usable = torch.isfinite(s)  # a zero scale is usable: it gives zeros (all a group of zeros needs)
+        divisor = torch.where(usable & (s != 0), s, torch.ones_like(s))
+        codes = torch.where(s != 0, torch.round(v / divisor).clamp(-127, 127), torch.zeros_like(v))
         err = torch.where(usable, ((codes * s - v) ** 2).sum(dim=1, keepdim=True), torch.inf)
         if best_err is None:
             best_err, best_codes, best_scale = err, codes, torch.where(usable, s, torch.zeros_like(s))

@@ -133,3 +133,53 @@ def test_not_gguf(tmp_path):
         GGUFFile(corrupt)
     with pytest.raises(LocalpdError, match="not found"):
         GGUFFile(tmp_path / "missing.gguf")
+
+
+def small_file(path, tensors) -> bytes:
+    """A GGUF file of (name, uint8 blocks, type) tensors; returns its bytes."""
+    w = gguf.GGUFWriter(path, "llama")
+    for name, raw, qtype in tensors:
+        w.add_tensor(name, raw, raw_dtype=qtype)
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    return path.read_bytes()
+
+
+def patch_tensor_info(path, name: str, dims=None, type_id=None):
+    """Rewrite a tensor's dims or type id in the header (its info follows its name: n_dims, dims, type, offset)."""
+    data = bytearray(path.read_bytes())
+    at = data.index(name.encode()) + len(name)
+    n_dims = int.from_bytes(data[at:at + 4], "little")
+    if dims is not None:
+        assert len(dims) == n_dims
+        data[at + 4:at + 4 + 8 * n_dims] = b"".join(int(d).to_bytes(8, "little") for d in dims)
+    if type_id is not None:
+        data[at + 4 + 8 * n_dims:at + 8 + 8 * n_dims] = int(type_id).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+
+
+def q4_k_blocks(n_blocks: int) -> np.ndarray:
+    return np.zeros((1, n_blocks * 144), dtype=np.uint8)
+
+
+@pytest.mark.parametrize("case, dims, type_id, message", [
+    ("unknown type", None, 99, r"tensor blk\.0\.ffn_up\.weight has type id 99, which is not a ggml type"),
+    ("not whole blocks", (576, 1), None, r"tensor blk\.0\.ffn_up\.weight \(Q4_K\) has rows of 576 values, not whole blocks"),
+    ("too many bytes", (512, 2), None, r"tensor blk\.0\.ffn_up\.weight \(Q4_K, shape \[512, 2\]\) needs 576 bytes, "
+                                       r"which run into tensor blk\.0\.ffn_down\.weight"),
+])
+def test_bad_tensor_is_one_line_naming_it(tmp_path, case, dims, type_id, message):
+    path = tmp_path / "bad.gguf"
+    small_file(path, [("blk.0.ffn_up.weight", q4_k_blocks(2), Q.Q4_K), ("blk.0.ffn_down.weight", q4_k_blocks(2), Q.Q4_K)])
+    GGUFFile(path)  # readable as written
+    patch_tensor_info(path, "blk.0.ffn_up.weight", dims, type_id)
+    with pytest.raises(LocalpdError, match=message) as e:
+        GGUFFile(path)
+    assert "\n" not in str(e.value) and str(path) in str(e.value)
+
+
+def test_truncated_file_names_the_tensor(tmp_path):
+    path = tmp_path / "short.gguf"
+    data = small_file(path, [("blk.0.ffn_up.weight", q4_k_blocks(2), Q.Q4_K), ("blk.0.ffn_down.weight", q4_k_blocks(2), Q.Q4_K)])
+    path.write_bytes(data[:-100])
+    with pytest.raises(LocalpdError, match=r"short\.gguf is truncated: tensor blk\.0\.ffn_down\.weight ends at byte"):
+        GGUFFile(path)

@@ -1,0 +1,99 @@
+"""Small GGUF files of every tensor type llama.cpp writes load, under --quant native and fp32, and run.
+
+(Their random weights make a chaotic network, so the two schemes' logits are not compared: the weights are.)"""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize as ref_dequantize
+from gguf.quants import quantize as ref_quantize
+
+from localpd.load.loader import load_model
+from localpd.quant.weights import Int4Weight, Int8Weight
+
+Q = gguf.GGMLQuantizationType
+DIM, FFN, HEADS, KV_HEADS, VOCAB = 256, 512, 4, 2, 64
+QUANTIZABLE = {"Q5_0", "Q5_1", "MXFP4", "TQ1_0", "TQ2_0"}  # gguf.quants makes these from floats
+TYPES = ["Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "IQ3_XXS", "IQ3_S", "IQ2_XXS",
+         "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4"]
+EXACT = {"Q5_0": Int8Weight, "IQ4_NL": Int8Weight, "MXFP4": Int8Weight}  # bit for bit on import
+NEAR = {"IQ4_XS": 1e-3, "Q4_K": 1e-3}  # within float16 rounding of scales (the others: int8 rounding)
+
+
+def blocks_by_hand(qtype, rows: int, cols: int, rng) -> np.ndarray:
+    """Random blocks whose values are finite and between 1e-3 and 100 at most in magnitude per block: random bytes,
+    a block drawn again until it dequantizes so (the scale fields lie in different places for each type)."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    n = rows * cols // block
+    out = np.empty((n, size), dtype=np.uint8)
+    todo = np.arange(n)
+    while todo.size:
+        raw = rng.integers(0, 256, (todo.size, size), dtype=np.uint8)
+        with np.errstate(all="ignore"):
+            peak = np.abs(ref_dequantize(raw, qtype)).max(axis=-1)
+        ok = np.isfinite(peak) & (peak > 1e-3) & (peak < 100)
+        out[todo[ok]] = raw[ok]
+        todo = todo[~ok]
+    return out.reshape(rows, cols // block * size)
+
+
+def matrix(qtype, rows: int, cols: int, rng) -> np.ndarray:
+    if qtype.name in QUANTIZABLE:
+        return ref_quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.05, qtype)
+    return blocks_by_hand(qtype, rows, cols, rng)
+
+
+def write_model(path, type_name: str, seed: int = 0):
+    """A one-layer llama with every matrix in the type (embeddings and head in float32)."""
+    rng = np.random.default_rng(seed)
+    qtype = Q[type_name]
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_block_count(1)
+    w.add_context_length(128)
+    w.add_embedding_length(DIM)
+    w.add_feed_forward_length(FFN)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(VOCAB)
+    kv = DIM // HEADS * KV_HEADS
+    shapes = {"attn_q": (DIM, DIM), "attn_k": (kv, DIM), "attn_v": (kv, DIM), "attn_output": (DIM, DIM),
+              "ffn_gate": (FFN, DIM), "ffn_up": (FFN, DIM), "ffn_down": (DIM, FFN)}
+    for name, (rows, cols) in shapes.items():
+        w.add_tensor(f"blk.0.{name}.weight", matrix(qtype, rows, cols, rng), raw_dtype=qtype)
+    for name in ("blk.0.attn_norm", "blk.0.ffn_norm", "output_norm"):
+        w.add_tensor(f"{name}.weight", np.ones(DIM, dtype=np.float32))
+    for name in ("token_embd", "output"):
+        w.add_tensor(f"{name}.weight", rng.standard_normal((VOCAB, DIM)).astype(np.float32) * 0.05)
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+
+
+def logits(lm, ids):
+    from localpd.model.transformer import Batch, Transformer
+    from localpd.quant.kv import new_kv_pool
+
+    model = Transformer(lm.config, lm.weights)
+    c = lm.config
+    pool = new_kv_pool("fp32", c.n_layers, 2, 16, c.n_kv_heads, c.head_dim, model.dtype, model.device)
+    with torch.no_grad():
+        return model.forward(Batch.single(ids, 0, 2, 16, model.device, all_logits=True), pool)
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_small_file_of_each_type_loads_and_runs(tmp_path, type_name):
+    path = tmp_path / f"{type_name}.gguf"
+    write_model(path, type_name)
+    exact = load_model(path, scheme="fp32")
+    native = load_model(path, scheme="native")
+    for name, w in native.weights.items():
+        if not name.endswith("_proj"):
+            continue
+        assert isinstance(w, (Int4Weight, Int8Weight)) and w.group == 32, name
+        want, got = exact.weights[name], w.dequantize()
+        if type_name in EXACT:
+            assert isinstance(w, EXACT[type_name]) and torch.equal(got, want), name
+        else:  # within float16 rounding of the scales, or int8's rounding of the file's values
+            assert ((got - want).norm() / want.norm()).item() < NEAR.get(type_name, 1e-2), name
+    assert torch.isfinite(logits(native, list(range(0, VOCAB, 5)))).all()
