@@ -274,15 +274,30 @@ def print_models() -> int:
     from localpd.load.registry import list_models, load_registry
 
     default, _ = load_registry()
-    rows = [("NAME", "SIZE", "LOCAL", "DESCRIPTION")]
+    rows = [("NAME", "SIZE", "LOCAL", "WEIGHTS", "DESCRIPTION")]
     for entry, path, size in list_models():
         name = entry.name + (" (default)" if entry.name == default else "")
         local = f"{size / 1e6:.0f} MB" if size else "-"
-        rows.append((name, entry.size_hint or "", local, entry.description or ""))
-    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+        rows.append((name, entry.size_hint or "", local, weight_types(path), entry.description or ""))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[3])
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[4])
     return 0
+
+
+def weight_types(path) -> str:
+    """A present GGUF file's bits per weight and tensor types with their counts ("4.85 bpw: Q4_1 151, F32 61");
+    "-" where there is no GGUF file."""
+    from localpd.load.gguf import GGUFFile
+
+    if path is None or path.suffix != ".gguf":
+        return "-"
+    try:
+        g = GGUFFile(path)
+    except LocalpdError as e:
+        return f"unreadable: {e}"
+    types = ", ".join(f"{kind} {n}" for kind, n in g.type_counts().items())
+    return f"{g.bits_per_weight():.2f} bpw: {types}"
 
 
 def embed_texts(args) -> int:
