@@ -254,3 +254,21 @@ def test_threads_sets_torchs_threads_before_the_model_loads(default_gguf, monkey
         assert torch.get_num_threads() == physical_cores()
     finally:
         torch.set_num_threads(before)
+
+
+def test_models_shows_a_gguf_files_types_and_bits_per_weight(tmp_path):
+    import gguf
+    import numpy as np
+
+    from localpd.cli.main import weight_types
+
+    path = tmp_path / "m.gguf"
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_tensor("a.weight", np.zeros((2, 34), dtype=np.uint8), raw_dtype=gguf.GGMLQuantizationType.Q8_0)  # 64 values
+    w.add_tensor("b.weight", np.zeros((2, 34), dtype=np.uint8), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("n.weight", np.ones(64, dtype=np.float32))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    assert weight_types(path) == f"{8 * (2 * 68 + 256) / 192:.2f} bpw: Q8_0 2, F32 1"
+    path.write_bytes(path.read_bytes()[:-10])
+    assert weight_types(path).startswith("unreadable: ") and "truncated" in weight_types(path)
+    assert weight_types(None) == "-"
