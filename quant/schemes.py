@@ -63,7 +63,8 @@ def head_scheme(name: str, scheme: str, tied: bool) -> str:
 
 
 def imports_exactly(gguf_type: str, scheme: str) -> bool:
-    """Whether a GGUF block type already is the scheme's format, so it is imported as stored, not re-quantized."""
+    """Whether a GGUF block type is imported from its blocks (quant.weights.from_gguf: as stored, or for Q5_1/Q5_K the
+    nearest int8), not re-quantized from its float values."""
     return gguf_type in GGUF_NATIVE and (scheme == "native" or (scheme == "int8" and gguf_type == "Q8_0")
                                          or (scheme == "int4-g32" and gguf_type in ("Q4_0", "Q4_1")))
 

@@ -255,6 +255,13 @@ NEAR_STEPS = range(1, 9)
 
 
 def int8_near(g: gguf_blocks.Groups) -> tuple[torch.Tensor, torch.Tensor]:
+    """_int8_near a bounded number of groups at a time (its candidates' temporaries are float32 copies)."""
+    step = _CHUNK_ELEMENTS // 32
+    parts = [_int8_near(gguf_blocks.Groups(*(t[i:i + step] for t in g))) for i in range(0, g.codes.shape[0], step)]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def _int8_near(g: gguf_blocks.Groups) -> tuple[torch.Tensor, torch.Tensor]:
     """Groups of codes * scale + bias (5-bit codes) as int8 codes and a scale per 32, with the least squared error
     among: scale / k for k in NEAR_STEPS, where the codes are k * code + round(bias * k / scale), off from what the
     file holds by one constant per group (the bias's remainder), and plain round-to-nearest (absmax / 127).
