@@ -71,9 +71,9 @@ def imports_exactly(gguf_type: str, scheme: str) -> bool:
 
 def native_weight(dense: torch.Tensor, gguf_type: str, dtype: torch.dtype) -> Weight:
     """A GGUF matrix under "native" whose type has no import of its own (imports_exactly): a float type stays dense;
-    a quantized one (Q5_1, Q2_K, Q3_K, Q5_K, Q6_K, the 1-3 bit IQ types...) becomes int8 with a float16 scale per 32
-    values. Each group of 32 spans one or two of the type's sub-blocks, so its rounding step is at most 1/127 of
-    the group's largest value, a small fraction of the step of the type's own 2-6 bit codes (docs/PERF.md)."""
+    a quantized one (Q6_K, Q2_K, Q3_K, the 1-3 bit IQ types, TQ1_0/TQ2_0, NVFP4) becomes int8 with a float16 scale
+    per 32 values. Each group of 32 spans one or two of the type's sub-blocks, so its rounding step is at most 1/127
+    of the group's largest value, a small fraction of the step of the type's own 1-6 bit codes (docs/PERF.md)."""
     if gguf_type in GGUF_DENSE:
         return dense.to(dtype)
     return Int8Weight.quantize(dense, NATIVE_INT8_GROUP)
