@@ -168,8 +168,9 @@ class Transformer:
             self.local_inv_freq = rope_tables(local)[0].to(self.device)
         self.head_cols = head_cols(config).to(self.device) if config.proj_head_dim else None
         if self.device.type == "cpu":  # the CPU kernels' weights in one buffer on huge pages
-            cpu.gather_weights([lin.weight for L in self.layers for lin in (L.qkv, L.o, L.gate_up, L.down)]
-                               + [self.lm_head.weight, self.embed])
+            linears = [lin for L in self.layers for lin in (L.qkv, L.o, L.gate_up, L.down)] + [self.lm_head]
+            cpu.gather_weights([part.weight for lin in linears for part in getattr(lin, "parts", [lin])]
+                               + [self.embed])  # a StackedLinear (int4 beside int8) gathers each of its parts
 
     def _rope(self, positions: torch.Tensor, inv_freq: torch.Tensor, scale: torch.Tensor | None = None):
         angles = torch.outer(positions.float(), inv_freq)

@@ -44,8 +44,9 @@ def matrix(qtype, rows: int, cols: int, rng) -> np.ndarray:
     return blocks_by_hand(qtype, rows, cols, rng)
 
 
-def write_model(path, type_name: str, seed: int = 0):
-    """A one-layer llama with every matrix in the type (embeddings and head in float32)."""
+def write_model(path, type_name: str, seed: int = 0, others: dict | None = None):
+    """A one-layer llama with every matrix in the type (embeddings and head in float32), but those that others
+    ({"attn_v": "Q8_0"}) names in another."""
     rng = np.random.default_rng(seed)
     qtype = Q[type_name]
     w = gguf.GGUFWriter(path, "llama")
@@ -62,7 +63,8 @@ def write_model(path, type_name: str, seed: int = 0):
     shapes = {"attn_q": (DIM, DIM), "attn_k": (kv, DIM), "attn_v": (kv, DIM), "attn_output": (DIM, DIM),
               "ffn_gate": (FFN, DIM), "ffn_up": (FFN, DIM), "ffn_down": (DIM, FFN)}
     for name, (rows, cols) in shapes.items():
-        w.add_tensor(f"blk.0.{name}.weight", matrix(qtype, rows, cols, rng), raw_dtype=qtype)
+        t = Q[(others or {}).get(name, type_name)]
+        w.add_tensor(f"blk.0.{name}.weight", matrix(t, rows, cols, rng), raw_dtype=t)
     for name in ("blk.0.attn_norm", "blk.0.ffn_norm", "output_norm"):
         w.add_tensor(f"{name}.weight", np.ones(DIM, dtype=np.float32))
     for name in ("token_embd", "output"):
@@ -131,3 +133,23 @@ def test_q4_k_m_made_by_llama_cpp_loads_and_chats(tmp_path, default_gguf):
                           capture_output=True, text=True, timeout=300)
     assert chat.returncode == 0 and "Traceback" not in chat.stderr, chat.stderr[-2000:]
     assert len(chat.stdout.split()) >= 3
+
+
+def test_a_layer_of_int4_beside_int8_decodes_on_the_cpu(tmp_path):
+    """q and k in Q4_0 (int4) with v in Q8_0 (int8), as llama-quantize's mixes write them: the layer's projections
+    cannot share one matrix (a StackedLinear), and the CPU's decode takes them op by op, prompt and decode steps
+    alike, giving the prompt's logits again when it runs whole."""
+    from localpd.model.transformer import Batch, Transformer
+    from localpd.quant.kv import new_kv_pool
+
+    path = tmp_path / "mixed.gguf"
+    write_model(path, "Q4_0", others={"attn_v": "Q8_0"})
+    lm = load_model(path, scheme="native")
+    model, c = Transformer(lm.config, lm.weights), lm.config
+    ids = [3, 17, 5, 9]
+    whole = logits(lm, ids)[-1]
+    pool = new_kv_pool("fp16", c.n_layers, 2, 16, c.n_kv_heads, c.head_dim, model.dtype, model.device)
+    with torch.no_grad():
+        for i, t in enumerate(ids):
+            last = model.forward(Batch.single([t], i, 2, 16, model.device), pool)[0]
+    assert (last - whole).abs().max().item() < 1e-2
