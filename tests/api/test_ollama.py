@@ -100,12 +100,15 @@ def test_tools_come_back_as_calls_with_object_arguments(served, client):
     ask = history + [{"role": "user", "content": "What is the weather in Paris?"}]
     options = {"temperature": 1, "top_p": 1, "top_k": 0, "num_predict": 40}
     calls = []
-    for seed in range(10):  # the small model calls the tool at some seeds, writes a made-up result at others
+    for seed in range(64):  # at temperature 1 the small model calls the tool at about one seed in ten (7 of 80),
         r = client.chat(model="smollm2", messages=ask, tools=[weather], options={**options, "seed": seed})
-        if r.message.tool_calls:
-            calls.append((seed, r))
+        calls += [(seed, r)] if r.message.tool_calls else []  # not always well: the first right call will do
+        if any(c.function.name == "get_weather" and c.function.arguments == {"city": "Paris"}
+               for c in r.message.tool_calls or []):
+            break
     assert calls, "no seed made a call"
-    seed, r = calls[0]
+    assert all(isinstance(c.function.arguments, dict) for _, r in calls for c in r.message.tool_calls)
+    seed, r = calls[-1]
     [call] = r.message.tool_calls
     assert call.function.name == "get_weather" and call.function.arguments == {"city": "Paris"}
     assert not r.message.content and r.done
