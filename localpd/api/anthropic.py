@@ -217,13 +217,7 @@ def anthropic_router(service: Service) -> APIRouter:
         reply = replies()
         if body.stream:
             return StreamingResponse(events(service, e, body, handle, reply, rid), media_type="text/event-stream")
-        try:
-            result = await service.collect(handle, keep_logprobs=True)
-        finally:
-            handle.cancel()
-        service.finished(e, handle)
-        if result.finish_reason == "error":
-            raise ApiError(500, result.error or "generation failed", "server_error")
+        result = await service.collect_whole(e, handle, keep_logprobs=True)
         reasoning, text, calls = reply.whole(result.text)
         stop = matched_stop(e, body, result.finish_reason, [ev.token_id for ev in result.events], result.text,
                             result.events[-1].token_id if result.events else None)

@@ -219,13 +219,7 @@ class Responses:
         if body.stream:
             return StreamingResponse(self.events(e, body, handle, reply, shell, messages),
                                      media_type="text/event-stream")
-        try:
-            result = await service.collect(handle)
-        finally:
-            handle.cancel()
-        service.finished(e, handle)
-        if result.finish_reason == "error":
-            raise ApiError(500, result.error or "generation failed", "server_error")
+        result = await service.collect_whole(e, handle)
         reasoning, text, calls = reply.whole(result.text)
         if body.store:
             self.keep(rid, messages, reply_message(reasoning, text, calls))

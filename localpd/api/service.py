@@ -176,6 +176,18 @@ class Service:
             reason, error = ev.finish_reason, ev.error
         return Collected("".join(text), events, reason, error)
 
+    async def collect_whole(self, e: Engine, handle: RequestHandle, keep_logprobs: bool = False) -> Collected:
+        """A reply that is not streamed, collected to its end: its pages freed (also when the client went away),
+        its metrics recorded; one that failed is a 500."""
+        try:
+            result = await self.collect(handle, keep_logprobs)
+        finally:
+            handle.cancel()
+        self.finished(e, handle)
+        if result.finish_reason == "error":
+            raise ApiError(500, result.error or "generation failed", "server_error")
+        return result
+
     # -- embeddings --------------------------------------------------------------------------------------------
     @staticmethod
     def embedding_ids(e: Engine, inputs: list[str | list[int]], truncate: bool | None = None) -> list[list[int]]:
