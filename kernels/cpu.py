@@ -223,9 +223,10 @@ def gather_weights(weights: list) -> int:
     with a TLB entry per 2 MiB instead of per 4 KiB. The weights' fields then view that buffer; returns its size in
     bytes (0 without kernels or weights)."""
     lib = library()
+    if lib is None:
+        return 0
     fields = {Int4Weight: ("packed", "scales", "biases"), Int8Weight: ("data", "scales")}
     todo = {id(w): w for w in weights if type(w) in fields and getattr(w, fields[type(w)][0]).device.type == "cpu"}
-    todo = todo if lib else {}
     parts = [(w, f, getattr(w, f)) for w in todo.values() for f in fields[type(w)]]
     sizes = [(t.nbytes + 63) // 64 * 64 for _, _, t in parts]
     if not parts:
@@ -238,6 +239,8 @@ def gather_weights(weights: list) -> int:
         view = buf[at:at + t.nbytes].view(t.dtype).view(t.shape)
         setattr(w, f, view.copy_(t))
         at += n
+    for w in todo.values():
+        w.__dict__.pop("_cpu_plan", None)  # weight_plan's pointers were the first copies'
     del parts, t
     lib.lpd_trim()  # the first copies' memory back to the system
     return sum(sizes)
