@@ -65,10 +65,12 @@ LONG = [{"role": "user", "content": "Write a very long essay about rivers."}]
 def test_sigterm_cuts_running_streams_after_the_grace_with_a_final_event(default_gguf):
     proc, url = start(default_gguf, GRACE)
     try:
-        streams = [Stream(url, "/v1/chat/completions", {"messages": LONG, "max_tokens": 3000, "stream": True,
-                                                        "stream_options": {"include_usage": True}}),
-                   Stream(url, "/v1/completions", {"prompt": "Rivers", "max_tokens": 3000, "stream": True}),
-                   Stream(url, "/api/chat", {"model": "x", "messages": LONG, "options": {"num_predict": 3000}})]
+        streams = [Stream(url, "/v1/chat/completions", {"messages": LONG, "max_tokens": 3000, "min_tokens": 3000,
+                                                        "stream": True, "stream_options": {"include_usage": True}}),
+                   Stream(url, "/v1/completions", {"prompt": "Rivers", "max_tokens": 3000, "min_tokens": 3000,
+                                                   "stream": True}),
+                   Stream(url, "/api/chat", {"model": "x", "messages": LONG,  # greedy: some 2700 words
+                                              "options": {"num_predict": 3000, "temperature": 0}})]
         for s in streams:
             s.start()
         for s in streams:
@@ -101,9 +103,11 @@ def test_sigterm_cuts_running_streams_after_the_grace_with_a_final_event(default
 def test_a_second_signal_exits_at_once(default_gguf):
     proc, url = start(default_gguf, 60.0)
     try:
-        stream = Stream(url, "/api/generate", {"model": "x", "prompt": "Rivers", "options": {"num_predict": 3000}})
+        # min_tokens holds the end-of-sequence token back: a reply that ended by itself left nothing to wait for
+        stream = Stream(url, "/v1/completions", {"prompt": "Rivers", "max_tokens": 3000, "min_tokens": 3000,
+                                                 "stream": True})
         stream.start()
-        assert stream.started.wait(60)
+        assert stream.started.wait(60) and stream.is_alive() and stream.error is None, stream.error
         proc.send_signal(signal.SIGINT)
         time.sleep(0.5)
         assert proc.poll() is None  # the stream has a minute to finish
