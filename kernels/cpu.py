@@ -49,13 +49,16 @@ SIGNATURES = {
     "lpd_half_pages": ([], _I),
     "lpd_dequantize": ([_I, _P, _P, _P, _I, _I, _I, _I, _P, _I], None),
     "lpd_round_input": ([_I, _P, _P, _P, _F, _P, _I, _I, _P, _I], None),
+    "lpd_set_sgemm": ([_P], None),
+    "lpd_dequant_gemm": ([_I, _P, _P, _P, _I, _I, _I, _I, _P, _P, _I, _I], _I),
     "lpd_decode_layers": ([_P, _P, _I, _P, _P, _I, _I, _P, _P, _P, _P, _P, _L, _P, _I, _P, _L, _I, _I, _P, _P, _I, _F,
                            _I], _I),
 }
 # From this many rows on, a product dequantizes its weight a slice at a time and multiplies in float32 with
 # torch's GEMM (compute-bound prefill), where fewer rows (decode) take lpd_linear's int8 dot products.
 GEMM_ROWS = 16
-GEMM_SLICE = 1 << 22  # weight elements dequantized at a time (16 MiB of float32)
+GEMM_SLICE = 1 << 22  # weight elements dequantized at a time (16 MiB of float32) where torch's GEMM multiplies
+SLICE_BYTES = 1 << 19  # a thread's dequantized weight rows where lpd_dequant_gemm multiplies: in its core's L2
 
 
 def march_flags(march: str = "native") -> list[str]:
@@ -130,6 +133,7 @@ def open_library(path: Path) -> ctypes.CDLL:
     for name, (args, res) in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, res
+    lib.lpd_set_sgemm(torch_sgemm())
     return lib
 
 
@@ -148,6 +152,20 @@ def library() -> ctypes.CDLL | None:
         _why_not.append(str(e))
         print(f"localpd: CPU kernels unavailable ({e}); the torch reference path runs instead", file=sys.stderr)
         return None
+
+
+@functools.cache
+def torch_sgemm() -> int | None:
+    """The address of the BLAS sgemm_ (Fortran interface) in torch's own library (MKL's on x86-64 builds), or None
+    where it exports none: prefill then multiplies with torch.mm over a dequantized slice."""
+    for name in ("libtorch_cpu.so", "libtorch_cpu.dylib"):
+        path = Path(torch.__file__).parent / "lib" / name
+        if path.exists():
+            try:
+                return ctypes.cast(getattr(ctypes.CDLL(str(path)), "sgemm_"), ctypes.c_void_p).value
+            except (OSError, AttributeError):
+                return None
+    return None
 
 
 def unavailable() -> str | None:
@@ -281,19 +299,34 @@ def linear(x: torch.Tensor, w: Int4Weight | Int8Weight, bias=None, gated: str | 
 def _gemm(lib, p: Plan, pre: int, x, res, nw, eps: float, s, bias, y) -> None:
     """lpd_linear's arguments for many rows, into y: its input step and rounding (lpd_round_input: the same code,
     so the rows multiplied are bit for bit those a decode step multiplies, whatever else shares the step), then
-    float32 GEMMs against the weight dequantized a slice of rows at a time (the slice is all the extra memory)."""
+    float32 GEMMs against the weight dequantized a slice of rows at a time: lpd_dequant_gemm's slices, a thread's
+    own in its L2 cache, with torch's BLAS; without one, torch.mm over larger slices (the slice is all the extra
+    memory)."""
     m = x.shape[0]
     h = torch.empty(m, p.k, dtype=torch.float32)
     nth = threads()
     lib.lpd_round_input(pre, x.data_ptr(), _ptr(res), _ptr(nw), eps, _ptr(s), m, p.k, h.data_ptr(), nth)
-    rows = max(1, min(p.n, GEMM_SLICE // p.k))
-    part = torch.empty(rows, p.k, dtype=torch.float32)
-    for n0 in range(0, p.n, rows):
-        n1 = min(p.n, n0 + rows)
-        lib.lpd_dequantize(p.bits, p.data, p.scales, p.biases, p.group, p.k, n0, n1, part.data_ptr(), nth)
-        torch.mm(h, part[:n1 - n0].T, out=y[:, n0:n1]) if rows == p.n else y[:, n0:n1].copy_(h @ part[:n1 - n0].T)
+    rows = gemm_slice(p.n, p.k, nth)
+    rc = lib.lpd_dequant_gemm(p.bits, p.data, p.scales, p.biases, p.group, p.k, p.n, m, h.data_ptr(), y.data_ptr(),
+                              rows, nth)
+    if rc == -3:  # no BLAS in torch's library
+        rows = max(1, min(p.n, GEMM_SLICE // p.k))
+        part = torch.empty(rows, p.k, dtype=torch.float32)
+        for n0 in range(0, p.n, rows):
+            n1 = min(p.n, n0 + rows)
+            lib.lpd_dequantize(p.bits, p.data, p.scales, p.biases, p.group, p.k, n0, n1, part.data_ptr(), nth)
+            torch.mm(h, part[:n1 - n0].T, out=y[:, n0:n1]) if rows == p.n else y[:, n0:n1].copy_(h @ part[:n1 - n0].T)
+    else:
+        _check(rc, "lpd_dequant_gemm")
     if bias is not None:
         y += bias
+
+
+def gemm_slice(n: int, k: int, nth: int) -> int:
+    """Weight rows a thread dequantizes and multiplies at a time: what fits SLICE_BYTES, and at most a quarter of a
+    thread's share so that the threads end together; a multiple of 8 (the BLAS's register tile)."""
+    rows = min(SLICE_BYTES // (4 * k), -(-n // (4 * nth)))
+    return max(8, rows // 8 * 8)
 
 
 def _fp32_rows(t: torch.Tensor) -> bool:

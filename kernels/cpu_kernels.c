@@ -1061,15 +1061,48 @@ typedef struct {
     float *out;
 } dequant_args;
 
-static void dequant_task(void *ctx, int ith, int nth) {
-    const dequant_args *a = ctx;
-    int lo, hi, K = a->K, ng = K / a->group;
-    share(a->n1 - a->n0, ith, nth, &lo, &hi);
-    for (int r = lo; r < hi; r++) {
-        int n = a->n0 + r;
-        float *o = a->out + (size_t)r * K;
+#if defined(LPD_AVX512) || defined(LPD_AVX2)
+/* Group g of weight row n (scale s) into o, 16 values a step (AVX2); 0 where the group is not a multiple of 16
+ * (the scalar loop takes it). An int4 byte holds two columns, the low nibble first. */
+static inline int dequant_group8(const dequant_args *a, int n, int g, float s, float *o) {
+    int G = a->group, K = a->K, ng = K / G;
+    if (G % 16) return 0;
+    __m256 vs = _mm256_set1_ps(s);
+    if (a->bits == 4) {
+        __m256 vm = _mm256_set1_ps(half_to_float(a->biases[(size_t)n * ng + g]));
+        const uint8_t *p = a->w + (size_t)n * (K / 2) + g * (G / 2);
+        __m128i mask = _mm_set1_epi8(15);
+        for (int j = 0; j < G / 2; j += 8) {
+            __m128i b = _mm_loadl_epi64((const __m128i *)(p + j));
+            __m128i both = _mm_unpacklo_epi8(_mm_and_si128(b, mask), _mm_and_si128(_mm_srli_epi16(b, 4), mask));
+            __m256 v0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(both));
+            __m256 v1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(both, 8)));
+            _mm256_storeu_ps(o + 2 * j, _mm256_fmadd_ps(v0, vs, vm));
+            _mm256_storeu_ps(o + 2 * j + 8, _mm256_fmadd_ps(v1, vs, vm));
+        }
+    } else {
+        const int8_t *p = (const int8_t *)a->w + (size_t)n * K + g * G;
+        for (int j = 0; j < G; j += 16) {
+            __m128i b = _mm_loadu_si128((const __m128i *)(p + j));
+            _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), vs));
+            _mm256_storeu_ps(o + j + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))),
+                                                      vs));
+        }
+    }
+    return 1;
+}
+#endif
+
+/* Rows r0 .. r1 - 1 of the weight, dequantized to float into out [r1 - r0, K]. */
+static void dequant_rows(const dequant_args *a, int r0, int r1, float *out) {
+    int K = a->K, ng = K / a->group;
+    for (int n = r0; n < r1; n++) {
+        float *o = out + (size_t)(n - r0) * K;
         for (int g = 0; g < ng; g++) {
             float s = half_to_float(a->scales[(size_t)n * ng + g]);
+#if defined(LPD_AVX512) || defined(LPD_AVX2)
+            if (dequant_group8(a, n, g, s, o + g * a->group)) continue;
+#endif
             if (a->bits == 4) {
                 float m = half_to_float(a->biases[(size_t)n * ng + g]);
                 const uint8_t *p = a->w + (size_t)n * (K / 2) + g * (a->group / 2);
@@ -1085,10 +1118,65 @@ static void dequant_task(void *ctx, int ith, int nth) {
     }
 }
 
+static void dequant_task(void *ctx, int ith, int nth) {
+    const dequant_args *a = ctx;
+    int lo, hi;
+    share(a->n1 - a->n0, ith, nth, &lo, &hi);
+    dequant_rows(a, a->n0 + lo, a->n0 + hi, a->out + (size_t)lo * a->K);
+}
+
 void lpd_dequantize(int bits, const void *w, const uint16_t *scales, const uint16_t *biases, int group, int K, int n0,
                     int n1, float *out, int nth) {
     dequant_args a = {bits, group, K, n0, n1, w, scales, biases, out};
     parallel(dequant_task, &a, nth);
+}
+
+/* The BLAS sgemm (Fortran interface) torch was built with, handed in by kernels/cpu.py; NULL: none. */
+typedef void (*sgemm_fn)(const char *, const char *, const int *, const int *, const int *, const float *,
+                         const float *, const int *, const float *, const int *, const float *, float *, const int *);
+static sgemm_fn blas_sgemm;
+void lpd_set_sgemm(void *fn) { blas_sgemm = (sgemm_fn)fn; }
+
+/* y [M, N] = h [M, K] @ weight^T: each thread takes `slice` weight rows at a time from a counter, dequantizes them
+ * into a buffer of its own that stays in its core's L2 cache, and multiplies them by all M rows with a
+ * single-threaded sgemm (inside the parallel region the BLAS runs on the calling thread). Where the whole weight
+ * was dequantized first, its float copy went out to the L3 cache or memory and came back for the GEMM. */
+typedef struct {
+    dequant_args w;
+    int M, slice;
+    const float *h;
+    float *y;
+    atomic_int next, failed;
+} dq_gemm_args;
+
+static void dq_gemm_task(void *ctx, int ith, int nth) {
+    (void)ith, (void)nth;
+    dq_gemm_args *a = ctx;
+    int K = a->w.K, N = a->w.n1;
+    static __thread void *buf;
+    static __thread size_t cap;
+    float *b = scratch(&buf, &cap, sizeof(float) * (size_t)a->slice * K);
+    if (!b) {
+        atomic_store(&a->failed, 1);
+        return;
+    }
+    const float one = 1.f, zero = 0.f;
+    for (;;) {
+        int n0 = atomic_fetch_add_explicit(&a->next, a->slice, memory_order_relaxed);
+        if (n0 >= N) break;
+        int rows = N - n0 < a->slice ? N - n0 : a->slice;
+        dequant_rows(&a->w, n0, n0 + rows, b);
+        blas_sgemm("T", "N", &rows, &a->M, &K, &one, b, &K, a->h, &K, &zero, a->y + n0, &N);
+    }
+}
+
+/* Returns 0, -1 without memory, -3 without a BLAS (lpd_set_sgemm). */
+int lpd_dequant_gemm(int bits, const void *w, const uint16_t *scales, const uint16_t *biases, int group, int K, int N,
+                     int M, const float *h, float *y, int slice, int nth) {
+    if (!blas_sgemm) return -3;
+    dq_gemm_args a = {{bits, group, K, 0, N, w, scales, biases, NULL}, M, slice > 0 ? slice : 1, h, y, 0, 0};
+    parallel(dq_gemm_task, &a, nth);
+    return atomic_load(&a.failed) ? -1 : 0;
 }
 
 /* ------------------------------------------------------------------------------------------------------------

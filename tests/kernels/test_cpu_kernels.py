@@ -82,8 +82,10 @@ def rel_err(a, b):
 
 
 # (m, n, k): batch 1 four rows at a time with rows left over (70 x 576), an odd block count (96), one row (1 x 4096),
-# a few rows (3, 5, 9), a single block (32)
-SHAPES = [(1, 61, 96), (1, 70, 576), (1, 64, 1536), (3, 128, 576), (5, 17, 32), (9, 33, 1536), (1, 1, 4096)]
+# a few rows (3, 5, 9), a single block (32); from cpu.GEMM_ROWS rows on, prefill's dequantize-and-GEMM path: its
+# fewest rows (16 x 61: one thread's slice), a prompt's (128 x 1000, slices of uneven length) and an odd count (37)
+SHAPES = [(1, 61, 96), (1, 70, 576), (1, 64, 1536), (3, 128, 576), (5, 17, 32), (9, 33, 1536), (1, 1, 4096),
+          (16, 61, 96), (37, 200, 576), (128, 1000, 1536)]
 GROUPS = [("int4", 32), ("int4", 64), ("int4", 128), ("int8", 32), ("int8", None)]  # None: one scale per row
 
 
@@ -101,6 +103,31 @@ def test_linear_matches_the_reference_on_its_rounded_input(lib, kind, group, m, 
     assert y.shape == (m, n) and y.dtype == torch.float32
     assert rel_err(y, ref(w, rounded_rows(x), bias)) < 2e-5
     assert rel_err(y, ref(w, x, bias)) < 1e-4
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_prefill_rows_without_a_blas_take_torch_mm_and_match(lib, kind):
+    """Where torch's library exports no sgemm, lpd_dequant_gemm says so and the rows go through torch.mm over the
+    dequantized weight: the same products."""
+    g = torch.Generator().manual_seed(21)
+    w = weights(kind, 300, 576, 32, g)
+    x, bias = torch.randn(40, 576, generator=g), torch.randn(300, generator=g)
+    with_blas = cpu.linear(x, w, bias, lib=lib)
+    lib.lpd_set_sgemm(None)
+    try:
+        without = cpu.linear(x, w, bias, lib=lib)
+    finally:
+        lib.lpd_set_sgemm(cpu.torch_sgemm())
+    assert rel_err(without, with_blas) < 1e-6
+    assert rel_err(without, ref(w, rounded_rows(x), bias)) < 2e-5
+
+
+@pytest.mark.parametrize("n,k,nth", [(3072, 576, 2), (576, 1536, 2), (61, 96, 1), (10, 32768, 4)])
+def test_a_prefill_slice_fits_the_l2_and_leaves_every_thread_work(n, k, nth):
+    rows = cpu.gemm_slice(n, k, nth)
+    assert rows % 8 == 0 and rows >= 8
+    assert rows == 8 or rows * k * 4 <= cpu.SLICE_BYTES  # a thread's slice stays in its core's L2
+    assert rows == 8 or rows <= -(-n // (4 * nth))  # each thread takes four slices or more
 
 
 @pytest.mark.parametrize("kind", ["int4", "int8"])
