@@ -950,6 +950,179 @@ static void merge_task(void *ctx, int ith, int nth) {
     }
 }
 
+#if defined(LPD_AVX512) || defined(LPD_AVX2)
+/* Prefill: many rows of a sequence in a step. A task is a block of up to `qb` consecutive rows of one sequence and
+ * one key head: the group's query heads of those rows, R query vectors. It walks the block's positions TILE_KC at
+ * a time: the chunk's key rows in float, transposed, once for all R; the R x TILE_KC scores by register tiles (four
+ * queries by sixteen keys); an online softmax (each query's running max and sum, its output rescaled where the max
+ * moves); the chunk's value rows, once for all R. Where the decode task read (and converted) every key and value
+ * row once per row of the prompt, and summed each score across a register. */
+#define TILE_KC 64
+#define TILE_ROWS 16 /* from this many rows in a step on, lpd_attention takes the tiles */
+
+typedef struct {
+    const attn_args *a;
+    int qb;               /* rows a block */
+    const int32_t *first; /* [B + 1]: each sequence's first block */
+    atomic_int next, failed;
+} tile_args;
+
+/* S[r][0 .. 15] += scale * q_r . kt[:, j .. j + 15] for four queries (kt: D rows of TILE_KC keys). */
+static inline void scores_4x16(const float *const *qv, const float *kt, int D, float scale, float *S) {
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00;
+    for (int d = 0; d < D; d++) {
+        __m256 k0 = _mm256_loadu_ps(kt + d * TILE_KC), k1 = _mm256_loadu_ps(kt + d * TILE_KC + 8), x;
+        x = _mm256_broadcast_ss(qv[0] + d), c00 = _mm256_fmadd_ps(x, k0, c00), c01 = _mm256_fmadd_ps(x, k1, c01);
+        x = _mm256_broadcast_ss(qv[1] + d), c10 = _mm256_fmadd_ps(x, k0, c10), c11 = _mm256_fmadd_ps(x, k1, c11);
+        x = _mm256_broadcast_ss(qv[2] + d), c20 = _mm256_fmadd_ps(x, k0, c20), c21 = _mm256_fmadd_ps(x, k1, c21);
+        x = _mm256_broadcast_ss(qv[3] + d), c30 = _mm256_fmadd_ps(x, k0, c30), c31 = _mm256_fmadd_ps(x, k1, c31);
+    }
+    __m256 f = _mm256_set1_ps(scale);
+    _mm256_storeu_ps(S, _mm256_mul_ps(c00, f)), _mm256_storeu_ps(S + 8, _mm256_mul_ps(c01, f));
+    _mm256_storeu_ps(S + TILE_KC, _mm256_mul_ps(c10, f)), _mm256_storeu_ps(S + TILE_KC + 8, _mm256_mul_ps(c11, f));
+    _mm256_storeu_ps(S + 2 * TILE_KC, _mm256_mul_ps(c20, f));
+    _mm256_storeu_ps(S + 2 * TILE_KC + 8, _mm256_mul_ps(c21, f));
+    _mm256_storeu_ps(S + 3 * TILE_KC, _mm256_mul_ps(c30, f));
+    _mm256_storeu_ps(S + 3 * TILE_KC + 8, _mm256_mul_ps(c31, f));
+}
+
+/* o0, o1 [D] += sum over the chunk's kc keys of p0[j], p1[j] times value row vc[j] (vc: kc rows of D floats). */
+static inline void values_2(const float *p0, const float *p1, const float *vc, int kc, int D, float *o0, float *o1) {
+    int d = 0;
+    for (; d + 32 <= D; d += 32) {
+        __m256 a0 = _mm256_loadu_ps(o0 + d), a1 = _mm256_loadu_ps(o0 + d + 8), a2 = _mm256_loadu_ps(o0 + d + 16),
+               a3 = _mm256_loadu_ps(o0 + d + 24), b0 = _mm256_loadu_ps(o1 + d), b1 = _mm256_loadu_ps(o1 + d + 8),
+               b2 = _mm256_loadu_ps(o1 + d + 16), b3 = _mm256_loadu_ps(o1 + d + 24);
+        for (int j = 0; j < kc; j++) {
+            const float *vr = vc + (size_t)j * D + d;
+            __m256 v0 = _mm256_loadu_ps(vr), v1 = _mm256_loadu_ps(vr + 8), v2 = _mm256_loadu_ps(vr + 16),
+                   v3 = _mm256_loadu_ps(vr + 24), x = _mm256_broadcast_ss(p0 + j), y = _mm256_broadcast_ss(p1 + j);
+            a0 = _mm256_fmadd_ps(x, v0, a0), a1 = _mm256_fmadd_ps(x, v1, a1);
+            a2 = _mm256_fmadd_ps(x, v2, a2), a3 = _mm256_fmadd_ps(x, v3, a3);
+            b0 = _mm256_fmadd_ps(y, v0, b0), b1 = _mm256_fmadd_ps(y, v1, b1);
+            b2 = _mm256_fmadd_ps(y, v2, b2), b3 = _mm256_fmadd_ps(y, v3, b3);
+        }
+        _mm256_storeu_ps(o0 + d, a0), _mm256_storeu_ps(o0 + d + 8, a1);
+        _mm256_storeu_ps(o0 + d + 16, a2), _mm256_storeu_ps(o0 + d + 24, a3);
+        _mm256_storeu_ps(o1 + d, b0), _mm256_storeu_ps(o1 + d + 8, b1);
+        _mm256_storeu_ps(o1 + d + 16, b2), _mm256_storeu_ps(o1 + d + 24, b3);
+    }
+    for (; d < D; d += 8) { /* D is a multiple of 8 */
+        __m256 a0 = _mm256_loadu_ps(o0 + d), b0 = _mm256_loadu_ps(o1 + d);
+        for (int j = 0; j < kc; j++) {
+            __m256 v0 = _mm256_loadu_ps(vc + (size_t)j * D + d);
+            a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(p0 + j), v0, a0);
+            b0 = _mm256_fmadd_ps(_mm256_broadcast_ss(p1 + j), v0, b0);
+        }
+        _mm256_storeu_ps(o0 + d, a0), _mm256_storeu_ps(o1 + d, b0);
+    }
+}
+
+static void tile_task(void *ctx, int ith, int nth) {
+    (void)ith, (void)nth;
+    tile_args *ta = ctx;
+    const attn_args *a = ta->a;
+    int D = a->D, H = a->H, PS = a->PS, group = a->Hq / a->H, qb = ta->qb, B = a->B;
+    int n_blocks = ta->first[B], tasks = n_blocks * H, rmax = (qb * group + 3) / 4 * 4;
+    long tok = (long)H * D;
+    size_t esz = a->half ? 2 : 4;
+    static __thread void *buf;
+    static __thread size_t cap;
+    size_t need = (size_t)TILE_KC * D * 2 + (size_t)rmax * (TILE_KC + D + 2) + D;
+    float *kt = scratch(&buf, &cap, sizeof(float) * need + sizeof(float *) * rmax);
+    if (!kt) {
+        atomic_store(&ta->failed, 1);
+        return;
+    }
+    float *vc = kt + (size_t)TILE_KC * D, *S = vc + (size_t)TILE_KC * D, *O = S + (size_t)rmax * TILE_KC;
+    float *mx = O + (size_t)rmax * D, *sum = mx + rmax, *row = sum + rmax;
+    const float **qv = (const float **)(row + D);
+    for (;;) {
+        int task = atomic_fetch_add_explicit(&ta->next, 1, memory_order_relaxed);
+        if (task >= tasks) break;
+        int blk = n_blocks - 1 - task / H, kvh = task % H, b = 0; /* the last blocks (the most positions) first */
+        while (ta->first[b + 1] <= blk) b++;
+        int n = a->seq_lens[b], rows = a->q_starts[b + 1] - a->q_starts[b], r0 = (blk - ta->first[b]) * qb;
+        int nr = rows - r0 < qb ? rows - r0 : qb, R = nr * group, t0 = a->q_starts[b] + r0;
+        int pos0 = n - rows + r0, hi = pos0 + nr; /* positions [lo, hi) */
+        int lo = a->window > 0 && pos0 - a->window + 1 > 0 ? pos0 - a->window + 1 : 0;
+        for (int r = 0; r < rmax; r++) { /* the vectors past R repeat the first: computed, never used */
+            int rr = r < R ? r : 0;
+            qv[r] = a->q + (long)(t0 + rr / group) * a->q_t + (long)(kvh * group + rr % group) * a->q_h;
+            mx[r] = -INFINITY, sum[r] = 0.f;
+        }
+        memset(O, 0, sizeof(float) * (size_t)rmax * D);
+        const int32_t *pages = a->page_table + b * a->pt_stride;
+        const char *kbase = (const char *)a->k + kvh * D * esz, *vbase = (const char *)a->v + kvh * D * esz;
+        for (int j0 = lo; j0 < hi; j0 += TILE_KC) {
+            int kc = hi - j0 < TILE_KC ? hi - j0 : TILE_KC;
+            for (int j = 0, run; j < kc;) { /* the chunk's keys transposed into kt, its values into vc */
+                long at = page_run(pages, j0 + j, PS, kc - j, tok, &run) * esz;
+                for (int r = 0; r < run; r++, j++, at += tok * esz) {
+                    load_row(row, kbase + at, D, a->half);
+                    for (int d = 0; d < D; d++) kt[d * TILE_KC + j] = row[d];
+                    load_row(vc + (size_t)j * D, vbase + at, D, a->half);
+                }
+            }
+            for (int j = kc; j < (kc + 15) / 16 * 16; j++) /* the last tile's keys past the chunk: zeros */
+                for (int d = 0; d < D; d++) kt[d * TILE_KC + j] = 0.f;
+            for (int r = 0; r < rmax; r += 4)
+                for (int j = 0; j < kc; j += 16) scores_4x16(qv + r, kt + j, D, a->scale, S + (size_t)r * TILE_KC + j);
+            for (int r = 0; r < R; r++) { /* each query's positions in the chunk: causal, and its window */
+                int pos = pos0 + r / group, first = a->window > 0 && pos - a->window + 1 > 0 ? pos - a->window + 1 : 0;
+                int from = first - j0 > 0 ? first - j0 : 0, to = pos + 1 - j0 < kc ? pos + 1 - j0 : kc;
+                float *sr = S + (size_t)r * TILE_KC, m = -INFINITY;
+                if (from >= to) { /* none: the query's output stays as it is */
+                    memset(sr, 0, sizeof(float) * kc);
+                    continue;
+                }
+                for (int j = from; j < to; j++) m = sr[j] > m ? sr[j] : m;
+                float top = m > mx[r] ? m : mx[r], keep = expf(mx[r] - top), z = 0.f;
+                int j = 0;
+                for (; j < from; j++) sr[j] = 0.f;
+                for (; j + 8 <= to; j += 8) {
+                    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sr + j), _mm256_set1_ps(top)));
+                    _mm256_storeu_ps(sr + j, e);
+                    z += hsum8(e);
+                }
+                for (; j < to; j++) z += sr[j] = expf(sr[j] - top);
+                for (; j < kc; j++) sr[j] = 0.f;
+                if (keep != 1.f) {
+                    float *o = O + (size_t)r * D;
+                    for (int d = 0; d < D; d++) o[d] *= keep;
+                }
+                mx[r] = top, sum[r] = sum[r] * keep + z;
+            }
+            for (int r = 0; r < R; r += 2) {
+                int r1 = r + 1 < R ? r + 1 : r; /* an odd last query: its pair is itself, added to a copy */
+                float *o1 = r1 == r ? row : O + (size_t)r1 * D;
+                values_2(S + (size_t)r * TILE_KC, S + (size_t)r1 * TILE_KC, vc, kc, D, O + (size_t)r * D, o1);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            float inv = 1.0f / sum[r], *o = a->out + ((long)(t0 + r / group) * a->Hq + kvh * group + r % group) * D;
+            for (int d = 0; d < D; d++) o[d] = O[(size_t)r * D + d] * inv;
+        }
+    }
+}
+
+/* The tiled prefill, where it applies: 1 done, 0 not taken (the per-row tasks run), -1 without memory. */
+static int tile_attention(const attn_args *a, int nth) {
+    int group = a->Hq / a->H;
+    if (a->T < TILE_ROWS || a->D % 8) return 0;
+    static __thread void *buf;
+    static __thread size_t cap;
+    int32_t *first = scratch(&buf, &cap, sizeof(int32_t) * (size_t)(a->B + 1));
+    if (!first) return -1;
+    int qb = 64 / group > 1 ? 64 / group : 1;
+    first[0] = 0;
+    for (int b = 0; b < a->B; b++) first[b + 1] = first[b] + (a->q_starts[b + 1] - a->q_starts[b] + qb - 1) / qb;
+    tile_args ta = {a, qb, first, 0, 0};
+    parallel(tile_task, &ta, nth);
+    return atomic_load(&ta.failed) ? -1 : 1;
+}
+#endif
+
 /* Whether the step's tables stay inside the pool (a sequence's rows within its length, its pages within the page
  * table's width and the pool, its slots within the pool): -2 where they do not, so that a caller's bug is an error,
  * not a read or write of memory outside the pages. */
@@ -1012,6 +1185,10 @@ int lpd_attention(const float *q, long q_t, long q_h, int T, int Hq, int D, cons
         for (int t = q_starts[b]; t < q_starts[b + 1]; t++) row_seq[t] = b;
     attn_args a = {q, q_t, q_h, T, Hq, D, H, PS, B, window, k, v, half, page_table, seq_lens, q_starts, pt_stride,
                    scale, out, row_seq, shape.per, shape.splits, part, NULL};
+#if defined(LPD_AVX512) || defined(LPD_AVX2)
+    int tiled = tile_attention(&a, nth);
+    if (tiled) return tiled > 0 ? 0 : -1;
+#endif
     parallel(attention_task, &a, nth);
     if (shape.splits > 1) parallel(merge_task, &a, nth);
     return 0;

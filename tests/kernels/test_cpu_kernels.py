@@ -196,6 +196,29 @@ def test_attention_decode_and_prefill_chunks(lib, D, Hq, H, ps, window, kv):
     assert (out - want).abs().max().item() < 1e-5
 
 
+# (D, Hq, H): the default model's heads; a head width that is not a multiple of 32 (the value tiles' tail) and a
+# group of one; an odd group (an odd query count a block); a width that is not a multiple of 8 (the per-row tasks)
+@pytest.mark.parametrize("D,Hq,H", [(64, 9, 3), (40, 4, 4), (32, 5, 1), (36, 2, 1)])
+@pytest.mark.parametrize("window", [0, 37])
+@pytest.mark.parametrize("kv", ["fp32", "fp16"])
+def test_prefill_steps_take_the_tiles_and_match(lib, D, Hq, H, window, kv):
+    """From cpu_kernels.c's TILE_ROWS rows on, blocks of rows and chunks of positions: a decode row beside a
+    prefill chunk after a cached prefix (blocks of rows past the first) and a whole prompt, pages out of order."""
+    g = torch.Generator().manual_seed(D * Hq + window)
+    ps = 16
+    layer = _pool(D, H, ps, 40, g, kv)
+    lens, rows = [150, 110, 70], [1, 40, 70]
+    perm = torch.randperm(40, generator=g).to(torch.int32)
+    page_table = torch.stack([perm[0:10], perm[10:20], perm[20:30]])
+    q_starts = torch.tensor([0, 1, 41, 111], dtype=torch.int32)
+    q = torch.randn(sum(rows), Hq, D, generator=g)
+    out = cpu.attention(q, layer, page_table, torch.tensor(lens, dtype=torch.int32), q_starts, D ** -0.5, window,
+                        lib=lib)
+    want = paged_attention_ref(q, layer, page_table, torch.tensor(lens, dtype=torch.int32), q_starts, D ** -0.5,
+                               window)
+    assert (out - want).abs().max().item() < 1e-5
+
+
 @pytest.mark.parametrize("window", [0, 40])
 @pytest.mark.parametrize("kv", ["fp32", "fp16"])
 def test_a_decode_row_cut_into_parts_and_merged(lib, window, kv):
