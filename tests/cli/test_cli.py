@@ -223,8 +223,9 @@ def test_serve_answers_an_openai_client_until_stopped(default_gguf):
     assert proc.returncode == 0 and "Traceback" not in err, err[-2000:]
 
 
-@pytest.mark.parametrize("command", ["chat", "serve", "bench", "tui"])
-@pytest.mark.parametrize("value", ["0", "-2", "two", "1.5"])
+# each command and each bad value once (not all 16 pairs, a process of some 3 s each): the commands share one
+# --threads option (cli.main.add_model_options)
+@pytest.mark.parametrize("command,value", [("chat", "0"), ("serve", "-2"), ("bench", "two"), ("tui", "1.5")])
 def test_threads_must_be_a_positive_whole_number(command, value):
     line = one_line_error(localpd([command, "--threads", value]), code=2)
     assert "--threads" in line and ">= 1" in line
