@@ -1,10 +1,10 @@
 import pytest
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def served(default_gguf):
-    """(engine, LiveServer): the default model served on loopback with the API key live_server.KEY, one a test
-    module."""
+    """(engine, LiveServer): the default model served on loopback with the API key live_server.KEY, one server for
+    the whole session: the API modules share it rather than each loading the model again."""
     from live_server import KEY, LiveServer
 
     from localpd.engine import Engine

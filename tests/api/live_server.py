@@ -1,5 +1,5 @@
 """A real localpd server on loopback for the API tests (test_server, test_ollama): the `served` fixture in
-conftest.py starts one a test module, on the default model with an API key."""
+conftest.py starts one for the session, on the default model with an API key."""
 
 import socket
 import threading
