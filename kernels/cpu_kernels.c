@@ -414,7 +414,8 @@ typedef struct {
     const float *xsf;   /* xd x xsum, each block's sum in float (gemm_task fills it): what an int4 bias multiplies */
     const int16_t *x16; /* AVX2: each input value as one int16, 256 hi + lo (gemm_task fills it) */
     const uint8_t *w;
-    const uint16_t *scales, *biases;
+    const uint16_t *scales, *biases; /* int4-k (sub set): each super-block's d and dmin */
+    const uint8_t *sub;               /* int4-k: each group's scale byte, then its minimum (int8); else NULL */
     const float *bias;
     float *y;
 } gemm_args;
@@ -599,8 +600,50 @@ static void gemv4(const gemm_args *a, int n, const float *ds, const float *extra
  * extra[m] = what is added to the scaled sums (int4 biases x the blocks' sums, AVX512's int8 correction for its
  * first xor_blocks blocks, the layer's bias). Eight blocks at a time from the float16 scales where a group is one
  * block (Q4_1's, Q8_0's), the rest one by one. */
+/* int4-k row n's groups' scales and biases in float (quant/int4k.py): d x sc and dmin x mn, a super-block of 8
+ * groups sharing d and dmin. */
+static void k_group_scales(const uint16_t *d, const uint16_t *dmin, const uint8_t *sub, int n, int nb, float *ws,
+                           float *wb) {
+    int ns = (nb + 7) / 8;
+    const uint8_t *sc = sub + (size_t)n * 2 * nb;
+    const int8_t *mn = (const int8_t *)sc + nb;
+    for (int j = 0; j < ns; j++) {
+        float dj = half_to_float(d[(size_t)n * ns + j]), mj = half_to_float(dmin[(size_t)n * ns + j]);
+        for (int b = 8 * j; b < nb && b < 8 * j + 8; b++) ws[b] = dj * (float)sc[b], wb[b] = mj * (float)mn[b];
+    }
+}
+
 static void row_factors(const gemm_args *a, int n, int m0, int mm, int xor_blocks, float *ds, float *extra) {
     int nb = a->K / 32, ng = a->K / a->group, per_group = a->group / 32;
+    if (a->sub) { /* int4-k: d x sc and dmin x mn, a super-block (8 groups) a register */
+        int ns = (nb + 7) / 8;
+        const uint8_t *sc = a->sub + (size_t)n * 2 * nb;
+        const int8_t *mn = (const int8_t *)sc + nb;
+        const uint16_t *drow = a->scales + (size_t)n * ns, *mrow = a->biases + (size_t)n * ns;
+        for (int m = 0; m < mm; m++) {
+            const float *xd = a->xd + (size_t)(m0 + m) * nb, *xsf = a->xsf + (size_t)(m0 + m) * nb;
+            float *dm = ds + m * nb, e = 0.f;
+            int b = 0;
+#if defined(LPD_AVX512) || defined(LPD_AVX2)
+            __m256 ev = _mm256_setzero_ps();
+            for (; b + 8 <= nb; b += 8) {
+                __m256 w = _mm256_mul_ps(_mm256_set1_ps(half_to_float(drow[b / 8])),
+                                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sc + b)))));
+                __m256 c = _mm256_mul_ps(_mm256_set1_ps(half_to_float(mrow[b / 8])),
+                                         _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(mn + b)))));
+                _mm256_storeu_ps(dm + b, _mm256_mul_ps(w, _mm256_loadu_ps(xd + b)));
+                ev = _mm256_fmadd_ps(c, _mm256_loadu_ps(xsf + b), ev);
+            }
+            e = hsum8(ev);
+#endif
+            for (; b < nb; b++) {
+                dm[b] = half_to_float(drow[b / 8]) * (float)sc[b] * xd[b];
+                e += half_to_float(mrow[b / 8]) * (float)mn[b] * xsf[b];
+            }
+            extra[m] = e + (a->bias ? a->bias[n] : 0.f);
+        }
+        return;
+    }
     const uint16_t *srow = a->scales + (size_t)n * ng, *brow = a->bits == 4 ? a->biases + (size_t)n * ng : NULL;
     for (int m = 0; m < mm; m++) {
         const float *xd = a->xd + (size_t)(m0 + m) * nb, *xsf = a->xsf + (size_t)(m0 + m) * nb;
@@ -772,8 +815,8 @@ static void input_task(void *ctx, int ith, int nth) { /* each thread its share o
  * activation (x =
  * [gate | up], [M, 2K]). K a multiple of 32, group a multiple of 32 dividing K. Returns 0, or -1 without memory. */
 int lpd_linear(int pre, const float *x, const float *residual, const float *norm_w, float eps, float *sum_out, int M,
-               int K, int bits, const void *w, const uint16_t *scales, const uint16_t *biases, int group, int N,
-               const float *bias, float *y, int nth) {
+               int K, int bits, const void *w, const uint16_t *scales, const uint16_t *biases, const uint8_t *sub,
+               int group, int N, const float *bias, float *y, int nth) {
     static __thread void *buf;
     static __thread size_t cap;
     int nb = K / 32;
@@ -784,7 +827,7 @@ int lpd_linear(int pre, const float *x, const float *residual, const float *norm
                      (float *)(mem + q_bytes), (int32_t *)(mem + q_bytes + d_bytes)};
     parallel(input_task, &in, M >= 8 ? nth : 1);
     gemm_args g = {M, N, K, group, bits, in.xq, (size_t)M * K, in.xd, in.xsum, NULL, NULL, w, scales, biases,
-                   bias, y};
+                   sub, bias, y};
     parallel(gemm_task, &g, nth);
     return 0;
 }
@@ -1235,18 +1278,19 @@ typedef struct {
     int bits, group, K, n0, n1;
     const uint8_t *w;
     const uint16_t *scales, *biases;
+    const uint8_t *sub; /* int4-k (gemm_args) */
     float *out;
 } dequant_args;
 
 #if defined(LPD_AVX512) || defined(LPD_AVX2)
-/* Group g of weight row n (scale s) into o, 16 values a step (AVX2); 0 where the group is not a multiple of 16
- * (the scalar loop takes it). An int4 byte holds two columns, the low nibble first. */
-static inline int dequant_group8(const dequant_args *a, int n, int g, float s, float *o) {
-    int G = a->group, K = a->K, ng = K / G;
+/* Group g of weight row n (scale s, int4 bias m) into o, 16 values a step (AVX2); 0 where the group is not a
+ * multiple of 16 (the scalar loop takes it). An int4 byte holds two columns, the low nibble first. */
+static inline int dequant_group8(const dequant_args *a, int n, int g, float s, float m, float *o) {
+    int G = a->group, K = a->K;
     if (G % 16) return 0;
     __m256 vs = _mm256_set1_ps(s);
     if (a->bits == 4) {
-        __m256 vm = _mm256_set1_ps(half_to_float(a->biases[(size_t)n * ng + g]));
+        __m256 vm = _mm256_set1_ps(m);
         const uint8_t *p = a->w + (size_t)n * (K / 2) + g * (G / 2);
         __m128i mask = _mm_set1_epi8(15);
         for (int j = 0; j < G / 2; j += 8) {
@@ -1273,15 +1317,17 @@ static inline int dequant_group8(const dequant_args *a, int n, int g, float s, f
 /* Rows r0 .. r1 - 1 of the weight, dequantized to float into out [r1 - r0, K]. */
 static void dequant_rows(const dequant_args *a, int r0, int r1, float *out) {
     int K = a->K, ng = K / a->group;
+    float ws[ng], wb[ng];
     for (int n = r0; n < r1; n++) {
         float *o = out + (size_t)(n - r0) * K;
+        if (a->sub) k_group_scales(a->scales, a->biases, a->sub, n, ng, ws, wb);
         for (int g = 0; g < ng; g++) {
-            float s = half_to_float(a->scales[(size_t)n * ng + g]);
+            float s = a->sub ? ws[g] : half_to_float(a->scales[(size_t)n * ng + g]);
+            float m = a->sub ? wb[g] : a->bits == 4 ? half_to_float(a->biases[(size_t)n * ng + g]) : 0.f;
 #if defined(LPD_AVX512) || defined(LPD_AVX2)
-            if (dequant_group8(a, n, g, s, o + g * a->group)) continue;
+            if (dequant_group8(a, n, g, s, m, o + g * a->group)) continue;
 #endif
             if (a->bits == 4) {
-                float m = half_to_float(a->biases[(size_t)n * ng + g]);
                 const uint8_t *p = a->w + (size_t)n * (K / 2) + g * (a->group / 2);
                 for (int j = 0; j < a->group / 2; j++) {
                     o[g * a->group + 2 * j] = (float)(p[j] & 15) * s + m;
@@ -1302,9 +1348,9 @@ static void dequant_task(void *ctx, int ith, int nth) {
     dequant_rows(a, a->n0 + lo, a->n0 + hi, a->out + (size_t)lo * a->K);
 }
 
-void lpd_dequantize(int bits, const void *w, const uint16_t *scales, const uint16_t *biases, int group, int K, int n0,
-                    int n1, float *out, int nth) {
-    dequant_args a = {bits, group, K, n0, n1, w, scales, biases, out};
+void lpd_dequantize(int bits, const void *w, const uint16_t *scales, const uint16_t *biases, const uint8_t *sub,
+                    int group, int K, int n0, int n1, float *out, int nth) {
+    dequant_args a = {bits, group, K, n0, n1, w, scales, biases, sub, out};
     parallel(dequant_task, &a, nth);
 }
 
@@ -1348,10 +1394,10 @@ static void dq_gemm_task(void *ctx, int ith, int nth) {
 }
 
 /* Returns 0, -1 without memory, -3 without a BLAS (lpd_set_sgemm). */
-int lpd_dequant_gemm(int bits, const void *w, const uint16_t *scales, const uint16_t *biases, int group, int K, int N,
-                     int M, const float *h, float *y, int slice, int nth) {
+int lpd_dequant_gemm(int bits, const void *w, const uint16_t *scales, const uint16_t *biases, const uint8_t *sub,
+                     int group, int K, int N, int M, const float *h, float *y, int slice, int nth) {
     if (!blas_sgemm) return -3;
-    dq_gemm_args a = {{bits, group, K, 0, N, w, scales, biases, NULL}, M, slice > 0 ? slice : 1, h, y, 0, 0};
+    dq_gemm_args a = {{bits, group, K, 0, N, w, scales, biases, sub, NULL}, M, slice > 0 ? slice : 1, h, y, 0, 0};
     parallel(dq_gemm_task, &a, nth);
     return atomic_load(&a.failed) ? -1 : 0;
 }
@@ -1364,6 +1410,7 @@ typedef struct {
     int bits;
     const void *w;
     const uint16_t *scales, *biases;
+    const uint8_t *sub; /* int4-k (gemm_args) */
     int group, N, K;
     const float *bias;
 } lin_plan;
@@ -1461,7 +1508,7 @@ static void linear_phase(layers_args *s, int ith, int nth, int pre, const lin_pl
     input_task(&in, ith, nth);
     barrier_wait(&s->barrier, nth);
     gemm_args g = {M, l->N, l->K, l->group, l->bits, s->xq, (size_t)M * l->K, s->xd, s->xsum, NULL, NULL, l->w,
-                   l->scales, l->biases, l->bias, y}; /* equal shares: measured faster than
+                   l->scales, l->biases, l->sub, l->bias, y}; /* equal shares: measured faster than
                                                                           * taking chunks from a counter */
     gemm_task(&g, ith, nth);
     barrier_wait(&s->barrier, nth);

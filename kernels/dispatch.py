@@ -22,6 +22,7 @@ import torch
 from localpd.errors import LocalpdError
 from localpd.kernels import cpu
 from localpd.quant.bnb import LLM_INT8_THRESHOLD, BnbInt8Weight, Nf4Weight, bitsandbytes, nf4_code
+from localpd.quant.int4k import Int4KWeight
 from localpd.quant.weights import Int4Weight, Int8Weight
 
 GEMV_MAX_M = 16  # the most rows the GEMV path takes (it is the default only up to quant_matmul.GEMV_AUTO_M)
@@ -161,6 +162,11 @@ def int4_matmul_ref(x, packed, scales, biases, group: int, bias=None, gated: str
     return _input_matmul_ref(x, w.dequantize(torch.float32), bias, gated, norm)
 
 
+def int4k_matmul_ref(x, w: Int4KWeight, bias=None, gated: str | None = None, norm: PreNorm | None = None):
+    """int4_matmul_ref for an int4-k weight (quant/int4k.py), dequantized in fp32."""
+    return _input_matmul_ref(x, w.dequantize(torch.float32), bias, gated, norm)
+
+
 def int8_matmul_ref(x, data, scales, group: int, bias=None, gated: str | None = None,
                     norm: PreNorm | None = None):
     w = Int8Weight(data, scales)
@@ -221,6 +227,29 @@ def linear_int4(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None
 
 
 linear_int8 = linear_int4  # the same dispatch: the weight's type picks the kernel
+
+
+def linear_int4k(x: torch.Tensor, w: Int4KWeight, bias: torch.Tensor | None = None, gated: str | None = None,
+                 norm: PreNorm | None = None):
+    """linear_int4 for an int4-k weight: localpd's CPU kernels read its super-block scales as they are; Triton's
+    int4 kernels take its groups' scales and biases expanded to float16 (int4-g32, as_int4: 5 bits a weight read
+    on the GPU, not 4.6); elsewhere the torch reference."""
+    if use_triton(x):
+        return linear_int4(x, as_int4(w), bias, gated, norm)
+    if cpu.takes_linear(x, w, bias, norm):
+        check_width(x, w.shape, gated)
+        return cpu.linear(x, w, bias, gated, norm)
+    return _linear(x, w.shape, lambda x2, n: int4k_matmul_ref(x2, w, bias=bias, gated=gated, norm=n), gated, norm)
+
+
+def as_int4(w: Int4KWeight) -> Int4Weight:
+    """The int4-g32 weight with w's codes (the same tensor) and its groups' scales and biases in float16, made once
+    and kept on w."""
+    int4 = w.__dict__.get("_as_int4")
+    if int4 is None:
+        scale, bias = w.group_scales()
+        int4 = w.__dict__["_as_int4"] = Int4Weight(w.packed, scale.half(), bias.half())
+    return int4
 
 
 def bnb_matmul_ref(x: torch.Tensor, w: Nf4Weight | BnbInt8Weight) -> torch.Tensor:

@@ -7,12 +7,14 @@ import torch
 from localpd.errors import LocalpdError
 from localpd.quant.gguf_blocks import DECODERS
 from localpd.quant.bnb import BnbInt8Weight, Nf4Weight, bitsandbytes
+from localpd.quant.int4k import Int4KWeight
 from localpd.quant.weights import INT4_GROUPS, Int4Weight, Int8Weight, Weight
 
 DENSE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 INT4 = {"int4-g32": 32, "int4-g64": 64, "int4-g128": 128}
 BNB = {"bnb-nf4": Nf4Weight, "bnb-int8": BnbInt8Weight}  # bitsandbytes' formats and matmuls (optional)
-SCHEMES = ("native", *DENSE, "int8", *INT4, *BNB)
+INT4_K = "int4-k"  # 4-bit codes, groups of 32, scales quantized within super-blocks of 256 (quant/int4k.py)
+SCHEMES = ("native", *DENSE, "int8", *INT4, INT4_K, *BNB)
 # GGUF block types that map onto our formats with group 32 (quant.gguf_blocks); under "native" every other quantized
 # type is re-quantized to int8 with a scale per NATIVE_INT8_GROUP values (native_weight)
 GGUF_NATIVE = set(DECODERS)
@@ -59,14 +61,26 @@ def head_scheme(name: str, scheme: str, tied: bool) -> str:
     6-8 bits too). Under bnb-int8 too: LLM.int8 also rounds the head's input to 8 bits, which flips greedy answers of
     small models (SmolLM2-135M's), and transformers leaves lm_head out of bitsandbytes as well."""
     head = name == "lm_head" or (tied and name == "embed_tokens")
-    return "int8" if head and (scheme in INT4 or scheme in BNB) else scheme
+    return "int8" if head and (scheme in INT4 or scheme == INT4_K or scheme in BNB) else scheme
 
 
 def imports_exactly(gguf_type: str, scheme: str) -> bool:
     """Whether a GGUF block type is imported from its blocks (quant.weights.from_gguf: as stored, or for Q5_1/Q5_K the
     nearest int8), not re-quantized from its float values."""
     return gguf_type in GGUF_NATIVE and (scheme == "native" or (scheme == "int8" and gguf_type == "Q8_0")
-                                         or (scheme == "int4-g32" and gguf_type in ("Q4_0", "Q4_1")))
+                                         or (scheme == "int4-g32" and gguf_type in ("Q4_0", "Q4_1"))
+                                         or (scheme == INT4_K and gguf_type == "Q4_K"))
+
+
+def imports_codes(gguf_type: str, scheme: str) -> bool:
+    """Whether a GGUF type's 4-bit codes carry over into the scheme, with only its scales re-quantized
+    (from_blocks): Q4_0 and Q4_1 under int4-k."""
+    return scheme == INT4_K and gguf_type in ("Q4_0", "Q4_1")
+
+
+def from_blocks(w: Weight, scheme: str) -> Weight:
+    """A matrix that from_gguf imported, in the scheme: int4-k takes an int4-g32 import's codes (imports_codes)."""
+    return Int4KWeight.from_int4(w) if scheme == INT4_K and isinstance(w, Int4Weight) else w
 
 
 def native_weight(dense: torch.Tensor, gguf_type: str, dtype: torch.dtype) -> Weight:
@@ -108,6 +122,8 @@ def quantize(dense: torch.Tensor, scheme: str, dtype: torch.dtype, importance: t
         return Int8Weight.quantize(dense)
     if scheme in INT4:
         return Int4Weight.quantize(dense, int4_group(scheme, dense.shape[1]), importance)
+    if scheme == INT4_K:
+        return Int4KWeight.quantize(dense, importance)
     if scheme in BNB:
         return BNB[scheme].quantize(dense)
     return dense.to(dtype)

@@ -220,10 +220,10 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((pairs & 15, pairs >> 4), dim=-1).reshape(n, -1)
 
 
-def from_gguf(type_name: str, raw_blocks_uint8: torch.Tensor, shape: tuple[int, int]) -> Int4Weight | Int8Weight:
-    """Import of a GGUF block type whose groups of 32 are codes * scale (+ bias) (quant.gguf_blocks): Q4_0, Q4_1 and
-    Q4_K -> Int4Weight, Q8_0, Q5_0, IQ4_NL, IQ4_XS and MXFP4 -> Int8Weight, group 32. Bit for bit, but for Q4_K's
-    and IQ4_XS's scales (products of two stored fields), which are rounded to float16.
+def from_gguf(type_name: str, raw_blocks_uint8: torch.Tensor, shape: tuple[int, int]):
+    """Import of a GGUF block type whose groups of 32 are codes * scale (+ bias) (quant.gguf_blocks): Q4_0 and Q4_1
+    -> Int4Weight, Q4_K -> Int4KWeight (quant/int4k.py), Q8_0, Q5_0, IQ4_NL, IQ4_XS and MXFP4 -> Int8Weight, group 32.
+    Bit for bit, but for IQ4_XS's scales (products of two stored fields), which are rounded to float16.
 
     `raw_blocks_uint8` holds the tensor's blocks as stored (any shape); `shape` is (N rows, K columns) with blocks
     running along K.
@@ -240,6 +240,10 @@ def from_gguf(type_name: str, raw_blocks_uint8: torch.Tensor, shape: tuple[int, 
     if raw.dtype != torch.uint8 or raw.numel() != n * (k // block) * size:
         raise LocalpdError(f"GGUF {type_name} data for a {n}x{k} tensor must be {n * (k // block) * size} uint8 bytes, "
                            f"got {raw.numel()} {raw.dtype}")
+    if type_name == "Q4_K":
+        from localpd.quant.int4k import Int4KWeight  # it imports this module
+
+        return Int4KWeight.from_q4_k(raw.reshape(-1, size), shape)
     g = gguf_blocks.DECODERS[type_name](raw.reshape(-1, size))
     if type_name in gguf_blocks.INT8_NEAR:
         codes, scales = int8_near(g)

@@ -16,7 +16,8 @@ from localpd.load.gguf import GGUFFile
 from localpd.kernels.kv_dispatch import kernel_head_dim
 from localpd.quant.store import is_quantized_dir, load_quantized, tokenizer_meta
 from localpd.quant.weights import Weight, from_gguf
-from localpd.quant.schemes import check_scheme, head_scheme, imports_exactly, is_matrix, native_weight, quantize
+from localpd.quant.schemes import (check_scheme, from_blocks, head_scheme, imports_codes, imports_exactly, is_matrix,
+                                   native_weight, quantize)
 from localpd.text.tokenizer import Tokenizer
 
 GGUF_NAMES = {  # GGUF tensor name (after blk.N.) -> HF-style name (after layers.N.)
@@ -287,11 +288,12 @@ def gguf_matrix(g: GGUFFile, t, scheme: str, dtype, device, heads: int | None,
                 importance: torch.Tensor | None = None) -> Weight:
     """A GGUF weight matrix in the scheme; blocks already in the scheme's format are imported exactly."""
     kind = t.tensor_type.name
-    if imports_exactly(kind, scheme):
+    if imports_exactly(kind, scheme) or imports_codes(kind, scheme):
         try:
             w = from_gguf(kind, torch.from_numpy(np.array(t.data, dtype=np.uint8)), tuple(reversed(t.shape)))
         except LocalpdError as e:
             raise LocalpdError(f"{g.path}: tensor {t.name}: {e}") from None
+        w = from_blocks(w, scheme)
         w = replace(w, **{f.name: getattr(w, f.name).to(device) for f in fields(w)})
         return unpermute_qk(w, heads) if heads else w
     dense = g.dequantize(t.name).to(device)

@@ -12,7 +12,8 @@ from localpd.errors import LocalpdError
 from localpd.load.loader import GEMMA3_GLOBAL_STEP, LoadedModel
 from localpd.quant.bnb import NF4_BLOCKSIZE, BnbInt8Weight, Nf4Weight
 from localpd.quant.weights import Int4Weight, Int8Weight, Weight
-from localpd.quant.schemes import DENSE, INT4, head_scheme, int4_group
+from localpd.quant.int4k import Int4KWeight, super_blocks
+from localpd.quant.schemes import DENSE, INT4, INT4_K, head_scheme, int4_group
 
 # shapes from each model's config.json
 def gemma3_layout(dim: int, layers: int, window: int) -> dict:
@@ -55,6 +56,12 @@ def random_weight(shape: tuple[int, int], scheme: str, dtype: torch.dtype, devic
         packed = torch.randint(-2**31, 2**31 - 1, (n, k // 8), dtype=torch.int32, device=device, generator=g)
         scales = torch.full((n, k // group), 0.02 / 7.5, dtype=torch.float16, device=device)
         return Int4Weight(packed, scales, torch.full_like(scales, -0.02))
+    if scheme == INT4_K:  # each group's scale 128 d = 0.02 / 7.5 and bias -127 dmin = -0.02
+        packed = torch.randint(-2**31, 2**31 - 1, (n, k // 8), dtype=torch.int32, device=device, generator=g)
+        d = torch.full((n, super_blocks(k)), 0.02 / 7.5 / 128, dtype=torch.float16, device=device)
+        sub = torch.cat([torch.full((n, k // 32), 128, dtype=torch.uint8, device=device),
+                         torch.full((n, k // 32), -127, dtype=torch.int8, device=device).view(torch.uint8)], dim=1)
+        return Int4KWeight(packed, d, torch.full_like(d, 0.02 / 127), sub)
     if scheme == "int8":
         data = torch.randint(-127, 128, (n, k), dtype=torch.int8, device=device, generator=g)
         return Int8Weight(data, torch.full((n, 1), 0.02 / 127, dtype=torch.float16, device=device))
@@ -108,6 +115,8 @@ def synthetic_nbytes(name: str, scheme: str) -> int:
         n, k = shape
         if s in INT4:
             return n * k // 2 + 4 * n * (k // int4_group(s, k))
+        if s == INT4_K:
+            return n * k // 2 + 2 * n * (k // 32) + 4 * n * super_blocks(k)
         if s == "int8":
             return n * k + 2 * n
         if s == "bnb-nf4":

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from localpd.kernels import cpu
-from localpd.kernels.dispatch import PreNorm, int4_matmul_ref, int8_matmul_ref
+from localpd.kernels.dispatch import PreNorm, int4_matmul_ref, int4k_matmul_ref, int8_matmul_ref
 from localpd.kernels.fused_dispatch import act_mul_ref, add_rms_norm_ref
 from localpd.kernels.kv_dispatch import paged_attention_ref, rope_write_kv_ref
 from localpd.quant.kv import new_kv_pool
+from localpd.quant.int4k import Int4KWeight
 from localpd.quant.weights import Int4Weight, Int8Weight
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
@@ -66,12 +67,16 @@ def rounded_rows(h: torch.Tensor) -> torch.Tensor:
 
 def weights(kind: str, n: int, k: int, group: int, g: torch.Generator):
     dense = torch.randn(n, k, generator=g)
+    if kind == "int4k":
+        return Int4KWeight.quantize(dense)
     if kind == "int4":
         return Int4Weight.quantize_rtn(dense, group)
     return Int8Weight.quantize(dense, None if group == k else group)
 
 
 def ref(w, x, bias=None, gated=None, norm=None):
+    if isinstance(w, Int4KWeight):
+        return int4k_matmul_ref(x, w, bias=bias, gated=gated, norm=norm)
     if isinstance(w, Int4Weight):
         return int4_matmul_ref(x, w.packed, w.scales, w.biases, w.group, bias=bias, gated=gated, norm=norm)
     return int8_matmul_ref(x, w.data, w.scales, w.group, bias=bias, gated=gated, norm=norm)
@@ -86,7 +91,8 @@ def rel_err(a, b):
 # fewest rows (16 x 61: one thread's slice), a prompt's (128 x 1000, slices of uneven length) and an odd count (37)
 SHAPES = [(1, 61, 96), (1, 70, 576), (1, 64, 1536), (3, 128, 576), (5, 17, 32), (9, 33, 1536), (1, 1, 4096),
           (16, 61, 96), (37, 200, 576), (128, 1000, 1536)]
-GROUPS = [("int4", 32), ("int4", 64), ("int4", 128), ("int8", 32), ("int8", None)]  # None: one scale per row
+GROUPS = [("int4", 32), ("int4", 64), ("int4", 128), ("int8", 32), ("int8", None),  # None: one scale per row
+          ("int4k", 32)]
 
 
 @pytest.mark.parametrize("kind,group,m,n,k", [(kind, group, *shape) for kind, group in GROUPS for shape in SHAPES
@@ -105,7 +111,7 @@ def test_linear_matches_the_reference_on_its_rounded_input(lib, kind, group, m, 
     assert rel_err(y, ref(w, x, bias)) < 1e-4
 
 
-@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("kind", ["int4", "int8", "int4k"])
 def test_prefill_rows_without_a_blas_take_torch_mm_and_match(lib, kind):
     """Where torch's library exports no sgemm, lpd_dequant_gemm says so and the rows go through torch.mm over the
     dequantized weight: the same products."""
@@ -130,7 +136,7 @@ def test_a_prefill_slice_fits_the_l2_and_leaves_every_thread_work(n, k, nth):
     assert rows == 8 or rows <= -(-n // (4 * nth))  # each thread takes four slices or more
 
 
-@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("kind", ["int4", "int8", "int4k"])
 @pytest.mark.parametrize("residual", [False, True])
 def test_linear_with_rms_norm_in_front(lib, kind, residual):
     g = torch.Generator().manual_seed(5 + residual)
@@ -146,7 +152,7 @@ def test_linear_with_rms_norm_in_front(lib, kind, residual):
     assert rel_err(y, y_ref) < 1e-4
 
 
-@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("kind", ["int4", "int8", "int4k"])
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 def test_linear_with_the_gate_in_front(lib, kind, act):
     g = torch.Generator().manual_seed(9)
@@ -317,16 +323,16 @@ def test_decode_layers_in_one_call_equal_the_kernels_op_by_op(lib, kv):
 
     g = torch.Generator().manual_seed(11)
     Hq, H, D, dim, ffn, ps, eps = 4, 2, 16, 64, 96, 8, 1e-5
-    kinds, ropes, windows = [("int4", 32), ("int8", 32), ("int8", None)], [0, 1, 2], [0, 5, 0]
+    kinds, ropes, windows = [("int4", 32), ("int8", 32), ("int8", None), ("int4k", 32)], [0, 1, 2, 0], [0, 5, 0, 0]
     layers = []
     for kind, group in kinds:
         lin = [SimpleNamespace(weight=weights(kind, n, k, group or k, g), bias=None)
                for n, k in [((Hq + 2 * H) * D, dim), (dim, Hq * D), (2 * ffn, dim), (dim, ffn)]]
         layers.append((lin, torch.rand(dim, generator=g) + 0.5, torch.rand(dim, generator=g) + 0.5))
-    pool = new_kv_pool(kv, 3, 8, ps, H, D, torch.float32, "cpu")
+    pool = new_kv_pool(kv, len(kinds), 8, ps, H, D, torch.float32, "cpu")
     pool.k.copy_(torch.randn(pool.k.shape, generator=g))
     pool.v.copy_(torch.randn(pool.v.shape, generator=g))
-    other = new_kv_pool(kv, 3, 8, ps, H, D, torch.float32, "cpu")
+    other = new_kv_pool(kv, len(kinds), 8, ps, H, D, torch.float32, "cpu")
     other.k.copy_(pool.k), other.v.copy_(pool.v)
     page_table = torch.tensor([[5, 2, 7], [0, 3, 0]], dtype=torch.int32)
     seq_lens, q_starts = torch.tensor([20, 9], dtype=torch.int32), torch.tensor([0, 1, 3], dtype=torch.int32)
@@ -346,7 +352,7 @@ def test_decode_layers_in_one_call_equal_the_kernels_op_by_op(lib, kv):
         gate_up, x = cpu.linear(out, gu_l.weight, None, None, PreNorm(x, mlp_norm, eps), lib=lib)
         out = cpu.linear(gate_up, down_l.weight, None, "silu", lib=lib)
 
-    plans = (cpu.LayerPlan * 3)(*[cpu.layer_plan(lin, an, mn, Hq, H, D, "silu", eps) for lin, an, mn in layers])
+    plans = (cpu.LayerPlan * len(layers))(*[cpu.layer_plan(lin, an, mn, Hq, H, D, "silu", eps) for lin, an, mn in layers])
     caches = cpu.layer_caches(list(other.k), list(other.v), windows, ropes)
     got, got_x = emb.clone(), torch.empty(3, dim)
     scratch = (torch.empty(3, (Hq + 2 * H) * D), torch.empty(3, Hq * D), torch.empty(3, 2 * ffn))
@@ -360,12 +366,13 @@ def test_gathered_weights_view_one_buffer_and_multiply_the_same():
     """gather_weights moves int4 and int8 weights (one listed twice) into one buffer, 2 MiB-aligned; the products
     after the move (whose plans were made before it) equal those before, bit for bit."""
     g = torch.Generator().manual_seed(8)
-    ws = [weights("int4", 96, 576, 32, g), weights("int8", 64, 160, 32, g)]
-    x = torch.randn(1, 576, generator=g), torch.randn(1, 160, generator=g)
+    ws = [weights("int4", 96, 576, 32, g), weights("int8", 64, 160, 32, g), weights("int4k", 40, 320, 32, g)]
+    x = torch.randn(1, 576, generator=g), torch.randn(1, 160, generator=g), torch.randn(1, 320, generator=g)
     before = [cpu.linear(xi, w) for xi, w in zip(x, ws)]
     moved = cpu.gather_weights(ws + ws[:1])
     assert moved >= sum(w.nbytes for w in ws)
-    tensors = [ws[0].packed, ws[0].scales, ws[0].biases, ws[1].data, ws[1].scales]
+    tensors = [ws[0].packed, ws[0].scales, ws[0].biases, ws[1].data, ws[1].scales, ws[2].packed, ws[2].d,
+               ws[2].dmin, ws[2].sub]
     assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
     assert ws[0].packed.data_ptr() % cpu.HUGE_PAGE == 0
     assert all(torch.equal(cpu.linear(xi, w), b) for xi, w, b in zip(x, ws, before))

@@ -10,6 +10,7 @@ from gguf.quants import dequantize as ref_dequantize
 from gguf.quants import quantize as ref_quantize
 
 from localpd.load.loader import load_model
+from localpd.quant.int4k import Int4KWeight
 from localpd.quant.weights import Int4Weight, Int8Weight
 
 Q = gguf.GGMLQuantizationType
@@ -17,8 +18,8 @@ DIM, FFN, HEADS, KV_HEADS, VOCAB = 256, 512, 4, 2, 64
 QUANTIZABLE = {"Q5_0", "Q5_1", "MXFP4", "TQ1_0", "TQ2_0"}  # gguf.quants makes these from floats
 TYPES = ["Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "IQ3_XXS", "IQ3_S", "IQ2_XXS",
          "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4"]
-EXACT = {"Q5_0": Int8Weight, "IQ4_NL": Int8Weight, "MXFP4": Int8Weight}  # bit for bit on import
-NEAR = {"IQ4_XS": 1e-3, "Q4_K": 1e-3}  # within float16 rounding of scales (the others: int8 rounding)
+EXACT = {"Q5_0": Int8Weight, "IQ4_NL": Int8Weight, "MXFP4": Int8Weight, "Q4_K": Int4KWeight}  # bit for bit on import
+NEAR = {"IQ4_XS": 1e-3}  # within float16 rounding of scales (the others: int8 rounding)
 
 
 def blocks_by_hand(qtype, rows: int, cols: int, rng) -> np.ndarray:
@@ -92,7 +93,7 @@ def test_small_file_of_each_type_loads_and_runs(tmp_path, type_name):
     for name, w in native.weights.items():
         if not name.endswith("_proj"):
             continue
-        assert isinstance(w, (Int4Weight, Int8Weight)) and w.group == 32, name
+        assert isinstance(w, (Int4Weight, Int8Weight, Int4KWeight)) and w.group == 32, name
         want, got = exact.weights[name], w.dequantize()
         if type_name in EXACT:
             assert isinstance(w, EXACT[type_name]) and torch.equal(got, want), name

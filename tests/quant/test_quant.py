@@ -8,6 +8,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 from localpd.errors import LocalpdError
+from localpd.quant.int4k import Int4KWeight
 from localpd.quant.weights import Int4Weight, Int8Weight, from_gguf, pack_int4, unpack_int4
 
 
@@ -94,7 +95,7 @@ def test_group_errors():
 # bytes of a block after its float16 scale fields (the rest of the block is random)
 F16_FIELDS = {"Q8_0": 1, "Q4_0": 1, "Q4_1": 2, "Q5_0": 1, "Q4_K": 2, "IQ4_NL": 1, "IQ4_XS": 1, "MXFP4": 0,
               "Q5_1": 2, "Q5_K": 2}
-ROUNDED = {"Q4_K", "IQ4_XS"}  # their scales are products of two stored fields, rounded to float16 on import
+ROUNDED = {"IQ4_XS"}  # its scales are products of two stored fields, rounded to float16 on import
 
 
 def _random_blocks(type_name, n_blocks, rng):
@@ -122,13 +123,12 @@ def test_gguf_import_is_exact(type_name, seed):
     blocks = _random_blocks(type_name, n * k // block, rng)
     expected = torch.from_numpy(gguf_dequantize(blocks.reshape(-1), GGMLQuantizationType[type_name]).reshape(n, k))
     w = from_gguf(type_name, torch.from_numpy(blocks.reshape(-1).copy()), (n, k))
-    assert isinstance(w, Int4Weight if type_name in ("Q4_0", "Q4_1", "Q4_K") else Int8Weight)
+    assert isinstance(w, {"Q4_0": Int4Weight, "Q4_1": Int4Weight, "Q4_K": Int4KWeight}.get(type_name, Int8Weight))
     assert w.group == 32 and w.shape == (n, k)
     got = w.dequantize(torch.float32)
     if type_name in ROUNDED:  # each value off by at most float16's rounding of its scale (and bias)
         scale = w.scales.float().abs().repeat_interleave(32, dim=1)
-        bias = w.biases.float().abs().repeat_interleave(32, dim=1) if type_name == "Q4_K" else 0
-        bound = 2 ** -11 * (scale * (15 if type_name == "Q4_K" else 127) + bias)
+        bound = 2 ** -11 * scale * 127
         assert ((got - expected.float()).abs() <= bound).all()
     else:
         assert torch.equal(got, expected.float())
@@ -154,11 +154,18 @@ def test_gguf_5bit_import_beats_round_to_nearest(type_name):
 
 
 def test_gguf_import_scale_beyond_float16():
-    block = np.zeros(144, dtype=np.uint8)  # Q4_K: d = 65504 times sub-block scale 63 is no float16
+    """IQ4_XS: d = 65504 times a sub-block scale of 16 or more is no float16, a one-line error. Q4_K keeps d and its
+    six-bit scales apart (int4-k), so its largest scales import as they are."""
+    block = np.zeros(136, dtype=np.uint8)
+    block[0:2] = np.array([65504], dtype=np.float16).view(np.uint8)
+    block[2:4] = 255  # the scales' high bits: every sub-block's scale 48 or more, less 32
+    with pytest.raises(LocalpdError, match="float16"):
+        from_gguf("IQ4_XS", torch.from_numpy(block), (1, 256))
+    block = np.zeros(144, dtype=np.uint8)
     block[0:2] = np.array([65504], dtype=np.float16).view(np.uint8)
     block[4] = 63
-    with pytest.raises(LocalpdError, match="does not fit float16"):
-        from_gguf("Q4_K", torch.from_numpy(block), (1, 256))
+    w = from_gguf("Q4_K", torch.from_numpy(block), (1, 256))
+    assert w.dequantize()[0, 0].item() == 0.0 and torch.isfinite(w.dequantize()).all()
 
 
 def test_gguf_import_errors():
