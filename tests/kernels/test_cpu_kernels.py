@@ -68,7 +68,7 @@ def rounded_rows(h: torch.Tensor) -> torch.Tensor:
 def weights(kind: str, n: int, k: int, group: int, g: torch.Generator):
     dense = torch.randn(n, k, generator=g)
     if kind == "int4k":
-        return Int4KWeight.quantize(dense)
+        return Int4KWeight.from_int4(Int4Weight.quantize_rtn(dense, 32))
     if kind == "int4":
         return Int4Weight.quantize_rtn(dense, group)
     return Int8Weight.quantize(dense, None if group == k else group)
