@@ -18,7 +18,7 @@ from localpd.api.reply import Reply
 from localpd.api.schemas import (ChatRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, Message,
                                  NamedToolChoice, Sampling, TokenizeRequest, error_body)
 from localpd.api.service import ApiError, Service
-from localpd.constrain.pattern import PatternError, choice_pattern, compiled
+from localpd.constrain.grammar import GrammarError, check, choice_pattern, regex_grammar, text_grammar
 from localpd.engine import Engine
 from localpd.engine.requests import RequestHandle, TokenEvent
 from localpd.engine.sampling import SamplingParams
@@ -170,7 +170,7 @@ async def respond(service: Service, e: Engine, body: Sampling, prompts: list[lis
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
 
     def blame(err: LocalpdError) -> str | None:
-        return guided_field if err.param == "regex" else err.param or (
+        return guided_field if err.param in ("regex", "grammar") else err.param or (
             None if params.json_schema is None else schema_field)
 
     handles = service.submit(e, prompts, params, body.n, rid, blame)
@@ -209,7 +209,7 @@ def sampling_params(e: Engine, body: Sampling, limit: int | None, logprobs: int 
     if forced is not None:
         schema = forced[1]
     schema_field = "tools" if forced else "response_format"
-    guided_field, guided_schema, regex = guided(body)
+    guided_field, guided_schema, regex, grammar = guided(body)
     if guided_field and (kind != "text" or forced is not None):
         raise ApiError(400, f"{guided_field} cannot be combined with response_format or a forced tool call",
                        param=guided_field)
@@ -221,7 +221,7 @@ def sampling_params(e: Engine, body: Sampling, limit: int | None, logprobs: int 
         repetition_penalty=body.repetition_penalty or 1.0, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty, seed=body.seed, max_tokens=limit or e.max_context, stop=stop,
         logprobs=logprobs, json_object=kind != "text" or forced is not None, json_schema=schema,
-        json_lead=forced[0] if forced else "", regex=regex, logit_bias=body.logit_bias or {},
+        json_lead=forced[0] if forced else "", regex=regex, grammar=grammar, logit_bias=body.logit_bias or {},
         stop_token_ids=body.stop_token_ids or [], min_tokens=body.min_tokens)
     return params, guided_field, schema_field
 
@@ -363,27 +363,33 @@ def text_messages(messages: list[Message]) -> list[dict]:
     return [m.template_dict() for m in messages]
 
 
-def guided(body: Sampling) -> tuple[str | None, dict | None, str | None]:
-    """vLLM's structured outputs as (the field that gave them, a JSON schema, a pattern the whole reply matches);
-    at most one of them."""
+def guided(body: Sampling) -> tuple[str | None, dict | None, str | None, str | None]:
+    """vLLM's structured outputs and llama.cpp's grammar as (the field that gave them, a JSON schema, a pattern the
+    whole reply matches, a grammar (GBNF or Lark) it is a sentence of); at most one of them. One the grammar engine
+    cannot compile is a 400 naming the field."""
     so = body.structured_outputs
     given = [(name, value) for name, value in (
         ("structured_outputs.json", so and so.json_), ("structured_outputs.regex", so and so.regex),
-        ("structured_outputs.choice", so and so.choice), ("guided_json", body.guided_json),
-        ("guided_regex", body.guided_regex), ("guided_choice", body.guided_choice)) if value is not None]
+        ("structured_outputs.choice", so and so.choice), ("structured_outputs.grammar", so and so.grammar),
+        ("guided_json", body.guided_json), ("guided_regex", body.guided_regex),
+        ("guided_choice", body.guided_choice), ("guided_grammar", body.guided_grammar),
+        ("grammar", body.grammar)) if value is not None]
     if not given:
-        return None, None, None
+        return None, None, None, None
     if len(given) > 1:
         raise ApiError(400, f"give one of {', '.join(n for n, _ in given)}", param=given[1][0])
     name, value = given[0]
     if name.endswith("json"):
-        return name, value, None
+        return name, value, None, None
     try:
+        if name.endswith("grammar"):
+            check(text_grammar(value))
+            return name, None, None, value
         regex = choice_pattern(value) if name.endswith("choice") else value
-        compiled(regex, whole=True)  # the constraint's own, built once
-    except PatternError as err:
+        check(regex_grammar(regex))
+    except GrammarError as err:
         raise ApiError(400, f"{name}: {err}", param=name) from None
-    return name, None, regex
+    return name, None, regex, None
 
 
 def log_unknown(body: Sampling) -> None:

@@ -92,12 +92,14 @@ class ResponseFormat(BaseModel):
 
 
 class StructuredOutputs(BaseModel):
-    """vLLM's structured_outputs (0.10 on; guided_json, guided_regex and guided_choice before): one of them."""
+    """vLLM's structured_outputs (0.10 on; guided_json, guided_regex, guided_choice and guided_grammar before):
+    one of them."""
 
     model_config = ConfigDict(extra="allow")
     json_: dict[str, Any] | None = Field(None, alias="json")
     regex: str | None = None
     choice: list[str] | None = None
+    grammar: str | None = None  # Lark or EBNF (GBNF)
 
 
 class Sampling(BaseModel):
@@ -127,6 +129,8 @@ class Sampling(BaseModel):
     guided_json: dict[str, Any] | None = None  # the same, as vLLM named them before 0.10
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    grammar: str | None = None  # llama.cpp's: a GBNF grammar (Lark taken too)
 
 
 class ChatRequest(Sampling):

@@ -15,7 +15,7 @@ from localpd.measure.device import DeviceInfo, cache_note, device_info
 from localpd.engine import Engine
 from localpd.engine.requests import GenerationStats
 from localpd.errors import LocalpdError
-from localpd.constrain.pattern import choice_pattern
+from localpd.constrain.grammar import choice_pattern
 from localpd.constrain.reasoning import reply_split
 from localpd.measure.roofline import decode_ceiling_tps
 from localpd.engine.sampling import SamplingParams
@@ -46,7 +46,7 @@ def params_from_args(args) -> SamplingParams:
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
         repetition_penalty=args.repeat_penalty, max_tokens=args.max_tokens, seed=args.seed, stop=list(args.stop),
         json_object=getattr(args, "format", None) is not None, json_schema=getattr(args, "format", None) or None,
-        regex=choice_pattern(choices) if choices else regex,
+        regex=choice_pattern(choices) if choices else regex, grammar=getattr(args, "grammar", None),
     ).validate()
 
 

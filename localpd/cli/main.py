@@ -91,14 +91,14 @@ def format_arg(text: str) -> dict:
         return {}
     import json
 
-    from localpd.constrain.json_mode import SchemaError, compile_schema
+    from localpd.constrain.grammar import GrammarError, check, json_grammar
 
     try:
         schema = json.loads(open(text, encoding="utf-8").read())
-        compile_schema(schema)
+        check(json_grammar(schema))
     except OSError as e:
         raise argparse.ArgumentTypeError(f"neither json nor a readable schema file: {e.strerror}: {text}") from None
-    except (ValueError, SchemaError) as e:
+    except ValueError as e:  # not JSON, or a schema the grammar engine cannot take (GrammarError)
         raise argparse.ArgumentTypeError(f"{text} is not a JSON schema localpd can take: {e}") from None
     return schema
 
@@ -110,13 +110,27 @@ def nonempty(text: str) -> str:
 
 
 def regex_arg(text: str) -> str:
-    """--regex: a pattern localpd can hold, checked now."""
-    from localpd.constrain.pattern import PatternError, compiled
+    """--regex: a pattern the grammar engine can hold, checked now."""
+    from localpd.constrain.grammar import GrammarError, check, regex_grammar
 
     try:
-        compiled(text, whole=True)
-    except PatternError as e:
+        check(regex_grammar(text))
+    except GrammarError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def grammar_arg(path: str) -> str:
+    """--grammar: a file holding a GBNF or Lark grammar, its text checked now."""
+    from localpd.constrain.grammar import GrammarError, check, text_grammar
+
+    try:
+        text = open(path, encoding="utf-8").read()
+        check(text_grammar(text))
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot read the grammar file: {e.strerror}: {path}") from None
+    except GrammarError as e:
+        raise argparse.ArgumentTypeError(f"{path}: {e}") from None
     return text
 
 
@@ -147,6 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     shape.add_argument("--regex", type=regex_arg, metavar="PATTERN",
                        help="every reply is a whole match of this regular expression (ECMA's regular part, as the "
                             "server's guided_regex)")
+    shape.add_argument("--grammar", type=grammar_arg, metavar="FILE",
+                       help="every reply is a sentence of the GBNF (llama.cpp's) or Lark grammar in FILE")
     shape.add_argument("--choice", action="append", type=nonempty, metavar="TEXT",
                        help="every reply is one of these texts (repeatable; the server's guided_choice)")
     add_model_options(chat)

@@ -75,7 +75,7 @@ class ThinkSplit:
 
 
 class ThinkFirst:
-    """A constraint on a thinking model's answer alone (JSON mode's): the reasoning in <think>...</think> is free,
+    """A constraint on a thinking model's answer alone (JSON mode's, a grammar's): the reasoning in <think>...</think> is free,
     and `make()` gives the constraint the answer after it is held to. inside: the prompt left a <think> block open;
     otherwise the reply may open one first. While it reasons, the reply may not end; a token that closes the block
     may carry blanks after </think> but nothing else, so the answer starts on a token of its own."""
@@ -86,6 +86,15 @@ class ThinkFirst:
         self.text = TokenText(tokenizer)
         self.phase = "think" if inside else "start"  # start, opening (part of <think> written), think, answer
         self.reply = ""  # the reply's text while it is not yet in the answer
+
+    def mask(self, logits) -> bool:
+        """The answer's mask once in the answer; while reasoning, only the end of the reply is refused (before the
+        reply shows whether it reasons, allows() judges each token). Whether any token is left."""
+        if self.phase == "answer":
+            return self.answer.mask(logits)
+        if self.phase != "start":
+            logits[sorted(self.eos_ids)] = float("-inf")
+        return True
 
     def allows(self, token: int) -> bool:
         if self.phase == "answer":

@@ -10,7 +10,7 @@ list of them (Llama 3.x, Mistral); each object has "name" and "arguments" (or Ll
 that does not parse as calls stays text.
 
 Forcing (tool_choice "required" or a named function) puts the start of a call at the end of the prompt and decodes
-the rest in JSON mode (localpd.constrain.json_mode): a named function's arguments follow its parameters' schema,
+the rest in JSON mode (localpd.constrain.grammar): a named function's arguments follow its parameters' schema,
 "required" takes one of the tools' names.
 """
 

@@ -19,8 +19,7 @@ from typing import Iterator
 
 import torch
 
-from localpd.constrain.json_mode import JsonConstraint
-from localpd.constrain.pattern import PatternConstraint
+from localpd.constrain.grammar import GrammarConstraint, GrammarError, Vocabulary, json_grammar, regex_grammar, text_grammar
 from localpd.constrain.reasoning import ThinkFirst, reply_split
 from localpd.constrain.tools import check_tools
 from localpd.engine.output import OutputProcessor
@@ -149,6 +148,7 @@ class Engine:
         self._wake = threading.Condition()
         self._closed = False
         self._ids = itertools.count()
+        self._vocabulary: Vocabulary | None = None  # llguidance's view of the tokenizer, built at the first constraint
         self._thread = threading.Thread(target=self._run, name="localpd-engine", daemon=True)
         self._thread.start()
         _open_engines.add(self)
@@ -255,24 +255,32 @@ class Engine:
         return handle
 
     def _constraint(self, params: SamplingParams, eos: set[int], prompt: list[int]):
-        """JSON mode's constraint, or a pattern's; a thinking model's reasoning before the JSON (or the match) is
-        left free (a forced tool call's prompt opened the JSON already, so that reply does not reason first)."""
-        if not params.json_object and params.regex is None:
+        """JSON mode's constraint, a pattern's or a grammar's; a thinking model's reasoning before the JSON (or the
+        match) is left free (a forced tool call's prompt opened the JSON already, so that reply does not reason
+        first). What the grammar engine cannot take is a LocalpdError naming it (param: regex, grammar or None)."""
+        if not params.json_object and params.regex is None and params.grammar is None:
             return None
         if self.tokenizer is None or not eos:
             raise LocalpdError(f"a constrained reply needs a tokenizer with an end-of-sequence token; {self.name} "
                                f"has none")
-
-        def make():
-            if params.regex is not None:
-                return PatternConstraint(self.tokenizer, eos, params.regex)
-            return JsonConstraint(self.tokenizer, eos, params.json_lead, params.json_schema)
-
-        split = None if params.json_lead else reply_split(self.tokenizer, prompt)
+        param = "regex" if params.regex is not None else "grammar" if params.grammar is not None else None
         try:
+            if params.grammar is not None:
+                grammar = text_grammar(params.grammar)
+            elif params.regex is not None:
+                grammar = regex_grammar(params.regex)
+            else:
+                grammar = json_grammar(params.json_schema)
+            if self._vocabulary is None:
+                self._vocabulary = Vocabulary(self.tokenizer, self.config.vocab_size, set(self.tokenizer.eos_ids))
+
+            def make():
+                return GrammarConstraint(self._vocabulary, grammar, eos, params.json_lead)
+
+            split = None if params.json_lead else reply_split(self.tokenizer, prompt)
             return make() if split is None else ThinkFirst(make, self.tokenizer, eos, split.inside)
-        except ValueError as e:  # a schema or pattern localpd cannot take, or a lead it does not fit
-            raise LocalpdError(str(e), param="regex" if params.regex is not None else None) from None
+        except GrammarError as e:
+            raise LocalpdError(str(e), param=param) from None
 
     def embed(self, prompt_ids: list[int], request_id: str | None = None) -> RequestHandle:
         """Queue an embedding of a prompt: it is prefilled like any other (its full pages found in and left to the

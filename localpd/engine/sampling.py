@@ -26,10 +26,11 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; 0: the chosen token's log-probability; k: also the k most likely
-    json_object: bool = False  # the reply is one JSON object (localpd.constrain.json_mode)
+    json_object: bool = False  # the reply is one JSON object (localpd.constrain.grammar)
     json_schema: dict | None = None  # with json_object: the reply is one value of this JSON schema
     json_lead: str = ""  # JSON the prompt already opened, which the reply goes on from (a forced tool call's)
-    regex: str | None = None  # the whole reply matches this pattern (constrain.pattern; vLLM's guided_regex/choice)
+    regex: str | None = None  # the whole reply matches this pattern (vLLM's guided_regex/choice)
+    grammar: str | None = None  # the whole reply is a sentence of this grammar (GBNF or Lark)
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit (OpenAI's, -100..100)
     stop_token_ids: list[int] = field(default_factory=list)  # tokens that end the reply as end-of-sequence does
     min_tokens: int = 0  # end-of-sequence and stop_token_ids are held back until the reply has this many tokens
@@ -51,6 +52,8 @@ class SamplingParams:
                                                                             "mode (json_object)"),
             (not (self.regex is not None and (self.json_object or self.ignore_eos)), "regex takes neither JSON mode "
                                                                                    "nor ignore_eos"),
+            (not (self.grammar is not None and (self.json_object or self.ignore_eos or self.regex is not None)),
+             "grammar takes neither JSON mode, regex nor ignore_eos"),
             (all(-100 <= b <= 100 for b in self.logit_bias.values()), "logit_bias values must be in [-100, 100]"),
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be between 0 and max_tokens"),
         ]
@@ -63,7 +66,8 @@ class SamplingParams:
 
 class Sampler:
     """Samples one sequence's tokens. Holds its own generator so a seed gives the same output every time.
-    constraint: which tokens may come next (allows(token), advance(token); JSON mode's), None for any."""
+    constraint: which tokens may come next (allows(token), advance(token), and where it can, mask(logits), which
+    sets the refused ones to -inf; localpd.constrain.grammar's), None for any."""
 
     REDRAWS = 8  # draws refused by the constraint before taking the most likely token it allows
 
@@ -99,19 +103,30 @@ class Sampler:
         return token
 
     def _allowed(self, logits: torch.Tensor) -> int:
-        """A token the constraint allows: drawn as usual, with refused tokens taken out and the draw repeated;
-        greedy, or after REDRAWS refusals, the most likely allowed one."""
-        p, allows = self.params, self.constraint.allows
-        if p.temperature > 0:
-            for _ in range(self.REDRAWS):
+        """A token the constraint allows. Sampled: drawn as usual, and when the constraint refuses it, drawn again
+        with the refused tokens out (its mask where it has one, else that token, up to REDRAWS times): exactly a
+        draw from the allowed tokens (at a temperature alone), and the same draws as without the constraint wherever
+        the model writes what is allowed (a seed gives the reply it gave before).
+        Greedy, or after REDRAWS refusals: the most likely allowed token."""
+        p, allows, refused = self.params, self.constraint.allows, float("-inf")
+        mask = getattr(self.constraint, "mask", None)
+        left = True  # some token's logit is above -inf
+        if p.temperature == 0 and mask is not None:
+            left = mask(logits)
+        elif p.temperature > 0:
+            for attempt in range(self.REDRAWS):
                 token = int(sample_from(scaled(logits, p.temperature), p.top_k, p.top_p, p.min_p, self.generator))
                 if allows(token):
                     return token
-                logits[token] = float("-inf")
-        for candidates in (logits.topk(min(64, logits.numel())).indices, logits.argsort(descending=True)):
-            for token in candidates.tolist():  # the 64 most likely first: the whole sort is rarely needed
-                if allows(token):
-                    return token
+                logits[token] = refused
+                left = mask(logits) if attempt == 0 and mask is not None else bool(logits.max() > refused)
+                if not left:
+                    break
+        if left:  # the 64 most likely first: the whole sort is rarely needed
+            for candidates in (logits.topk(min(64, logits.numel())).indices, logits.argsort(descending=True)):
+                for token in candidates.tolist():
+                    if logits[token] > refused and allows(token):
+                        return token
         ends = sorted(getattr(self.constraint, "eos_ids", ()))
         if ends:  # a dead end (no token continues the reply): this reply ends, the others in the step go on
             log.warning("no token continues the constrained reply; ending it")

@@ -101,7 +101,7 @@ def test_text_format_holds_the_reply_to_a_schema(client):
     if r.status == "completed":
         assert set(json.loads(r.output_text)) == {"city", "country"}
     else:
-        from localpd.constrain.json_mode import JsonPrefix
+        from localpd.constrain.grammar import Reader as JsonPrefix
         assert JsonPrefix().feed(r.output_text)
     j = client.responses.create(model="x", input="Give me a JSON object.", max_output_tokens=24, temperature=0,
                                 text={"format": {"type": "json_object"}})

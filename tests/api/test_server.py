@@ -1,6 +1,7 @@
 """`localpd serve` through the official openai client against a live server on loopback, real default model."""
 
 import json
+import re
 import threading
 import time
 
@@ -96,7 +97,7 @@ def test_forced_calls_follow_the_tools_schemas_whatever_is_sampled(client):
     the reply is a call whose arguments are the named function's parameters (required with one tool: that one) or,
     with several tools, one of their names and that one's parameters, unless max_tokens cuts it (then it is a JSON
     prefix)."""
-    from localpd.constrain.json_mode import JsonPrefix
+    from localpd.constrain.grammar import Reader as JsonPrefix
 
     clock = {"type": "function", "function": {"name": "get_time", "parameters": {
         "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
@@ -207,6 +208,33 @@ def test_vllms_structured_outputs_hold_the_reply_to_a_choice_a_pattern_or_a_sche
     done = client.completions.create(model="x", prompt="The answer is", max_tokens=8, temperature=1.0, seed=2,
                                      extra_body={"guided_regex": "(yes|no)\\."}).choices[0]
     assert done.text in ("yes.", "no.") and done.finish_reason == "stop"
+    assert idle(served[0])
+
+
+def test_a_grammar_holds_each_reply_gbnf_or_lark(served, client):
+    """llama.cpp's grammar (GBNF), vLLM's structured_outputs.grammar and guided_grammar (Lark or GBNF): each reply
+    is a sentence of the grammar, or the start of one where it ran out of tokens; on completions too."""
+    from pathlib import Path
+
+    from localpd.constrain.grammar import Reader, text_grammar
+
+    grammars = Path(__file__).parent.parent / "constrain" / "grammars"
+    asks = {"json": "Describe a cat as JSON.", "arithmetic": "Write two sums and their results.",
+            "list": "List three fruits."}
+    for name, ask in asks.items():
+        text = (grammars / f"{name}.gbnf").read_text()
+        for seed, body in enumerate(({"grammar": text}, {"structured_outputs": {"grammar": text}},
+                                     {"guided_grammar": text})):
+            c = client.chat.completions.create(model="x", messages=[{"role": "user", "content": ask}], seed=seed,
+                                               temperature=1.0, max_tokens=48, extra_body=body).choices[0]
+            reader = Reader(text_grammar(text))
+            assert reader.feed(c.message.content) and (reader.done or c.finish_reason == "length"), c.message.content
+            if name == "json" and c.finish_reason == "stop":
+                assert isinstance(json.loads(c.message.content), dict)
+    lark = 'start: "The answer is " NUMBER "."\nNUMBER: /[0-9]{1,3}/'
+    done = client.completions.create(model="x", prompt="2 + 2 =", max_tokens=12, temperature=0,
+                                     extra_body={"structured_outputs": {"grammar": lark}}).choices[0]
+    assert re.fullmatch(r"The answer is [0-9]{1,3}\.", done.text) and done.finish_reason == "stop"
     assert idle(served[0])
 
 
@@ -442,6 +470,10 @@ def status_and_error(response):
     ({"messages": Q, "structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, 400,
      "structured_outputs.regex cannot be combined"),
     ({"messages": Q, "structured_outputs": {"json": {"type": "tuple"}}}, 400, "unknown JSON schema type"),
+    ({"messages": Q, "grammar": 'root ::= "a" missing'}, 400, "grammar: the GBNF grammar does not parse"),
+    ({"messages": Q, "structured_outputs": {"grammar": 'root ::= "a" root'}}, 400, "admits no string"),
+    ({"messages": Q, "guided_grammar": "start: /(?=a)b/"}, 400, "lookaround"),
+    ({"messages": Q, "grammar": "root ::= [a-z]", "guided_regex": "a"}, 400, "give one of"),
     ({"messages": [{"role": "user"}]}, 400, "a user message needs content"),
     ({"messages": [{"role": "user", "content": None}]}, 400, "a user message needs content"),
 ])
@@ -460,6 +492,7 @@ def test_bad_requests_get_openai_shaped_4xx(served, payload, status, fragment):
     ({"prompt": [[1, 2], "a"]}, "prompt"),
     ({"prompt": "a", "best_of": 3}, "best_of"),
     ({"prompt": "a", "suffix": "b"}, "no fill-in-the-middle tokens"),
+    ({"prompt": "a", "grammar": "start: missing"}, "unknown name"),
 ])
 def test_bad_completion_requests_are_400s(served, payload, fragment):
     r = httpx.post(served[1].url + "/v1/completions", json={"max_tokens": 2, **payload},

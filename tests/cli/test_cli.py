@@ -94,6 +94,24 @@ def test_regex_and_choice_hold_the_reply(default_gguf):
     assert "must not be empty" in one_line_error(localpd(["chat", str(default_gguf), "Hi", "--choice", ""]), code=2)
 
 
+def test_grammar_holds_the_reply(default_gguf, tmp_path):
+    """--grammar FILE: a GBNF (or Lark) grammar; one the engine cannot take is a one-line error."""
+    from pathlib import Path
+
+    from localpd.constrain.grammar import Reader, text_grammar
+
+    grammar = Path(__file__).parent.parent / "constrain" / "grammars" / "list.gbnf"
+    r = localpd(["chat", str(default_gguf), "List three fruits.", "--grammar", str(grammar), "--temperature", "0",
+                 "--max-tokens", "48"])
+    assert r.returncode == 0, r.stderr
+    reader = Reader(text_grammar(grammar.read_text()))
+    assert reader.feed(r.stdout.rstrip("\n") + "\n") and reader.done, r.stdout
+    bad = tmp_path / "bad.gbnf"
+    bad.write_text('root ::= "a" root')
+    assert "admits no string" in one_line_error(localpd(["chat", str(default_gguf), "Hi", "--grammar", str(bad)]),
+                                                code=2)
+
+
 def test_verbose_prints_timings(default_gguf):
     r = localpd(["chat", str(default_gguf), "Hi", "--temperature", "0", "--max-tokens", "8", "--verbose"])
     assert r.returncode == 0, r.stderr

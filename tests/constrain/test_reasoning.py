@@ -66,12 +66,13 @@ def script(tok, text):
 def test_json_modes_constraint_starts_after_the_reasoning(engine, inside, reply):
     """A thinking model in JSON mode (the real tokenizer, whose pieces split the tags): the reasoning is free text,
     the reply cannot end inside it, and the answer after </think> is held to the schema."""
-    from localpd.constrain.json_mode import JsonConstraint
+    from localpd.constrain.grammar import GrammarConstraint, Vocabulary, json_grammar
     from localpd.constrain.reasoning import ThinkFirst
 
     tok, eos = engine.tokenizer, set(engine.tokenizer.eos_ids)
     schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
-    c = ThinkFirst(lambda: JsonConstraint(tok, eos, schema=schema), tok, eos, inside)
+    vocab = Vocabulary(tok, engine.config.vocab_size, eos)
+    c = ThinkFirst(lambda: GrammarConstraint(vocab, json_grammar(schema), eos), tok, eos, inside)
     prose, ids = tok.encode(" Sure! Here", add_bos=False)[0], script(tok, reply)
     for i, t in enumerate(ids):
         assert c.allows(t), (tok.decode(ids[:i]), tok.decode([t]))
@@ -84,11 +85,12 @@ def test_json_modes_constraint_starts_after_the_reasoning(engine, inside, reply)
 
 
 def test_a_token_that_closes_the_reasoning_may_not_start_the_answer_too(engine):
-    from localpd.constrain.json_mode import JsonConstraint
+    from localpd.constrain.grammar import GrammarConstraint, Vocabulary, json_grammar
     from localpd.constrain.reasoning import ThinkFirst
 
     tok, eos = engine.tokenizer, set(engine.tokenizer.eos_ids)
-    c = ThinkFirst(lambda: JsonConstraint(tok, eos), tok, eos, inside=True)
+    vocab = Vocabulary(tok, engine.config.vocab_size, eos)
+    c = ThinkFirst(lambda: GrammarConstraint(vocab, json_grammar(None), eos), tok, eos, inside=True)
     for t in script(tok, "Done.\n</think"):
         c.advance(t)
     assert c.allows(tok.encode(">", add_bos=False)[0]) and c.allows(tok.encode(">\n\n", add_bos=False)[0])
