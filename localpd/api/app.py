@@ -16,7 +16,8 @@ from typing import Callable
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from localpd.api.anthropic import anthropic_router
@@ -76,7 +77,7 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus():
-        return PlainTextResponse(service.metrics.render(service.engine), media_type="text/plain; version=0.0.4")
+        return Response(service.metrics.render(service.engine), media_type=CONTENT_TYPE_LATEST)
 
     app.include_router(openai_router(service))
     app.include_router(ollama_router(service))

@@ -227,7 +227,7 @@ class Service:
     def finished(self, e: Engine, handle: RequestHandle) -> dict:
         """Records a request's metrics (once, as it ends); its timings."""
         t = self.timings(e, handle)
-        self.metrics.record(handle, t.get("decode_mbu"))
+        self.metrics.record(handle, t.get("decode_mbu"), e.name)
         return t
 
     def timings(self, e: Engine, handle: RequestHandle) -> dict:

@@ -737,7 +737,22 @@ def test_a_dropped_stream_frees_its_pages(served, client, n):
     assert idle(engine)
     metrics = httpx.get(live.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     assert "localpd_kv_pages_used 0" in metrics and "localpd_time_to_first_token_seconds_count" in metrics
-    assert 'localpd_requests_total{finish_reason="cancelled"}' in metrics and '"None"' not in metrics
+    assert 'localpd_requests_total{finish_reason="cancelled",model="' in metrics and '"None"' not in metrics
+
+
+def test_metrics_parse_and_are_labelled_by_model_and_finish_reason(served, client):
+    """/metrics as prometheus_client writes it: requests counted by model and finish reason, TTFT a histogram, the
+    engine's pages read as scraped."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    engine, live = served
+    client.chat.completions.create(model="x", messages=Q, max_tokens=2, temperature=0)
+    text = httpx.get(live.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    ended = [s for s in families["localpd_requests"].samples if s.name == "localpd_requests_total"]
+    assert any(s.labels == {"finish_reason": "length", "model": engine.name} and s.value >= 1 for s in ended)
+    assert families["localpd_time_to_first_token_seconds"].type == "histogram"
+    assert families["localpd_kv_pages_total"].samples[0].value == engine.stats().kv_pages_total
 
 
 def test_health_is_503_while_loading_then_200(default_gguf):

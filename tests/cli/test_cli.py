@@ -234,7 +234,7 @@ def test_serve_answers_an_openai_client_until_stopped(default_gguf):
             "Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST"})
         assert preflight.headers.get("access-control-allow-origin") == "http://localhost:3000"
         metrics = httpx.get(url + "/metrics", headers={"Authorization": "Bearer k"}).text
-        assert "localpd_requests_running_max 3\n" in metrics
+        assert "localpd_requests_running_max 3.0\n" in metrics
     finally:
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
