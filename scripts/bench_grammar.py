@@ -162,7 +162,7 @@ def decode_rates(repeats: int = 3):
     flights = {"type": "object", "properties": {"flights": {"type": "array", "items": {"type": "object", "properties": {
         "code": {"type": "string"}, "day": {"type": "string"}, "gate": {"type": "string"}}}}}}
     cases = {"plain (no constraint)": dict(ignore_eos=True), "JSON schema (flights)": dict(json_object=True,
-             json_schema=flights), "pattern [\\s\\S]{0,2000} (the plain reply)": dict(regex=r"[\s\S]{0,2000}")}
+             json_schema=flights), "pattern [\\s\\S]* (the plain reply)": dict(regex=r"[\s\S]*")}
     try:
         for name, kw in cases.items():
             best = max(_rate(e, ask, SamplingParams(temperature=0, max_tokens=64, **kw)) for _ in range(repeats))

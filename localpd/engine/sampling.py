@@ -113,6 +113,9 @@ class Sampler:
         left = True  # some token's logit is above -inf
         if p.temperature == 0 and mask is not None:
             left = mask(logits)
+            token = int(logits.argmax())  # the masked argmax: what the candidates below would find first
+            if left and allows(token):
+                return token
         elif p.temperature > 0:
             for attempt in range(self.REDRAWS):
                 token = int(sample_from(scaled(logits, p.temperature), p.top_k, p.top_p, p.min_p, self.generator))
