@@ -7,6 +7,7 @@ out=${2:?output text file}
 message=${3:-What is the capital of France?}
 expect=${4:-Paris}
 session=localpd-capture-$$
+unset COLUMNS LINES  # the app takes the terminal's size, which these override (pytest-xdist's workers set 80x24)
 home=$(mktemp -d)
 trap 'tmux kill-session -t "$session" 2>/dev/null || true; rm -rf "$home"' EXIT
 tmux new-session -d -s "$session" -x 140 -y 40 \
