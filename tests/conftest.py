@@ -9,17 +9,29 @@ if os.environ.get("LOCALPD_TEST_DEVICE", "cpu") == "cpu":
 
 import pytest  # noqa: E402
 
-MODEL_FIXTURES = {"default_gguf", "engine", "hf_reference", "served"}
-INTERPRETED = {"test_kv_kernels.py", "test_fused_kernels.py"}  # Triton's kernels run by its interpreter, or compiled
+# the real default model or transformers; kernels compiled for an NVIDIA GPU in a process of its own
+SLOW_FIXTURES = {"default_gguf", "engine", "hf_reference", "served", "sass_table"}
+INTERPRETED = {"test_kernels.py", "test_kv_kernels.py", "test_fused_kernels.py"}  # Triton's kernels, interpreted
 
 
 def pytest_collection_modifyitems(items):
-    """A test that loads the real default model or transformers (one of MODEL_FIXTURES, directly or through
-    another fixture), or runs the attention and fused kernels under Triton's interpreter, is slow:
-    `pytest -m "not slow"` runs the rest, `pytest` everything."""
+    """A test that loads the real default model or transformers, or compiles kernels for a GPU (one of
+    SLOW_FIXTURES, directly or through another fixture), or runs the GEMV, attention and fused kernels under
+    Triton's interpreter, is slow: `pytest -m "not slow"` runs the rest, `pytest` everything."""
     for item in items:
-        if MODEL_FIXTURES & set(getattr(item, "fixturenames", ())) or item.path.name in INTERPRETED:
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())) or item.path.name in INTERPRETED:
             item.add_marker(pytest.mark.slow)
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (pyproject's addopts run two worker processes), each worker takes its share of torch's
+    threads, which localpd's CPU kernels use too, so that two workers running models at once do not fight over
+    the same cores."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        import torch
+
+        torch.set_num_threads(max(1, torch.get_num_threads() // workers))
 
 
 @pytest.fixture
