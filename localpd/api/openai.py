@@ -117,6 +117,10 @@ def openai_router(service: Service) -> APIRouter:
             body.stop_token_ids = sorted(set(body.stop_token_ids or []) | e.tokenizer.fim_end_ids)
             return await respond(service, e, body, ids, body.max_tokens or 16, body.logprobs, chat=False)
         ids = [e.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        bad = [t for p in ids for t in p if not 0 <= t < e.config.vocab_size]
+        if bad:  # before echo decodes them (the engine would refuse them too, after)
+            raise ApiError(400, f"token id {bad[0]} is outside the vocabulary of {e.config.vocab_size}",
+                           param="prompt")
         echo = None
         if body.echo:
             echo = [p if isinstance(p, str) else e.tokenizer.decode(p) if e.tokenizer else "" for p in prompts]

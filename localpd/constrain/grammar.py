@@ -98,7 +98,7 @@ def bounded(schema):
         return schema
     out = {}
     for key, value in schema.items():
-        if key == "uniqueItems" or (key == "format" and value not in FORMATS):
+        if key == "uniqueItems" or (key == "format" and isinstance(value, str) and value not in FORMATS):
             continue
         if key in NAMED and isinstance(value, dict):
             out[key] = {name: bounded(s) for name, s in value.items()}
