@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from localpd.cli.engine_args import CHAT_CONTEXT
 from localpd.errors import LocalpdError
 from localpd.quant.kv import FORMATS, kv_formats
 from localpd.engine.scheduler import MAX_RUNNING, MAX_STEP_TOKENS
@@ -63,7 +64,8 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                    help="CPU threads for torch and the CPU kernels, as llama.cpp's -t (default: the physical cores "
                         "this process may run on)")
     p.add_argument("--device", choices=["cpu", "cuda"], help="where to run (default: cuda when available)")
-    p.add_argument("--ctx", type=positive_int, help="context length in tokens (default: the model's, at most 8192)")
+    p.add_argument("--ctx", type=positive_int, help="context length in tokens (default: the model's; chat and tui at "
+                   f"most {CHAT_CONTEXT})")
     p.add_argument("--quant", choices=SCHEMES, metavar="SCHEME",
                    help="weight scheme: " + ", ".join(SCHEMES) + " (default: native; fp32 on a CPU where localpd's CPU "
                    "kernels cannot be built)")
