@@ -8,14 +8,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import asdict, fields
+from dataclasses import fields
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from localpd.model.config import ModelConfig
 from localpd.errors import LocalpdError
 from localpd.quant.bnb import BnbInt8Weight, Nf4Weight, bitsandbytes
 from localpd.quant.int4k import Int4KWeight
@@ -31,7 +30,7 @@ def is_quantized_dir(path: Path) -> bool:
     return (Path(path) / MARKER).is_file()
 
 
-def save_quantized(out: Path, weights: dict[str, Weight], config: ModelConfig, scheme: str, source: dict,
+def save_quantized(out: Path, weights: dict[str, Weight], config: dict, scheme: str, source: dict,
                    tokenizer_meta: dict | None = None, tokenizer_dir: Path | None = None) -> Path:
     out = Path(out)
     tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
@@ -48,7 +47,7 @@ def save_quantized(out: Path, weights: dict[str, Weight], config: ModelConfig, s
                 flat[f"{name}.{f.name}"] = getattr(w, f.name).contiguous().cpu()
         save_file(flat, tmp / TENSORS)
         meta = {"format": FORMAT, "version": VERSION, "scheme": scheme, "source": source,
-                "config": asdict(config), "weights": kinds,
+                "config": config, "weights": kinds,
                 "tokenizer": "gguf" if tokenizer_meta is not None else "hf"}
         (tmp / MARKER).write_text(json.dumps(meta, indent=1))
         if tokenizer_meta is not None:
@@ -76,8 +75,9 @@ def read_meta(path: Path) -> dict:
     return meta
 
 
-def load_quantized(path: Path, device, scheme: str = "native") -> tuple[ModelConfig, dict[str, Weight], dict]:
-    """(config, weights, metadata). scheme must be "native" or the one the directory was written with."""
+def load_quantized(path: Path, device, scheme: str = "native") -> tuple[dict, dict[str, Weight], dict]:
+    """(the model config's fields, weights, metadata). scheme must be "native" or the one the directory was written
+    with. The config stays a dict here (localpd.model.config.ModelConfig's fields): quant/ sits below the model."""
     path = Path(path)
     meta = read_meta(path)
     if scheme not in ("native", meta["scheme"]):
@@ -85,7 +85,7 @@ def load_quantized(path: Path, device, scheme: str = "native") -> tuple[ModelCon
                            f"(use --quant native or {meta['scheme']}, or quantize the source again)")
     if meta["scheme"].startswith("bnb-"):
         bitsandbytes(meta["scheme"])  # its weights run only on its matmuls
-    config = ModelConfig(**meta["config"])
+    config = meta["config"]
     weights: dict[str, Weight] = {}
     try:
         with safe_open(str(path / TENSORS), framework="pt", device=str(device)) as f:

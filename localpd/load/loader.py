@@ -73,7 +73,8 @@ def load_model(path, dtype: torch.dtype = torch.float32, device="cpu", scheme: s
 
 def load_quantized_dir(path: Path, dtype, device, scheme: str) -> LoadedModel:
     """What `localpd quantize` wrote: weights as stored, dense ones (norms) in the compute dtype."""
-    config, weights, _ = load_quantized(path, device, scheme)
+    fields_of_config, weights, _ = load_quantized(path, device, scheme)
+    config = ModelConfig(**fields_of_config)
     for name, w in weights.items():
         if isinstance(w, torch.Tensor) and name != "rope_freqs":
             weights[name] = w.to(dtype)

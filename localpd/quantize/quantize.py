@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -64,7 +65,7 @@ def quantize_model(model: str, scheme: str, out: Path | None = None, progress: b
     tokenizer = None
     if loaded.gguf is not None:
         tokenizer = {k: v for k, v in loaded.gguf.metadata.items() if k.startswith("tokenizer.")}
-    return save_quantized(out, loaded.weights, loaded.config, scheme, source, tokenizer_meta=tokenizer,
+    return save_quantized(out, loaded.weights, asdict(loaded.config), scheme, source, tokenizer_meta=tokenizer,
                           tokenizer_dir=loaded.hf_dir)
 
 

@@ -68,12 +68,14 @@ def test_malformed_tensors_are_one_line_errors():
 
 
 def test_a_quantized_directory_keeps_the_format(tmp_path):
+    from dataclasses import asdict
+
     from localpd.model.config import ModelConfig
     from localpd.quant.store import load_quantized, save_quantized
 
     config = ModelConfig("llama", vocab_size=64, dim=64, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=32, ffn_dim=128)
     w = Int4KWeight.quantize(torch.randn(128, 64))
-    save_quantized(tmp_path / "m", {"layers.0.mlp.up_proj": w}, config, "int4-k", {})
+    save_quantized(tmp_path / "m", {"layers.0.mlp.up_proj": w}, asdict(config), "int4-k", {})
     _, weights, meta = load_quantized(tmp_path / "m", "cpu")
     got = weights["layers.0.mlp.up_proj"]
     assert meta["scheme"] == "int4-k" and isinstance(got, Int4KWeight)
