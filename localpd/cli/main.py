@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from localpd.cli.engine_args import CHAT_CONTEXT
+from localpd.cli.engine_args import CHAT_CONTEXT, engine_from_args
 from localpd.errors import LocalpdError
 from localpd.quant.kv import FORMATS, kv_formats
 from localpd.engine.scheduler import MAX_RUNNING, MAX_STEP_TOKENS
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench":
             from localpd.measure.bench import run
 
-            return run(args)
+            return run(args, engine_from_args)
         if args.command == "quantize":
             from localpd.quantize.quantize import run_quantize
 

@@ -17,7 +17,6 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from localpd.cli.engine_args import engine_from_args
 from localpd.measure.device import DeviceInfo, cache_note, describe, device_info
 from localpd.engine import Engine
 from localpd.engine.requests import StepStats
@@ -174,7 +173,9 @@ def fits(args, engine_name: str, device: torch.device) -> str:
     return ""
 
 
-def run(args) -> int:
+def run(args, build_engine) -> int:
+    """`localpd bench`: build_engine(args, model, **options) is the command line's one Engine builder
+    (cli.engine_args.engine_from_args), handed in so that measure/ does not reach up into cli/."""
     prompts = [int(x) for x in str(args.prompt_len).split(",")]
     batches = [int(x) for x in str(args.batch).split(",")]
     name = f"synthetic:{args.synthetic}" if args.synthetic else (args.model or "smollm2-135m")
@@ -185,8 +186,8 @@ def run(args) -> int:
         return 0
     longest = max(prompts) + args.gen_len + 1
     context = max(longest, 256)
-    engine = engine_from_args(args, name, device=str(device), max_context=context,
-                              kv_tokens=None if device.type == "cuda" else max(batches) * context)
+    engine = build_engine(args, name, device=str(device), max_context=context,
+                          kv_tokens=None if device.type == "cuda" else max(batches) * context)
     info = device_info(engine.device)
     print(f"# {engine.name} | weights {engine.quant} ({engine.model.weight_bytes / 2**20:.0f} MiB per decode step) | "
           f"kv {engine.kv_dtype} | {describe(info)}")
