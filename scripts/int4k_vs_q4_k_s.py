@@ -79,7 +79,8 @@ def main() -> None:
         subprocess.run([str(tools / "llama-quantize"), "--allow-requantize", str(args.source), str(q4ks), "Q4_K_S"],
                        capture_output=True, check=True)
         ppl = tools / "llama-perplexity"
-        llama = (llama_perplexity(ppl, args.source, args.text, args.ctx), llama_perplexity(ppl, q4ks, args.text, args.ctx))
+        llama = (llama_perplexity(ppl, args.source, args.text, args.ctx),
+                 llama_perplexity(ppl, q4ks, args.text, args.ctx))
         llama_bpw = (gguf_bits(args.source), gguf_bits(q4ks))
     ours = (localpd_perplexity(args.source, "fp32", args.text), localpd_perplexity(args.source, "int4-k", args.text))
     ours_bpw = (localpd_bits(args.source, "native"), localpd_bits(args.source, "int4-k"))

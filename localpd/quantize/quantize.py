@@ -50,7 +50,8 @@ def quantize_model(model: str, scheme: str, out: Path | None = None, progress: b
     resolved = resolve_model(model, pull=True, progress=progress)
     path, cpu = Path(resolved.path), torch.device("cpu")
     calib = None
-    if calibrate and (scheme in INT4 or scheme == INT4_K) and not is_quantized_dir(path) and not imports_every_matrix_exactly(path, scheme):
+    if (calibrate and (scheme in INT4 or scheme == INT4_K) and not is_quantized_dir(path)
+            and not imports_every_matrix_exactly(path, scheme)):
         calib = calibration_for(path, calibration, cpu)
         if progress:
             print(f"calibrated on {calib.tokens} tokens", file=sys.stderr)

@@ -352,7 +352,8 @@ def test_decode_layers_in_one_call_equal_the_kernels_op_by_op(lib, kv):
         gate_up, x = cpu.linear(out, gu_l.weight, None, None, PreNorm(x, mlp_norm, eps), lib=lib)
         out = cpu.linear(gate_up, down_l.weight, None, "silu", lib=lib)
 
-    plans = (cpu.LayerPlan * len(layers))(*[cpu.layer_plan(lin, an, mn, Hq, H, D, "silu", eps) for lin, an, mn in layers])
+    plans = (cpu.LayerPlan * len(layers))(*[cpu.layer_plan(lin, an, mn, Hq, H, D, "silu", eps)
+                                            for lin, an, mn in layers])
     caches = cpu.layer_caches(list(other.k), list(other.v), windows, ropes)
     got, got_x = emb.clone(), torch.empty(3, dim)
     scratch = (torch.empty(3, (Hq + 2 * H) * D), torch.empty(3, Hq * D), torch.empty(3, 2 * ffn))
