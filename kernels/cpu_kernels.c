@@ -600,26 +600,32 @@ static void gemv4(const gemm_args *a, int n, const float *ds, const float *extra
  * extra[m] = what is added to the scaled sums (int4 biases x the blocks' sums, AVX512's int8 correction for its
  * first xor_blocks blocks, the layer's bias). Eight blocks at a time from the float16 scales where a group is one
  * block (Q4_1's, Q8_0's), the rest one by one. */
-/* int4-k row n's groups' scales and biases in float (quant/int4k.py): d x sc and dmin x mn, a super-block of 8
- * groups sharing d and dmin. */
-static void k_group_scales(const uint16_t *d, const uint16_t *dmin, const uint8_t *sub, int n, int nb, float *ws,
-                           float *wb) {
-    int ns = (nb + 7) / 8;
+/* int4-k's row n (quant/int4k.py): group b's scale is d[b / 8] x sc[b] and its bias dmin[b / 8] x mn[b]. */
+typedef struct {
+    const uint8_t *sc;
+    const int8_t *mn;
+    const uint16_t *d, *dmin;
+} k_row;
+
+static inline k_row k_row_at(const uint16_t *d, const uint16_t *dmin, const uint8_t *sub, int n, int nb) {
+    size_t ns = (nb + 7) / 8;
     const uint8_t *sc = sub + (size_t)n * 2 * nb;
-    const int8_t *mn = (const int8_t *)sc + nb;
-    for (int j = 0; j < ns; j++) {
-        float dj = half_to_float(d[(size_t)n * ns + j]), mj = half_to_float(dmin[(size_t)n * ns + j]);
-        for (int b = 8 * j; b < nb && b < 8 * j + 8; b++) ws[b] = dj * (float)sc[b], wb[b] = mj * (float)mn[b];
-    }
+    return (k_row){sc, (const int8_t *)sc + nb, d + n * ns, dmin + n * ns};
+}
+
+/* The row's groups' scales and biases in float. */
+static void k_group_scales(k_row r, int nb, float *ws, float *wb) {
+    for (int b = 0; b < nb; b++)
+        ws[b] = half_to_float(r.d[b / 8]) * (float)r.sc[b], wb[b] = half_to_float(r.dmin[b / 8]) * (float)r.mn[b];
 }
 
 static void row_factors(const gemm_args *a, int n, int m0, int mm, int xor_blocks, float *ds, float *extra) {
     int nb = a->K / 32, ng = a->K / a->group, per_group = a->group / 32;
     if (a->sub) { /* int4-k: d x sc and dmin x mn, a super-block (8 groups) a register */
-        int ns = (nb + 7) / 8;
-        const uint8_t *sc = a->sub + (size_t)n * 2 * nb;
-        const int8_t *mn = (const int8_t *)sc + nb;
-        const uint16_t *drow = a->scales + (size_t)n * ns, *mrow = a->biases + (size_t)n * ns;
+        k_row r = k_row_at(a->scales, a->biases, a->sub, n, nb);
+        const uint8_t *sc = r.sc;
+        const int8_t *mn = r.mn;
+        const uint16_t *drow = r.d, *mrow = r.dmin;
         for (int m = 0; m < mm; m++) {
             const float *xd = a->xd + (size_t)(m0 + m) * nb, *xsf = a->xsf + (size_t)(m0 + m) * nb;
             float *dm = ds + m * nb, e = 0.f;
@@ -1329,7 +1335,7 @@ static void dequant_rows(const dequant_args *a, int r0, int r1, float *out) {
     float ws[ng], wb[ng];
     for (int n = r0; n < r1; n++) {
         float *o = out + (size_t)(n - r0) * K;
-        if (a->sub) k_group_scales(a->scales, a->biases, a->sub, n, ng, ws, wb);
+        if (a->sub) k_group_scales(k_row_at(a->scales, a->biases, a->sub, n, ng), ng, ws, wb);
         for (int g = 0; g < ng; g++) {
             float s = a->sub ? ws[g] : half_to_float(a->scales[(size_t)n * ng + g]);
             float m = a->sub ? wb[g] : a->bits == 4 ? half_to_float(a->biases[(size_t)n * ng + g]) : 0.f;
