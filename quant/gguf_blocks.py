@@ -1,9 +1,10 @@
 """GGUF block types whose every group of 32 values is codes * scale (+ bias): decoded into that form.
 
 In this form a block type maps onto localpd's own formats with group 32: codes 0..15 with a scale and a bias are
-an Int4Weight, signed codes with a scale alone an Int8Weight. Scales computed from several stored fields (Q4_K's
-d * sc, IQ4_XS's d * (ls - 32)) are rounded to float16 there; the other types import bit for bit, but Q5_1 and
-Q5_K (5-bit codes and a bias), which become int8 with the least error (quant.weights.int8_near).
+an Int4Weight, signed codes with a scale alone an Int8Weight. Scales computed from several stored fields (IQ4_XS's
+d * (ls - 32)) are rounded to float16 there; the other types import bit for bit, but Q5_1 and Q5_K (5-bit codes and
+a bias), which become int8 with the least error (quant.weights.int8_near). Q4_K keeps its fields apart, as int4-k
+(quant/int4k.py); its decoder here serves the exact float dequantization.
 
 Each decoder takes the stored blocks as uint8 [n_blocks, bytes per block] and returns Groups, one row per group of
 32 values, in file order. `dequantize(groups)` computes in float32 exactly as ggml (and the gguf package) do.
@@ -86,20 +87,20 @@ def _k_groups(b: torch.Tensor, q: torch.Tensor) -> Groups:
     return Groups(q, (_f16(b[:, 0:2]) * sc).reshape(-1, 1), (-(_f16(b[:, 2:4]) * mn)).reshape(-1, 1))
 
 
-def _k_nibbles(qs: torch.Tensor) -> torch.Tensor:
+def k_nibbles(qs: torch.Tensor) -> torch.Tensor:
     """128 bytes in 4 chunks of 32 (each 64 values: low nibbles, then high) -> [n_blocks * 8, 32]."""
     qs = qs.reshape(-1, 4, 32)
     return torch.stack([qs & 0x0F, qs >> 4], dim=2).reshape(-1, 32)
 
 
 def q4_k(b: torch.Tensor) -> Groups:
-    return _k_groups(b, _k_nibbles(b[:, 16:144]))
+    return _k_groups(b, k_nibbles(b[:, 16:144]))
 
 
 def q5_k(b: torch.Tensor) -> Groups:
     shifts = torch.arange(8, dtype=torch.uint8, device=b.device)[None, :, None]
     high = (b[:, None, 16:48] >> shifts) & 1  # bit j of qh[l]: the 5th bit of value l of sub-block j
-    return _k_groups(b, _k_nibbles(b[:, 48:176]) | (high.reshape(-1, 32) << 4))
+    return _k_groups(b, k_nibbles(b[:, 48:176]) | (high.reshape(-1, 32) << 4))
 
 
 def iq4_xs(b: torch.Tensor) -> Groups:
@@ -125,7 +126,7 @@ def mxfp4(b: torch.Tensor) -> Groups:
 
 DECODERS = {"Q8_0": q8_0, "Q4_0": q4_0, "Q4_1": q4_1, "Q5_0": q5_0, "Q5_1": q5_1, "Q4_K": q4_k, "Q5_K": q5_k,
             "IQ4_NL": iq4_nl, "IQ4_XS": iq4_xs, "MXFP4": mxfp4}
-INT4_TYPES = {"Q4_0", "Q4_1", "Q4_K"}  # codes 0..15 with a bias: Int4Weight; the rest are Int8Weight
+INT4_TYPES = {"Q4_0", "Q4_1"}  # codes 0..15 with a bias: Int4Weight (Q4_K: Int4KWeight); the rest are Int8Weight
 INT8_NEAR = {"Q5_1", "Q5_K"}  # 5-bit codes with a bias: Int8Weight has no bias, so these are not exact there
 
 

@@ -130,7 +130,7 @@ class Int4KWeight:
         codes), bit for bit: sc = the six-bit scale, mn = minus the six-bit min."""
         n, k = shape
         sc, m = gguf_blocks.k_scales(blocks[:, 4:16])
-        codes = gguf_blocks.q4_k(blocks).codes.reshape(n, k)
+        codes = gguf_blocks.k_nibbles(blocks[:, 16:144]).reshape(n, k)
         sub = torch.cat([sc.to(torch.uint8).reshape(n, -1), (-m).to(torch.int8).view(torch.uint8).reshape(n, -1)], 1)
         return cls(pack_int4(codes), blocks[:, 0:2].contiguous().view(torch.float16).reshape(n, -1).clone(),
                    blocks[:, 2:4].contiguous().view(torch.float16).reshape(n, -1).clone(), sub.contiguous())

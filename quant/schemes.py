@@ -61,7 +61,13 @@ def head_scheme(name: str, scheme: str, tied: bool) -> str:
     6-8 bits too). Under bnb-int8 too: LLM.int8 also rounds the head's input to 8 bits, which flips greedy answers of
     small models (SmolLM2-135M's), and transformers leaves lm_head out of bitsandbytes as well."""
     head = name == "lm_head" or (tied and name == "embed_tokens")
-    return "int8" if head and (scheme in INT4 or scheme == INT4_K or scheme in BNB) else scheme
+    return "int8" if head and (is_int4(scheme) or scheme in BNB) else scheme
+
+
+def is_int4(scheme: str) -> bool:
+    """The 4-bit schemes of localpd's own (int4-gN, int4-k): their output head stays int8 and `localpd quantize`
+    calibrates their rounding."""
+    return scheme in INT4 or scheme == INT4_K
 
 
 def imports_exactly(gguf_type: str, scheme: str) -> bool:

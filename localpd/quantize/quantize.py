@@ -15,7 +15,7 @@ from localpd.load.loader import imports_every_matrix_exactly, load_model
 from localpd.model.transformer import Transformer
 from localpd.quant.store import is_quantized_dir, save_quantized
 from localpd.load.registry import cache_dir, resolve_model
-from localpd.quant.schemes import INT4, INT4_K, check_scheme, compute_dtype, group_notes
+from localpd.quant.schemes import check_scheme, compute_dtype, group_notes, is_int4
 
 
 def source_hash(path: Path) -> str:
@@ -50,8 +50,7 @@ def quantize_model(model: str, scheme: str, out: Path | None = None, progress: b
     resolved = resolve_model(model, pull=True, progress=progress)
     path, cpu = Path(resolved.path), torch.device("cpu")
     calib = None
-    if (calibrate and (scheme in INT4 or scheme == INT4_K) and not is_quantized_dir(path)
-            and not imports_every_matrix_exactly(path, scheme)):
+    if calibrate and is_int4(scheme) and not is_quantized_dir(path) and not imports_every_matrix_exactly(path, scheme):
         calib = calibration_for(path, calibration, cpu)
         if progress:
             print(f"calibrated on {calib.tokens} tokens", file=sys.stderr)
