@@ -23,6 +23,7 @@ from localpd.errors import LocalpdError
 from localpd.kernels import cpu
 from localpd.quant.bnb import LLM_INT8_THRESHOLD, BnbInt8Weight, Nf4Weight, bitsandbytes, nf4_code
 from localpd.quant.int4k import Int4KWeight
+from localpd.quant.kmajor import KMajorWeight
 from localpd.quant.weights import Int4Weight, Int8Weight
 
 GEMV_MAX_M = 16  # the most rows the GEMV path takes (it is the default only up to quant_matmul.GEMV_AUTO_M)
@@ -240,6 +241,34 @@ def linear_int4k(x: torch.Tensor, w: Int4KWeight, bias: torch.Tensor | None = No
         check_width(x, w.shape, gated)
         return cpu.linear(x, w, bias, gated, norm)
     return _linear(x, w.shape, lambda x2, n: int4k_matmul_ref(x2, w, bias=bias, gated=gated, norm=n), gated, norm)
+
+
+def kmajor_matmul_ref(x, w: KMajorWeight, bias=None, gated: str | None = None, norm: PreNorm | None = None):
+    """int4_matmul_ref for a K-major weight (quant/kmajor.py), dequantized in fp32."""
+    return _input_matmul_ref(x, w.dequantize(torch.float32), bias, gated, norm)
+
+
+def linear_kmajor(x: torch.Tensor, w: KMajorWeight, bias: torch.Tensor | None = None, gated: str | None = None,
+                  norm: PreNorm | None = None):
+    """linear_int4 for the GPU's K-major int4/int8 layout: kernels/gemv_kmajor.py's GEMV for up to MAX_ROWS
+    rows, else dequantize + cuBLAS (after the fused input step in a kernel of its own); the torch reference
+    where Triton does not run."""
+    if not use_triton(x):
+        return _linear(x, w.shape, lambda x2, n: kmajor_matmul_ref(x2, w, bias=bias, gated=gated, norm=n), gated,
+                       norm)
+    from localpd.kernels import gemv_kmajor as km
+    from localpd.kernels.fused_dispatch import act_mul, add_rms_norm  # it imports this module
+
+    def run(x2, n):
+        if x2.shape[0] <= km.MAX_ROWS:
+            return km.gemv_kmajor(x2, w.words, w.factors, w.BITS, w.group, bias=bias, gated=gated, norm=n)
+        if n is not None:
+            h, s = add_rms_norm(x2, n.residual, n.weight, n.eps)
+            return km.dequant_matmul_kmajor(h, w.words, w.factors, w.BITS, w.group, bias), s
+        h = act_mul(x2, gated) if gated else x2
+        return km.dequant_matmul_kmajor(h, w.words, w.factors, w.BITS, w.group, bias)
+
+    return _linear(x, w.shape, run, gated, norm)
 
 
 def as_int4(w: Int4KWeight) -> Int4Weight:

@@ -15,8 +15,8 @@ columns (its int8 matrix viewed as int32). Two launch paths (quant_matmul picks 
 - GEMM (larger M, prefill): a dequantize kernel writes bf16/fp16/fp32 weight rows (in chunks of at most 32M
   values) and cuBLAS multiplies; prefill is compute-bound, so the extra weight traffic costs little.
 
-gemv_kmajor is an experiment not yet used by the model: the same arithmetic over the transposed (K-major) words,
-so that each thread reuses an activation across the columns it holds; scripts/sweep_gemv.py times both on a GPU.
+On a GPU the model holds its int4/int8 matrices K-major (quant/kmajor.py) and runs kernels/gemv_kmajor.py's GEMV;
+these row-major kernels serve the weights handed to them directly (tests, benchmarks, `localpd bench kernels`).
 """
 
 from __future__ import annotations
@@ -178,73 +178,6 @@ def _gemv_kernel(x_ptr, y_ptr, M, N, K, stride_xm, stride_ym, w_ptr, s_ptr, b_pt
         tl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
     else:
         tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _gemv_kmajor_kernel(x_ptr, y_ptr, N, K, wt_ptr, st_ptr, bt_ptr, stride_wk, stride_sg, K_GROUPS, SPLIT_K,
-                        BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr):
-    """Experimental M = 1 GEMV over K-major words: wt [K * BITS / 32, N] (the transpose of the row-major words),
-    scales and biases [K / GROUP, N]. A tile is [G, WPG, BLOCK_N] words with 16-byte loads along N, so each
-    thread reuses one activation for every column it holds; partial sums stay elementwise until one reduction at
-    the end (no cross-thread reduction per tile). Candidate for the decode path, compared in
-    scripts/sweep_gemv.py."""
-    FIELDS: tl.constexpr = 32 // BITS
-    G: tl.constexpr = (BLOCK_K + GROUP - 1) // GROUP
-    WPG: tl.constexpr = BLOCK_K // FIELDS // G
-    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    word = tl.arange(0, G)[:, None] * WPG + tl.arange(0, WPG)[None, :]  # [G, WPG]
-    kw = K // FIELDS
-    c0, c1 = _split_chunks(K, BLOCK_K, SPLIT_K, pid_k)
-    acc = tl.zeros((G, WPG, BLOCK_N), tl.float32)
-    for c in range(c0, c1):
-        wk = c * (BLOCK_K // FIELDS) + word
-        k_mask = wk < kw
-        w = tl.load(wt_ptr + wk[:, :, None] * stride_wk + offs_n[None, None, :],
-                    mask=k_mask[:, :, None] & n_mask[None, None, :], other=0)
-        if BITS == 8:
-            w = w ^ INT8_XOR
-        hi = (w >> 16) & 0xFFFF
-        part = tl.zeros((G, WPG, BLOCK_N), tl.float32)
-        xsum = tl.zeros((G, WPG), tl.float32)
-        for f in tl.static_range(FIELDS):
-            xs = tl.load(x_ptr + wk * FIELDS + f, mask=k_mask, other=0.0).to(tl.float32)
-            xsum += xs
-            part += _field(w, hi, f, BITS) * _field_scaled(xs, f, BITS)[:, :, None]
-        if BITS == 8:
-            part -= 128.0 * xsum[:, :, None]
-        gk = (c * BLOCK_K) // GROUP + tl.arange(0, G)
-        s_off = gk[:, None] * stride_sg + offs_n[None, :]
-        s_mask = (gk < K_GROUPS)[:, None] & n_mask[None, :]
-        acc += part * tl.load(st_ptr + s_off, mask=s_mask, other=0.0).to(tl.float32)[:, None, :]
-        if HAS_BIAS:
-            acc += tl.load(bt_ptr + s_off, mask=s_mask, other=0.0).to(tl.float32)[:, None, :] * xsum[:, :, None]
-    y = tl.sum(tl.sum(acc, axis=1), axis=0)
-    if ATOMIC:
-        tl.atomic_add(y_ptr + offs_n, y, mask=n_mask, sem="relaxed")
-    else:
-        tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
-
-
-def gemv_kmajor(x: torch.Tensor, words_t: torch.Tensor, scales_t: torch.Tensor, biases_t: torch.Tensor | None,
-                bits: int, group: int, *, block_n: int = 64, block_k: int = 256, split_k: int = 1,
-                num_warps: int = 4, num_stages: int = 1) -> torch.Tensor:
-    """x [1, K] @ W.T for K-major words_t [K * bits / 32, N] and scales_t/biases_t [K / group, N] (the transposes
-    of the row-major arrays); fp32 [1, N] out. The launch configuration is explicit (this path is swept, not
-    autotuned)."""
-    k, n = words_t.shape[0] * 32 // bits, words_t.shape[1]
-    if x.shape != (1, k):
-        raise LocalpdError(f"gemv_kmajor takes one activation row of {k} features, got {tuple(x.shape)}")
-    x = x.contiguous()
-    y = torch.zeros((1, n), dtype=torch.float32, device=x.device)
-    group = group if group < k else 1 << 30
-    _gemv_kmajor_kernel[(cdiv(n, block_n), split_k)](
-        x, y, n, k, words_t, scales_t, scales_t if biases_t is None else biases_t, words_t.stride(0),
-        scales_t.stride(0), scales_t.shape[0], split_k, BITS=bits, GROUP=group, HAS_BIAS=biases_t is not None,
-        BLOCK_N=block_n, BLOCK_K=block_k, ATOMIC=split_k > 1, num_warps=num_warps, num_stages=num_stages)
-    return y
 
 
 @triton.jit

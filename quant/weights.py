@@ -320,4 +320,6 @@ def take_rows(w: Weight, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
     """Dense rows of w (an embedding lookup), dequantizing only those rows."""
     if isinstance(w, torch.Tensor):
         return w[rows].to(dtype)
+    if hasattr(w, "take_rows"):  # a layout whose tensors are not indexed by output row (quant/kmajor.py)
+        return w.take_rows(rows, dtype)
     return type(w)(*(getattr(w, f)[rows] for f in w.__dataclass_fields__)).dequantize(dtype)

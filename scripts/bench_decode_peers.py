@@ -2,8 +2,9 @@
 
 Peers: a plain torch bf16 decode loop (eager), and a gpt-fast-style loop with torch's int4 tinygemm kernel
 (`aten._weight_int4pack_mm`, group 128), eager and replayed as a CUDA graph. localpd runs its engine on
-`synthetic:llama3-8b` with int4-g128 (and int8, bf16, eager), and once more with the fusions off
-(Transformer.fused = False: the 12 kernels a layer of before them), so their effect is measured in the same run.
+`synthetic:llama3-8b` with int4-g128 and int8, each on the K-major GEMV (quant/kmajor.py, what a GPU runs) and on
+the row-major one (Transformer.gpu_layout = False), and bf16; with --all also with the fusions off
+(Transformer.fused = False: the 12 kernels a layer of before them) and eager, all measured in the same run.
 Each line prints tok/s, the weight bytes streamed per second and that as a share of the measured copy bandwidth
 (MBU), and the ratio to localpd int4-g128.
 
@@ -120,10 +121,12 @@ def graphed(model: TorchLlama):
 
 
 def localpd_decode(name: str, quant: str, steps: int, context: int, graphs: bool = True,
-                   fused: bool = True) -> tuple[float, int]:
+                   fused: bool = True, kmajor: bool = True) -> tuple[float, int]:
     from localpd.engine import Engine
     from localpd.engine.sampling import SamplingParams
+    from localpd.model.transformer import Transformer
 
+    Transformer.gpu_layout = kmajor
     engine = Engine(f"synthetic:{name}", device="cuda", quant=quant, max_context=context + steps + 16,
                     kv_memory="2GiB", cuda_graphs=graphs)
     engine.model.fused = fused  # before the warm-up, which captures the graphs
@@ -144,16 +147,21 @@ def main() -> None:
     ap.add_argument("--model", default="llama3-8b")
     ap.add_argument("--steps", type=int, default=128)
     ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--all", action="store_true", help="also the unfused and the eager int4 engine")
     args = ap.parse_args()
     c = SYNTHETIC[args.model]
     bw = measure_copy_bandwidth(torch.device("cuda"), 1 << 30)
     print(f"# {torch.cuda.get_device_name()} | measured copy bandwidth {bw / 1e9:.0f} GB/s | {args.model} B=1, "
           f"context {args.context}, {args.steps} steps")
     rows = []
-    for quant, graphs, fused in (("int4-g128", True, True), ("int4-g128", True, False), ("int8", True, True),
-                                 ("bf16", True, True), ("int4-g128", False, True)):
-        sec, nbytes = localpd_decode(args.model, quant, args.steps, args.context, graphs, fused)
-        how = ("CUDA graphs" if graphs else "eager") + ("" if fused else ", unfused")
+    runs = [("int4-g128", True, True, True), ("int4-g128", True, True, False), ("int8", True, True, True),
+            ("int8", True, True, False), ("bf16", True, True, True)]
+    if args.all:
+        runs += [("int4-g128", True, False, True), ("int4-g128", False, True, True)]
+    for quant, graphs, fused, kmajor in runs:
+        sec, nbytes = localpd_decode(args.model, quant, args.steps, args.context, graphs, fused, kmajor)
+        how = ("CUDA graphs" if graphs else "eager") + ("" if fused else ", unfused") + \
+            (", K-major GEMV" if kmajor and quant != "bf16" else ", row-major GEMV" if quant != "bf16" else "")
         rows.append((f"localpd {quant} (engine, {how}, wall clock per token)", sec, nbytes))
         torch.cuda.empty_cache()
     for int4 in (False, True):

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device-tool call: install, then the named stages, each under its own time limit, logs under $OUT.
-# Usage (on the GPU machine, repo root): scripts/gpu_session.sh tests fused check check3 sweep mma ncu kernels bench peers kv kvfull
+# Usage (on the GPU machine, repo root): scripts/gpu_session.sh tests kmtests fused check check3 sweep mma ncu kernels kernels1
+#   bench peers kv kvfull
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -18,13 +19,15 @@ for s in "$@"; do case $s in
            -p no:cacheprovider -rf --tb=line tests/kernels/test_kv_kernels.py
          TO="-s INT" stage gpu_mm_tests 150 env LOCALPD_TEST_DEVICE=cuda python3 -m pytest -q -n 14 -W ignore \
            -p no:cacheprovider -rf --tb=line tests/kernels/test_kernels.py ;;
+  kmtests) TO="-s INT" stage gpu_kmajor_tests 150 env LOCALPD_TEST_DEVICE=cuda python3 -m pytest -q -n 8 -W ignore \
+           -p no:cacheprovider -rf --tb=short tests/kernels/test_gemv_kmajor.py tests/kernels/test_fused_kernels.py ;;
   check) stage gpu_check 150 python3 scripts/gpu_check.py ;;
   check3) stage gpu_check_qwen3 240 python3 scripts/gpu_check.py --model qwen3-0.6b ;;  # qk_norm, heads of 128
   sweep) TAIL=80 stage sweep_gemv 500 python3 scripts/sweep_gemv.py --no-mma --json "$OUT/sweep_gemv.json" \
            --table kernels/gemv_tuned.json  # later stages of this call launch the measured configurations
          cp kernels/gemv_tuned.json "$OUT/" 2>/dev/null ;;
   mma) for m in 1 8; do  # the tensor-core GEMV (kernels/gemv_mma.py) beside the autotuned GEMV, at 1 and 8 rows
-         TAIL=40 stage sweep_mma_m$m 240 python3 scripts/sweep_gemv.py --m $m --no-gemv --no-kmajor \
+         TAIL=40 stage sweep_mma_m$m 240 python3 scripts/sweep_gemv.py --m $m --no-gemv \
            --json "$OUT/sweep_mma_m$m.json"; done ;;
   fused) TO="-s INT" stage gpu_fused_tests 90 env LOCALPD_TEST_DEVICE=cuda python3 -m pytest -q -W ignore \
            -p no:cacheprovider -rf --tb=line tests/kernels/test_fused_kernels.py ;;
@@ -32,6 +35,8 @@ for s in "$@"; do case $s in
          --log-file "$OUT/ncu.csv" python3 scripts/ncu_step_bytes.py run --json "$OUT/step.json"
        stage ncu_compare 20 python3 scripts/ncu_step_bytes.py compare "$OUT/ncu.csv" "$OUT/step.json" ;;
   kernels) stage bench_kernels 200 localpd bench kernels --json "$OUT/bench_kernels.json" ;;
+  kernels1) TAIL=12 stage bench_kernels_m1 200 localpd bench kernels --m 1,4 --formats "int4-g128 K-major,int8 K-major" \
+              --json "$OUT/bench_kernels_m1.json" ;;
   bench) TAIL=12 stage bench_e2e 300 localpd bench --synthetic llama3-8b --quant int4-g128 --prompt-len 128 \
            --gen-len 64 --batch 1,4,16 --json "$OUT/bench_e2e.json" --plot "$OUT/roofline.png" ;;
   peers) TAIL=12 stage bench_peers 150 python3 scripts/bench_decode_peers.py ;;

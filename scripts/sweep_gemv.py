@@ -1,7 +1,6 @@
 """Sweep the GEMV kernel's launch configurations on a GPU: every (BLOCK_N, BLOCK_K, num_warps, num_stages,
 split-K) for Llama-3-8B's decode shapes at M = 1 (and --m), timed as CUDA-graph replays over weight copies larger
-than L2, beside what quant_matmul's autotuner picks, the experimental tensor-core GEMV (gemv_mma, any M) and, at
-M = 1, the experimental K-major kernel (gemv_kmajor).
+than L2, beside what quant_matmul's autotuner picks, and the experimental tensor-core GEMV (gemv_mma, any M).
 Prints the best configurations per shape with % of the measured copy bandwidth and the best one's time with the
 RMSNorm prologue (quant_matmul's norm, which the tuned table launches with the same tile), checks the best ones
 against the torch reference, and writes every timing as JSON. --table adds each shape's fastest row-major configuration
@@ -28,7 +27,7 @@ from localpd.measure.device import measure_copy_bandwidth
 from localpd.kernels.dispatch import (cdiv, device_key, gemv_block_m, gemv_tile_fits, int4_matmul_ref,
                                      int8_matmul_ref, linear_int4, linear_int8)
 from localpd.kernels.gemv_mma import gemv_mma, mma_fits
-from localpd.kernels.quant_matmul import _gemv_kernel, gemv_kmajor, word_align
+from localpd.kernels.quant_matmul import _gemv_kernel, word_align
 from localpd.quant.weights import Int4Weight
 
 BLOCK_N = (16, 32, 64, 128, 256)
@@ -36,15 +35,7 @@ BLOCK_K = (128, 256, 512, 1024)
 WARPS = (1, 2, 4, 8)
 STAGES = (3,)  # 1 and 3 compile to the same GEMV loop (scripts/gemv_sass.py)
 SPLITS = (1, 2, 4, 8, 16)
-KMAJOR_MAX_WORDS = 4096  # the K-major tile keeps its partial sums elementwise: three tile-sized register arrays
 MMA_BLOCK_N, MMA_BLOCK_K, MMA_WARPS, MMA_SPLITS = (32, 64, 128), (128, 256), (4, 8), (1, 2, 4, 8)  # gemv_mma's grid
-
-
-def kmajor(w):
-    """The K-major transposes gemv_kmajor reads (words, scales, biases)."""
-    if isinstance(w, Int4Weight):
-        return w.packed.T.contiguous(), w.scales.T.contiguous(), w.biases.T.contiguous(), 4, w.group
-    return w.data.view(torch.int32).T.contiguous(), w.scales.T.contiguous(), None, 8, w.group
 
 
 def launch(x, y, w, cfg, norm=None):
@@ -91,7 +82,6 @@ def main() -> int:
     p.add_argument("--m", type=int, default=1)
     p.add_argument("--formats", default="int4-g128,int8")
     p.add_argument("--shapes", default="qkv,o,gate_up,down")
-    p.add_argument("--no-kmajor", action="store_true", help="skip the experimental K-major kernel")
     p.add_argument("--no-mma", action="store_true", help="skip the experimental tensor-core GEMV")
     p.add_argument("--no-gemv", action="store_true", help="skip the GEMV's own grid (the autotuned row stays)")
     p.add_argument("--json")
@@ -123,26 +113,6 @@ def main() -> int:
                 rows.append((cfg, graph_time([lambda w=w, cfg=cfg: launch(x, y, w, cfg) for w in ws], reps=10)))
             except Exception as e:  # noqa: BLE001 - a config that does not compile or fit is skipped
                 print(f"  {cfg}: {type(e).__name__}: {str(e)[:80]}")
-        if args.m == 1 and not args.no_kmajor:
-            for w in ws:
-                w.kmajor = kmajor(w)
-            for bn, bk, warps, stages, split in itertools.product((32, 64, 128, 256), (64, 128, 256, 512), WARPS,
-                                                                  STAGES, SPLITS):
-                if bn * bk * bits // 32 > KMAJOR_MAX_WORDS or cdiv(k, bk) < split:
-                    continue
-                cfg = ("kmajor", bn, bk, warps, stages, split)
-                kw = dict(block_n=bn, block_k=bk, split_k=split, num_warps=warps, num_stages=stages)
-                try:
-                    rows.append((cfg, graph_time([lambda w=w, kw=kw: gemv_kmajor(x, *w.kmajor, **kw) for w in ws],
-                                                 reps=10)))
-                except Exception as e:  # noqa: BLE001
-                    print(f"  {cfg}: {type(e).__name__}: {str(e)[:80]}")
-            best_k = min((r for r in rows if r[0][0] == "kmajor"), key=lambda r: r[1], default=None)
-            if best_k:
-                _, bn, bk, warps, stages, split = best_k[0]
-                got = gemv_kmajor(x, *ws[0].kmajor, block_n=bn, block_k=bk, split_k=split, num_warps=warps,
-                                  num_stages=stages)
-                print(f"  kmajor best {best_k[0]} rel err {rel(got, ws[0], x, fmt):.1e}")
         if not args.no_mma:
             for cfg in itertools.product(("mma",), MMA_BLOCK_N, MMA_BLOCK_K, MMA_WARPS, MMA_SPLITS):
                 if not mma_fits(bits, ws[0].group, k, cfg[2]) or cdiv(k, cfg[2]) < cfg[4]:
@@ -155,7 +125,7 @@ def main() -> int:
             if best_mma:
                 print(f"  mma best {best_mma[0]} rel err {rel(mma(x, ws[0], best_mma[0]), ws[0], x, fmt):.1e}")
         rows.sort(key=lambda r: r[1])
-        best = next((r for r in rows if r[0] != "autotuned default" and r[0][0] not in ("kmajor", "mma")), None)
+        best = next((r for r in rows if r[0] != "autotuned default" and r[0][0] != "mma"), None)
         err = normed = None
         print(f"{fmt:>9} {name:>7} N={n} K={k}: {len(rows)} configs in {time.time() - t0:.0f} s")
         if best:

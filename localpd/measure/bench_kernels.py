@@ -18,7 +18,9 @@ import torch
 
 from localpd.measure.device import device_info, measure_copy_bandwidth
 from localpd.kernels import cpu
-from localpd.kernels.dispatch import int4_matmul_ref, int8_matmul_ref, linear_int4, linear_int8
+from localpd.kernels.dispatch import (int4_matmul_ref, int8_matmul_ref, kmajor_matmul_ref, linear_int4, linear_int8,
+                                     linear_kmajor)
+from localpd.quant.kmajor import KMajorWeight, to_kmajor
 from localpd.quant.weights import Int4Weight, Int8Weight
 
 # Llama-3-8B: (name, N, K) with q/k/v and gate/up fused as localpd runs them
@@ -133,6 +135,11 @@ def run(args) -> int:
         w_dense = (torch.randn(n, k, device=device) * 0.02).to(dtype)
         makers = {"int4-g128": lambda: random_int4(n, k, 128, device),
                   "int4-g32": lambda: random_int4(n, k, 32, device), "int8": lambda: random_int8(n, k, device)}
+        if gpu:  # the layout the model runs on a GPU (quant/kmajor.py); on the CPU its reference alone
+            makers.update({"int4-g128 K-major": lambda: to_kmajor(random_int4(n, k, 128, device)),
+                           "int8 K-major": lambda: to_kmajor(random_int8(n, k, device))})
+        if args.formats:
+            makers = {label: make for label, make in makers.items() if label in args.formats.split(",")}
         ours = {}
         for label, make in makers.items():
             first = make()
@@ -141,7 +148,9 @@ def run(args) -> int:
         for label, ws in ours.items():  # correctness against the reference on this shape, same run
             w = ws[0]
             x = torch.randn(max(ms), k, device=device, dtype=dtype)
-            if isinstance(w, Int4Weight):
+            if isinstance(w, KMajorWeight):
+                got, ref = linear_kmajor(x, w), kmajor_matmul_ref(x, w)
+            elif isinstance(w, Int4Weight):
                 got, ref = linear_int4(x, w), int4_matmul_ref(x, w.packed, w.scales, w.biases, w.group)
             else:
                 got, ref = linear_int8(x, w), int8_matmul_ref(x, w.data, w.scales, w.group)
@@ -164,7 +173,8 @@ def run(args) -> int:
             io = (m * k + m * n) * x.element_size()
             cells = {}
             for label, ws in ours.items():
-                linear = linear_int4 if isinstance(ws[0], Int4Weight) else linear_int8
+                linear = linear_kmajor if isinstance(ws[0], KMajorWeight) else linear_int4 \
+                    if isinstance(ws[0], Int4Weight) else linear_int8
                 cells[label] = (bench([lambda w=w: linear(x, w) for w in ws]), ws[0].nbytes + io)
             for label, (fns, nbytes) in peers.items():
                 if fns is None:
@@ -201,5 +211,7 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="localpd bench kernels", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=["cpu", "cuda"])
     p.add_argument("--m", help="comma-separated batch rows (default 1,4,16,512 on a GPU)")
+    p.add_argument("--formats", help="comma-separated formats of ours to time (default all: int4-g128, int4-g32, "
+                   "int8, and on a GPU int4-g128 K-major, int8 K-major)")
     p.add_argument("--json", help="write the rows as JSON")
     return run(p.parse_args(argv))

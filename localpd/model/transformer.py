@@ -17,12 +17,15 @@ import torch
 
 from localpd.errors import LocalpdError
 from localpd.kernels import cpu
-from localpd.kernels.dispatch import use_triton
+from localpd.kernels.dispatch import as_int4, use_triton
 from localpd.kernels.fused_dispatch import act_mul, add_rms_norm, qk_norm
 from localpd.kernels.kv_dispatch import paged_attention, rope_write_kv, rope_write_kv_ref
 from localpd.model.config import ModelConfig
 from localpd.model.linear import QuantLinear, StackedLinear, fuse, normed_separately
+from localpd.quant.int4k import Int4KWeight
+from localpd.quant.kmajor import to_kmajor
 from localpd.quant.kv import KVPool
+from localpd.quant.weights import Int4Weight, Int8Weight
 from localpd.quant.weights import take_rows, weight_nbytes
 
 
@@ -124,6 +127,9 @@ class Transformer:
     # False runs the steps between the matmuls as kernels of their own (RMSNorm, SiLU * mul, RoPE, the K and V
     # writes), as before the fusions: for measuring what the fusions save (scripts/bench_decode_peers.py)
     fused = True
+    # False keeps the row-major int4/int8 kernels on a GPU instead of the K-major GEMV's layout (_to_gpu_layout): for
+    # measuring what the layout gains (scripts/bench_decode_peers.py); read when a model is built
+    gpu_layout = True
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], context: int | None = None):
         """context: the longest sequence the caller will run (LongRoPE picks its factors by it; default: the
@@ -167,10 +173,28 @@ class Transformer:
             local = replace(config, rope_theta=config.rope_local_theta, rope_scaling=None)
             self.local_inv_freq = rope_tables(local)[0].to(self.device)
         self.head_cols = head_cols(config).to(self.device) if config.proj_head_dim else None
+        if self.device.type == "cuda" and self.gpu_layout:  # the GPU GEMV's layout of the int4/int8 matrices, in place of theirs
+            self._to_gpu_layout()
         if self.device.type == "cpu":  # the CPU kernels' weights in one buffer on huge pages
             linears = [lin for L in self.layers for lin in (L.qkv, L.o, L.gate_up, L.down)] + [self.lm_head]
             cpu.gather_weights([part.weight for lin in linears for part in getattr(lin, "parts", [lin])]
                                + [self.embed])  # a StackedLinear (int4 beside int8) gathers each of its parts
+
+    def _to_gpu_layout(self) -> None:
+        """Every int4/int8 matrix (int4-k's as its int4 groups) moved to the K-major layout the batch-1 GEMV streams
+        (quant/kmajor.py); a tied output head keeps one copy, which the embedding lookup reads too."""
+        from localpd.kernels.gemv_kmajor import takes  # imports Triton
+
+        tied = self.lm_head.weight is self.embed
+        linears = [lin for L in self.layers for lin in (L.qkv, L.o, L.gate_up, L.down)] + [self.lm_head]
+        for lin in linears:
+            for part in getattr(lin, "parts", [lin]):
+                w = as_int4(part.weight) if isinstance(part.weight, Int4KWeight) else part.weight
+                bits = 4 if isinstance(w, Int4Weight) else 8 if isinstance(w, Int8Weight) else 0
+                if bits and takes(w.shape, bits, w.group):  # else the row-major kernels, as before
+                    part.weight = to_kmajor(w)
+        if tied:
+            self.embed = self.lm_head.weight
 
     def _rope(self, positions: torch.Tensor, inv_freq: torch.Tensor, scale: torch.Tensor | None = None):
         angles = torch.outer(positions.float(), inv_freq)

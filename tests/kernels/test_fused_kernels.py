@@ -185,13 +185,44 @@ def test_whole_model_on_triton_kernels_matches_the_references(monkeypatch, schem
         assert rel_err(o, r) < 1e-4
 
 
-def count_decode_launches(monkeypatch, fused: bool) -> tuple[list[str], torch.Tensor]:
+@pytest.mark.parametrize("scheme,tied", [("int4-g32", False), ("int8", True)])
+def test_whole_model_in_the_gpu_layout_matches_the_references(monkeypatch, scheme, tied):
+    """The model's int4/int8 matrices in the K-major layout (what a GPU runs: Transformer._to_gpu_layout, done
+    here by hand under the interpreter), prefill and decode on kernels/gemv_kmajor.py, against the row-major
+    model on the torch references; a tied output head keeps one K-major copy that the embedding lookup reads."""
+    from localpd.kernels import cpu
+    from localpd.quant.kmajor import KMajorWeight
+
+    monkeypatch.delenv("LOCALPD_TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(cpu, "library", lambda: None)
+    ref_model = tiny_model(scheme, torch.float32, "cpu")
+    if tied:  # the embedding lookup reads the output head's (int8) matrix
+        ref_model.embed = ref_model.lm_head.weight
+    ref = prompt_then_decode(ref_model, "int8")
+    if DEV == "cpu":
+        monkeypatch.setenv("LOCALPD_TRITON_INTERPRET", "1")
+    model = tiny_model(scheme, torch.float32, DEV)  # on a GPU converted as it is built (untied)
+    if tied:
+        model.embed = model.lm_head.weight
+    if DEV == "cpu":
+        model._to_gpu_layout()
+    linears = [model.layers[0].qkv, model.layers[1].down, model.lm_head]
+    assert all(isinstance(lin.weight, KMajorWeight) for lin in linears)
+    assert model.embed is model.lm_head.weight or not tied
+    out = prompt_then_decode(model, "int8")
+    for o, r in zip(out, ref):
+        assert rel_err(o, r) < 1e-4
+
+
+def count_decode_launches(monkeypatch, fused: bool, gpu_layout: bool = False) -> tuple[list[str], torch.Tensor]:
     """The Triton kernels one decode step of the tiny model launches in the interpreter, and its logits."""
     from triton.runtime.interpreter import InterpretedFunction
 
     monkeypatch.setenv("LOCALPD_TRITON_INTERPRET", "1")
     model, ps = tiny_model("int4-g32", torch.float32, "cpu"), 16
     model.fused = fused
+    if gpu_layout:
+        model._to_gpu_layout()
     c = model.config
     pool = new_kv_pool("int8", c.n_layers, 2, ps, c.n_kv_heads, c.head_dim, model.dtype, "cpu")
     model.forward(Batch.single(list(range(1, 20)), 0, 2, ps, "cpu"), pool)
@@ -224,3 +255,9 @@ def test_a_decode_step_launches_seven_kernels_per_layer(monkeypatch):
              "act_mul_kernel", "_gemv_kernel"]
     assert launched == layer * 2 + ["add_rms_norm_kernel", "_gemv_kernel"]
     assert rel_err(unfused_logits, logits) < 1e-5
+    # in the GPU's K-major layout the same seven, split-K reduced inside each GEMV's own launch
+    launched, km_logits = count_decode_launches(monkeypatch, fused=True, gpu_layout=True)
+    layer = ["_gemv_kmajor_kernel", "rope_write_kv_kernel", "decode_kernel", "decode_reduce_kernel"] + \
+        ["_gemv_kmajor_kernel"] * 3
+    assert launched == layer * 2 + ["_gemv_kmajor_kernel"]
+    assert rel_err(km_logits, logits) < 1e-5

@@ -17,7 +17,7 @@ import torch  # noqa: E402
 from localpd.errors import LocalpdError  # noqa: E402
 from localpd.kernels.dispatch import (gemv_block_m, int4_matmul_ref, int8_matmul_ref, linear_int4,  # noqa: E402
                                       linear_int8, pick_split_k)
-from localpd.kernels.quant_matmul import gemv_kmajor, int4_matmul, int8_matmul  # noqa: E402
+from localpd.kernels.quant_matmul import int4_matmul, int8_matmul  # noqa: E402
 from localpd.quant.weights import Int4Weight, Int8Weight  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
@@ -89,27 +89,6 @@ def test_k_tail_and_forced_paths(fmt):
     check(fmt, 3, 72, 160, 32, torch.float32, seed=3, path="gemm")
     check(fmt, 16, 40, 256, 64, torch.float16, seed=4, path="gemm")
     check(fmt, 40, 200, 160, 32, torch.float16, seed=5)
-
-
-@pytest.mark.parametrize("fmt,group", [("int4", 32), ("int4", 128), ("int8", None), ("int8", 64)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n,k,block_n,block_k,split_k", [(40, 384, 16, 128, 1), (200, 160, 64, 64, 2),
-                                                         (72, 256, 32, 256, 3)])
-def test_gemv_kmajor_matches_reference(fmt, group, dtype, n, k, block_n, block_k, split_k):
-    """The experimental K-major GEMV: partial N and K tiles, tiles smaller than and spanning groups, split-K."""
-    if group and k % group:
-        group = 32
-    args, _, ref_fn = make_case(fmt, n, k, group or k, seed=n + k)
-    x = torch.randn(1, k, generator=torch.Generator().manual_seed(k)).to(dtype).to(DEV)
-    if fmt == "int4":
-        packed, scales, biases, g = args
-        words_t, scales_t, biases_t, bits = packed.T.contiguous(), scales.T.contiguous(), biases.T.contiguous(), 4
-    else:
-        data, scales, g = args
-        words_t, scales_t, biases_t, bits = data.view(torch.int32).T.contiguous(), scales.T.contiguous(), None, 8
-    y = gemv_kmajor(x, words_t, scales_t, biases_t, bits, g, block_n=block_n, block_k=block_k, split_k=split_k)
-    assert y.shape == (1, n) and not torch.isnan(y).any()
-    assert rel_err(y, ref_fn(x, *args).float()) < TOL[dtype]
 
 
 @pytest.mark.parametrize("fmt,m,n,k,dtype,block_n,block_k,split_k", [

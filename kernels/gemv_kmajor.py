@@ -1,0 +1,294 @@
+"""The batch-1 decode GEMV over K-major int4/int8 words (quant/kmajor.py), in Triton: y = x @ W.T.
+
+Design (issue 32), each point checked on the compiled code by tests/kernels/test_gemv_kmajor.py:
+
+- A program streams a [BLOCK_K inputs, BLOCK_N outputs] tile a trip as [G, WPG, BLOCK_N] words (G groups of WPG
+  words); a thread loads 4 neighbouring outputs' words with one 16-byte load, and every weight byte is loaded
+  once. A group's scale and bias come in one int32 (quant/kmajor.py), loaded once per group and trip.
+- A thread's activation for a word row serves the 4 outputs it holds: each of a word's fields is turned into an
+  exact float with one AND-OR (the field, left where it sits in its half-word, OR-ed into the mantissa of 2**23)
+  and one subtraction, and multiplied by the activation pre-scaled by the field's power of two, so no shift per
+  field. Partial sums stay elementwise per thread across trips and are reduced once, at the end.
+- Split-K inside the one launch: program (n, s) covers the s-th of SPLIT_K even slices of K; each writes its
+  partial outputs (and, with NORM, its slice's sum of squares) to a workspace, counts itself done on the column
+  tile's counter, and the last to finish sums the partials, applies the epilogue (RMSNorm factor, bias), writes y
+  and resets the counter for the next launch: no torch op before or after it. split_for() sizes SPLIT_K so that
+  every decode shape launches at least 4 programs per SM.
+- Prologues as quant_matmul's GEMV: NORM (RMSNorm of x + residual, the factor applied once per output at the end,
+  each split summing only its own slice's squares) and GATED (act(gate) * up over the program's own K slice).
+
+Rows (M > 1) run as separate programs over the same tile; they share the weights through L2.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from localpd.kernels.fused import gate_act
+
+INT8_XOR = tl.constexpr(-2139062144)  # 0x80808080: flips each byte's sign bit, so a byte reads q + 128
+
+
+@triton.jit
+def _field(w, hi, F: tl.constexpr, BITS: tl.constexpr):
+    """Field F of each word as the exact float v * 2**p, p its bit position in its half-word (w's low half for
+    the fields there, hi = w's high half for the rest)."""
+    if F * BITS + BITS <= 16:
+        bits = w & (((1 << BITS) - 1) << (F * BITS))
+    else:
+        bits = hi & (((1 << BITS) - 1) << (F * BITS - 16))
+    return (bits | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _prescale(F: tl.constexpr, BITS: tl.constexpr):
+    """2**-p for _field's p."""
+    if F * BITS + BITS <= 16:
+        return 1.0 / (1 << (F * BITS))
+    else:
+        return 1.0 / (1 << (F * BITS - 16))
+
+
+@triton.jit
+def _activation(x_ptr, r_ptr, g_ptr, sum_ptr, row_x, row_r, row_s, k, kmask, K, store_sum,
+                NORM: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr):
+    """The activation the weights meet at inputs k of one row, in fp32, rounded as the unfused kernels round
+    it: act(gate) * up (GATED), x + r written out as the new residual (NORM with HAS_RES, by the programs that
+    store_sum) and, with NORM, (s, s * g) (the factor rsqrt(mean(s^2) + eps) is applied at the end)."""
+    xs = tl.load(x_ptr + row_x + k, mask=kmask)
+    if GATED != "":
+        up = tl.load(x_ptr + row_x + K + k, mask=kmask)
+        act = gate_act(xs.to(tl.float32), GATED).to(up.dtype).to(tl.float32)
+        xs = (act * up.to(tl.float32)).to(up.dtype)
+    if NORM:
+        if HAS_RES:
+            xs = (xs.to(tl.float32) + tl.load(r_ptr + row_r + k, mask=kmask).to(tl.float32)).to(xs.dtype)
+            if store_sum:
+                tl.store(sum_ptr + row_s + k, xs, mask=kmask)
+        sf = xs.to(tl.float32)
+        return sf, sf * tl.load(g_ptr + k, mask=kmask).to(tl.float32)
+    sf = xs.to(tl.float32)
+    return sf, sf
+
+
+@triton.jit
+def _gemv_kmajor_kernel(x_ptr, y_ptr, w_ptr, f_ptr, N, K, stride_xm, stride_ym, stride_wk, stride_fg,
+                        ws_ptr, cnt_ptr, SPLIT_K, r_ptr, g_ptr, sum_ptr, stride_rm, stride_sm, eps, bias_ptr,
+                        BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        GATED: tl.constexpr = "", NORM: tl.constexpr = False, HAS_RES: tl.constexpr = False,
+                        OUT_BIAS: tl.constexpr = False):
+    """Program (m, n, s): row m, outputs [n * BLOCK_N, (n + 1) * BLOCK_N), the s-th slice of K (module doc).
+    ws_ptr: fp32 workspace of at least M * SPLIT_K * (N + cdiv(N, BLOCK_N)) values; cnt_ptr: int32 counters, one
+    per (row, column tile), zero between launches. GROUP: inputs per group (any multiple or divisor of BLOCK_K;
+    a per-channel int8 weight passes a value no tile reaches past)."""
+    FIELDS: tl.constexpr = 32 // BITS
+    G: tl.constexpr = (BLOCK_K + GROUP - 1) // GROUP  # groups in a tile (1 when a group spans several tiles)
+    WPG: tl.constexpr = BLOCK_K // FIELDS // G  # words of one group in a tile
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n_tiles = tl.num_programs(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    word = tl.arange(0, G)[:, None] * WPG + tl.arange(0, WPG)[None, :]  # [G, WPG]
+    chunks = K // BLOCK_K  # K is a multiple of BLOCK_K (the launcher picks BLOCK_K so)
+    c0 = pid_k * chunks // SPLIT_K
+    c1 = (pid_k + 1) * chunks // SPLIT_K
+    row_x = pid_m.to(tl.int64) * stride_xm
+    row_r = pid_m.to(tl.int64) * stride_rm
+    row_s = pid_m.to(tl.int64) * stride_sm
+    store_sum = pid_n == 0
+    acc = tl.zeros((G, WPG, BLOCK_N), tl.float32)
+    sq = tl.zeros((G, WPG), tl.float32)  # NORM: squares of the activation over this slice
+    for c in range(c0, c1):
+        wk = c * (BLOCK_K // FIELDS) + word  # [G, WPG] word rows
+        w = tl.load(w_ptr + wk[:, :, None] * stride_wk + offs_n[None, None, :], mask=n_mask[None, None, :], other=0)
+        if BITS == 8:
+            w = w ^ INT8_XOR
+        hi = (w >> 16) & 0xFFFF
+        part = tl.zeros((G, WPG, BLOCK_N), tl.float32)
+        xsum = tl.zeros((G, WPG), tl.float32)
+        for f in tl.static_range(FIELDS):
+            k = wk * FIELDS + f
+            sf, xs = _activation(x_ptr, r_ptr, g_ptr, sum_ptr, row_x, row_r, row_s, k, None, K, store_sum,
+                                 NORM, HAS_RES, GATED)
+            if NORM:
+                sq += sf * sf
+            xsum += xs
+            part += _field(w, hi, f, BITS) * (xs * _prescale(f, BITS))[:, :, None]
+        gk = (c * BLOCK_K) // GROUP + tl.arange(0, G)
+        # loaded for every word row of the group (the same 16 bytes again, from L1): a [G, 1, BLOCK_N] load is
+        # one value a thread, in another layout than the words', and moving it costs barriers every trip
+        fac = tl.load(f_ptr + gk[:, None, None] * stride_fg + (word * 0)[:, :, None] + offs_n[None, None, :],
+                      mask=n_mask[None, None, :], other=0)
+        scale = (fac & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        if BITS == 8:
+            acc += (part - 128.0 * xsum[:, :, None]) * scale
+        else:
+            bias = (fac >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            acc += part * scale + xsum[:, :, None] * bias
+    y = tl.sum(tl.sum(acc, axis=1), axis=0)  # [BLOCK_N]
+    row_sq = tl.sum(tl.sum(sq, axis=1), axis=0)
+    if SPLIT_K > 1:  # partials to the workspace; the last program of this column tile reduces them
+        tile = pid_m * n_tiles + pid_n
+        part_ptr = ws_ptr + pid_m.to(tl.int64) * SPLIT_K * N
+        sq_ptr = ws_ptr + tl.num_programs(0).to(tl.int64) * SPLIT_K * N + tile * SPLIT_K
+        tl.store(part_ptr + pid_k * N + offs_n, y, mask=n_mask)
+        if NORM:
+            tl.store(sq_ptr + pid_k, row_sq)
+        tl.debug_barrier()  # every thread's partials are written before the count says so
+        done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if done == SPLIT_K - 1:
+            y = tl.zeros((BLOCK_N,), tl.float32)
+            row_sq = 0.0
+            for s in range(0, SPLIT_K):
+                y += tl.load(part_ptr + s * N + offs_n, mask=n_mask, other=0.0, cache_modifier=".cg")
+                if NORM:
+                    row_sq += tl.load(sq_ptr + s, cache_modifier=".cg")
+            _epilogue(y, row_sq, y_ptr, bias_ptr, pid_m, offs_n, n_mask, stride_ym, K, eps, NORM, OUT_BIAS)
+            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
+    else:
+        _epilogue(y, row_sq, y_ptr, bias_ptr, pid_m, offs_n, n_mask, stride_ym, K, eps, NORM, OUT_BIAS)
+
+
+@triton.jit
+def _epilogue(y, row_sq, y_ptr, bias_ptr, pid_m, offs_n, n_mask, stride_ym, K, eps, NORM: tl.constexpr,
+              OUT_BIAS: tl.constexpr):
+    if NORM:
+        y = y * (1.0 / tl.sqrt(row_sq / K + eps))
+    if OUT_BIAS:
+        y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + pid_m.to(tl.int64) * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _dequant_kmajor_kernel(w_ptr, f_ptr, out_ptr, N, K, stride_wk, stride_fg, stride_ok, BITS: tl.constexpr,
+                           GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """W.T's rows [K, N] in out's dtype for the prefill GEMM: program (k tile, n tile) writes [BLOCK_K, BLOCK_N]."""
+    FIELDS: tl.constexpr = 32 // BITS
+    k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (k < K)[:, None] & (n < N)[None, :]
+    w = tl.load(w_ptr + (k // FIELDS)[:, None] * stride_wk + n[None, :], mask=mask, other=0)
+    v = (w >> ((k % FIELDS) * BITS)[:, None]) & ((1 << BITS) - 1)
+    if BITS == 8:
+        v = v - 256 * (v >= 128)  # two's complement byte
+    fac = tl.load(f_ptr + (k // GROUP)[:, None] * stride_fg + n[None, :], mask=mask, other=0)
+    scale = (fac & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    out = v.to(tl.float32) * scale
+    if BITS == 4:
+        out += (fac >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    tl.store(out_ptr + k[:, None] * stride_ok + n[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+BLOCK_N = 128  # outputs a program covers: 32 threads x 4 outputs (one 16-byte load of words)
+NUM_WARPS = 4  # stacked along K: each thread holds BLOCK_K * BITS / 32 / 4 word rows of its 4 outputs
+MAX_ROWS = 8  # activation rows the GEMV takes; more go through dequantize + cuBLAS (prefill, large batches)
+PROGRAMS_PER_SM = 4  # the fewest programs a launch should have per SM (bytes in flight: issue 32)
+DEQUANT_ROWS = 1 << 25  # weights dequantized at a time on the GEMM path
+
+
+def block_k(k: int, bits: int, group: int) -> int:
+    """Inputs a trip covers: the largest of 128, 64, 32 that divides K, holds at least one word row per warp
+    (NUM_WARPS rows of words), and nests with the group (a multiple or a divisor of it)."""
+    for bk in (128, 64, 32):
+        if k % bk == 0 and bk * bits // 32 >= NUM_WARPS and (bk % group == 0 or group % bk == 0):
+            return bk
+    raise ValueError(f"no K-major GEMV tile for K = {k}, group {group}")
+
+
+def takes(shape: tuple[int, int], bits: int, group: int) -> bool:
+    """Whether this GEMV has a tile for a weight of this shape (K a multiple of 32 that nests with the group)."""
+    try:
+        block_k(shape[1], bits, min(group, shape[1]))
+    except ValueError:
+        return False
+    return True
+
+
+def split_for(m: int, n: int, k: int, bk: int, sms: int) -> int:
+    """Slices of K per column tile so that a launch has at least PROGRAMS_PER_SM programs per SM (every SM
+    streams weights with several programs' loads in flight), at most one slice per BLOCK_K chunk."""
+    tiles = m * -(-n // BLOCK_N)
+    return max(1, min(k // bk, -(-PROGRAMS_PER_SM * sms // tiles)))
+
+
+_workspaces: dict = {}
+_retired: list = []  # workspaces a larger one replaced: graphs captured with them still point at them
+
+
+def workspace(device: torch.device, values: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split-K partials' fp32 workspace and the zeroed tile counters, kept per device (launches on one stream
+    run in turn, and each leaves its counters at zero). Sized at first use for any launch up to MAX_ROWS rows
+    (split_for keeps a launch's partials near PROGRAMS_PER_SM * SMs * BLOCK_N values); a larger need replaces
+    them, and the old ones are kept, since a captured CUDA graph may still use them."""
+    ws, cnt = _workspaces.get(device, (None, None))
+    if ws is None or ws.numel() < values or cnt.numel() < counters:
+        if ws is not None:
+            _retired.append((ws, cnt))
+        ws = torch.empty(max(values, 1 << 20), dtype=torch.float32, device=device)
+        cnt = torch.zeros(max(counters, 1 << 16), dtype=torch.int32, device=device)
+        _workspaces[device] = ws, cnt
+    return ws, cnt
+
+
+def sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter: a few slices, so tests reach the split-K reduction
+
+
+def gemv_kmajor(x: torch.Tensor, words: torch.Tensor, factors: torch.Tensor, bits: int, group: int, *,
+                bias=None, gated: str | None = None, norm=None, split_k: int | None = None):
+    """x [M, K] (M <= MAX_ROWS; [M, 2K] = [gate | up] when gated) @ W.T (+ bias) -> [M, N] in x.dtype, for
+    K-major words [K * bits / 32, N] and factors [K / group, N]; with norm (a dispatch.PreNorm) the product is
+    RMSNorm(x + residual) @ W.T and (y, x + residual) is returned. split_k overrides split_for (tests)."""
+    n, k = words.shape[1], words.shape[0] * 32 // bits
+    m = x.shape[0]
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    res = None if norm is None else norm.residual
+    if res is None:
+        res = summed = x
+    else:
+        res = res if res.stride(-1) == 1 else res.contiguous()
+        summed = torch.empty_like(x)
+    done = out if norm is None else (out, summed)
+    if m == 0 or n == 0:
+        return done
+    kernel_group = group if group < k else 1 << 30  # per channel: a group no tile reaches past
+    bk = block_k(k, bits, min(group, k))
+    tiles = -(-n // BLOCK_N)
+    split = split_k or split_for(m, n, k, bk, sm_count(x.device))
+    split = max(1, min(split, k // bk))
+    ws, cnt = workspace(x.device, m * split * (n + tiles), m * tiles)
+    gamma, eps = (x, 0.0) if norm is None else (norm.weight, norm.eps)
+    _gemv_kmajor_kernel[(m, tiles, split)](
+        x, out, words, factors, n, k, x.stride(0), out.stride(0), words.stride(0), factors.stride(0), ws, cnt, split,
+        res, gamma, summed, res.stride(0), summed.stride(0), eps, x if bias is None else bias,
+        BITS=bits, GROUP=kernel_group, BLOCK_N=BLOCK_N, BLOCK_K=bk, GATED=gated or "", NORM=norm is not None,
+        HAS_RES=res is not x, OUT_BIAS=bias is not None, num_warps=NUM_WARPS, num_stages=1)
+    return done
+
+
+def dequant_matmul_kmajor(x: torch.Tensor, words: torch.Tensor, factors: torch.Tensor, bits: int, group: int,
+                          bias=None) -> torch.Tensor:
+    """x @ W.T (+ bias) by dequantizing W.T in chunks of inputs and cuBLAS (prefill: compute-bound)."""
+    n, k = words.shape[1], words.shape[0] * 32 // bits
+    kernel_group = group if group < k else 1 << 30
+    rows = max(128, DEQUANT_ROWS // max(n, 1) // 128 * 128)  # a multiple of every group and word
+    wt = torch.empty((min(rows, k), n), dtype=x.dtype, device=x.device)
+    out = torch.zeros((x.shape[0], n), dtype=torch.float32, device=x.device) if rows < k else None
+    for a in range(0, k, rows):
+        b = min(k, a + rows)
+        fields = 32 // bits
+        grid = (triton.cdiv(b - a, 64), triton.cdiv(n, 64))
+        gk0 = a // group if group < k else 0
+        _dequant_kmajor_kernel[grid](words[a // fields:], factors[gk0:], wt, n, b - a, words.stride(0),
+                                     factors.stride(0), wt.stride(0), BITS=bits, GROUP=kernel_group, BLOCK_N=64,
+                                     BLOCK_K=64)
+        if out is None:  # one chunk: cuBLAS writes x's dtype
+            y = x @ wt
+            return y if bias is None else y.add_(bias)
+        out += (x[:, a:b] @ wt[:b - a]).float()
+    return (out if bias is None else out + bias.float()).to(x.dtype)
