@@ -22,6 +22,9 @@ from localpd.load.synthetic import random_weight  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# a float32 model against its torch references: on a GPU the attention's dots run in tf32 (H200, 2026-11-26: up to
+# 2.9e-4 over a prefill and two decode steps of the tiny model)
+FP32_MODEL_TOL = 1e-4 if DEV == "cpu" else 1e-3
 
 
 @pytest.fixture
@@ -182,7 +185,7 @@ def test_whole_model_on_triton_kernels_matches_the_references(monkeypatch, schem
     out = prompt_then_decode(tiny_model(scheme, torch.float32, DEV, qk, gemma, padded, head), kv_dtype)
     for o, r in zip(out, ref):
         assert o.shape == r.shape
-        assert rel_err(o, r) < 1e-4
+        assert rel_err(o, r) < FP32_MODEL_TOL
 
 
 @pytest.mark.parametrize("scheme,tied", [("int4-g32", False), ("int8", True)])
@@ -211,7 +214,7 @@ def test_whole_model_in_the_gpu_layout_matches_the_references(monkeypatch, schem
     assert model.embed is model.lm_head.weight or not tied
     out = prompt_then_decode(model, "int8")
     for o, r in zip(out, ref):
-        assert rel_err(o, r) < 1e-4
+        assert rel_err(o, r) < FP32_MODEL_TOL
 
 
 def count_decode_launches(monkeypatch, fused: bool, gpu_layout: bool = False) -> tuple[list[str], torch.Tensor]:
