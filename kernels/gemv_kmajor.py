@@ -78,7 +78,7 @@ def _gemv_kmajor_kernel(x_ptr, y_ptr, w_ptr, f_ptr, N, K, stride_xm, stride_ym, 
                         ws_ptr, cnt_ptr, SPLIT_K, r_ptr, g_ptr, sum_ptr, stride_rm, stride_sm, eps, bias_ptr,
                         BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         GATED: tl.constexpr = "", NORM: tl.constexpr = False, HAS_RES: tl.constexpr = False,
-                        OUT_BIAS: tl.constexpr = False):
+                        OUT_BIAS: tl.constexpr = False, PREFETCH: tl.constexpr = False):
     """Program (m, n, s): row m, outputs [n * BLOCK_N, (n + 1) * BLOCK_N), the s-th slice of K (module doc).
     ws_ptr: fp32 workspace of at least M * SPLIT_K * (N + cdiv(N, BLOCK_N)) values; cnt_ptr: int32 counters, one
     per (row, column tile), zero between launches. GROUP: inputs per group (any multiple or divisor of BLOCK_K;
@@ -100,9 +100,18 @@ def _gemv_kmajor_kernel(x_ptr, y_ptr, w_ptr, f_ptr, N, K, stride_xm, stride_ym, 
     store_sum = pid_n == 0
     acc = tl.zeros((G, WPG, BLOCK_N), tl.float32)
     sq = tl.zeros((G, WPG), tl.float32)  # NORM: squares of the activation over this slice
+    w_ptrs = w_ptr + word[:, :, None] * stride_wk + offs_n[None, None, :]
+    step = (BLOCK_K // FIELDS) * stride_wk
+    if PREFETCH:  # the next trip's words are loaded before this trip's arithmetic: twice the bytes in flight
+        w_next = tl.load(w_ptrs + c0 * step, mask=n_mask[None, None, :], other=0)  # every slice has a chunk
     for c in range(c0, c1):
         wk = c * (BLOCK_K // FIELDS) + word  # [G, WPG] word rows
-        w = tl.load(w_ptr + wk[:, :, None] * stride_wk + offs_n[None, None, :], mask=n_mask[None, None, :], other=0)
+        if PREFETCH:
+            w = w_next
+            # the last trip loads its own words again (from L1) rather than past the slice
+            w_next = tl.load(w_ptrs + tl.minimum(c + 1, c1 - 1) * step, mask=n_mask[None, None, :], other=0)
+        else:
+            w = tl.load(w_ptrs + c * step, mask=n_mask[None, None, :], other=0)
         if BITS == 8:
             w = w ^ INT8_XOR
         hi = (w >> 16) & 0xFFFF
@@ -186,6 +195,8 @@ NUM_WARPS = 4  # stacked along K: each thread holds BLOCK_K * BITS / 32 / 4 word
 MAX_ROWS = 8  # activation rows the GEMV takes; more go through dequantize + cuBLAS (prefill, large batches)
 PROGRAMS_PER_SM = 4  # the fewest programs a launch should have per SM (bytes in flight: issue 32)
 DEQUANT_ROWS = 1 << 25  # weights dequantized at a time on the GEMM path
+# the launch's knobs (gemv_kmajor's tile): BLOCK_K 0 picks block_k(); scripts/sweep_kmajor.py times the others
+DEFAULT_TILE = dict(BLOCK_K=0, num_warps=NUM_WARPS, PREFETCH=False, per_sm=PROGRAMS_PER_SM)
 
 
 def block_k(k: int, bits: int, group: int) -> int:
@@ -206,11 +217,11 @@ def takes(shape: tuple[int, int], bits: int, group: int) -> bool:
     return True
 
 
-def split_for(m: int, n: int, k: int, bk: int, sms: int) -> int:
+def split_for(m: int, n: int, k: int, bk: int, sms: int, per_sm: int = PROGRAMS_PER_SM) -> int:
     """Slices of K per column tile so that a launch has at least PROGRAMS_PER_SM programs per SM (every SM
     streams weights with several programs' loads in flight), at most one slice per BLOCK_K chunk."""
     tiles = m * -(-n // BLOCK_N)
-    return max(1, min(k // bk, -(-PROGRAMS_PER_SM * sms // tiles)))
+    return max(1, min(k // bk, -(-per_sm * sms // tiles)))
 
 
 _workspaces: dict = {}
@@ -239,10 +250,11 @@ def sm_count(device: torch.device) -> int:
 
 
 def gemv_kmajor(x: torch.Tensor, words: torch.Tensor, factors: torch.Tensor, bits: int, group: int, *,
-                bias=None, gated: str | None = None, norm=None, split_k: int | None = None):
+                bias=None, gated: str | None = None, norm=None, split_k: int | None = None, tile: dict | None = None):
     """x [M, K] (M <= MAX_ROWS; [M, 2K] = [gate | up] when gated) @ W.T (+ bias) -> [M, N] in x.dtype, for
     K-major words [K * bits / 32, N] and factors [K / group, N]; with norm (a dispatch.PreNorm) the product is
-    RMSNorm(x + residual) @ W.T and (y, x + residual) is returned. split_k overrides split_for (tests)."""
+    RMSNorm(x + residual) @ W.T and (y, x + residual) is returned. split_k overrides split_for (tests); tile
+    overrides the launch (BLOCK_K, num_warps, PREFETCH, per_sm: programs an SM; scripts/sweep_kmajor.py)."""
     n, k = words.shape[1], words.shape[0] * 32 // bits
     m = x.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -257,9 +269,12 @@ def gemv_kmajor(x: torch.Tensor, words: torch.Tensor, factors: torch.Tensor, bit
     if m == 0 or n == 0:
         return done
     kernel_group = group if group < k else 1 << 30  # per channel: a group no tile reaches past
-    bk = block_k(k, bits, min(group, k))
+    tile = {**DEFAULT_TILE, **(tile or {})}
+    g, bk = min(group, k), tile["BLOCK_K"]
+    if not (bk and k % bk == 0 and (bk % g == 0 or g % bk == 0)):
+        bk = block_k(k, bits, g)
     tiles = -(-n // BLOCK_N)
-    split = split_k or split_for(m, n, k, bk, sm_count(x.device))
+    split = split_k or split_for(m, n, k, bk, sm_count(x.device), tile["per_sm"])
     split = max(1, min(split, k // bk))
     ws, cnt = workspace(x.device, m * split * (n + tiles), m * tiles)
     gamma, eps = (x, 0.0) if norm is None else (norm.weight, norm.eps)
@@ -267,7 +282,8 @@ def gemv_kmajor(x: torch.Tensor, words: torch.Tensor, factors: torch.Tensor, bit
         x, out, words, factors, n, k, x.stride(0), out.stride(0), words.stride(0), factors.stride(0), ws, cnt, split,
         res, gamma, summed, res.stride(0), summed.stride(0), eps, x if bias is None else bias,
         BITS=bits, GROUP=kernel_group, BLOCK_N=BLOCK_N, BLOCK_K=bk, GATED=gated or "", NORM=norm is not None,
-        HAS_RES=res is not x, OUT_BIAS=bias is not None, num_warps=NUM_WARPS, num_stages=1)
+        HAS_RES=res is not x, OUT_BIAS=bias is not None, PREFETCH=tile["PREFETCH"], num_warps=tile["num_warps"],
+        num_stages=1)
     return done
 
 

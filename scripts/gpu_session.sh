@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device-tool call: install, then the named stages, each under its own time limit, logs under $OUT.
-# Usage (on the GPU machine, repo root): scripts/gpu_session.sh tests kmtests fused check check3 sweep mma ncu kernels kernels1
+# Usage (on the GPU machine, repo root): scripts/gpu_session.sh tests kmtests fused check check3 sweep kmsweep mma ncu kernels kernels1
 #   bench peers kv kvfull
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -35,6 +35,7 @@ for s in "$@"; do case $s in
          --log-file "$OUT/ncu.csv" python3 scripts/ncu_step_bytes.py run --json "$OUT/step.json"
        stage ncu_compare 20 python3 scripts/ncu_step_bytes.py compare "$OUT/ncu.csv" "$OUT/step.json" ;;
   kernels) stage bench_kernels 200 localpd bench kernels --json "$OUT/bench_kernels.json" ;;
+  kmsweep) TAIL=14 stage sweep_kmajor 300 python3 scripts/sweep_kmajor.py --json "$OUT/sweep_kmajor.json" ;;
   kernels1) TAIL=12 stage bench_kernels_m1 200 localpd bench kernels --m 1,4 --formats "int4-g128 K-major,int8 K-major" \
               --json "$OUT/bench_kernels_m1.json" ;;
   bench) TAIL=12 stage bench_e2e 300 localpd bench --synthetic llama3-8b --quant int4-g128 --prompt-len 128 \

@@ -155,3 +155,18 @@ def test_split_sizes_give_every_sm_several_programs():
     assert km.block_k(576, 4, 32) == 64 and km.block_k(160, 8, 160) == 32
     with pytest.raises(ValueError):
         km.block_k(100, 4, 100)
+
+
+@pytest.mark.parametrize("tile", [dict(PREFETCH=True), dict(BLOCK_K=64, num_warps=2, PREFETCH=True, per_sm=8),
+                                  dict(BLOCK_K=256, num_warps=8, per_sm=1)])
+def test_every_launch_tile_computes_the_same_product(tile):
+    """The launch knobs scripts/sweep_kmajor.py times (the next trip's words loaded ahead, other BLOCK_K, warps
+    and programs per SM) change the speed, not the product; a BLOCK_K that does not fit K falls back to block_k."""
+    for fmt, group, n, k in (("int4", 128, 200, 512), ("int8", None, 72, 384), ("int4", 32, 130, 576)):
+        _, kw = weight(fmt, n, k, group, seed=k)
+        kw = moved(kw)
+        x = rand(1, k, dtype=torch.float32, seed=n)
+        r, g = rand(1, k, dtype=torch.float32, seed=1), rand(k, dtype=torch.float32, seed=2)
+        y, s = km.gemv_kmajor(x, kw.words, kw.factors, kw.BITS, kw.group, norm=PreNorm(r, g, 1e-5), tile=tile)
+        y_ref, s_ref = kmajor_matmul_ref(x, kw, norm=PreNorm(r, g, 1e-5))
+        assert rel_err(y, y_ref) < 1e-5 and torch.equal(s, s_ref)
