@@ -251,8 +251,8 @@ def kmajor_matmul_ref(x, w: KMajorWeight, bias=None, gated: str | None = None, n
 def linear_kmajor(x: torch.Tensor, w: KMajorWeight, bias: torch.Tensor | None = None, gated: str | None = None,
                   norm: PreNorm | None = None):
     """linear_int4 for the GPU's K-major int4/int8 layout: kernels/gemv_kmajor.py's GEMV for up to MAX_ROWS
-    rows, else dequantize + cuBLAS (after the fused input step in a kernel of its own); the torch reference
-    where Triton does not run."""
+    rows, else dequantize + cuBLAS, each after the input step (RMSNorm, SiLU * up) in a kernel of its own unless
+    gemv_kmajor.FUSE_INPUT_STEP; the torch reference where Triton does not run."""
     if not use_triton(x):
         return _linear(x, w.shape, lambda x2, n: kmajor_matmul_ref(x2, w, bias=bias, gated=gated, norm=n), gated,
                        norm)
@@ -260,13 +260,15 @@ def linear_kmajor(x: torch.Tensor, w: KMajorWeight, bias: torch.Tensor | None = 
     from localpd.kernels.fused_dispatch import act_mul, add_rms_norm  # it imports this module
 
     def run(x2, n):
-        if x2.shape[0] <= km.MAX_ROWS:
+        gemv = x2.shape[0] <= km.MAX_ROWS
+        if gemv and km.FUSE_INPUT_STEP:
             return km.gemv_kmajor(x2, w.words, w.factors, w.BITS, w.group, bias=bias, gated=gated, norm=n)
+        product = (lambda h: km.gemv_kmajor(h, w.words, w.factors, w.BITS, w.group, bias=bias)) if gemv else \
+            (lambda h: km.dequant_matmul_kmajor(h, w.words, w.factors, w.BITS, w.group, bias))
         if n is not None:
             h, s = add_rms_norm(x2, n.residual, n.weight, n.eps)
-            return km.dequant_matmul_kmajor(h, w.words, w.factors, w.BITS, w.group, bias), s
-        h = act_mul(x2, gated) if gated else x2
-        return km.dequant_matmul_kmajor(h, w.words, w.factors, w.BITS, w.group, bias)
+            return product(h), s
+        return product(act_mul(x2, gated) if gated else x2)
 
     return _linear(x, w.shape, run, gated, norm)
 

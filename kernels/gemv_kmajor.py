@@ -196,7 +196,13 @@ MAX_ROWS = 8  # activation rows the GEMV takes; more go through dequantize + cuB
 PROGRAMS_PER_SM = 4  # the fewest programs a launch should have per SM (bytes in flight: issue 32)
 DEQUANT_ROWS = 1 << 25  # weights dequantized at a time on the GEMM path
 # the launch's knobs (gemv_kmajor's tile): BLOCK_K 0 picks block_k(); scripts/sweep_kmajor.py times the others
-DEFAULT_TILE = dict(BLOCK_K=0, num_warps=NUM_WARPS, PREFETCH=False, per_sm=PROGRAMS_PER_SM)
+# (measured on an H200, 2026-11-26, docs/PERF.md: the next trip's words ahead and 8 programs an SM were faster on
+# the large matrices, by up to 20% on down)
+DEFAULT_TILE = dict(BLOCK_K=64, num_warps=NUM_WARPS, PREFETCH=True, per_sm=8)
+# The model runs the RMSNorm and SiLU * up in kernels of their own before this GEMV: fused, every program (a thread
+# for every 4 outputs) redoes the input step, which cost more than the launch it saves (H200: gate_up with the norm
+# 59 us against 43 plain, down with SiLU 39 against 26, the head 208 against 158). The fused forms stay tested.
+FUSE_INPUT_STEP = False
 
 
 def block_k(k: int, bits: int, group: int) -> int:

@@ -1,6 +1,6 @@
 """Sweep the K-major GEMV's launch (kernels/gemv_kmajor.py's tile: BLOCK_K, num_warps, PREFETCH, programs per SM)
 on a GPU, for Llama-3-8B's decode linears at one row, each with the input step the model fuses into it (RMSNorm
-before qkv, gate_up and the head; SiLU * up before down), int4-g128 and int8; timed as CUDA-graph replays over
+before qkv, gate_up and the head; SiLU * up before down) and without it, int4-g128 and int8; timed as CUDA-graph replays over
 weight copies larger than L2, beside torch's int4 tinygemm. Prints per shape the default tile, the best one and
 each one's % of the measured copy bandwidth, checks the best against the torch reference, writes every timing
 as JSON.
@@ -11,6 +11,7 @@ as JSON.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 import torch
@@ -40,47 +41,48 @@ def main() -> int:
     bw = measure_copy_bandwidth(dev, 1 << 30)
     print(f"# {torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.0f} GB/s; {len(TILES)} tiles a shape")
     out = []
-    for shape, n, k in SHAPES:
-        fused = FUSED[shape]
-        for fmt in ("int4-g128", "int8"):
-            make = (lambda: random_int4(n, k, 128, dev)) if fmt == "int4-g128" else (lambda: random_int8(n, k, dev))
-            first = to_kmajor(make())
-            ws = [first] + [to_kmajor(make()) for _ in range(copies_for(first.nbytes, dev) - 1)]
-            x = torch.randn(1, 2 * k if fused == "gated" else k, device=dev, dtype=torch.bfloat16)
-            norm = PreNorm(torch.randn(1, k, device=dev, dtype=torch.bfloat16),
-                           torch.rand(k, device=dev, dtype=torch.bfloat16) + 0.5, 1e-5) if fused == "norm" else None
-            kw = dict(gated="silu" if fused == "gated" else None, norm=norm)
+    for (shape, n, k), variant, fmt in itertools.product(SHAPES, ("plain", "fused"), ("int4-g128", "int8")):
+        fused = FUSED[shape] if variant == "fused" else ""
+        if variant == "fused" and not fused:  # o has no input step
+            continue
+        make = (lambda: random_int4(n, k, 128, dev)) if fmt == "int4-g128" else (lambda: random_int8(n, k, dev))
+        first = to_kmajor(make())
+        ws = [first] + [to_kmajor(make()) for _ in range(copies_for(first.nbytes, dev) - 1)]
+        x = torch.randn(1, 2 * k if fused == "gated" else k, device=dev, dtype=torch.bfloat16)
+        norm = PreNorm(torch.randn(1, k, device=dev, dtype=torch.bfloat16),
+                       torch.rand(k, device=dev, dtype=torch.bfloat16) + 0.5, 1e-5) if fused == "norm" else None
+        kw = dict(gated="silu" if fused == "gated" else None, norm=norm)
 
-            def call(w, tile):
-                return km.gemv_kmajor(x, w.words, w.factors, w.BITS, w.group, tile=tile, **kw)
+        def call(w, tile):
+            return km.gemv_kmajor(x, w.words, w.factors, w.BITS, w.group, tile=tile, **kw)
 
-            rows = []
-            for tile in [{}] + TILES:
-                try:
-                    sec = graph_time([lambda w=w, t=tile: call(w, t) for w in ws], reps=20)
-                    rows.append((tile, sec))
-                except Exception as e:  # noqa: BLE001 - a tile that does not compile is reported, not fatal
-                    print(f"  {shape} {fmt} {name({**km.DEFAULT_TILE, **tile})}: {type(e).__name__} {str(e)[:80]}")
-            nbytes = first.nbytes
-            default = rows[0][1]
-            best_tile, best = min(rows, key=lambda r: r[1])
-            got = call(ws[0], best_tile)
-            ref = kmajor_matmul_ref(x, ws[0], **kw)
-            got, ref = (got[0], ref[0]) if norm is not None else (got, ref)
-            err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
-            tg = ""
-            if fmt == "int4-g128":
-                fn, tb = tinygemm(torch.empty(n, k, device=dev, dtype=torch.bfloat16), 128)
-                xt = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
-                tsec = graph_time([lambda: fn(xt)], reps=20)
-                tg = f" | tinygemm {tsec * 1e6:.1f} us {tb / tsec / bw:.0%}"
-            print(f"{shape:>8} {fmt:>9} {fused or 'plain':>5} | default {default * 1e6:6.1f} us {nbytes / default / bw:4.0%}"
-                  f" | best {name({**km.DEFAULT_TILE, **best_tile})}: {best * 1e6:6.1f} us {nbytes / best / bw:4.0%}"
-                  f" (err {err:.1e}){tg}")
-            out.append({"shape": shape, "n": n, "k": k, "format": fmt, "fused": fused, "bytes": nbytes,
-                        "timings": [[name({**km.DEFAULT_TILE, **t}), s] for t, s in rows]})
-            del ws
-            torch.cuda.empty_cache()
+        rows = []
+        for tile in [{}] + TILES:
+            try:
+                sec = graph_time([lambda w=w, t=tile: call(w, t) for w in ws], reps=20)
+                rows.append((tile, sec))
+            except Exception as e:  # noqa: BLE001 - a tile that does not compile is reported, not fatal
+                print(f"  {shape} {fmt} {name({**km.DEFAULT_TILE, **tile})}: {type(e).__name__} {str(e)[:80]}")
+        nbytes = first.nbytes
+        default = rows[0][1]
+        best_tile, best = min(rows, key=lambda r: r[1])
+        got = call(ws[0], best_tile)
+        ref = kmajor_matmul_ref(x, ws[0], **kw)
+        got, ref = (got[0], ref[0]) if norm is not None else (got, ref)
+        err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+        tg = ""
+        if fmt == "int4-g128":
+            fn, tb = tinygemm(torch.empty(n, k, device=dev, dtype=torch.bfloat16), 128)
+            xt = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+            tsec = graph_time([lambda: fn(xt)], reps=20)
+            tg = f" | tinygemm {tsec * 1e6:.1f} us {tb / tsec / bw:.0%}"
+        print(f"{shape:>8} {fmt:>9} {fused or 'plain':>5} | default {default * 1e6:6.1f} us {nbytes / default / bw:4.0%}"
+              f" | best {name({**km.DEFAULT_TILE, **best_tile})}: {best * 1e6:6.1f} us {nbytes / best / bw:4.0%}"
+              f" (err {err:.1e}){tg}")
+        out.append({"shape": shape, "n": n, "k": k, "format": fmt, "fused": fused, "bytes": nbytes,
+                    "timings": [[name({**km.DEFAULT_TILE, **t}), s] for t, s in rows]})
+        del ws
+        torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "copy_bandwidth": bw, "rows": out}, f, indent=1)
