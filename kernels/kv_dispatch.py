@@ -237,6 +237,7 @@ DECODE_TILE_ELEMS = 8192
 DECODE_WARPS = 4
 DECODE_PROGRAMS_PER_SM = 2  # what the splits aim at when batch x kv heads alone leave SMs idle
 DECODE_MAX_SPLITS = 64  # the reduce holds all of a head's splits in one [splits, head_dim] tile
+INTERPRETER_DECODE_PROGRAMS = 4  # the splits' target under Triton's interpreter (no SMs to fill)
 
 
 def decode_block_t(page_size: int, head_dim: int) -> int:
@@ -245,10 +246,10 @@ def decode_block_t(page_size: int, head_dim: int) -> int:
 
 
 def decode_splits(batch_heads: int, tiles: int, device: torch.device) -> tuple[int, int]:
-    """(splits, tiles per split) of each sequence's `tiles` tiles (flash-decoding): about DECODE_PROGRAMS_PER_SM
+    """(splits, tiles per split) of `tiles` tiles, the page table's (flash-decoding): about DECODE_PROGRAMS_PER_SM
     programs per SM at long contexts, but no split shorter than a tile (short contexts get few) and no split that
-    every sequence leaves empty."""
-    target = DECODE_PROGRAMS_PER_SM * sm_count(device) if device.type == "cuda" else 4
+    every sequence leaves empty. The decode kernel shares each sequence's own tiles out over the splits."""
+    target = DECODE_PROGRAMS_PER_SM * sm_count(device) if device.type == "cuda" else INTERPRETER_DECODE_PROGRAMS
     per = cdiv(tiles, max(1, min(tiles, cdiv(target, batch_heads), DECODE_MAX_SPLITS)))
     return cdiv(tiles, per), per
 
@@ -282,13 +283,13 @@ def paged_attention(q: torch.Tensor, layer: KVLayer, page_table: torch.Tensor, s
         ps = layer.page_size
         block_t = decode_block_t(ps, D)
         span = decode_span(page_table.shape[1] * ps, window, ps)
-        splits, per_split = decode_splits(B * H, cdiv(span, block_t), q.device)
+        splits, _ = decode_splits(B * H, cdiv(span, block_t), q.device)  # the kernel shares out each length
         gp = max(16, 1 << (group - 1).bit_length())  # the group padded for tl.dot
         part_acc = torch.empty(B * Hq * splits, D, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(B * Hq * splits, 2, dtype=torch.float32, device=q.device)
         decode_kernel[(B, H, splits)](q, layer.k, layer.v, ks, vs, kz, vz, page_table, seq_lens, part_acc, part_ml,
                                       scale, q.stride(0), q.stride(1), page_table.stride(0), *strides,
-                                      per_split * block_t // ps, splits, window, **kinds, PS=ps, D=D, DP=DP,
+                                      splits, window, **kinds, PS=ps, D=D, DP=DP,
                                       GROUP=group, GP=gp, BLOCK_T=block_t, num_warps=DECODE_WARPS)
         decode_reduce_kernel[(B, Hq)](part_acc, part_ml, out, out.stride(0), out.stride(1), splits, D=D, DP=DP,
                                       SP=1 << (splits - 1).bit_length(), num_warps=4)

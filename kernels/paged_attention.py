@@ -333,11 +333,13 @@ def _store_rows(rows, acc, acc_even, acc_odd, mask, HALVES: tl.constexpr, D: tl.
 @triton.jit
 def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_lens, part_acc, part_ml, sm_scale,
                   s_q_t, s_q_h, s_pt_b, sk_page, sk_tok, sk_head, ck_page, ck_tok, ck_head,
-                  sv_page, sv_tok, sv_head, cv_page, cv_tok, cv_head, pages_per_split, SPLITS, window,
+                  sv_page, sv_tok, sv_head, cv_page, cv_tok, cv_head, SPLITS, window,
                   K_KIND: tl.constexpr, V_KIND: tl.constexpr, PS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                   GROUP: tl.constexpr, GP: tl.constexpr, BLOCK_T: tl.constexpr):
     """Program (b, kv head, split): the group's queries (padded to GP >= 16 rows for tl.dot) against this split's
-    tokens, BLOCK_T at a time across several pages; partial softmax results out.
+    tokens, BLOCK_T at a time across several pages; partial softmax results out. The splits share out the
+    sequence's own tokens in whole tiles (its length read here, not the page table's width: a CUDA graph's table
+    spans the whole context, and a 4k sequence in a 128k table would otherwise keep one split of SPLITS busy).
 
     The tiles go into the dots as stored, and each format's scales are applied where they cost least: a per-token
     scale (int8, fp8) multiplies the scores (keys) or the softmax weights (values), not every element; grouped
@@ -350,8 +352,10 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
     sp = tl.program_id(2)
     n = tl.load(seq_lens + b)
     lo = tl.where(window > 0, tl.maximum(n - window, 0), 0)  # the first key the query sees
-    first = lo // PS * PS + sp * pages_per_split * PS  # whole pages
-    last = tl.minimum(first + pages_per_split * PS, n)
+    start = lo // PS * PS  # whole pages
+    per_split = tl.cdiv(tl.cdiv(n - start, BLOCK_T), SPLITS) * BLOCK_T  # tokens a split, in whole tiles
+    first = start + sp * per_split
+    last = tl.minimum(first + per_split, n)
     g = tl.arange(0, GP)
     gmask = g < GROUP
     K_INT4: tl.constexpr = K_KIND == 3 or K_KIND == 4
