@@ -214,4 +214,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--formats", help="comma-separated formats of ours to time (default all: int4-g128, int4-g32, "
                    "int8, and on a GPU int4-g128 K-major, int8 K-major)")
     p.add_argument("--json", help="write the rows as JSON")
-    return run(p.parse_args(argv))
+    p.add_argument("--predict", action="store_true",
+                   help="no timing: compile the model's batch-1 decode GEMVs for each card and predict their share "
+                   "of copy bandwidth from the compiled code (no GPU needed; measure/predict.py)")
+    p.add_argument("--model", help="with --predict: the synthetic model's shapes (default llama3-8b)")
+    p.add_argument("--cards", help="with --predict: comma-separated card names (default: H100 SXM, H200, RTX 4090)")
+    args = p.parse_args(argv)
+    if args.predict:
+        from localpd.measure import predict
+
+        return predict.run(args)
+    return run(args)

@@ -1,0 +1,161 @@
+"""`localpd bench kernels --predict`: what a model's batch-1 decode GEMVs compile to, and the share of copy bandwidth
+that predicts, without a GPU (issue 32).
+
+Each decode linear of the model (qkv, o, gate_up, down, the head) is compiled as kernels/gemv_kmajor.py launches it
+(one row, the default tile, the input step in its own kernel) for each card's architecture with Triton's compiler
+and ptxas, and its main loop read from the disassembly (measure/sass.py). Per kernel: programs, bytes a program
+loads, the 16-byte loads a trip against the weight words' own, bytes in flight per SM, SASS instructions per weight
+word, registers and spilled bytes, and a predicted % of copy bandwidth from this model:
+
+    time = FLOOR_US + bytes / (efficiency x bandwidth)
+    efficiency = min(1, instruction budget / instructions per word, bytes in flight per SM / (bandwidth x
+                 LATENCY_US / SMs))
+
+where an SM issues 128 thread-instructions a clock, so at full bandwidth there are SMs x 128 x clock / (bandwidth
+/ 4) instruction slots per 4-byte word. Static counts are not timings: the constants are stated with their sources,
+and docs/PERF.md sets the prediction beside a GPU's measurement when one is at hand.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+import torch
+
+from localpd.load.synthetic import SYNTHETIC
+
+# the floor one small kernel costs in a CUDA graph, launch and first bytes: H200, 2026-11-26 (docs/PERF.md), cuBLAS
+# bf16 o 4096x4096 took 13.4 us for 33.6 MB, 8.0 us of it at the copy bandwidth
+FLOOR_US = 5.0
+LATENCY_US = 0.7  # DRAM latency a load waits, for Little's law (issue 32: 2.95 TB/s x 0.7 us / 132 = 16 KB an SM)
+REGISTERS_PER_SM = 65536
+MAX_PROGRAMS_PER_SM = 32
+
+
+@dataclass(frozen=True)
+class Card:
+    name: str
+    arch: int
+    sms: int
+    ghz: float  # boost clock
+    gbs: float  # copy bandwidth
+    source: str
+
+    def budget(self) -> float:
+        """Instruction slots per 4-byte word at full bandwidth."""
+        return self.sms * 128 * self.ghz * 1e9 / (self.gbs * 1e9 / 4)
+
+
+CARDS = [Card("H100 SXM", 90, 132, 1.98, 2950, "copy measured on the device tool, 2026-11-23"),
+         Card("H200", 90, 132, 1.98, 4200, "copy measured on the device tool, 2026-11-26"),
+         Card("RTX 4090", 89, 128, 2.52, 1008, "datasheet")]
+FORMATS = {"int4-g128": (4, 128), "int8": (8, 0)}  # bits, group (0: per output row)
+
+
+@dataclass
+class Prediction:
+    card: str
+    format: str
+    linear: str
+    n: int
+    k: int
+    programs: int
+    bytes_per_program: int
+    wide_loads: str  # 16-byte loads a trip / the weight words' 16-byte loads a trip
+    in_flight_per_sm: int
+    per_word: float
+    registers: int
+    spilled: int
+    barriers: int
+    predicted: float  # share of copy bandwidth
+    predicted_us: float
+
+
+def decode_linears(model: str) -> list[tuple[str, int, int]]:
+    """(name, N, K) of one decode layer's linears and the head, as the model fuses them (q/k/v, gate/up)."""
+    c = SYNTHETIC[model]
+    hd = c.head_dim
+    return [("qkv", (c.n_heads + 2 * c.n_kv_heads) * hd, c.dim), ("o", c.dim, c.n_heads * hd),
+            ("gate_up", 2 * c.ffn_dim, c.dim), ("down", c.dim, c.ffn_dim), ("lm_head", c.vocab_size, c.dim)]
+
+
+def compile_gemv(bits: int, group: int, n: int, k: int, arch: int):
+    """The K-major GEMV as gemv_kmajor launches it at one row (no input step), for sm_<arch>: (kernel, BLOCK_K)."""
+    from localpd.kernels import gemv_kmajor as km
+    from localpd.measure.sass import compile_launch
+
+    tile = km.DEFAULT_TILE
+    g = min(group or k, k)
+    bk = tile["BLOCK_K"] if tile["BLOCK_K"] and k % tile["BLOCK_K"] == 0 else km.block_k(k, bits, g)
+    x, out = torch.empty(1, k, dtype=torch.bfloat16), torch.empty(1, n, dtype=torch.bfloat16)
+    words = torch.empty(k * bits // 32, n, dtype=torch.int32)
+    factors = torch.empty(k // g, n, dtype=torch.int32)
+    ws, cnt = torch.empty(1, dtype=torch.float32), torch.empty(1, dtype=torch.int32)
+    args = (x, out, words, factors, n, k, x.stride(0), out.stride(0), words.stride(0), factors.stride(0), ws, cnt, 2,
+            x, x, x, k, k, 1e-5, x)
+    kwargs = dict(BITS=bits, GROUP=group if 0 < group < k else 1 << 30, BLOCK_N=km.BLOCK_N, BLOCK_K=bk,
+                  GATED="", NORM=False, HAS_RES=False, OUT_BIAS=False, PREFETCH=tile["PREFETCH"],
+                  num_warps=tile["num_warps"], num_stages=1)
+    return compile_launch(km._gemv_kmajor_kernel, args, kwargs, arch), bk
+
+
+def predict(model: str = "llama3-8b", cards=CARDS, formats=FORMATS) -> list[Prediction]:
+    from localpd.kernels import gemv_kmajor as km
+    from localpd.measure.sass import cuobjdump, loop_stats, main_loop
+
+    tile = km.DEFAULT_TILE
+    threads = 32 * tile["num_warps"]
+    compiled: dict = {}
+    rows = []
+    for card in cards:
+        for fmt, (bits, group) in formats.items():
+            for name, n, k in decode_linears(model):
+                key = (card.arch, bits, group, k % 128 == 0, k % 64 == 0)
+                if key not in compiled:
+                    compiled[key] = compile_gemv(bits, group, n, k, card.arch)
+                kernel, bk = compiled[key]
+                words_per_thread = bk * bits / 32 * km.BLOCK_N / threads  # a trip's
+                stats = loop_stats(kernel, words_per_thread)
+                body = main_loop(cuobjdump(kernel.asm["cubin"]))
+                wide = sum(op.startswith("LDG.E.128") for op in body)
+                weight_wide = int(words_per_thread // 4)  # 4 words a 16-byte load
+                split = km.split_for(1, n, k, bk, card.sms, tile["per_sm"])
+                programs = -(-n // km.BLOCK_N) * split
+                g = group or k
+                nbytes = n * k * bits // 8 + 4 * n * (k // g) + 2 * k * -(-n // km.BLOCK_N) + 2 * n
+                resident = min(-(-programs // card.sms), MAX_PROGRAMS_PER_SM,
+                               REGISTERS_PER_SM // max(1, stats.registers * threads))
+                trip_bytes = words_per_thread * 4 * threads * (2 if tile["PREFETCH"] else 1)
+                in_flight = int(resident * trip_bytes)
+                need = card.gbs * 1e9 * LATENCY_US * 1e-6 / card.sms
+                eff = min(1.0, card.budget() / stats.per_word, in_flight / need)
+                seconds = FLOOR_US * 1e-6 + nbytes / (eff * card.gbs * 1e9)
+                rows.append(Prediction(card.name, fmt, name, n, k, programs, nbytes // programs,
+                                       f"{wide}/{weight_wide}", in_flight, stats.per_word, stats.registers,
+                                       stats.spilled, stats.barriers, nbytes / (card.gbs * 1e9) / seconds,
+                                       seconds * 1e6))
+    return rows
+
+
+def run(args) -> int:
+    cards = [c for c in CARDS if not args.cards or any(w.lower() in c.name.lower() for w in args.cards.split(","))]
+    rows = predict(args.model or "llama3-8b", cards)
+    print(f"# {args.model or 'llama3-8b'}: batch-1 decode GEMVs (kernels/gemv_kmajor.py) compiled per card, no GPU "
+          f"used; model: time = {FLOOR_US} us + bytes / (efficiency x bandwidth), efficiency = min(1, budget / "
+          f"instructions a word, in flight / (bandwidth x {LATENCY_US} us / SMs))")
+    for card in cards:
+        print(f"#   {card.name} sm_{card.arch}: {card.sms} SMs, {card.gbs} GB/s ({card.source}), "
+              f"{card.budget():.0f} instruction slots a word")
+    print(f"{'card':>9} {'format':>9} {'linear':>8} {'N':>6} {'K':>6} {'programs':>8} {'KB/prog':>7} {'16B ld':>6} "
+          f"{'KB flight/SM':>12} {'instr/word':>10} {'regs':>4} {'spill':>5} {'bar':>3} {'predicted':>9}")
+    for r in rows:
+        print(f"{r.card:>9} {r.format:>9} {r.linear:>8} {r.n:>6} {r.k:>6} {r.programs:>8} "
+              f"{r.bytes_per_program / 1024:>7.1f} {r.wide_loads:>6} {r.in_flight_per_sm / 1024:>12.1f} "
+              f"{r.per_word:>10} {r.registers:>4} {r.spilled:>5} {r.barriers:>3} "
+              f"{r.predicted:>5.0%} {r.predicted_us:5.1f}us")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model or "llama3-8b", "floor_us": FLOOR_US, "latency_us": LATENCY_US,
+                       "cards": [asdict(c) for c in cards], "rows": [asdict(r) for r in rows]}, f, indent=1)
+    return 0

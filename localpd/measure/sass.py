@@ -1,0 +1,113 @@
+"""Reading a Triton kernel's NVIDIA code without a GPU: compile it for an architecture with Triton's own compiler
+and ptxas, disassemble the cubin (cuobjdump) and count what its main loop does. Used by scripts/gemv_sass.py and
+attention_sass.py, and by `localpd bench kernels --predict` (measure/predict.py).
+
+A streaming kernel keeps up with DRAM only if each SM issues its instructions faster than the bytes arrive: an
+SM issues at most 128 thread-instructions a clock, so at full bandwidth there are SMs * 128 * clock /
+(bandwidth / 4) instruction slots per 4-byte word streamed (budgets()). Static counts are not timings: they say
+where to look; a GPU run decides.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+
+import triton
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import BaseBackend, GPUTarget
+from triton.compiler import ASTSource
+
+from localpd.measure.device import card_entry
+
+TOOLS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+# card -> (SMs, boost clock GHz), datasheets; bandwidth from localpd.measure.device's table, the H100's as measured here
+CARDS = {"H100 SXM": (132, 1.98), "H200": (132, 1.98), "RTX 5090": (170, 2.41), "RTX 4090": (128, 2.52), "RTX 4070": (46, 2.48),
+         "RTX 3090": (82, 1.70)}
+H100_MEASURED = 2950  # GB/s, a 1 GiB device-to-device copy (docs/PERF.md)
+MEASURED = {"H100 SXM": H100_MEASURED, "H200": 4200}  # GB/s, copies measured on the device tool's cards (PERF)
+
+
+@dataclass
+class LoopStats:
+    instructions: int  # SASS instructions in the main loop's body
+    per_word: float  # ... per 4-byte word each thread streams in one trip
+    barriers: int
+    shared: int  # shared-memory loads and stores (a layout change, or a pipelined load, goes through shared memory)
+    global_loads: int  # global load instructions (LDG, and LDGSTS: asynchronous copies into shared memory)
+    widest_load: str  # the widest global load in the loop, e.g. LDG.E.128
+    registers: int
+    spilled: int  # bytes of local memory (stack) per thread
+    local: int  # local-memory loads and stores (LDL, STL) in the loop: spilled registers it reloads every trip
+
+
+def compile_launch(kernel, args: tuple, kwargs: dict, arch: int = 90):
+    """kernel compiled for sm_<arch> as a launch with these arguments would compile it: tensors and integers
+    specialised the way Triton's launcher does (16-byte aligned pointers, integers divisible by 16, 1 as a
+    constant), keyword arguments the constexprs plus num_warps and num_stages."""
+    names = list(inspect.signature(kernel.fn).parameters)
+    options = {o: kwargs[o] for o in ("num_warps", "num_stages") if o in kwargs}
+    sig, const, attrs = {}, {}, {}
+    for i, (name, value) in enumerate(zip(names, args + tuple(kwargs[n] for n in names[len(args):]))):
+        if kernel.params[i].is_constexpr:
+            sig[name], const[name] = "constexpr", value
+            continue
+        ty, spec = native_specialize_impl(BaseBackend, value, False, True, True)
+        if ty == "constexpr":
+            sig[name], const[name] = "constexpr", value
+        else:
+            sig[name] = ty
+            if spec == "D":
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def cuobjdump(cubin: bytes) -> str:
+    """The cubin's SASS and its resource usage (registers, stack), as cuobjdump prints them."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([os.path.join(TOOLS, "cuobjdump"), "-sass", "--dump-resource-usage", f.name],
+                              capture_output=True, text=True, check=True).stdout
+
+
+def main_loop(sass: str) -> list[str]:
+    """The opcodes of the largest loop body (a backward branch and everything from its target to it)."""
+    code = [(int(a, 16), op.strip()) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    best: list[str] = []
+    for addr, op in code:
+        jump = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", op)
+        if jump and int(jump.group(1), 16) < addr:
+            body = [re.sub(r"^@!?U?P\w+\s+", "", o).split()[0] for a, o in code if int(jump.group(1), 16) <= a <= addr]
+            best = max(best, body, key=len)
+    return best
+
+
+def loop_stats(kernel, words_per_thread: float) -> LoopStats:
+    out = cuobjdump(kernel.asm["cubin"])
+    body = main_loop(out)
+    loads = [op for op in body if op.startswith(("LDG.", "LDGSTS"))]
+    widest = max(loads, key=lambda op: int((re.findall(r"\d+$", op) or ["32"])[0]), default="-")  # LDG.E: 32 bits
+    regs, stack = (int(re.search(rf"{field}:(\d+)", out).group(1)) for field in ("REG", "STACK"))
+    return LoopStats(len(body), round(len(body) / words_per_thread, 1), sum(op.startswith("BAR") for op in body),
+                     sum(op.startswith(("LDS", "STS", "LDSM")) for op in body), len(loads), widest, regs, stack,
+                     sum(op.startswith(("LDL", "STL")) for op in body))
+
+
+def budgets() -> dict[str, float]:
+    """Instruction slots per 4-byte word at full bandwidth, per card."""
+    slots = {}
+    for card, (sms, ghz) in CARDS.items():
+        gbs = MEASURED.get(card) or card_entry(card)[0]
+        slots[f"{card} ({gbs} GB/s)"] = sms * 128 * ghz * 1e9 / (gbs * 1e9 / 4)
+    return slots
+
+
+def print_budgets() -> None:
+    print("\n# instruction slots per 4-byte word at full bandwidth (SMs x 128 x clock / (bandwidth / 4 bytes)):")
+    for card, slots in budgets().items():
+        print(f"#   {card:<32} {slots:6.0f}")
