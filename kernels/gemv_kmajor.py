@@ -32,14 +32,16 @@ INT8_XOR = tl.constexpr(-2139062144)  # 0x80808080: flips each byte's sign bit, 
 
 
 @triton.jit
-def _field(w, hi, F: tl.constexpr, BITS: tl.constexpr):
-    """Field F of each word as the exact float v * 2**p, p its bit position in its half-word (w's low half for
-    the fields there, hi = w's high half for the rest)."""
+def _field(lo, hi, F: tl.constexpr, BITS: tl.constexpr):
+    """Field F of each word as the exact float v * 2**p, p its bit position in its half-word: lo and hi are the
+    word's low and high halves with the exponent of 2**23 (0x4B000000) OR-ed in above them, so one AND with a constant
+    that keeps the field and the exponent gives 2**23 + v * 2**p (one immediate operand, where AND then OR took a
+    second constant the compiler kept re-materialising)."""
     if F * BITS + BITS <= 16:
-        bits = w & (((1 << BITS) - 1) << (F * BITS))
+        bits = lo & ((((1 << BITS) - 1) << (F * BITS)) | 0x4B000000)
     else:
-        bits = hi & (((1 << BITS) - 1) << (F * BITS - 16))
-    return (bits | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        bits = hi & ((((1 << BITS) - 1) << (F * BITS - 16)) | 0x4B000000)
+    return bits.to(tl.float32, bitcast=True) - 8388608.0
 
 
 @triton.jit
@@ -114,7 +116,8 @@ def _gemv_kmajor_kernel(x_ptr, y_ptr, w_ptr, f_ptr, N, K, stride_xm, stride_ym, 
             w = tl.load(w_ptrs + c * step, mask=n_mask[None, None, :], other=0)
         if BITS == 8:
             w = w ^ INT8_XOR
-        hi = (w >> 16) & 0xFFFF
+        lo = (w & 0xFFFF) | 0x4B000000  # 2**23's exponent above each half-word (_field)
+        hi = ((w >> 16) & 0xFFFF) | 0x4B000000
         part = tl.zeros((G, WPG, BLOCK_N), tl.float32)
         xsum = tl.zeros((G, WPG), tl.float32)
         for f in tl.static_range(FIELDS):
@@ -124,7 +127,7 @@ def _gemv_kmajor_kernel(x_ptr, y_ptr, w_ptr, f_ptr, N, K, stride_xm, stride_ym, 
             if NORM:
                 sq += sf * sf
             xsum += xs
-            part += _field(w, hi, f, BITS) * (xs * _prescale(f, BITS))[:, :, None]
+            part += _field(lo, hi, f, BITS) * (xs * _prescale(f, BITS))[:, :, None]
         gk = (c * BLOCK_K) // GROUP + tl.arange(0, G)
         # loaded for every word row of the group (the same 16 bytes again, from L1): a [G, 1, BLOCK_N] load is
         # one value a thread, in another layout than the words', and moving it costs barriers every trip

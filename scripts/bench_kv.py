@@ -48,12 +48,15 @@ def bench_prefix(engine: Engine, prefix_len: int) -> None:
           f"warm/cold {warm / cold:.1%}")
 
 
-def bench_attention(c, dev: torch.device, dt: torch.dtype, contexts: list[int], batch: int, reps: int) -> None:
+def bench_attention(c, dev: torch.device, dt: torch.dtype, contexts: list[int], batch: int, reps: int,
+                    table_tokens: int = 0) -> None:
     """Decode attention over one layer's pages: time, speed-up over the first dtype, and the KV bytes read per
     second. On a GPU the time is a CUDA-graph replay (as decode runs) rotating through enough copies of the pages
-    that none is read from L2; on the CPU the best of `reps` calls."""
+    that none is read from L2; on the CPU the best of `reps` calls. table_tokens: the page table as wide as a CUDA
+    graph's (the whole context), the sequences' pages first."""
     print(f"\n## Decode attention, one layer, batch {batch}, {c.n_heads} q heads / {c.n_kv_heads} kv heads x "
-          f"{c.head_dim} ({dev.type}{', CUDA-graph replays' if dev.type == 'cuda' else ''})")
+          f"{c.head_dim} ({dev.type}{', CUDA-graph replays' if dev.type == 'cuda' else ''}"
+          f"{f', a {table_tokens}-token page table' if table_tokens else ''})")
     print("| context | " + " | ".join(KV_DTYPES) + " |")
     print("|---|" + "---|" * len(KV_DTYPES))
     for ctx in contexts:
@@ -70,6 +73,8 @@ def bench_attention(c, dev: torch.device, dt: torch.dtype, contexts: list[int], 
             g = torch.Generator(device=dev).manual_seed(0)
             layers = [filled_layer(kv_dtype, pages, ps, c, dt, dev, g) for _ in range(copies_for(nbytes, dev))]
             table = torch.randperm(pages, generator=g, device=dev).to(torch.int32).view(batch, -1)
+            if table_tokens > ctx:
+                table = torch.cat([table, table.new_zeros(batch, (table_tokens - ctx) // ps)], dim=1)
             lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
             starts = torch.arange(batch + 1, dtype=torch.int32, device=dev)
             q = torch.randn(batch, c.n_heads, c.head_dim, generator=g, device=dev, dtype=dt)
@@ -147,6 +152,8 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=2)
     ap.add_argument("--long", type=int, default=4096)
     ap.add_argument("--attention-only", action="store_true", help="only the attention table (no model load)")
+    ap.add_argument("--table-tokens", type=int, default=0,
+                    help="attention table: page tables this many tokens wide, as a CUDA graph's")
     args = ap.parse_args()
     contexts = [int(x) for x in args.contexts.split(",")]
     if args.attention_only:
@@ -155,7 +162,7 @@ def main() -> None:
         dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         config = SYNTHETIC[args.model.removeprefix("synthetic:")]
         bench_attention(config, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32, contexts, args.batch,
-                        args.reps)
+                        args.reps, args.table_tokens)
         return
     engine = Engine(args.model, device=args.device, max_context=args.prefix + 64)
     bench_prefix(engine, args.prefix)

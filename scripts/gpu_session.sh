@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device-tool call: install, then the named stages, each under its own time limit, logs under $OUT.
-# Usage (on the GPU machine, repo root): scripts/gpu_session.sh tests kmtests fused check check3 sweep kmsweep mma ncu kernels kernels1
+# Usage (on the GPU machine, repo root): scripts/gpu_session.sh tests kmtests fused check check3 sweep kmsweep mma ncu kernels kernels1 kvtests kvgraph
 #   bench peers kv kvfull
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -42,6 +42,10 @@ for s in "$@"; do case $s in
            --gen-len 64 --batch 1,4,16 --json "$OUT/bench_e2e.json" --plot "$OUT/roofline.png" ;;
   peers) TAIL=12 stage bench_peers 150 python3 scripts/bench_decode_peers.py ;;
   kv) stage bench_kv 50 python3 scripts/bench_kv.py --model llama3-8b --attention-only --batch 1 ;;
+  kvgraph) TAIL=8 stage bench_kv_graph 90 python3 scripts/bench_kv.py --model llama3-8b --attention-only --batch 1 \
+             --contexts 4096,32768 --table-tokens 131072 ;;
+  kvtests) TO="-s INT" stage gpu_kv_split_tests 120 env LOCALPD_TEST_DEVICE=cuda python3 -m pytest -q -n 12 -W ignore \
+             -p no:cacheprovider -rf --tb=short tests/kernels/test_kv_kernels.py -k "long_contexts or splits or window" ;;
   kvfull) TAIL=30 stage bench_kv_full 400 python3 scripts/bench_kv.py --model synthetic:llama3-8b --contexts 4096 --streams 2 ;;
   *) echo "unknown stage $s" ;;
 esac; done
