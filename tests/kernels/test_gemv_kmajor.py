@@ -60,9 +60,8 @@ def test_the_layout_is_the_row_major_weight_transposed(fmt, group):
 
 
 @pytest.mark.parametrize("fmt,group", [("int4", 32), ("int4", 128), ("int8", None), ("int8", 64)])
-@pytest.mark.parametrize("n,k", [(200, 256), (130, 576), (72, 384)])
-@pytest.mark.parametrize("m,dtype,split", [(1, torch.bfloat16, None), (1, torch.float32, 1), (3, torch.float32, 3),
-                                           (1, torch.bfloat16, 5)])
+@pytest.mark.parametrize("n,k,m,dtype,split", [(200, 256, 1, torch.bfloat16, None), (130, 576, 1, torch.float32, 1),
+                                               (72, 384, 3, torch.float32, 3), (130, 576, 1, torch.bfloat16, 5)])
 def test_gemv_matches_the_reference(fmt, group, n, k, m, dtype, split):
     """Partial column tiles (N not a multiple of 128), K not a multiple of 128 (576: SmolLM2's), groups smaller
     than and equal to a tile, per-channel int8, several rows, split-K reduced inside the launch, a bias."""

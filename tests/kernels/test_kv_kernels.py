@@ -365,17 +365,18 @@ def test_prefill_attention_compiles_without_spills_for_every_model_and_kv_format
 
 
 @pytest.mark.skipif(DEV != "cpu", reason="counts the interpreter's partial results")
-@pytest.mark.parametrize("n", [4096, 32768])
-def test_decode_splits_follow_the_sequence_not_the_graph_width_table(monkeypatch, n):
+@pytest.mark.parametrize("n,H", [(4096, 8), (32768, 2)])
+def test_decode_splits_follow_the_sequence_not_the_graph_width_table(monkeypatch, n, H):
     """Under a CUDA graph the page table spans the whole context (here 128k tokens); the splits are sized for an
-    H100 (2 programs an SM over its 132), and a sequence of 4k or 32k tokens keeps nearly all of them busy: counted
-    from the decode kernel's partial results (a split with work has a softmax sum above 0). Before, a split was a
-    share of the table's width, and a 4k sequence had work for 1 of 32 splits (8 of 256 programs)."""
+    H100 (2 programs an SM over its 132), and a sequence of 4k tokens (Llama-3-8B's 8 kv heads: 32 splits) or 32k
+    (2 kv heads, for the interpreter's time: 64 splits) keeps nearly all of them busy: counted from the decode
+    kernel's partial results (a split with work has a softmax sum above 0). Before, a split was a share of the
+    table's width: the 4k sequence had work for 1 of 32 splits (8 of 256 programs), the 32k one for 16 of 64."""
     import localpd.kernels.kv_dispatch as kd
     import localpd.kernels.paged_attention as pa
 
     monkeypatch.setattr(kd, "INTERPRETER_DECODE_PROGRAMS", kd.DECODE_PROGRAMS_PER_SM * 132)
-    ps, H, group, D = 16, 8, 4, 64
+    ps, group, D = 16, 4, 64
     g = torch.Generator().manual_seed(n)
     pool = new_kv_pool("bf16", 1, n // ps + 1, ps, H, D, torch.float32, DEV)
     layer = pool.layer(0)
@@ -397,9 +398,10 @@ def test_decode_splits_follow_the_sequence_not_the_graph_width_table(monkeypatch
     monkeypatch.setattr(pa, "decode_reduce_kernel", Spy())
     out = paged_attention(q, layer, table, torch.tensor([n]), torch.tensor([0, 1]), D ** -0.5)
     splits = kd.decode_splits(H, -(-131072 // kd.decode_block_t(ps, D)), torch.device("cpu"))[0]
-    assert splits == 32
+    assert splits == {8: 32, 2: 64}[H]
     sums = seen[0].view(H, group, splits, 2)[:, 0, :, 1]  # each kv head's splits, through its first query head
     busy = int((sums > 0).sum())
     assert busy >= 0.9 * H * splits, (busy, H * splits)
-    ref = paged_attention_ref(q, layer, table, torch.tensor([n]), torch.tensor([0, 1]), D ** -0.5)
-    assert ((out - ref).norm() / ref.norm()).item() < 1e-4
+    if n <= 4096:  # the sums are right too (at 32k the reference alone takes half a minute)
+        ref = paged_attention_ref(q, layer, table, torch.tensor([n]), torch.tensor([0, 1]), D ** -0.5)
+        assert ((out - ref).norm() / ref.norm()).item() < 1e-4
