@@ -17,7 +17,9 @@ Design (issue 32), each point checked on the compiled code by tests/kernels/test
 - Prologues as quant_matmul's GEMV: NORM (RMSNorm of x + residual, the factor applied once per output at the end,
   each split summing only its own slice's squares) and GATED (act(gate) * up over the program's own K slice).
 
-Rows (M > 1) run as separate programs over the same tile; they share the weights through L2.
+Up to 4 rows (M > 1: a batch of decodes, or a speculative step's drafted tokens) share a program: each trip's
+words are loaded and their fields decoded once for all of them, each row with an accumulator of its own (at 4
+rows 25 SASS instructions a word and row on sm_90, against 45.6 for a row alone); more rows take more programs.
 """
 
 from __future__ import annotations
@@ -76,31 +78,64 @@ def _activation(x_ptr, r_ptr, g_ptr, sum_ptr, row_x, row_r, row_s, k, kmask, K, 
 
 
 @triton.jit
-def _gemv_kmajor_kernel(x_ptr, y_ptr, w_ptr, f_ptr, N, K, stride_xm, stride_ym, stride_wk, stride_fg,
+def _row_trip(x_ptr, r_ptr, g_ptr, sum_ptr, row_x, row_r, row_s, wk, lo, hi, scale, bias, K, store_sum,
+              FIELDS: tl.constexpr, BITS: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
+              GATED: tl.constexpr):
+    """One row's share of a trip: its activations at the trip's inputs times every field of the words (lo, hi:
+    _field's halves), with the group factors applied; (the increment of the row's [G, WPG, BLOCK_N] accumulator,
+    the squares of its activation over the trip's inputs for NORM)."""
+    part = tl.zeros(lo.shape, tl.float32)
+    xsum = tl.zeros(wk.shape, tl.float32)
+    sq = tl.zeros(wk.shape, tl.float32)
+    for f in tl.static_range(FIELDS):
+        sf, xs = _activation(x_ptr, r_ptr, g_ptr, sum_ptr, row_x, row_r, row_s, wk * FIELDS + f, None, K, store_sum,
+                             NORM, HAS_RES, GATED)
+        if NORM:
+            sq += sf * sf
+        xsum += xs
+        part += _field(lo, hi, f, BITS) * (xs * _prescale(f, BITS))[:, :, None]
+    if BITS == 8:
+        return (part - 128.0 * xsum[:, :, None]) * scale, sq
+    return part * scale + xsum[:, :, None] * bias, sq
+
+
+@triton.jit
+def _gemv_kmajor_kernel(x_ptr, y_ptr, w_ptr, f_ptr, M, N, K, stride_xm, stride_ym, stride_wk, stride_fg,
                         ws_ptr, cnt_ptr, SPLIT_K, r_ptr, g_ptr, sum_ptr, stride_rm, stride_sm, eps, bias_ptr,
                         BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         GATED: tl.constexpr = "", NORM: tl.constexpr = False, HAS_RES: tl.constexpr = False,
-                        OUT_BIAS: tl.constexpr = False, PREFETCH: tl.constexpr = False):
-    """Program (m, n, s): row m, outputs [n * BLOCK_N, (n + 1) * BLOCK_N), the s-th slice of K (module doc).
-    ws_ptr: fp32 workspace of at least M * SPLIT_K * (N + cdiv(N, BLOCK_N)) values; cnt_ptr: int32 counters, one
-    per (row, column tile), zero between launches. GROUP: inputs per group (any multiple or divisor of BLOCK_K;
-    a per-channel int8 weight passes a value no tile reaches past)."""
+                        OUT_BIAS: tl.constexpr = False, PREFETCH: tl.constexpr = False, BLOCK_M: tl.constexpr = 1):
+    """Program (m, n, s): rows [m * BLOCK_M, (m + 1) * BLOCK_M) (1, 2 or 4; the fused input steps with 1 only),
+    outputs [n * BLOCK_N, (n + 1) * BLOCK_N), the s-th slice of K (module doc). The rows share each trip's words
+    and their fields, each with an accumulator of its own (a [rows, ...] tile compiled to layout changes, with
+    barriers, every trip). ws_ptr: fp32 workspace of at least rows * SPLIT_K * N + row blocks * column tiles *
+    SPLIT_K values (rows padded to BLOCK_M); cnt_ptr: int32 counters, one per (row block, column tile), zero between
+    launches. GROUP: inputs per group (any multiple or divisor of BLOCK_K; a per-channel int8 weight passes a value
+    no tile reaches past)."""
     FIELDS: tl.constexpr = 32 // BITS
     G: tl.constexpr = (BLOCK_K + GROUP - 1) // GROUP  # groups in a tile (1 when a group spans several tiles)
     WPG: tl.constexpr = BLOCK_K // FIELDS // G  # words of one group in a tile
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n_tiles = tl.num_programs(1)
+    m0 = pid_m * BLOCK_M
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     word = tl.arange(0, G)[:, None] * WPG + tl.arange(0, WPG)[None, :]  # [G, WPG]
     chunks = K // BLOCK_K  # K is a multiple of BLOCK_K (the launcher picks BLOCK_K so)
     c0 = pid_k * chunks // SPLIT_K
     c1 = (pid_k + 1) * chunks // SPLIT_K
-    row_x = pid_m.to(tl.int64) * stride_xm
-    row_r = pid_m.to(tl.int64) * stride_rm
-    row_s = pid_m.to(tl.int64) * stride_sm
+    # a row past M (the last block's padding) reads row M - 1 again and writes nothing
+    rx0 = m0.to(tl.int64) * stride_xm
+    rx1 = tl.minimum(m0 + 1, M - 1).to(tl.int64) * stride_xm
+    rx2 = tl.minimum(m0 + 2, M - 1).to(tl.int64) * stride_xm
+    rx3 = tl.minimum(m0 + 3, M - 1).to(tl.int64) * stride_xm
+    row_r = m0.to(tl.int64) * stride_rm
+    row_s = m0.to(tl.int64) * stride_sm
     store_sum = pid_n == 0
-    acc = tl.zeros((G, WPG, BLOCK_N), tl.float32)
+    acc0 = tl.zeros((G, WPG, BLOCK_N), tl.float32)
+    acc1 = tl.zeros((G, WPG, BLOCK_N), tl.float32)
+    acc2 = tl.zeros((G, WPG, BLOCK_N), tl.float32)
+    acc3 = tl.zeros((G, WPG, BLOCK_N), tl.float32)
     sq = tl.zeros((G, WPG), tl.float32)  # NORM: squares of the activation over this slice
     w_ptrs = w_ptr + word[:, :, None] * stride_wk + offs_n[None, None, :]
     step = (BLOCK_K // FIELDS) * stride_wk
@@ -118,59 +153,66 @@ def _gemv_kmajor_kernel(x_ptr, y_ptr, w_ptr, f_ptr, N, K, stride_xm, stride_ym, 
             w = w ^ INT8_XOR
         lo = (w & 0xFFFF) | 0x4B000000  # 2**23's exponent above each half-word (_field)
         hi = ((w >> 16) & 0xFFFF) | 0x4B000000
-        part = tl.zeros((G, WPG, BLOCK_N), tl.float32)
-        xsum = tl.zeros((G, WPG), tl.float32)
-        for f in tl.static_range(FIELDS):
-            k = wk * FIELDS + f
-            sf, xs = _activation(x_ptr, r_ptr, g_ptr, sum_ptr, row_x, row_r, row_s, k, None, K, store_sum,
-                                 NORM, HAS_RES, GATED)
-            if NORM:
-                sq += sf * sf
-            xsum += xs
-            part += _field(lo, hi, f, BITS) * (xs * _prescale(f, BITS))[:, :, None]
         gk = (c * BLOCK_K) // GROUP + tl.arange(0, G)
         # loaded for every word row of the group (the same 16 bytes again, from L1): a [G, 1, BLOCK_N] load is
         # one value a thread, in another layout than the words', and moving it costs barriers every trip
         fac = tl.load(f_ptr + gk[:, None, None] * stride_fg + (word * 0)[:, :, None] + offs_n[None, None, :],
                       mask=n_mask[None, None, :], other=0)
         scale = (fac & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        if BITS == 8:
-            acc += (part - 128.0 * xsum[:, :, None]) * scale
-        else:
-            bias = (fac >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-            acc += part * scale + xsum[:, :, None] * bias
-    y = tl.sum(tl.sum(acc, axis=1), axis=0)  # [BLOCK_N]
+        bias = (fac >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        inc, trip_sq = _row_trip(x_ptr, r_ptr, g_ptr, sum_ptr, rx0, row_r, row_s, wk, lo, hi, scale, bias, K,
+                                 store_sum, FIELDS, BITS, NORM, HAS_RES, GATED)
+        acc0 += inc
+        if NORM:
+            sq += trip_sq
+        if BLOCK_M > 1:
+            acc1 += _row_trip(x_ptr, r_ptr, g_ptr, sum_ptr, rx1, row_r, row_s, wk, lo, hi, scale, bias, K, store_sum,
+                              FIELDS, BITS, False, False, "")[0]
+        if BLOCK_M > 2:
+            acc2 += _row_trip(x_ptr, r_ptr, g_ptr, sum_ptr, rx2, row_r, row_s, wk, lo, hi, scale, bias, K, store_sum,
+                              FIELDS, BITS, False, False, "")[0]
+            acc3 += _row_trip(x_ptr, r_ptr, g_ptr, sum_ptr, rx3, row_r, row_s, wk, lo, hi, scale, bias, K, store_sum,
+                              FIELDS, BITS, False, False, "")[0]
+    ys = (tl.sum(tl.sum(acc0, axis=1), axis=0), tl.sum(tl.sum(acc1, axis=1), axis=0),
+          tl.sum(tl.sum(acc2, axis=1), axis=0), tl.sum(tl.sum(acc3, axis=1), axis=0))  # [BLOCK_N] each
     row_sq = tl.sum(tl.sum(sq, axis=1), axis=0)
     if SPLIT_K > 1:  # partials to the workspace; the last program of this column tile reduces them
-        tile = pid_m * n_tiles + pid_n
-        part_ptr = ws_ptr + pid_m.to(tl.int64) * SPLIT_K * N
-        sq_ptr = ws_ptr + tl.num_programs(0).to(tl.int64) * SPLIT_K * N + tile * SPLIT_K
-        tl.store(part_ptr + pid_k * N + offs_n, y, mask=n_mask)
+        block = pid_m * n_tiles + pid_n
+        part_ptr = ws_ptr + (m0.to(tl.int64) * SPLIT_K + pid_k) * N + offs_n  # row m0 + r at + r * SPLIT_K * N
+        sq_ptr = ws_ptr + tl.num_programs(0).to(tl.int64) * BLOCK_M * SPLIT_K * N + block * SPLIT_K
+        for r in tl.static_range(BLOCK_M):
+            tl.store(part_ptr + r * SPLIT_K * N, ys[r], mask=n_mask)
         if NORM:
             tl.store(sq_ptr + pid_k, row_sq)
         tl.debug_barrier()  # every thread's partials are written before the count says so
-        done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        done = tl.atomic_add(cnt_ptr + block, 1, sem="acq_rel", scope="gpu")
         if done == SPLIT_K - 1:
-            y = tl.zeros((BLOCK_N,), tl.float32)
             row_sq = 0.0
-            for s in range(0, SPLIT_K):
-                y += tl.load(part_ptr + s * N + offs_n, mask=n_mask, other=0.0, cache_modifier=".cg")
-                if NORM:
+            if NORM:
+                for s in range(0, SPLIT_K):
                     row_sq += tl.load(sq_ptr + s, cache_modifier=".cg")
-            _epilogue(y, row_sq, y_ptr, bias_ptr, pid_m, offs_n, n_mask, stride_ym, K, eps, NORM, OUT_BIAS)
-            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
+            for r in tl.static_range(BLOCK_M):
+                y = tl.zeros((BLOCK_N,), tl.float32)
+                for s in range(0, SPLIT_K):
+                    y += tl.load(part_ptr + (r * SPLIT_K + s - pid_k) * N, mask=n_mask, other=0.0,
+                                 cache_modifier=".cg")
+                live = n_mask & (offs_n * 0 + m0 + r < M)
+                _epilogue(y, row_sq, y_ptr, bias_ptr, m0 + r, offs_n, live, stride_ym, K, eps, NORM, OUT_BIAS)
+            tl.atomic_xchg(cnt_ptr + block, 0, sem="relaxed", scope="gpu")
     else:
-        _epilogue(y, row_sq, y_ptr, bias_ptr, pid_m, offs_n, n_mask, stride_ym, K, eps, NORM, OUT_BIAS)
+        for r in tl.static_range(BLOCK_M):
+            live = n_mask & (offs_n * 0 + m0 + r < M)
+            _epilogue(ys[r], row_sq, y_ptr, bias_ptr, m0 + r, offs_n, live, stride_ym, K, eps, NORM, OUT_BIAS)
 
 
 @triton.jit
-def _epilogue(y, row_sq, y_ptr, bias_ptr, pid_m, offs_n, n_mask, stride_ym, K, eps, NORM: tl.constexpr,
+def _epilogue(y, row_sq, y_ptr, bias_ptr, row, offs_n, mask, stride_ym, K, eps, NORM: tl.constexpr,
               OUT_BIAS: tl.constexpr):
     if NORM:
         y = y * (1.0 / tl.sqrt(row_sq / K + eps))
     if OUT_BIAS:
-        y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + pid_m.to(tl.int64) * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+        y += tl.load(bias_ptr + offs_n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row.to(tl.int64) * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -196,6 +238,7 @@ def _dequant_kmajor_kernel(w_ptr, f_ptr, out_ptr, N, K, stride_wk, stride_fg, st
 BLOCK_N = 128  # outputs a program covers: 32 threads x 4 outputs (one 16-byte load of words)
 NUM_WARPS = 4  # stacked along K: each thread holds BLOCK_K * BITS / 32 / 4 word rows of its 4 outputs
 MAX_ROWS = 8  # activation rows the GEMV takes; more go through dequantize + cuBLAS (prefill, large batches)
+MAX_BLOCK_M = 4  # rows a program takes, sharing each trip's words and fields (each with its own accumulator)
 PROGRAMS_PER_SM = 4  # the fewest programs a launch should have per SM (bytes in flight: issue 32)
 DEQUANT_ROWS = 1 << 25  # weights dequantized at a time on the GEMM path
 # the launch's knobs (gemv_kmajor's tile): BLOCK_K 0 picks block_k(); scripts/sweep_kmajor.py times the others
@@ -283,16 +326,18 @@ def gemv_kmajor(x: torch.Tensor, words: torch.Tensor, factors: torch.Tensor, bit
     if not (bk and k % bk == 0 and (bk % g == 0 or g % bk == 0)):
         bk = block_k(k, bits, g)
     tiles = -(-n // BLOCK_N)
-    split = split_k or split_for(m, n, k, bk, sm_count(x.device), tile["per_sm"])
+    rows = 1 if gated or norm is not None else min(MAX_BLOCK_M, 1 << (m - 1).bit_length())  # a program's rows
+    blocks = -(-m // rows)
+    split = split_k or split_for(blocks, n, k, bk, sm_count(x.device), tile["per_sm"])
     split = max(1, min(split, k // bk))
-    ws, cnt = workspace(x.device, m * split * (n + tiles), m * tiles)
+    ws, cnt = workspace(x.device, blocks * rows * split * n + blocks * tiles * split, blocks * tiles)
     gamma, eps = (x, 0.0) if norm is None else (norm.weight, norm.eps)
-    _gemv_kmajor_kernel[(m, tiles, split)](
-        x, out, words, factors, n, k, x.stride(0), out.stride(0), words.stride(0), factors.stride(0), ws, cnt, split,
+    _gemv_kmajor_kernel[(blocks, tiles, split)](
+        x, out, words, factors, m, n, k, x.stride(0), out.stride(0), words.stride(0), factors.stride(0), ws, cnt, split,
         res, gamma, summed, res.stride(0), summed.stride(0), eps, x if bias is None else bias,
         BITS=bits, GROUP=kernel_group, BLOCK_N=BLOCK_N, BLOCK_K=bk, GATED=gated or "", NORM=norm is not None,
-        HAS_RES=res is not x, OUT_BIAS=bias is not None, PREFETCH=tile["PREFETCH"], num_warps=tile["num_warps"],
-        num_stages=1)
+        HAS_RES=res is not x, OUT_BIAS=bias is not None, PREFETCH=tile["PREFETCH"], BLOCK_M=rows,
+        num_warps=tile["num_warps"], num_stages=1)
     return done
 
 

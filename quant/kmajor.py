@@ -48,7 +48,8 @@ class KMajorWeight:
                 raise LocalpdError(f"K-major {name} must be a 2-D int32 tensor, got {t.dtype} {tuple(t.shape)}")
         if self.factors.shape[1] != self.words.shape[1] or self.factors.shape[0] == 0 \
                 or self.shape[1] % self.factors.shape[0]:
-            raise LocalpdError(f"K-major factors {tuple(self.factors.shape)} do not fit words {tuple(self.words.shape)}")
+            raise LocalpdError(f"K-major factors {tuple(self.factors.shape)} do not fit words "
+                               f"{tuple(self.words.shape)}")
 
     @property
     def shape(self) -> tuple[int, int]:

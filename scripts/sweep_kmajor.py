@@ -1,7 +1,7 @@
 """Sweep the K-major GEMV's launch (kernels/gemv_kmajor.py's tile: BLOCK_K, num_warps, PREFETCH, programs per SM)
-on a GPU, for Llama-3-8B's decode linears at one row, each with the input step the model fuses into it (RMSNorm
-before qkv, gate_up and the head; SiLU * up before down) and without it, int4-g128 and int8; timed as CUDA-graph replays over
-weight copies larger than L2, beside torch's int4 tinygemm. Prints per shape the default tile, the best one and
+on a GPU, for Llama-3-8B's decode linears at one row, each with the input step the model can fuse into it (RMSNorm
+before qkv, gate_up and the head; SiLU * up before down) and without it, int4-g128 and int8; timed as CUDA-graph
+replays over weight copies larger than L2, beside torch's int4 tinygemm. Prints per shape the default tile, the best one and
 each one's % of the measured copy bandwidth, checks the best against the torch reference, writes every timing
 as JSON.
 
@@ -76,7 +76,8 @@ def main() -> int:
             xt = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
             tsec = graph_time([lambda: fn(xt)], reps=20)
             tg = f" | tinygemm {tsec * 1e6:.1f} us {tb / tsec / bw:.0%}"
-        print(f"{shape:>8} {fmt:>9} {fused or 'plain':>5} | default {default * 1e6:6.1f} us {nbytes / default / bw:4.0%}"
+        print(f"{shape:>8} {fmt:>9} {fused or 'plain':>5} | default {default * 1e6:6.1f} us "
+              f"{nbytes / default / bw:4.0%}"
               f" | best {name({**km.DEFAULT_TILE, **best_tile})}: {best * 1e6:6.1f} us {nbytes / best / bw:4.0%}"
               f" (err {err:.1e}){tg}")
         out.append({"shape": shape, "n": n, "k": k, "format": fmt, "fused": fused, "bytes": nbytes,

@@ -92,10 +92,10 @@ def compile_gemv(bits: int, group: int, n: int, k: int, arch: int):
     words = torch.empty(k * bits // 32, n, dtype=torch.int32)
     factors = torch.empty(k // g, n, dtype=torch.int32)
     ws, cnt = torch.empty(1, dtype=torch.float32), torch.empty(1, dtype=torch.int32)
-    args = (x, out, words, factors, n, k, x.stride(0), out.stride(0), words.stride(0), factors.stride(0), ws, cnt, 2,
-            x, x, x, k, k, 1e-5, x)
+    args = (x, out, words, factors, 1, n, k, x.stride(0), out.stride(0), words.stride(0), factors.stride(0), ws, cnt,
+            2, x, x, x, k, k, 1e-5, x)
     kwargs = dict(BITS=bits, GROUP=group if 0 < group < k else 1 << 30, BLOCK_N=km.BLOCK_N, BLOCK_K=bk,
-                  GATED="", NORM=False, HAS_RES=False, OUT_BIAS=False, PREFETCH=tile["PREFETCH"],
+                  GATED="", NORM=False, HAS_RES=False, OUT_BIAS=False, PREFETCH=tile["PREFETCH"], BLOCK_M=1,
                   num_warps=tile["num_warps"], num_stages=1)
     return compile_launch(km._gemv_kmajor_kernel, args, kwargs, arch), bk
 

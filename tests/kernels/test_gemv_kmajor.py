@@ -169,3 +169,19 @@ def test_every_launch_tile_computes_the_same_product(tile):
         y, s = km.gemv_kmajor(x, kw.words, kw.factors, kw.BITS, kw.group, norm=PreNorm(r, g, 1e-5), tile=tile)
         y_ref, s_ref = kmajor_matmul_ref(x, kw, norm=PreNorm(r, g, 1e-5))
         assert rel_err(y, y_ref) < 1e-5 and torch.equal(s, s_ref)
+
+
+@pytest.mark.parametrize("fmt,group", [("int4", 64), ("int8", None)])
+@pytest.mark.parametrize("m,split", [(2, 1), (4, 3), (5, 2), (7, 1)])
+def test_rows_sharing_a_program_are_each_rows_own_product(fmt, group, m, split):
+    """Up to 4 rows share a program's words (2 and 4 exactly, 5 and 7 in a full block and a padded one): each row's
+    output is bit for bit what the row alone gives with the same split."""
+    n, k = 136, 384
+    _, kw = weight(fmt, n, k, group, seed=m)
+    kw = moved(kw)
+    x, bias = rand(m, k, dtype=torch.float32, seed=m + 1), rand(n, dtype=torch.float32, seed=3)
+    y = km.gemv_kmajor(x, kw.words, kw.factors, kw.BITS, kw.group, bias=bias, split_k=split)
+    assert rel_err(y, kmajor_matmul_ref(x, kw, bias)) < 1e-5
+    for r in range(m):
+        alone = km.gemv_kmajor(x[r:r + 1], kw.words, kw.factors, kw.BITS, kw.group, bias=bias, split_k=split)
+        assert torch.equal(y[r:r + 1], alone), r
