@@ -47,8 +47,9 @@ KV = ("bf16", "int8", "int4", "fp8", "int8/int4", "int4ch/int4")
 PAGE = 16
 
 
-def record(out: str) -> None:
-    """Run the model on the interpreter and write each distinct launch to `out` (JSON lines)."""
+def record(out: str, kernels: str = "") -> None:
+    """Run the model on the interpreter and write each distinct launch to `out` (JSON lines); where `kernels` (the
+    --kernels pattern) takes the K-major GEMV, again with the int4/int8 matrices in the GPU's K-major layout."""
     os.environ["LOCALPD_TRITON_INTERPRET"] = os.environ["TRITON_INTERPRET"] = "1"
     import torch
     from triton._C.libtriton import native_specialize_impl
@@ -80,11 +81,12 @@ def record(out: str) -> None:
 
     InterpretedFunction.run = recording_run
     # the splits a GPU takes (decode attention across pages, the GEMV across K), as on an H100's 132 SMs
+    import localpd.kernels.gemv_kmajor as gemv_kmajor
     import localpd.kernels.kv_dispatch as kv_dispatch
     import localpd.kernels.quant_matmul as quant_matmul
 
     cpu_splits = kv_dispatch.decode_splits
-    kv_dispatch.sm_count = quant_matmul.sm_count = lambda device: 132
+    kv_dispatch.sm_count = quant_matmul.sm_count = gemv_kmajor.sm_count = lambda device: 132
     kv_dispatch.decode_splits = lambda heads, tiles, device: cpu_splits(heads, tiles, torch.device("cuda"))
     dtype = torch.bfloat16
     for name, heads, kv_heads, dim, hidden in MODELS:
@@ -96,6 +98,10 @@ def record(out: str) -> None:
             model = Transformer(loaded.config, loaded.weights)
             for fused in (True, False) if kv_dtype == "bf16" else (True,):
                 model.fused = fused
+                run_steps(model, kv_dtype, Batch, new_kv_pool, torch)
+            if kv_dtype == "bf16" and scheme.startswith("int") and re.search(kernels, "_gemv_kmajor_kernel"):
+                model.fused = True
+                model._to_gpu_layout()  # what a GPU runs (quant/kmajor.py)
                 run_steps(model, kv_dtype, Batch, new_kv_pool, torch)
             print(f"# recorded {name} {scheme} {kv_dtype}: {len(seen)} distinct launches", file=sys.stderr, flush=True)
         SYNTHETIC[name] = real
@@ -215,7 +221,7 @@ def main() -> int:
     path = args.launches or tempfile.mkstemp(suffix=".jsonl")[1]
     if not args.launches or not os.path.exists(path):
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # record on the installed Triton
-        subprocess.run([sys.executable, __file__, "--record", path], check=True, env=env)
+        subprocess.run([sys.executable, __file__, "--record", path, args.kernels], check=True, env=env)
     launches = [json.loads(line) for line in open(path)]
     if not args.launches:
         os.remove(path)
@@ -247,5 +253,5 @@ def main() -> int:
 if __name__ == "__main__":
     sys.path.insert(0, HERE)
     if sys.argv[1:2] == ["--record"]:
-        sys.exit(record(sys.argv[2]))
+        sys.exit(record(sys.argv[2], *sys.argv[3:4]))
     sys.exit(main())
