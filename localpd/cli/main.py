@@ -1,4 +1,4 @@
-"""The `localpd` command: chat, tui, serve, bench, quantize, embed, pull, models, eval."""
+"""The `localpd` command: chat, tui, serve, bench, quantize, export, embed, pull, models, eval."""
 
 from __future__ import annotations
 
@@ -214,6 +214,16 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument("--no-calibration", action="store_true",
                        help="int4 without activation importance (clipping search and refit alone)")
 
+    export = sub.add_parser("export", help="write a model as localpd holds it for llama.cpp/Ollama (gguf) or "
+                                           "vLLM/SGLang (compressed-tensors)")
+    export.add_argument("model", help="registry name, .gguf file, model directory or `localpd quantize` output")
+    export.add_argument("--format", required=True, choices=("gguf", "compressed-tensors"),
+                        help="gguf: one file; compressed-tensors: a Hugging Face directory")
+    export.add_argument("-o", "--out", required=True, help="the file (gguf) or directory (compressed-tensors)")
+    export.add_argument("--quant", choices=SCHEMES, metavar="SCHEME",
+                        help="quantize to this scheme first: " + ", ".join(SCHEMES) + " (default: as the model is)")
+    export.add_argument("--force", action="store_true", help="replace OUT if it exists")
+
     embed = sub.add_parser("embed", help="embedding vectors of texts, one JSON array a line (the server's /v1/embeddings)")
     embed.add_argument("model")
     embed.add_argument("texts", nargs="*", metavar="TEXT", help="texts to embed (default: each line of stdin)")
@@ -264,6 +274,10 @@ def main(argv: list[str] | None = None) -> int:
             from localpd.quantize.quantize import run_quantize
 
             return run_quantize(args)
+        if args.command == "export":
+            from localpd.cli.export import run_export
+
+            return run_export(args)
         if args.command == "pull":
             from localpd.load.registry import pull
 

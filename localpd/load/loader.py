@@ -95,10 +95,15 @@ def rows(w: Weight, index) -> Weight:
     return replace(w, **{f.name: rows(getattr(w, f.name), index) for f in fields(w)})
 
 
+def qk_order(n: int, n_heads: int) -> torch.Tensor:
+    """The GGUF row that each of HF's q/k rows comes from: llama.cpp stores a head's rotated pairs interleaved
+    (rows 2i, 2i + 1), HF half-rotated (rows i, i + head_dim / 2)."""
+    return torch.arange(n).reshape(n_heads, n // n_heads // 2, 2).transpose(1, 2).reshape(-1)
+
+
 def unpermute_qk(w: Weight, n_heads: int) -> Weight:
     """Undo llama.cpp's row permutation of q/k (interleaved RoPE pairs) back to HF's half-rotated layout."""
-    n = w.shape[0]
-    return rows(w, torch.arange(n).reshape(n_heads, n // n_heads // 2, 2).transpose(1, 2).reshape(-1))
+    return rows(w, qk_order(w.shape[0], n_heads))
 
 
 def rotary_rows(n_heads: int, head_dim: int, rotary_dim: int) -> torch.Tensor:

@@ -1,0 +1,180 @@
+"""A model as localpd holds it -> a Hugging Face directory in compressed-tensors' pack-quantized format, which vLLM
+and SGLang serve (int4/int8 weight-only): config.json with its quantization_config, model.safetensors, the
+tokenizer files and generation_config.json. The compressed-tensors package packs every matrix.
+
+pack-quantized stores value = (q - zero_point) * scale with integer codes and zero points. So int8 (symmetric, per
+channel or per group) is exact, and so is int4 whose biases are -8 * scale (a Q4_0 file's); int4 with float16
+biases (Q4_1's, localpd's own) takes the zero point nearest -bias / scale and its codes are re-rounded to it, and
+int4-k's groups go the same way with their scale and bias as float32 products; the added error is reported.
+Scales are written as float32, so the package decompresses exact weights to exactly localpd's values; the
+embeddings and an untied output head are written dense (float32). bitsandbytes' formats are refused (source.py).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from localpd.errors import LocalpdError
+from localpd.export.report import ExportReport
+from localpd.export.source import Source, tokenizer_meta
+from localpd.model.config import ModelConfig
+from localpd.quant.int4k import Int4KWeight
+from localpd.quant.weights import Int4Weight, Int8Weight, Weight
+from localpd.text.tokenizer import Tokenizer
+
+HF_ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+            "qwen3": ("Qwen3ForCausalLM", "qwen3")}
+ATTN = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json")
+TORCH_DTYPE = "float16"  # what vLLM runs it in by default (--dtype overrides); float16 holds Q4_x/Q8_0 scales exactly
+
+
+def compressed_tensors():
+    try:
+        import compressed_tensors
+    except ImportError:
+        raise LocalpdError("--format compressed-tensors needs the compressed-tensors package: "
+                           "pip install compressed-tensors") from None
+    return compressed_tensors
+
+
+def hf_name(key: str) -> str:
+    """layers.3.q_proj -> model.layers.3.self_attn.q_proj, norm -> model.norm, lm_head -> lm_head."""
+    if key == "lm_head":
+        return key
+    if key.startswith("layers."):
+        _, i, part = key.split(".", 2)
+        module = part.removesuffix(".bias")
+        return f"model.layers.{i}.{'self_attn' if module in ATTN else 'mlp' if module.endswith('_proj') else ''}" \
+               f".{part}".replace("..", ".")
+    return f"model.{key}"
+
+
+def int4_form(w: Weight) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """An int4 matrix's float32 scale and bias per group and its group, or None for other formats."""
+    if isinstance(w, Int4KWeight):
+        scale, bias = w.group_scales()
+        return scale, bias, w.group
+    if isinstance(w, Int4Weight):
+        return w.scales.float(), w.biases.float(), w.group
+    return None
+
+
+def quantization(w: Weight) -> tuple[dict, dict[str, torch.Tensor]] | None:
+    """(compressed-tensors' QuantizationArgs fields, the state the compressor takes: weight, weight_scale and an
+    asymmetric weight's integer weight_zero_point) for a quantized matrix; None for a dense one."""
+    if isinstance(w, Int8Weight):
+        strategy = {"strategy": "channel"} if w.group == w.shape[1] else {"strategy": "group", "group_size": w.group}
+        scale = w.scales.float()
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # a row of zeros: any scale gives its codes
+        return {"num_bits": 8, "symmetric": True, **strategy}, {"weight": w.dequantize(), "weight_scale": scale}
+    form = int4_form(w)
+    if form is None:
+        return None
+    scale, bias, group = form
+    args = {"num_bits": 4, "strategy": "group", "group_size": group}
+    if torch.equal(bias, -8 * scale) and bool((scale > 0).all()):
+        return {**args, "symmetric": True}, {"weight": w.dequantize(), "weight_scale": scale}
+    # a constant group (scale 0) takes the scale that puts its value on a code
+    scale = torch.where(scale > 0, scale, (bias.abs() / 7).clamp_min(torch.finfo(torch.float32).tiny))
+    zero = (torch.round(-bias / scale) - 8).clamp(-8, 7).to(torch.int8)
+    return {**args, "symmetric": False}, {"weight": w.dequantize(), "weight_scale": scale, "weight_zero_point": zero}
+
+
+def hf_config(config: ModelConfig, tokenizer: Tokenizer | None) -> dict:
+    architecture, model_type = HF_ARCHS[config.arch]
+    cfg = {"architectures": [architecture], "model_type": model_type, "vocab_size": config.vocab_size,
+           "hidden_size": config.dim, "intermediate_size": config.ffn_dim, "num_hidden_layers": config.n_layers,
+           "num_attention_heads": config.n_heads, "num_key_value_heads": config.n_kv_heads,
+           "head_dim": config.head_dim, "hidden_act": "silu", "rms_norm_eps": config.norm_eps,
+           "rope_theta": config.rope_theta, "max_position_embeddings": config.max_context,
+           "tie_word_embeddings": config.tie_embeddings, "torch_dtype": TORCH_DTYPE,
+           "attention_bias": config.qkv_bias}
+    if config.rope_scaling:
+        if "low_freq_factor" not in config.rope_scaling:
+            raise LocalpdError("this model's RoPE scaling came from a GGUF file's rope_freqs tensor, which a Hugging "
+                               "Face config cannot state; export the original Hugging Face model")
+        cfg["rope_scaling"] = {"rope_type": "llama3", **config.rope_scaling}
+    if tokenizer is not None:
+        cfg["bos_token_id"] = tokenizer.bos_id
+        cfg["eos_token_id"] = tokenizer.tok.token_to_id(tokenizer.eos_token) if tokenizer.eos_token else None
+    return cfg
+
+
+def write_tokenizer(meta: dict, out: Path) -> None:
+    """tokenizer.json, tokenizer_config.json and generation_config.json from a GGUF vocabulary (localpd's own
+    reading of it, text.tokenizer), so transformers and vLLM tokenize as localpd does."""
+    from tokenizers.processors import TemplateProcessing
+
+    tok = Tokenizer.from_gguf_metadata(meta)
+    if tok.add_bos:
+        tok.tok.post_processor = TemplateProcessing(single=f"{tok.bos_token} $A", pair=f"{tok.bos_token} $A $B",
+                                                    special_tokens=[(tok.bos_token, tok.bos_id)])
+    tok.tok.save(str(out / "tokenizer.json"))
+    unk, pad = (meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("unknown", "padding"))
+    tokens = meta["tokenizer.ggml.tokens"]
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tok.bos_token or None,
+              "eos_token": tok.eos_token or None, "add_bos_token": tok.add_bos, "add_eos_token": False,
+              "clean_up_tokenization_spaces": False, "chat_template": tok.chat_template}
+    if unk is not None:
+        config["unk_token"] = tokens[unk]
+    if pad is not None:
+        config["pad_token"] = tokens[pad]
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1, ensure_ascii=False))
+    eos = sorted(tok.eos_ids)
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": tok.bos_id, "eos_token_id": eos}))
+
+
+def export_compressed_tensors(source: Source, tmp: Path, report: ExportReport) -> None:
+    """Write the model as a compressed-tensors directory at tmp; each matrix's loss goes to the report."""
+    compressed_tensors()
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+    from safetensors.torch import save_file
+
+    loaded, config = source.loaded, source.loaded.config
+    if "rope_freqs" in loaded.weights:
+        raise LocalpdError("this model's RoPE scaling is a GGUF rope_freqs tensor, which a Hugging Face config "
+                           "cannot state; export the original Hugging Face model")
+    tmp.mkdir()
+    tensors: dict[str, torch.Tensor] = {}
+    groups: dict[str, tuple[dict, list[str]]] = {}
+    for key, w in loaded.weights.items():
+        name = hf_name(key)
+        q = quantization(w) if key not in ("embed_tokens", "lm_head") else None
+        if q is None:  # dense: norms, biases, the embeddings and the output head (float32 where dequantized)
+            dense = w if isinstance(w, torch.Tensor) else w.dequantize()
+            tensors[name if key.endswith(".bias") else f"{name}.weight"] = dense.contiguous()
+            report.add(name, f"dense {str(dense.dtype).removeprefix('torch.')}", dense.float(), dense.float())
+            continue
+        args, state = q
+        scheme = QuantizationScheme(targets=[name], weights=QuantizationArgs(type="int", **args))
+        packed = PackedQuantizationCompressor.compress(state, scheme)
+        decoded = PackedQuantizationCompressor.decompress(dict(packed), scheme)["weight"]
+        kind = f"int{args['num_bits']} {args.get('group_size') or 'channel'} " \
+               f"{'symmetric' if args['symmetric'] else 'asymmetric'}"
+        report.add(name, kind, w.dequantize(), decoded.float())
+        tensors.update({f"{name}.{field}": t.contiguous() for field, t in packed.items()})
+        groups.setdefault(json.dumps(args, sort_keys=True), (args, []))[1].append(name)
+    quant = QuantizationConfig(
+        config_groups={f"group_{i}": QuantizationScheme(targets=names, weights=QuantizationArgs(type="int", **args))
+                       for i, (args, names) in enumerate(groups.values())},
+        format="pack-quantized", quantization_status="compressed", ignore=["lm_head"])
+    save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+    meta = tokenizer_meta(loaded)
+    tokenizer = loaded.tokenizer()
+    cfg = hf_config(config, tokenizer)
+    if groups:
+        cfg["quantization_config"] = quant.to_dict()
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
+    if meta:
+        write_tokenizer(meta, tmp)
+    elif loaded.hf_dir is not None:
+        for file in TOKENIZER_FILES:
+            if (Path(loaded.hf_dir) / file).exists():
+                shutil.copy(Path(loaded.hf_dir) / file, tmp / file)

@@ -1,0 +1,128 @@
+"""GGUF export of the real default model: re-imported bit for bit by localpd and read by gguf's own reader; the
+same perplexity and greedy reply from llama.cpp as the original file (where llama.cpp's tools are built)."""
+
+import json
+import re
+import socket
+import subprocess
+import time
+import urllib.request
+from dataclasses import fields
+
+import pytest
+import torch
+
+from localpd.cli.export import export_model
+from localpd.engine.sampling import SamplingParams
+from localpd.load.gguf import GGUFFile
+from localpd.load.loader import load_model
+
+
+@pytest.fixture(scope="module")
+def native(default_gguf, tmp_path_factory):
+    out = tmp_path_factory.mktemp("gguf") / "smollm2.gguf"
+    return out, export_model(str(default_gguf), "gguf", out)
+
+
+def same_weight(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    return type(a) is type(b) and all(torch.equal(getattr(a, f.name), getattr(b, f.name)) for f in fields(a))
+
+
+def test_a_lossless_export_reimports_bit_for_bit(default_gguf, native):
+    out, report = native
+    assert not report.lossy and len(report.tensors) == 272
+    original, exported = load_model(default_gguf), load_model(out)
+    assert exported.config == original.config
+    assert original.weights.keys() == exported.weights.keys()
+    assert all(same_weight(original.weights[k], exported.weights[k]) for k in original.weights)
+    g, h = GGUFFile(default_gguf), GGUFFile(out)
+    assert {t.name: t.tensor_type.name for t in g.tensors} == {t.name: t.tensor_type.name for t in h.tensors}
+    for key in [k for k in g.metadata if k.startswith("tokenizer.")]:
+        assert h.metadata[key] == g.metadata[key], key
+    assert h.metadata["general.file_type"] == g.metadata["general.file_type"]  # MOSTLY_Q4_1
+
+
+def test_ggufs_own_reader_parses_it(default_gguf, native):
+    import gguf
+
+    r = gguf.GGUFReader(native[0])
+    types = {t.name: t.tensor_type.name for t in r.tensors}
+    assert types["blk.0.attn_q.weight"] == "Q4_1" and types["token_embd.weight"] == "Q8_0"
+    assert r.fields["llama.attention.head_count_kv"].contents() == 3
+    assert r.fields["tokenizer.ggml.token_type"].types == [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.INT32]
+    original = gguf.GGUFReader(default_gguf)
+    q = next(t for t in r.tensors if t.name == "blk.7.attn_q.weight")  # q's rows permuted back as llama.cpp has them
+    assert (q.data == next(t for t in original.tensors if t.name == q.name).data).all()
+
+
+def test_int4k_exports_as_q4_k_where_rows_hold_super_blocks_and_round_trips_bit_for_bit(default_gguf, tmp_path):
+    """int4-k (from the Q4_1 file's codes): down_proj (1536 inputs, 6 super-blocks) as Q4_K, fitted to its six-bit
+    scales; the 576-input matrices as Q4_1; the loss is measured. That file exported again keeps every block."""
+    first = export_model(str(default_gguf), "gguf", tmp_path / "k.gguf", quant="int4-k")
+    kinds = {t.name: t.stored_as for t in first.tensors}
+    assert kinds["blk.3.ffn_down.weight"] == "Q4_K" and kinds["blk.3.ffn_up.weight"] == "Q4_1"
+    assert kinds["token_embd.weight"] == "Q8_0"  # the tied head stays int8
+    lossy = {t.name: t.rel_error for t in first.lossy}
+    assert lossy and all(0 < e < 0.1 for e in lossy.values()), sorted(lossy.values())[-3:]
+    second = export_model(str(tmp_path / "k.gguf"), "gguf", tmp_path / "k2.gguf")
+    assert not second.lossy
+    a, b = GGUFFile(tmp_path / "k.gguf"), GGUFFile(tmp_path / "k2.gguf")
+    for t in a.tensors:
+        assert b.tensor_type(t.name) == t.tensor_type.name and (b.raw(t.name) == a.raw(t.name)).all(), t.name
+
+
+def llama_perplexity(bin_dir, model, text) -> str:
+    out = subprocess.run([str(bin_dir / "llama-perplexity"), "-m", str(model), "-f", str(text), "-c", "128",
+                          "--chunks", "3", "-t", "2"], capture_output=True, text=True, timeout=300)
+    found = re.search(r"Final estimate: PPL = ([0-9.]+ \+/- [0-9.]+)", out.stdout + out.stderr)
+    assert found, (out.stdout + out.stderr)[-1500:]
+    return found[1]
+
+
+def test_llama_cpp_perplexity_is_the_originals(llama_bin, default_gguf, native):
+    from pathlib import Path
+
+    text = Path(__file__).parent.parent / "data" / "apache-2.0.txt"
+    assert llama_perplexity(llama_bin, native[0], text) == llama_perplexity(llama_bin, default_gguf, text)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def llama_server_greedy(bin_dir, model, ids: list[int], n: int) -> list[int]:
+    port = free_port()
+    server = subprocess.Popen([str(bin_dir / "llama-server"), "-m", str(model), "--port", str(port), "-t", "2",
+                               "-c", "512", "-np", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if json.load(urllib.request.urlopen(url + "/health", timeout=5)).get("status") == "ok":
+                    break
+            except OSError:
+                pass
+            assert server.poll() is None and time.monotonic() < deadline, "llama-server did not start"
+            time.sleep(0.5)
+        body = {"prompt": ids, "n_predict": n, "temperature": 0, "return_tokens": True, "cache_prompt": False}
+        req = urllib.request.Request(url + "/completion", json.dumps(body).encode(), {"Content-Type": "application/json"})
+        return json.load(urllib.request.urlopen(req, timeout=120))["tokens"]
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def test_llama_cpp_greedy_reply_is_localpds(llama_bin, engine, native):
+    """llama.cpp on the exported file answers a chat prompt with localpd's greedy tokens. (On this model llama.cpp
+    and localpd part ways on some prompts from the original file too, docs/PERF.md: this prompt is one where the
+    original file's replies agree.)"""
+    ids = engine.encode_chat([{"role": "user", "content": "What is 2 + 2?"}])
+    ours = [e.token_id for e in engine.generate(ids, SamplingParams(temperature=0, max_tokens=12))
+            if e.token_id is not None]
+    theirs = [t for t in llama_server_greedy(llama_bin, native[0], ids, 12) if t not in engine.tokenizer.eos_ids]
+    assert len(ours) >= 8 and theirs == ours
