@@ -15,12 +15,14 @@ def export_model(model: str, fmt: str, out: Path, quant: str | None = None, forc
     out = Path(out)
     check_format(fmt, quant or "native")
     check_output(out, force)  # before minutes of loading
-    source = load_source(model, fmt, quant)
-    report = ExportReport(str(out))
     if fmt == "gguf":
         from localpd.export.gguf import export_gguf as write
     else:
-        from localpd.export.compressed_tensors import export_compressed_tensors as write
+        from localpd.export.compressed_tensors import compressed_tensors, export_compressed_tensors as write
+
+        compressed_tensors()
+    source = load_source(model, fmt, quant)
+    report = ExportReport(str(out))
     write_replacing(out, force, lambda tmp: write(source, tmp, report))
     return report
 

@@ -39,7 +39,7 @@ def compressed_tensors():
         import compressed_tensors
     except ImportError:
         raise LocalpdError("--format compressed-tensors needs the compressed-tensors package: "
-                           "pip install compressed-tensors") from None
+                           "pip install 'localpd[export]' (or compressed-tensors)") from None
     return compressed_tensors
 
 

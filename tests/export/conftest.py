@@ -25,7 +25,12 @@ def llama_bin() -> Path:
                 "(bash ../shared/peers/llama-cpp.sh builds them, about 8 minutes on 2 cores; or set LOCALPD_LLAMA_BIN)")
 
 
-def greedy(model: Transformer, ids: list[int], n: int, eos: set[int]) -> list[int]:
+@pytest.fixture
+def greedy():
+    return greedy_tokens
+
+
+def greedy_tokens(model: Transformer, ids: list[int], n: int, eos: set[int]) -> list[int]:
     """localpd's greedy tokens after ids (up to n, stopping at eos, which is left out), one step at a time."""
     pages = -(-(len(ids) + n) // PAGE)
     c = model.config

@@ -126,3 +126,53 @@ def test_llama_cpp_greedy_reply_is_localpds(llama_bin, engine, native):
             if e.token_id is not None]
     theirs = [t for t in llama_server_greedy(llama_bin, native[0], ids, 12) if t not in engine.tokenizer.eos_ids]
     assert len(ours) >= 8 and theirs == ours
+
+
+def blocks_round_trip(w):
+    """encode's blocks read back by localpd's GGUF import (quant.weights.from_gguf)."""
+    from localpd.export.gguf import encode
+    from localpd.quant.weights import from_gguf
+
+    kind, data, decoded = encode(w)
+    return kind, from_gguf(kind, torch.from_numpy(data), w.shape), decoded
+
+
+def test_int8_per_channel_is_q8_0_without_loss():
+    from localpd.quant.weights import Int8Weight
+
+    w = Int8Weight.quantize(torch.randn(48, 256, generator=torch.Generator().manual_seed(1)))
+    kind, back, decoded = blocks_round_trip(w)
+    assert kind == "Q8_0" and back.group == 32
+    assert torch.equal(back.data, w.data) and torch.equal(back.dequantize(), w.dequantize())
+    assert torch.equal(decoded, w.dequantize())
+
+
+@pytest.mark.parametrize("group", [64, 128])
+def test_int4_groups_wider_than_32_are_q4_1_blocks_without_loss(group):
+    from localpd.quant.weights import Int4Weight
+
+    w = Int4Weight.quantize_rtn(torch.randn(16, 512, generator=torch.Generator().manual_seed(2)), group)
+    kind, back, _ = blocks_round_trip(w)
+    assert kind == "Q4_1" and torch.equal(back.packed, w.packed) and torch.equal(back.dequantize(), w.dequantize())
+
+
+def test_int4k_with_six_bit_scales_is_q4_k_bit_for_bit_and_eight_bit_ones_are_fitted():
+    from localpd.export.gguf import fits_q4_k
+    from localpd.quant.int4k import Int4KWeight
+
+    g = torch.Generator().manual_seed(3)
+    n, k = 8, 512
+    sc = torch.randint(0, 64, (n, k // 32), generator=g).to(torch.uint8)
+    mn = (-torch.randint(0, 64, (n, k // 32), generator=g)).to(torch.int8).view(torch.uint8)
+    w = Int4KWeight(torch.randint(-2**31, 2**31 - 1, (n, k // 8), generator=g, dtype=torch.int32),
+                    (torch.rand(n, 2, generator=g) / 100).half(), (torch.rand(n, 2, generator=g) / 100).half(),
+                    torch.cat([sc, mn], 1))
+    assert fits_q4_k(w)
+    kind, back, _ = blocks_round_trip(w)
+    assert kind == "Q4_K" and all(torch.equal(getattr(back, f), getattr(w, f)) for f in ("packed", "d", "dmin", "sub"))
+    own = Int4KWeight.quantize(torch.randn(n, k, generator=g))  # localpd's own: 8-bit scales, minimums of any sign
+    assert not fits_q4_k(own)
+    kind, back, decoded = blocks_round_trip(own)
+    assert kind == "Q4_K" and fits_q4_k(back) and torch.equal(back.dequantize(), decoded)
+    err = ((decoded - own.dequantize()).norm() / own.dequantize().norm()).item()
+    assert 0 < err < 0.05, err

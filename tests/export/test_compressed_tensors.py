@@ -1,0 +1,109 @@
+"""compressed-tensors export of the real default model: the package decompresses what was written to localpd's
+weights (exactly where the format holds them), and transformers loads the directory on the CPU and answers with
+localpd's greedy tokens."""
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from localpd.cli.export import export_model
+from localpd.export.compressed_tensors import hf_name, quantization
+from localpd.load.loader import load_model
+from localpd.model.transformer import Transformer
+from localpd.quant.weights import Int4Weight, Int8Weight, pack_int4
+
+pytest.importorskip("compressed_tensors")
+
+
+def decompress_all(out) -> dict[str, torch.Tensor]:
+    """Every quantized matrix of the directory, decompressed by the package as its quantization_config says."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
+    config = QuantizationConfig.model_validate(json.loads((out / "config.json").read_text())["quantization_config"])
+    assert config.format == "pack-quantized" and config.quantization_status == "compressed"
+    weights = {}
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+        for scheme in config.config_groups.values():
+            for name in scheme.targets:
+                state = {k.rsplit(".", 1)[1]: f.get_tensor(k) for k in keys if k.rsplit(".", 1)[0] == name}
+                weights[name] = PackedQuantizationCompressor.decompress(state, scheme)["weight"]
+    return weights
+
+
+@pytest.fixture(scope="module")
+def int8(default_gguf, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ct") / "smollm2-int8"
+    report = export_model(str(default_gguf), "compressed-tensors", out, quant="int8")
+    return out, report, load_model(default_gguf, scheme="int8")
+
+
+def test_int8_decompresses_to_exactly_localpds_weights(int8):
+    out, report, loaded = int8
+    assert not report.lossy
+    matrices = {k: w for k, w in loaded.weights.items() if isinstance(w, Int8Weight) and k != "embed_tokens"}
+    decompressed = decompress_all(out)
+    assert len(decompressed) == len(matrices) == 210
+    for key, w in matrices.items():
+        assert torch.equal(decompressed[hf_name(key)], w.dequantize()), key
+    cfg = json.loads((out / "config.json").read_text())
+    args = cfg["quantization_config"]["config_groups"]["group_0"]["weights"]
+    assert (args["num_bits"], args["strategy"], args["symmetric"]) == (8, "channel", True)
+
+
+def test_transformers_loads_it_on_the_cpu_and_answers_with_localpds_greedy_tokens(int8, greedy):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, CompressedTensorsConfig
+
+    out, _, loaded = int8
+    # dequantize at load: transformers 5 + compressed-tensors 0.20 size an asymmetric matrix's packed zero points
+    # unpacked when they build the compressed model, so the package's own decompression it is
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
+                                                 quantization_config=CompressedTensorsConfig(dequantize=True)).eval()
+    tok = AutoTokenizer.from_pretrained(out)
+    messages = [{"role": "user", "content": "Name three primary colors."}]
+    ours = loaded.tokenizer()
+    ids = ours.encode(ours.render_chat(messages))
+    assert tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=False) == ids
+    with torch.no_grad():
+        theirs = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids):].tolist()
+    dense = {k: w if isinstance(w, torch.Tensor) else w.dequantize() for k, w in loaded.weights.items()}
+    expected = greedy(Transformer(loaded.config, dense), ids, 16, set(ours.eos_ids))
+    assert len(expected) >= 8 and [t for t in theirs if t not in ours.eos_ids] == expected
+
+
+def test_int4_with_float_biases_takes_integer_zero_points_with_the_loss_measured(default_gguf, tmp_path):
+    """The Q4_1 file's groups (float16 scale and min) as asymmetric int4 in groups of 32: the package decompresses to
+    the values the report compares, each within half a step of localpd's."""
+    out = tmp_path / "smollm2-q4"
+    report = export_model(str(default_gguf), "compressed-tensors", out)
+    lossy = {t.name: t.rel_error for t in report.lossy}
+    assert len(lossy) == 210 and all(0 < e < 0.12 for e in lossy.values())
+    cfg = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]
+    assert [(g["weights"]["num_bits"], g["weights"]["group_size"], g["weights"]["symmetric"]) for g in cfg.values()] \
+        == [(4, 32, False)]
+    loaded = load_model(default_gguf)
+    decompressed = decompress_all(out)
+    for key in ("layers.0.q_proj", "layers.29.down_proj"):
+        w = loaded.weights[key]
+        step = w.scales.float().repeat_interleave(32, dim=1)
+        assert ((decompressed[hf_name(key)] - w.dequantize()).abs() <= step / 2 + 1e-6).all(), key
+
+
+def test_int4_whose_biases_are_minus_eight_scales_is_symmetric_and_exact():
+    """A Q4_0 file's groups ((q - 8) * d) need no zero point: symmetric int4, decompressed exactly."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (64, 128), generator=g, dtype=torch.uint8)
+    scales = (torch.rand(64, 4, generator=g) * 0.01 + 1e-3).half()
+    w = Int4Weight(pack_int4(codes), scales, (-8 * scales.float()).half())
+    args, state = quantization(w)
+    assert args == {"num_bits": 4, "strategy": "group", "group_size": 32, "symmetric": True}
+    scheme = QuantizationScheme(targets=["x"], weights=QuantizationArgs(type="int", **args))
+    packed = PackedQuantizationCompressor.compress(state, scheme)
+    assert "weight_zero_point" not in packed
+    assert torch.equal(PackedQuantizationCompressor.decompress(packed, scheme)["weight"], w.dequantize())
