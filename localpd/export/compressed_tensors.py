@@ -4,8 +4,8 @@ tokenizer files and generation_config.json. The compressed-tensors package packs
 
 pack-quantized stores value = (q - zero_point) * scale with integer codes and zero points. So int8 (symmetric, per
 channel or per group) is exact, and so is int4 whose biases are -8 * scale (a Q4_0 file's); int4 with float16
-biases (Q4_1's, localpd's own) takes the zero point nearest -bias / scale and its codes are re-rounded to it, and
-int4-k's groups go the same way with their scale and bias as float32 products; the added error is reported.
+biases (Q4_1's, localpd's own) takes an integer zero point near -bias / scale and a refitted scale, its codes
+re-rounded to them (zero_point_fit), and int4-k's groups go the same way; the added error is reported.
 Scales are written as float32, so the package decompresses exact weights to exactly localpd's values; the
 embeddings and an untied output head are written dense (float32). bitsandbytes' formats are refused (source.py).
 """
@@ -80,10 +80,37 @@ def quantization(w: Weight) -> tuple[dict, dict[str, torch.Tensor]] | None:
     args = {"num_bits": 4, "strategy": "group", "group_size": group}
     if torch.equal(bias, -8 * scale) and bool((scale > 0).all()):
         return {**args, "symmetric": True}, {"weight": w.dequantize(), "weight_scale": scale}
-    # a constant group (scale 0) takes the scale that puts its value on a code
-    scale = torch.where(scale > 0, scale, (bias.abs() / 7).clamp_min(torch.finfo(torch.float32).tiny))
-    zero = (torch.round(-bias / scale) - 8).clamp(-8, 7).to(torch.int8)
-    return {**args, "symmetric": False}, {"weight": w.dequantize(), "weight_scale": scale, "weight_zero_point": zero}
+    values = w.dequantize()
+    scale, zero = zero_point_fit(values, scale, bias, group)
+    return {**args, "symmetric": False}, {"weight": values, "weight_scale": scale, "weight_zero_point": zero}
+
+
+def zero_point_fit(values: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, group: int,
+                   rounds: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float32 scale and an integer zero point z in -8..7 per group for values (q - z) * scale, q in -8..7, near
+    the group's values = code * scale + bias: z within one of -8 - bias / scale, the scale refitted by least squares
+    to the codes it rounds to (two rounds), the pair with the least squared error kept. On the default model's
+    Q4_1 matrices: 12% less RMS error than the nearest zero point alone (docs/PERF.md)."""
+    n, k = values.shape
+    v = values.reshape(n, k // group, group)
+    tiny = torch.finfo(torch.float32).tiny
+    scale = torch.where(scale > 0, scale, (bias.abs() / 7).clamp_min(tiny))[..., None]  # a constant group: any code
+    nearest = torch.round(-bias[..., None] / scale) - 8
+    best_err = best_scale = best_zero = None
+    for shift in (0, -1, 1):
+        z, s = (nearest + shift).clamp(-8, 7), scale
+        for _ in range(rounds):
+            c = torch.round(v / s + z).clamp(-8, 7) - z
+            fitted = (c * v).sum(-1, keepdim=True) / (c * c).sum(-1, keepdim=True).clamp_min(tiny)
+            s = torch.where(fitted > 0, fitted, s)
+        err = (((torch.round(v / s + z).clamp(-8, 7) - z) * s - v) ** 2).sum(-1, keepdim=True)
+        if best_err is None:
+            best_err, best_scale, best_zero = err, s, z
+            continue
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_scale, best_zero = torch.where(better, s, best_scale), torch.where(better, z, best_zero)
+    return best_scale[..., 0], best_zero[..., 0].to(torch.int8)
 
 
 def hf_config(config: ModelConfig, tokenizer: Tokenizer | None) -> dict:

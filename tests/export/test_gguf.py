@@ -57,20 +57,23 @@ def test_ggufs_own_reader_parses_it(default_gguf, native):
     assert (q.data == next(t for t in original.tensors if t.name == q.name).data).all()
 
 
-def test_int4k_exports_as_q4_k_where_rows_hold_super_blocks_and_round_trips_bit_for_bit(default_gguf, tmp_path):
+def test_int4k_exports_as_q4_k_where_rows_hold_super_blocks_and_imports_back_bit_for_bit(default_gguf, tmp_path):
     """int4-k (from the Q4_1 file's codes): down_proj (1536 inputs, 6 super-blocks) as Q4_K, fitted to its six-bit
-    scales; the 576-input matrices as Q4_1; the loss is measured. That file exported again keeps every block."""
-    first = export_model(str(default_gguf), "gguf", tmp_path / "k.gguf", quant="int4-k")
-    kinds = {t.name: t.stored_as for t in first.tensors}
+    scales; the 576-input matrices as Q4_1; the loss is measured. The file's blocks, imported by localpd and encoded
+    again, are the same bytes."""
+    from localpd.export.gguf import encode, gguf_order
+
+    report = export_model(str(default_gguf), "gguf", tmp_path / "k.gguf", quant="int4-k")
+    kinds = {t.name: t.stored_as for t in report.tensors}
     assert kinds["blk.3.ffn_down.weight"] == "Q4_K" and kinds["blk.3.ffn_up.weight"] == "Q4_1"
     assert kinds["token_embd.weight"] == "Q8_0"  # the tied head stays int8
-    lossy = {t.name: t.rel_error for t in first.lossy}
+    lossy = {t.name: t.rel_error for t in report.lossy}
     assert lossy and all(0 < e < 0.1 for e in lossy.values()), sorted(lossy.values())[-3:]
-    second = export_model(str(tmp_path / "k.gguf"), "gguf", tmp_path / "k2.gguf")
-    assert not second.lossy
-    a, b = GGUFFile(tmp_path / "k.gguf"), GGUFFile(tmp_path / "k2.gguf")
-    for t in a.tensors:
-        assert b.tensor_type(t.name) == t.tensor_type.name and (b.raw(t.name) == a.raw(t.name)).all(), t.name
+    exported, file = load_model(tmp_path / "k.gguf"), GGUFFile(tmp_path / "k.gguf")
+    for key in ("layers.3.down_proj", "layers.3.q_proj", "layers.29.down_proj"):
+        kind, data, _ = encode(gguf_order(key, exported.weights[key], exported.config))
+        name = "blk." + key.split(".")[1] + (".ffn_down.weight" if "down" in key else ".attn_q.weight")
+        assert kind == file.tensor_type(name) and (data == file.raw(name)).all(), key
 
 
 def llama_perplexity(bin_dir, model, text) -> str:
