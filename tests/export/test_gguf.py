@@ -179,3 +179,16 @@ def test_int4k_with_six_bit_scales_is_q4_k_bit_for_bit_and_eight_bit_ones_are_fi
     assert kind == "Q4_K" and fits_q4_k(back) and torch.equal(back.dequantize(), decoded)
     err = ((decoded - own.dequantize()).norm() / own.dequantize().norm()).item()
     assert 0 < err < 0.05, err
+
+
+def test_nf4_is_re_quantized_to_q8_0_with_its_loss_reported():
+    pytest.importorskip("bitsandbytes")
+    from localpd.export.report import ExportReport
+    from localpd.quant.bnb import Nf4Weight
+
+    w = Nf4Weight.quantize(torch.randn(32, 256, generator=torch.Generator().manual_seed(4)))
+    kind, back, decoded = blocks_round_trip(w)
+    assert kind == "Q8_0" and torch.equal(back.dequantize(), decoded)
+    report = ExportReport("x.gguf")
+    report.add("w", kind, w.dequantize(), decoded)
+    assert 0 < report.lossy[0].rel_error < 0.01 and "1 re-quantized" in report.lines()[1]
