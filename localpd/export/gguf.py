@@ -106,28 +106,33 @@ def per_block(x: torch.Tensor, group: int) -> torch.Tensor:
     return x.repeat_interleave(group // BLOCK, dim=1)
 
 
-def encode(w: Weight) -> tuple[str, np.ndarray, torch.Tensor]:
-    """(GGUF type, the tensor's data as the writer takes it, the float32 values llama.cpp decodes from it)."""
+def encode(w: Weight) -> tuple[str, np.ndarray, Weight]:
+    """(GGUF type, the tensor's data as the writer takes it, the weight those blocks hold: w itself where they hold
+    it as it is, whose dequantize() is what llama.cpp decodes)."""
     if isinstance(w, torch.Tensor):
         if w.dtype not in DENSE:
             raise LocalpdError(f"a {w.dtype} tensor has no GGUF type")
         data = w.contiguous()
         raw = data.numpy() if w.dtype != torch.bfloat16 else data.view(torch.uint8).reshape(*w.shape[:-1], -1).numpy()
-        return DENSE[w.dtype], raw, w.float()
+        return DENSE[w.dtype], raw, w
     if w.shape[1] % BLOCK:
         raise LocalpdError(f"a {w.shape[0]}x{w.shape[1]} matrix is not whole blocks of {BLOCK} along its input")
     if isinstance(w, Int4KWeight):
         if w.shape[1] % SUPER == 0:
             w = w if fits_q4_k(w) else fit_q4_k(w)
-            return "Q4_K", q4_k_blocks(w).numpy(), w.dequantize()
+            return "Q4_K", q4_k_blocks(w).numpy(), w
         scale, bias = (t.half() for t in w.group_scales())
         w = Int4Weight(w.packed, scale, bias)
     if isinstance(w, Int4Weight):
         scale, bias = per_block(w.scales, w.group), per_block(w.biases, w.group)
-        return "Q4_1", q4_1_blocks(w.unpack(), scale, bias).numpy(), w.dequantize()
+        return "Q4_1", q4_1_blocks(w.unpack(), scale, bias).numpy(), w
     if not isinstance(w, Int8Weight) or w.group % BLOCK:
         w = Int8Weight.quantize(w.dequantize(), BLOCK)  # bitsandbytes' formats
-    return "Q8_0", q8_0_blocks(w.data, per_block(w.scales, w.group)).numpy(), w.dequantize()
+    return "Q8_0", q8_0_blocks(w.data, per_block(w.scales, w.group)).numpy(), w
+
+
+def values(w: Weight) -> torch.Tensor:
+    return w.float() if isinstance(w, torch.Tensor) else w.dequantize()
 
 
 def gguf_order(key: str, w: Weight, config: ModelConfig) -> Weight:
@@ -190,9 +195,10 @@ def export_gguf(source: Source, tmp: Path, report: ExportReport) -> None:
     types: dict[str, int] = {}
     for key, w in loaded.weights.items():
         name = tensor_name(key)
-        kind, data, decoded = encode(gguf_order(key, w, config))
-        held = w.dequantize() if not isinstance(w, torch.Tensor) else w.float()
-        report.add(name, kind, gguf_order(key, held, config), decoded)
+        ordered = gguf_order(key, w, config)
+        kind, data, stored = encode(ordered)
+        decoded = values(stored)
+        report.add(name, kind, decoded if stored is ordered else values(ordered), decoded)
         if data.ndim == 2 and kind != "F32":
             types[kind] = types.get(kind, 0) + 1
         raw = None if kind in ("F32", "F16") else gguf.GGMLQuantizationType[kind]

@@ -136,8 +136,8 @@ def blocks_round_trip(w):
     from localpd.export.gguf import encode
     from localpd.quant.weights import from_gguf
 
-    kind, data, decoded = encode(w)
-    return kind, from_gguf(kind, torch.from_numpy(data), w.shape), decoded
+    kind, data, stored = encode(w)
+    return kind, from_gguf(kind, torch.from_numpy(data), w.shape), stored.dequantize()
 
 
 def test_int8_per_channel_is_q8_0_without_loss():
