@@ -3,7 +3,7 @@ grammar, and the constraint that masks every token of the vocabulary the grammar
 
 llguidance (the engine llama.cpp and vLLM use) compiles a grammar in about a millisecond and computes the whole
 vocabulary's mask in tens of microseconds a token (docs/PERF.md). What localpd adds: JSON written as people write
-it (at most two line breaks before an object, two and 32 blanks between its tokens, integers of at most 18
+it (no blanks before the value, at most two line breaks and 32 blanks between its tokens, integers of at most 18
 digits and numbers below 1e15 where a schema sets no bounds, so a small model cannot loop on blanks or digits), and
 errors that name what the engine cannot take.
 """
@@ -31,12 +31,9 @@ FORMATS = {"date", "date-time", "time", "duration", "uuid", "ipv4", "ipv6", "ema
 NAMED = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")  # name -> schema maps
 RUST_META = set("\\.+*?()|[]{}^$#&-~")
 
-LEAD = r"[ \t]{0,2}(\r?\n[ \t]{0,2}){0,2}"  # before the JSON: up to two line breaks, as a model's reply often opens
-
 # JSON mode without a schema: one object, its numbers and blanks bounded as above
 ANY_OBJECT = r"""
-start: _LEAD object
-_LEAD: /@LEAD@/
+start: object
 value: object | array | STRING | NUMBER | "true" | "false" | "null"
 object: "{" _B? (pair (_B? "," _B? pair)* _B?)? "}"
 pair: STRING _B? ":" _B? value
@@ -44,7 +41,7 @@ array: "[" _B? (value (_B? "," _B? value)* _B?)? "]"
 STRING: /"([^"\\\x00-\x1f]|\\["\\\/bfnrt]|\\u[0-9a-fA-F]{4})*"/
 NUMBER: /-?(0|[1-9][0-9]{0,17})(\.[0-9]{1,20})?([eE][-+]?[0-9]{1,3})?/
 _B: /@BLANKS@/
-""".replace("@BLANKS@", BLANKS).replace("@LEAD@", LEAD)
+""".replace("@BLANKS@", BLANKS)
 
 
 class GrammarError(ValueError):
@@ -58,7 +55,7 @@ def json_grammar(schema: dict | None) -> str:
     if not isinstance(schema, dict):
         raise GrammarError("a JSON schema must be an object")
     held = {**bounded(schema), "x-guidance": JSON_OPTIONS}
-    return llguidance.LLMatcher.grammar_from_lark(f"start: _LEAD value\n_LEAD: /{LEAD}/\nvalue: %json {json.dumps(held)}")
+    return llguidance.LLMatcher.grammar_from_lark(f"start: %json {json.dumps(held)}")
 
 
 def regex_grammar(pattern: str) -> str:
