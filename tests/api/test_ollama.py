@@ -301,3 +301,41 @@ def test_litellms_ollama_providers_chat_and_stream(served, litellm, provider):
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == r.choices[0].message.content
     assert idle(served[0])
 
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                            "parameters": {"type": "object", "required": ["city"],
+                                                           "properties": {"city": {"type": "string"}}}}}
+
+
+def asked_weather(cities: list[str], results: bool) -> list[dict]:
+    """Turns in OpenAI's shape (what litellm takes) where the user asks a city's weather and the assistant calls."""
+    turns = []
+    for i, city in enumerate(cities):
+        turns += [{"role": "user", "content": f"What is the weather in {city}?"},
+                  {"role": "assistant", "content": "", "tool_calls": [{"id": f"c{i}", "type": "function", "function": {
+                      "name": "get_weather", "arguments": json.dumps({"city": city})}}]}]
+        turns += [{"role": "tool", "tool_call_id": f"c{i}", "content": "12 C and rain"},
+                  {"role": "assistant", "content": f"It is 12 C and rain in {city}."}] if results else []
+    return turns + [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_litellms_ollama_providers_call_tools(served, litellm):
+    """ollama_chat/ sends tools, earlier calls (arguments turned into objects) and results to /api/chat, which the
+    template reads as the same conversation in OpenAI's shape, and reads a call back from message.tool_calls;
+    ollama/ writes its own tool prompt to /api/generate in JSON mode and reads a call from the JSON reply. Greedy:
+    the small model, shown calls for three cities, calls for the fourth."""
+    engine = served[0]
+    kw = dict(api_base=served[1].url, extra_headers={"Authorization": f"Bearer {KEY}"}, tools=[WEATHER],
+              temperature=0, max_tokens=40)
+    r = litellm.completion(model="ollama_chat/smollm2", messages=asked_weather(["London", "Rome", "Oslo"], False), **kw)
+    [call] = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    assert r.choices[0].finish_reason == "tool_calls"
+    conversation = asked_weather(["London", "Rome"], True)
+    r = litellm.completion(model="ollama_chat/smollm2", messages=conversation, **kw)
+    assert r.usage.prompt_tokens == len(engine.encode_chat(conversation, tools=[WEATHER]))
+    r = litellm.completion(model="ollama/smollm2", messages=conversation, **kw)
+    [call] = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and set(json.loads(call.function.arguments)) == {"city"}
+    assert idle(engine)
