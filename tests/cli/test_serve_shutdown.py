@@ -63,14 +63,20 @@ LONG = [{"role": "user", "content": "Write a very long essay about rivers."}]
 
 
 def test_sigterm_cuts_running_streams_after_the_grace_with_a_final_event(default_gguf):
+    """Four streams of 2000 tokens, one in each API's shape (issue 34's case): gone within the grace plus 2 s, each
+    stream ended by its API's own final event."""
     proc, url = start(default_gguf, GRACE)
     try:
-        streams = [Stream(url, "/v1/chat/completions", {"messages": LONG, "max_tokens": 3000, "min_tokens": 3000,
+        streams = [Stream(url, "/v1/chat/completions", {"messages": LONG, "max_tokens": 2000, "min_tokens": 2000,
                                                         "stream": True, "stream_options": {"include_usage": True}}),
-                   Stream(url, "/v1/completions", {"prompt": "Rivers", "max_tokens": 3000, "min_tokens": 3000,
+                   Stream(url, "/v1/completions", {"prompt": "Rivers", "max_tokens": 2000, "min_tokens": 2000,
                                                    "stream": True}),
                    Stream(url, "/api/chat", {"model": "x", "messages": LONG,  # greedy: some 2700 words
-                                              "options": {"num_predict": 3000, "temperature": 0}})]
+                                              "options": {"num_predict": 2000, "temperature": 0}}),
+                   Stream(url, "/v1/responses", {"input": LONG[0]["content"], "max_output_tokens": 2000,
+                                                 "temperature": 0, "stream": True}),
+                   Stream(url, "/v1/messages", {"messages": LONG, "max_tokens": 2000, "temperature": 0,
+                                                "stream": True})]
         for s in streams:
             s.start()
         for s in streams:
@@ -89,15 +95,22 @@ def test_sigterm_cuts_running_streams_after_the_grace_with_a_final_event(default
         _, err = proc.communicate()
     assert gone < GRACE + 2, (gone, err[-3000:].splitlines())
     assert proc.returncode == 1 and "Traceback" not in err, err[-3000:]
-    assert "cut 3 running requests" in err
+    assert "cut 5 running requests" in err
+    assert all(s.error is None and not s.is_alive() for s in streams), [s.error for s in streams]
     for s in streams[:2]:  # OpenAI's: the choice's finish_reason, the usage, [DONE]
-        assert s.error is None and s.lines[-1] == "data: [DONE]", (s.error, s.lines[-3:])
+        assert s.lines[-1] == "data: [DONE]", s.lines[-3:]
         chunks = [json.loads(line.removeprefix("data: ")) for line in s.lines[:-1]]
         assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "abort"
     assert streams[0].lines[-2].count('"usage"') == 1
     last = json.loads(streams[2].lines[-1])  # Ollama's: a last line with done_reason
-    assert streams[2].error is None and last["done"] is True and last["done_reason"] == "abort"
-    assert last["eval_count"] > 1
+    assert last["done"] is True and last["done_reason"] == "abort" and last["eval_count"] > 1
+    events = [json.loads(line.removeprefix("data: ")) for line in streams[3].lines if line.startswith("data: ")]
+    assert events[-1]["type"] == "response.incomplete"  # Responses': the response, incomplete for the shutdown
+    assert events[-1]["response"]["incomplete_details"] == {"reason": "server_shutdown"}
+    assert events[-1]["response"]["usage"]["output_tokens"] > 1
+    events = [json.loads(line.removeprefix("data: ")) for line in streams[4].lines if line.startswith("data: ")]
+    assert [e["type"] for e in events[-2:]] == ["message_delta", "message_stop"]  # Anthropic's: the turn ends
+    assert events[-2]["usage"]["output_tokens"] > 1
 
 
 def test_a_second_signal_exits_at_once(default_gguf):
