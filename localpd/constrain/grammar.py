@@ -3,9 +3,9 @@ grammar, and the constraint that masks every token of the vocabulary the grammar
 
 llguidance (the engine llama.cpp and vLLM use) compiles a grammar in about a millisecond and computes the whole
 vocabulary's mask in tens of microseconds a token (docs/PERF.md). What localpd adds: JSON written as people write
-it (no blanks before the value, at most two line breaks and 32 blanks between its tokens, integers of at most 18
-digits and numbers below 1e15 where a schema sets no bounds, so a small model cannot loop on blanks or digits), and
-errors that name what the engine cannot take.
+it (one space at most before the value, at most two line breaks and 32 blanks between its tokens, integers of at
+most 18 digits and numbers below 1e15 where a schema sets no bounds, so a small model cannot loop on blanks or
+digits), and errors that name what the engine cannot take.
 """
 
 from __future__ import annotations
@@ -31,9 +31,13 @@ FORMATS = {"date", "date-time", "time", "duration", "uuid", "ipv4", "ipv6", "ema
 NAMED = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")  # name -> schema maps
 RUST_META = set("\\.+*?()|[]{}^$#&-~")
 
+# before the JSON: one space at most (" {" is one token of the BPE vocabularies, what a completion after "...:" writes),
+# and a thinking model's blanks between its </think> and the JSON
+LEAD, AFTER_REASONING = r" ?", r"[ \t]{0,2}(\r?\n[ \t]{0,2}){0,2}"
+
 # JSON mode without a schema: one object, its numbers and blanks bounded as above
 ANY_OBJECT = r"""
-start: object
+start: _LEAD object
 value: object | array | STRING | NUMBER | "true" | "false" | "null"
 object: "{" _B? (pair (_B? "," _B? pair)* _B?)? "}"
 pair: STRING _B? ":" _B? value
@@ -48,14 +52,16 @@ class GrammarError(ValueError):
     """A schema, pattern or grammar the engine cannot take, in one line that names what it could not."""
 
 
-def json_grammar(schema: dict | None) -> str:
-    """JSON mode's grammar: one object, or one value of a schema."""
+def json_grammar(schema: dict | None, after_reasoning: bool = False) -> str:
+    """JSON mode's grammar: one object, or one value of a schema, opening the reply; after_reasoning: a thinking
+    model's answer, which may open with a few blanks after its </think>."""
+    lead = f"_LEAD: /{AFTER_REASONING if after_reasoning else LEAD}/\n"
     if schema is None:
-        return llguidance.LLMatcher.grammar_from_lark(ANY_OBJECT)
+        return llguidance.LLMatcher.grammar_from_lark(ANY_OBJECT + lead)
     if not isinstance(schema, dict):
         raise GrammarError("a JSON schema must be an object")
     held = {**bounded(schema), "x-guidance": JSON_OPTIONS}
-    return llguidance.LLMatcher.grammar_from_lark(f"start: %json {json.dumps(held)}")
+    return llguidance.LLMatcher.grammar_from_lark(f"start: _LEAD value\nvalue: %json {json.dumps(held)}\n{lead}")
 
 
 def regex_grammar(pattern: str) -> str:

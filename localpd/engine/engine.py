@@ -264,20 +264,20 @@ class Engine:
             raise LocalpdError(f"a constrained reply needs a tokenizer with an end-of-sequence token; {self.name} "
                                f"has none")
         param = "regex" if params.regex is not None else "grammar" if params.grammar is not None else None
+        split = None if params.json_lead else reply_split(self.tokenizer, prompt)
         try:
             if params.grammar is not None:
                 grammar = text_grammar(params.grammar)
             elif params.regex is not None:
                 grammar = regex_grammar(params.regex)
             else:
-                grammar = json_grammar(params.json_schema)
+                grammar = json_grammar(params.json_schema, after_reasoning=split is not None)
             if self._vocabulary is None:
                 self._vocabulary = Vocabulary(self.tokenizer, self.config.vocab_size, set(self.tokenizer.eos_ids))
 
             def make():
                 return GrammarConstraint(self._vocabulary, grammar, eos, params.json_lead)
 
-            split = None if params.json_lead else reply_split(self.tokenizer, prompt)
             return make() if split is None else ThinkFirst(make, self.tokenizer, eos, split.inside)
         except GrammarError as e:
             raise LocalpdError(str(e), param=param) from None

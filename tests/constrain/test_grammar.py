@@ -86,13 +86,15 @@ def test_texts_that_cannot_start_a_json_object_are_refused(text):
 
 def test_runaway_blanks_are_refused_where_json_would_take_them():
     """Between a value's tokens: blanks, or up to two line breaks and an indent, at most 32 blanks; before the
-    object, none (issue 34: replies opened with "  \\n  \\n{"). A model stuck on blanks ends instead of filling its
-    budget with them."""
-    assert JsonPrefix().feed("{" + " " * 32) and JsonPrefix().feed('{"a":\n\n' + " " * 32 + "1}")
+    object, one space at most (issue 34: replies opened with "  \\n  \\n{"), and after a thinking model's </think> two
+    line breaks. A model stuck on blanks ends instead of filling its budget with them."""
+    assert JsonPrefix().feed(" {" + " " * 32) and JsonPrefix().feed('{"a":\n\n' + " " * 32 + "1}")
     assert not JsonPrefix().feed("{" + " " * 33) and not JsonPrefix().feed('{"a":\n\n\n1}')
-    for lead in (" ", "\n", " \n\n"):
+    for lead in ("  ", "\n", " \n\n"):
         assert not JsonPrefix().feed(lead + "{")
         assert not Reader(json_grammar({"type": "object"})).feed(lead + "{")
+        assert Reader(json_grammar({"type": "object"}, after_reasoning=True)).feed(lead + "{")
+    assert not Reader(json_grammar(None, after_reasoning=True)).feed("\n\n\n{")
     assert JsonPrefix().feed("{\n" + " " * 9 + '"a": "' + " " * 100 + '"')  # inside strings: any
 
 

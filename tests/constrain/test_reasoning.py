@@ -72,7 +72,7 @@ def test_json_modes_constraint_starts_after_the_reasoning(engine, inside, reply)
     tok, eos = engine.tokenizer, set(engine.tokenizer.eos_ids)
     schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
     vocab = Vocabulary(tok, engine.config.vocab_size, eos)
-    c = ThinkFirst(lambda: GrammarConstraint(vocab, json_grammar(schema), eos), tok, eos, inside)
+    c = ThinkFirst(lambda: GrammarConstraint(vocab, json_grammar(schema, after_reasoning=True), eos), tok, eos, inside)
     prose, ids = tok.encode(" Sure! Here", add_bos=False)[0], script(tok, reply)
     for i, t in enumerate(ids):
         assert c.allows(t), (tok.decode(ids[:i]), tok.decode([t]))
