@@ -2,6 +2,7 @@
 token by token (the text tokenized greedily), the whole-vocabulary mask computed before each token.
 
     python scripts/bench_grammar.py [--engine llguidance|outlines|xgrammar|localpd] [--vocab128k]
+    python scripts/bench_grammar.py --decode | --overlap [-n ROUNDS]
 
 localpd: the whole per-token cost of localpd's constraint (mask computed, unpacked, applied; the token consumed).
 """
@@ -171,6 +172,67 @@ def decode_rates(repeats: int = 3):
         e.close()
 
 
+def overlap(rounds: int = 5, tokens: int = 64):
+    """A decode step's wall time, plain and constrained, with the mask computed in a thread during the CPU forward
+    (the runner's default) and after it (mask_thread None), alternating in each round; medians over every decode
+    step of every round. The mask's own time per token (llguidance's bitmask, unpacked) and, threaded, how long
+    sampling still waited for it."""
+    from localpd.constrain.grammar import GrammarConstraint
+    from localpd.engine.engine import Engine
+    from localpd.engine.sampling import SamplingParams
+
+    e = Engine("smollm2-135m", device="cpu", max_context=1024)
+    ask = e.encode_chat([{"role": "user", "content": "Book me three flights to Paris, with flight codes, days and "
+                                                     "gates, as JSON."}])
+    flights = {"type": "object", "properties": {"flights": {"type": "array", "items": {"type": "object", "properties": {
+        "code": {"type": "string"}, "day": {"type": "string"}, "gate": {"type": "string"}}}}}}
+    cases = {"plain": dict(ignore_eos=True), "pattern [\\s\\S]*": dict(regex=r"[\s\S]*"),
+             "JSON schema": dict(json_object=True, json_schema=flights)}
+    steps, masks, waits = {}, [], []
+    allowed, run, thread = GrammarConstraint.allowed, e.runner.run, e.runner.mask_thread
+
+    def timed_allowed(c):
+        if c._allowed is not None:
+            return c._allowed
+        t = time.perf_counter()
+        out = allowed(c)
+        masks.append(time.perf_counter() - t)
+        return out
+
+    def timed_run(work, requests):
+        out = run(work, requests)
+        if out.stats.phase == "decode":
+            steps.setdefault(key, []).append(out.stats.wall_seconds)
+        return out
+
+    GrammarConstraint.allowed, e.runner.run = timed_allowed, timed_run
+    mask_us = {}
+    try:
+        for _ in range(rounds):
+            for name, kw in cases.items():
+                for threaded in ((False,) if name == "plain" else (True, False)):
+                    key = name + (" (mask in a thread)" if threaded else " (mask after the forward)") * (name != "plain")
+                    e.runner.mask_thread = thread if threaded else None
+                    masks.clear()
+                    _rate(e, ask, SamplingParams(temperature=0, max_tokens=tokens, **kw))
+                    mask_us.setdefault(key, []).extend(masks)
+    finally:
+        GrammarConstraint.allowed, e.runner.run, e.runner.mask_thread = allowed, run, thread
+        e.close()
+    plain = statistics.median(steps["plain"])
+    print(f"{'decoding':48s} {'step ms':>8s} {'vs plain':>9s} {'mask us':>8s}")
+    for key, times in steps.items():
+        step = statistics.median(times)
+        m = statistics.median(mask_us[key]) * 1e6 if mask_us.get(key) else 0.0
+        print(f"{key:48s} {step * 1e3:8.3f} {step / plain:9.3f} {m:8.0f}   ({len(times)} steps; rounds' medians "
+              f"{' '.join(f'{statistics.median(r) * 1e3:.2f}' for r in rounds_of(times, rounds))} ms)")
+
+
+def rounds_of(times: list[float], n: int) -> list[list[float]]:
+    k = len(times) // n
+    return [times[i * k:(i + 1) * k] for i in range(n)]
+
+
 def _rate(e, ids, params) -> tuple[float, int]:
     handle = e.submit(ids, params)
     for _ in handle:
@@ -184,9 +246,13 @@ def main():
     ap.add_argument("--vocab128k", action="store_true")
     ap.add_argument("-n", type=int, default=5)
     ap.add_argument("--decode", action="store_true", help="decode tok/s of the engine, plain and constrained")
+    ap.add_argument("--overlap", action="store_true", help="a decode step's time, plain and constrained, the mask "
+                                                           "computed during the forward or after it")
     a = ap.parse_args()
     if a.decode:
         return decode_rates()
+    if a.overlap:
+        return overlap(a.n)
     tok = hf_tokenizer(a.vocab128k)
     run = {"llguidance": llguidance_run, "outlines": outlines_run, "xgrammar": xgrammar_run, "localpd": localpd_run}[a.engine]
     for name, schema, regex, text in (("json schema", SCHEMA, None, REPLY), ("regex", None, REGEX, REGEX_REPLY)):

@@ -172,6 +172,10 @@ class GrammarConstraint:
         if not lead and int(self.allowed().sum()) == self.allowed()[self._eos].sum():
             raise GrammarError("the grammar admits no string (or only the empty one)")
 
+    def prepare(self) -> None:
+        """Computes this step's mask ahead of the logits (the runner calls it while the forward runs)."""
+        self.allowed()
+
     def allowed(self) -> np.ndarray:
         """This step's mask over the vocabulary (bool, n), computed once a step."""
         if self._allowed is None:

@@ -87,6 +87,11 @@ class ThinkFirst:
         self.phase = "think" if inside else "start"  # start, opening (part of <think> written), think, answer
         self.reply = ""  # the reply's text while it is not yet in the answer
 
+    def prepare(self) -> None:
+        """The answer's mask ahead of the logits, where the answer's constraint judges the next token."""
+        if self.phase in ("start", "answer"):
+            self.answer.prepare()
+
     def mask(self, logits) -> bool:
         """The answer's mask once in the answer; while reasoning, only the end of the reply is refused (before the
         reply shows whether it reasons, allows() judges each token). Whether any token is left."""

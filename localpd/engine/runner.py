@@ -1,11 +1,15 @@
 """The model runner: one scheduled step's work through the model (a CUDA graph's replay where every sequence
 decodes one token, else the eager forward over a batch built from the work), then a token sampled for each row
 that reaches the end of its sequence, or an embedding's vector. The scheduler learns what the forward computed
-before sampling starts, so a step that fails in sampling leaves its computed pages cached."""
+before sampling starts, so a step that fails in sampling leaves its computed pages cached. A constrained row's mask
+(its grammar's allowed tokens) is computed while the forward runs: on a GPU once its kernels are launched, on the
+CPU in a thread of its own where a core is spare (llguidance and the CPU kernels release the GIL)."""
 
 from __future__ import annotations
 
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -36,12 +40,19 @@ class ModelRunner:
         self.model, self.kv, self.kv_traffic, self.scheduler = model, kv, kv_traffic, scheduler
         self.graphs = graphs  # localpd.engine.cuda_graph.DecodeGraphs, or None
         self.device = device
+        # a CPU forward's masks: in a thread where a core is left over from the forward's threads; else after it (a
+        # thread would take a core from the forward's, whose regions wait for their slowest: docs/PERF.md, issue 35)
+        spare = device.type == "cpu" and (os.cpu_count() or 1) > torch.get_num_threads()
+        self.mask_thread = ThreadPoolExecutor(1, "localpd-masks") if spare else None
 
     def run(self, work: list[Work], requests: list[Request]) -> StepOutput:
         """requests: those of the work's sampled rows (Work.sample), in order."""
         t0 = time.perf_counter()
         timer = StepTimer(self.device)
         embeds = [r.embed for r in requests]  # rows that end in a vector, not a token
+        masks = [prepare for r in requests if not r.embed
+                 and (prepare := getattr(r.sampler.constraint, "prepare", None)) is not None]
+        pending = self.mask_thread.submit(prepare_all, masks) if masks and self.mask_thread is not None else None
         logits, hidden = None, None
         if self.graphs is not None and all(w.n == 1 and w.sample for w in work) and not any(embeds):
             inputs = self._decode_inputs(work)
@@ -55,6 +66,10 @@ class ModelRunner:
             else:
                 logits = self.model.forward(batch, self.kv)
         timer.stop()
+        if pending is not None:
+            pending.result()
+        elif masks:  # the GPU's kernels run on meanwhile
+            prepare_all(masks)
         self.scheduler.finish_step(work)
         outcomes = [F.normalize(hidden[i], dim=0).tolist() if req.embed else self._sample(req, logits[i])
                     for i, req in enumerate(requests)]
@@ -146,6 +161,11 @@ class StepTimer:
         if not end.query():
             end.synchronize()
         return start.elapsed_time(end) / 1e3
+
+
+def prepare_all(masks: list) -> None:
+    for prepare in masks:
+        prepare()
 
 
 def slot_of(pages: list[int], pos: int, page_size: int) -> int:

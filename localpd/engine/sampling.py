@@ -67,7 +67,8 @@ class SamplingParams:
 class Sampler:
     """Samples one sequence's tokens. Holds its own generator so a seed gives the same output every time.
     constraint: which tokens may come next (allows(token), advance(token), and where it can, mask(logits), which
-    sets the refused ones to -inf; localpd.constrain.grammar's), None for any."""
+    sets the refused ones to -inf, and prepare(), which the runner calls during the forward to compute the mask
+    ahead; localpd.constrain.grammar's), None for any."""
 
     REDRAWS = 8  # draws refused by the constraint before taking the most likely token it allows
 

@@ -75,6 +75,7 @@ def test_json_modes_constraint_starts_after_the_reasoning(engine, inside, reply)
     c = ThinkFirst(lambda: GrammarConstraint(vocab, json_grammar(schema, after_reasoning=True), eos), tok, eos, inside)
     prose, ids = tok.encode(" Sure! Here", add_bos=False)[0], script(tok, reply)
     for i, t in enumerate(ids):
+        c.prepare()  # the runner's call during the forward: the answer's mask made ahead where it judges the token
         assert c.allows(t), (tok.decode(ids[:i]), tok.decode([t]))
         assert not any(c.allows(e) for e in eos)  # not while thinking, nor before the JSON is whole
         before = tok.decode(ids[:i])

@@ -371,3 +371,48 @@ def test_the_repl_saves_and_loads_a_conversation(engine, tmp_path, capsys):
     again.command(f"/save {tmp_path / 'no' / 'dir.json'}")
     assert capsys.readouterr().err.startswith("cannot save")
     assert set(tmp_path.iterdir()) == {path, tmp_path / "bad.json"}  # no temporary file left
+
+
+@pytest.mark.parametrize("threaded", [True, False])
+def test_a_constrained_rows_mask_is_computed_during_the_forward_and_changes_no_token(engine, threaded, monkeypatch):
+    """The runner computes each constrained row's mask while the forward runs (in its mask thread on the CPU when it
+    has one, else right after the forward, as on a GPU once the kernels are launched), so sampling finds it made:
+    the same replies, greedy and seeded, batched, as each alone and mask-on-demand."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from localpd.constrain.grammar import GrammarConstraint
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer"}}}
+    asks = [[{"role": "user", "content": f"The capital of {land} and its population, as JSON."}]
+            for land in ("France", "Spain")]
+    kws = [dict(temperature=0, max_tokens=24, json_object=True, json_schema=schema),
+           dict(temperature=1.0, seed=3, max_tokens=24, regex=r"[A-Z][a-z ]{1,30}\.")]
+
+    def replies() -> list[str]:
+        handles = [engine.submit_chat(m, SamplingParams(**kw)) for m in asks for kw in kws]
+        return ["".join(ev.text for ev in h) for h in handles]
+
+    saved = engine.runner.mask_thread
+    try:
+        engine.runner.mask_thread = None
+        monkeypatch.setattr(GrammarConstraint, "prepare", lambda self: None)  # each mask made when sampling asks
+        on_demand = replies()
+        monkeypatch.undo()
+        made = []
+        allowed = GrammarConstraint.allowed
+
+        def watched(self):
+            if self._allowed is None and threading.current_thread() is not threading.main_thread():
+                made.append(threading.current_thread().name)  # not the first mask, which submit() checks
+            return allowed(self)
+
+        monkeypatch.setattr(GrammarConstraint, "allowed", watched)
+        engine.runner.mask_thread = ThreadPoolExecutor(1, "localpd-masks") if threaded else None
+        ahead = replies()
+    finally:
+        if engine.runner.mask_thread not in (None, saved):
+            engine.runner.mask_thread.shutdown()
+        engine.runner.mask_thread = saved
+    assert ahead == on_demand and all(ahead)
+    where = {name.startswith("localpd-masks") for name in made}
+    assert where == {threaded}  # every mask made ahead: in the mask thread, or by the engine's own thread
