@@ -66,6 +66,19 @@ def default_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
+def llama_quantize() -> Path:
+    """llama.cpp's llama-quantize, as /work/shared/peers/llama-cpp.sh builds it (LOCALPD_LLAMA_BIN: its folder); the
+    test is skipped where it is not built."""
+    folders = [Path(os.environ["LOCALPD_LLAMA_BIN"])] if os.environ.get("LOCALPD_LLAMA_BIN") else \
+        sorted(Path.home().glob(".cache/localpd-peers/llama.cpp-*/build/bin"))
+    tool = next((f / "llama-quantize" for f in folders if (f / "llama-quantize").is_file()), None)
+    if tool is None:
+        pytest.skip("llama.cpp's llama-quantize is not built (bash /work/shared/peers/llama-cpp.sh builds it, or set "
+                    "LOCALPD_LLAMA_BIN to its folder)")
+    return tool
+
+
+@pytest.fixture(scope="session")
 def hf_reference(default_gguf):
     """transformers' own model and tokenizer for the same GGUF: the test-only reference."""
     import torch

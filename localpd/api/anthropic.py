@@ -197,13 +197,13 @@ def anthropic_router(service: Service) -> APIRouter:
 
     @router.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountRequest):
-        e = service.ready()
+        e = await service.engine(body.model)
         ids, _, _ = prompt(service, e, body)
         return {"input_tokens": len(ids)}
 
     @router.post("/v1/messages")
     async def messages(body: MessagesRequest):
-        e = service.ready()
+        e = await service.engine(body.model)
         ids, replies, forced = prompt(service, e, body)
         service.check_context(e, ids, body.max_tokens)
         service.admit(e, 1)

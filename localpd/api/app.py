@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import uuid
-from typing import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -26,6 +25,7 @@ from localpd.api.ollama import ollama_router
 from localpd.api.openai import openai_router
 from localpd.api.responses import responses_router
 from localpd.api.schemas import error_body
+from localpd.api.models import ModelPool, ServedModel, held_by_request
 from localpd.api.service import ApiError, Service
 from localpd.engine import Engine
 
@@ -34,17 +34,19 @@ log = logging.getLogger("localpd.api.app")
 MAX_BODY = 10 * 2**20
 
 
-def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None = None, api_key: str | None = None,
-               max_waiting: int = 64, bandwidth: float | None = None, split_reasoning: bool = True,
+def create_app(models: Engine | ModelPool, api_key: str | None = None, max_waiting: int = 64,
+               bandwidth: float | None = None, split_reasoning: bool = True,
                cors_origins: list[str] | None = None) -> FastAPI:
-    """engine: a loaded engine; or load: called on a background thread at startup (/health says 503 until then).
+    """models: the models served (localpd.api.models; the first loads now, /health says 503 until it has), or one
+    engine, loaded, served under its name.
     split_reasoning: a thinking model's <think> block goes to the message's reasoning_content, not its content.
     cors_origins: web origins whose pages may call the API from a browser ("*": any); their preflight requests
     are answered before the API key is asked for, as browsers send them without it.
     bandwidth: bytes/s the MBU in `timings` and /metrics is measured against (default: the device's measured
     copy bandwidth, else its datasheet peak; localpd.measure.device)."""
     app = FastAPI(title="localpd", version="0.1.0", description="OpenAI-compatible local inference")
-    service = Service(engine, load, max_waiting, bandwidth, split_reasoning)
+    pool = models if isinstance(models, ModelPool) else ModelPool([ServedModel.of(models)])
+    service = Service(pool, max_waiting, bandwidth, split_reasoning)
     app.state.service = service  # what `localpd serve` stops admitting and cuts at shutdown
     add_error_handlers(app)
     app.add_middleware(JsonBodies)  # inside the guard below: a refused request's body is not read
@@ -70,23 +72,45 @@ def create_app(engine: Engine | None = None, load: Callable[[], Engine] | None =
 
     @app.get("/health")
     async def health():
-        if service.engine is None:
-            return JSONResponse({"status": "error" if service.error else "loading", "error": service.error},
-                                status_code=503)
+        why = service.health()
+        if why is not None:
+            return JSONResponse({"status": "loading" if why == "loading" else "error",
+                                 "error": None if why == "loading" else why}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus():
-        return Response(service.metrics.render(service.engine), media_type=CONTENT_TYPE_LATEST)
+        return Response(service.metrics.render(pool.engines()), media_type=CONTENT_TYPE_LATEST)
 
     app.include_router(openai_router(service))
     app.include_router(ollama_router(service))
     app.include_router(anthropic_router(service))
     app.include_router(responses_router(service))
+    app.add_middleware(HeldModels, pool=pool)
     if cors_origins:  # added last, so it runs first: a browser's preflight carries no Authorization header
         app.add_middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
     return app
+
+
+class HeldModels:
+    """Holds the models a request looks up (ModelPool.acquire) until its response has been sent, a stream's
+    last event included, so that none is unloaded under it; then releases them with the request's keep-alive."""
+
+    def __init__(self, app, pool: ModelPool):
+        self.app, self.pool = app, pool
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        held: list = []
+        token = held_by_request.set(held)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            held_by_request.reset(token)
+            for m, keep_alive in held:
+                self.pool.release(m, keep_alive)
 
 
 ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",

@@ -37,14 +37,14 @@ def cleaned(body: bytes) -> bytes:
 
 
 class JsonBodies:
-    """ASGI middleware: a POST's body is labelled application/json and cleaned of lone surrogates; the route's own
-    parsing makes a body that is not JSON a 400."""
+    """ASGI middleware: a POST's (or DELETE's) body is labelled application/json and cleaned of lone surrogates; the
+    route's own parsing makes a body that is not JSON a 400."""
 
     def __init__(self, app: ASGIApp):
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST":
+        if scope["type"] != "http" or scope["method"] not in ("POST", "DELETE"):
             return await self.app(scope, receive, send)
         chunks, more = [], True
         while more:

@@ -1,6 +1,6 @@
 """The server's Prometheus metrics on prometheus_client: requests by model and finish reason, tokens,
 time-to-first-token and time-per-token histograms, the last decode MBU, and the engine's queue, KV pages and prefix
-cache (read from the engine as /metrics is scraped)."""
+cache of each loaded model (read from its engine as /metrics is scraped), every series labelled by model."""
 
 from __future__ import annotations
 
@@ -25,18 +25,20 @@ ENGINE_SERIES = (  # name, EngineStats field, counter (else a gauge), help
 
 
 class EngineCollector:
-    """The engine's own counters and gauges, read at each scrape."""
+    """The loaded engines' own counters and gauges, labelled by model, read at each scrape."""
 
     def __init__(self):
-        self.engine: Engine | None = None
+        self.engines: dict[str, Engine] = {}
 
     def collect(self):
-        if self.engine is None:
+        stats = {name: e.stats() for name, e in self.engines.items()}
+        if not stats:
             return
-        s = self.engine.stats()
         for name, field, counter, doc in ENGINE_SERIES:
-            family = CounterMetricFamily if counter else GaugeMetricFamily
-            yield family(f"localpd_{name}", doc, value=getattr(s, field))
+            family = (CounterMetricFamily if counter else GaugeMetricFamily)(f"localpd_{name}", doc, labels=["model"])
+            for model, s in stats.items():
+                family.add_metric([model], getattr(s, field))
+            yield family
 
 
 class Metrics:
@@ -67,6 +69,7 @@ class Metrics:
         if mbu is not None:
             self.mbu.labels(model).set(round(mbu, 4))
 
-    def render(self, engine: Engine | None) -> bytes:
-        self.engine.engine = engine
+    def render(self, engines: dict[str, Engine]) -> bytes:
+        """The exposition, with the series of the engines loaded now (model name -> engine)."""
+        self.engine.engines = engines
         return generate_latest(self.registry)

@@ -1,7 +1,9 @@
 """Ollama's API beside the OpenAI one, so apps made for Ollama (Open WebUI, Continue, the ollama Python and JS
 libraries) work against `localpd serve` as they do against Ollama's port: POST /api/chat and /api/generate (NDJSON
 streams by default, or one object with "stream": false), POST /api/embed and /api/embeddings (Engine.embed's
-vectors), GET /api/tags, /api/ps and /api/version, POST /api/show, and POST /api/pull of the loaded model.
+vectors), GET /api/tags (every model served), /api/ps (the loaded ones) and /api/version, POST /api/show, POST
+/api/pull (a registry model downloaded and served, progress streamed) and DELETE /api/delete. Each request goes to
+the model it names (localpd.api.models), which stays loaded `keep_alive` once idle.
 
 A request maps onto the same engine as /v1/chat/completions: `options` onto the sampler (Ollama's defaults:
 temperature 0.8, top_k 40, top_p 0.9; num_predict -1 runs to the context), `format` ("json" or a JSON schema) onto
@@ -17,14 +19,15 @@ import logging
 import time
 import uuid
 from dataclasses import replace
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any, Literal
 
 from fastapi import APIRouter
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from localpd import __version__
+from localpd.api.models import ServedModel
 from localpd.api.reply import Reply
 from localpd.api.schemas import ToolSpec
 from localpd.api.service import ApiError, Service
@@ -32,6 +35,7 @@ from localpd.engine import Engine
 from localpd.engine.requests import RequestHandle
 from localpd.engine.sampling import SamplingParams
 from localpd.errors import LocalpdError
+from localpd.load.registry import file_size
 
 log = logging.getLogger("localpd.api.app")
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.0, "repeat_penalty": 1.0,
@@ -57,7 +61,7 @@ class OllamaRequest(BaseModel):
     format: Literal["json", ""] | dict[str, Any] | None = None  # "": none, as some clients send it
     options: dict[str, Any] | None = None
     think: bool | Literal["low", "medium", "high"] | None = None
-    keep_alive: Any = None  # the model stays loaded while the server runs
+    keep_alive: Any = None  # how long the model stays loaded once idle (localpd.api.models.keep_alive_seconds)
 
 
 class ChatBody(OllamaRequest):
@@ -83,6 +87,19 @@ class EmbedBody(BaseModel):
     dimensions: int | None = None
     options: dict[str, Any] | None = None
     keep_alive: Any = None
+
+
+class PullBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    name: str | None = None  # what older clients send
+    stream: bool = True
+
+
+class DeleteBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    name: str | None = None
 
 
 class LegacyEmbedBody(BaseModel):
@@ -158,38 +175,59 @@ def ollama_router(service: Service) -> APIRouter:
 
     @router.get("/tags")
     async def tags():
-        return {"models": [describe(service.ready())]}
+        """Every model served, loaded or not."""
+        return {"models": [listed(m) for m in list(service.pool.models.values())]}
 
     @router.get("/ps")
     async def ps():
-        e = service.ready()
-        return {"models": [{**describe(e), "size_vram": e.model.weight_bytes if e.device.type == "cuda" else 0,
-                            "expires_at": "0001-01-01T00:00:00Z", "context_length": e.max_context}]}
+        """The models loaded now, with the bytes they hold and when they unload if left idle."""
+        out = []
+        for m in service.pool.loaded():
+            e = m.engine
+            if e is None:  # unloaded since
+                continue
+            out.append({**listed(m), "size": m.size, "size_vram": m.size if e.device.type == "cuda" else 0,
+                        "expires_at": expiry(m), "context_length": e.max_context})
+        return {"models": out}
 
     @router.post("/pull")
-    async def pull(body: dict[str, Any]):
-        """The loaded model is there already: success, as Ollama answers for a model it has (streamed by
-        default); another model cannot be added to a running server."""
-        e = service.ready()
-        name = str(body.get("model") or body.get("name") or "")
-        if name.removesuffix(":latest") != e.name:
-            raise ApiError(400, f"localpd serve runs one model, {e.name}, loaded at start: pull {name or 'a model'} "
-                                f"with `localpd pull NAME` and serve it with `localpd serve NAME`")
-        if body.get("stream", True) is False:
-            return {"status": "success"}
-        return StreamingResponse(iter([json.dumps({"status": "success"}) + "\n"]), media_type="application/x-ndjson")
+    async def pull(body: PullBody):
+        """A registry model downloaded (if it is not here yet) and served from now on, its progress streamed as
+        Ollama's (status lines, then "success"; an error as {"error": ...})."""
+        name = (body.model or body.name or "").removesuffix(":latest")
+        progress = service.pull(name)
+        first = await anext(progress)  # a name that is not in the registry is a 404 before the stream starts
+        if not body.stream:
+            last = first
+            async for last in progress:
+                pass
+            if "error" in last:
+                raise ApiError(500, last["error"], "server_error")
+            return last
+
+        async def ndjson():
+            yield json.dumps(first) + "\n"
+            async for update in progress:
+                yield json.dumps(update) + "\n"
+
+        return StreamingResponse(ndjson(), media_type="application/x-ndjson")
+
+    @router.delete("/delete")
+    async def delete(body: DeleteBody):
+        """A downloaded registry model's files removed, and the model no longer served; one loaded is a 400."""
+        service.delete((body.model or body.name or "").removesuffix(":latest"))
+        return Response(status_code=200)
 
     @router.post("/create")
     @router.post("/copy")
     @router.post("/push")
-    @router.delete("/delete")
     async def manage():
-        raise ApiError(400, "localpd serve runs the one model it was started with; models are managed with "
-                            "`localpd pull` and `localpd models`, not through the API")
+        raise ApiError(400, "localpd serves the registry's models and model files; they are added with /api/pull "
+                            "or `localpd pull`, not created, copied or pushed through the API")
 
     @router.post("/show")
     async def show(body: dict[str, Any]):
-        e = service.ready()
+        e = await service.engine(body.get("model") or body.get("name"), body.get("keep_alive"))
         template = e.tokenizer.chat_template if e.tokenizer else None
         caps = ["completion"] + (["tools"] if template and "tools" in template else []) + (
             ["thinking"] if template and "think" in template else [])
@@ -201,8 +239,8 @@ def ollama_router(service: Service) -> APIRouter:
     @router.post("/embed")
     async def embed(body: EmbedBody):
         """Each input's last-token hidden state, L2-normalised (Engine.embed)."""
-        e = service.ready()
         start = time.perf_counter()
+        e = await service.engine(body.model, body.keep_alive)
         inputs = [body.input] if isinstance(body.input, str) else body.input
         service.check_dimensions(e, body.dimensions)
         vectors, ids = await embed_texts(service, e, inputs, body.truncate)
@@ -212,7 +250,7 @@ def ollama_router(service: Service) -> APIRouter:
     @router.post("/embeddings")
     async def legacy_embed(body: LegacyEmbedBody):
         """The older endpoint: one prompt, {"embedding": [...]} ([] for an empty prompt, as Ollama answers)."""
-        e = service.ready()
+        e = await service.engine(body.model, body.keep_alive)
         if not body.prompt:
             return {"embedding": []}
         vectors, _ = await embed_texts(service, e, [body.prompt], truncate=True)
@@ -220,7 +258,7 @@ def ollama_router(service: Service) -> APIRouter:
 
     @router.post("/chat")
     async def chat(body: ChatBody):
-        e = service.ready()
+        e = await service.engine(body.model, body.keep_alive)
         if not body.messages:  # Ollama's way to load a model: nothing to answer
             return {"model": e.name, "created_at": now(), "message": {"role": "assistant", "content": ""},
                     "done_reason": "load", "done": True}
@@ -232,7 +270,7 @@ def ollama_router(service: Service) -> APIRouter:
 
     @router.post("/generate")
     async def generate(body: GenerateBody):
-        e = service.ready()
+        e = await service.engine(body.model, body.keep_alive)
         for field, value in (("images", body.images), ("context", body.context), ("template", body.template)):
             if value:
                 raise ApiError(400, f"{field} is not supported by localpd's /api/generate"
@@ -360,11 +398,34 @@ def shaped(calls: list[dict]) -> list[dict]:
     return out
 
 
-def describe(e: Engine) -> dict:
+def listed(m: ServedModel) -> dict:
+    """A served model as /api/tags lists it: its size on disk and when its file changed, where known; its details
+    once it is loaded."""
+    e = m.engine
+    out = describe(e, m.id) if e is not None else {
+        "name": m.id, "model": m.id, "modified_at": "0001-01-01T00:00:00Z", "size": m.size, "digest": "",
+        "details": {"format": "", "family": "", "families": [], "parameter_size": "", "quantization_level": ""}}
+    if m.path is not None and m.path.exists():
+        modified = datetime.fromtimestamp(m.path.stat().st_mtime, timezone.utc)
+        out.update(size=file_size(m.path), modified_at=modified.isoformat().replace("+00:00", "Z"))
+    return out
+
+
+def expiry(m: ServedModel) -> str:
+    """When an idle model unloads, as Ollama's /api/ps gives it (a far date: kept while the server runs)."""
+    left = m.expires - time.monotonic()
+    if left > 10 * 365 * 86400:
+        return "2318-01-01T00:00:00Z"
+    at = datetime.now(timezone.utc) + timedelta(seconds=max(left, 0))
+    return at.isoformat().replace("+00:00", "Z")
+
+
+def describe(e: Engine, name: str | None = None) -> dict:
     """The model as /api/tags lists it: its size is the bytes a decode step reads, its parameters the matrices'
     (the output head's included, the embedding's not)."""
     n = e.model.body_params + e.model.lm_head.params
     size = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
-    return {"name": e.name, "model": e.name, "modified_at": "0001-01-01T00:00:00Z", "size": e.model.weight_bytes,
+    name = name or e.name
+    return {"name": name, "model": name, "modified_at": "0001-01-01T00:00:00Z", "size": e.model.weight_bytes,
             "digest": "", "details": {"format": "", "family": e.config.arch, "families": [e.config.arch],
                                       "parameter_size": size, "quantization_level": e.quant}}

@@ -14,6 +14,7 @@ import uuid
 from fastapi import APIRouter
 from fastapi.responses import StreamingResponse
 
+from localpd.api.models import ServedModel
 from localpd.api.reply import Reply
 from localpd.api.schemas import (ChatRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, Message,
                                  NamedToolChoice, Sampling, TokenizeRequest, error_body)
@@ -33,24 +34,23 @@ MAX_CHOICES = 16  # a request's prompts x n: each choice is a sequence in the en
 def openai_router(service: Service) -> APIRouter:
     router = APIRouter()
 
+    def listed(m: ServedModel) -> dict:
+        return {"id": m.id, "object": "model", "created": 0, "owned_by": "localpd",
+                **({"max_model_len": m.context} if m.context else {})}
+
     @router.get("/v1/models")
     async def models():
-        e = service.ready()
-        return {"object": "list", "data": [{"id": e.name, "object": "model", "created": 0, "owned_by": "localpd",
-                                            "max_model_len": e.max_context}]}
+        """Every model served, loaded or not (max_model_len: once it has loaded)."""
+        return {"object": "list", "data": [listed(m) for m in list(service.pool.models.values())]}
 
     @router.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
-        e = service.ready()
-        if model_id != e.name:
-            raise ApiError(404, f"the model {model_id!r} does not exist; this server runs {e.name}",
-                           "not_found_error", param="model", code="model_not_found")
-        return {"id": e.name, "object": "model", "created": 0, "owned_by": "localpd", "max_model_len": e.max_context}
+        return listed(service.served(model_id))
 
     @router.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         """Token ids of a prompt, or of a conversation in the model's chat template (vLLM's and llama.cpp's)."""
-        e = service.ready()
+        e = await service.engine(body.model)
         if e.tokenizer is None:
             raise ApiError(400, f"{e.name} has no tokenizer", param="prompt")
         if (body.prompt is None) == (body.messages is None):
@@ -64,7 +64,7 @@ def openai_router(service: Service) -> APIRouter:
 
     @router.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
-        e = service.ready()
+        e = await service.engine(body.model)
         if e.tokenizer is None:
             raise ApiError(400, f"{e.name} has no tokenizer", param="tokens")
         bad = [t for t in body.tokens if not 0 <= t < e.config.vocab_size]
@@ -75,7 +75,7 @@ def openai_router(service: Service) -> APIRouter:
 
     @router.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest):
-        e = service.ready()
+        e = await service.engine(body.model)
         log_unknown(body)
         messages = text_messages(body.messages)
         try:
@@ -93,7 +93,7 @@ def openai_router(service: Service) -> APIRouter:
 
     @router.post("/v1/completions")
     async def completions(body: CompletionRequest):
-        e = service.ready()
+        e = await service.engine(body.model)
         log_unknown(body)
         prompts = body.prompt
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -130,7 +130,7 @@ def openai_router(service: Service) -> APIRouter:
     async def embed(body: EmbeddingRequest):
         """Each input's last-token hidden state, L2-normalised (Engine.embed), as OpenAI's embeddings: floats, or
         base64 of little-endian float32 (what the openai client asks for by default)."""
-        e = service.ready()
+        e = await service.engine(body.model)
         log_unknown(body)
         inputs = body.input
         if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)):

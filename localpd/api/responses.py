@@ -183,7 +183,7 @@ class Responses:
 
     async def create(self, body: ResponsesRequest):
         service = self.service
-        e = service.ready()
+        e = await service.engine(body.model)
         messages = self.conversation(body)
         choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedFunction) else body.tool_choice
         if isinstance(choice, dict):

@@ -4,13 +4,14 @@ and a finished request's metrics and timings. The routers parse a body, call thi
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import threading
 import weakref
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import AsyncIterator, Callable
 
 from localpd.api.metrics import Metrics
+from localpd.api.models import LoadFailed, ModelPool, NoRoom, ServedModel, UnknownModel, keep_alive_seconds
 from localpd.api.reply import Reply
 from localpd.api.schemas import error_body
 from localpd.constrain.reasoning import ThinkSplit, reply_split
@@ -20,11 +21,13 @@ from localpd.engine.engine import embeddings
 from localpd.engine.requests import RequestHandle, TokenEvent
 from localpd.engine.sampling import SamplingParams
 from localpd.errors import LocalpdError
+from localpd.load.registry import delete_model, downloaded_bytes, file_size, load_registry, resolve_model
 from localpd.measure.device import device_info
 from localpd.measure.roofline import decode_ceiling_tps, utilisation
 
 log = logging.getLogger("localpd.api.app")
 
+PULL_UPDATE = 0.5  # seconds between a pull's progress updates
 MAX_EMBED_INPUTS = 2048  # inputs of one embeddings request, as OpenAI allows
 
 
@@ -48,32 +51,95 @@ class Collected:
 
 
 class Service:
-    def __init__(self, engine: Engine | None = None, load: Callable[[], Engine] | None = None,
-                 max_waiting: int = 64, bandwidth: float | None = None, split_reasoning: bool = True):
-        """engine: a loaded engine; or load: called on a background thread now (ready() says 503 until then).
-        max_waiting: requests queued before a 503. bandwidth: bytes/s that timings' MBU is measured against
+    def __init__(self, pool: ModelPool, max_waiting: int = 64, bandwidth: float | None = None,
+                 split_reasoning: bool = True):
+        """pool: the models served (localpd.api.models); its first starts loading now (/health says 503 until it
+        has). max_waiting: requests queued before a 503. bandwidth: bytes/s that timings' MBU is measured against
         (default: the device's measured copy bandwidth, else its datasheet peak). split_reasoning: a thinking
         model's <think> block apart from the answer."""
-        self.engine, self.error = engine, None
+        self.pool = pool
         self.max_waiting, self.bandwidth, self.split_reasoning = max_waiting, bandwidth, split_reasoning
         self.metrics = Metrics()
         self.running: weakref.WeakSet[RequestHandle] = weakref.WeakSet()  # requests submitted, not yet released
         self.closing, self.cut = False, 0  # shutting down: nothing more admitted; requests cut by it
-        if load is not None and engine is None:
-            threading.Thread(target=self._load, args=(load,), name="localpd-load", daemon=True).start()
+        pool.load_now()
 
-    def _load(self, load: Callable[[], Engine]) -> None:
+    def health(self) -> str | None:
+        """None once a model has loaded; before, why not ("loading", or the first model's error)."""
+        if self.pool.loads or self.pool.loaded():
+            return None
+        return self.pool.first.error or "loading"
+
+    def served(self, model: str | None) -> ServedModel:
+        """The served model a request names (localpd.api.models.ServedModel), loaded or not; not served: a 404."""
         try:
-            self.engine = load()
-        except Exception as e:  # noqa: BLE001 - reported by /health and every route
-            log.exception("loading the model failed")
-            self.error = str(e)
+            return self.pool.find(model)
+        except UnknownModel as err:
+            raise ApiError(404, str(err), "not_found_error", param="model", code="model_not_found") from None
 
-    def ready(self) -> Engine:
-        if self.engine is None:
-            message = f"the model failed to load: {self.error}" if self.error else "the model is loading"
-            raise ApiError(503, message, "server_error", code="model_not_ready")
-        return self.engine
+    async def engine(self, model: str | None, keep_alive=None) -> Engine:
+        """The engine of the model a request names (none: the first served), loaded if need be; held until the
+        response ends, then kept loaded for keep_alive (Ollama's: a duration, seconds, 0 or negative; None: the
+        server's default). Not served: a 404; one that fails to load: a 500; no room for it: a 503."""
+        try:
+            seconds = keep_alive_seconds(keep_alive)
+        except LocalpdError as err:
+            raise ApiError(400, str(err), param="keep_alive") from None
+        self.served(model)
+        try:
+            return await self.pool.acquire(model, seconds)
+        except NoRoom as err:
+            raise ApiError(503, str(err), "server_error", code="model_not_ready") from None
+        except LoadFailed as err:
+            raise ApiError(500, str(err), "server_error", code="model_load_failed") from None
+
+    # -- the models' files ---------------------------------------------------------------------------------------
+    async def pull(self, name: str) -> AsyncIterator[dict]:
+        """Downloads a registry model (localpd.load.registry) and serves it from then on: progress updates in
+        Ollama's shape, as the bytes arrive, then {"status": "success"} (or {"error": ...}). A name that is not in
+        the registry is a 404 at the first update; a model served and here already is a success at once."""
+        served = self.pool.models.get(name)
+        if served is not None and (served.engine is not None or served.path is not None and served.path.exists()):
+            yield {"status": "success"}
+            return
+        entry = load_registry()[1].get(name)
+        if entry is None:
+            raise ApiError(404, f"model {name!r} not found in localpd's registry (localpd models lists it)",
+                           "not_found_error", param="model", code="model_not_found")
+        if self.pool.new_model is None:
+            raise ApiError(400, "this server serves the models it was started with and adds none")
+        yield {"status": "pulling manifest"}
+        pulling = asyncio.ensure_future(asyncio.to_thread(resolve_model, name, True, False))
+        status, digest = f"pulling {name}", f"sha256:{entry.sha256_for(entry.sources[0]) or ''}"
+        while not pulling.done():
+            await asyncio.wait({pulling}, timeout=PULL_UPDATE)
+            if not pulling.done():
+                yield {"status": status, "digest": digest, "completed": downloaded_bytes(name)}
+        try:
+            size = file_size(pulling.result().path)
+        except (LocalpdError, OSError) as err:
+            yield {"error": f"pulling {name} failed: {err}"}
+            return
+        yield {"status": status, "digest": digest, "total": size, "completed": size}
+        yield {"status": "verifying sha256 digest"}  # resolve_model checked it where the registry lists one
+        if name not in self.pool.models:
+            self.pool.add(self.pool.new_model(name))
+        yield {"status": "success"}
+
+    def delete(self, name: str) -> None:
+        """Removes a served registry model's downloaded files and stops serving it. One loaded is a 400, as is a
+        model file given to the server (not localpd's download); one not served a 404."""
+        if name not in self.pool.models:
+            raise ApiError(404, f"model {name!r} not found", "not_found_error", param="model", code="model_not_found")
+        try:
+            self.pool.check_unloaded(self.pool.models[name])
+            if name not in load_registry()[1]:
+                raise LocalpdError(f"{name} is a model file given to the server; localpd deletes only the registry "
+                                   f"models it downloaded")
+            self.pool.remove(name)
+        except LocalpdError as err:
+            raise ApiError(400, str(err), param="model") from None
+        delete_model(name)
 
     # -- admission ---------------------------------------------------------------------------------------------
     def admit(self, e: Engine, requests: int) -> None:

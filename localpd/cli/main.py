@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from localpd.api.models import FIT_TIMEOUT, KEEP_ALIVE, MAX_LOADED, keep_alive_seconds
 from localpd.cli.engine_args import CHAT_CONTEXT, engine_from_args
 from localpd.errors import LocalpdError
 from localpd.quant.kv import FORMATS, kv_formats
@@ -30,6 +31,17 @@ def seconds_arg(text: str) -> float:
     value = float(text)
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text}")
+    return value
+
+
+def keep_alive_arg(text: str) -> float:
+    """--keep-alive: a duration (5m, 1h30m, 30s), seconds, 0 or a negative one (forever)."""
+    try:
+        value = keep_alive_seconds(text)
+    except LocalpdError as e:
+        raise argparse.ArgumentTypeError(str(e).replace("keep_alive", "--keep-alive")) from None
+    if value is None:
+        raise argparse.ArgumentTypeError("must not be empty")
     return value
 
 
@@ -177,7 +189,22 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_options(tui)
 
     serve = sub.add_parser("serve", help="an OpenAI-compatible API on localhost (/v1/chat/completions ...)")
-    serve.add_argument("model", nargs="?", help="registry name, .gguf file or model directory (default: the registry's default)")
+    serve.add_argument("model", nargs="*", metavar="MODEL",
+                       help="registry names, .gguf files or model directories, each served under its name (default: "
+                            "every registry model downloaded, else the registry's default); the first loads at start, "
+                            "the others on their first request")
+    serve.add_argument("--max-loaded", type=positive_int, default=MAX_LOADED, metavar="N",
+                       help=f"models loaded at once; loading one more unloads the least recently used idle one "
+                            f"(default {MAX_LOADED})")
+    serve.add_argument("--memory", metavar="SIZE",
+                       help="bytes the loaded models may hold together (weights and KV cache), e.g. 8GiB; past it the "
+                            "least recently used idle one is unloaded (default: what the device has free at start)")
+    serve.add_argument("--keep-alive", type=keep_alive_arg, default=KEEP_ALIVE, metavar="DURATION",
+                       help="how long an idle model stays loaded: 5m, 1h, 30s, 0 (unload after each request) or -1 "
+                            "(forever); a request's keep_alive overrides it (default 5m)")
+    serve.add_argument("--fit-timeout", type=seconds_arg, default=FIT_TIMEOUT, metavar="SECONDS",
+                       help="how long a request waits for room to load its model while the loaded ones are busy, "
+                            f"before a 503 (default {FIT_TIMEOUT:g})")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     serve.add_argument("--port", type=positive_int, default=8000)
     serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but / and /health")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -171,8 +172,51 @@ def list_models() -> list[tuple[ModelEntry, Path | None, int | None]]:
     rows = []
     for entry in load_registry()[1].values():
         path = next((p for p in map(local_path, entry.sources) if p is not None), None)
-        rows.append((entry, path, _size(path) if path else None))
+        rows.append((entry, path, file_size(path) if path else None))
     return rows
+
+
+def downloaded_bytes(name: str) -> int:
+    """Bytes lying where the registry model's sources download to (the hub's repository folder, partial files
+    included; a PyPI source's folder): how far a pull has come."""
+    total = 0
+    for source in load_registry()[1][name].sources:
+        folder = _download_folder(source)
+        if folder is not None and folder.is_dir():
+            total += sum(f.stat().st_size for f in folder.rglob("*") if f.is_file() and not f.is_symlink())
+    return total
+
+
+def delete_model(name: str) -> list[Path]:
+    """Removes a registry model's downloaded files (every source present, found where resolve_model looks first);
+    the paths removed."""
+    removed = []
+    for source in load_registry()[1][name].sources:
+        path = local_path(source, quick=True)
+        if path is None:
+            continue
+        kind, *rest = parse_source(source)
+        if kind == "hf" and path.is_symlink():  # the snapshot's link and the blob it names
+            blob = path.resolve()
+            path.unlink()
+            blob.unlink(missing_ok=True)
+        elif kind == "hf" and path.is_dir():  # a whole repository's snapshot
+            shutil.rmtree(_hf_repo_folder(rest[0]))
+        elif kind in ("hf", "pypi"):
+            path.unlink()
+        else:
+            continue  # a path source is the user's own file
+        removed.append(path)
+    return removed
+
+
+def _download_folder(source: str) -> Path | None:
+    kind, *rest = parse_source(source)
+    if kind == "hf":
+        return _hf_repo_folder(rest[0])
+    if kind == "pypi":
+        return _pypi_dest(*rest).parent
+    return None
 
 
 def _looks_like_path(s: str) -> bool:
@@ -184,7 +228,8 @@ def _one_line(e: BaseException) -> str:
     return lines[0] if lines else type(e).__name__
 
 
-def _size(path: Path) -> int:
+def file_size(path: Path) -> int:
+    """A file's bytes, or a directory's files' together."""
     if path.is_file():
         return path.stat().st_size
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())

@@ -1,13 +1,19 @@
 """A real localpd server on loopback for the API tests (test_server, test_ollama): the `served` fixture in
 conftest.py starts one for the session, on the default model with an API key."""
 
+import os
 import socket
 import threading
 import time
+from pathlib import Path
 
 import uvicorn
 
+from localpd.load.registry import resolve_model
+
 KEY = "test-key"
+# the name the session's server serves the default model under: its file's stem, as for any model file
+MODEL = Path(os.environ.get("LOCALPD_TEST_GGUF") or resolve_model("smollm2-135m", progress=False).path).stem
 
 
 def free_port() -> int:

@@ -8,11 +8,12 @@ import time
 import httpx
 import openai
 import pytest
-from live_server import KEY, LiveServer, idle
+from live_server import KEY, MODEL, LiveServer, idle
 
 from localpd.engine import Engine
 from localpd.engine.sampling import SamplingParams
 from localpd.api.app import create_app
+from localpd.api.models import ModelPool, ServedModel
 
 Q = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -33,8 +34,8 @@ def test_models_and_a_greedy_chat_completion(served, client):
 
 
 def test_streaming_with_usage_equals_the_plain_answer(client):
-    plain = client.chat.completions.create(model="x", messages=Q, temperature=0, max_tokens=24)
-    chunks = list(client.chat.completions.create(model="x", messages=Q, temperature=0, max_tokens=24, stream=True,
+    plain = client.chat.completions.create(model=MODEL, messages=Q, temperature=0, max_tokens=24)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=Q, temperature=0, max_tokens=24, stream=True,
                                                  stream_options={"include_usage": True}))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == plain.choices[0].message.content
@@ -43,18 +44,18 @@ def test_streaming_with_usage_equals_the_plain_answer(client):
 
 
 def test_stop_strings_seed_and_a_plain_completion(client):
-    r = client.chat.completions.create(model="x", messages=Q, temperature=0, max_tokens=24, stop=["Paris"])
+    r = client.chat.completions.create(model=MODEL, messages=Q, temperature=0, max_tokens=24, stop=["Paris"])
     assert "Paris" not in r.choices[0].message.content and r.choices[0].finish_reason == "stop"
     story = [{"role": "user", "content": "Tell me a story about a cat."}]
-    a, b = (client.chat.completions.create(model="x", messages=story, temperature=1.0, seed=7, max_tokens=16)
+    a, b = (client.chat.completions.create(model=MODEL, messages=story, temperature=1.0, seed=7, max_tokens=16)
             for _ in range(2))
     assert a.choices[0].message.content == b.choices[0].message.content
-    c = client.completions.create(model="x", prompt="The capital of France is", temperature=0, max_tokens=5)
+    c = client.completions.create(model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=5)
     assert c.choices[0].text.strip() and c.choices[0].finish_reason == "length"
 
 
 def test_logprobs(client):
-    r = client.chat.completions.create(model="x", messages=Q, temperature=0, max_tokens=3, logprobs=True,
+    r = client.chat.completions.create(model=MODEL, messages=Q, temperature=0, max_tokens=3, logprobs=True,
                                        top_logprobs=2)
     content = r.choices[0].logprobs.content
     assert len(content) == 3 and all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in content)
@@ -63,8 +64,8 @@ def test_logprobs(client):
 
 def test_repeated_system_prompt_is_served_from_the_prefix_cache(client):
     system = {"role": "system", "content": "You are a geography tutor who answers briefly. " * 6}
-    client.chat.completions.create(model="x", messages=[system] + Q, temperature=0, max_tokens=4)
-    r = client.chat.completions.create(model="x", messages=[system, {"role": "user", "content": "And Spain?"}],
+    client.chat.completions.create(model=MODEL, messages=[system] + Q, temperature=0, max_tokens=4)
+    r = client.chat.completions.create(model=MODEL, messages=[system, {"role": "user", "content": "And Spain?"}],
                                        temperature=0, max_tokens=4)
     assert r.usage.prompt_tokens_details.cached_tokens >= 48
 
@@ -76,7 +77,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 def test_a_named_tool_choice_gets_a_call_streamed_or_not(client):
-    kw = dict(model="x", messages=ASK, tools=[WEATHER], temperature=0, max_tokens=48,
+    kw = dict(model=MODEL, messages=ASK, tools=[WEATHER], temperature=0, max_tokens=48,
               tool_choice={"type": "function", "function": {"name": "get_weather"}})
     r = client.chat.completions.create(**kw)
     choice = r.choices[0]
@@ -105,7 +106,7 @@ def test_forced_calls_follow_the_tools_schemas_whatever_is_sampled(client):
     calls = []
     for seed in range(3):
         for tools, choice in (([WEATHER], named), ([WEATHER], "required"), ([WEATHER, clock], "required")):
-            c = client.chat.completions.create(model="x", messages=ASK, tools=tools, tool_choice=choice,
+            c = client.chat.completions.create(model=MODEL, messages=ASK, tools=tools, tool_choice=choice,
                                                temperature=1.0, seed=seed, max_tokens=64).choices[0]
             if c.finish_reason == "length":
                 assert JsonPrefix().feed(c.message.content.removeprefix("<tool_call>\n"))
@@ -134,7 +135,7 @@ def test_a_json_schema_reply_parses_into_its_model(client):
         country: str
         population: int
 
-    r = client.chat.completions.parse(model="x", messages=Q, response_format=City, temperature=0, max_tokens=96)
+    r = client.chat.completions.parse(model=MODEL, messages=Q, response_format=City, temperature=0, max_tokens=96)
     assert isinstance(r.choices[0].message.parsed, City) and r.choices[0].finish_reason == "stop"
     assert set(json.loads(r.choices[0].message.content)) == {"name", "country", "population"}
 
@@ -146,7 +147,7 @@ def test_a_json_schema_reply_parses_into_its_model(client):
 
     ask = [{"role": "user", "content": "Describe the Eiffel Tower: its name, the year it was built, its height."}]
     for seed in range(3):
-        t = client.chat.completions.parse(model="x", messages=ask, response_format=Tower, temperature=1.0,
+        t = client.chat.completions.parse(model=MODEL, messages=ask, response_format=Tower, temperature=1.0,
                                           seed=seed, max_tokens=96).choices[0]
         assert t.finish_reason == "stop" and isinstance(t.message.parsed, Tower), t.message.content
 
@@ -164,7 +165,7 @@ def test_patterns_and_formats_of_a_model_are_held(client):
 
     ask = [{"role": "user", "content": "Book me a flight to Paris: its flight code, the day and the gate."}]
     for seed in range(3):
-        t = client.chat.completions.parse(model="x", messages=ask, response_format=Flight, temperature=1.0,
+        t = client.chat.completions.parse(model=MODEL, messages=ask, response_format=Flight, temperature=1.0,
                                           seed=seed, max_tokens=96).choices[0]
         assert t.finish_reason == "stop" and isinstance(t.message.parsed, Flight), t.message.content
 
@@ -176,7 +177,7 @@ def test_vllms_structured_outputs_hold_the_reply_to_a_choice_a_pattern_or_a_sche
     import re
 
     ask = [{"role": "user", "content": "Is 'I loved this film' positive or negative?"}]
-    kw = dict(model="x", messages=ask, temperature=1.0, max_tokens=24)
+    kw = dict(model=MODEL, messages=ask, temperature=1.0, max_tokens=24)
     choices = ["positive", "negative"]
     for seed in range(2):
         for body in ({"guided_choice": choices}, {"structured_outputs": {"choice": choices}}):
@@ -184,17 +185,17 @@ def test_vllms_structured_outputs_hold_the_reply_to_a_choice_a_pattern_or_a_sche
             assert c.message.content in choices and c.finish_reason == "stop"
     drinks = ["☕ café crème", "🍵 thé", "🥛 lait"]  # the emoji come in tokens of a byte or two each
     for seed in range(3):
-        c = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Name a French drink."}],
+        c = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Name a French drink."}],
                                            temperature=1.0, max_tokens=24, seed=seed,
                                            extra_body={"guided_choice": drinks}).choices[0]
         assert c.message.content in drinks and c.finish_reason == "stop"
-        c = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Name a French drink."}],
+        c = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Name a French drink."}],
                                            temperature=1.0, max_tokens=24, seed=seed,
                                            extra_body={"guided_json": {"enum": drinks}}).choices[0]
         assert json.loads(c.message.content) in drinks and c.finish_reason == "stop"  # JSON mode's texts too
     phone = r"\(\d{3}\) \d{3}-\d{4}"
     for seed in range(3):
-        c = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Give me a phone number."}],
+        c = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Give me a phone number."}],
                                            temperature=1.0, max_tokens=24, seed=seed,
                                            extra_body={"structured_outputs": {"regex": phone}}).choices[0]
         assert re.fullmatch(phone, c.message.content) and c.finish_reason == "stop", c.message.content
@@ -205,7 +206,7 @@ def test_vllms_structured_outputs_hold_the_reply_to_a_choice_a_pattern_or_a_sche
     schema = {"type": "object", "properties": {"label": {"enum": ["pos", "neg"]}}, "required": ["label"]}
     c = client.chat.completions.create(**kw, seed=1, extra_body={"guided_json": schema}).choices[0]
     assert json.loads(c.message.content)["label"] in ("pos", "neg")
-    done = client.completions.create(model="x", prompt="The answer is", max_tokens=8, temperature=1.0, seed=2,
+    done = client.completions.create(model=MODEL, prompt="The answer is", max_tokens=8, temperature=1.0, seed=2,
                                      extra_body={"guided_regex": "(yes|no)\\."}).choices[0]
     assert done.text in ("yes.", "no.") and done.finish_reason == "stop"
     assert idle(served[0])
@@ -225,14 +226,14 @@ def test_a_grammar_holds_each_reply_gbnf_or_lark(served, client):
         text = (grammars / f"{name}.gbnf").read_text()
         for seed, body in enumerate(({"grammar": text}, {"structured_outputs": {"grammar": text}},
                                      {"guided_grammar": text})):
-            c = client.chat.completions.create(model="x", messages=[{"role": "user", "content": ask}], seed=seed,
+            c = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": ask}], seed=seed,
                                                temperature=1.0, max_tokens=48, extra_body=body).choices[0]
             reader = Reader(text_grammar(text))
             assert reader.feed(c.message.content) and (reader.done or c.finish_reason == "length"), c.message.content
             if name == "json" and c.finish_reason == "stop":
                 assert isinstance(json.loads(c.message.content), dict)
     lark = 'start: "The answer is " NUMBER "."\nNUMBER: /[0-9]{1,3}/'
-    done = client.completions.create(model="x", prompt="2 + 2 =", max_tokens=12, temperature=0,
+    done = client.completions.create(model=MODEL, prompt="2 + 2 =", max_tokens=12, temperature=0,
                                      extra_body={"structured_outputs": {"grammar": lark}}).choices[0]
     assert re.fullmatch(r"The answer is [0-9]{1,3}\.", done.text) and done.finish_reason == "stop"
     assert idle(served[0])
@@ -244,12 +245,12 @@ def test_continue_final_message_goes_on_with_the_assistants_start(served, client
     engine = served[0]
     start = "Sure! The capital of France is"
     messages = Q + [{"role": "assistant", "content": start}]
-    r = client.chat.completions.create(model="x", messages=messages, temperature=0, max_tokens=6,
+    r = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=6,
                                        extra_body={"continue_final_message": True, "add_generation_prompt": False})
     text = engine.tokenizer.render_chat(messages, add_generation_prompt=False)
     prompt = text[:text.rindex(start) + len(start)]
     assert r.usage.prompt_tokens == len(engine.tokenizer.encode(prompt, add_bos=False))
-    plain = client.completions.create(model="x", prompt=prompt, temperature=0, max_tokens=6)
+    plain = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=6)
     assert r.choices[0].message.content == plain.choices[0].text and "Paris" in plain.choices[0].text
     bad = httpx.post(served[1].url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
                      json={"messages": Q, "continue_final_message": True})
@@ -278,7 +279,7 @@ def test_a_union_of_models_parses_into_the_one_begun(client):
     ask = [{"role": "user", "content": "List a cat and a dog as JSON, with the cat's lives and the dog's breed."}]
     kinds = set()
     for seed in range(16):  # every reply parses; seeds go on until both kinds have come (which seeds bring a dog
-        t = client.chat.completions.parse(model="x", messages=ask, response_format=Pets, temperature=1.0,
+        t = client.chat.completions.parse(model=MODEL, messages=ask, response_format=Pets, temperature=1.0,
                                           seed=seed, max_tokens=128).choices[0]  # is the random stream's luck)
         assert t.finish_reason == "stop" and isinstance(t.message.parsed, Pets), t.message.content
         kinds |= {type(p) for p in t.message.parsed.pets}
@@ -288,22 +289,22 @@ def test_a_union_of_models_parses_into_the_one_begun(client):
 
 
 def test_json_object_mode_streamed_or_not(client):
-    kw = dict(model="x", messages=Q, temperature=0, max_tokens=64, response_format={"type": "json_object"})
+    kw = dict(model=MODEL, messages=Q, temperature=0, max_tokens=64, response_format={"type": "json_object"})
     r = client.chat.completions.create(**kw)
     assert isinstance(json.loads(r.choices[0].message.content), dict) and r.choices[0].finish_reason == "stop"
-    plain = client.chat.completions.create(model="x", messages=Q, temperature=0, max_tokens=64)
+    plain = client.chat.completions.create(model=MODEL, messages=Q, temperature=0, max_tokens=64)
     with pytest.raises(json.JSONDecodeError):  # the model's own answer is prose
         json.loads(plain.choices[0].message.content)
     chunks = [c for c in client.chat.completions.create(**kw, stream=True) if c.choices]
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == r.choices[0].message.content
-    c = client.completions.create(model="x", prompt="A JSON object with keys name and age for a 30 year old called "
+    c = client.completions.create(model=MODEL, prompt="A JSON object with keys name and age for a 30 year old called "
                                   "Ann:", temperature=0.7, seed=3, max_tokens=64,
                                   extra_body={"response_format": {"type": "json_object"}})
     assert json.loads(c.choices[0].text) == {"name": "Ann", "age": 30}
 
 
 def test_tools_the_model_does_not_call_leave_a_plain_answer(served, client):
-    kw = dict(model="x", messages=ASK, tools=[WEATHER], temperature=0, max_tokens=24)
+    kw = dict(model=MODEL, messages=ASK, tools=[WEATHER], temperature=0, max_tokens=24)
     r = client.chat.completions.create(**kw)
     assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
     streamed = [c for c in client.chat.completions.create(**kw, stream=True) if c.choices]
@@ -319,7 +320,7 @@ def test_a_tool_result_reaches_the_model(served, client):
             {"id": "call_1", "type": "function",
              "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 18 degrees Celsius."}]
-    r = client.chat.completions.create(model="x", messages=history, tools=[WEATHER], temperature=0, max_tokens=24)
+    r = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], temperature=0, max_tokens=24)
     expected = engine.encode_chat([{**m, "content": m["content"] or ""} for m in history], tools=[WEATHER])
     assert r.usage.prompt_tokens == len(expected)
     assert "18" in r.choices[0].message.content
@@ -338,23 +339,23 @@ def test_a_thinking_models_reasoning_is_split_from_its_content(served, client, m
     monkeypatch.setattr(engine.tokenizer, "chat_template", OPEN_THINK)
     raw = "".join(ev.text for ev in engine.generate(engine.encode_chat(Q), SamplingParams(temperature=0,
                                                                                           max_tokens=12)))
-    r = client.chat.completions.create(model="x", messages=Q, temperature=0, max_tokens=12)
+    r = client.chat.completions.create(model=MODEL, messages=Q, temperature=0, max_tokens=12)
     message = r.choices[0].message  # cut off before </think>: all of it is reasoning
     assert message.reasoning_content == raw.strip() and message.content is None
-    chunks = [c for c in client.chat.completions.create(model="x", messages=Q, temperature=0, max_tokens=12,
+    chunks = [c for c in client.chat.completions.create(model=MODEL, messages=Q, temperature=0, max_tokens=12,
                                                          stream=True) if c.choices]
     assert "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks) == raw.strip()
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == ""
     inline = LiveServer(create_app(engine, split_reasoning=False))
     try:
         plain = openai.OpenAI(base_url=inline.url + "/v1", api_key="x", max_retries=0).chat.completions.create(
-            model="x", messages=Q, temperature=0, max_tokens=12).choices[0].message
+            model=MODEL, messages=Q, temperature=0, max_tokens=12).choices[0].message
         assert plain.content == raw and getattr(plain, "reasoning_content", None) is None
     finally:
         inline.stop()
     history = Q + [{"role": "assistant", "content": "Paris.", "reasoning_content": "France's capital."},
                    {"role": "user", "content": "And Spain?"}]
-    again = client.chat.completions.create(model="x", messages=history, temperature=0, max_tokens=1)
+    again = client.chat.completions.create(model=MODEL, messages=history, temperature=0, max_tokens=1)
     assert again.usage.prompt_tokens == len(engine.encode_chat(history))
     assert "France's capital." in engine.tokenizer.decode(engine.encode_chat(history))
 
@@ -365,7 +366,7 @@ def test_json_mode_leaves_a_thinking_models_reasoning_free(served, client, monke
     it never closes, ends its reply there; in JSON mode it may not, so it reasons on."""
     engine = served[0]
     monkeypatch.setattr(engine.tokenizer, "chat_template", OPEN_THINK)
-    kw = dict(model="x", messages=Q, temperature=0, max_tokens=24)
+    kw = dict(model=MODEL, messages=Q, temperature=0, max_tokens=24)
     free = client.chat.completions.create(**kw).choices[0]
     held = client.chat.completions.create(**kw, response_format={"type": "json_object"}).choices[0]
     assert free.finish_reason == "stop" and free.message.content is None and held.finish_reason == "length"
@@ -380,7 +381,7 @@ def test_n_choices_share_one_prefill_and_each_samples_its_own(served, client):
     engine = served[0]
     messages = [{"role": "user", "content": "Write a line about the number 837562243 and the sea, "
                                             "then one about the mountains."}]
-    kw = dict(model="x", messages=messages, temperature=1.0, max_tokens=12, seed=5)
+    kw = dict(model=MODEL, messages=messages, temperature=1.0, max_tokens=12, seed=5)
     prompt = len(engine.encode_chat(messages))
     before = engine.stats().prefix_hit_tokens
     r = client.chat.completions.create(**kw, n=3)
@@ -402,7 +403,7 @@ def test_n_choices_share_one_prefill_and_each_samples_its_own(served, client):
     assert list(texts.values()) == [c.message.content for c in r.choices]
     assert last.usage.completion_tokens == r.usage.completion_tokens and len(last.model_extra["choice_timings"]) == 3
     assert last.model_extra["timings"] == last.model_extra["choice_timings"][0]
-    greedy = client.completions.create(model="x", prompt="The sea is", temperature=0, max_tokens=8, n=2)
+    greedy = client.completions.create(model=MODEL, prompt="The sea is", temperature=0, max_tokens=8, n=2)
     assert [c.index for c in greedy.choices] == [0, 1] and greedy.choices[0].text == greedy.choices[1].text
     assert idle(engine)
 
@@ -412,7 +413,7 @@ def test_completions_take_several_prompts_and_echo_them(served, client):
     alone gives; echo puts the prompt before each choice's text, streamed or not; each prompt is counted once."""
     engine = served[0]
     prompts = ["The sea is", "Mountains are"]
-    kw = dict(model="x", temperature=0, max_tokens=6)
+    kw = dict(model=MODEL, temperature=0, max_tokens=6)
     alone = [client.completions.create(**kw, prompt=p).choices[0].text for p in prompts]
     r = client.completions.create(**kw, prompt=prompts, n=2, echo=True)
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
@@ -513,7 +514,7 @@ def test_a_suffix_fills_in_the_middle_with_the_models_fim_tokens(served, client,
     prefix, suffix = "def add(a, b):\n    return", "\n\nprint(add(1, 2))\n"
     ids = [3, *engine.tokenizer.encode(prefix), 4, *engine.tokenizer.encode(suffix), 5]
     want = "".join(ev.text for ev in engine.generate(ids, SamplingParams(temperature=0, max_tokens=12)))
-    r = client.completions.create(model="x", prompt=prefix, suffix=suffix, temperature=0, max_tokens=12)
+    r = client.completions.create(model=MODEL, prompt=prefix, suffix=suffix, temperature=0, max_tokens=12)
     assert r.choices[0].text == want and r.usage.prompt_tokens == len(ids)
     bad = httpx.post(served[1].url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
                      json={"prompt": [1, 2], "suffix": "x"})
@@ -527,7 +528,7 @@ def test_embeddings_are_the_engines_vectors_as_floats_or_base64(served, client):
     engine = served[0]
     texts = ["Paris is the capital of France.", "Bananas are yellow.", "Paris is the capital of France."]
     want = [engine.embedding(engine.tokenizer.encode(t)) for t in texts[:2]]
-    r = client.embeddings.create(model="x", input=texts)
+    r = client.embeddings.create(model=MODEL, input=texts)
     assert [d.index for d in r.data] == [0, 1, 2] and r.usage.prompt_tokens == r.usage.total_tokens > 10
     for d, ref in zip(r.data, want + want[:1]):
         assert len(d.embedding) == engine.config.dim and max(abs(a - b) for a, b in zip(d.embedding, ref)) < 1e-5
@@ -553,7 +554,7 @@ def test_logit_bias_bans_and_forces_tokens(served, client):
     """OpenAI's logit_bias: -100 keeps a token out of the reply, +100 makes it the only one; ids outside the
     vocabulary and values outside [-100, 100] are 400s naming logit_bias."""
     tok = served[0].tokenizer
-    kw = dict(model="x", messages=Q, temperature=0, max_tokens=12)
+    kw = dict(model=MODEL, messages=Q, temperature=0, max_tokens=12)
     plain = client.chat.completions.create(**kw).choices[0].message.content
     paris = tok.encode(" Paris", add_bos=False)
     assert len(paris) == 1 and " Paris" in plain
@@ -608,7 +609,7 @@ def test_tokenize_and_detokenize(served, client):
     d = httpx.post(live.url + "/detokenize", json={"tokens": t["tokens"]}, headers=auth).json()
     assert d["prompt"] == text
     chat = httpx.post(live.url + "/tokenize", json={"messages": Q}, headers=auth).json()
-    usage = client.chat.completions.create(model="x", messages=Q, max_tokens=1).usage
+    usage = client.chat.completions.create(model=MODEL, messages=Q, max_tokens=1).usage
     assert chat["tokens"] == engine.encode_chat(Q) and chat["count"] == usage.prompt_tokens
     assert client.models.list().data[0].model_extra["max_model_len"] == 1024
     for path, body, fragment in (("/tokenize", {}, "either prompt or messages"),
@@ -625,7 +626,7 @@ def test_stop_token_ids_and_min_tokens(served, client):
     its field."""
     engine, live = served
     tok = engine.tokenizer
-    kw = dict(model="x", messages=Q, temperature=0, max_tokens=24)
+    kw = dict(model=MODEL, messages=Q, temperature=0, max_tokens=24)
     plain = client.chat.completions.create(**kw).choices[0]
     paris = tok.encode(" Paris", add_bos=False)[0]
     cut = client.chat.completions.create(**kw, extra_body={"stop_token_ids": [paris]}).choices[0]
@@ -687,11 +688,11 @@ def test_bodies_whatever_their_content_type_seeds_of_any_size_and_lone_surrogate
                                                                                         content_type})
         assert status_and_error(r)[0] == 400
     story = [{"role": "user", "content": "Tell me a story about a cat."}]
-    seeded = [client.chat.completions.create(model="x", messages=story, seed=seed, max_tokens=8)
+    seeded = [client.chat.completions.create(model=MODEL, messages=story, seed=seed, max_tokens=8)
               .choices[0].message.content for seed in (7, 2**64 + 7)]
     assert seeded[0] == seeded[1]
     for seed in (-1, -(2**80), 2**64):
-        assert client.completions.create(model="x", prompt="Once", seed=seed, max_tokens=2).choices[0].text
+        assert client.completions.create(model=MODEL, prompt="Once", seed=seed, max_tokens=2).choices[0].text
     for raw in (b'{"messages": [{"role": "user", "content": "hi \\ud83d"}], "max_tokens": 2}',
                 b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}], "max_tokens": 2,'
                 b' "stop": ["\\ud800"]}'):
@@ -705,12 +706,12 @@ def test_bodies_whatever_their_content_type_seeds_of_any_size_and_lone_surrogate
 def test_sixteen_concurrent_streams_match_their_single_answers(served, client):
     engine, _ = served
     prompts = [[{"role": "user", "content": f"Name {n} animals."}] for n in range(2, 18)]
-    alone = [client.chat.completions.create(model="x", messages=p, temperature=0, max_tokens=12)
+    alone = [client.chat.completions.create(model=MODEL, messages=p, temperature=0, max_tokens=12)
              .choices[0].message.content for p in prompts]
     results = [None] * len(prompts)
 
     def go(i):
-        stream = client.chat.completions.create(model="x", messages=prompts[i], temperature=0, max_tokens=12,
+        stream = client.chat.completions.create(model=MODEL, messages=prompts[i], temperature=0, max_tokens=12,
                                                 stream=True)
         results[i] = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
 
@@ -736,7 +737,8 @@ def test_a_dropped_stream_frees_its_pages(served, client, n):
         assert engine.stats().running + engine.stats().waiting == n
     assert idle(engine)
     metrics = httpx.get(live.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
-    assert "localpd_kv_pages_used 0" in metrics and "localpd_time_to_first_token_seconds_count" in metrics
+    assert f'localpd_kv_pages_used{{model="{engine.name}"}} 0' in metrics
+    assert "localpd_time_to_first_token_seconds_count" in metrics
     assert 'localpd_requests_total{finish_reason="cancelled",model="' in metrics and '"None"' not in metrics
 
 
@@ -746,7 +748,7 @@ def test_metrics_parse_and_are_labelled_by_model_and_finish_reason(served, clien
     from prometheus_client.parser import text_string_to_metric_families
 
     engine, live = served
-    client.chat.completions.create(model="x", messages=Q, max_tokens=2, temperature=0)
+    client.chat.completions.create(model=MODEL, messages=Q, max_tokens=2, temperature=0)
     text = httpx.get(live.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     families = {f.name: f for f in text_string_to_metric_families(text)}
     ended = [s for s in families["localpd_requests"].samples if s.name == "localpd_requests_total"]
@@ -762,19 +764,21 @@ def test_health_is_503_while_loading_then_200(default_gguf):
         gate.wait(10)
         return Engine(default_gguf, device="cpu", max_context=256)
 
-    live = LiveServer(create_app(load=slow_load))
+    pool = ModelPool([ServedModel("slow", slow_load)])
+    live = LiveServer(create_app(pool))
     try:
-        assert httpx.get(live.url + "/health").status_code == 503
-        code, err = status_and_error(httpx.get(live.url + "/v1/models"))
-        assert code == 503 and "loading" in err["message"]
+        r = httpx.get(live.url + "/health")
+        assert r.status_code == 503 and r.json()["status"] == "loading"
+        assert [m["id"] for m in httpx.get(live.url + "/v1/models").json()["data"]] == ["slow"]  # listed already
         gate.set()
         for _ in range(200):
             if httpx.get(live.url + "/health").status_code == 200:
                 break
             time.sleep(0.05)
-        assert httpx.get(live.url + "/v1/models").status_code == 200
+        assert httpx.get(live.url + "/v1/models").json()["data"][0]["max_model_len"] == 256
     finally:
         live.stop()
+        pool.close()
 
 
 def test_a_full_waiting_queue_answers_503(served):
@@ -796,8 +800,8 @@ def test_chat_template_kwargs_reach_the_template(served, client, monkeypatch):
     engine = served[0]
     monkeypatch.setattr(engine.tokenizer, "chat_template", THINKING_TEMPLATE)
     off = {"enable_thinking": False}
-    plain = client.chat.completions.create(model="x", messages=Q, max_tokens=1)
-    direct = client.chat.completions.create(model="x", messages=Q, max_tokens=1,
+    plain = client.chat.completions.create(model=MODEL, messages=Q, max_tokens=1)
+    direct = client.chat.completions.create(model=MODEL, messages=Q, max_tokens=1,
                                             extra_body={"chat_template_kwargs": off})
     assert plain.usage.prompt_tokens == len(engine.encode_chat(Q))
     assert direct.usage.prompt_tokens == len(engine.encode_chat(Q, template_vars=off)) > plain.usage.prompt_tokens

@@ -226,7 +226,7 @@ def test_serve_answers_an_openai_client_until_stopped(default_gguf):
             assert proc.poll() is None, proc.stderr.read()
             time.sleep(0.1)
         client = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0)
-        r = client.chat.completions.create(model="x", messages=[{"role": "user", "content":
+        r = client.chat.completions.create(model=default_gguf.stem, messages=[{"role": "user", "content":
                                                                  "What is the capital of France?"}],
                                            temperature=0, max_tokens=16)
         assert "Paris" in r.choices[0].message.content
@@ -234,7 +234,7 @@ def test_serve_answers_an_openai_client_until_stopped(default_gguf):
             "Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST"})
         assert preflight.headers.get("access-control-allow-origin") == "http://localhost:3000"
         metrics = httpx.get(url + "/metrics", headers={"Authorization": "Bearer k"}).text
-        assert "localpd_requests_running_max 3.0\n" in metrics
+        assert f'localpd_requests_running_max{{model="{default_gguf.stem}"}} 3.0\n' in metrics
     finally:
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)

@@ -71,12 +71,12 @@ def test_sigterm_cuts_running_streams_after_the_grace_with_a_final_event(default
                                                         "stream": True, "stream_options": {"include_usage": True}}),
                    Stream(url, "/v1/completions", {"prompt": "Rivers", "max_tokens": 2000, "min_tokens": 2000,
                                                    "stream": True}),
-                   Stream(url, "/api/chat", {"model": "x", "messages": LONG,  # greedy: some 2700 words
+                   Stream(url, "/api/chat", {"model": default_gguf.stem, "messages": LONG,  # greedy: 2700 words
                                               "options": {"num_predict": 2000, "temperature": 0}}),
-                   Stream(url, "/v1/responses", {"input": LONG[0]["content"], "max_output_tokens": 2000,
-                                                 "temperature": 0, "stream": True}),
-                   Stream(url, "/v1/messages", {"messages": LONG, "max_tokens": 2000, "temperature": 0,
-                                                "stream": True})]
+                   Stream(url, "/v1/responses", {"model": default_gguf.stem, "input": LONG[0]["content"],
+                                                 "max_output_tokens": 2000, "temperature": 0, "stream": True}),
+                   Stream(url, "/v1/messages", {"model": default_gguf.stem, "messages": LONG, "max_tokens": 2000,
+                                                "temperature": 0, "stream": True})]
         for s in streams:
             s.start()
         for s in streams:

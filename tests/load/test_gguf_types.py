@@ -102,28 +102,14 @@ def test_small_file_of_each_type_loads_and_runs(tmp_path, type_name):
     assert torch.isfinite(logits(native, list(range(0, VOCAB, 5)))).all()
 
 
-def llama_quantize():
-    """llama.cpp's llama-quantize, as /work/shared/peers/llama-cpp.sh builds it (LOCALPD_LLAMA_BIN: its folder), or
-    None."""
-    import os
-    from pathlib import Path
-
-    folders = [Path(os.environ["LOCALPD_LLAMA_BIN"])] if os.environ.get("LOCALPD_LLAMA_BIN") else \
-        sorted(Path.home().glob(".cache/localpd-peers/llama.cpp-*/build/bin"))
-    return next((f / "llama-quantize" for f in folders if (f / "llama-quantize").is_file()), None)
-
-
-def test_q4_k_m_made_by_llama_cpp_loads_and_chats(tmp_path, default_gguf):
+def test_q4_k_m_made_by_llama_cpp_loads_and_chats(tmp_path, default_gguf, llama_quantize):
     """The most common file on the hub: llama.cpp's Q4_K_M (Q4_K, Q6_K, Q5_0 and Q8_0 for this model's widths)."""
     import subprocess
     import sys
 
     from localpd.load.gguf import GGUFFile
 
-    tool = llama_quantize()
-    if tool is None:
-        pytest.skip("llama.cpp's llama-quantize is not built (bash /work/shared/peers/llama-cpp.sh builds it, or set "
-                    "LOCALPD_LLAMA_BIN to its folder)")
+    tool = llama_quantize
     path = tmp_path / "q4_k_m.gguf"
     made = subprocess.run([str(tool), "--allow-requantize", str(default_gguf), str(path), "Q4_K_M", "2"],
                           capture_output=True, text=True, timeout=300)
