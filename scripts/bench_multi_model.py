@@ -24,6 +24,9 @@ from pathlib import Path
 import httpx
 
 
+BEFORE = 4.0  # seconds the streams run alone before B starts loading
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -73,10 +76,10 @@ class Stream(threading.Thread):
                     self.times.append(time.monotonic())
 
 
-def tpot(streams: list[Stream], start: float, end: float) -> float:
-    """Median gap between consecutive tokens of a stream, over the gaps that lie inside [start, end]."""
-    gaps = [b - a for s in streams for a, b in zip(s.times, s.times[1:]) if a >= start and b <= end]
-    return statistics.median(gaps)
+def gaps(streams: list[Stream], windows: list[tuple[float, float]]) -> list[float]:
+    """The gaps between consecutive tokens of each stream that lie inside one of the windows."""
+    return [b - a for s in streams for a, b in zip(s.times, s.times[1:])
+            if any(start <= a and b <= end for start, end in windows)]
 
 
 def load(url: str, model: str) -> tuple[float, float]:
@@ -87,22 +90,26 @@ def load(url: str, model: str) -> tuple[float, float]:
     return t0, time.monotonic()
 
 
-def pace(url: str, a: str, b: str, n: int, tokens: int) -> tuple[float, float, float]:
-    """(TPOT alone, TPOT while B loads, B's load seconds): one round of n streams to A, B loading in its middle."""
+def pace(url: str, a: str, b: str, n: int, tokens: int) -> dict:
+    """One round: n streams to A, B loading in their middle. The streams' time per output token (the mean gap
+    between a stream's tokens) and their longest gap, over the load's window and over the windows before and after
+    it (every stream past its prefill, none finished)."""
     streams = [Stream(url, a, tokens) for _ in range(n)]
     for s in streams:
         s.start()
     while any(len(s.times) < 3 for s in streams):
         time.sleep(0.05)
-    time.sleep(4.0)
-    alone_end = time.monotonic()
+    time.sleep(BEFORE)
     t0, t1 = load(url, b)
     for s in streams:
         s.join()
-    if min(s.times[-1] for s in streams) < t1:
+    first, last = max(s.times[2] for s in streams), min(s.times[-1] for s in streams)
+    if last < t1 + 1.0:
         raise SystemExit(f"the streams ended before B had loaded: raise --tokens (now {tokens})")
-    first = max(s.times[2] for s in streams)  # every stream past its prefill
-    return tpot(streams, first, alone_end), tpot(streams, t0, t1), t1 - t0
+    alone, loading = gaps(streams, [(first, t0), (t1, last)]), gaps(streams, [(t0, t1)])
+    return {"tpot_alone_ms": statistics.mean(alone) * 1e3, "tpot_loading_ms": statistics.mean(loading) * 1e3,
+            "longest_gap_alone_ms": max(alone) * 1e3, "longest_gap_loading_ms": max(loading) * 1e3,
+            "load_s": t1 - t0, "ratio": statistics.mean(loading) / statistics.mean(alone)}
 
 
 def main() -> None:
@@ -120,14 +127,13 @@ def main() -> None:
     a, b = [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]]
     out: dict = {"a": a, "b": b, "streams": args.streams}
     try:
-        rounds = [pace(url, a, b, args.streams, args.tokens) for _ in range(args.rounds)]
-        for alone, loading, seconds in rounds:
-            print(f"TPOT of {args.streams} streams to {a}: alone {alone * 1e3:.1f} ms, while {b} loads "
-                  f"({seconds:.1f} s) {loading * 1e3:.1f} ms: {loading / alone:.2f}x")
-        out["rounds"] = [{"tpot_alone_ms": r[0] * 1e3, "tpot_loading_ms": r[1] * 1e3, "load_s": r[2],
-                          "ratio": r[1] / r[0]} for r in rounds]
-        ratios = sorted(r[1] / r[0] for r in rounds)
-        print(f"median ratio {statistics.median(ratios):.2f}x over {len(rounds)} rounds")
+        out["rounds"] = rounds = [pace(url, a, b, args.streams, args.tokens) for _ in range(args.rounds)]
+        for r in rounds:
+            print(f"TPOT of {args.streams} streams to {a}: alone {r['tpot_alone_ms']:.1f} ms (longest gap "
+                  f"{r['longest_gap_alone_ms']:.0f} ms), while {b} loads ({r['load_s']:.1f} s) "
+                  f"{r['tpot_loading_ms']:.1f} ms (longest gap {r['longest_gap_loading_ms']:.0f} ms): "
+                  f"{r['ratio']:.2f}x")
+        print(f"median ratio {statistics.median(r['ratio'] for r in rounds):.2f}x over {len(rounds)} rounds")
         if args.cycles:
             load(url, b)  # the first load's one-time costs (imports, kernels' library) before the baseline
             before = rss(proc.pid)

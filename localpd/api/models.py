@@ -173,7 +173,8 @@ class ModelPool:
             return [m for m in self.models.values() if m.engine is not None]
 
     def engines(self) -> dict[str, Engine]:
-        return {m.id: m.engine for m in self.loaded()}
+        with self._lock:
+            return {m.id: m.engine for m in self.models.values() if m.engine is not None}
 
     # -- a request's models --------------------------------------------------------------------------------------
     async def acquire(self, name: str | None, keep_alive: float | None = None) -> Engine:

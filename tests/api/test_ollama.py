@@ -295,7 +295,7 @@ def litellm():
 def test_litellms_ollama_providers_chat_and_stream(served, litellm, provider):
     """litellm's providers send their JSON without a Content-Type; ollama/ goes through /api/generate,
     ollama_chat/ through /api/chat."""
-    kw = dict(model=f"{provider}/smollm2", api_base=served[1].url, extra_headers={"Authorization": f"Bearer {KEY}"},
+    kw = dict(model=f"{provider}/{MODEL}", api_base=served[1].url, extra_headers={"Authorization": f"Bearer {KEY}"},
               temperature=0, max_tokens=16)
     r = litellm.completion(messages=ASK, **kw)
     assert "Paris" in r.choices[0].message.content
