@@ -133,7 +133,8 @@ def main() -> None:
                   f"{r['longest_gap_alone_ms']:.0f} ms), while {b} loads ({r['load_s']:.1f} s) "
                   f"{r['tpot_loading_ms']:.1f} ms (longest gap {r['longest_gap_loading_ms']:.0f} ms): "
                   f"{r['ratio']:.2f}x")
-        print(f"median ratio {statistics.median(r['ratio'] for r in rounds):.2f}x over {len(rounds)} rounds")
+        if rounds:
+            print(f"median ratio {statistics.median(r['ratio'] for r in rounds):.2f}x over {len(rounds)} rounds")
         if args.cycles:
             load(url, b)  # the first load's one-time costs (imports, kernels' library) before the baseline
             before = rss(proc.pid)

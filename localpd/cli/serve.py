@@ -84,18 +84,27 @@ def model_pool(args) -> ModelPool:
     at start, where none is)."""
     names = args.model or [e.name for e, path, _ in list_models() if path is not None] or [default_model()]
     memory = parse_bytes(args.memory) if args.memory else free_memory(args.device)
+    if len(names) > 1 and args.kv_memory is None and memory and on_gpu(args.device):
+        # an engine's own default takes most of the free GPU memory for its KV cache, which leaves none to the
+        # next model: each gets half its share of the budget instead
+        args.kv_memory = memory // (2 * min(args.max_loaded, len(names)))
+        log.info("each model's KV cache: %.0f MiB (--kv-memory sets it)", args.kv_memory / 2**20)
     return ModelPool([served_model(args, n) for n in names], max_loaded=args.max_loaded, memory=memory,
                      keep_alive=args.keep_alive, fit_timeout=args.fit_timeout,
                      new_model=lambda name: served_model(args, name))
+
+
+def on_gpu(device: str | None) -> bool:
+    import torch
+
+    return device != "cpu" and torch.cuda.is_available()
 
 
 def free_memory(device: str | None) -> int | None:
     """Bytes the device has free as the server starts (the GPU's, else the machine's available memory)."""
     import torch
 
-    if device != "cpu" and torch.cuda.is_available():
-        return torch.cuda.mem_get_info()[0]
-    return available_memory()
+    return torch.cuda.mem_get_info()[0] if on_gpu(device) else available_memory()
 
 
 def serve(args) -> None:
