@@ -7,7 +7,7 @@ import asyncio
 import json
 
 import pytest
-from live_server import KEY, idle
+from live_server import KEY, MODEL, idle
 from pydantic import BaseModel
 
 from localpd.engine.sampling import SamplingParams
@@ -33,8 +33,8 @@ def test_openai_agents_default_model_answers_streams_and_calls_a_tool(served):
     engine = served[0]
     config = agents.RunConfig(tracing_disabled=True, model_provider=agents.OpenAIProvider(
         base_url=served[1].url + "/v1", api_key=KEY))
-    assert isinstance(config.model_provider.get_model("smollm2"), agents.OpenAIResponsesModel)  # the default
-    agent = agents.Agent(name="tutor", instructions=SHORT, model="smollm2",
+    assert isinstance(config.model_provider.get_model(MODEL), agents.OpenAIResponsesModel)  # the default
+    agent = agents.Agent(name="tutor", instructions=SHORT, model=MODEL,
                          model_settings=agents.ModelSettings(temperature=0, max_tokens=64))
     asked = []
 
@@ -44,7 +44,7 @@ def test_openai_agents_default_model_answers_streams_and_calls_a_tool(served):
         asked.append(city)
         return "Sunny, 24 degrees"
 
-    caller = agents.Agent(name="weather", instructions="You report the weather.", model="smollm2", tools=[get_weather],
+    caller = agents.Agent(name="weather", instructions="You report the weather.", model=MODEL, tools=[get_weather],
                           model_settings=agents.ModelSettings(temperature=0, max_tokens=48, tool_choice="get_weather"),
                           tool_use_behavior="stop_on_first_tool")
 
@@ -71,7 +71,7 @@ def test_pydantic_ai_models_answer_stream_and_fill_an_output_type(served, kind):
     from pydantic_ai.providers.openai import OpenAIProvider
 
     engine = served[0]
-    model = getattr(models, kind)("smollm2", provider=OpenAIProvider(base_url=served[1].url + "/v1", api_key=KEY))
+    model = getattr(models, kind)(MODEL, provider=OpenAIProvider(base_url=served[1].url + "/v1", api_key=KEY))
     agent = Agent(model, instructions=SHORT, model_settings={"temperature": 0, "max_tokens": 32})
     alone = engine_reply(engine, [{"role": "system", "content": SHORT}, {"role": "user", "content": ASK}], 32)
     assert agent.run_sync(ASK).output == alone
@@ -95,7 +95,7 @@ def test_langchain_structured_output_with_an_int_field_ends_before_max_tokens(se
     pytest.importorskip("langchain_openai")
     from langchain_openai import ChatOpenAI
 
-    llm = ChatOpenAI(base_url=served[1].url + "/v1", api_key=KEY, model="smollm2", temperature=0, max_tokens=256,
+    llm = ChatOpenAI(base_url=served[1].url + "/v1", api_key=KEY, model=MODEL, temperature=0, max_tokens=256,
                      max_retries=0)
     kw = {k: v for k, v in (("method", method), ("strict", strict)) if v is not None}
     out = llm.with_structured_output(City, include_raw=True, **kw).invoke(

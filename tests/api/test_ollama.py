@@ -330,14 +330,15 @@ def test_litellms_ollama_providers_call_tools(served, litellm):
     engine = served[0]
     kw = dict(api_base=served[1].url, extra_headers={"Authorization": f"Bearer {KEY}"}, tools=[WEATHER],
               temperature=0, max_tokens=40)
-    r = litellm.completion(model="ollama_chat/smollm2", messages=asked_weather(["London", "Rome", "Oslo"], False), **kw)
+    r = litellm.completion(model=f"ollama_chat/{MODEL}", messages=asked_weather(["London", "Rome", "Oslo"], False),
+                           **kw)
     [call] = r.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
     assert r.choices[0].finish_reason == "tool_calls"
     conversation = asked_weather(["London", "Rome"], True)
-    r = litellm.completion(model="ollama_chat/smollm2", messages=conversation, **kw)
+    r = litellm.completion(model=f"ollama_chat/{MODEL}", messages=conversation, **kw)
     assert r.usage.prompt_tokens == len(engine.encode_chat(conversation, tools=[WEATHER]))
-    r = litellm.completion(model="ollama/smollm2", messages=conversation, **kw)
+    r = litellm.completion(model=f"ollama/{MODEL}", messages=conversation, **kw)
     [call] = r.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and set(json.loads(call.function.arguments)) == {"city"}
     assert idle(engine)
