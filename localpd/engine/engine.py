@@ -27,6 +27,7 @@ from localpd.engine.requests import EngineStats, Request, RequestHandle, TokenEv
 from localpd.engine.runner import ModelRunner
 from localpd.engine.sampling import Sampler, SamplingParams
 from localpd.engine.scheduler import MAX_RUNNING, MAX_STEP_TOKENS, Scheduler, Sequence
+from localpd.engine.speculate import SpeculateConfig, Speculator
 from localpd.errors import LocalpdError
 from localpd.kvcache.pages import PagePool
 from localpd.load.loader import LoadedModel, load_model
@@ -90,12 +91,13 @@ class Engine:
     def __init__(self, model: str | Path = "smollm2-135m", device: str | None = None, quant: str | None = None,
                  kv: str | None = None, max_context: int | None = None, kv_memory: str | int | None = None,
                  kv_tokens: int | None = None, progress: bool = False, max_step_tokens: int = MAX_STEP_TOKENS,
-                 max_running: int = MAX_RUNNING, cuda_graphs: bool = True):
+                 max_running: int = MAX_RUNNING, cuda_graphs: bool = True, speculate: SpeculateConfig | None = None):
         """quant: a weight scheme (localpd.quant.schemes.SCHEMES); by default the file's own format ("native"; on a
         CPU without localpd's CPU kernels, float32: schemes.default_scheme). kv: the KV cache dtype
         (localpd.quant.kv.KV_DTYPES); by default kv_default's. kv_memory: bytes for the KV cache (default: most of the free GPU memory; on the CPU room for
         two full contexts); or kv_tokens: room for that many tokens. cuda_graphs: replay decode steps as CUDA
-        graphs on a GPU (localpd.engine.cuda_graph)."""
+        graphs on a GPU (localpd.engine.cuda_graph). speculate: speculative decoding (localpd.engine.speculate; by
+        default off)."""
         self.device = torch.device(device or default_device())
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise LocalpdError("--device cuda asked for, but torch sees no CUDA GPU")
@@ -142,6 +144,12 @@ class Engine:
         self.scheduler = Scheduler(self.pages, max_step_tokens, max_running)
         self.runner = ModelRunner(self.model, self.kv, self.kv_traffic, self.scheduler, self.graphs, self.device)
         self.output = OutputProcessor(self._finish)
+        # a per-page KV format (int4ch) rounds a page's keys over every token written to it, so k + 1 rows written
+        # at once would each see keys rounded over the later rows' range: no longer plain decoding's reply
+        self.speculator = Speculator(speculate or SpeculateConfig(), self.device.type)
+        if self.speculator.config.on and self.kv.has_stage:
+            self.notes.append(f"speculative decoding is off under the {self.kv_dtype} KV cache: its pages round "
+                              f"keys over all their tokens, so drafted rows would change the reply")
         self._requests: dict[Sequence, Request] = {}
         self._inbox: deque[Request] = deque()
         self._cancels: set[RequestHandle] = set()
@@ -357,9 +365,19 @@ class Engine:
         req.handle.stats.finish_reason = event.finish_reason
         req.handle._push(event)
 
+    def _draft(self) -> None:
+        """Each decoding sequence's draft for this step (engine.speculate), as long as its token budget allows."""
+        for seq in self.scheduler.running:
+            req = self._requests[seq]
+            if seq.pending == 1 and not req.embed:
+                seq.draft = self.speculator.propose(req.draft, seq.tokens, len(seq.output),
+                                                    seq.max_tokens - len(seq.output) - 1, req.sampler.constraint)
+
     def _step(self) -> None:
         """One step: the scheduler picks the work, the model runner computes it and samples, the output processor
         turns the samples into events."""
+        if self.speculator.config.on and not self.kv.has_stage:
+            self._draft()
         work = self.scheduler.step()
         if not work:
             if self.scheduler.waiting and not self.scheduler.running:  # the head cannot fit even alone

@@ -17,11 +17,12 @@ class OutputProcessor:
     def process(self, out: StepOutput, requests: dict) -> None:
         """requests: the engine's running requests by sequence (each of the step's adds the step's bytes)."""
         step, now = out.stats, out.now
-        for req, outcome in zip(out.requests, out.outcomes):
+        sampled = [w for w in out.work if w.sample]
+        for w, req, outcome in zip(sampled, out.requests, out.outcomes):
             if req.embed:
                 self._embedded(req, outcome, step, now)
             else:
-                self._emit(req, *outcome, step, now)
+                self._emit(req, outcome, len(w.draft), step, now)
         for w in out.work:
             if w.seq in requests:
                 requests[w.seq].handle.stats.bytes_moved += step.bytes
@@ -34,7 +35,9 @@ class OutputProcessor:
     def flush(self, req: Request) -> str:
         return req.stops.flush(req.detok.flush() if req.detok else "")
 
-    def _emit(self, req: Request, token: int, lp, top, step: StepStats, now: float) -> None:
+    def _emit(self, req: Request, outcome: list, drafted: int, step: StepStats, now: float) -> None:
+        """outcome: the step's (token, logprob, top logprobs) for this request, several where its draft (drafted
+        tokens) held; the request may end at any of them."""
         s = req.handle.stats
         if req.first_token_at is None:
             req.first_token_at = now
@@ -44,9 +47,20 @@ class OutputProcessor:
             s.decode_seconds = now - req.first_token_at
             s.decode_step_seconds += step.seconds
             s.decode_bytes += step.bytes
+            s.decode_steps += 1
+            s.decode_written += len(outcome)
+            s.drafted_tokens += drafted
+            s.accepted_tokens += len(outcome) - 1
+        for token, lp, top in outcome:
+            if not self._token(req, token, lp, top, step):
+                return
+
+    def _token(self, req: Request, token: int, lp, top, step: StepStats) -> bool:
+        """One written token to the request's stream; whether the request goes on."""
+        s = req.handle.stats
         if token in req.eos:
             self.finish(req, TokenEvent(None, self.flush(req), "stop", step))
-            return
+            return False
         req.seq.output.append(token)
         s.output_tokens = len(req.seq.output)
         text, hit = req.stops.push(req.detok.push(token) if req.detok else "")
@@ -56,3 +70,5 @@ class OutputProcessor:
             self.finish(req, TokenEvent(token, text + self.flush(req), "length", step, lp, top))
         else:
             req.handle._push(TokenEvent(token, text, None, step, lp, top))
+            return True
+        return False

@@ -12,6 +12,7 @@ from typing import AsyncIterator, Iterator
 
 from localpd.engine.sampling import Sampler, SamplingParams
 from localpd.engine.scheduler import Sequence
+from localpd.engine.speculate import DraftState
 from localpd.text.stops import StopMatcher
 from localpd.text.tokenizer import IncrementalDetokenizer
 
@@ -25,6 +26,14 @@ class StepStats:
     bytes: int = 0  # weight and KV bytes the step moved (localpd.measure.roofline.step_cost)
     flops: int = 0
     wall_seconds: float = 0.0  # the step on the host's clock, Python and sampling included
+    drafted: int = 0  # drafted tokens the step verified (engine.speculate), all sequences together
+    accepted: int = 0  # of those, the ones the model confirmed
+
+    @property
+    def written(self) -> int:
+        """Tokens the step added to its sequences' texts or prompts: each drafted sequence its own token, the
+        confirmed drafted ones and the one sampled after them."""
+        return self.tokens - self.drafted + self.accepted
 
 
 @dataclass
@@ -48,6 +57,10 @@ class GenerationStats:
     decode_seconds: float = 0.0  # from the first token to the last
     decode_step_seconds: float = 0.0  # time of the steps that produced tokens 2..n
     decode_bytes: int = 0  # bytes those steps moved
+    decode_steps: int = 0  # the steps that wrote tokens 2..n (passes over the weights)
+    decode_written: int = 0  # tokens those steps wrote, an end-of-sequence token included
+    drafted_tokens: int = 0  # drafted tokens verified for this request (engine.speculate)
+    accepted_tokens: int = 0  # of those, the ones the model confirmed
     bytes_moved: int = 0  # bytes of every step this request took part in
     finish_reason: str | None = None
 
@@ -59,6 +72,16 @@ class GenerationStats:
     def prefill_tps(self) -> float:
         n = self.prompt_tokens - self.cached_tokens
         return n / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
+
+    @property
+    def acceptance(self) -> float | None:
+        """Share of the drafted tokens the model confirmed (None: nothing was drafted)."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else None
+
+    @property
+    def tokens_per_pass(self) -> float:
+        """Tokens written per decode step (one pass over the weights each): 1 without speculation."""
+        return self.decode_written / self.decode_steps if self.decode_steps else 0.0
 
     @property
     def decode_tps(self) -> float:
@@ -161,3 +184,4 @@ class Request:
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     embed: bool = False  # ends after its prompt with the last position's hidden state instead of a token
+    draft: DraftState = field(default_factory=DraftState)  # its speculative decoding (engine.speculate)

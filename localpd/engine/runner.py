@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from localpd.engine.requests import Request, StepStats
 from localpd.engine.scheduler import Scheduler, Work
+from localpd.engine.speculate import Speculator, accept
 from localpd.measure.roofline import step_cost
 from localpd.model.transformer import Batch, Transformer
 from localpd.quant.kv import KVPool, KVTraffic
@@ -24,8 +25,8 @@ from localpd.quant.kv import KVPool, KVTraffic
 
 @dataclass
 class StepOutput:
-    """What a step produced for its sampled rows: requests[i]'s outcome is (token, logprob, top logprobs), or an
-    embedding request's vector."""
+    """What a step produced for its sampled rows: requests[i]'s outcome is a list of (token, logprob, top
+    logprobs), one a token written (several where a draft held), or an embedding request's vector."""
 
     work: list[Work]
     requests: list[Request]
@@ -46,7 +47,8 @@ class ModelRunner:
         self.mask_thread = ThreadPoolExecutor(1, "localpd-masks") if spare else None
 
     def run(self, work: list[Work], requests: list[Request]) -> StepOutput:
-        """requests: those of the work's sampled rows (Work.sample), in order."""
+        """requests: those of the work's sampled rows (Work.sample), in order. A drafted sequence's rows are
+        sampled in turn while they confirm its draft (engine.speculate.accept); its outcome lists them all."""
         t0 = time.perf_counter()
         timer = StepTimer(self.device)
         embeds = [r.embed for r in requests]  # rows that end in a vector, not a token
@@ -71,21 +73,33 @@ class ModelRunner:
         elif masks:  # the GPU's kernels run on meanwhile
             prepare_all(masks)
         self.scheduler.finish_step(work)
-        outcomes = [F.normalize(hidden[i], dim=0).tolist() if req.embed else self._sample(req, logits[i])
-                    for i, req in enumerate(requests)]
+        outcomes, row, drafted, accepted = [], 0, 0, 0
+        for w, req in zip([w for w in work if w.sample], requests):
+            if req.embed:
+                outcomes.append(F.normalize(hidden[row], dim=0).tolist())
+            elif not w.draft:
+                outcomes.append([self._sample(req, logits[row], req.seq.output)])
+            else:
+                rows = logits[row:row + 1 + len(w.draft)]
+                got = accept(w.draft, lambda i, written: self._sample(req, rows[i], req.seq.output + written))
+                kept = len(got) - 1
+                self.scheduler.finish_draft(w, kept)
+                Speculator.verified(req.draft, len(w.draft), kept)
+                drafted, accepted = drafted + len(w.draft), accepted + kept
+                outcomes.append(got)
+            row += 1 + len(w.draft)
         now = time.perf_counter()
-        head_rows = 0 if all(embeds) else len(requests)  # rows the output head ran on
+        head_rows = 0 if all(embeds) else row  # rows the output head ran on
         cost = step_cost(self.model, [(w.start, w.n) for w in work], self.kv_traffic, head_rows)
         stats = StepStats(phase_of(work), sum(w.n for w in work), timer.seconds(now - t0), len(work), cost.bytes,
-                          cost.flops, now - t0)
+                          cost.flops, now - t0, drafted, accepted)
         return StepOutput(work, requests, outcomes, stats, now)
 
     def _batch(self, work: list[Work]) -> Batch:
         ps = self.kv.page_size
         ids, positions, slots, stage_slots, starts, lens, rows = [], [], [], [], [0], [], []
         for w in work:
-            seq_tokens = w.seq.tokens
-            ids += seq_tokens[w.start:w.start + w.n]
+            ids += w.ids
             pages = w.seq.table.pages
             slots += (slot_of(pages, pos, ps) for pos in range(w.start, w.start + w.n))
             if self.kv.has_stage:
@@ -93,8 +107,8 @@ class ModelRunner:
             positions += range(w.start, w.start + w.n)
             starts.append(starts[-1] + w.n)
             lens.append(w.start + w.n)
-            if w.sample:
-                rows.append(starts[-1] - 1)
+            if w.sample:  # the last row, and a drafted sequence's rows after its own token
+                rows += range(starts[-1] - 1 - len(w.draft), starts[-1])
         width = max(len(w.seq.table.pages) for w in work)
         table = [w.seq.table.pages + [0] * (width - len(w.seq.table.pages)) for w in work]
 
@@ -120,10 +134,11 @@ class ModelRunner:
             lens.append(p + 1)
         return tokens, positions, slots, stage_slots, tables, lens
 
-    def _sample(self, req: Request, logits: torch.Tensor):
-        if len(req.seq.output) < req.params.min_tokens and req.eos:
+    def _sample(self, req: Request, logits: torch.Tensor, output: list[int]):
+        """(token, its logprob, the top logprobs) of one row; output: the reply's tokens before this row's."""
+        if len(output) < req.params.min_tokens and req.eos:
             logits[list(req.eos)] = float("-inf")  # a row of this step's logits, read by nothing after
-        token = req.sampler(logits, req.seq.prompt, req.seq.output)
+        token = req.sampler(logits, req.seq.prompt, output)
         k = req.params.logprobs
         if k is None:
             return token, None, None
@@ -174,5 +189,5 @@ def slot_of(pages: list[int], pos: int, page_size: int) -> int:
 
 
 def phase_of(work: list[Work]) -> str:
-    decode = [w.n == 1 and w.start >= len(w.seq.prompt) for w in work]
+    decode = [w.n == 1 + len(w.draft) and w.start >= len(w.seq.prompt) for w in work]
     return "decode" if all(decode) else "prefill" if not any(decode) else "mixed"

@@ -29,6 +29,7 @@ class Sequence:
     admitted: bool = False  # admitted at least once (cached_tokens is final)
     preemptions: int = 0
     stage_row: int = -1  # while running: its row in the KV pool's stage (quant.kv), one of 0 .. max_running - 1
+    draft: list[int] = field(default_factory=list)  # tokens guessed to follow (engine.speculate), verified next step
 
     @property
     def tokens(self) -> list[int]:
@@ -44,8 +45,14 @@ class Sequence:
 class Work:
     seq: Sequence
     start: int  # first position computed this step (== seq.computed)
-    n: int  # tokens computed this step
+    n: int  # tokens computed this step, the draft's included
     sample: bool  # whether this chunk reaches the end, so the step samples a token for it
+    draft: list[int] = field(default_factory=list)  # drafted tokens after the sequence's own, checked this step
+
+    @property
+    def ids(self) -> list[int]:
+        """The token ids this step computes."""
+        return self.seq.tokens[self.start:self.start + self.n - len(self.draft)] + self.draft
 
 
 class Scheduler:
@@ -90,7 +97,8 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: s.pending > 1):  # decodes first, then prefill chunks
             if seq not in self.running:  # preempted below to make room for an earlier one
                 continue
-            n = min(seq.pending, budget)
+            draft, seq.draft = self._fit_draft(seq, budget), []
+            n = min(seq.pending + len(draft), budget)
             if n <= 0:
                 break
             while not self.pool.allocate(seq.table, seq.computed + n):
@@ -100,7 +108,7 @@ class Scheduler:
                     break
             if seq not in self.running:
                 continue
-            work.append(Work(seq, seq.computed, n, seq.computed + n == len(seq.tokens)))
+            work.append(Work(seq, seq.computed, n, seq.computed + n - len(draft) == len(seq.tokens), draft))
             budget -= n
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_running:
@@ -125,6 +133,16 @@ class Scheduler:
             budget -= n
         return work
 
+    def _fit_draft(self, seq: Sequence, budget: int) -> list[int]:
+        """The sequence's draft, where it decodes, as much of it as the step's budget holds and free pages allow
+        (a draft never preempts another sequence)."""
+        if seq.pending != 1 or not seq.draft:
+            return []
+        draft = seq.draft[:max(budget - 1, 0)]
+        while draft and not self.pool.allocate(seq.table, seq.computed + 1 + len(draft)):
+            draft = draft[:len(draft) // 2]
+        return draft
+
     def _awaits_shared_pages(self, seq: Sequence) -> bool:
         """Whether a running prefill is still computing full pages that this waiting sequence starts with (the n
         choices of one request, parallel requests under one system prompt). It waits for them, then takes them
@@ -141,8 +159,19 @@ class Scheduler:
         return False
 
     def finish_step(self, work: list[Work]) -> None:
-        """Advance what the step computed and offer newly full pages to the prefix cache."""
+        """Advance what the step computed and offer newly full pages to the prefix cache (a drafted sequence's
+        wait for finish_draft, which knows how much of the draft holds)."""
         for w in work:
-            if w.seq in self.running:
+            if w.seq in self.running and not w.draft:
                 w.seq.computed = w.start + w.n
                 self.pool.register(w.seq.table, w.seq.tokens, w.seq.computed)
+
+    def finish_draft(self, w: Work, accepted: int) -> None:
+        """A drafted sequence's step, its first `accepted` drafted tokens confirmed: its KV holds its own token and
+        those; the rejected positions are rolled back (pages past them released, never offered to the prefix
+        cache, whose hashes cover confirmed tokens only)."""
+        if w.seq not in self.running:
+            return
+        w.seq.computed = w.start + 1 + accepted
+        self.pool.truncate(w.seq.table, w.seq.computed)
+        self.pool.register(w.seq.table, w.seq.tokens + w.draft[:accepted], w.seq.computed)

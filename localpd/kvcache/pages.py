@@ -123,7 +123,20 @@ class PagePool:
 
     def release(self, table: PageTable) -> None:
         """Drop the table's references; unreferenced cached pages stay findable until evicted."""
-        for page in table.pages:
+        self._unref(table.pages)
+        table.pages = []
+        table.registered = 0
+        table.last_key = b""
+
+    def truncate(self, table: PageTable, n_tokens: int) -> None:
+        """Shrink the table to the pages n_tokens need (speculative decoding's rollback of rejected positions): the
+        pages past them are released. Registered pages are never dropped (they hold computed tokens only)."""
+        keep = max(-(-n_tokens // self.page_size), table.registered)
+        self._unref(table.pages[keep:])
+        del table.pages[keep:]
+
+    def _unref(self, pages: list[int]) -> None:
+        for page in pages:
             if self.refs[page] <= 0:
                 raise AssertionError(f"page {page} released more often than referenced")
             self.refs[page] -= 1
@@ -132,9 +145,6 @@ class PagePool:
                     self.evictable[page] = None
                 else:
                     self.free.append(page)
-        table.pages = []
-        table.registered = 0
-        table.last_key = b""
 
     def check(self) -> None:
         """Invariants, for tests: every page is exactly one of referenced, evictable-cached or free."""

@@ -228,3 +228,66 @@ def test_running_sequences_never_outnumber_a_steps_tokens():
         for w in work:
             if w.sample:
                 w.seq.output.append(7)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31), n_pages=st.integers(4, 40), page_size=st.sampled_from([2, 4, 16]),
+       budget=st.integers(1, 64), max_running=st.integers(1, 8))
+def test_drafts_roll_back_rejected_positions_without_leaks(seed, n_pages, page_size, budget, max_running):
+    """Speculative decoding's steps: a decoding sequence computes its token and a draft, then keeps a random
+    prefix of the draft. Every step must attend to the sequence's own confirmed tokens only, the pages past them
+    must be released, and the prefix cache must hold pages of confirmed tokens only."""
+    rng = random.Random(seed)
+    pool = PagePool(n_pages, page_size, salt="s")
+    sched = Scheduler(pool, budget, max_running)
+    capacity = n_pages * page_size
+    slots, live, n_submitted, drafted = {}, [], 0, 0
+    for step in range(300):
+        if n_submitted < 20 and rng.random() < 0.3:
+            prompt = [rng.randrange(4) for _ in range(rng.randrange(1, 3 * page_size))]
+            if len(prompt) + 1 <= capacity:
+                seq = Sequence(f"s{n_submitted}", prompt, max_tokens=rng.randrange(1, 4 * page_size))
+                sched.add(seq)
+                live.append(seq)
+                n_submitted += 1
+        for seq in sched.running:
+            if seq.pending == 1:
+                room = seq.max_tokens - len(seq.output) - 1
+                seq.draft = [rng.randrange(4) for _ in range(rng.randrange(0, max(0, min(room, 6)) + 1))]
+        work = sched.step()
+        if not work and sched.waiting and not sched.running:
+            seq = sched.waiting[0]
+            sched.remove(seq)
+            live.remove(seq)
+        for w in work:
+            pages, ids = w.seq.table.pages, w.ids
+            assert len(pages) * page_size >= w.start + w.n
+            for pos in range(w.start):  # it attends to its own confirmed tokens
+                assert slots.get((pages[pos // page_size], pos % page_size)) == w.seq.tokens[pos], (w.seq.id, pos)
+            for i, pos in enumerate(range(w.start, w.start + w.n)):
+                page = pages[pos // page_size]
+                assert page not in pool.cached and pool.refs[page] == 1, "wrote into a cached or shared page"
+                slots[(page, pos % page_size)] = ids[i]
+        sched.finish_step(work)
+        for w in work:
+            if not w.sample:
+                continue
+            kept = rng.randrange(len(w.draft) + 1) if w.draft else 0
+            if w.draft:
+                drafted += 1
+                sched.finish_draft(w, kept)
+                assert len(w.seq.table.pages) == max(-(-w.seq.computed // page_size), w.seq.table.registered)
+            w.seq.output += w.draft[:kept] + [rng.randrange(4)]
+            del w.seq.output[w.seq.max_tokens:]
+            if len(w.seq.output) >= w.seq.max_tokens:
+                sched.remove(w.seq)
+                live.remove(w.seq)
+        for page, entry in pool.cached.items():  # cached pages hold the tokens their hash names
+            assert all(slots[(page, i)] == t for i, t in enumerate(entry.tokens))
+        pool.check()
+        if not live and n_submitted >= 20:
+            break
+    for seq in live:
+        sched.remove(seq)
+    pool.check()
+    assert all(r == 0 for r in pool.refs) and pool.available == n_pages

@@ -1,0 +1,152 @@
+"""Speculative decoding on the real default model, on the CPU's kernels: replies identical to plain decoding
+(greedy and seeded sampling), with concurrent requests, stop strings, JSON mode and logprobs, and no page left
+behind."""
+
+import threading
+
+import pytest
+
+from localpd.engine import Engine
+from localpd.engine.sampling import SamplingParams
+from localpd.engine.speculate import SpeculateConfig, Speculator
+
+TEXT = ("The old lighthouse stood at the edge of the harbour for more than two hundred years. Every evening the "
+        "keeper climbed the narrow stairs, trimmed the wick and polished the great lens until it shone. Ships coming "
+        "home from the north sea looked for its light long before they could see the coast, and the fishermen of the "
+        "village said that as long as the lamp burned, no boat would be lost on the rocks below.")
+CODE = "def area(width, height):\n    return width * height\n\n\ndef perimeter(width, height):\n    return 2 * (width + height)\n"
+PROMPTS = [
+    [{"role": "user", "content": f"Repeat this text exactly:\n\n{TEXT}"}],
+    [{"role": "user", "content": f"Rename width to w and height to h in this code:\n\n{CODE}"}],
+    [{"role": "user", "content": "Write a short story about a cat who learns to fly."}],
+    [{"role": "user", "content": "List the days of the week, then list them again in reverse order."}],
+]
+# a verification step's rows take the multi-row products and attention, whose sums run in another order than a
+# one-row step's (as when batch composition changes, tests/engine/test_engine.py); through 30 layers that moved a
+# logprob by up to 2e-3 over these prompts with float16 pages
+LOGPROB_ATOL = 1e-2
+ALWAYS = SpeculateConfig("ngram", 8, adaptive=False)  # drafts wherever the text has a match: verification runs
+
+
+@pytest.fixture(scope="module")
+def kv_engine(default_gguf):
+    """The CPU's default: its kernels with float16 pages."""
+    engine = Engine(default_gguf, device="cpu", max_context=2048, kv="fp16")
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def fp32_engine(default_gguf):
+    engine = Engine(default_gguf, device="cpu", max_context=2048, kv="fp32")
+    yield engine
+    engine.close()
+
+
+def reply(engine, messages, params, speculate=None):
+    engine.speculator = Speculator(speculate or SpeculateConfig(), "cpu")  # between requests: the engine is idle
+    handle = engine.submit(engine.encode_chat(messages), params)
+    events = list(handle)
+    return events, handle.stats
+
+
+def tokens(events):
+    return [e.token_id for e in events if e.token_id is not None]
+
+
+def idle(engine):
+    s = engine.stats()
+    engine.pages.check()
+    return s.running == 0 and s.waiting == 0 and s.kv_pages_used == 0
+
+
+@pytest.mark.parametrize("pages", ["kv_engine", "fp32_engine"])
+def test_greedy_replies_are_plain_decodings_token_for_token(pages, request):
+    kv_engine = request.getfixturevalue(pages)
+    params = SamplingParams(temperature=0, max_tokens=40, logprobs=2)
+    accepted = 0
+    for messages in PROMPTS:
+        plain, _ = reply(kv_engine, messages, params)
+        for speculate in (ALWAYS, SpeculateConfig("ngram", 3)):
+            spec, stats = reply(kv_engine, messages, params, speculate)
+            assert tokens(spec) == tokens(plain)
+            assert "".join(e.text for e in spec) == "".join(e.text for e in plain)
+            for a, b in zip(spec, plain):
+                if a.token_id is not None:
+                    assert abs(a.logprob - b.logprob) < LOGPROB_ATOL
+                    assert [t for t, _ in a.top_logprobs] == [t for t, _ in b.top_logprobs]
+            accepted += stats.accepted_tokens
+            assert stats.accepted_tokens <= stats.drafted_tokens
+    assert accepted > 20  # the repeated text and the code were drafted and confirmed
+    assert idle(kv_engine)
+
+
+def test_speculation_writes_several_tokens_a_step_on_a_repeated_text(kv_engine):
+    params = SamplingParams(temperature=0, max_tokens=64)
+    _, stats = reply(kv_engine, PROMPTS[0], params, ALWAYS)
+    assert stats.acceptance > 0.5
+    assert stats.tokens_per_pass > 1.5
+    assert stats.decode_steps < stats.output_tokens - 1
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.8, seed=7, max_tokens=32),
+                                    SamplingParams(temperature=1.0, top_k=20, top_p=0.9, repetition_penalty=1.1,
+                                                   seed=3, max_tokens=32)])
+def test_seeded_samples_are_plain_decodings_samples(kv_engine, params):
+    """Each written token is one draw from its row's distribution, as in plain decoding: a seed gives the same
+    reply with and without speculation (the rejection scheme keeps the target's distribution exactly)."""
+    for messages in PROMPTS[:2]:
+        plain, _ = reply(kv_engine, messages, params)
+        spec, _ = reply(kv_engine, messages, params, ALWAYS)
+        assert tokens(spec) == tokens(plain)
+    assert idle(kv_engine)
+
+
+def test_concurrent_requests_with_and_without_drafts_match_their_plain_replies(kv_engine):
+    params = SamplingParams(temperature=0, max_tokens=32)
+    expected = [tokens(reply(kv_engine, m, params)[0]) for m in PROMPTS]
+    kv_engine.speculator = Speculator(ALWAYS, "cpu")
+    handles = [kv_engine.submit(kv_engine.encode_chat(m), params) for m in PROMPTS]
+    got = [None] * len(handles)
+
+    def drain(i):
+        got[i] = tokens(list(handles[i]))
+
+    threads = [threading.Thread(target=drain, args=(i,)) for i in range(len(handles))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == expected
+    assert idle(kv_engine)
+
+
+def test_stop_strings_json_mode_and_budgets_end_a_reply_where_plain_decoding_does(kv_engine):
+    cases = [
+        (PROMPTS[0], SamplingParams(temperature=0, max_tokens=60, stop=["north sea"])),
+        (PROMPTS[0], SamplingParams(temperature=0, max_tokens=13)),
+        ([{"role": "user", "content": f"Give a JSON object with the keys title and text for: {TEXT}"}],
+         SamplingParams(temperature=0, max_tokens=60, json_object=True)),
+    ]
+    for messages, params in cases:
+        plain, _ = reply(kv_engine, messages, params)
+        spec, _ = reply(kv_engine, messages, params, ALWAYS)
+        assert tokens(spec) == tokens(plain)
+        assert "".join(e.text for e in spec) == "".join(e.text for e in plain)
+        assert spec[-1].finish_reason == plain[-1].finish_reason
+    assert idle(kv_engine)
+
+
+def test_a_later_turn_finds_the_speculated_reply_in_the_prefix_cache(kv_engine, default_gguf):
+    params = SamplingParams(temperature=0, max_tokens=48)
+    first, _ = reply(kv_engine, PROMPTS[0], params, ALWAYS)
+    turn = PROMPTS[0] + [{"role": "assistant", "content": "".join(e.text for e in first)},
+                         {"role": "user", "content": "Now say it shorter."}]
+    warm, stats = reply(kv_engine, turn, params, ALWAYS)
+    assert stats.cached_tokens >= len(kv_engine.encode_chat(PROMPTS[0])) // 16 * 16
+    cold_engine = Engine(default_gguf, device="cpu", max_context=2048, kv=kv_engine.kv_dtype)
+    cold, cold_stats = reply(cold_engine, turn, params)
+    cold_engine.close()
+    assert cold_stats.cached_tokens == 0
+    assert tokens(warm) == tokens(cold)
+    assert idle(kv_engine)
