@@ -12,7 +12,7 @@ from textual.widgets import Sparkline, Static
 
 from localpd.measure.device import DeviceInfo, fits_in_cache
 from localpd.engine import Engine
-from localpd.engine.requests import RequestHandle, TokenEvent
+from localpd.engine.requests import RequestHandle, StepStats, TokenEvent
 from localpd.measure.roofline import decode_ceiling_tps, utilisation
 
 
@@ -35,6 +35,10 @@ class PanelData:
     decode_bytes: int = 0
     decode_flops: int = 0
     decode_seconds: float = 0.0
+    decode_tokens: int = 0
+    last_step: StepStats | None = None  # a verified draft writes several tokens (events) in one step, counted once
+    acceptance: float | None = None  # speculative decoding: drafted tokens the model confirmed
+    tokens_per_pass: float | None = None
 
     def add_token(self, event: TokenEvent, handle: RequestHandle, engine: Engine, info: DeviceInfo | None) -> None:
         step = event.stats
@@ -48,13 +52,19 @@ class PanelData:
             if step.bytes and step.seconds:
                 self.prefill_point = (step.flops / step.bytes, step.flops / step.seconds)
             return
+        self.decode_tokens += 1
+        if step is self.last_step:  # another token of the same step
+            self.decode_tps = self.decode_tokens / self.decode_seconds
+            return
+        self.last_step = step
+        self.acceptance, self.tokens_per_pass = s.acceptance, s.tokens_per_pass or None
         gbs = step.bytes / step.seconds / 1e9
         self.token_gbs.append(gbs)
         self.last_gbs = gbs
         self.decode_bytes += step.bytes
         self.decode_flops += step.flops
         self.decode_seconds += step.seconds
-        self.decode_tps = (len(self.token_gbs)) / self.decode_seconds
+        self.decode_tps = self.decode_tokens / self.decode_seconds
         self.decode_point = (self.decode_flops / self.decode_bytes, self.decode_flops / self.decode_seconds)
         if info is not None:
             self.pct_peak = utilisation(step.bytes, step.seconds, info.peak_bandwidth)
@@ -149,6 +159,8 @@ class BandwidthPanel(Vertical):
             f"         {pct(d.pct_measured)} measured, {pct(d.pct_peak)} peak",
             f"decode   {num(d.decode_tps, '.1f', ' tok/s')}",
             f"ceiling  {num(d.ceiling_tps, '.0f', ' tok/s')}",
+            *([f"draft    {pct(d.acceptance)} accepted, {num(d.tokens_per_pass, '.2f', ' tok/pass')}"]
+              if d.acceptance is not None else []),  # speculative decoding
             f"TTFT     {num(None if d.ttft is None else d.ttft * 1000, '.0f', ' ms')}, MFU {pct(d.prefill_mfu)}",
             f"cached   {d.cached_tokens}/{d.prompt_tokens} prompt tokens",
         ]

@@ -1,6 +1,7 @@
 """The server's Prometheus metrics on prometheus_client: requests by model and finish reason, tokens,
-time-to-first-token and time-per-token histograms, the last decode MBU, and the engine's queue, KV pages and prefix
-cache of each loaded model (read from its engine as /metrics is scraped), every series labelled by model."""
+time-to-first-token and time-per-token histograms, the last decode MBU, speculative decoding's drafted and accepted
+tokens beside the decode steps and their tokens, and the engine's queue, KV pages and prefix cache of each loaded
+model (read from its engine as /metrics is scraped), every series labelled by model."""
 
 from __future__ import annotations
 
@@ -53,6 +54,13 @@ class Metrics:
         self.prompt_tokens = Counter("localpd_prompt_tokens", "prompt tokens of ended requests", ["model"], registry=r)
         self.generation_tokens = Counter("localpd_generation_tokens", "tokens generated", ["model"], registry=r)
         self.mbu = Gauge("localpd_decode_mbu", "the last decode's memory bandwidth utilisation", ["model"], registry=r)
+        # speculative decoding: acceptance = accepted / drafted, tokens per weight pass = decode tokens / decode steps
+        self.drafted = Counter("localpd_draft_tokens", "drafted tokens verified", ["model"], registry=r)
+        self.accepted = Counter("localpd_draft_accepted_tokens", "drafted tokens the model confirmed", ["model"],
+                                registry=r)
+        self.decode_steps = Counter("localpd_decode_steps", "decode steps (passes over the weights)", ["model"],
+                                    registry=r)
+        self.decode_tokens = Counter("localpd_decode_tokens", "tokens those steps wrote", ["model"], registry=r)
         self.engine = EngineCollector()
         r.register(self.engine)
 
@@ -62,6 +70,10 @@ class Metrics:
         self.requests.labels(reason, model).inc()
         self.prompt_tokens.labels(model).inc(s.prompt_tokens)
         self.generation_tokens.labels(model).inc(s.output_tokens)
+        self.drafted.labels(model).inc(s.drafted_tokens)
+        self.accepted.labels(model).inc(s.accepted_tokens)
+        self.decode_steps.labels(model).inc(s.decode_steps)
+        self.decode_tokens.labels(model).inc(s.decode_written)
         if s.output_tokens:
             self.ttft.labels(model).observe(s.ttft)
         if s.output_tokens > 1:

@@ -300,7 +300,10 @@ class Service:
         s = handle.stats
         out = {"ttft_ms": round(s.ttft * 1000, 3), "prefill_tokens_per_s": round(s.prefill_tps, 2),
                "decode_tokens_per_s": round(s.decode_tps, 2),
-               "decode_bytes_per_s": round(s.decode_bytes / s.decode_step_seconds) if s.decode_step_seconds else 0}
+               "decode_bytes_per_s": round(s.decode_bytes / s.decode_step_seconds) if s.decode_step_seconds else 0,
+               "decode_tokens_per_pass": round(s.tokens_per_pass, 3)}
+        if s.drafted_tokens:  # speculative decoding
+            out["draft_tokens"], out["draft_acceptance"] = s.drafted_tokens, round(s.acceptance, 4)
         if self.bandwidth is None:
             self.bandwidth = device_info(e.device).bandwidth or 0.0
         if self.bandwidth:

@@ -60,6 +60,9 @@ def format_stats(s: GenerationStats, engine: Engine | None = None, info: DeviceI
         f"output tokens:        {s.output_tokens}",
         f"decode rate:          {s.decode_tps:.1f} tokens/s",
     ]
+    if s.drafted_tokens:  # speculative decoding
+        lines.append(f"speculation:          {s.accepted_tokens} of {s.drafted_tokens} drafted tokens accepted "
+                     f"({s.acceptance:.0%}), {s.tokens_per_pass:.2f} tokens per pass over the weights")
     if s.decode_step_seconds <= 0 or not s.decode_bytes:
         return "\n".join(lines)
     rate = s.decode_bytes / s.decode_step_seconds
@@ -74,7 +77,9 @@ def format_stats(s: GenerationStats, engine: Engine | None = None, info: DeviceI
     if bandwidth and engine is not None:
         context = s.prompt_tokens + s.output_tokens
         ceiling = decode_ceiling_tps(engine.model, context, engine.kv_traffic, bandwidth)
-        lines.append(f"decode ceiling:       {ceiling:.1f} tokens/s at {context} tokens of context")
+        lines.append(f"decode ceiling:       {ceiling:.1f} tokens/s at {context} tokens of context"
+                     + (f" (one token a pass; this reply: {s.decode_tps / ceiling:.0%} of it)" if s.drafted_tokens
+                        else ""))
     return "\n".join(lines)
 
 

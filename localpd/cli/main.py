@@ -88,6 +88,30 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                    help="bytes for the KV cache, e.g. 4GiB (default: most of the free GPU memory; two contexts on CPU)")
 
 
+def draft_tokens_arg(text: str) -> int:
+    """--draft-tokens: 1 .. speculate.MAX_DRAFT."""
+    from localpd.engine.speculate import MAX_DRAFT
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+    if not 1 <= value <= MAX_DRAFT:
+        raise argparse.ArgumentTypeError(f"must be between 1 and {MAX_DRAFT}, got {value}")
+    return value
+
+
+def add_speculate_options(p: argparse.ArgumentParser) -> None:
+    from localpd.engine.speculate import DRAFT_TOKENS, MODES
+
+    p.add_argument("--speculate", choices=MODES, default="off",
+                   help="speculative decoding: ngram drafts the next tokens from the prompt and reply so far (prompt "
+                        "lookup) and checks them in one step, same output; off decodes a token a step (default off)")
+    p.add_argument("--draft-tokens", type=draft_tokens_arg, default=DRAFT_TOKENS, metavar="K",
+                   help=f"the most tokens drafted a step; fewer where the recent drafts were rejected, none where "
+                        f"drafting loses (default {DRAFT_TOKENS})")
+
+
 def add_sampling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.7, help="0 for greedy (default 0.7)")
     p.add_argument("--top-p", type=float, default=0.9)
@@ -180,12 +204,14 @@ def build_parser() -> argparse.ArgumentParser:
     shape.add_argument("--choice", action="append", type=nonempty, metavar="TEXT",
                        help="every reply is one of these texts (repeatable; the server's guided_choice)")
     add_model_options(chat)
+    add_speculate_options(chat)
     add_sampling_options(chat)
 
     tui = sub.add_parser("tui", help="the chat app: saved conversations and the live bandwidth panel")
     tui.add_argument("model", nargs="?", help="registry name, .gguf file or model directory (default: the registry's default)")
     tui.add_argument("--system", help="system prompt for new conversations")
     add_model_options(tui)
+    add_speculate_options(tui)
     add_sampling_options(tui)
 
     serve = sub.add_parser("serve", help="an OpenAI-compatible API on localhost (/v1/chat/completions ...)")
@@ -225,12 +251,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="on SIGTERM or Ctrl+C, how long running requests may go on before they are cut, each "
                             "ending with finish_reason abort (default 5; a second signal exits at once)")
     add_model_options(serve)
+    add_speculate_options(serve)
 
     bench = sub.add_parser("bench", help="prefill/decode speed, MBU and MFU against the device's ceilings")
     from localpd.measure.bench import add_arguments
 
     add_arguments(bench)
     add_model_options(bench)
+    add_speculate_options(bench)
 
     quant = sub.add_parser("quantize", help="quantize a model once and save it (loads memory-mapped afterwards)")
     quant.add_argument("model", help="registry name, .gguf file or model directory")

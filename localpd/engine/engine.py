@@ -314,6 +314,11 @@ class Engine:
     def chat(self, messages: list[dict], params: SamplingParams) -> Iterator[TokenEvent]:
         return iter(self.submit_chat(messages, params))
 
+    def set_speculate(self, config: SpeculateConfig) -> None:
+        """Speculative decoding from now on (its adaptive state starts afresh for each request); for benchmarks and
+        tests that compare it with plain decoding on one engine, between requests."""
+        self.speculator = Speculator(config, self.device.type)
+
     def stats(self) -> EngineStats:
         p = self.pages
         return EngineStats(

@@ -28,10 +28,10 @@ MAX_DRAFT = 15  # --draft-tokens' bound: k + 1 rows stay under the CPU kernels' 
 DRAFT_TOKENS = 8  # --draft-tokens' default
 NGRAMS = (3, 2)  # the suffix lengths looked up, longest first
 # A step's time with r rows of one sequence over a one-row decode step's, r = 1, 2, ...: on the CPU's kernels
-# (SmolLM2-135M Q4_1, the 2-core Zen 4 VM, docs/PERF.md issue 30) a decode row takes lpd_linear's one-row product
-# and 2 to 16 rows its four-rows-at-a-time one, whose int8 dot products are the step's bound: the time grows with
-# each group of four rows. On a GPU a decode step is bound by the weights' bytes, which the rows share.
-CPU_STEP_COSTS = (1.0, 2.1, 2.3, 2.55, 3.8, 4.2, 4.6, 5.0, 6.2, 6.6, 7.0, 7.5, 8.7, 9.1, 9.5, 10.0)
+# (SmolLM2-135M Q4_1 at 400 tokens of context, the 2-core Zen 4 VM, docs/PERF.md issue 30) each row's int8 dot
+# products and attention are its own work, so a row costs 0.45 to 0.5 of a one-row step; only the weights' loads
+# and the output head's are shared. On a GPU a decode step is bound by the weights' bytes, which the rows share.
+CPU_STEP_COSTS = (1.0, 1.39, 1.83, 2.35, 3.06, 3.55, 4.02, 4.49, 5.28, 5.66, 6.11, 6.67, 7.44, 8.0, 8.5, 8.9)
 GPU_ROW_COST = 0.02
 MIN_GAIN = 1.05  # drafting runs where the best k's expected tokens per unit of time passes this (1: plain decode)
 DECAY = 0.85  # weight of the earlier evidence at each update of the acceptance estimate

@@ -44,6 +44,8 @@ class Point:
     ceiling_tps: float | None
     peak_memory_mb: float
     note: str = ""  # why the point was skipped
+    tokens_per_pass: float = 1.0  # decode tokens written per step (above 1 with speculative decoding)
+    acceptance: float | None = None  # share of drafted tokens confirmed (None: nothing drafted)
 
     @classmethod
     def skipped(cls, prompt_len: int, batch: int, gen_len: int, note: str) -> Point:
@@ -75,9 +77,9 @@ def run_point(engine: Engine, info: DeviceInfo, prompt_len: int, batch: int, gen
     prefill = [s for s in steps.values() if s.phase != "decode"]
     decode = [s for s in steps.values() if s.phase == "decode"]
 
-    def totals(ss):
+    def totals(ss):  # a decode step's tokens are those it wrote (a verified draft's confirmed ones counted)
         return (sum(s.bytes for s in ss), sum(s.flops for s in ss), sum(s.seconds for s in ss),
-                sum(s.tokens for s in ss))
+                sum(s.written for s in ss))
 
     pb, pf, ps, _ = totals(prefill)
     db, df, ds, dt = totals(decode)
@@ -98,7 +100,9 @@ def run_point(engine: Engine, info: DeviceInfo, prompt_len: int, batch: int, gen
         decode_tps=dt / decode_wall if decode_wall else 0.0, decode_bytes_per_s=db / ds if ds else 0.0,
         decode_mbu=utilisation(db, ds, bw), decode_mbu_peak=utilisation(db, ds, info.peak_bandwidth),
         decode_flops_per_byte=df / db if db else 0.0, decode_flops_per_s=df / ds if ds else 0.0,
-        ceiling_tps=batch * bw / one_step if bw else None, peak_memory_mb=peak_mem)
+        ceiling_tps=batch * bw / one_step if bw else None, peak_memory_mb=peak_mem,
+        tokens_per_pass=dt / len(decode) / batch if decode else 1.0,
+        acceptance=sum(s.accepted for s in decode) / drafted if (drafted := sum(s.drafted for s in decode)) else None)
 
 
 def fmt(x, spec=".1f", scale=1.0, suffix=""):
@@ -107,7 +111,7 @@ def fmt(x, spec=".1f", scale=1.0, suffix=""):
 
 def print_table(points: list[Point]) -> None:
     head = ("prompt", "batch", "TTFT ms", "prefill tok/s", "MFU", "decode tok/s", "GB/s", "MBU", "MBU(peak)",
-            "ceiling tok/s", "peak MiB")
+            "ceiling tok/s", "tok/pass", "accepted", "peak MiB")
     rows = [head]
     for p in points:
         if p.note:
@@ -115,7 +119,8 @@ def print_table(points: list[Point]) -> None:
             continue
         rows.append((str(p.prompt_len), str(p.batch), fmt(p.ttft_ms), fmt(p.prefill_tps), fmt(p.prefill_mfu, ".1%"),
                      fmt(p.decode_tps), fmt(p.decode_bytes_per_s, ".1f", 1e-9), fmt(p.decode_mbu, ".1%"),
-                     fmt(p.decode_mbu_peak, ".1%"), fmt(p.ceiling_tps), fmt(p.peak_memory_mb, ".0f")))
+                     fmt(p.decode_mbu_peak, ".1%"), fmt(p.ceiling_tps), fmt(p.tokens_per_pass, ".2f"),
+                     fmt(p.acceptance, ".0%"), fmt(p.peak_memory_mb, ".0f")))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     for r in rows:
         print("  ".join(c.rjust(w) for c, w in zip(r, widths)))

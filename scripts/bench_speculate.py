@@ -1,0 +1,107 @@
+"""Speculative decoding's payoff on this machine: decode tok/s with n-gram drafts over plain decoding's, greedy,
+measured in the same run on the same engine, for a prompt that asks to repeat a given text (300+ tokens) and one
+with nothing to repeat (a story). Each reply must be plain decoding's, token for token.
+
+Also the cost that decides the payoff: a step with r rows of one sequence (a verification of r - 1 drafted tokens)
+over a one-row decode step, the model's forward alone.
+
+    python scripts/bench_speculate.py [--model smollm2-135m] [--runs 3] [--max-tokens 400]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from localpd.engine import Engine
+from localpd.engine.sampling import SamplingParams
+from localpd.engine.speculate import DRAFT_TOKENS, SpeculateConfig
+from localpd.model.transformer import Batch
+
+TEXT = (
+    "The old lighthouse stood at the edge of the harbour for more than two hundred years. Every evening the keeper "
+    "climbed the narrow stairs, trimmed the wick and polished the great lens until it shone. Ships coming home from "
+    "the north sea looked for its light long before they could see the coast, and the fishermen of the village said "
+    "that as long as the lamp burned, no boat would be lost on the rocks below. In the winter storms the waves rose "
+    "higher than the houses, and the wind tore the slates from the roofs, but the light never failed. When the "
+    "keeper grew old, his daughter took his place. She learned to read the weather from the colour of the clouds "
+    "and the smell of the air, and she kept a careful log of every ship that passed. Years later, when an electric "
+    "lamp replaced the flame and the keepers were sent away, the villagers gathered on the quay to thank her. She "
+    "told them that the light had never belonged to her or to her father, but to everyone who had ever been out at "
+    "sea on a dark night and wished to find the way home. The lighthouse still stands today. Its lamp turns by "
+    "itself now, and nobody climbs the stairs in the evening, but children from the village still walk out along "
+    "the harbour wall to watch the beam sweep across the water, and the old fishermen still tell the story of the "
+    "keeper and her father to anyone who will listen.")
+PROMPTS = {
+    "repeat": [{"role": "system", "content": "You copy texts exactly as given, word for word."},
+               {"role": "user", "content": f"Copy this text:\n\n{TEXT}"}],
+    "story": [{"role": "user", "content": "Write a long story about a dragon who learns to cook."}],
+}
+
+
+def step_costs(engine: Engine, rows: list[int], reps: int = 20, context: int = 400) -> dict[int, float]:
+    """Seconds of the forward of one sequence's r rows after `context` cached positions, the fastest of reps
+    (process CPU time: the work itself, whatever else the machine runs)."""
+    kv, ps = engine.kv, engine.kv.page_size
+    out = {}
+    for r in rows:
+        batch = Batch.single(list(range(100, 100 + r)), context, -(-(context + r) // ps), ps, "cpu", all_logits=True)
+        batch.stage_slots = None if not kv.has_stage else batch.stage_slots
+        for _ in range(3):
+            engine.model.forward(batch, kv)
+        best = float("inf")
+        for _ in range(reps):
+            t0 = time.process_time()
+            engine.model.forward(batch, kv)
+            best = min(best, time.process_time() - t0)
+        out[r] = best
+    return out
+
+
+def reply(engine: Engine, messages, max_tokens: int, speculate: SpeculateConfig):
+    engine.set_speculate(speculate)
+    handle = engine.submit(engine.encode_chat(messages), SamplingParams(temperature=0, max_tokens=max_tokens))
+    ids = [e.token_id for e in handle if e.token_id is not None]
+    return ids, handle.stats
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--runs", type=int, default=3, help="runs of each, alternating; the median is compared")
+    ap.add_argument("--max-tokens", type=int, default=400)
+    ap.add_argument("--draft-tokens", type=int, default=DRAFT_TOKENS)
+    ap.add_argument("--threads", type=int, help="torch's threads (default: torch's)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    engine = Engine(args.model, device="cpu", max_context=2048)
+    print(f"# {engine.name} | weights {engine.quant} | kv {engine.kv_dtype} | {torch.get_num_threads()} threads")
+    print(f"# {engine.path}")
+    with torch.inference_mode():
+        costs = step_costs(engine, [1, 2, 3, 4, 5, 8, 9, 12, 16])
+    print("rows a step:  " + "  ".join(f"{r:>5}" for r in costs))
+    print("x one row:    " + "  ".join(f"{c / costs[1]:5.2f}" for c in costs.values()))
+    spec = SpeculateConfig("ngram", args.draft_tokens)
+    reply(engine, PROMPTS["story"], 8, SpeculateConfig())  # warm-up
+    for name, messages in PROMPTS.items():
+        plain_tps, spec_tps, same = [], [], True
+        for _ in range(args.runs):
+            ids, s = reply(engine, messages, args.max_tokens, SpeculateConfig())
+            plain_tps.append(s.decode_tps)
+            sids, ss = reply(engine, messages, args.max_tokens, spec)
+            spec_tps.append(ss.decode_tps)
+            same &= sids == ids
+        p, q = statistics.median(plain_tps), statistics.median(spec_tps)
+        acc = f"{ss.acceptance:.0%}" if ss.acceptance is not None else "-"
+        print(f"{name:7} prompt {ss.prompt_tokens} tokens, reply {len(ids)} tokens: plain {p:.1f} tok/s, ngram "
+              f"{q:.1f} tok/s, ratio {q / p:.2f}x | drafted {ss.drafted_tokens}, accepted {acc}, "
+              f"{ss.tokens_per_pass:.2f} tokens/pass | identical: {same}")
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()
