@@ -1,11 +1,11 @@
 """Speculative decoding's payoff on this machine: decode tok/s with n-gram drafts over plain decoding's, greedy,
-measured in the same run on the same engine, for a prompt that asks to repeat a given text (300+ tokens) and one
-with nothing to repeat (a story). Each reply must be plain decoding's, token for token.
+measured in the same run on the same engine, for a prompt that asks to lightly edit a given text (300+ tokens) and
+one with nothing to repeat (a story). Each reply must be plain decoding's, token for token.
 
 Also the cost that decides the payoff: a step with r rows of one sequence (a verification of r - 1 drafted tokens)
 over a one-row decode step, the model's forward alone.
 
-    python scripts/bench_speculate.py [--model smollm2-135m] [--runs 3] [--max-tokens 400]
+    python scripts/bench_speculate.py [--model smollm2-135m] [--runs 3] [--max-tokens 300] [--threads 1]
 """
 
 from __future__ import annotations
@@ -36,43 +36,46 @@ TEXT = (
     "the harbour wall to watch the beam sweep across the water, and the old fishermen still tell the story of the "
     "keeper and her father to anyone who will listen.")
 PROMPTS = {
-    "repeat": [{"role": "system", "content": "You copy texts exactly as given, word for word."},
-               {"role": "user", "content": f"Copy this text:\n\n{TEXT}"}],
+    "edit": [{"role": "user", "content": f"{TEXT}\n\nRewrite the text above, replacing 'lighthouse' with 'tower'."}],
     "story": [{"role": "user", "content": "Write a long story about a dragon who learns to cook."}],
 }
 
 
-def step_costs(engine: Engine, rows: list[int], reps: int = 20, context: int = 400) -> dict[int, float]:
-    """Seconds of the forward of one sequence's r rows after `context` cached positions, the fastest of reps
-    (process CPU time: the work itself, whatever else the machine runs)."""
+def step_costs(engine: Engine, rows: list[int], reps: int = 30, context: int = 400) -> dict[int, float]:
+    """Seconds of the forward of one sequence's r rows after `context` cached positions: the fastest of reps, the
+    row counts taken in turn each rep, so that what else the machine runs weighs on all of them alike."""
     kv, ps = engine.kv, engine.kv.page_size
-    out = {}
+    batches = {}
     for r in rows:
-        batch = Batch.single(list(range(100, 100 + r)), context, -(-(context + r) // ps), ps, "cpu", all_logits=True)
-        batch.stage_slots = None if not kv.has_stage else batch.stage_slots
+        batches[r] = Batch.single(list(range(100, 100 + r)), context, -(-(context + r) // ps), ps, "cpu",
+                                  all_logits=True)
+        batches[r].stage_slots = None
         for _ in range(3):
-            engine.model.forward(batch, kv)
-        best = float("inf")
-        for _ in range(reps):
-            t0 = time.process_time()
-            engine.model.forward(batch, kv)
-            best = min(best, time.process_time() - t0)
-        out[r] = best
-    return out
+            engine.model.forward(batches[r], kv)
+    best = dict.fromkeys(rows, float("inf"))
+    for _ in range(reps):
+        for r in rows:
+            t0 = time.perf_counter()
+            engine.model.forward(batches[r], kv)
+            best[r] = min(best[r], time.perf_counter() - t0)
+    return best
 
 
 def reply(engine: Engine, messages, max_tokens: int, speculate: SpeculateConfig):
+    """The reply's token ids, its stats, and the process's CPU seconds over it (the engine thread's work: with one
+    torch thread, what the reply cost whatever else the machine runs)."""
     engine.set_speculate(speculate)
+    cpu0 = time.process_time()
     handle = engine.submit(engine.encode_chat(messages), SamplingParams(temperature=0, max_tokens=max_tokens))
     ids = [e.token_id for e in handle if e.token_id is not None]
-    return ids, handle.stats
+    return ids, handle.stats, time.process_time() - cpu0
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--runs", type=int, default=3, help="runs of each, alternating; the median is compared")
-    ap.add_argument("--max-tokens", type=int, default=400)
+    ap.add_argument("--max-tokens", type=int, default=300)
     ap.add_argument("--draft-tokens", type=int, default=DRAFT_TOKENS)
     ap.add_argument("--threads", type=int, help="torch's threads (default: torch's)")
     args = ap.parse_args()
@@ -86,20 +89,24 @@ def main() -> None:
     print("rows a step:  " + "  ".join(f"{r:>5}" for r in costs))
     print("x one row:    " + "  ".join(f"{c / costs[1]:5.2f}" for c in costs.values()))
     spec = SpeculateConfig("ngram", args.draft_tokens)
-    reply(engine, PROMPTS["story"], 8, SpeculateConfig())  # warm-up
     for name, messages in PROMPTS.items():
-        plain_tps, spec_tps, same = [], [], True
+        reply(engine, messages, args.max_tokens, SpeculateConfig())  # warm: the prompt's pages in the prefix cache
+        plain_tps, spec_tps, plain_cpu, spec_cpu, same = [], [], [], [], True
         for _ in range(args.runs):
-            ids, s = reply(engine, messages, args.max_tokens, SpeculateConfig())
+            ids, s, cpu = reply(engine, messages, args.max_tokens, SpeculateConfig())
             plain_tps.append(s.decode_tps)
-            sids, ss = reply(engine, messages, args.max_tokens, spec)
+            plain_cpu.append(len(ids) / cpu)
+            sids, ss, scpu = reply(engine, messages, args.max_tokens, spec)
             spec_tps.append(ss.decode_tps)
+            spec_cpu.append(len(sids) / scpu)
             same &= sids == ids
         p, q = statistics.median(plain_tps), statistics.median(spec_tps)
+        pc, qc = statistics.median(plain_cpu), statistics.median(spec_cpu)
         acc = f"{ss.acceptance:.0%}" if ss.acceptance is not None else "-"
-        print(f"{name:7} prompt {ss.prompt_tokens} tokens, reply {len(ids)} tokens: plain {p:.1f} tok/s, ngram "
-              f"{q:.1f} tok/s, ratio {q / p:.2f}x | drafted {ss.drafted_tokens}, accepted {acc}, "
-              f"{ss.tokens_per_pass:.2f} tokens/pass | identical: {same}")
+        print(f"{name:7} prompt {ss.prompt_tokens} tokens, reply {len(ids)} tokens | decode: plain {p:.1f} tok/s, "
+              f"ngram {q:.1f} tok/s, ratio {q / p:.2f}x | per CPU second: plain {pc:.1f}, ngram {qc:.1f}, ratio "
+              f"{qc / pc:.2f}x | drafted {ss.drafted_tokens}, accepted {acc}, {ss.tokens_per_pass:.2f} tokens/pass "
+              f"| identical: {same}")
     engine.close()
 
 

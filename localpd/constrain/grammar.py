@@ -211,6 +211,13 @@ class GrammarConstraint:
         if token not in self.eos_ids:
             self.matcher.consume_token(token)
 
+    def prefix_allowed(self, tokens: list[int]) -> int:
+        """How many of tokens, in a row from the first, the grammar takes from here (a speculative draft's length
+        worth verifying), without advancing."""
+        if self.matcher.is_error() or self.matcher.is_stopped():
+            return 0
+        return self.matcher.validate_tokens(list(tokens))
+
 
 def check(grammar: str, vocab: Vocabulary | None = None) -> None:
     """Raises GrammarError when the engine cannot compile a grammar (json_grammar's, regex_grammar's, ...)."""

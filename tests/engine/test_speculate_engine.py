@@ -149,3 +149,17 @@ def test_a_later_turn_finds_the_speculated_reply_in_the_prefix_cache(kv_engine, 
     assert cold_stats.cached_tokens == 0
     assert tokens(warm) == tokens(cold)
     assert idle(kv_engine)
+
+
+def test_a_draft_is_cut_where_the_json_grammar_refuses_a_token(kv_engine):
+    from localpd.constrain.grammar import GrammarConstraint, Vocabulary, json_grammar
+    from localpd.engine.speculate import allowed_prefix
+
+    tok = kv_engine.tokenizer
+    eos = set(tok.eos_ids)
+    constraint = GrammarConstraint(Vocabulary(tok, kv_engine.config.vocab_size, eos), json_grammar(None), eos)
+    whole = tok.encode('{"a": 1, "b": [2, 3]}', add_bos=False)
+    assert allowed_prefix(constraint, whole + tok.encode(" and more", add_bos=False)) == len(whole)
+    assert allowed_prefix(constraint, tok.encode("hello", add_bos=False)) == 0
+    constraint.advance(whole[0])  # checking did not advance it; advancing does
+    assert allowed_prefix(constraint, whole[1:]) == len(whole) - 1
