@@ -86,6 +86,7 @@ class Scheduler:
         self._stop(seq)
         self.pool.release(seq.table)
         seq.computed = 0
+        seq.draft = []
         seq.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(seq)

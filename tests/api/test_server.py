@@ -755,6 +755,10 @@ def test_metrics_parse_and_are_labelled_by_model_and_finish_reason(served, clien
     assert any(s.labels == {"finish_reason": "length", "model": engine.name} and s.value >= 1 for s in ended)
     assert families["localpd_time_to_first_token_seconds"].type == "histogram"
     assert families["localpd_kv_pages_total"].samples[0].value == engine.stats().kv_pages_total
+    total = {f: sum(s.value for s in families[f].samples if s.name == f + "_total")
+             for f in ("localpd_decode_steps", "localpd_decode_tokens", "localpd_draft_tokens")}
+    assert total["localpd_decode_tokens"] >= total["localpd_decode_steps"] >= 1  # no drafts: one token a step
+    assert total["localpd_draft_tokens"] == 0 and "localpd_draft_accepted_tokens" in families
 
 
 def test_health_is_503_while_loading_then_200(default_gguf):

@@ -2,8 +2,6 @@
 (greedy and seeded sampling), with concurrent requests, stop strings, JSON mode and logprobs, and no page left
 behind."""
 
-import threading
-
 import pytest
 
 from localpd.engine import Engine
@@ -36,9 +34,10 @@ def kv_engine(default_gguf):
     engine.close()
 
 
-@pytest.fixture(scope="module")
-def fp32_engine(default_gguf):
-    engine = Engine(default_gguf, device="cpu", max_context=2048, kv="fp32")
+@pytest.fixture(scope="module", params=["fp32", "int8/int4"])
+def other_engine(request, default_gguf):
+    """Float32 pages, and a quantized format of per-token scales (a token's codes never change once written)."""
+    engine = Engine(default_gguf, device="cpu", max_context=2048, kv=request.param)
     yield engine
     engine.close()
 
@@ -60,12 +59,13 @@ def idle(engine):
     return s.running == 0 and s.waiting == 0 and s.kv_pages_used == 0
 
 
-@pytest.mark.parametrize("pages", ["kv_engine", "fp32_engine"])
+@pytest.mark.parametrize("pages", ["kv_engine", "other_engine"])
 def test_greedy_replies_are_plain_decodings_token_for_token(pages, request):
+    """Over float16 pages (the default) every prompt; over float32 and int8/int4 pages the repeated text."""
     kv_engine = request.getfixturevalue(pages)
     params = SamplingParams(temperature=0, max_tokens=32, logprobs=2)
     accepted = 0
-    for messages in PROMPTS if pages == "kv_engine" else PROMPTS[:2]:
+    for messages in PROMPTS if pages == "kv_engine" else PROMPTS[:1]:
         plain, _ = reply(kv_engine, messages, params)
         for speculate in (ALWAYS,) if pages == "kv_engine" else (SpeculateConfig("ngram", 3),):
             spec, stats = reply(kv_engine, messages, params, speculate)
@@ -77,7 +77,7 @@ def test_greedy_replies_are_plain_decodings_token_for_token(pages, request):
                     assert [t for t, _ in a.top_logprobs] == [t for t, _ in b.top_logprobs]
             accepted += stats.accepted_tokens
             assert stats.accepted_tokens <= stats.drafted_tokens
-    assert accepted > 10  # the repeated text and the code were drafted and confirmed
+    assert accepted > 5  # the repeated text (and the code) were drafted and confirmed
     assert idle(kv_engine)
 
 
@@ -105,18 +105,8 @@ def test_concurrent_requests_with_and_without_drafts_match_their_plain_replies(k
     params = SamplingParams(temperature=0, max_tokens=32)
     expected = [tokens(reply(kv_engine, m, params)[0]) for m in PROMPTS]
     kv_engine.set_speculate(ALWAYS)
-    handles = [kv_engine.submit(kv_engine.encode_chat(m), params) for m in PROMPTS]
-    got = [None] * len(handles)
-
-    def drain(i):
-        got[i] = tokens(list(handles[i]))
-
-    threads = [threading.Thread(target=drain, args=(i,)) for i in range(len(handles))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert got == expected
+    handles = [kv_engine.submit(kv_engine.encode_chat(m), params) for m in PROMPTS]  # all in the engine's batch
+    assert [tokens(list(h)) for h in handles] == expected  # a handle keeps its events until read
     assert idle(kv_engine)
 
 
