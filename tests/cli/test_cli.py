@@ -120,16 +120,6 @@ def test_verbose_prints_timings(default_gguf):
         assert key in r.stderr
 
 
-def test_speculation_answers_as_plain_decoding_and_says_how_many_drafts_held(default_gguf):
-    text = "The quick brown fox jumps over the lazy dog while the cat watches from the warm windowsill."
-    ask = ["chat", str(default_gguf), f"Repeat exactly: {text}", "--temperature", "0", "--max-tokens", "32"]
-    plain = localpd(ask)
-    spec = localpd([*ask, "--speculate", "ngram", "--draft-tokens", "4", "--verbose"])
-    assert plain.returncode == 0 and spec.returncode == 0, spec.stderr
-    assert spec.stdout == plain.stdout
-    assert "drafted tokens accepted" in spec.stderr and "tokens per pass" in spec.stderr
-
-
 def test_unknown_model_lists_known_ones():
     line = one_line_error(localpd(["chat", "no-such-model", "hi"]))
     assert "unknown model" in line and "smollm2-135m" in line
