@@ -59,10 +59,17 @@ def idle(engine):
     return s.running == 0 and s.waiting == 0 and s.kv_pages_used == 0
 
 
-@pytest.mark.parametrize("pages", ["kv_engine", "other_engine"])
-def test_greedy_replies_are_plain_decodings_token_for_token(pages, request):
-    """Over float16 pages (the default) every prompt; over float32 and int8/int4 pages the repeated text."""
-    kv_engine = request.getfixturevalue(pages)
+def test_greedy_replies_are_plain_decodings_token_for_token(kv_engine):
+    """Over float16 pages (the default) every prompt."""
+    greedy_equality(kv_engine, "kv_engine")
+
+
+def test_greedy_replies_over_other_pages_are_plain_decodings(other_engine):
+    """Over float32 and int8/int4 pages the repeated text."""
+    greedy_equality(other_engine, "other_engine")
+
+
+def greedy_equality(kv_engine, pages):
     params = SamplingParams(temperature=0, max_tokens=32, logprobs=2)
     accepted = 0
     for messages in PROMPTS if pages == "kv_engine" else PROMPTS[:1]:
