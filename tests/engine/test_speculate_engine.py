@@ -23,6 +23,9 @@ PROMPTS = [
 # one-row step's (as when batch composition changes, tests/engine/test_engine.py); through 30 layers that moved a
 # logprob by up to 2e-3 over these prompts with float16 pages
 LOGPROB_ATOL = 1e-2
+# int8/int4 pages round each written key and value: the multi-row products' last bits can move a rounding, and a
+# logprob by 1.2e-2 (seen once in CI); the tokens stay the same
+QUANTIZED_PAGES_LOGPROB_ATOL = 3e-2
 ALWAYS = SpeculateConfig("ngram", 8, adaptive=False)  # drafts wherever the text has a match: verification runs
 
 
@@ -80,7 +83,8 @@ def greedy_equality(kv_engine, pages):
             assert "".join(e.text for e in spec) == "".join(e.text for e in plain)
             for a, b in zip(spec, plain):
                 if a.token_id is not None:
-                    assert abs(a.logprob - b.logprob) < LOGPROB_ATOL
+                    atol = LOGPROB_ATOL if pages == "kv_engine" else QUANTIZED_PAGES_LOGPROB_ATOL
+                    assert abs(a.logprob - b.logprob) < atol
                     assert [t for t, _ in a.top_logprobs] == [t for t, _ in b.top_logprobs]
             accepted += stats.accepted_tokens
             assert stats.accepted_tokens <= stats.drafted_tokens
