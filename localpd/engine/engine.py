@@ -33,7 +33,7 @@ from localpd.kvcache.pages import PagePool
 from localpd.load.loader import LoadedModel, load_model
 from localpd.load.registry import resolve_model
 from localpd.model.transformer import Transformer
-from localpd.quant.kv import KVTraffic, check_kv_dtype, new_kv_pool, same_kv
+from localpd.quant.kv import KVTraffic, check_kv_dtype, kv_formats, new_kv_pool, same_kv
 from localpd.quant.schemes import DENSE, check_scheme, compute_dtype, default_scheme, group_notes
 from localpd.quant.store import is_quantized_dir
 from localpd.text.stops import StopMatcher
@@ -144,12 +144,15 @@ class Engine:
         self.scheduler = Scheduler(self.pages, max_step_tokens, max_running)
         self.runner = ModelRunner(self.model, self.kv, self.kv_traffic, self.scheduler, self.graphs, self.device)
         self.output = OutputProcessor(self._finish)
-        # a per-page KV format (int4ch) rounds a page's keys over every token written to it, so k + 1 rows written
-        # at once would each see keys rounded over the later rows' range: no longer plain decoding's reply
+        # Drafts only over unrounded pages: a per-page format (int4ch) rounds a page's keys over every token written
+        # to it, so k + 1 rows written at once would each see keys rounded over the later rows' range; and over
+        # per-token int8/int4 pages a verification step's logprobs moved by up to 0.11 from plain decoding's (the
+        # tokens stayed, but nothing yet says they must): no longer plain decoding's reply
+        self.drafts_allowed = all(f in ("fp32", "fp16", "bf16") for f in kv_formats(self.kv_dtype))
         self.speculator = Speculator(speculate or SpeculateConfig(), self.device.type)
-        if self.speculator.config.on and self.kv.has_stage:
-            self.notes.append(f"speculative decoding is off under the {self.kv_dtype} KV cache: its pages round "
-                              f"keys over all their tokens, so drafted rows would change the reply")
+        if self.speculator.config.on and not self.drafts_allowed:
+            self.notes.append(f"speculative decoding is off under the {self.kv_dtype} KV cache: its rounded pages "
+                              f"would let drafted rows change the reply")
         self._requests: dict[Sequence, Request] = {}
         self._inbox: deque[Request] = deque()
         self._cancels: set[RequestHandle] = set()
@@ -381,7 +384,7 @@ class Engine:
     def _step(self) -> None:
         """One step: the scheduler picks the work, the model runner computes it and samples, the output processor
         turns the samples into events."""
-        if self.speculator.config.on and not self.kv.has_stage:
+        if self.speculator.config.on and self.drafts_allowed:
             self._draft()
         work = self.scheduler.step()
         if not work:

@@ -23,9 +23,6 @@ PROMPTS = [
 # one-row step's (as when batch composition changes, tests/engine/test_engine.py); through 30 layers that moved a
 # logprob by up to 2e-3 over these prompts with float16 pages
 LOGPROB_ATOL = 1e-2
-# int8/int4 pages round each written key and value: the multi-row products' last bits can move a rounding, and a
-# logprob by 1.2e-2 (seen once in CI); the tokens stay the same
-QUANTIZED_PAGES_LOGPROB_ATOL = 3e-2
 ALWAYS = SpeculateConfig("ngram", 8, adaptive=False)  # drafts wherever the text has a match: verification runs
 
 
@@ -68,8 +65,15 @@ def test_greedy_replies_are_plain_decodings_token_for_token(kv_engine):
 
 
 def test_greedy_replies_over_other_pages_are_plain_decodings(other_engine):
-    """Over float32 and int8/int4 pages the repeated text."""
-    greedy_equality(other_engine, "other_engine")
+    """Over float32 pages the repeated text, drafted; over int8/int4 pages speculation is off (a verification step's
+    logprobs moved by up to 0.11 there), the reply plain decoding's."""
+    if other_engine.drafts_allowed:
+        greedy_equality(other_engine, "other_engine")
+        return
+    params = SamplingParams(temperature=0, max_tokens=32, logprobs=2)
+    plain, _ = reply(other_engine, PROMPTS[0], params)
+    spec, stats = reply(other_engine, PROMPTS[0], params, SpeculateConfig("ngram", 3))
+    assert stats.drafted_tokens == 0 and tokens(spec) == tokens(plain)
 
 
 def greedy_equality(kv_engine, pages):
@@ -83,8 +87,7 @@ def greedy_equality(kv_engine, pages):
             assert "".join(e.text for e in spec) == "".join(e.text for e in plain)
             for a, b in zip(spec, plain):
                 if a.token_id is not None:
-                    atol = LOGPROB_ATOL if pages == "kv_engine" else QUANTIZED_PAGES_LOGPROB_ATOL
-                    assert abs(a.logprob - b.logprob) < atol
+                    assert abs(a.logprob - b.logprob) < LOGPROB_ATOL
                     assert [t for t, _ in a.top_logprobs] == [t for t, _ in b.top_logprobs]
             accepted += stats.accepted_tokens
             assert stats.accepted_tokens <= stats.drafted_tokens
