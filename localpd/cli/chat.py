@@ -180,7 +180,7 @@ class Chat:
     def reply(self, user_text: str) -> str:
         parts: list[str] = []
         interrupted = False
-        shown = None
+        shown = handle = None
         try:
             ids = self.fit_to_context(user_text)
             shown = ReplyPrinter(self.engine, ids)
@@ -193,6 +193,8 @@ class Chat:
                 shown.write(event.text)
         except KeyboardInterrupt:
             interrupted = True
+            if handle is not None:  # the engine stops generating too, not only the printing
+                handle.cancel()
         finally:
             if shown is not None:
                 shown.close()
