@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import sys
 from dataclasses import replace
 
@@ -208,6 +209,9 @@ class Chat:
         return text
 
     def repl(self) -> None:
+        # Ctrl+C stops a reply (KeyboardInterrupt): a REPL started by a process that ignores SIGINT would inherit
+        # that, and Python installs no handler of its own then
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         setup_history()
         while True:
             try:
