@@ -260,6 +260,14 @@ def block_k(k: int, bits: int, group: int) -> int:
     raise ValueError(f"no K-major GEMV tile for K = {k}, group {group}")
 
 
+def launch_block_k(k: int, bits: int, group: int, asked: int) -> int:
+    """The tile's BLOCK_K where it divides K and nests with the group, else block_k's choice."""
+    g = min(group, k)
+    if asked and k % asked == 0 and (asked % g == 0 or g % asked == 0):
+        return asked
+    return block_k(k, bits, g)
+
+
 def takes(shape: tuple[int, int], bits: int, group: int) -> bool:
     """Whether this GEMV has a tile for a weight of this shape (K a multiple of 32 that nests with the group)."""
     try:
@@ -322,9 +330,7 @@ def gemv_kmajor(x: torch.Tensor, words: torch.Tensor, factors: torch.Tensor, bit
         return done
     kernel_group = group if group < k else 1 << 30  # per channel: a group no tile reaches past
     tile = {**DEFAULT_TILE, **(tile or {})}
-    g, bk = min(group, k), tile["BLOCK_K"]
-    if not (bk and k % bk == 0 and (bk % g == 0 or g % bk == 0)):
-        bk = block_k(k, bits, g)
+    bk = launch_block_k(k, bits, group, tile["BLOCK_K"])
     tiles = -(-n // BLOCK_N)
     rows = 1 if gated or norm is not None else min(MAX_BLOCK_M, 1 << (m - 1).bit_length())  # a program's rows
     blocks = -(-m // rows)

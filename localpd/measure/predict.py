@@ -87,7 +87,7 @@ def compile_gemv(bits: int, group: int, n: int, k: int, arch: int):
 
     tile = km.DEFAULT_TILE
     g = min(group or k, k)
-    bk = tile["BLOCK_K"] if tile["BLOCK_K"] and k % tile["BLOCK_K"] == 0 else km.block_k(k, bits, g)
+    bk = km.launch_block_k(k, bits, g, tile["BLOCK_K"])
     x, out = torch.empty(1, k, dtype=torch.bfloat16), torch.empty(1, n, dtype=torch.bfloat16)
     words = torch.empty(k * bits // 32, n, dtype=torch.int32)
     factors = torch.empty(k // g, n, dtype=torch.int32)
