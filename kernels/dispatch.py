@@ -250,21 +250,26 @@ def kmajor_matmul_ref(x, w: KMajorWeight, bias=None, gated: str | None = None, n
 
 def linear_kmajor(x: torch.Tensor, w: KMajorWeight, bias: torch.Tensor | None = None, gated: str | None = None,
                   norm: PreNorm | None = None):
-    """linear_int4 for the GPU's K-major int4/int8 layout: kernels/gemv_kmajor.py's GEMV for up to MAX_ROWS
-    rows, else dequantize + cuBLAS, each after the input step (RMSNorm, SiLU * up) in a kernel of its own unless
+    """linear_int4 for the GPU's K-major int4/int8 layout: for up to MAX_ROWS rows a GEMV (kernels/gemv_dp4a.py's
+    integer one where it takes the weight and the activations' dtype, else kernels/gemv_kmajor.py's), else
+    dequantize + cuBLAS, each after the input step (RMSNorm, SiLU * up) in a kernel of its own unless
     gemv_kmajor.FUSE_INPUT_STEP; the torch reference where Triton does not run."""
     if not use_triton(x):
         return _linear(x, w.shape, lambda x2, n: kmajor_matmul_ref(x2, w, bias=bias, gated=gated, norm=n), gated,
                        norm)
-    from localpd.kernels import gemv_kmajor as km
+    from localpd.kernels import gemv_dp4a as dp, gemv_kmajor as km
     from localpd.kernels.fused_dispatch import act_mul, add_rms_norm  # it imports this module
 
     def run(x2, n):
         gemv = x2.shape[0] <= km.MAX_ROWS
         if gemv and km.FUSE_INPUT_STEP:
             return km.gemv_kmajor(x2, w.words, w.factors, w.BITS, w.group, bias=bias, gated=gated, norm=n)
-        product = (lambda h: km.gemv_kmajor(h, w.words, w.factors, w.BITS, w.group, bias=bias)) if gemv else \
-            (lambda h: km.dequant_matmul_kmajor(h, w.words, w.factors, w.BITS, w.group, bias))
+        if not gemv:
+            product = lambda h: km.dequant_matmul_kmajor(h, w.words, w.factors, w.BITS, w.group, bias)  # noqa: E731
+        elif dp.takes(w.shape, w.BITS, w.group, x2.dtype):
+            product = lambda h: dp.gemv_dp4a(h, w.words, w.factors, w.BITS, w.group, bias=bias)  # noqa: E731
+        else:
+            product = lambda h: km.gemv_kmajor(h, w.words, w.factors, w.BITS, w.group, bias=bias)  # noqa: E731
         if n is not None:
             h, s = add_rms_norm(x2, n.residual, n.weight, n.eps)
             return product(h), s

@@ -116,7 +116,6 @@ def _gemv_kmajor_kernel(x_ptr, y_ptr, w_ptr, f_ptr, M, N, K, stride_xm, stride_y
     G: tl.constexpr = (BLOCK_K + GROUP - 1) // GROUP  # groups in a tile (1 when a group spans several tiles)
     WPG: tl.constexpr = BLOCK_K // FIELDS // G  # words of one group in a tile
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    n_tiles = tl.num_programs(1)
     m0 = pid_m * BLOCK_M
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -173,11 +172,23 @@ def _gemv_kmajor_kernel(x_ptr, y_ptr, w_ptr, f_ptr, M, N, K, stride_xm, stride_y
                               FIELDS, BITS, False, False, "")[0]
             acc3 += _row_trip(x_ptr, r_ptr, g_ptr, sum_ptr, rx3, row_r, row_s, wk, lo, hi, scale, bias, K, store_sum,
                               FIELDS, BITS, False, False, "")[0]
-    ys = (tl.sum(tl.sum(acc0, axis=1), axis=0), tl.sum(tl.sum(acc1, axis=1), axis=0),
-          tl.sum(tl.sum(acc2, axis=1), axis=0), tl.sum(tl.sum(acc3, axis=1), axis=0))  # [BLOCK_N] each
+    y0, y1 = tl.sum(tl.sum(acc0, axis=1), axis=0), tl.sum(tl.sum(acc1, axis=1), axis=0)  # [BLOCK_N] each
+    y2, y3 = tl.sum(tl.sum(acc2, axis=1), axis=0), tl.sum(tl.sum(acc3, axis=1), axis=0)
     row_sq = tl.sum(tl.sum(sq, axis=1), axis=0)
+    _finish_rows(y0, y1, y2, y3, row_sq, y_ptr, bias_ptr, ws_ptr, cnt_ptr, SPLIT_K, M, N, K, m0, offs_n, n_mask,
+                 stride_ym, eps, BLOCK_M, NORM, OUT_BIAS)
+
+
+@triton.jit
+def _finish_rows(y0, y1, y2, y3, row_sq, y_ptr, bias_ptr, ws_ptr, cnt_ptr, SPLIT_K, M, N, K, m0, offs_n, n_mask,
+                 stride_ym, eps, BLOCK_M: tl.constexpr, NORM: tl.constexpr, OUT_BIAS: tl.constexpr):
+    """A program's partial outputs y0..y3 (rows m0..m0 + BLOCK_M - 1, [BLOCK_N] each) to y: directly with one slice
+    of K; else to the workspace, the last program of the column tile (counted on its counter) summing the slices,
+    applying the epilogue and resetting the counter for the next launch (module doc)."""
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    ys = (y0, y1, y2, y3)
     if SPLIT_K > 1:  # partials to the workspace; the last program of this column tile reduces them
-        block = pid_m * n_tiles + pid_n
+        block = pid_m * tl.num_programs(1) + pid_n
         part_ptr = ws_ptr + (m0.to(tl.int64) * SPLIT_K + pid_k) * N + offs_n  # row m0 + r at + r * SPLIT_K * N
         sq_ptr = ws_ptr + tl.num_programs(0).to(tl.int64) * BLOCK_M * SPLIT_K * N + block * SPLIT_K
         for r in tl.static_range(BLOCK_M):
@@ -187,17 +198,17 @@ def _gemv_kmajor_kernel(x_ptr, y_ptr, w_ptr, f_ptr, M, N, K, stride_xm, stride_y
         tl.debug_barrier()  # every thread's partials are written before the count says so
         done = tl.atomic_add(cnt_ptr + block, 1, sem="acq_rel", scope="gpu")
         if done == SPLIT_K - 1:
-            row_sq = 0.0
+            total_sq = 0.0
             if NORM:
                 for s in range(0, SPLIT_K):
-                    row_sq += tl.load(sq_ptr + s, cache_modifier=".cg")
+                    total_sq += tl.load(sq_ptr + s, cache_modifier=".cg")
             for r in tl.static_range(BLOCK_M):
-                y = tl.zeros((BLOCK_N,), tl.float32)
+                y = tl.zeros((offs_n.shape[0],), tl.float32)
                 for s in range(0, SPLIT_K):
                     y += tl.load(part_ptr + (r * SPLIT_K + s - pid_k) * N, mask=n_mask, other=0.0,
                                  cache_modifier=".cg")
                 live = n_mask & (offs_n * 0 + m0 + r < M)
-                _epilogue(y, row_sq, y_ptr, bias_ptr, m0 + r, offs_n, live, stride_ym, K, eps, NORM, OUT_BIAS)
+                _epilogue(y, total_sq, y_ptr, bias_ptr, m0 + r, offs_n, live, stride_ym, K, eps, NORM, OUT_BIAS)
             tl.atomic_xchg(cnt_ptr + block, 0, sem="relaxed", scope="gpu")
     else:
         for r in tl.static_range(BLOCK_M):

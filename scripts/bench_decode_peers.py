@@ -121,12 +121,14 @@ def graphed(model: TorchLlama):
 
 
 def localpd_decode(name: str, quant: str, steps: int, context: int, graphs: bool = True,
-                   fused: bool = True, kmajor: bool = True) -> tuple[float, int]:
+                   fused: bool = True, kmajor: bool = True, dp4a: bool = True) -> tuple[float, int]:
     from localpd.engine import Engine
+    from localpd.kernels import gemv_dp4a
     from localpd.engine.sampling import SamplingParams
     from localpd.model.transformer import Transformer
 
     Transformer.gpu_layout = kmajor
+    gemv_dp4a.ENABLED = dp4a
     engine = Engine(f"synthetic:{name}", device="cuda", quant=quant, max_context=context + steps + 16,
                     kv_memory="2GiB", cuda_graphs=graphs)
     engine.model.fused = fused  # before the warm-up, which captures the graphs
@@ -154,14 +156,16 @@ def main() -> None:
     print(f"# {torch.cuda.get_device_name()} | measured copy bandwidth {bw / 1e9:.0f} GB/s | {args.model} B=1, "
           f"context {args.context}, {args.steps} steps")
     rows = []
-    runs = [("int4-g128", True, True, True), ("int8", True, True, True), ("bf16", True, True, True)]
+    runs = [("int4-g128", True, True, True, True), ("int8", True, True, True, True), ("bf16", True, True, True, True),
+            ("int4-g128", True, True, True, False), ("int8", True, True, True, False)]
     if args.all:  # the row-major GEMV autotunes each shape's launch on first use: minutes on a fresh machine
-        runs += [("int4-g128", True, True, False), ("int8", True, True, False), ("int4-g128", True, False, True),
-                 ("int4-g128", False, True, True)]
-    for quant, graphs, fused, kmajor in runs:
-        sec, nbytes = localpd_decode(args.model, quant, args.steps, args.context, graphs, fused, kmajor)
+        runs += [("int4-g128", True, True, False, True), ("int8", True, True, False, True),
+                 ("int4-g128", True, False, True, True), ("int4-g128", False, True, True, True)]
+    for quant, graphs, fused, kmajor, dp4a in runs:
+        sec, nbytes = localpd_decode(args.model, quant, args.steps, args.context, graphs, fused, kmajor, dp4a)
+        gemv = "row-major GEMV" if not kmajor else "integer K-major GEMV" if dp4a else "float K-major GEMV"
         how = ("CUDA graphs" if graphs else "eager") + ("" if fused else ", unfused") + \
-            (", K-major GEMV" if kmajor and quant != "bf16" else ", row-major GEMV" if quant != "bf16" else "")
+            (f", {gemv}" if quant != "bf16" else "")
         rows.append((f"localpd {quant} (engine, {how}, wall clock per token)", sec, nbytes))
         torch.cuda.empty_cache()
     for int4 in (False, True):

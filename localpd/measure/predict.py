@@ -56,6 +56,7 @@ FORMATS = {"int4-g128": (4, 128), "int8": (8, 0)}  # bits, group (0: per output 
 @dataclass
 class Prediction:
     card: str
+    kernel: str  # dp4a (kernels/gemv_dp4a.py) or kmajor (kernels/gemv_kmajor.py)
     format: str
     linear: str
     n: int
@@ -80,77 +81,102 @@ def decode_linears(model: str) -> list[tuple[str, int, int]]:
             ("gate_up", 2 * c.ffn_dim, c.dim), ("down", c.dim, c.ffn_dim), ("lm_head", c.vocab_size, c.dim)]
 
 
-def compile_gemv(bits: int, group: int, n: int, k: int, arch: int):
-    """The K-major GEMV as gemv_kmajor launches it at one row (no input step), for sm_<arch>: (kernel, BLOCK_K)."""
-    from localpd.kernels import gemv_kmajor as km
+@dataclass
+class Launch:
+    """A GEMV compiled as the model launches it for a kind of shape, and what the prediction needs of its launch."""
+    kernel: object  # the compiled kernel
+    words_per_thread: float  # weight words a thread loads a trip
+    threads: int
+    trip_inputs: int  # inputs (K) a trip covers: split-K slices are whole trips
+    prefetch: bool  # a trip's words loaded a trip ahead
+    act_bytes: float  # activation bytes a column tile reads, per input
+    launches: int  # kernel launches (each pays FLOOR_US)
+
+
+def compile_gemv(bits: int, group: int, n: int, k: int, arch: int, kernel: str = "dp4a") -> Launch:
+    """The decode GEMV at one row as the model launches it (no input step), for sm_<arch>: kernels/gemv_dp4a.py's
+    (the model's for 16-bit activations; its activation rounding a launch of its own) or gemv_kmajor's."""
+    from localpd.kernels import gemv_dp4a as dp, gemv_kmajor as km
     from localpd.measure.sass import compile_launch
 
     tile = km.DEFAULT_TILE
     g = min(group or k, k)
-    bk = km.launch_block_k(k, bits, g, tile["BLOCK_K"])
-    x, out = torch.empty(1, k, dtype=torch.bfloat16), torch.empty(1, n, dtype=torch.bfloat16)
+    gk = group if 0 < group < k else 1 << 30
+    out, ws, cnt = torch.empty(1, n, dtype=torch.bfloat16), torch.empty(1), torch.empty(1, dtype=torch.int32)
     words = torch.empty(k * bits // 32, n, dtype=torch.int32)
     factors = torch.empty(k // g, n, dtype=torch.int32)
-    ws, cnt = torch.empty(1, dtype=torch.float32), torch.empty(1, dtype=torch.int32)
+    if kernel == "dp4a":
+        nb = dp.blocks_a_trip(k)
+        q, s = torch.empty(1, k // 2, dtype=torch.int32), torch.empty(1, k // 16)
+        args = (q, s, out, words, factors, 1, n, k, q.stride(0), s.stride(0), out.stride(0), words.stride(0),
+                factors.stride(0), ws, cnt, 2, out)
+        kwargs = dict(BITS=bits, GROUP=gk, BLOCK_N=km.BLOCK_N, NB=nb, BLOCK_M=1, OUT_BIAS=False, ASM=True,
+                      PREFETCH=True, num_warps=nb, num_stages=1)
+        return Launch(compile_launch(dp._gemv_dp4a_kernel, args, kwargs, arch), bits * 4, 32 * nb, 32 * nb, True,
+                      2.25, 2)
+    bk = km.launch_block_k(k, bits, g, tile["BLOCK_K"])
+    x = torch.empty(1, k, dtype=torch.bfloat16)
     args = (x, out, words, factors, 1, n, k, x.stride(0), out.stride(0), words.stride(0), factors.stride(0), ws, cnt,
             2, x, x, x, k, k, 1e-5, x)
-    kwargs = dict(BITS=bits, GROUP=group if 0 < group < k else 1 << 30, BLOCK_N=km.BLOCK_N, BLOCK_K=bk,
-                  GATED="", NORM=False, HAS_RES=False, OUT_BIAS=False, PREFETCH=tile["PREFETCH"], BLOCK_M=1,
-                  num_warps=tile["num_warps"], num_stages=1)
-    return compile_launch(km._gemv_kmajor_kernel, args, kwargs, arch), bk
+    kwargs = dict(BITS=bits, GROUP=gk, BLOCK_N=km.BLOCK_N, BLOCK_K=bk, GATED="", NORM=False, HAS_RES=False,
+                  OUT_BIAS=False, PREFETCH=tile["PREFETCH"], BLOCK_M=1, num_warps=tile["num_warps"], num_stages=1)
+    threads = 32 * tile["num_warps"]
+    return Launch(compile_launch(km._gemv_kmajor_kernel, args, kwargs, arch), bk * bits / 32 * km.BLOCK_N / threads,
+                  threads, bk, tile["PREFETCH"], 2.0, 1)
 
 
-def predict(model: str = "llama3-8b", cards=CARDS, formats=FORMATS) -> list[Prediction]:
+def predict(model: str = "llama3-8b", cards=CARDS, formats=FORMATS, kernels=("dp4a",)) -> list[Prediction]:
     from localpd.kernels import gemv_kmajor as km
     from localpd.measure.sass import cuobjdump, loop_stats, main_loop
 
-    tile = km.DEFAULT_TILE
-    threads = 32 * tile["num_warps"]
     compiled: dict = {}
     rows = []
     for card in cards:
-        for fmt, (bits, group) in formats.items():
-            for name, n, k in decode_linears(model):
-                key = (card.arch, bits, group, k % 128 == 0, k % 64 == 0)
-                if key not in compiled:
-                    compiled[key] = compile_gemv(bits, group, n, k, card.arch)
-                kernel, bk = compiled[key]
-                words_per_thread = bk * bits / 32 * km.BLOCK_N / threads  # a trip's
-                stats = loop_stats(kernel, words_per_thread)
-                body = main_loop(cuobjdump(kernel.asm["cubin"]))
-                wide = sum(op.startswith("LDG.E.128") for op in body)
-                weight_wide = int(words_per_thread // 4)  # 4 words a 16-byte load
-                split = km.split_for(1, n, k, bk, card.sms, tile["per_sm"])
-                programs = -(-n // km.BLOCK_N) * split
-                g = group or k
-                nbytes = n * k * bits // 8 + 4 * n * (k // g) + 2 * k * -(-n // km.BLOCK_N) + 2 * n
-                resident = min(-(-programs // card.sms), MAX_PROGRAMS_PER_SM,
-                               REGISTERS_PER_SM // max(1, stats.registers * threads))
-                trip_bytes = words_per_thread * 4 * threads * (2 if tile["PREFETCH"] else 1)
-                in_flight = int(resident * trip_bytes)
-                need = card.gbs * 1e9 * LATENCY_US * 1e-6 / card.sms
-                eff = min(1.0, card.budget() / stats.per_word, in_flight / need)
-                seconds = FLOOR_US * 1e-6 + nbytes / (eff * card.gbs * 1e9)
-                rows.append(Prediction(card.name, fmt, name, n, k, programs, nbytes // programs,
-                                       f"{wide}/{weight_wide}", in_flight, stats.per_word, stats.registers,
-                                       stats.spilled, stats.barriers, nbytes / (card.gbs * 1e9) / seconds,
-                                       seconds * 1e6))
+        for kernel in kernels:
+            for fmt, (bits, group) in formats.items():
+                for name, n, k in decode_linears(model):
+                    key = (card.arch, kernel, bits, group, k % 128 == 0, k % 64 == 0)
+                    if key not in compiled:
+                        launch = compile_gemv(bits, group, n, k, card.arch, kernel)
+                        compiled[key] = launch, loop_stats(launch.kernel, launch.words_per_thread), \
+                            main_loop(cuobjdump(launch.kernel.asm["cubin"]))
+                    launch, stats, body = compiled[key]
+                    wide = sum(op.startswith("LDG.E.128") for op in body)
+                    weight_wide = int(launch.words_per_thread // 4)  # 4 words a 16-byte load
+                    split = km.split_for(1, n, k, launch.trip_inputs, card.sms, km.DEFAULT_TILE["per_sm"])
+                    tiles = -(-n // km.BLOCK_N)
+                    programs = tiles * split
+                    g = group or k
+                    nbytes = int(n * k * bits // 8 + 4 * n * (k // g) + launch.act_bytes * k * tiles + 2 * n)
+                    resident = min(-(-programs // card.sms), MAX_PROGRAMS_PER_SM,
+                                   REGISTERS_PER_SM // max(1, stats.registers * launch.threads))
+                    trip_bytes = launch.words_per_thread * 4 * launch.threads * (2 if launch.prefetch else 1)
+                    in_flight = int(resident * trip_bytes)
+                    need = card.gbs * 1e9 * LATENCY_US * 1e-6 / card.sms
+                    eff = min(1.0, card.budget() / stats.per_word, in_flight / need)
+                    seconds = launch.launches * FLOOR_US * 1e-6 + nbytes / (eff * card.gbs * 1e9)
+                    rows.append(Prediction(card.name, kernel, fmt, name, n, k, programs, nbytes // programs,
+                                           f"{wide}/{weight_wide}", in_flight, stats.per_word, stats.registers,
+                                           stats.spilled, stats.barriers, nbytes / (card.gbs * 1e9) / seconds,
+                                           seconds * 1e6))
     return rows
 
 
 def run(args) -> int:
     cards = [c for c in CARDS if not args.cards or any(w.lower() in c.name.lower() for w in args.cards.split(","))]
-    rows = predict(args.model or "llama3-8b", cards)
-    print(f"# {args.model or 'llama3-8b'}: batch-1 decode GEMVs (kernels/gemv_kmajor.py) compiled per card, no GPU "
-          f"used; model: time = {FLOOR_US} us + bytes / (efficiency x bandwidth), efficiency = min(1, budget / "
-          f"instructions a word, in flight / (bandwidth x {LATENCY_US} us / SMs))")
+    rows = predict(args.model or "llama3-8b", cards, kernels=("dp4a", "kmajor"))
+    print(f"# {args.model or 'llama3-8b'}: batch-1 decode GEMVs compiled per card, no GPU used: dp4a (kernels/gemv_"
+          f"dp4a.py, the model's for 16-bit activations; launches = the GEMV and its activation rounding) and kmajor "
+          f"(kernels/gemv_kmajor.py, float products); model: time = launches x {FLOOR_US} us + bytes / (efficiency x "
+          f"bandwidth), efficiency = min(1, budget / instructions a word, in flight / (bandwidth x {LATENCY_US} us / "
+          f"SMs))")
     for card in cards:
         print(f"#   {card.name} sm_{card.arch}: {card.sms} SMs, {card.gbs} GB/s ({card.source}), "
               f"{card.budget():.0f} instruction slots a word")
-    print(f"{'card':>9} {'format':>9} {'linear':>8} {'N':>6} {'K':>6} {'programs':>8} {'KB/prog':>7} {'16B ld':>6} "
+    print(f"{'card':>9} {'kernel':>6} {'format':>9} {'linear':>8} {'N':>6} {'K':>6} {'programs':>8} {'KB/prog':>7} {'16B ld':>6} "
           f"{'KB flight/SM':>12} {'instr/word':>10} {'regs':>4} {'spill':>5} {'bar':>3} {'predicted':>9}")
     for r in rows:
-        print(f"{r.card:>9} {r.format:>9} {r.linear:>8} {r.n:>6} {r.k:>6} {r.programs:>8} "
+        print(f"{r.card:>9} {r.kernel:>6} {r.format:>9} {r.linear:>8} {r.n:>6} {r.k:>6} {r.programs:>8} "
               f"{r.bytes_per_program / 1024:>7.1f} {r.wide_loads:>6} {r.in_flight_per_sm / 1024:>12.1f} "
               f"{r.per_word:>10} {r.registers:>4} {r.spilled:>5} {r.barriers:>3} "
               f"{r.predicted:>5.0%} {r.predicted_us:5.1f}us")

@@ -1,0 +1,86 @@
+"""The integer GEMV (kernels/gemv_dp4a.py) against the float one (kernels/gemv_kmajor.py) and torch's int4
+tinygemm on a GPU, Llama-3-8B's decode linears, int4-g128 and int8, 1 and 4 rows, as CUDA-graph replays over weight
+copies larger than L2: per shape the time and % of the measured copy bandwidth of each, the activation rounding
+(quantize_act) alone and the GEMV without it, and each product's error against its torch reference.
+
+    python scripts/bench_dp4a.py [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+
+from localpd.kernels import gemv_dp4a as dp, gemv_kmajor as km
+from localpd.kernels.dispatch import kmajor_matmul_ref
+from localpd.measure.bench_kernels import SHAPES, copies_for, graph_time, random_int4, random_int8, tinygemm
+from localpd.measure.device import measure_copy_bandwidth
+from localpd.quant.kmajor import to_kmajor
+
+
+def rel(a, b) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@torch.inference_mode()
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json")
+    p.add_argument("--rows", default="1,4")
+    args = p.parse_args()
+    dev = torch.device("cuda")
+    bw = measure_copy_bandwidth(dev, 1 << 30)
+    print(f"# {torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.0f} GB/s; times in us, % of copy bandwidth "
+          f"for the weight bytes")
+    out = []
+    for (shape, n, k), fmt, m in itertools.product(SHAPES, ("int4-g128", "int8"), map(int, args.rows.split(","))):
+        make = (lambda: random_int4(n, k, 128, dev)) if fmt == "int4-g128" else (lambda: random_int8(n, k, dev))
+        first = to_kmajor(make())
+        ws = [first] + [to_kmajor(make()) for _ in range(copies_for(first.nbytes, dev) - 1)]
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        q, s = dp.quantize_act(x, first.BITS)
+        t = {
+            "kmajor": graph_time([lambda w=w: km.gemv_kmajor(x, w.words, w.factors, w.BITS, w.group) for w in ws]),
+            "dp4a": graph_time([lambda w=w: dp.gemv_dp4a(x, w.words, w.factors, w.BITS, w.group) for w in ws]),
+            "quantize": graph_time([lambda: dp.quantize_act(x, first.BITS)]),
+        }
+        nb = dp.blocks_a_trip(k)
+
+        def gemv_only(w):
+            out_ = torch.empty(m, n, device=dev, dtype=x.dtype)
+            rows = min(km.MAX_BLOCK_M, 1 << (m - 1).bit_length())
+            split = km.split_for(-(-m // rows), n, k, 32 * nb, km.sm_count(dev))
+            wsp, cnt = km.workspace(dev, -(-m // rows) * rows * split * n + 4096 * split, 4096)
+            dp._gemv_dp4a_kernel[(-(-m // rows), -(-n // km.BLOCK_N), split)](
+                q, s, out_, w.words, w.factors, m, n, k, q.stride(0), s.stride(0), out_.stride(0), w.words.stride(0),
+                w.factors.stride(0), wsp, cnt, split, x, BITS=w.BITS, GROUP=w.group if w.group < k else 1 << 30,
+                BLOCK_N=km.BLOCK_N, NB=nb, BLOCK_M=rows, OUT_BIAS=False, ASM=True, num_warps=nb, num_stages=1)
+            return out_
+
+        t["dp4a gemv"] = graph_time([lambda w=w: gemv_only(w) for w in ws])
+        if fmt == "int4-g128" and m == 1:
+            fn, tb = tinygemm(torch.empty(n, k, device=dev, dtype=torch.bfloat16), 128)
+            t["tinygemm"] = graph_time([lambda: fn(x)]) * first.nbytes / tb  # scaled to our bytes: same % of bw
+        w = ws[0]
+        errs = {"kmajor": rel(km.gemv_kmajor(x, w.words, w.factors, w.BITS, w.group), kmajor_matmul_ref(x, w)),
+                "dp4a": rel(dp.gemv_dp4a(x, w.words, w.factors, w.BITS, w.group),
+                            dp.gemv_dp4a_ref(x, w.words, w.factors, w.BITS, w.group)),
+                "dp4a vs float": rel(dp.gemv_dp4a(x, w.words, w.factors, w.BITS, w.group), kmajor_matmul_ref(x, w))}
+        cells = " | ".join(f"{name} {sec * 1e6:6.1f} {first.nbytes / sec / bw:4.0%}" for name, sec in t.items())
+        print(f"{shape:>8} {fmt:>9} M={m} | {cells} | dp4a/kmajor {t['kmajor'] / t['dp4a']:.2f}x | err "
+              + " ".join(f"{a} {e:.1e}" for a, e in errs.items()))
+        out.append({"shape": shape, "n": n, "k": k, "format": fmt, "rows": m, "bytes": first.nbytes, "seconds": t,
+                    "errors": errs})
+        del ws
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "copy_bandwidth": bw, "rows": out}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

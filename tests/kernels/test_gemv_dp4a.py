@@ -1,0 +1,107 @@
+"""The integer-dot-product GEMV (kernels/gemv_dp4a.py) and its activation rounding against their torch references,
+in Triton's interpreter on the CPU (LOCALPD_TEST_DEVICE=cuda runs them on a GPU), and its compiled code for sm_90
+and sm_89 (no GPU needed)."""
+
+import os
+
+DEV = os.environ.get("LOCALPD_TEST_DEVICE", "cpu")
+if DEV == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from localpd.kernels import gemv_dp4a as dp, gemv_kmajor as km  # noqa: E402
+from localpd.kernels.dispatch import kmajor_matmul_ref, linear_kmajor  # noqa: E402
+from localpd.quant.kmajor import to_kmajor  # noqa: E402
+from localpd.quant.weights import Int4Weight, Int8Weight  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def triton_on(monkeypatch):
+    if DEV == "cpu":
+        monkeypatch.setenv("LOCALPD_TRITON_INTERPRET", "1")
+
+
+def rel_err(out, ref):
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def weight(fmt: str, n: int, k: int, group: int | None, seed: int):
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.1
+    q = Int4Weight.quantize_rtn(w, group) if fmt == "int4" else Int8Weight.quantize(w, group)
+    kw = to_kmajor(q)
+    return q, type(kw)(kw.words.to(DEV), kw.factors.to(DEV))
+
+
+def activations(m: int, k: int, seed: int, dtype=torch.float32) -> torch.Tensor:
+    """Rows with the shapes real activations have: mostly small, a few outliers 100x larger, one block all zero."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    x[:, torch.randint(0, k, (max(1, k // 64),), generator=g)] *= 100
+    x[0, 32:64] = 0
+    return x.to(dtype).to(DEV)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("m,k", [(1, 64), (3, 576), (2, 32 * 37)])
+def test_activation_rounding_is_the_reference_bit_for_bit(bits, m, k):
+    """quantize_act: the packed levels and each block's d and d * sum equal the torch reference's exactly (blocks
+    past a program's last, an all-zero block, outliers); the levels carry ~15 bits: |x - (256 hi + lo) d| <= d."""
+    x = activations(m, k, seed=k + bits)
+    q, s = dp.quantize_act(x, bits)
+    q_ref, s_ref = dp.quantize_act_ref(x, bits)
+    assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
+    d = s.reshape(m, k // 32, 2)[..., 0]
+    assert (d[0, 1] == 0) and (d[:, 0] > 0).all()  # the zero block rounds to zeros with d = 0
+    err = (dp.rounded_act_ref(x) - x.double()).abs().reshape(m, k // 32, 32)
+    assert (err <= d.double()[..., None] * 1.001).all()
+    assert (err.amax(-1) / x.double().abs().reshape(m, k // 32, 32).amax(-1).clamp_min(1e-30)).max() < 2 ** -14
+
+
+@pytest.mark.parametrize("fmt,group", [("int4", 32), ("int4", 128), ("int8", None), ("int8", 64)])
+@pytest.mark.parametrize("n,k,m,split", [(200, 256, 1, None), (130, 576, 3, 3), (72, 384, 5, 1), (136, 128, 8, 2)])
+def test_gemv_matches_the_reference(fmt, group, n, k, m, split):
+    """Partial column tiles, K of 2 and 4 blocks a trip (576 = 18 blocks: 2 a trip), groups of one block and of
+    four, per-channel int8, 1-8 rows (a program of 4 and a padded one), split-K reduced inside the launch, a bias:
+    the product is the rounded activations times the dequantized weights (float64 reference) to float32 rounding,
+    and within the rounding's 15 bits of the exact product."""
+    if group and k % group:
+        group = 32
+    q, kw = weight(fmt, n, k, group, seed=n + k)
+    x, bias = activations(m, k, seed=k), torch.randn(n, generator=torch.Generator().manual_seed(n)).to(DEV)
+    y = dp.gemv_dp4a(x, kw.words, kw.factors, kw.BITS, kw.group, bias=bias, split_k=split)
+    assert y.shape == (m, n) and y.dtype == x.dtype
+    assert rel_err(y, dp.gemv_dp4a_ref(x, kw.words, kw.factors, kw.BITS, kw.group, bias=bias)) < 1e-6
+    assert rel_err(y, kmajor_matmul_ref(x, kw, bias)) < 1e-4
+    assert rel_err(y, kmajor_matmul_ref(x, kw)) > 1e-3  # the bias counts
+    _, cnt = km.workspace(x.device, 0, 0)
+    assert not cnt.any()  # the last program of each tile left its counter at zero for the next launch
+
+
+@pytest.mark.parametrize("m,split", [(2, 1), (4, 3), (7, 2)])
+def test_rows_sharing_a_program_are_each_rows_own_product(m, split):
+    """Up to 4 rows share a program's words: each row's output is bit for bit what the row alone gives."""
+    n, k = 136, 384
+    _, kw = weight("int4", n, k, 64, seed=m)
+    x = activations(m, k, seed=m + 1)
+    y = dp.gemv_dp4a(x, kw.words, kw.factors, 4, 64, split_k=split)
+    for r in range(m):
+        assert torch.equal(y[r:r + 1], dp.gemv_dp4a(x[r:r + 1], kw.words, kw.factors, 4, 64, split_k=split)), r
+
+
+def test_the_model_linear_takes_it_for_16_bit_activations_only():
+    """linear_kmajor: bfloat16 activations go through this GEMV (its product equals gemv_dp4a's), float32 ones
+    through gemv_kmajor's float product; ENABLED = False sends bfloat16 there too."""
+    _, kw = weight("int4", 96, 256, 128, seed=5)
+    x = activations(2, 256, seed=6, dtype=torch.bfloat16)
+    assert dp.takes(kw.shape, 4, 128, torch.bfloat16) and not dp.takes(kw.shape, 4, 128, torch.float32)
+    assert not dp.takes((96, 80), 4, 80, torch.bfloat16)  # K not whole blocks
+    assert torch.equal(linear_kmajor(x, kw), dp.gemv_dp4a(x, kw.words, kw.factors, 4, 128))
+    x32 = x.float()
+    assert torch.equal(linear_kmajor(x32, kw), km.gemv_kmajor(x32, kw.words, kw.factors, 4, 128))
+    dp.ENABLED = False
+    try:
+        assert torch.equal(linear_kmajor(x, kw), km.gemv_kmajor(x, kw.words, kw.factors, 4, 128))
+    finally:
+        dp.ENABLED = True
