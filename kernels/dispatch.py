@@ -258,18 +258,23 @@ def linear_kmajor(x: torch.Tensor, w: KMajorWeight, bias: torch.Tensor | None = 
         return _linear(x, w.shape, lambda x2, n: kmajor_matmul_ref(x2, w, bias=bias, gated=gated, norm=n), gated,
                        norm)
     from localpd.kernels import gemv_dp4a as dp, gemv_kmajor as km
-    from localpd.kernels.fused_dispatch import act_mul, add_rms_norm  # it imports this module
+    from localpd.kernels.act_round import quantize_act
+    from localpd.kernels.fused_dispatch import act_mul, act_mul_rounded, add_rms_norm, add_rms_norm_rounded
 
     def run(x2, n):
         gemv = x2.shape[0] <= km.MAX_ROWS
+        if gemv and dp.takes(w.shape, w.BITS, w.group, x2.dtype):  # the input step rounds its output for it
+            if n is not None:
+                q, sq, s = add_rms_norm_rounded(x2, n.residual, n.weight, n.eps, w.BITS)
+            else:
+                q, sq = act_mul_rounded(x2, gated, w.BITS) if gated else quantize_act(x2, w.BITS)
+            y = dp.gemv_rounded(q, sq, torch.empty((x2.shape[0], w.shape[0]), dtype=x2.dtype, device=x2.device),
+                                w.words, w.factors, w.BITS, w.group, bias=bias)
+            return y if n is None else (y, s)
         if gemv and km.FUSE_INPUT_STEP:
             return km.gemv_kmajor(x2, w.words, w.factors, w.BITS, w.group, bias=bias, gated=gated, norm=n)
-        if not gemv:
-            product = lambda h: km.dequant_matmul_kmajor(h, w.words, w.factors, w.BITS, w.group, bias)  # noqa: E731
-        elif dp.takes(w.shape, w.BITS, w.group, x2.dtype):
-            product = lambda h: dp.gemv_dp4a(h, w.words, w.factors, w.BITS, w.group, bias=bias)  # noqa: E731
-        else:
-            product = lambda h: km.gemv_kmajor(h, w.words, w.factors, w.BITS, w.group, bias=bias)  # noqa: E731
+        product = (lambda h: km.gemv_kmajor(h, w.words, w.factors, w.BITS, w.group, bias=bias)) if gemv else \
+            (lambda h: km.dequant_matmul_kmajor(h, w.words, w.factors, w.BITS, w.group, bias))
         if n is not None:
             h, s = add_rms_norm(x2, n.residual, n.weight, n.eps)
             return product(h), s

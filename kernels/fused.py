@@ -8,6 +8,8 @@ gone but each still reads and writes its tensors and takes a few microseconds).
 - act_mul: act(gate) * up from the gate/up matmul's [T, 2I] output (act: SiLU, or GELU's tanh form for Gemma),
   where the down projection is dense or prefill-sized; the int4/int8 GEMVs compute it themselves as they load
   their input (quant_matmul's gated, through gate_act).
+- add_rms_norm and act_mul also round their output for the GPU's integer GEMV (kernels/act_round.py) when it is
+  that GEMV's input, so no launch of its own rounds it.
 - qk_norm: Qwen3's RMSNorm of each query and key head over head_dim (its own weight for queries and for keys), in
   place on the qkv matmul's output, before RoPE and the KV write.
 - rope: rotates query and key heads in place (HF's half-rotated layout), reading cos/sin per token. The model
@@ -21,11 +23,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from localpd.kernels.act_round import round_blocks
+
 
 @triton.jit
-def add_rms_norm_kernel(x, res, w, out_h, out_x, N, eps, s_x, s_r, s_h, s_ox, HAS_RES: tl.constexpr,
-                        BLOCK: tl.constexpr):
-    """Program t: s = x[t] (+ res[t]) rounded to x's dtype; out_x[t] = s; out_h[t] = s * rsqrt(mean(s^2) + eps) * w."""
+def add_rms_norm_kernel(x, res, w, out_h, out_x, N, eps, s_x, s_r, s_h, s_ox, q, sq, s_q, s_sq, HAS_RES: tl.constexpr,
+                        BLOCK: tl.constexpr, ROUND_BITS: tl.constexpr = 0):
+    """Program t: s = x[t] (+ res[t]) rounded to x's dtype; out_x[t] = s; out_h[t] = s * rsqrt(mean(s^2) + eps) * w;
+    with ROUND_BITS (4 or 8) out_h[t] is also rounded for the integer GEMV into q[t], sq[t] (kernels/act_round.py:
+    N a multiple of 32)."""
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK)
     mask = d < N
@@ -36,8 +42,12 @@ def add_rms_norm_kernel(x, res, w, out_h, out_x, N, eps, s_x, s_r, s_h, s_ox, HA
         tl.store(out_x + t * s_ox + d, s, mask=mask)
     sf = s.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / N + eps)
-    h = (sf * inv).to(tl.float32) * tl.load(w + d, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_h + t * s_h + d, h.to(out_h.dtype.element_ty), mask=mask)
+    h = ((sf * inv).to(tl.float32) * tl.load(w + d, mask=mask, other=0.0).to(tl.float32)).to(out_h.dtype.element_ty)
+    tl.store(out_h + t * s_h + d, h, mask=mask)
+    if ROUND_BITS:
+        blk = tl.arange(0, BLOCK // 32)
+        round_blocks(tl.reshape(h.to(tl.float32), (BLOCK // 32, 32)), blk, blk < N // 32, q + t * s_q, sq + t * s_sq,
+                     BLOCK // 32, ROUND_BITS)
 
 
 @triton.jit
@@ -67,15 +77,23 @@ def gate_act(g, ACT: tl.constexpr):
 
 
 @triton.jit
-def act_mul_kernel(gu, out, I, s_gu, s_o, BLOCK: tl.constexpr, ACT: tl.constexpr):
-    """Program (t, block): out[t, j] = act(gu[t, j]) * gu[t, I + j], act rounded to the dtype first as torch does."""
+def act_mul_kernel(gu, out, I, s_gu, s_o, q, sq, s_q, s_sq, BLOCK: tl.constexpr, ACT: tl.constexpr,
+                   ROUND_BITS: tl.constexpr = 0):
+    """Program (t, block): out[t, j] = act(gu[t, j]) * gu[t, I + j], act rounded to the dtype first as torch does;
+    with ROUND_BITS (4 or 8) out[t] is also rounded for the integer GEMV into q[t], sq[t] (kernels/act_round.py: I
+    a multiple of 32, BLOCK at least 32)."""
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = j < I
     g = tl.load(gu + t * s_gu + j, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gu + t * s_gu + I + j, mask=mask, other=0.0)
     a = gate_act(g, ACT).to(u.dtype).to(tl.float32)
-    tl.store(out + t * s_o + j, (a * u.to(tl.float32)).to(out.dtype.element_ty), mask=mask)
+    y = (a * u.to(tl.float32)).to(out.dtype.element_ty)
+    tl.store(out + t * s_o + j, y, mask=mask)
+    if ROUND_BITS:
+        blk = tl.program_id(1) * (BLOCK // 32) + tl.arange(0, BLOCK // 32)
+        round_blocks(tl.reshape(y.to(tl.float32), (BLOCK // 32, 32)), blk, blk < I // 32, q + t * s_q, sq + t * s_sq,
+                     BLOCK // 32, ROUND_BITS)
 
 
 @triton.jit

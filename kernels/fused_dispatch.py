@@ -45,6 +45,20 @@ def act_mul_ref(gate_up: torch.Tensor, act: str = "silu") -> torch.Tensor:
     return GATE_ACTS[act](gate) * up
 
 
+def add_rms_norm_rounded_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                             bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from localpd.kernels.act_round import quantize_act_ref
+
+    h, s = add_rms_norm_ref(x, residual, weight, eps)
+    return (*quantize_act_ref(h, bits), s)
+
+
+def act_mul_rounded_ref(gate_up: torch.Tensor, act: str, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from localpd.kernels.act_round import quantize_act_ref
+
+    return quantize_act_ref(act_mul_ref(gate_up, act), bits)
+
+
 def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE in place on x [T, heads, head_dim] (HF's half-rotated layout); cos/sin [T, head_dim // 2]. Returns x."""
     half = x.shape[-1] // 2
@@ -62,17 +76,34 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     if not use_triton(x) or x.dim() != 2 or x.stride(-1) != 1 or (residual is not None and residual.stride(-1) != 1):
         return add_rms_norm_ref(x, residual, weight, eps)
+    return _add_rms_norm(x, residual, weight, eps, 0)[:2]
+
+
+def add_rms_norm_rounded(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                         bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """add_rms_norm whose normalised rows are rounded for the integer GEMV of a bits-wide weight
+    (kernels/act_round.py, N a multiple of 32): (q, scales, x + residual)."""
+    if not use_triton(x) or x.dim() != 2 or x.stride(-1) != 1 or (residual is not None and residual.stride(-1) != 1):
+        return add_rms_norm_rounded_ref(x, residual, weight, eps, bits)
+    _, s, q, sq = _add_rms_norm(x, residual, weight, eps, bits)
+    return q, sq, s
+
+
+def _add_rms_norm(x, residual, weight, eps: float, bits: int):
+    from localpd.kernels.act_round import empty_rounded
     from localpd.kernels.fused import add_rms_norm_kernel
 
     T, N = x.shape
     h = torch.empty_like(x)
     s = x if residual is None else torch.empty_like(x)
     r = x if residual is None else residual
+    q, sq = empty_rounded(T, N, x.device) if bits else (h, h)
     if T:
         block = triton_block(N)
         add_rms_norm_kernel[(T,)](x, r, weight, h, s, N, eps, x.stride(0), r.stride(0), h.stride(0), s.stride(0),
-                                  HAS_RES=residual is not None, BLOCK=block, num_warps=_warps(block))
-    return h, s
+                                  q, sq, q.stride(0), sq.stride(0), HAS_RES=residual is not None, BLOCK=block,
+                                  ROUND_BITS=bits, num_warps=_warps(block), enable_fp_fusion=not bits)
+    return h, s, q, sq
 
 
 def act_mul(gate_up: torch.Tensor, act: str = "silu") -> torch.Tensor:
@@ -80,15 +111,32 @@ def act_mul(gate_up: torch.Tensor, act: str = "silu") -> torch.Tensor:
         raise LocalpdError(f"unknown MLP activation {act!r}; localpd knows {', '.join(GATE_ACTS)}")
     if not use_triton(gate_up) or gate_up.dim() != 2 or gate_up.stride(-1) != 1:
         return act_mul_ref(gate_up, act)
+    return _act_mul(gate_up, act, 0)[0]
+
+
+def act_mul_rounded(gate_up: torch.Tensor, act: str, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """act_mul's output rounded for the integer GEMV of a bits-wide weight (kernels/act_round.py, I a multiple of
+    32): (q, scales)."""
+    if act not in GATE_ACTS:
+        raise LocalpdError(f"unknown MLP activation {act!r}; localpd knows {', '.join(GATE_ACTS)}")
+    if not use_triton(gate_up) or gate_up.dim() != 2 or gate_up.stride(-1) != 1:
+        return act_mul_rounded_ref(gate_up, act, bits)
+    return _act_mul(gate_up, act, bits)[1:]
+
+
+def _act_mul(gate_up, act: str, bits: int):
+    from localpd.kernels.act_round import empty_rounded
     from localpd.kernels.fused import act_mul_kernel
 
     T, I = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((T, I), dtype=gate_up.dtype, device=gate_up.device)
-    block = min(1024, triton_block(I))
+    q, sq = empty_rounded(T, I, gate_up.device) if bits else (out, out)
+    block = max(32, min(1024, triton_block(I)))
     if T:
-        act_mul_kernel[(T, cdiv(I, block))](gate_up, out, I, gate_up.stride(0), out.stride(0), BLOCK=block,
-                                            ACT=act, num_warps=_warps(block))
-    return out
+        act_mul_kernel[(T, cdiv(I, block))](gate_up, out, I, gate_up.stride(0), out.stride(0), q, sq, q.stride(0),
+                                            sq.stride(0), BLOCK=block, ACT=act, ROUND_BITS=bits,
+                                            num_warps=_warps(block), enable_fp_fusion=not bits)
+    return out, q, sq
 
 
 def qk_norm(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, n_heads: int, n_kv_heads: int,

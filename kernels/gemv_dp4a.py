@@ -13,8 +13,8 @@ product equals (the rounded activations) @ (the dequantized weights) up to float
 Layout of a launch: program (m, n, s) takes rows m * BLOCK_M.., outputs n * 128.. (32 lanes x 4 outputs: one
 16-byte load of words), and the s-th slice of K; each of its 4 warps takes one 32-input block a trip (a thread
 holds a block's int32 sums for its 4 outputs, so no value crosses threads before the end). Split-K and its
-in-launch reduction are gemv_kmajor's (_finish_rows). The rounded activations come from quantize_act, a launch
-of its own before the GEMV (one per input: the model's qkv and gate_up inputs are each rounded once per linear).
+in-launch reduction are gemv_kmajor's (_finish_rows). The rounded activations (kernels/act_round.py) come from
+the step that makes the GEMV's input (RMSNorm, SiLU * up: kernels/fused.py) or from a launch of their own.
 
 Under Triton's interpreter `dp4a` is written out in integer operations (ASM=False); compiled for a GPU it is
 the PTX instruction (ASM=True), which tests/kernels/test_gemv_dp4a.py checks in the SASS.
@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from localpd.kernels import gemv_kmajor as km
+from localpd.kernels.act_round import quantize_act, rounded_act_ref
 
 BLOCK = 32  # inputs sharing one activation scale (the CPU kernels' block)
 NUM_WARPS = 4  # blocks a trip: one a warp
@@ -48,43 +49,6 @@ def _dp4a(a, b, c, SIGNED_A: tl.constexpr, ASM: tl.constexpr):
             ai = (a >> (8 * i)) & 0xFF
         c += ai * ((b << (24 - 8 * i)) >> 24)
     return c
-
-
-@triton.jit
-def _quantize_act_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm, BITS: tl.constexpr,
-                         BLOCKS: tl.constexpr):
-    """Program (row, c): blocks [c * BLOCKS, (c + 1) * BLOCKS) of x's row to two int8 levels (quantize_act)."""
-    row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    blk = c * BLOCKS + tl.arange(0, BLOCKS)
-    bmask = blk < K // 32
-    v = tl.load(x_ptr + row * stride_xm + blk[:, None] * 32 + tl.arange(0, 32)[None, :], mask=bmask[:, None],
-                other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(v), axis=1)
-    step = amax / 127.0
-    inv = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)
-    hi = (v * inv[:, None] + 12582912.0) - 12582912.0  # rounded half to even (|v * inv| <= 127)
-    rest = v - hi * step[:, None]
-    lo = (rest * (inv * 256.0)[:, None] + 12582912.0) - 12582912.0
-    hi, lo = hi.to(tl.int32), tl.minimum(tl.maximum(lo, -127.0), 127.0).to(tl.int32)
-    isum = tl.sum(hi * 256 + lo, axis=1)
-    d = step / 256.0
-    tl.store(s_ptr + row * stride_sm + blk * 2, d, mask=bmask)
-    tl.store(s_ptr + row * stride_sm + blk * 2 + 1, d * isum.to(tl.float32), mask=bmask)
-    base = q_ptr + row * stride_qm + blk * 16
-    if BITS == 4:  # word j of a block: quads (inputs 8j + 0, 2, 4, 6), (8j + 1, 3, 5, 7) of hi, then of lo
-        byte = (tl.arange(0, 4) * 8)[None, None, :, None]  # [1, 1, p, 1]: input 8j + 2p + q in byte p of quad q
-        hq = tl.sum((tl.reshape(hi, (BLOCKS, 4, 4, 2)) & 0xFF) << byte, axis=2)  # [blocks, word j, quad q]
-        lq = tl.sum((tl.reshape(lo, (BLOCKS, 4, 4, 2)) & 0xFF) << byte, axis=2)
-        at = base[:, None, None] + tl.arange(0, 4)[None, :, None] * 4 + tl.arange(0, 2)[None, None, :]
-        tl.store(at, hq, mask=bmask[:, None, None])
-        tl.store(at + 2, lq, mask=bmask[:, None, None])
-    else:  # word j of a block: inputs 4j .. 4j + 3 of hi, then of lo
-        byte = (tl.arange(0, 4) * 8)[None, None, :]
-        hq = tl.sum((tl.reshape(hi, (BLOCKS, 8, 4)) & 0xFF) << byte, axis=2)  # [blocks, word j]
-        lq = tl.sum((tl.reshape(lo, (BLOCKS, 8, 4)) & 0xFF) << byte, axis=2)
-        at = base[:, None] + tl.arange(0, 8)[None, :] * 2
-        tl.store(at, hq, mask=bmask[:, None])
-        tl.store(at + 1, lq, mask=bmask[:, None])
 
 
 @triton.jit
@@ -117,8 +81,10 @@ def _word(q_ptr, rq0, rq1, rq2, rq3, at, w, ih0, il0, ih1, il1, ih2, il2, ih3, i
 
 
 @triton.jit
-def _trip_words(wp, stride_wk, mask, WPB: tl.constexpr):
-    """A trip's words a thread, from wp (word 0 of each warp's block): WPB of them (int8: 8; int4: 4, then 0s)."""
+def _trip_words(wp, fp, stride_wk, mask, WPB: tl.constexpr):
+    """A trip's words a thread, from wp (word 0 of each of its blocks): WPB of them (int8: 8; int4: 4, then 0s),
+    and its blocks' group factors (from fp)."""
+    fac = tl.load(fp, mask=mask, other=0)
     w0 = tl.load(wp, mask=mask, other=0)
     w1 = tl.load(wp + stride_wk, mask=mask, other=0)
     w2 = tl.load(wp + 2 * stride_wk, mask=mask, other=0)
@@ -130,7 +96,7 @@ def _trip_words(wp, stride_wk, mask, WPB: tl.constexpr):
         w7 = tl.load(wp + 7 * stride_wk, mask=mask, other=0)
     else:
         w4, w5, w6, w7 = w0 * 0, w0 * 0, w0 * 0, w0 * 0
-    return w0, w1, w2, w3, w4, w5, w6, w7
+    return w0, w1, w2, w3, w4, w5, w6, w7, fac
 
 
 @triton.jit
@@ -149,7 +115,7 @@ def _gemv_dp4a_kernel(q_ptr, s_ptr, y_ptr, w_ptr, f_ptr, M, N, K, stride_qm, str
                       BLOCK_N: tl.constexpr, NB: tl.constexpr, BLOCK_M: tl.constexpr = 1,
                       OUT_BIAS: tl.constexpr = False, ASM: tl.constexpr = True, PREFETCH: tl.constexpr = True):
     """Program (m, n, s): rows [m * BLOCK_M, (m + 1) * BLOCK_M) (1, 2 or 4), outputs [n * BLOCK_N, (n + 1) *
-    BLOCK_N), the s-th slice of K's trips of NB blocks (one a warp: K a multiple of 32 * NB). q_ptr, s_ptr: the
+    BLOCK_N), the s-th slice of K's trips of NB blocks (K a multiple of 32 * NB; a warp takes NB / warps). q_ptr, s_ptr: the
     rows' rounded activations (quantize_act); ws_ptr, cnt_ptr: gemv_kmajor's split-K workspace and counters.
     GROUP: inputs per group, a multiple of 32 (per channel: a value no block reaches past). A trip's words are
     loaded a trip ahead with PREFETCH (WPB 16-byte loads a thread in flight while a trip computes)."""
@@ -173,19 +139,23 @@ def _gemv_dp4a_kernel(q_ptr, s_ptr, y_ptr, w_ptr, f_ptr, M, N, K, stride_qm, str
     acc2 = tl.zeros((NB, BLOCK_N), tl.float32)
     acc3 = tl.zeros((NB, BLOCK_N), tl.float32)
     m2 = n_mask[None, :]
-    wp = w_ptr + (nb * WPB)[:, None] * stride_wk + offs_n[None, :]  # word 0 of this warp's block of trip 0
+    wp = w_ptr + (nb * WPB)[:, None] * stride_wk + offs_n[None, :]  # word 0 of each block of trip 0
     trip = NB * WPB * stride_wk
-    if PREFETCH:  # the next trip's words are loaded before this trip's arithmetic (every slice has a trip)
-        n0, n1, n2, n3, n4, n5, n6, n7 = _trip_words(wp + c0 * trip, stride_wk, m2, WPB)
+    fp = f_ptr + offs_n[None, :]  # + a block's group row
+    if PREFETCH:  # the next trip's words and factors are loaded before this trip's arithmetic
+        n0, n1, n2, n3, n4, n5, n6, n7, nf = _trip_words(wp + c0 * trip, fp + ((c0 * NB + nb) * 32 // GROUP)[:, None]
+                                                         * stride_fg, stride_wk, m2, WPB)
     for c in range(c0, c1):
-        blk = c * NB + nb  # [NB]: this trip's blocks, one a warp
+        blk = c * NB + nb  # [NB]: this trip's blocks
         if PREFETCH:
-            w0, w1, w2, w3, w4, w5, w6, w7 = n0, n1, n2, n3, n4, n5, n6, n7
-            # the last trip loads its own words again (from L1) rather than past the slice
-            n0, n1, n2, n3, n4, n5, n6, n7 = _trip_words(wp + tl.minimum(c + 1, c1 - 1) * trip, stride_wk, m2, WPB)
+            w0, w1, w2, w3, w4, w5, w6, w7, fac = n0, n1, n2, n3, n4, n5, n6, n7, nf
+            # the last trip loads its own again (from L1) rather than past the slice
+            cn = tl.minimum(c + 1, c1 - 1)
+            n0, n1, n2, n3, n4, n5, n6, n7, nf = _trip_words(wp + cn * trip, fp + ((cn * NB + nb) * 32 // GROUP)[:, None]
+                                                             * stride_fg, stride_wk, m2, WPB)
         else:
-            w0, w1, w2, w3, w4, w5, w6, w7 = _trip_words(wp + c * trip, stride_wk, m2, WPB)
-        fac = tl.load(f_ptr + ((blk * 32) // GROUP)[:, None] * stride_fg + offs_n[None, :], mask=m2, other=0)
+            w0, w1, w2, w3, w4, w5, w6, w7, fac = _trip_words(wp + c * trip, fp + (blk * 32 // GROUP)[:, None]
+                                                              * stride_fg, stride_wk, m2, WPB)
         scale = (fac & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         bias = (fac >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         ih0 = tl.zeros((NB, BLOCK_N), tl.int32)
@@ -221,32 +191,22 @@ def _gemv_dp4a_kernel(q_ptr, s_ptr, y_ptr, w_ptr, f_ptr, M, N, K, stride_qm, str
                     False, OUT_BIAS)
 
 
-QUANT_BLOCKS = 16  # blocks a program of quantize_act rounds
-
-
 def _asm(device: torch.device) -> bool:
     """dp4a as the PTX instruction (a GPU), or written out (Triton's interpreter)."""
     return device.type == "cuda"
 
 
-def quantize_act(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (K a multiple of 32) rounded per block of 32 inputs to two int8 levels (module doc): (q int32
-    [M, K / 2], 16 a block: int4's order, word j's (hi of its even inputs, hi of its odd inputs, lo even, lo odd),
-    or int8's, word j's (hi, lo); s float32 [M, K / 16]: each block's d and d * sum(256 hi + lo))."""
-    m, k = x.shape
-    q = torch.empty((m, k // 2), dtype=torch.int32, device=x.device)
-    s = torch.empty((m, k // 16), dtype=torch.float32, device=x.device)
-    if m and k:
-        x = x if x.stride(-1) == 1 else x.contiguous()
-        _quantize_act_kernel[(m, triton.cdiv(k // 32, QUANT_BLOCKS))](
-            x, q, s, k, x.stride(0), q.stride(0), s.stride(0), BITS=bits, BLOCKS=QUANT_BLOCKS, num_warps=4,
-            enable_fp_fusion=False)
-    return q, s
+# the launch's knobs: blocks (of 32 inputs) a trip, warps, the next trip's words and factors loaded ahead, programs
+# an SM (scripts/sweep_dp4a.py times the others)
+DEFAULT_TILE = dict(blocks=4, num_warps=4, PREFETCH=True, per_sm=8)
 
 
-def blocks_a_trip(k: int) -> int:
-    """Blocks (warps) a trip: the most of 4, 2, 1 that K's blocks divide into."""
-    return next(nb for nb in (4, 2, 1) if (k // 32) % nb == 0)
+def blocks_a_trip(k: int, most: int = DEFAULT_TILE["blocks"]) -> int:
+    """Blocks a trip: the most of most, most / 2, ..., 1 that K's blocks divide into."""
+    nb = most
+    while (k // 32) % nb:
+        nb //= 2
+    return nb
 
 
 # The model's GEMVs take this kernel where its activations are 16-bit floats: the rounding to two int8 levels keeps
@@ -264,63 +224,42 @@ def takes(shape: tuple[int, int], bits: int, group: int, dtype: torch.dtype = to
 
 
 def gemv_dp4a(x: torch.Tensor, words: torch.Tensor, factors: torch.Tensor, bits: int, group: int, *, bias=None,
-              split_k: int | None = None, per_sm: int = km.DEFAULT_TILE["per_sm"]) -> torch.Tensor:
+              split_k: int | None = None, tile: dict | None = None) -> torch.Tensor:
     """x [M, K] (M <= gemv_kmajor.MAX_ROWS) @ W.T (+ bias) -> [M, N] in x.dtype, for K-major words and factors
-    (quant/kmajor.py), with x rounded by quantize_act. split_k overrides gemv_kmajor.split_for (tests)."""
+    (quant/kmajor.py), with x rounded by quantize_act. split_k overrides gemv_kmajor.split_for (tests); tile
+    overrides DEFAULT_TILE's knobs (scripts/sweep_dp4a.py)."""
     n, k = words.shape[1], words.shape[0] * 32 // bits
     m = x.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
     q, s = quantize_act(x, bits)
-    nb = blocks_a_trip(k)
+    return gemv_rounded(q, s, out, words, factors, bits, group, bias=bias, split_k=split_k, tile=tile)
+
+
+def gemv_rounded(q: torch.Tensor, s: torch.Tensor, out: torch.Tensor, words: torch.Tensor, factors: torch.Tensor,
+                 bits: int, group: int, *, bias=None, split_k: int | None = None, tile: dict | None = None):
+    """gemv_dp4a's product of activations already rounded (quantize_act's q, s), written to out [M, N]."""
+    n, k = words.shape[1], words.shape[0] * 32 // bits
+    m = out.shape[0]
+    if m == 0 or n == 0:
+        return out
+    tile = {**DEFAULT_TILE, **(tile or {})}
+    nb = blocks_a_trip(k, tile["blocks"])
     rows = min(km.MAX_BLOCK_M, 1 << (m - 1).bit_length())
     blocks, tiles = -(-m // rows), -(-n // km.BLOCK_N)
-    split = split_k or km.split_for(blocks, n, k, 32 * nb, km.sm_count(x.device), per_sm)
+    split = split_k or km.split_for(blocks, n, k, 32 * nb, km.sm_count(out.device), tile["per_sm"])
     split = max(1, min(split, k // (32 * nb)))
-    ws, cnt = km.workspace(x.device, blocks * rows * split * n + blocks * tiles * split, blocks * tiles)
+    ws, cnt = km.workspace(out.device, blocks * rows * split * n + blocks * tiles * split, blocks * tiles)
     _gemv_dp4a_kernel[(blocks, tiles, split)](
         q, s, out, words, factors, m, n, k, q.stride(0), s.stride(0), out.stride(0), words.stride(0),
-        factors.stride(0), ws, cnt, split, x if bias is None else bias, BITS=bits,
+        factors.stride(0), ws, cnt, split, out if bias is None else bias, BITS=bits,
         GROUP=group if group < k else 1 << 30, BLOCK_N=km.BLOCK_N, NB=nb, BLOCK_M=rows, OUT_BIAS=bias is not None,
-        ASM=_asm(x.device), num_warps=nb, num_stages=1)
+        ASM=_asm(out.device), PREFETCH=tile["PREFETCH"], num_warps=min(nb, tile["num_warps"]), num_stages=1)
     return out
 
 
 # torch references, same signatures
-
-def _levels_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """quantize_act's rounding in torch: (hi, lo) int32 [M, K / 32, 32] and each block's step [M, K / 32, 1]."""
-    m, k = x.shape
-    v = x.float().reshape(m, k // 32, 32)
-    amax = v.abs().amax(-1, keepdim=True)
-    step = amax / 127.0
-    inv = torch.where(amax > 0, 127.0 / torch.where(amax > 0, amax, 1.0), 0.0)
-    hi = torch.round(v * inv)
-    lo = torch.round((v - hi * step) * (inv * 256.0)).clamp(-127, 127)
-    return hi.to(torch.int32), lo.to(torch.int32), step
-
-
-def quantize_act_ref(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_act in torch."""
-    m, k = x.shape
-    hi, lo, step = _levels_ref(x)
-    d = step[..., 0] / 256.0
-    s = torch.stack([d, d * (hi * 256 + lo).sum(-1).float()], -1).reshape(m, k // 16)
-    byte = torch.arange(4, device=x.device, dtype=torch.int32) * 8
-    if bits == 4:  # [m, blocks, word, p, q] -> quads [m, blocks, word, q]
-        quads = [((t.reshape(m, k // 32, 4, 4, 2) & 0xFF) << byte[:, None]).sum(3, dtype=torch.int32) for t in (hi, lo)]
-    else:
-        quads = [((t.reshape(m, k // 32, 8, 4) & 0xFF) << byte).sum(3, dtype=torch.int32)[..., None] for t in (hi, lo)]
-    return torch.cat(quads, -1).reshape(m, k // 2), s
-
-
-def rounded_act_ref(x: torch.Tensor) -> torch.Tensor:
-    """The activations the GEMV multiplies, in float64: (256 hi + lo) d per block (quantize_act)."""
-    hi, lo, step = _levels_ref(x)
-    d = (step / 256.0).double()  # d as the kernel stores it (float32)
-    return ((hi.double() * 256 + lo.double()) * d).reshape(x.shape)
-
 
 def gemv_dp4a_ref(x: torch.Tensor, words: torch.Tensor, factors: torch.Tensor, bits: int, group: int, *, bias=None,
                   split_k: int | None = None, per_sm: int = 0) -> torch.Tensor:

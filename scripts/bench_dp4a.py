@@ -15,6 +15,7 @@ import json
 import torch
 
 from localpd.kernels import gemv_dp4a as dp, gemv_kmajor as km
+from localpd.kernels.act_round import quantize_act
 from localpd.kernels.dispatch import kmajor_matmul_ref
 from localpd.measure.bench_kernels import SHAPES, copies_for, graph_time, random_int4, random_int8, tinygemm
 from localpd.measure.device import measure_copy_bandwidth
@@ -41,25 +42,14 @@ def main() -> int:
         first = to_kmajor(make())
         ws = [first] + [to_kmajor(make()) for _ in range(copies_for(first.nbytes, dev) - 1)]
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-        q, s = dp.quantize_act(x, first.BITS)
+        q, s = quantize_act(x, first.BITS)
         t = {
             "kmajor": graph_time([lambda w=w: km.gemv_kmajor(x, w.words, w.factors, w.BITS, w.group) for w in ws]),
             "dp4a": graph_time([lambda w=w: dp.gemv_dp4a(x, w.words, w.factors, w.BITS, w.group) for w in ws]),
-            "quantize": graph_time([lambda: dp.quantize_act(x, first.BITS)]),
+            "quantize": graph_time([lambda: quantize_act(x, first.BITS)]),
         }
-        nb = dp.blocks_a_trip(k)
-
-        def gemv_only(w):
-            out_ = torch.empty(m, n, device=dev, dtype=x.dtype)
-            rows = min(km.MAX_BLOCK_M, 1 << (m - 1).bit_length())
-            split = km.split_for(-(-m // rows), n, k, 32 * nb, km.sm_count(dev))
-            wsp, cnt = km.workspace(dev, -(-m // rows) * rows * split * n + 4096 * split, 4096)
-            dp._gemv_dp4a_kernel[(-(-m // rows), -(-n // km.BLOCK_N), split)](
-                q, s, out_, w.words, w.factors, m, n, k, q.stride(0), s.stride(0), out_.stride(0), w.words.stride(0),
-                w.factors.stride(0), wsp, cnt, split, x, BITS=w.BITS, GROUP=w.group if w.group < k else 1 << 30,
-                BLOCK_N=km.BLOCK_N, NB=nb, BLOCK_M=rows, OUT_BIAS=False, ASM=True, num_warps=nb, num_stages=1)
-            return out_
-
+        y = torch.empty(m, n, device=dev, dtype=x.dtype)
+        gemv_only = lambda w: dp.gemv_rounded(q, s, y, w.words, w.factors, w.BITS, w.group)  # noqa: E731
         t["dp4a gemv"] = graph_time([lambda w=w: gemv_only(w) for w in ws])
         if fmt == "int4-g128" and m == 1:
             fn, tb = tinygemm(torch.empty(n, k, device=dev, dtype=torch.bfloat16), 128)

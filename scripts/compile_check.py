@@ -81,12 +81,14 @@ def record(out: str, kernels: str = "") -> None:
 
     InterpretedFunction.run = recording_run
     # the splits a GPU takes (decode attention across pages, the GEMV across K), as on an H100's 132 SMs
+    import localpd.kernels.gemv_dp4a as gemv_dp4a
     import localpd.kernels.gemv_kmajor as gemv_kmajor
     import localpd.kernels.kv_dispatch as kv_dispatch
     import localpd.kernels.quant_matmul as quant_matmul
 
     cpu_splits = kv_dispatch.decode_splits
     kv_dispatch.sm_count = quant_matmul.sm_count = gemv_kmajor.sm_count = lambda device: 132
+    gemv_dp4a._asm = lambda device: True  # the GPU's dp4a instruction (launches are recorded, not run)
     kv_dispatch.decode_splits = lambda heads, tiles, device: cpu_splits(heads, tiles, torch.device("cuda"))
     dtype = torch.bfloat16
     for name, heads, kv_heads, dim, hidden in MODELS:
@@ -99,7 +101,7 @@ def record(out: str, kernels: str = "") -> None:
             for fused in (True, False) if kv_dtype == "bf16" else (True,):
                 model.fused = fused
                 run_steps(model, kv_dtype, Batch, new_kv_pool, torch)
-            if kv_dtype == "bf16" and scheme.startswith("int") and re.search(kernels, "_gemv_kmajor_kernel"):
+            if kv_dtype == "bf16" and scheme.startswith("int") and re.search(kernels, "_gemv_(kmajor|dp4a)_kernel|_quantize_act_kernel"):
                 model.fused = True
                 model._to_gpu_layout()  # what a GPU runs (quant/kmajor.py)
                 run_steps(model, kv_dtype, Batch, new_kv_pool, torch)

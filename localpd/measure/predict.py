@@ -91,6 +91,7 @@ class Launch:
     prefetch: bool  # a trip's words loaded a trip ahead
     act_bytes: float  # activation bytes a column tile reads, per input
     launches: int  # kernel launches (each pays FLOOR_US)
+    per_sm: int  # programs an SM the split-K is sized for
 
 
 def compile_gemv(bits: int, group: int, n: int, k: int, arch: int, kernel: str = "dp4a") -> Launch:
@@ -107,13 +108,14 @@ def compile_gemv(bits: int, group: int, n: int, k: int, arch: int, kernel: str =
     factors = torch.empty(k // g, n, dtype=torch.int32)
     if kernel == "dp4a":
         nb = dp.blocks_a_trip(k)
+        warps = min(nb, dp.DEFAULT_TILE["num_warps"])
         q, s = torch.empty(1, k // 2, dtype=torch.int32), torch.empty(1, k // 16)
         args = (q, s, out, words, factors, 1, n, k, q.stride(0), s.stride(0), out.stride(0), words.stride(0),
                 factors.stride(0), ws, cnt, 2, out)
         kwargs = dict(BITS=bits, GROUP=gk, BLOCK_N=km.BLOCK_N, NB=nb, BLOCK_M=1, OUT_BIAS=False, ASM=True,
-                      PREFETCH=True, num_warps=nb, num_stages=1)
-        return Launch(compile_launch(dp._gemv_dp4a_kernel, args, kwargs, arch), bits * 4, 32 * nb, 32 * nb, True,
-                      2.25, 2)
+                      PREFETCH=dp.DEFAULT_TILE["PREFETCH"], num_warps=warps, num_stages=1)
+        return Launch(compile_launch(dp._gemv_dp4a_kernel, args, kwargs, arch), bits * 4 * nb / warps, 32 * warps,
+                      32 * nb, dp.DEFAULT_TILE["PREFETCH"], 2.25, 2, dp.DEFAULT_TILE["per_sm"])
     bk = km.launch_block_k(k, bits, g, tile["BLOCK_K"])
     x = torch.empty(1, k, dtype=torch.bfloat16)
     args = (x, out, words, factors, 1, n, k, x.stride(0), out.stride(0), words.stride(0), factors.stride(0), ws, cnt,
@@ -122,7 +124,7 @@ def compile_gemv(bits: int, group: int, n: int, k: int, arch: int, kernel: str =
                   OUT_BIAS=False, PREFETCH=tile["PREFETCH"], BLOCK_M=1, num_warps=tile["num_warps"], num_stages=1)
     threads = 32 * tile["num_warps"]
     return Launch(compile_launch(km._gemv_kmajor_kernel, args, kwargs, arch), bk * bits / 32 * km.BLOCK_N / threads,
-                  threads, bk, tile["PREFETCH"], 2.0, 1)
+                  threads, bk, tile["PREFETCH"], 2.0, 1, tile["per_sm"])
 
 
 def predict(model: str = "llama3-8b", cards=CARDS, formats=FORMATS, kernels=("dp4a",)) -> list[Prediction]:
@@ -143,7 +145,7 @@ def predict(model: str = "llama3-8b", cards=CARDS, formats=FORMATS, kernels=("dp
                     launch, stats, body = compiled[key]
                     wide = sum(op.startswith("LDG.E.128") for op in body)
                     weight_wide = int(launch.words_per_thread // 4)  # 4 words a 16-byte load
-                    split = km.split_for(1, n, k, launch.trip_inputs, card.sms, km.DEFAULT_TILE["per_sm"])
+                    split = km.split_for(1, n, k, launch.trip_inputs, card.sms, launch.per_sm)
                     tiles = -(-n // km.BLOCK_N)
                     programs = tiles * split
                     g = group or k

@@ -217,12 +217,13 @@ def test_whole_model_in_the_gpu_layout_matches_the_references(monkeypatch, schem
         assert rel_err(o, r) < FP32_MODEL_TOL
 
 
-def count_decode_launches(monkeypatch, fused: bool, gpu_layout: bool = False) -> tuple[list[str], torch.Tensor]:
+def count_decode_launches(monkeypatch, fused: bool, gpu_layout: bool = False,
+                          dtype: torch.dtype = torch.float32) -> tuple[list[str], torch.Tensor]:
     """The Triton kernels one decode step of the tiny model launches in the interpreter, and its logits."""
     from triton.runtime.interpreter import InterpretedFunction
 
     monkeypatch.setenv("LOCALPD_TRITON_INTERPRET", "1")
-    model, ps = tiny_model("int4-g32", torch.float32, "cpu"), 16
+    model, ps = tiny_model("int4-g32", dtype, "cpu"), 16
     model.fused = fused
     if gpu_layout:
         model._to_gpu_layout()
@@ -266,3 +267,22 @@ def test_a_decode_step_launches_seven_kernels_per_layer(monkeypatch):
              "act_mul_kernel", "_gemv_kmajor_kernel"]
     assert launched == layer * 2 + ["add_rms_norm_kernel", "_gemv_kmajor_kernel"]
     assert rel_err(km_logits, logits) < 1e-5
+
+
+@pytest.mark.skipif(DEV != "cpu", reason="counts the Triton interpreter's launches")
+def test_a_bfloat16_decode_step_rounds_each_gemv_input_where_it_is_made(monkeypatch):
+    """With 16-bit activations the K-major GEMVs are the integer ones (kernels/gemv_dp4a.py): the RMSNorms and
+    SiLU * up round their outputs for them as they write them, and only the attention's output (o's input) is
+    rounded in a launch of its own: eleven launches a layer; the logits those of the float GEMVs within bfloat16's
+    rounding."""
+    from localpd.kernels import gemv_dp4a
+
+    launched, logits = count_decode_launches(monkeypatch, fused=True, gpu_layout=True, dtype=torch.bfloat16)
+    layer = ["add_rms_norm_kernel", "_gemv_dp4a_kernel", "rope_write_kv_kernel", "decode_kernel",
+             "decode_reduce_kernel", "_quantize_act_kernel", "_gemv_dp4a_kernel", "add_rms_norm_kernel",
+             "_gemv_dp4a_kernel", "act_mul_kernel", "_gemv_dp4a_kernel"]
+    assert launched == layer * 2 + ["add_rms_norm_kernel", "_gemv_dp4a_kernel"]
+    monkeypatch.setattr(gemv_dp4a, "ENABLED", False)
+    launched, float_logits = count_decode_launches(monkeypatch, fused=True, gpu_layout=True, dtype=torch.bfloat16)
+    assert "_gemv_dp4a_kernel" not in launched
+    assert rel_err(logits, float_logits) < 2e-2

@@ -1,6 +1,5 @@
-"""The integer-dot-product GEMV (kernels/gemv_dp4a.py) and its activation rounding against their torch references,
-in Triton's interpreter on the CPU (LOCALPD_TEST_DEVICE=cuda runs them on a GPU), and its compiled code for sm_90
-and sm_89 (no GPU needed)."""
+"""The integer-dot-product GEMV (kernels/gemv_dp4a.py) against its torch reference, in Triton's interpreter on the
+CPU (LOCALPD_TEST_DEVICE=cuda runs them on a GPU); its compiled code: tests/measure/test_predict.py."""
 
 import os
 
@@ -12,6 +11,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from localpd.kernels import gemv_dp4a as dp, gemv_kmajor as km  # noqa: E402
+from tests.kernels.test_act_round import act_rows  # noqa: E402
 from localpd.kernels.dispatch import kmajor_matmul_ref, linear_kmajor  # noqa: E402
 from localpd.quant.kmajor import to_kmajor  # noqa: E402
 from localpd.quant.weights import Int4Weight, Int8Weight  # noqa: E402
@@ -35,28 +35,7 @@ def weight(fmt: str, n: int, k: int, group: int | None, seed: int):
 
 
 def activations(m: int, k: int, seed: int, dtype=torch.float32) -> torch.Tensor:
-    """Rows with the shapes real activations have: mostly small, a few outliers 100x larger, one block all zero."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=g)
-    x[:, torch.randint(0, k, (max(1, k // 64),), generator=g)] *= 100
-    x[0, 32:64] = 0
-    return x.to(dtype).to(DEV)
-
-
-@pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("m,k", [(1, 64), (3, 576), (2, 32 * 37)])
-def test_activation_rounding_is_the_reference_bit_for_bit(bits, m, k):
-    """quantize_act: the packed levels and each block's d and d * sum equal the torch reference's exactly (blocks
-    past a program's last, an all-zero block, outliers); the levels carry ~15 bits: |x - (256 hi + lo) d| <= d."""
-    x = activations(m, k, seed=k + bits)
-    q, s = dp.quantize_act(x, bits)
-    q_ref, s_ref = dp.quantize_act_ref(x, bits)
-    assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
-    d = s.reshape(m, k // 32, 2)[..., 0]
-    assert (d[0, 1] == 0) and (d[:, 0] > 0).all()  # the zero block rounds to zeros with d = 0
-    err = (dp.rounded_act_ref(x) - x.double()).abs().reshape(m, k // 32, 32)
-    assert (err <= d.double()[..., None] * 1.001).all()
-    assert (err.amax(-1) / x.double().abs().reshape(m, k // 32, 32).amax(-1).clamp_min(1e-30)).max() < 2 ** -14
+    return act_rows(m, k, seed, dtype).to(DEV)
 
 
 @pytest.mark.parametrize("fmt,group", [("int4", 32), ("int4", 128), ("int8", None), ("int8", 64)])

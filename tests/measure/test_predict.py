@@ -37,7 +37,7 @@ def test_the_shapes_are_the_models_fused_linears():
 def test_every_weight_load_is_16_bytes_and_nothing_spills_or_waits(rows):
     """Properties 1 and 3: the loop's 16-byte loads cover the weight words' (4 words a load, one more for a group's
     factors), no spilled registers, no barriers in the loop."""
-    assert len(rows) == 20
+    assert len(rows) == 40 and {r["kernel"] for r in rows} == {"dp4a", "kmajor"}
     for r in rows:
         wide, weights = map(int, r["wide_loads"].split("/"))
         assert wide >= weights >= 1, r
@@ -52,8 +52,13 @@ def test_every_sm_has_several_programs_and_16_kb_in_flight(rows):
 
 
 def test_instructions_per_weight_word_stay_where_they_are(rows):
-    """Property 3's budget is about 30 SASS instructions an int4 word and 20 an int8 word; the loop takes about 50
-    and 27 (docs/PERF.md says where they go): this holds them there until the next design lowers them."""
+    """Property 3's budget is about 30 SASS instructions an int4 word and 20 an int8 word. The integer GEMV (the
+    model's, kernels/gemv_dp4a.py) takes about 14 and 6: 4 dp4a an int4 word (2 an int8 word), a word's nibbles
+    split in 3, a block's sums scaled once; the float one (gemv_kmajor) about 42 and 25, held there as it is."""
     for r in rows:
-        assert r["per_word"] <= (52 if r["format"].startswith("int4") else 28), r
+        int4 = r["format"].startswith("int4")
+        if r["kernel"] == "dp4a":
+            assert r["per_word"] <= (15 if int4 else 7), r
+        else:
+            assert r["per_word"] <= (52 if int4 else 28), r
         assert 0 < r["predicted"] <= 1

@@ -1,0 +1,80 @@
+"""Sweep the integer GEMV's launch (kernels/gemv_dp4a.py's tile: blocks a trip, warps, the next trip loaded ahead,
+programs an SM) on a GPU, for Llama-3-8B's decode linears at one row (activations already rounded), int4-g128 and
+int8, as CUDA-graph replays over weight copies larger than L2. Prints per shape the default tile, the best one and
+each one's % of the measured copy bandwidth; checks the best against the torch reference; writes every timing as
+JSON.
+
+    python scripts/sweep_dp4a.py [--json FILE] [--rows 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+
+from localpd.kernels import gemv_dp4a as dp
+from localpd.kernels.act_round import quantize_act
+from localpd.measure.bench_kernels import SHAPES, copies_for, graph_time, random_int4, random_int8
+from localpd.measure.device import measure_copy_bandwidth
+from localpd.quant.kmajor import to_kmajor
+
+TILES = [dict(blocks=b, num_warps=w, PREFETCH=pf, per_sm=ps) for b, w in ((4, 4), (8, 4), (16, 4), (8, 8), (2, 2))
+         for pf in (True, False) for ps in (4, 8, 12)]
+
+
+def name(tile: dict) -> str:
+    return f"b{tile['blocks']} w{tile['num_warps']} {'pf' if tile['PREFETCH'] else 'nopf'} x{tile['per_sm']}"
+
+
+@torch.inference_mode()
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json")
+    p.add_argument("--rows", type=int, default=1)
+    args = p.parse_args()
+    dev = torch.device("cuda")
+    bw = measure_copy_bandwidth(dev, 1 << 30)
+    print(f"# {torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.0f} GB/s; {len(TILES)} tiles a shape, "
+          f"{args.rows} row(s)")
+    out = []
+    for (shape, n, k), fmt in itertools.product(SHAPES, ("int4-g128", "int8")):
+        make = (lambda: random_int4(n, k, 128, dev)) if fmt == "int4-g128" else (lambda: random_int8(n, k, dev))
+        first = to_kmajor(make())
+        ws = [first] + [to_kmajor(make()) for _ in range(copies_for(first.nbytes, dev) - 1)]
+        x = torch.randn(args.rows, k, device=dev, dtype=torch.bfloat16)
+        q, s = quantize_act(x, first.BITS)
+        y = torch.empty(args.rows, n, device=dev, dtype=x.dtype)
+        rows = []
+        for tile in [{}] + TILES:
+            try:
+                sec = graph_time([lambda w=w, t=tile: dp.gemv_rounded(q, s, y, w.words, w.factors, w.BITS, w.group,
+                                                                       tile=t) for w in ws])
+                rows.append((tile, sec))
+            except Exception as e:  # noqa: BLE001 - a tile that does not compile is reported, not fatal
+                print(f"  {shape} {fmt} {name({**dp.DEFAULT_TILE, **tile})}: {type(e).__name__} {str(e)[:80]}")
+        default = rows[0][1]
+        best_tile, best = min(rows, key=lambda r: r[1])
+        w = ws[0]
+        got = dp.gemv_rounded(q, s, y.clone(), w.words, w.factors, w.BITS, w.group, tile=best_tile)
+        ref = dp.gemv_dp4a_ref(x, w.words, w.factors, w.BITS, w.group)
+        err = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
+        ranked = sorted(rows[1:], key=lambda r: r[1])
+        print(f"{shape:>8} {fmt:>9} | default {default * 1e6:6.1f} us {first.nbytes / default / bw:4.0%} | best "
+              f"{name({**dp.DEFAULT_TILE, **best_tile})} {best * 1e6:6.1f} us {first.nbytes / best / bw:4.0%} "
+              f"(err {err:.1e}) | next: " + ", ".join(f"{name({**dp.DEFAULT_TILE, **t})} {first.nbytes / sec / bw:.0%}"
+                                                       for t, sec in ranked[1:4]))
+        out.append({"shape": shape, "n": n, "k": k, "format": fmt, "bytes": first.nbytes,
+                    "timings": [[name({**dp.DEFAULT_TILE, **t}), sec] for t, sec in rows]})
+        del ws
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "copy_bandwidth": bw, "rows": out}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
