@@ -22,6 +22,10 @@ the PTX instruction (ASM=True), which tests/kernels/test_gemv_dp4a.py checks in 
 
 from __future__ import annotations
 
+import functools
+import json
+from pathlib import Path
+
 import torch
 import triton
 import triton.language as tl
@@ -199,6 +203,24 @@ def _asm(device: torch.device) -> bool:
 # the launch's knobs: blocks (of 32 inputs) a trip, warps, the next trip's words and factors loaded ahead, programs
 # an SM (scripts/sweep_dp4a.py times the others)
 DEFAULT_TILE = dict(blocks=4, num_warps=4, PREFETCH=True, per_sm=8)
+# The fastest tile measured per card and one-row shape (scripts/sweep_dp4a.py --table): {card name: {"bits:N:K":
+# tile}}. On the H200 (2026-11-26) the best tile of a shape beat DEFAULT_TILE by 5-27% (docs/PERF.md).
+TILE_TABLE = Path(__file__).with_name("gemv_dp4a_tiles.json")
+
+
+@functools.lru_cache(maxsize=None)
+def _measured_tiles(card: str) -> dict:
+    try:
+        return json.loads(TILE_TABLE.read_text()).get(card, {})
+    except (OSError, ValueError):
+        return {}
+
+
+def tile_for(device: torch.device, bits: int, n: int, k: int, m: int) -> dict:
+    """The launch's knobs: the measured tile for this card and shape at one row, else DEFAULT_TILE."""
+    if device.type == "cuda" and m == 1:
+        return {**DEFAULT_TILE, **_measured_tiles(torch.cuda.get_device_name(device)).get(f"{bits}:{n}:{k}", {})}
+    return dict(DEFAULT_TILE)
 
 
 def blocks_a_trip(k: int, most: int = DEFAULT_TILE["blocks"]) -> int:
@@ -244,7 +266,7 @@ def gemv_rounded(q: torch.Tensor, s: torch.Tensor, out: torch.Tensor, words: tor
     m = out.shape[0]
     if m == 0 or n == 0:
         return out
-    tile = {**DEFAULT_TILE, **(tile or {})}
+    tile = {**tile_for(out.device, bits, n, k, m), **(tile or {})}
     nb = blocks_a_trip(k, tile["blocks"])
     rows = min(km.MAX_BLOCK_M, 1 << (m - 1).bit_length())
     blocks, tiles = -(-m // rows), -(-n // km.BLOCK_N)

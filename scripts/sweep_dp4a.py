@@ -4,7 +4,7 @@ int8, as CUDA-graph replays over weight copies larger than L2. Prints per shape 
 each one's % of the measured copy bandwidth; checks the best against the torch reference; writes every timing as
 JSON.
 
-    python scripts/sweep_dp4a.py [--json FILE] [--rows 1]
+    python scripts/sweep_dp4a.py [--json FILE] [--rows 1] [--table kernels/gemv_dp4a_tiles.json]
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json")
     p.add_argument("--rows", type=int, default=1)
+    p.add_argument("--table", help="merge each shape's fastest tile into this table (kernels/gemv_dp4a_tiles.json) "
+                   "under this card's name; the model's launches read it")
     args = p.parse_args()
     dev = torch.device("cuda")
     bw = measure_copy_bandwidth(dev, 1 << 30)
@@ -70,6 +72,19 @@ def main() -> int:
                     "timings": [[name({**dp.DEFAULT_TILE, **t}), sec] for t, sec in rows]})
         del ws
         torch.cuda.empty_cache()
+    if args.table and args.rows == 1:
+        try:
+            with open(args.table) as f:
+                table = json.load(f)
+        except FileNotFoundError:
+            table = {}
+        card = table.setdefault(torch.cuda.get_device_name(), {})
+        for row in out:
+            tile = min((t for t in TILES if name({**dp.DEFAULT_TILE, **t}) in dict(row["timings"])),
+                       key=lambda t: dict(row["timings"])[name({**dp.DEFAULT_TILE, **t})])
+            card[f"{8 if row['format'] == 'int8' else 4}:{row['n']}:{row['k']}"] = tile
+        with open(args.table, "w") as f:
+            json.dump(table, f, indent=1, sort_keys=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "copy_bandwidth": bw, "rows": out}, f, indent=1)

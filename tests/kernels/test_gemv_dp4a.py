@@ -84,3 +84,19 @@ def test_the_model_linear_takes_it_for_16_bit_activations_only():
         assert torch.equal(linear_kmajor(x, kw), km.gemv_kmajor(x, kw.words, kw.factors, 4, 128))
     finally:
         dp.ENABLED = True
+
+
+def test_the_measured_tile_table_holds_launchable_tiles():
+    """kernels/gemv_dp4a_tiles.json (scripts/sweep_dp4a.py --table): per card, shapes "bits:N:K" to tiles with the
+    launch's four knobs; a tile that does not divide K's blocks still launches (blocks_a_trip halves it)."""
+    import json
+
+    table = json.loads(dp.TILE_TABLE.read_text())
+    assert table and all(table.values())
+    for card in table.values():
+        for shape, tile in card.items():
+            bits, n, k = map(int, shape.split(":"))
+            assert bits in (4, 8) and n > 0 and k % 32 == 0
+            assert set(tile) == set(dp.DEFAULT_TILE) and tile["blocks"] in (1, 2, 4, 8, 16)
+            assert tile["num_warps"] <= tile["blocks"] and tile["per_sm"] >= 1
+    assert dp.blocks_a_trip(18 * 32, 8) == 2 and dp.tile_for(torch.device("cpu"), 4, 64, 64, 1) == dp.DEFAULT_TILE
