@@ -96,7 +96,8 @@ class Launch:
 
 def compile_gemv(bits: int, group: int, n: int, k: int, arch: int, kernel: str = "dp4a") -> Launch:
     """The decode GEMV at one row as the model launches it (no input step), for sm_<arch>: kernels/gemv_dp4a.py's
-    (the model's for 16-bit activations; its activation rounding a launch of its own) or gemv_kmajor's."""
+    (the model's for 16-bit activations; the input step before it rounds its activations, except o's, whose
+    rounding is a launch of its own, not counted here) or gemv_kmajor's."""
     from localpd.kernels import gemv_dp4a as dp, gemv_kmajor as km
     from localpd.measure.sass import compile_launch
 
@@ -115,7 +116,7 @@ def compile_gemv(bits: int, group: int, n: int, k: int, arch: int, kernel: str =
         kwargs = dict(BITS=bits, GROUP=gk, BLOCK_N=km.BLOCK_N, NB=nb, BLOCK_M=1, OUT_BIAS=False, ASM=True,
                       PREFETCH=dp.DEFAULT_TILE["PREFETCH"], num_warps=warps, num_stages=1)
         return Launch(compile_launch(dp._gemv_dp4a_kernel, args, kwargs, arch), bits * 4 * nb / warps, 32 * warps,
-                      32 * nb, dp.DEFAULT_TILE["PREFETCH"], 2.25, 2, dp.DEFAULT_TILE["per_sm"])
+                      32 * nb, dp.DEFAULT_TILE["PREFETCH"], 2.25, 1, dp.DEFAULT_TILE["per_sm"])
     bk = km.launch_block_k(k, bits, g, tile["BLOCK_K"])
     x = torch.empty(1, k, dtype=torch.bfloat16)
     args = (x, out, words, factors, 1, n, k, x.stride(0), out.stride(0), words.stride(0), factors.stride(0), ws, cnt,
@@ -168,7 +169,7 @@ def run(args) -> int:
     cards = [c for c in CARDS if not args.cards or any(w.lower() in c.name.lower() for w in args.cards.split(","))]
     rows = predict(args.model or "llama3-8b", cards, kernels=("dp4a", "kmajor"))
     print(f"# {args.model or 'llama3-8b'}: batch-1 decode GEMVs compiled per card, no GPU used: dp4a (kernels/gemv_"
-          f"dp4a.py, the model's for 16-bit activations; launches = the GEMV and its activation rounding) and kmajor "
+          f"dp4a.py, the model's for 16-bit activations, DEFAULT_TILE) and kmajor "
           f"(kernels/gemv_kmajor.py, float products); model: time = launches x {FLOOR_US} us + bytes / (efficiency x "
           f"bandwidth), efficiency = min(1, budget / instructions a word, in flight / (bandwidth x {LATENCY_US} us / "
           f"SMs))")
