@@ -11,8 +11,9 @@ and the group's scale, plus the group's bias times d * sum(256 hi + lo): a block
 product equals (the rounded activations) @ (the dequantized weights) up to float rounding between blocks.
 
 Layout of a launch: program (m, n, s) takes rows m * BLOCK_M.., outputs n * 128.. (32 lanes x 4 outputs: one
-16-byte load of words), and the s-th slice of K; each of its 4 warps takes one 32-input block a trip (a thread
-holds a block's int32 sums for its 4 outputs, so no value crosses threads before the end). Split-K and its
+16-byte load of words, and one 16-byte load of the 4 activation int32 a quarter block needs, split in registers
+and shared by the 4 outputs), and the s-th slice of K, a trip of NB blocks (one or more a warp: a thread holds a
+block's int32 sums for its 4 outputs, so no value crosses threads before the end). Split-K and its
 in-launch reduction are gemv_kmajor's (_finish_rows). The rounded activations (kernels/act_round.py) come from
 the step that makes the GEMV's input (RMSNorm, SiLU * up: kernels/fused.py) or from a launch of their own.
 
@@ -56,31 +57,43 @@ def _dp4a(a, b, c, SIGNED_A: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _row_word(q_ptr, at, w, wl, wh, ih, il, BITS: tl.constexpr, ASM: tl.constexpr):
-    """One row's integer sums (hi level, lo level) advanced by one word a thread (w; int4: its low and high
-    nibbles wl, wh); q_ptr + at: the word's four (int4) or two (int8) activation int32 (quantize_act's layout)."""
-    at = q_ptr + at
+def _quad(q_ptr, at):
+    """Four consecutive activation int32 at q_ptr + at ([NB, 32, 4] addresses, the same for every lane), loaded as
+    one 16-byte load a thread and split into four [NB, 32, 1] values that broadcast over a thread's 4 outputs."""
+    v = tl.load(q_ptr + at)
+    x02, x13 = tl.split(tl.reshape(v, (v.shape[0], v.shape[1], 2, 2)))
+    e0, e2 = tl.split(x02)
+    e1, e3 = tl.split(x13)
+    return e0[:, :, None], e1[:, :, None], e2[:, :, None], e3[:, :, None]
+
+
+@triton.jit
+def _row_unit(q_ptr, at, wa, wb, ih, il, BITS: tl.constexpr, ASM: tl.constexpr):
+    """One row's integer sums (hi level, lo level) advanced by a quarter of a block: an int4 word wa (its low and
+    high nibbles against the quad's hi even, hi odd, lo even, lo odd inputs) or two int8 words wa, wb (against hi,
+    lo of the first and hi, lo of the second)."""
+    e0, e1, e2, e3 = _quad(q_ptr, at)
     if BITS == 4:
-        ih = _dp4a(wh, tl.load(at + 1), _dp4a(wl, tl.load(at), ih, False, ASM), False, ASM)
-        il = _dp4a(wh, tl.load(at + 3), _dp4a(wl, tl.load(at + 2), il, False, ASM), False, ASM)
+        wl = wa & 0x0F0F0F0F
+        wh = (wa >> 4) & 0x0F0F0F0F
+        ih = _dp4a(wh, e1, _dp4a(wl, e0, ih, False, ASM), False, ASM)
+        il = _dp4a(wh, e3, _dp4a(wl, e2, il, False, ASM), False, ASM)
     else:
-        ih = _dp4a(w, tl.load(at), ih, True, ASM)
-        il = _dp4a(w, tl.load(at + 1), il, True, ASM)
+        ih = _dp4a(wb, e2, _dp4a(wa, e0, ih, True, ASM), True, ASM)
+        il = _dp4a(wb, e3, _dp4a(wa, e1, il, True, ASM), True, ASM)
     return ih, il
 
 
 @triton.jit
-def _word(q_ptr, rq0, rq1, rq2, rq3, at, w, ih0, il0, ih1, il1, ih2, il2, ih3, il3, BITS: tl.constexpr,
+def _unit(q_ptr, rq0, rq1, rq2, rq3, at, wa, wb, ih0, il0, ih1, il1, ih2, il2, ih3, il3, BITS: tl.constexpr,
           BLOCK_M: tl.constexpr, ASM: tl.constexpr):
-    """Every row's integer sums advanced by a word a thread (w), its fields split once for all rows."""
-    wl = w & 0x0F0F0F0F
-    wh = (w >> 4) & 0x0F0F0F0F
-    ih0, il0 = _row_word(q_ptr + rq0, at, w, wl, wh, ih0, il0, BITS, ASM)
+    """Every row's integer sums advanced by a quarter of a block (_row_unit)."""
+    ih0, il0 = _row_unit(q_ptr + rq0, at, wa, wb, ih0, il0, BITS, ASM)
     if BLOCK_M > 1:
-        ih1, il1 = _row_word(q_ptr + rq1, at, w, wl, wh, ih1, il1, BITS, ASM)
+        ih1, il1 = _row_unit(q_ptr + rq1, at, wa, wb, ih1, il1, BITS, ASM)
     if BLOCK_M > 2:
-        ih2, il2 = _row_word(q_ptr + rq2, at, w, wl, wh, ih2, il2, BITS, ASM)
-        ih3, il3 = _row_word(q_ptr + rq3, at, w, wl, wh, ih3, il3, BITS, ASM)
+        ih2, il2 = _row_unit(q_ptr + rq2, at, wa, wb, ih2, il2, BITS, ASM)
+        ih3, il3 = _row_unit(q_ptr + rq3, at, wa, wb, ih3, il3, BITS, ASM)
     return ih0, il0, ih1, il1, ih2, il2, ih3, il3
 
 
@@ -117,18 +130,19 @@ def _row_block(s_ptr, at, ih, il, scale, bias, BITS: tl.constexpr):
 def _gemv_dp4a_kernel(q_ptr, s_ptr, y_ptr, w_ptr, f_ptr, M, N, K, stride_qm, stride_sm, stride_ym, stride_wk,
                       stride_fg, ws_ptr, cnt_ptr, SPLIT_K, bias_ptr, BITS: tl.constexpr, GROUP: tl.constexpr,
                       BLOCK_N: tl.constexpr, NB: tl.constexpr, BLOCK_M: tl.constexpr = 1,
-                      OUT_BIAS: tl.constexpr = False, ASM: tl.constexpr = True, PREFETCH: tl.constexpr = True):
+                      OUT_BIAS: tl.constexpr = False, ASM: tl.constexpr = True, PREFETCH: tl.constexpr = 1):
     """Program (m, n, s): rows [m * BLOCK_M, (m + 1) * BLOCK_M) (1, 2 or 4), outputs [n * BLOCK_N, (n + 1) *
-    BLOCK_N), the s-th slice of K's trips of NB blocks (K a multiple of 32 * NB; a warp takes NB / warps). q_ptr, s_ptr: the
-    rows' rounded activations (quantize_act); ws_ptr, cnt_ptr: gemv_kmajor's split-K workspace and counters.
-    GROUP: inputs per group, a multiple of 32 (per channel: a value no block reaches past). A trip's words are
-    loaded a trip ahead with PREFETCH (WPB 16-byte loads a thread in flight while a trip computes)."""
+    BLOCK_N), the s-th slice of K's trips of NB blocks (K a multiple of 32 * NB; a warp takes NB / warps). q_ptr,
+    s_ptr: the rows' rounded activations (kernels/act_round.py); ws_ptr, cnt_ptr: gemv_kmajor's split-K workspace
+    and counters. GROUP: inputs per group, a multiple of 32 (per channel: a value no block reaches past). Tiles are
+    [NB, BLOCK_N / 4, 4]: a thread holds 4 neighbouring outputs (16-byte word loads) and loads each quarter block's
+    4 activation int32 with one 16-byte load. PREFETCH: trips ahead a trip's words and factors are loaded (0-2)."""
     WPB: tl.constexpr = BITS  # words a block of 32 inputs
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m0 = pid_m * BLOCK_M
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    lanes = (offs_n * 0)[None, :]  # activation addresses are the same for a warp's lanes (broadcast loads)
+    n3 = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 4)[:, None] * 4 + tl.arange(0, 4)[None, :]  # [BLOCK_N / 4, 4]
+    m3 = (n3 < N)[None, :, :]
+    four = (tl.arange(0, 4)[None, :] + tl.arange(0, BLOCK_N // 4)[:, None] * 0)[None, :, :]  # a quad's 4 int32
     nb = tl.arange(0, NB)
     chunks = K // (32 * NB)
     c0 = pid_k * chunks // SPLIT_K
@@ -138,61 +152,80 @@ def _gemv_dp4a_kernel(q_ptr, s_ptr, y_ptr, w_ptr, f_ptr, M, N, K, stride_qm, str
         tl.minimum(m0 + 3, M - 1).to(tl.int64)
     rq0, rq1, rq2, rq3 = m0.to(tl.int64) * stride_qm, r1 * stride_qm, r2 * stride_qm, r3 * stride_qm
     rs0, rs1, rs2, rs3 = m0.to(tl.int64) * stride_sm, r1 * stride_sm, r2 * stride_sm, r3 * stride_sm
-    acc0 = tl.zeros((NB, BLOCK_N), tl.float32)
-    acc1 = tl.zeros((NB, BLOCK_N), tl.float32)
-    acc2 = tl.zeros((NB, BLOCK_N), tl.float32)
-    acc3 = tl.zeros((NB, BLOCK_N), tl.float32)
-    m2 = n_mask[None, :]
-    wp = w_ptr + (nb * WPB)[:, None] * stride_wk + offs_n[None, :]  # word 0 of each block of trip 0
+    acc0 = tl.zeros((NB, BLOCK_N // 4, 4), tl.float32)
+    acc1 = tl.zeros((NB, BLOCK_N // 4, 4), tl.float32)
+    acc2 = tl.zeros((NB, BLOCK_N // 4, 4), tl.float32)
+    acc3 = tl.zeros((NB, BLOCK_N // 4, 4), tl.float32)
+    wp = w_ptr + (nb * WPB)[:, None, None] * stride_wk + n3[None, :, :]  # word 0 of each block of trip 0
     trip = NB * WPB * stride_wk
-    fp = f_ptr + offs_n[None, :]  # + a block's group row
-    if PREFETCH:  # the next trip's words and factors are loaded before this trip's arithmetic
-        n0, n1, n2, n3, n4, n5, n6, n7, nf = _trip_words(wp + c0 * trip, fp + ((c0 * NB + nb) * 32 // GROUP)[:, None]
-                                                         * stride_fg, stride_wk, m2, WPB)
+    fp = f_ptr + n3[None, :, :]  # + a block's group row
+    # PREFETCH 1: the next trip's words and factors are loaded before this trip's arithmetic; 2: the trip after it
+    # too (ptxas issues a trip's loads late in the loop body, so one trip ahead arrives just in time at best)
+    if PREFETCH > 0:
+        n0, n1, n2, n3_, n4, n5, n6, n7, nf = _trip_words(
+            wp + c0 * trip, fp + ((c0 * NB + nb) * 32 // GROUP)[:, None, None] * stride_fg, stride_wk, m3, WPB)
+    if PREFETCH > 1:
+        c2 = tl.minimum(c0 + 1, c1 - 1)
+        p0, p1, p2, p3, p4, p5, p6, p7, pf = _trip_words(
+            wp + c2 * trip, fp + ((c2 * NB + nb) * 32 // GROUP)[:, None, None] * stride_fg, stride_wk, m3, WPB)
     for c in range(c0, c1):
         blk = c * NB + nb  # [NB]: this trip's blocks
-        if PREFETCH:
-            w0, w1, w2, w3, w4, w5, w6, w7, fac = n0, n1, n2, n3, n4, n5, n6, n7, nf
-            # the last trip loads its own again (from L1) rather than past the slice
-            cn = tl.minimum(c + 1, c1 - 1)
-            n0, n1, n2, n3, n4, n5, n6, n7, nf = _trip_words(wp + cn * trip, fp + ((cn * NB + nb) * 32 // GROUP)[:, None]
-                                                             * stride_fg, stride_wk, m2, WPB)
+        if PREFETCH > 0:
+            w0, w1, w2, w3, w4, w5, w6, w7, fac = n0, n1, n2, n3_, n4, n5, n6, n7, nf
+            # the last trips load their own again (from L1) rather than past the slice
+            cn = tl.minimum(c + PREFETCH, c1 - 1)
+            if PREFETCH > 1:
+                n0, n1, n2, n3_, n4, n5, n6, n7, nf = p0, p1, p2, p3, p4, p5, p6, p7, pf
+                p0, p1, p2, p3, p4, p5, p6, p7, pf = _trip_words(
+                    wp + cn * trip, fp + ((cn * NB + nb) * 32 // GROUP)[:, None, None] * stride_fg, stride_wk, m3,
+                    WPB)
+            else:
+                n0, n1, n2, n3_, n4, n5, n6, n7, nf = _trip_words(
+                    wp + cn * trip, fp + ((cn * NB + nb) * 32 // GROUP)[:, None, None] * stride_fg, stride_wk, m3,
+                    WPB)
         else:
-            w0, w1, w2, w3, w4, w5, w6, w7, fac = _trip_words(wp + c * trip, fp + (blk * 32 // GROUP)[:, None]
-                                                              * stride_fg, stride_wk, m2, WPB)
+            w0, w1, w2, w3, w4, w5, w6, w7, fac = _trip_words(
+                wp + c * trip, fp + (blk * 32 // GROUP)[:, None, None] * stride_fg, stride_wk, m3, WPB)
         scale = (fac & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         bias = (fac >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        ih0 = tl.zeros((NB, BLOCK_N), tl.int32)
+        ih0 = tl.zeros((NB, BLOCK_N // 4, 4), tl.int32)
         il0, ih1, il1, ih2, il2, ih3, il3 = ih0, ih0, ih0, ih0, ih0, ih0, ih0
-        qa = (blk * 16)[:, None] + lanes  # [NB, BLOCK_N]: the block's activation int32
-        step: tl.constexpr = 16 // WPB  # activation int32 a word
-        ih0, il0, ih1, il1, ih2, il2, ih3, il3 = _word(q_ptr, rq0, rq1, rq2, rq3, qa, w0, ih0, il0, ih1, il1, ih2,
-                                                       il2, ih3, il3, BITS, BLOCK_M, ASM)
-        ih0, il0, ih1, il1, ih2, il2, ih3, il3 = _word(q_ptr, rq0, rq1, rq2, rq3, qa + step, w1, ih0, il0, ih1, il1,
-                                                       ih2, il2, ih3, il3, BITS, BLOCK_M, ASM)
-        ih0, il0, ih1, il1, ih2, il2, ih3, il3 = _word(q_ptr, rq0, rq1, rq2, rq3, qa + 2 * step, w2, ih0, il0, ih1,
-                                                       il1, ih2, il2, ih3, il3, BITS, BLOCK_M, ASM)
-        ih0, il0, ih1, il1, ih2, il2, ih3, il3 = _word(q_ptr, rq0, rq1, rq2, rq3, qa + 3 * step, w3, ih0, il0, ih1,
-                                                       il1, ih2, il2, ih3, il3, BITS, BLOCK_M, ASM)
-        if WPB == 8:
-            ih0, il0, ih1, il1, ih2, il2, ih3, il3 = _word(q_ptr, rq0, rq1, rq2, rq3, qa + 4 * step, w4, ih0, il0,
-                                                           ih1, il1, ih2, il2, ih3, il3, BITS, BLOCK_M, ASM)
-            ih0, il0, ih1, il1, ih2, il2, ih3, il3 = _word(q_ptr, rq0, rq1, rq2, rq3, qa + 5 * step, w5, ih0, il0,
-                                                           ih1, il1, ih2, il2, ih3, il3, BITS, BLOCK_M, ASM)
-            ih0, il0, ih1, il1, ih2, il2, ih3, il3 = _word(q_ptr, rq0, rq1, rq2, rq3, qa + 6 * step, w6, ih0, il0,
-                                                           ih1, il1, ih2, il2, ih3, il3, BITS, BLOCK_M, ASM)
-            ih0, il0, ih1, il1, ih2, il2, ih3, il3 = _word(q_ptr, rq0, rq1, rq2, rq3, qa + 7 * step, w7, ih0, il0,
-                                                           ih1, il1, ih2, il2, ih3, il3, BITS, BLOCK_M, ASM)
-        sa = (blk * 2)[:, None] + lanes
+        qa = (blk * 16)[:, None, None] + four  # [NB, BLOCK_N / 4, 4]: the block's first quad
+        if BITS == 4:  # a quarter block: one word
+            ih0, il0, ih1, il1, ih2, il2, ih3, il3 = _unit(q_ptr, rq0, rq1, rq2, rq3, qa, w0, w0, ih0, il0, ih1, il1,
+                                                           ih2, il2, ih3, il3, BITS, BLOCK_M, ASM)
+            ih0, il0, ih1, il1, ih2, il2, ih3, il3 = _unit(q_ptr, rq0, rq1, rq2, rq3, qa + 4, w1, w1, ih0, il0, ih1,
+                                                           il1, ih2, il2, ih3, il3, BITS, BLOCK_M, ASM)
+            ih0, il0, ih1, il1, ih2, il2, ih3, il3 = _unit(q_ptr, rq0, rq1, rq2, rq3, qa + 8, w2, w2, ih0, il0, ih1,
+                                                           il1, ih2, il2, ih3, il3, BITS, BLOCK_M, ASM)
+            ih0, il0, ih1, il1, ih2, il2, ih3, il3 = _unit(q_ptr, rq0, rq1, rq2, rq3, qa + 12, w3, w3, ih0, il0, ih1,
+                                                           il1, ih2, il2, ih3, il3, BITS, BLOCK_M, ASM)
+        else:  # a quarter block: two words
+            ih0, il0, ih1, il1, ih2, il2, ih3, il3 = _unit(q_ptr, rq0, rq1, rq2, rq3, qa, w0, w1, ih0, il0, ih1, il1,
+                                                           ih2, il2, ih3, il3, BITS, BLOCK_M, ASM)
+            ih0, il0, ih1, il1, ih2, il2, ih3, il3 = _unit(q_ptr, rq0, rq1, rq2, rq3, qa + 4, w2, w3, ih0, il0, ih1,
+                                                           il1, ih2, il2, ih3, il3, BITS, BLOCK_M, ASM)
+            ih0, il0, ih1, il1, ih2, il2, ih3, il3 = _unit(q_ptr, rq0, rq1, rq2, rq3, qa + 8, w4, w5, ih0, il0, ih1,
+                                                           il1, ih2, il2, ih3, il3, BITS, BLOCK_M, ASM)
+            ih0, il0, ih1, il1, ih2, il2, ih3, il3 = _unit(q_ptr, rq0, rq1, rq2, rq3, qa + 12, w6, w7, ih0, il0, ih1,
+                                                           il1, ih2, il2, ih3, il3, BITS, BLOCK_M, ASM)
+        sa = (blk * 2)[:, None, None] + four * 0
         acc0 += _row_block(s_ptr + rs0, sa, ih0, il0, scale, bias, BITS)
         if BLOCK_M > 1:
             acc1 += _row_block(s_ptr + rs1, sa, ih1, il1, scale, bias, BITS)
         if BLOCK_M > 2:
             acc2 += _row_block(s_ptr + rs2, sa, ih2, il2, scale, bias, BITS)
             acc3 += _row_block(s_ptr + rs3, sa, ih3, il3, scale, bias, BITS)
-    km._finish_rows(tl.sum(acc0, axis=0), tl.sum(acc1, axis=0), tl.sum(acc2, axis=0), tl.sum(acc3, axis=0), 0.0,
-                    y_ptr, bias_ptr, ws_ptr, cnt_ptr, SPLIT_K, M, N, K, m0, offs_n, n_mask, stride_ym, 0.0, BLOCK_M,
-                    False, OUT_BIAS)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    km._finish_rows(_outputs(acc0, BLOCK_N), _outputs(acc1, BLOCK_N), _outputs(acc2, BLOCK_N),
+                    _outputs(acc3, BLOCK_N), 0.0, y_ptr, bias_ptr, ws_ptr, cnt_ptr, SPLIT_K, M, N, K, m0, offs_n,
+                    offs_n < N, stride_ym, 0.0, BLOCK_M, False, OUT_BIAS)
+
+
+@triton.jit
+def _outputs(acc, BLOCK_N: tl.constexpr):
+    """A row's [NB, BLOCK_N / 4, 4] partial sums as its [BLOCK_N] outputs."""
+    return tl.reshape(tl.sum(acc, axis=0), (BLOCK_N,))
 
 
 def _asm(device: torch.device) -> bool:
@@ -200,9 +233,9 @@ def _asm(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-# the launch's knobs: blocks (of 32 inputs) a trip, warps, the next trip's words and factors loaded ahead, programs
-# an SM (scripts/sweep_dp4a.py times the others)
-DEFAULT_TILE = dict(blocks=4, num_warps=4, PREFETCH=True, per_sm=8)
+# the launch's knobs: blocks (of 32 inputs) a trip, warps, trips ahead their words and factors are loaded (0-2),
+# programs an SM (scripts/sweep_dp4a.py times the others)
+DEFAULT_TILE = dict(blocks=4, num_warps=4, PREFETCH=1, per_sm=8)
 # The fastest tile measured per card and one-row shape (scripts/sweep_dp4a.py --table): {card name: {"bits:N:K":
 # tile}}. On the H200 (2026-11-26) the best tile of a shape beat DEFAULT_TILE by 5-27% (docs/PERF.md).
 TILE_TABLE = Path(__file__).with_name("gemv_dp4a_tiles.json")
@@ -277,7 +310,7 @@ def gemv_rounded(q: torch.Tensor, s: torch.Tensor, out: torch.Tensor, words: tor
         q, s, out, words, factors, m, n, k, q.stride(0), s.stride(0), out.stride(0), words.stride(0),
         factors.stride(0), ws, cnt, split, out if bias is None else bias, BITS=bits,
         GROUP=group if group < k else 1 << 30, BLOCK_N=km.BLOCK_N, NB=nb, BLOCK_M=rows, OUT_BIAS=bias is not None,
-        ASM=_asm(out.device), PREFETCH=tile["PREFETCH"], num_warps=min(nb, tile["num_warps"]), num_stages=1)
+        ASM=_asm(out.device), PREFETCH=int(tile["PREFETCH"]), num_warps=min(nb, tile["num_warps"]), num_stages=1)
     return out
 
 

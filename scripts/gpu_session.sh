@@ -24,7 +24,9 @@ for s in "$@"; do case $s in
   dp4a) TO="-s INT" stage gpu_dp4a_tests 120 env LOCALPD_TEST_DEVICE=cuda python3 -m pytest -q -n 8 -W ignore \
           -p no:cacheprovider -rf --tb=short tests/kernels/test_gemv_dp4a.py tests/kernels/test_act_round.py
         TAIL=24 stage bench_dp4a 240 python3 scripts/bench_dp4a.py --json "$OUT/bench_dp4a.json" ;;
-  dp4asweep) TAIL=12 stage sweep_dp4a 300 python3 scripts/sweep_dp4a.py --json "$OUT/sweep_dp4a.json" ;;
+  dp4asweep) TAIL=12 stage sweep_dp4a 300 python3 scripts/sweep_dp4a.py --json "$OUT/sweep_dp4a.json" \
+               --table kernels/gemv_dp4a_tiles.json  # later stages of this call launch the measured tiles
+             cp kernels/gemv_dp4a_tiles.json "$OUT/" ;;
   check) stage gpu_check 150 python3 scripts/gpu_check.py ;;
   check3) stage gpu_check_qwen3 240 python3 scripts/gpu_check.py --model qwen3-0.6b ;;  # qk_norm, heads of 128
   sweep) TAIL=80 stage sweep_gemv 500 python3 scripts/sweep_gemv.py --no-mma --json "$OUT/sweep_gemv.json" \

@@ -21,12 +21,12 @@ from localpd.measure.bench_kernels import SHAPES, copies_for, graph_time, random
 from localpd.measure.device import measure_copy_bandwidth
 from localpd.quant.kmajor import to_kmajor
 
-TILES = [dict(blocks=b, num_warps=w, PREFETCH=pf, per_sm=ps) for b, w in ((4, 4), (8, 4), (16, 4), (8, 8), (2, 2))
-         for pf in (True, False) for ps in (4, 8, 12)]
+TILES = [dict(blocks=b, num_warps=w, PREFETCH=pf, per_sm=ps) for b, w in ((2, 2), (4, 4), (8, 4))
+         for pf in (0, 1, 2) for ps in (4, 8, 12)]
 
 
 def name(tile: dict) -> str:
-    return f"b{tile['blocks']} w{tile['num_warps']} {'pf' if tile['PREFETCH'] else 'nopf'} x{tile['per_sm']}"
+    return f"b{tile['blocks']} w{tile['num_warps']} pf{int(tile['PREFETCH'])} x{tile['per_sm']}"
 
 
 @torch.inference_mode()

@@ -88,7 +88,7 @@ class Launch:
     words_per_thread: float  # weight words a thread loads a trip
     threads: int
     trip_inputs: int  # inputs (K) a trip covers: split-K slices are whole trips
-    prefetch: bool  # a trip's words loaded a trip ahead
+    prefetch: int  # trips ahead a trip's words are loaded
     act_bytes: float  # activation bytes a column tile reads, per input
     launches: int  # kernel launches (each pays FLOOR_US)
     per_sm: int  # programs an SM the split-K is sized for
@@ -153,7 +153,7 @@ def predict(model: str = "llama3-8b", cards=CARDS, formats=FORMATS, kernels=("dp
                     nbytes = int(n * k * bits // 8 + 4 * n * (k // g) + launch.act_bytes * k * tiles + 2 * n)
                     resident = min(-(-programs // card.sms), MAX_PROGRAMS_PER_SM,
                                    REGISTERS_PER_SM // max(1, stats.registers * launch.threads))
-                    trip_bytes = launch.words_per_thread * 4 * launch.threads * (2 if launch.prefetch else 1)
+                    trip_bytes = launch.words_per_thread * 4 * launch.threads * (1 + int(launch.prefetch))
                     in_flight = int(resident * trip_bytes)
                     need = card.gbs * 1e9 * LATENCY_US * 1e-6 / card.sms
                     eff = min(1.0, card.budget() / stats.per_word, in_flight / need)

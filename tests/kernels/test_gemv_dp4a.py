@@ -69,6 +69,21 @@ def test_rows_sharing_a_program_are_each_rows_own_product(m, split):
         assert torch.equal(y[r:r + 1], dp.gemv_dp4a(x[r:r + 1], kw.words, kw.factors, 4, 64, split_k=split)), r
 
 
+@pytest.mark.parametrize("tile", [dict(PREFETCH=0), dict(PREFETCH=2, blocks=2, num_warps=2, per_sm=12),
+                                  dict(PREFETCH=2, blocks=8, num_warps=4, per_sm=4)])
+def test_every_launch_tile_computes_the_same_product(tile):
+    """The knobs scripts/sweep_dp4a.py times (trips loaded ahead: 0-2, including slices of one or two trips, where
+    the loads ahead repeat the last trip's; blocks a trip; warps; programs an SM) change the speed, not the product
+    (bit for bit where the blocks a trip are the same: they set the order of the float sums)."""
+    for fmt, group, n, k in (("int4", 128, 136, 1024), ("int8", None, 72, 512)):
+        _, kw = weight(fmt, n, k, group, seed=k)
+        x = activations(2, k, seed=n)
+        y = dp.gemv_dp4a(x, kw.words, kw.factors, kw.BITS, kw.group, split_k=3, tile=tile)
+        assert rel_err(y, dp.gemv_dp4a_ref(x, kw.words, kw.factors, kw.BITS, kw.group)) < 1e-6
+        if tile.get("blocks", dp.DEFAULT_TILE["blocks"]) == dp.DEFAULT_TILE["blocks"]:
+            assert torch.equal(y, dp.gemv_dp4a(x, kw.words, kw.factors, kw.BITS, kw.group, split_k=3))
+
+
 def test_the_model_linear_takes_it_for_16_bit_activations_only():
     """linear_kmajor: bfloat16 activations go through this GEMV (its product equals gemv_dp4a's), float32 ones
     through gemv_kmajor's float product; ENABLED = False sends bfloat16 there too."""
