@@ -235,7 +235,7 @@ def _asm(device: torch.device) -> bool:
 
 # the launch's knobs: blocks (of 32 inputs) a trip, warps, trips ahead their words and factors are loaded (0-2),
 # programs an SM (scripts/sweep_dp4a.py times the others)
-DEFAULT_TILE = dict(blocks=4, num_warps=4, PREFETCH=1, per_sm=8)
+DEFAULT_TILE = dict(blocks=2, num_warps=2, PREFETCH=1, per_sm=8)  # best or within 4% on the H200 (PERF)
 # The fastest tile measured per card and one-row shape (scripts/sweep_dp4a.py --table): {card name: {"bits:N:K":
 # tile}}. On the H200 (2026-11-26) the best tile of a shape beat DEFAULT_TILE by 5-27% (docs/PERF.md).
 TILE_TABLE = Path(__file__).with_name("gemv_dp4a_tiles.json")
