@@ -192,23 +192,17 @@ def _gemv_dp4a_kernel(q_ptr, s_ptr, y_ptr, w_ptr, f_ptr, M, N, K, stride_qm, str
         il0, ih1, il1, ih2, il2, ih3, il3 = ih0, ih0, ih0, ih0, ih0, ih0, ih0
         qa = (blk * 16)[:, None, None] + four  # [NB, BLOCK_N / 4, 4]: the block's first quad
         if BITS == 4:  # a quarter block: one word
-            ih0, il0, ih1, il1, ih2, il2, ih3, il3 = _unit(q_ptr, rq0, rq1, rq2, rq3, qa, w0, w0, ih0, il0, ih1, il1,
-                                                           ih2, il2, ih3, il3, BITS, BLOCK_M, ASM)
-            ih0, il0, ih1, il1, ih2, il2, ih3, il3 = _unit(q_ptr, rq0, rq1, rq2, rq3, qa + 4, w1, w1, ih0, il0, ih1,
-                                                           il1, ih2, il2, ih3, il3, BITS, BLOCK_M, ASM)
-            ih0, il0, ih1, il1, ih2, il2, ih3, il3 = _unit(q_ptr, rq0, rq1, rq2, rq3, qa + 8, w2, w2, ih0, il0, ih1,
-                                                           il1, ih2, il2, ih3, il3, BITS, BLOCK_M, ASM)
-            ih0, il0, ih1, il1, ih2, il2, ih3, il3 = _unit(q_ptr, rq0, rq1, rq2, rq3, qa + 12, w3, w3, ih0, il0, ih1,
-                                                           il1, ih2, il2, ih3, il3, BITS, BLOCK_M, ASM)
-        else:  # a quarter block: two words
-            ih0, il0, ih1, il1, ih2, il2, ih3, il3 = _unit(q_ptr, rq0, rq1, rq2, rq3, qa, w0, w1, ih0, il0, ih1, il1,
-                                                           ih2, il2, ih3, il3, BITS, BLOCK_M, ASM)
-            ih0, il0, ih1, il1, ih2, il2, ih3, il3 = _unit(q_ptr, rq0, rq1, rq2, rq3, qa + 4, w2, w3, ih0, il0, ih1,
-                                                           il1, ih2, il2, ih3, il3, BITS, BLOCK_M, ASM)
-            ih0, il0, ih1, il1, ih2, il2, ih3, il3 = _unit(q_ptr, rq0, rq1, rq2, rq3, qa + 8, w4, w5, ih0, il0, ih1,
-                                                           il1, ih2, il2, ih3, il3, BITS, BLOCK_M, ASM)
-            ih0, il0, ih1, il1, ih2, il2, ih3, il3 = _unit(q_ptr, rq0, rq1, rq2, rq3, qa + 12, w6, w7, ih0, il0, ih1,
-                                                           il1, ih2, il2, ih3, il3, BITS, BLOCK_M, ASM)
+            a0, b0, a1, b1, a2, b2, a3, b3 = w0, w0, w1, w1, w2, w2, w3, w3
+        else:  # two words
+            a0, b0, a1, b1, a2, b2, a3, b3 = w0, w1, w2, w3, w4, w5, w6, w7
+        ih0, il0, ih1, il1, ih2, il2, ih3, il3 = _unit(q_ptr, rq0, rq1, rq2, rq3, qa, a0, b0, ih0, il0, ih1, il1, ih2,
+                                                       il2, ih3, il3, BITS, BLOCK_M, ASM)
+        ih0, il0, ih1, il1, ih2, il2, ih3, il3 = _unit(q_ptr, rq0, rq1, rq2, rq3, qa + 4, a1, b1, ih0, il0, ih1, il1,
+                                                       ih2, il2, ih3, il3, BITS, BLOCK_M, ASM)
+        ih0, il0, ih1, il1, ih2, il2, ih3, il3 = _unit(q_ptr, rq0, rq1, rq2, rq3, qa + 8, a2, b2, ih0, il0, ih1, il1,
+                                                       ih2, il2, ih3, il3, BITS, BLOCK_M, ASM)
+        ih0, il0, ih1, il1, ih2, il2, ih3, il3 = _unit(q_ptr, rq0, rq1, rq2, rq3, qa + 12, a3, b3, ih0, il0, ih1, il1,
+                                                       ih2, il2, ih3, il3, BITS, BLOCK_M, ASM)
         sa = (blk * 2)[:, None, None] + four * 0
         acc0 += _row_block(s_ptr + rs0, sa, ih0, il0, scale, bias, BITS)
         if BLOCK_M > 1:
@@ -283,8 +277,7 @@ def gemv_dp4a(x: torch.Tensor, words: torch.Tensor, factors: torch.Tensor, bits:
     """x [M, K] (M <= gemv_kmajor.MAX_ROWS) @ W.T (+ bias) -> [M, N] in x.dtype, for K-major words and factors
     (quant/kmajor.py), with x rounded by quantize_act. split_k overrides gemv_kmajor.split_for (tests); tile
     overrides DEFAULT_TILE's knobs (scripts/sweep_dp4a.py)."""
-    n, k = words.shape[1], words.shape[0] * 32 // bits
-    m = x.shape[0]
+    n, m = words.shape[1], x.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out

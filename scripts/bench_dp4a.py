@@ -8,17 +8,15 @@ copies larger than L2: per shape the time and % of the measured copy bandwidth o
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
 
 import torch
 
 from localpd.kernels import gemv_dp4a as dp, gemv_kmajor as km
 from localpd.kernels.act_round import quantize_act
 from localpd.kernels.dispatch import kmajor_matmul_ref
-from localpd.measure.bench_kernels import SHAPES, copies_for, graph_time, random_int4, random_int8, tinygemm
-from localpd.measure.device import measure_copy_bandwidth
+from localpd.measure.bench_kernels import (SHAPES, copies_for, gpu_script, graph_time, random_int4, random_int8,
+                                           tinygemm, write_rows)
 from localpd.quant.kmajor import to_kmajor
 
 
@@ -28,12 +26,7 @@ def rel(a, b) -> float:
 
 @torch.inference_mode()
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--json")
-    p.add_argument("--rows", default="1,4")
-    args = p.parse_args()
-    dev = torch.device("cuda")
-    bw = measure_copy_bandwidth(dev, 1 << 30)
+    args, dev, bw = gpu_script(__doc__, lambda p: p.add_argument("--rows", default="1,4"))
     print(f"# {torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.0f} GB/s; times in us, % of copy bandwidth "
           f"for the weight bytes")
     out = []
@@ -66,9 +59,7 @@ def main() -> int:
                     "errors": errs})
         del ws
         torch.cuda.empty_cache()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "copy_bandwidth": bw, "rows": out}, f, indent=1)
+    write_rows(args.json, bw, out)
     return 0
 
 

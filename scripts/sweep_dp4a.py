@@ -9,7 +9,6 @@ JSON.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 
@@ -17,8 +16,8 @@ import torch
 
 from localpd.kernels import gemv_dp4a as dp
 from localpd.kernels.act_round import quantize_act
-from localpd.measure.bench_kernels import SHAPES, copies_for, graph_time, random_int4, random_int8
-from localpd.measure.device import measure_copy_bandwidth
+from localpd.measure.bench_kernels import (SHAPES, copies_for, gpu_script, graph_time, random_int4, random_int8,
+                                           write_rows)
 from localpd.quant.kmajor import to_kmajor
 
 TILES = [dict(blocks=b, num_warps=w, PREFETCH=pf, per_sm=ps) for b, w in ((2, 2), (4, 4), (8, 4))
@@ -31,14 +30,12 @@ def name(tile: dict) -> str:
 
 @torch.inference_mode()
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--json")
-    p.add_argument("--rows", type=int, default=1)
-    p.add_argument("--table", help="merge each shape's fastest tile into this table (kernels/gemv_dp4a_tiles.json) "
-                   "under this card's name; the model's launches read it")
-    args = p.parse_args()
-    dev = torch.device("cuda")
-    bw = measure_copy_bandwidth(dev, 1 << 30)
+    def options(p):
+        p.add_argument("--rows", type=int, default=1)
+        p.add_argument("--table", help="merge each shape's fastest tile into this table (kernels/gemv_dp4a_tiles.json)"
+                       " under this card's name; the model's launches read it")
+
+    args, dev, bw = gpu_script(__doc__, options)
     print(f"# {torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.0f} GB/s; {len(TILES)} tiles a shape, "
           f"{args.rows} row(s)")
     out = []
@@ -85,9 +82,7 @@ def main() -> int:
             card[f"{8 if row['format'] == 'int8' else 4}:{row['n']}:{row['k']}"] = tile
         with open(args.table, "w") as f:
             json.dump(table, f, indent=1, sort_keys=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "copy_bandwidth": bw, "rows": out}, f, indent=1)
+    write_rows(args.json, bw, out)
     return 0
 
 

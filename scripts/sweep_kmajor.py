@@ -10,16 +10,14 @@ as JSON.
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
 
 import torch
 
 from localpd.kernels import gemv_kmajor as km
 from localpd.kernels.dispatch import PreNorm, kmajor_matmul_ref
-from localpd.measure.bench_kernels import SHAPES, copies_for, graph_time, random_int4, random_int8, tinygemm
-from localpd.measure.device import measure_copy_bandwidth
+from localpd.measure.bench_kernels import (SHAPES, copies_for, gpu_script, graph_time, random_int4, random_int8,
+                                           tinygemm, write_rows)
 from localpd.quant.kmajor import to_kmajor
 
 FUSED = {"qkv": "norm", "o": "", "gate_up": "norm", "down": "gated", "lm_head": "norm"}
@@ -34,11 +32,7 @@ def name(tile: dict) -> str:
 
 @torch.inference_mode()
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--json")
-    args = p.parse_args()
-    dev = torch.device("cuda")
-    bw = measure_copy_bandwidth(dev, 1 << 30)
+    args, dev, bw = gpu_script(__doc__)
     print(f"# {torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.0f} GB/s; {len(TILES)} tiles a shape")
     out = []
     for (shape, n, k), variant, fmt in itertools.product(SHAPES, ("plain", "fused"), ("int4-g128", "int8")):
@@ -84,9 +78,7 @@ def main() -> int:
                     "timings": [[name({**km.DEFAULT_TILE, **t}), s] for t, s in rows]})
         del ws
         torch.cuda.empty_cache()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "copy_bandwidth": bw, "rows": out}, f, indent=1)
+    write_rows(args.json, bw, out)
     return 0
 
 

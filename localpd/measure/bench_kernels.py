@@ -86,6 +86,25 @@ def graph_time(fns: list, reps: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def gpu_script(doc: str, add_options=None) -> tuple[argparse.Namespace, torch.device, float]:
+    """A GPU benchmark script's start (scripts/sweep_*.py, bench_dp4a.py): its options (--json, and what
+    add_options adds to the parser) parsed, the CUDA device, its copy bandwidth measured (bytes/s)."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--json", help="write every timing here")
+    if add_options:
+        add_options(p)
+    args = p.parse_args()
+    dev = torch.device("cuda")
+    return args, dev, measure_copy_bandwidth(dev, 1 << 30)
+
+
+def write_rows(path: str | None, copy_bw: float, rows: list) -> None:
+    """A GPU benchmark script's rows as JSON, with the device and its copy bandwidth (nothing without a path)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "copy_bandwidth": copy_bw, "rows": rows}, f, indent=1)
+
+
 def cpu_time(fns: list) -> float:
     fns[0]()
     best = float("inf")
