@@ -176,6 +176,19 @@ def test_linear_of_an_all_zero_block_and_extreme_values(lib):
     assert rel_err(y, ref(w, rounded_rows(x))) < 2e-5
 
 
+def test_the_input_rounding_is_the_references(lib):
+    """lpd_round_input (what a prefill multiplies, by the decode products' own code) gives rounded_rows' values:
+    every block's integers 256 hi + lo within int8's two levels."""
+    g = torch.Generator().manual_seed(13)
+    m, k = 7, 1600
+    x = torch.randn(m, k, generator=g) * torch.rand(m, k, generator=g) * 5
+    out = torch.empty(m, k)
+    lib.lpd_round_input(0, x.data_ptr(), None, None, 0.0, None, m, k, out.data_ptr(), 1)
+    assert rel_err(out, rounded_rows(x)) < 1e-6
+    unit = x.reshape(m, -1, 32).abs().amax(-1, keepdim=True) / 127 / 256
+    assert (torch.round(out.reshape(m, -1, 32) / unit).abs() <= 127 * 256 + 127).all()
+
+
 def _pool(D, H, ps, n_pages, g, kv="fp32"):
     pool = new_kv_pool(kv, 1, n_pages, ps, H, D, torch.float32, "cpu")
     pool.k.copy_(torch.randn(pool.k.shape, generator=g))
