@@ -187,6 +187,14 @@ def test_the_input_rounding_is_the_references(lib):
     assert rel_err(out, rounded_rows(x)) < 1e-6
     unit = x.reshape(m, -1, 32).abs().amax(-1, keepdim=True) / 127 / 256
     assert (torch.round(out.reshape(m, -1, 32) / unit).abs() <= 127 * 256 + 127).all()
+    # the GPU's integer GEMV rounds its inputs by the same rule (kernels/act_round.py): the same values, up to a
+    # level where a float operation rounds a last bit apart at a tie
+    from localpd.kernels.act_round import rounded_act_ref
+
+    gpu = rounded_act_ref(x).reshape(m, -1, 32)
+    assert ((out.double().reshape(m, -1, 32) - gpu).abs() <= 2.001 * unit.double()).all()
+    levels = [torch.round(t / unit.double()) for t in (out.double().reshape(m, -1, 32), gpu)]
+    assert (levels[0] == levels[1]).float().mean() > 0.999
 
 
 def _pool(D, H, ps, n_pages, g, kv="fp32"):
