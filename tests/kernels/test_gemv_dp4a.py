@@ -39,7 +39,7 @@ def activations(m: int, k: int, seed: int, dtype=torch.float32) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("fmt,group", [("int4", 32), ("int4", 128), ("int8", None), ("int8", 64)])
-@pytest.mark.parametrize("n,k,m,split", [(200, 256, 1, None), (130, 576, 3, 3), (72, 384, 5, 1), (136, 128, 8, 2)])
+@pytest.mark.parametrize("n,k,m,split", [(200, 256, 1, None), (130, 576, 3, 3), (72, 384, 5, 1), (40, 128, 8, 2)])
 def test_gemv_matches_the_reference(fmt, group, n, k, m, split):
     """Partial column tiles, K of 2 and 4 blocks a trip (576 = 18 blocks: 2 a trip), groups of one block and of
     four, per-channel int8, 1-8 rows (a program of 4 and a padded one), split-K reduced inside the launch, a bias:
@@ -58,10 +58,11 @@ def test_gemv_matches_the_reference(fmt, group, n, k, m, split):
     assert not cnt.any()  # the last program of each tile left its counter at zero for the next launch
 
 
-@pytest.mark.parametrize("m,split", [(2, 1), (4, 3), (7, 2)])
+@pytest.mark.parametrize("m,split", [(2, 1), (5, 3)])
 def test_rows_sharing_a_program_are_each_rows_own_product(m, split):
-    """Up to 4 rows share a program's words: each row's output is bit for bit what the row alone gives."""
-    n, k = 136, 384
+    """Up to 4 rows share a program's words (2 exactly; 5 in a full program and a padded one): each row's output
+    is bit for bit what the row alone gives."""
+    n, k = 136, 256
     _, kw = weight("int4", n, k, 64, seed=m)
     x = activations(m, k, seed=m + 1)
     y = dp.gemv_dp4a(x, kw.words, kw.factors, 4, 64, split_k=split)
@@ -75,7 +76,7 @@ def test_every_launch_tile_computes_the_same_product(tile):
     """The knobs scripts/sweep_dp4a.py times (trips loaded ahead: 0-2, including slices of one or two trips, where
     the loads ahead repeat the last trip's; blocks a trip; warps; programs an SM) change the speed, not the product
     (bit for bit where the blocks a trip are the same: they set the order of the float sums)."""
-    for fmt, group, n, k in (("int4", 128, 136, 1024), ("int8", None, 72, 512)):
+    for fmt, group, n, k in (("int4", 128, 72, 768), ("int8", None, 40, 512)):
         _, kw = weight(fmt, n, k, group, seed=k)
         x = activations(2, k, seed=n)
         y = dp.gemv_dp4a(x, kw.words, kw.factors, kw.BITS, kw.group, split_k=3, tile=tile)
