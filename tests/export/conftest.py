@@ -30,18 +30,32 @@ def greedy():
     return greedy_tokens
 
 
+@pytest.fixture
+def greedy_path():
+    return greedy_with_margins
+
+
 def greedy_tokens(model: Transformer, ids: list[int], n: int, eos: set[int]) -> list[int]:
     """localpd's greedy tokens after ids (up to n, stopping at eos, which is left out), one step at a time."""
-    pages = -(-(len(ids) + n) // PAGE)
+    return greedy_with_margins(model, ids, n, eos)[0]
+
+
+def greedy_with_margins(model: Transformer, ids: list[int], n: int, eos: set[int]) -> tuple[list[int], list[float]]:
+    """localpd's greedy tokens after ids (up to n, stopping at eos, which is left out) and, at every step (the one
+    that chose eos too), the margin in log-probability between its two likeliest tokens: a step whose margin is
+    small is a near-tie, which another engine's arithmetic may tip either way."""
+    pages = -(-(len(ids) + n + 1) // PAGE)
     c = model.config
     kv = new_kv_pool(same_kv(model.dtype), c.n_layers, pages, PAGE, c.n_kv_heads, c.head_dim, model.dtype,
                      model.device)
-    out, step, start = [], ids, 0
+    out, margins, step, start = [], [], ids, 0
     while len(out) < n:
         logits = model.forward(Batch.single(step, start, pages, PAGE, model.device), kv)
-        token = int(torch.argmax(logits[-1]))
+        top = torch.topk(torch.log_softmax(logits[-1].double(), -1), 2)
+        margins.append(float(top.values[0] - top.values[1]))
+        token = int(top.indices[0])
         if token in eos:
             break
         out.append(token)
         start, step = start + len(step), [token]
-    return out
+    return out, margins
