@@ -3,9 +3,13 @@ and SGLang serve (int4/int8 weight-only): config.json with its quantization_conf
 tokenizer files and generation_config.json. The compressed-tensors package packs every matrix.
 
 pack-quantized stores value = (q - zero_point) * scale with integer codes and zero points. So int8 (symmetric, per
-channel or per group) is exact, and so is int4 whose biases are -8 * scale (a Q4_0 file's); int4 with float16
-biases (Q4_1's, localpd's own) takes an integer zero point near -bias / scale and a refitted scale, its codes
-re-rounded to them (zero_point_fit), and int4-k's groups go the same way; the added error is reported.
+channel or per group) is exact, and so is int4 whose biases are -8 * scale (a Q4_0 file's: symmetric) or another
+whole number of scales in -15..0 (asymmetric, zero point -8 - bias / scale). int4 with other float16 biases (Q4_1's,
+localpd's own: 99.7% of the default model's groups) has no integer zero point that holds them; it takes one near
+-8 - bias / scale and a refitted scale, its codes re-rounded to them (zero_point_fit), and int4-k's groups go the
+same way; the added error is reported. (The package packs zero points as num_bits integers, so a float zero point
+cannot be written; 8-bit codes would hold a group exactly only where bias / scale is a fraction j / k, k <= 17:
+3.5% of the groups.)
 Scales are written as float32, so the package decompresses exact weights to exactly localpd's values; the
 embeddings and an untied output head are written dense (float32). bitsandbytes' formats are refused (source.py).
 """
