@@ -1,5 +1,6 @@
 """A model as localpd holds it -> one GGUF file that llama.cpp loads: each matrix in the block type that holds its
-format (int4 groups as Q4_1, int8 as Q8_0, int4-k as Q4_K), the tokenizer, chat template and hyper-parameters.
+format (int4 groups as Q4_1, int8 as Q8_0, int4-k as Q4_K), the tokenizer (a GGUF source's own, or built from a
+Hugging Face directory's tokenizer.json: gguf_vocab), chat template and hyper-parameters.
 
 Exact where the format fits: an int4 group of 32, 64 or 128 is one, two or four Q4_1 blocks with its float16 scale
 (d) and bias (m); an int8 row's or group's float16 scale is each of its Q8_0 blocks' d. int4-k is Q4_K where its
@@ -17,6 +18,7 @@ import torch
 
 from localpd.errors import LocalpdError
 from localpd.export.report import ExportReport
+from localpd.export.gguf_vocab import vocab_meta
 from localpd.export.source import Source, tokenizer_meta
 from localpd.load.loader import GGUF_NAMES, GGUF_TOP, qk_order, rows
 from localpd.model.config import ModelConfig
@@ -183,8 +185,9 @@ def export_gguf(source: Source, tmp: Path, report: ExportReport) -> None:
     loaded, config = source.loaded, source.loaded.config
     tokenizer = tokenizer_meta(loaded)
     if not tokenizer:
-        raise LocalpdError(f"{source.name} has a tokenizer.json, not a GGUF vocabulary: convert it with llama.cpp's "
-                           f"convert_hf_to_gguf.py, or export it --format compressed-tensors")
+        if loaded.hf_dir is None:
+            raise LocalpdError(f"{source.name} has no tokenizer to write to GGUF")
+        tokenizer = vocab_meta(loaded.hf_dir, config.vocab_size)
     writer = gguf.GGUFWriter(str(tmp), config.arch)
     writer.add_name(config.name or source.name)
     for key, (value, kind) in hyper_parameters(config).items():

@@ -257,3 +257,36 @@ def test_nf4_is_re_quantized_to_q8_0_with_its_loss_reported():
     report = ExportReport("x.gguf")
     report.add("w", kind, w.dequantize(), decoded)
     assert 0 < report.lossy[0].rel_error < 0.01 and "1 re-quantized" in report.lines()[1]
+
+
+TOKENIZER_KEYS = ("model", "pre", "tokens", "token_type", "merges", "bos_token_id", "eos_token_id",
+                  "unknown_token_id", "padding_token_id", "add_bos_token")
+
+
+def test_a_hugging_face_directory_exports_with_its_tokenizer_json_as_the_gguf_vocabulary(default_gguf, tmp_path):
+    """A Hugging Face directory of the default model (its fp32 weights, the tokenizer.json localpd writes for it):
+    the GGUF vocabulary built from the tokenizer.json is the original file's, key for key, and the weights are
+    the fp32 export's of the original file."""
+    hf = tmp_path / "smollm2-hf"
+    export_model(str(default_gguf), "compressed-tensors", hf, quant="fp32")
+    assert "quantization_config" not in json.loads((hf / "config.json").read_text())
+    export_model(str(hf), "gguf", tmp_path / "from-hf.gguf")
+    original, exported = GGUFFile(default_gguf), GGUFFile(tmp_path / "from-hf.gguf")
+    for key in TOKENIZER_KEYS:
+        assert exported.metadata[f"tokenizer.ggml.{key}"] == original.metadata[f"tokenizer.ggml.{key}"], key
+    assert exported.metadata["tokenizer.chat_template"] == original.metadata["tokenizer.chat_template"]
+    direct, from_hf = load_model(default_gguf, scheme="fp32"), load_model(tmp_path / "from-hf.gguf")
+    assert direct.weights.keys() == from_hf.weights.keys()
+    assert all(torch.equal(direct.weights[k], from_hf.weights[k]) for k in direct.weights)
+    text = "Tokens 12345, naïve café 🙂 <|im_start|>user\nhi<|im_end|>"
+    assert from_hf.tokenizer().encode(text) == direct.tokenizer().encode(text)
+
+
+def test_a_tokenizer_json_whose_text_splitting_llama_cpp_cannot_be_told_is_refused(tmp_path):
+    from localpd.errors import LocalpdError
+    from localpd.export.gguf_vocab import pre_name
+
+    assert pre_name({"type": "ByteLevel", "use_regex": True}) == "gpt-2"
+    with pytest.raises(LocalpdError, match="splits text before BPE in a way localpd cannot name to llama.cpp "
+                                           r"\(Whitespace\); convert it with llama.cpp's convert_hf_to_gguf.py"):
+        pre_name({"type": "Whitespace"})
