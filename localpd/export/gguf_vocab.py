@@ -62,7 +62,8 @@ def vocab_meta(hf_dir: Path, vocab_size: int) -> dict:
         return tok.tok.token_to_id(text) if text else None
 
     ids = {"bos": tok.bos_id, "eos": token_id(tok.eos_token),
-           "unknown": token_id(model.get("unk_token") or cfg.get("unk_token")), "padding": token_id(cfg.get("pad_token"))}
+           "unknown": token_id(model.get("unk_token") or cfg.get("unk_token")),
+           "padding": token_id(cfg.get("pad_token"))}
     meta.update({f"tokenizer.ggml.{k}_token_id": i for k, i in ids.items() if i is not None})
     if tok.chat_template:
         meta["tokenizer.chat_template"] = tok.chat_template
