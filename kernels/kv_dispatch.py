@@ -93,6 +93,13 @@ def gather_kv(layer: KVLayer, pages: torch.Tensor, n: int, dtype: torch.dtype) -
     return k, v
 
 
+# A sequence's query rows up to this many are each computed as a decode step computes its one row (SDPA over the
+# keys up to its own, no mask): a verification step's rows (engine.speculate: at most MAX_DRAFT + 1) then give
+# plain decoding's sums exactly. One masked call over them sums in another order, and over int8/int4 pages that
+# difference flips keys' codes in later layers: logits moved by up to 0.1 (SmolLM2-135M, docs/PERF.md issue 30).
+ROWS_AS_DECODE = 16
+
+
 def paged_attention_ref(q: torch.Tensor, layer: KVLayer, page_table: torch.Tensor, seq_lens: torch.Tensor,
                         q_starts: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
     """q [T, Hq, D] -> out [T, Hq, D]; softmax in float32 for half-precision inputs (SDPA's own). window > 0: each
@@ -104,16 +111,41 @@ def paged_attention_ref(q: torch.Tensor, layer: KVLayer, page_table: torch.Tenso
         s, e = starts[b], starts[b + 1]
         t = e - s
         k, v = gather_kv(layer, page_table[b, :-(-n // ps)].long(), n, q.dtype)
-        # a decode row (t = 1) sees every key, so it needs no mask; 4-D inputs (a batch of one) let the CPU take
-        # SDPA's fused kernel, where 3-D ones took its general path: 3-4x slower
-        mask = None if t == 1 else torch.ones(t, n, dtype=torch.bool, device=q.device).tril(diagonal=n - t)
+        if t <= ROWS_AS_DECODE:
+            for i in range(t):
+                out[s + i] = decode_row(q[s + i], k[:n - t + i + 1], v[:n - t + i + 1], scale, window)
+            continue
+        # 4-D inputs (a batch of one) let the CPU take SDPA's fused kernel, where 3-D ones took its general path:
+        # 3-4x slower
+        mask = torch.ones(t, n, dtype=torch.bool, device=q.device).tril(diagonal=n - t)
         if 0 < window < n:
-            near = torch.ones(t, n, dtype=torch.bool, device=q.device).triu(diagonal=n - t - window + 1)
-            mask = near if mask is None else mask & near
+            mask &= torch.ones(t, n, dtype=torch.bool, device=q.device).triu(diagonal=n - t - window + 1)
         o = F.scaled_dot_product_attention(q[None, s:e].transpose(1, 2), k[None].transpose(1, 2),
                                            v[None].transpose(1, 2), attn_mask=mask, scale=scale, enable_gqa=True)
         out[s:e] = o[0].transpose(0, 1)
     return out
+
+
+def decode_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+    """One query row [Hq, D] over its keys and values [n, H, D] (its own the last): a decode step's attention. It
+    sees every key, so it needs no mask, but for a window."""
+    n = k.shape[0]
+    mask = torch.ones(1, n, dtype=torch.bool, device=q.device).triu(diagonal=n - window) if 0 < window < n else None
+    o = F.scaled_dot_product_attention(q[None, None].transpose(1, 2), k[None].transpose(1, 2),
+                                       v[None].transpose(1, 2), attn_mask=mask, scale=scale, enable_gqa=True)
+    return o[0, :, 0]
+
+
+def rows_as_decode(kv_dtype_formats: tuple[str, str], device: torch.device) -> bool:
+    """Whether a step's few rows of one sequence (a verification of drafted tokens) compute over pages of these
+    formats what plain decoding computes, so that speculative decoding keeps its reply: float pages anywhere (the
+    CPU's kernels bit for bit, a GPU's within float rounding); per-token int8/int4/fp8 ones on the CPU, where
+    paged_attention_ref takes such rows one at a time (ROWS_AS_DECODE; the GPU's prefill kernel sums in another
+    order than its decode kernel, which over rounded pages flips codes); never a per-page format (int4ch), whose
+    page would be rounded over the rejected rows' keys too."""
+    if any(f in PER_PAGE for f in kv_dtype_formats):
+        return False
+    return all(f in ("fp32", "fp16", "bf16") for f in kv_dtype_formats) or device.type == "cpu"
 
 
 KINDS = {"fp32": 0, "fp16": 0, "bf16": 0, "int8": 1, "fp8": 2, "int4": 3, "int4ch": 4}

@@ -29,6 +29,7 @@ from localpd.engine.sampling import Sampler, SamplingParams
 from localpd.engine.scheduler import MAX_RUNNING, MAX_STEP_TOKENS, Scheduler, Sequence
 from localpd.engine.speculate import SpeculateConfig, Speculator
 from localpd.errors import LocalpdError
+from localpd.kernels.kv_dispatch import rows_as_decode
 from localpd.kvcache.pages import PagePool
 from localpd.load.loader import LoadedModel, load_model
 from localpd.load.registry import resolve_model
@@ -144,11 +145,9 @@ class Engine:
         self.scheduler = Scheduler(self.pages, max_step_tokens, max_running)
         self.runner = ModelRunner(self.model, self.kv, self.kv_traffic, self.scheduler, self.graphs, self.device)
         self.output = OutputProcessor(self._finish)
-        # Drafts only over unrounded pages: a per-page format (int4ch) rounds a page's keys over every token written
-        # to it, so k + 1 rows written at once would each see keys rounded over the later rows' range; and over
-        # per-token int8/int4 pages a verification step's logprobs moved by up to 0.11 from plain decoding's (the
-        # tokens stayed, but nothing yet says they must): no longer plain decoding's reply
-        self.drafts_allowed = all(f in ("fp32", "fp16", "bf16") for f in kv_formats(self.kv_dtype))
+        # drafts only where a verification step's rows compute what plain decoding's steps would (not int4ch, not
+        # rounded pages on a GPU): else the reply would no longer be plain decoding's
+        self.drafts_allowed = rows_as_decode(kv_formats(self.kv_dtype), self.device)
         self.speculator = Speculator(speculate or SpeculateConfig(), self.device.type)
         if self.speculator.config.on and not self.drafts_allowed:
             self.notes.append(f"speculative decoding is off under the {self.kv_dtype} KV cache: its rounded pages "

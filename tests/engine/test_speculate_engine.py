@@ -34,9 +34,9 @@ def kv_engine(default_gguf):
     engine.close()
 
 
-@pytest.fixture(scope="module", params=["fp32", "int8/int4"])
+@pytest.fixture(scope="module", params=["fp32", "int8/int4", "int8"])
 def other_engine(request, default_gguf):
-    """Float32 pages, and a quantized format of per-token scales (a token's codes never change once written)."""
+    """Float32 pages, and quantized formats of per-token scales (a token's codes never change once written)."""
     engine = Engine(default_gguf, device="cpu", max_context=2048, kv=request.param)
     yield engine
     engine.close()
@@ -61,38 +61,35 @@ def idle(engine):
 
 def test_greedy_replies_are_plain_decodings_token_for_token(kv_engine):
     """Over float16 pages (the default) every prompt."""
-    greedy_equality(kv_engine, "kv_engine")
+    greedy_equality(kv_engine)
 
 
 def test_greedy_replies_over_other_pages_are_plain_decodings(other_engine):
-    """Over float32 pages the repeated text, drafted; over int8/int4 pages speculation is off (a verification step's
-    logprobs moved by up to 0.11 there), the reply plain decoding's."""
-    if other_engine.drafts_allowed:
-        greedy_equality(other_engine, "other_engine")
-        return
-    params = SamplingParams(temperature=0, max_tokens=32, logprobs=2)
-    plain, _ = reply(other_engine, PROMPTS[0], params)
-    spec, stats = reply(other_engine, PROMPTS[0], params, SpeculateConfig("ngram", 3))
-    assert stats.drafted_tokens == 0 and tokens(spec) == tokens(plain)
+    """Over float32 pages and per-token int8/int4 ones (each verification row's attention computed as a decode
+    row's: kernels.kv_dispatch.ROWS_AS_DECODE) every prompt, drafting wherever the text has a match."""
+    assert other_engine.drafts_allowed
+    greedy_equality(other_engine)
 
 
-def greedy_equality(kv_engine, pages):
+def greedy_equality(engine):
     params = SamplingParams(temperature=0, max_tokens=32, logprobs=2)
     accepted = 0
-    for messages in PROMPTS if pages == "kv_engine" else PROMPTS[:1]:
-        plain, _ = reply(kv_engine, messages, params)
-        for speculate in (ALWAYS,) if pages == "kv_engine" else (SpeculateConfig("ngram", 3),):
-            spec, stats = reply(kv_engine, messages, params, speculate)
-            assert tokens(spec) == tokens(plain)
-            assert "".join(e.text for e in spec) == "".join(e.text for e in plain)
-            for a, b in zip(spec, plain):
-                if a.token_id is not None:
-                    assert abs(a.logprob - b.logprob) < LOGPROB_ATOL
-                    assert [t for t, _ in a.top_logprobs] == [t for t, _ in b.top_logprobs]
-            accepted += stats.accepted_tokens
-            assert stats.accepted_tokens <= stats.drafted_tokens
+    for messages in PROMPTS:
+        # the prompt's pages in the prefix cache for both replies: a prompt's last page recomputed after a cache
+        # hit sums in another order than the whole prompt's prefill (over int8 pages its logprobs moved by 0.1)
+        reply(engine, messages, SamplingParams(temperature=0, max_tokens=1))
+        plain, _ = reply(engine, messages, params)
+        spec, stats = reply(engine, messages, params, ALWAYS)
+        assert tokens(spec) == tokens(plain)
+        assert "".join(e.text for e in spec) == "".join(e.text for e in plain)
+        for a, b in zip(spec, plain):
+            if a.token_id is not None:
+                assert abs(a.logprob - b.logprob) < LOGPROB_ATOL
+                assert [t for t, _ in a.top_logprobs] == [t for t, _ in b.top_logprobs]
+        accepted += stats.accepted_tokens
+        assert stats.accepted_tokens <= stats.drafted_tokens
     assert accepted > 5  # the repeated text (and the code) were drafted and confirmed
-    assert idle(kv_engine)
+    assert idle(engine)
 
 
 def test_speculation_writes_several_tokens_a_step_on_a_repeated_text(kv_engine):

@@ -14,9 +14,10 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from localpd.kernels.fused_dispatch import rope_ref  # noqa: E402
-from localpd.kernels.kv_dispatch import (decode_block_t, decode_span, decode_splits, paged_attention,  # noqa: E402
-                                         paged_attention_ref, rope_write_kv, rope_write_kv_ref, write_kv,
-                                         write_kv_ref)
+from localpd.engine.speculate import MAX_DRAFT  # noqa: E402
+from localpd.kernels.kv_dispatch import (ROWS_AS_DECODE, decode_block_t, decode_span, decode_splits,  # noqa: E402
+                                         paged_attention, paged_attention_ref, rope_write_kv, rope_write_kv_ref,
+                                         rows_as_decode, write_kv, write_kv_ref)
 from localpd.quant.kv import dequantize_kv, kv_formats, new_kv_pool  # noqa: E402
 
 DTYPES = ["fp32", "bf16", "int8", "fp8", "int4", "int8/int4", "int4ch/int4", "int4ch"]
@@ -405,3 +406,37 @@ def test_decode_splits_follow_the_sequence_not_the_graph_width_table(monkeypatch
     if n <= 4096:  # the sums are right too (at 32k the reference alone takes half a minute)
         ref = paged_attention_ref(q, layer, table, torch.tensor([n]), torch.tensor([0, 1]), D ** -0.5)
         assert ((out - ref).norm() / ref.norm()).item() < 1e-4
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "int8", "int8/int4"])
+@pytest.mark.parametrize("window", [0, 20])
+def test_a_few_rows_of_a_sequence_attend_as_decode_rows_bit_for_bit(kv_dtype, window):
+    """The reference's rows of a verification step (a sequence's up to ROWS_AS_DECODE rows) are what decode steps
+    at those positions compute, exactly, alongside a longer prefill row set in the same batch."""
+    g = torch.Generator().manual_seed(5)
+    ps, H, group, D, n, t = 16, 2, 3, 64, 70, 9
+    pool = new_kv_pool(kv_dtype, 1, 12, ps, H, D, torch.float32, "cpu")
+    layer = pool.layer(0)
+    k, v = torch.randn(2, 2 * n, H, D, generator=g)
+    write_kv_ref(layer, k, v, torch.arange(2 * n))  # sequence 0 on pages 0-4, sequence 1 on pages 5-9
+    table = torch.tensor([[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]], dtype=torch.int32)
+    q = torch.randn(t + 40, H * group, D, generator=g)
+    scale = D ** -0.5
+    rows = paged_attention_ref(q, layer, table, torch.tensor([n, n], dtype=torch.int32),
+                               torch.tensor([0, t, t + 40], dtype=torch.int32), scale, window)
+    for i in range(t):
+        one = paged_attention_ref(q[i:i + 1], layer, table[:1], torch.tensor([n - t + i + 1], dtype=torch.int32),
+                                  torch.tensor([0, 1], dtype=torch.int32), scale, window)
+        assert torch.equal(rows[i], one[0])
+    assert ROWS_AS_DECODE >= MAX_DRAFT + 1
+    prefill = paged_attention_ref(q[t:], layer, table[1:], torch.tensor([n], dtype=torch.int32),
+                                  torch.tensor([0, 40], dtype=torch.int32), scale, window)
+    assert torch.equal(rows[t:], prefill)  # the long row set: one masked call, as before
+
+
+def test_drafts_are_verified_where_rows_compute_what_decode_steps_do():
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert rows_as_decode(kv_formats("fp16"), cpu) and rows_as_decode(kv_formats("bf16"), gpu)
+    assert rows_as_decode(kv_formats("int8/int4"), cpu) and rows_as_decode(kv_formats("fp8"), cpu)
+    assert not rows_as_decode(kv_formats("int8"), gpu)
+    assert not rows_as_decode(kv_formats("int4ch/int4"), cpu) and not rows_as_decode(kv_formats("int4ch"), gpu)
