@@ -226,7 +226,7 @@ def sampling_params(e: Engine, body: Sampling, limit: int | None, logprobs: int 
         frequency_penalty=body.frequency_penalty, seed=body.seed, max_tokens=limit or e.max_context, stop=stop,
         logprobs=logprobs, json_object=kind != "text" or forced is not None, json_schema=schema,
         json_lead=forced[0] if forced else "", regex=regex, grammar=grammar, logit_bias=body.logit_bias or {},
-        stop_token_ids=body.stop_token_ids or [], min_tokens=body.min_tokens)
+        stop_token_ids=body.stop_token_ids or [], min_tokens=body.min_tokens, draft_tokens=body.speculative_n_max)
     return params, guided_field, schema_field
 
 

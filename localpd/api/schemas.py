@@ -9,6 +9,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from localpd.engine.speculate import MAX_DRAFT
+
 
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -131,6 +133,9 @@ class Sampling(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     grammar: str | None = None  # llama.cpp's: a GBNF grammar (Lark taken too)
+    # llama.cpp server's: the most tokens drafted for this request a step (speculative decoding; 0: none), at most
+    # the server's --draft-tokens
+    speculative_n_max: int | None = Field(None, ge=0, le=MAX_DRAFT, alias="speculative.n_max")
 
 
 class ChatRequest(Sampling):

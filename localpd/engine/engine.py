@@ -377,8 +377,11 @@ class Engine:
         for seq in self.scheduler.running:
             req = self._requests[seq]
             if seq.pending == 1 and not req.embed:
-                seq.draft = self.speculator.propose(req.draft, seq.tokens, len(seq.output),
-                                                    seq.max_tokens - len(seq.output) - 1, req.sampler.constraint)
+                room = seq.max_tokens - len(seq.output) - 1
+                if req.params.draft_tokens is not None:  # the request's own bound (the APIs' speculative.n_max)
+                    room = min(room, req.params.draft_tokens)
+                seq.draft = self.speculator.propose(req.draft, seq.tokens, len(seq.output), room,
+                                                    req.sampler.constraint)
 
     def _step(self) -> None:
         """One step: the scheduler picks the work, the model runner computes it and samples, the output processor

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from localpd.engine.speculate import MAX_DRAFT
 from localpd.errors import LocalpdError
 
 log = logging.getLogger("localpd.engine.sampling")
@@ -34,6 +35,8 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit (OpenAI's, -100..100)
     stop_token_ids: list[int] = field(default_factory=list)  # tokens that end the reply as end-of-sequence does
     min_tokens: int = 0  # end-of-sequence and stop_token_ids are held back until the reply has this many tokens
+    draft_tokens: int | None = None  # speculative decoding: at most this many drafted tokens a step (0: none; None:
+    #   the engine's --draft-tokens, which also bounds this)
 
     def validate(self) -> "SamplingParams":
         checks = [
@@ -56,6 +59,8 @@ class SamplingParams:
              "grammar takes neither JSON mode, regex nor ignore_eos"),
             (all(-100 <= b <= 100 for b in self.logit_bias.values()), "logit_bias values must be in [-100, 100]"),
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be between 0 and max_tokens"),
+            (self.draft_tokens is None or 0 <= self.draft_tokens <= MAX_DRAFT,
+             f"draft_tokens must be between 0 and {MAX_DRAFT}"),
         ]
         for ok, message in checks:
             if not ok:

@@ -645,6 +645,32 @@ def test_stop_token_ids_and_min_tokens(served, client):
         assert status == 400 and error["param"] == param, error
 
 
+def test_speculative_n_max_bounds_a_requests_drafts(served):
+    """llama.cpp server's per-request speculative.n_max: 0 turns a request's drafts off under a server that drafts
+    (its timings report none); over the bound it is a 400 naming the field."""
+    from localpd.engine.speculate import MAX_DRAFT, SpeculateConfig
+
+    engine, live = served
+    auth = {"Authorization": f"Bearer {KEY}"}
+    text = "the red fox jumps over the lazy dog and the red fox runs into the woods"
+    body = {"messages": [{"role": "user", "content": f"Repeat exactly: {text}. {text}."}], "max_tokens": 24,
+            "temperature": 0}
+    plain = httpx.post(live.url + "/v1/chat/completions", json=body, headers=auth).json()
+    # drafts wherever the text has a match (the repeated text: tests/engine/test_speculate_engine.py); a request
+    # that drafted would count in /metrics' drafted tokens, which test_metrics_parse... holds at 0
+    engine.set_speculate(SpeculateConfig("ngram", 8, adaptive=False))
+    try:
+        off = httpx.post(live.url + "/v1/chat/completions", json={**body, "speculative.n_max": 0}, headers=auth).json()
+        r = httpx.post(live.url + "/v1/chat/completions", json={**body, "speculative.n_max": MAX_DRAFT + 1},
+                       headers=auth)
+    finally:
+        engine.set_speculate(SpeculateConfig())
+    assert "draft_tokens" not in off["timings"]
+    assert off["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
+    status, error = status_and_error(r)
+    assert status == 400 and "speculative.n_max" in error["message"], error
+
+
 def test_transport_level_errors(served):
     url, auth = served[1].url, {"Authorization": f"Bearer {KEY}"}
     assert status_and_error(httpx.get(url + "/v1/models"))[0] == 401

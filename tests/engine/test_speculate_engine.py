@@ -6,7 +6,8 @@ import pytest
 
 from localpd.engine import Engine
 from localpd.engine.sampling import SamplingParams
-from localpd.engine.speculate import SpeculateConfig
+from localpd.engine.speculate import MAX_DRAFT, SpeculateConfig
+from localpd.errors import LocalpdError
 
 TEXT = ("The old lighthouse stood at the edge of the harbour for more than two hundred years. Every evening the "
         "keeper climbed the narrow stairs, trimmed the wick and polished the great lens until it shone. Ships coming "
@@ -98,6 +99,21 @@ def test_speculation_writes_several_tokens_a_step_on_a_repeated_text(kv_engine):
     assert stats.acceptance > 0.5
     assert stats.tokens_per_pass > 1.5
     assert stats.decode_steps < stats.output_tokens - 1
+
+
+def test_a_requests_draft_tokens_bound_its_drafts(kv_engine):
+    """SamplingParams.draft_tokens (the APIs' speculative.n_max): at most that many drafted tokens a step, 0 none,
+    the reply plain decoding's either way."""
+    params = SamplingParams(temperature=0, max_tokens=48)
+    plain, _ = reply(kv_engine, PROMPTS[0], params)
+    for bound in (2, 0):
+        bounded = SamplingParams(temperature=0, max_tokens=48, draft_tokens=bound)
+        spec, stats = reply(kv_engine, PROMPTS[0], bounded, ALWAYS)
+        assert tokens(spec) == tokens(plain)
+        assert stats.drafted_tokens <= bound * stats.decode_steps
+        assert (stats.accepted_tokens > 5) == (bound > 0)
+    with pytest.raises(LocalpdError, match="draft_tokens"):
+        SamplingParams(draft_tokens=MAX_DRAFT + 1).validate()
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.8, seed=7, max_tokens=32),
