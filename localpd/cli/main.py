@@ -110,6 +110,9 @@ def add_speculate_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-tokens", type=draft_tokens_arg, default=DRAFT_TOKENS, metavar="K",
                    help=f"the most tokens drafted a step; fewer where the recent drafts were rejected, none where "
                         f"drafting loses (default {DRAFT_TOKENS})")
+    p.add_argument("--draft", metavar="MODEL",
+                   help="speculative decoding by a draft model: a small model of the same vocabulary (registry name "
+                        "or file) drafts the next tokens, which this one checks in one step, same output")
 
 
 def add_sampling_options(p: argparse.ArgumentParser) -> None:

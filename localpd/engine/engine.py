@@ -27,11 +27,12 @@ from localpd.engine.requests import EngineStats, Request, RequestHandle, TokenEv
 from localpd.engine.runner import ModelRunner
 from localpd.engine.sampling import Sampler, SamplingParams
 from localpd.engine.scheduler import MAX_RUNNING, MAX_STEP_TOKENS, Scheduler, Sequence
-from localpd.engine.speculate import SpeculateConfig, Speculator
+from localpd.engine.draft_model import DraftModel, check_vocabulary, new_draft_pool
+from localpd.engine.speculate import SpeculateConfig, Speculator, allowed_prefix
 from localpd.errors import LocalpdError
 from localpd.kernels.kv_dispatch import rows_as_decode
 from localpd.kvcache.pages import PagePool
-from localpd.load.loader import LoadedModel, load_model
+from localpd.load.loader import load_model
 from localpd.load.registry import resolve_model
 from localpd.model.transformer import Transformer
 from localpd.quant.kv import KVTraffic, check_kv_dtype, kv_formats, new_kv_pool, same_kv
@@ -92,20 +93,22 @@ class Engine:
     def __init__(self, model: str | Path = "smollm2-135m", device: str | None = None, quant: str | None = None,
                  kv: str | None = None, max_context: int | None = None, kv_memory: str | int | None = None,
                  kv_tokens: int | None = None, progress: bool = False, max_step_tokens: int = MAX_STEP_TOKENS,
-                 max_running: int = MAX_RUNNING, cuda_graphs: bool = True, speculate: SpeculateConfig | None = None):
+                 max_running: int = MAX_RUNNING, cuda_graphs: bool = True, speculate: SpeculateConfig | None = None,
+                 draft: str | None = None):
         """quant: a weight scheme (localpd.quant.schemes.SCHEMES); by default the file's own format ("native"; on a
         CPU without localpd's CPU kernels, float32: schemes.default_scheme). kv: the KV cache dtype
         (localpd.quant.kv.KV_DTYPES); by default kv_default's. kv_memory: bytes for the KV cache (default: most of the free GPU memory; on the CPU room for
         two full contexts); or kv_tokens: room for that many tokens. cuda_graphs: replay decode steps as CUDA
         graphs on a GPU (localpd.engine.cuda_graph). speculate: speculative decoding (localpd.engine.speculate; by
-        default off)."""
+        default off). draft: a model of the same vocabulary that drafts for this one (engine.draft_model; speculate's
+        mode "draft")."""
         self.device = torch.device(device or default_device())
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise LocalpdError("--device cuda asked for, but torch sees no CUDA GPU")
         prequantized = is_quantized_dir(Path(str(model)))  # `localpd quantize` output: run as stored
         self.quant = check_scheme(quant or default_scheme(self.device, prequantized))
         self.compute_dtype = compute_dtype(self.quant, self.device)
-        loaded = self._load(str(model), progress)
+        self.name, self.resolved, loaded = load(str(model), self.quant, self.compute_dtype, self.device, progress)
         self.config = loaded.config
         self.tokenizer: Tokenizer | None = loaded.tokenizer()
         self.notes = group_notes(loaded.weights, self.quant)  # how the scheme had to adapt to this model
@@ -136,19 +139,24 @@ class Engine:
         self.kv = new_kv_pool(self.kv_dtype, c.n_layers, n_pages + graphs, PAGE_SIZE, c.n_kv_heads, c.head_dim,
                               self.compute_dtype, self.device, stage_rows=max_running + graphs)
         self.graphs = None
-        if graphs:
+        # drafts only where a verification step's rows compute what plain decoding's steps would (not int4ch, not
+        # rounded pages on a GPU): else the reply would no longer be plain decoding's
+        self.drafts_allowed = rows_as_decode(kv_formats(self.kv_dtype), self.device)
+        if draft and not self.drafts_allowed:
+            raise LocalpdError(f"a draft model cannot draft under the {self.kv_dtype} KV cache on {self.device.type}: "
+                               f"its rounded pages would let drafted rows change the reply")
+        self.drafter = self._load_draft(draft) if draft else None
+        if graphs and self.drafter is None:  # a draft follows each step's batch: no graph replays
             from localpd.engine.cuda_graph import DecodeGraphs
 
             self.graphs = DecodeGraphs(self.model, self.kv, -(-(self.max_context + 1) // PAGE_SIZE), n_pages,
                                        max_running, min(max_running, 64))
         self.pages = PagePool(n_pages, PAGE_SIZE, salt=f"{self.name}|{self.quant}|{self.kv_dtype}")
         self.scheduler = Scheduler(self.pages, max_step_tokens, max_running)
-        self.runner = ModelRunner(self.model, self.kv, self.kv_traffic, self.scheduler, self.graphs, self.device)
+        self.runner = ModelRunner(self.model, self.kv, self.kv_traffic, self.scheduler, self.graphs, self.device,
+                                  self.drafter)
         self.output = OutputProcessor(self._finish)
-        # drafts only where a verification step's rows compute what plain decoding's steps would (not int4ch, not
-        # rounded pages on a GPU): else the reply would no longer be plain decoding's
-        self.drafts_allowed = rows_as_decode(kv_formats(self.kv_dtype), self.device)
-        self.speculator = Speculator(speculate or SpeculateConfig(), self.device.type)
+        self.speculator = self._speculator(speculate or SpeculateConfig())
         if self.speculator.config.on and not self.drafts_allowed:
             self.notes.append(f"speculative decoding is off under the {self.kv_dtype} KV cache: its rounded pages "
                               f"would let drafted rows change the reply")
@@ -163,16 +171,15 @@ class Engine:
         self._thread.start()
         _open_engines.add(self)
 
-    def _load(self, model: str, progress: bool) -> LoadedModel:
-        if model.startswith("synthetic:"):
-            from localpd.load.synthetic import synthetic_model
-
-            self.name = model
-            return synthetic_model(model.split(":", 1)[1], self.quant, self.compute_dtype, self.device)
-        resolved = resolve_model(model, pull=True, progress=progress)
-        self.name = resolved.name
-        self.resolved = resolved
-        return load_model(resolved.path, dtype=self.compute_dtype, device=self.device, scheme=self.quant)
+    def _load_draft(self, draft: str) -> DraftModel:
+        """The draft model in its file's own scheme (engine.draft_model), its pages the target's; a one-line error
+        where its vocabulary is not the target's."""
+        quant = default_scheme(self.device, is_quantized_dir(Path(draft)))
+        name, _, loaded = load(draft, quant, compute_dtype(quant, self.device), self.device, False)
+        check_vocabulary(loaded.tokenizer(), self.tokenizer, loaded.config.vocab_size, self.config.vocab_size, name)
+        model = Transformer(loaded.config, loaded.weights, context=self.max_context)
+        kv = new_draft_pool(model, self.kv, self.kv_dtype, compute_dtype(quant, self.device), self.device)
+        return DraftModel(name, model, kv, model.weight_bytes / self.model.weight_bytes)
 
     @property
     def kv_token_bytes(self) -> int:
@@ -319,7 +326,12 @@ class Engine:
     def set_speculate(self, config: SpeculateConfig) -> None:
         """Speculative decoding from now on (its adaptive state starts afresh for each request); for benchmarks and
         tests that compare it with plain decoding on one engine, between requests."""
-        self.speculator = Speculator(config, self.device.type)
+        self.speculator = self._speculator(config)
+
+    def _speculator(self, config: SpeculateConfig) -> Speculator:
+        if config.mode == "draft" and self.drafter is None:
+            raise LocalpdError("speculative decoding by a draft model needs one (--draft MODEL)")
+        return Speculator(config, self.device.type)
 
     def stats(self) -> EngineStats:
         p = self.pages
@@ -373,15 +385,22 @@ class Engine:
         req.handle._push(event)
 
     def _draft(self) -> None:
-        """Each decoding sequence's draft for this step (engine.speculate), as long as its token budget allows."""
-        for seq in self.scheduler.running:
-            req = self._requests[seq]
-            if seq.pending == 1 and not req.embed:
-                room = seq.max_tokens - len(seq.output) - 1
-                if req.params.draft_tokens is not None:  # the request's own bound (the APIs' speculative.n_max)
-                    room = min(room, req.params.draft_tokens)
-                seq.draft = self.speculator.propose(req.draft, seq.tokens, len(seq.output), room,
+        """Each decoding sequence's draft for this step (engine.speculate), as long as its token budget allows: the
+        draft model's in mode "draft", else prompt lookup's."""
+        decoding = [(seq, self._requests[seq]) for seq in self.scheduler.running
+                    if seq.pending == 1 and not self._requests[seq].embed]
+        if self.speculator.config.mode != "draft":
+            for seq, req in decoding:
+                seq.draft = self.speculator.propose(req.draft, seq.tokens, len(seq.output), draft_room(seq, req),
                                                     req.sampler.constraint)
+            return
+        ks = [self.speculator.draft_length(req.draft, draft_room(seq, req), self.drafter.cost) for seq, req in decoding]
+        # the drafting steps' positions: computed .. computed + k - 1 (a draft that does not fit is not run)
+        ks = [k if k and self.pages.allocate(seq.table, seq.computed + k) else 0 for (seq, _), k in zip(decoding, ks)]
+        drafts = self.drafter.propose([seq for seq, _ in decoding], ks, self.device)
+        for (seq, req), draft in zip(decoding, drafts):
+            constraint = req.sampler.constraint
+            seq.draft = draft[:allowed_prefix(constraint, draft)] if draft and constraint is not None else draft
 
     def _step(self) -> None:
         """One step: the scheduler picks the work, the model runner computes it and samples, the output processor
@@ -406,6 +425,23 @@ class Engine:
                     self._finish(self._requests[w.seq], TokenEvent(None, "", "error", error=f"{type(e).__name__}: {e}"))
             return
         self.output.process(out, self._requests)
+
+
+def draft_room(seq: Sequence, req: Request) -> int:
+    """The most tokens a sequence may draft this step: its token budget's, and the request's own bound (the APIs'
+    speculative.n_max)."""
+    room = seq.max_tokens - len(seq.output) - 1
+    return room if req.params.draft_tokens is None else min(room, req.params.draft_tokens)
+
+
+def load(model: str, quant: str, dtype: torch.dtype, device: torch.device, progress: bool):
+    """(name, registry entry or None, LoadedModel) of a registry name, a file or directory, or synthetic:SHAPE."""
+    if model.startswith("synthetic:"):
+        from localpd.load.synthetic import synthetic_model
+
+        return model, None, synthetic_model(model.split(":", 1)[1], quant, dtype, device)
+    resolved = resolve_model(model, pull=True, progress=progress)
+    return resolved.name, resolved, load_model(resolved.path, dtype=dtype, device=device, scheme=quant)
 
 
 async def embeddings(engine: Engine, prompts: list[list[int]]) -> list[list[float]]:

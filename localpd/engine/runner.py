@@ -37,8 +37,9 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(self, model: Transformer, kv: KVPool, kv_traffic: KVTraffic, scheduler: Scheduler, graphs,
-                 device: torch.device):
+                 device: torch.device, drafter=None):
         self.model, self.kv, self.kv_traffic, self.scheduler = model, kv, kv_traffic, scheduler
+        self.drafter = drafter  # engine.draft_model.DraftModel, which follows every step's batch; or None
         self.graphs = graphs  # localpd.engine.cuda_graph.DecodeGraphs, or None
         self.device = device
         # a CPU forward's masks: in a thread where a core is left over from the forward's threads; else after it (a
@@ -67,6 +68,8 @@ class ModelRunner:
                 logits, hidden = self.model.forward(batch, self.kv, hidden=True, logits=not all(embeds))
             else:
                 logits = self.model.forward(batch, self.kv)
+            if self.drafter is not None:
+                self.drafter.follow(batch)
         timer.stop()
         if pending is not None:
             pending.result()

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from localpd.errors import LocalpdError
 
-MODES = ("ngram", "off")
+MODES = ("ngram", "off")  # --speculate's; "draft" is --draft MODEL's (engine.draft_model)
 MAX_DRAFT = 15  # --draft-tokens' bound: k + 1 rows stay under the CPU kernels' GEMM_ROWS (16), their int8 path
 DRAFT_TOKENS = 8  # --draft-tokens' default
 NGRAMS = (3, 2)  # the suffix lengths looked up, longest first
@@ -40,12 +40,12 @@ PRIOR = (1.5, 2.5)  # (kept, checked) drafted tokens assumed before any evidence
 
 @dataclass
 class SpeculateConfig:
-    mode: str = "off"  # "ngram": prompt-lookup drafts; "off": plain decoding
+    mode: str = "off"  # "ngram": prompt-lookup drafts; "draft": a draft model's; "off": plain decoding
     draft_tokens: int = DRAFT_TOKENS  # K: the most tokens drafted for a sequence in a step
     adaptive: bool = True  # k follows the acceptance rate, and drafting switches off where it loses
 
     def validate(self) -> "SpeculateConfig":
-        if self.mode not in MODES:
+        if self.mode not in (*MODES, "draft"):
             raise LocalpdError(f"unknown speculation mode {self.mode!r}; expected one of {', '.join(MODES)}")
         if not 1 <= self.draft_tokens <= MAX_DRAFT:
             raise LocalpdError(f"draft tokens must be between 1 and {MAX_DRAFT}, got {self.draft_tokens}")
@@ -152,6 +152,17 @@ class Speculator:
             state.shadow, state.shadow_at = draft[:1], n_output
             return []
         return draft[:k]
+
+    def draft_length(self, state: DraftState, room: int, draft_cost: float) -> int:
+        """How many tokens a draft model drafts for a sequence this step (at most room): the k with the most tokens
+        per unit of time, where each drafted token costs a draft step (draft_cost of a target step) and the draft
+        also runs the step's rows (as plain decoding with a draft does, so that is the baseline); at least 1, since
+        a draft not run cannot be scored."""
+        limit = min(self.config.draft_tokens, room)
+        if limit <= 0 or not self.config.adaptive:
+            return max(limit, 0)
+        costs = tuple(c + k * draft_cost / (1 + draft_cost) for k, c in enumerate(self.costs))
+        return max(best_k(state.rate, limit, costs), 1)
 
     @staticmethod
     def verified(state: DraftState, drafted: int, kept: int) -> None:

@@ -148,6 +148,11 @@ def test_bad_option_values_exit_2_with_one_line(option, default_gguf):
     one_line_error(localpd(["chat", str(default_gguf), "hi", *option]), code=2)
 
 
+def test_a_draft_model_of_another_vocabulary_is_a_one_line_error(default_gguf):
+    line = one_line_error(localpd(["chat", str(default_gguf), "hi", "--draft", "synthetic:qwen2.5-0.5b"]))
+    assert "vocabulary" in line and "synthetic:qwen2.5-0.5b" in line
+
+
 def test_out_of_range_sampling_value(default_gguf):
     assert "top_p" in one_line_error(localpd(["chat", str(default_gguf), "hi", "--top-p", "5"]))
 

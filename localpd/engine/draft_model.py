@@ -1,0 +1,76 @@
+"""Draft-model drafting for speculative decoding (`--draft MODEL`): a small model of the target's vocabulary proposes
+each decoding sequence's next tokens, greedily, one of its own decode steps a token, and the target checks them in
+one step as it checks prompt-lookup drafts (engine.speculate.accept: exact for greedy and sampled replies alike,
+the draft a point mass).
+
+The draft keeps its keys and values in a pool of its own shape indexed by the target's page ids: the one PagePool
+hands out, shares through the prefix cache and rolls back a page of both. The draft runs every step's batch after
+the target (follow), so its cache holds every position the target's does, prompts and prefix-cached pages
+included; its drafting steps write positions past them, which the next step's verification writes again."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from localpd.engine.scheduler import Sequence
+from localpd.errors import LocalpdError
+from localpd.model.transformer import Batch, Transformer
+from localpd.quant.kv import KVPool, new_kv_pool
+from localpd.text.tokenizer import Tokenizer
+
+
+@dataclass
+class DraftModel:
+    name: str
+    model: Transformer
+    kv: KVPool
+    cost: float  # a draft decode step's time over the target's (their weights' bytes: a decode step reads them all)
+
+    def follow(self, batch: Batch) -> None:
+        """The target's step over the draft: its keys and values for the same positions."""
+        self.model.forward(batch, self.kv, logits=False)
+
+    def propose(self, seqs: list[Sequence], ks: list[int], device: torch.device) -> list[list[int]]:
+        """Up to ks[i] greedy tokens after decoding sequence i's pending token (its pages must hold positions
+        computed .. computed + ks[i] - 1), in max(ks) steps of the draft over the sequences still drafting."""
+        drafts: list[list[int]] = [[] for _ in seqs]
+        ps = self.kv.page_size
+        for j in range(max(ks, default=0)):
+            live = [i for i, k in enumerate(ks) if k > j]
+            tokens = [seqs[i].tokens[-1] if j == 0 else drafts[i][-1] for i in live]
+            positions = [seqs[i].computed + j for i in live]
+            pages = [seqs[i].table.pages for i in live]
+            width = max(len(p) for p in pages)
+
+            def t(x, dtype=torch.int32):
+                return torch.tensor(x, dtype=dtype, device=device)
+
+            slots = [p[pos // ps] * ps + pos % ps for p, pos in zip(pages, positions)]
+            batch = Batch(tokens=t(tokens, torch.long), positions=t(positions, torch.long), slots=t(slots, torch.long),
+                          page_table=t([p + [0] * (width - len(p)) for p in pages]),
+                          seq_lens=t([pos + 1 for pos in positions]), q_starts=t(list(range(len(live) + 1))),
+                          logit_rows=t(list(range(len(live))), torch.long))
+            for i, token in zip(live, self.model.forward(batch, self.kv).argmax(-1).tolist()):
+                drafts[i].append(token)
+        return drafts
+
+
+def check_vocabulary(draft: Tokenizer | None, target: Tokenizer | None, draft_vocab: int, target_vocab: int,
+                     name: str) -> None:
+    """A draft must spell every token id as the target does: its drafts are the target's token ids."""
+    same = draft_vocab == target_vocab
+    if same and draft is not None and target is not None:
+        same = draft.vocab_size == target.vocab_size and all(
+            draft.id_to_token(i) == target.id_to_token(i) for i in range(target.vocab_size))
+    if not same:
+        raise LocalpdError(f"draft model {name} has another vocabulary than the target's ({draft_vocab} tokens, the "
+                           f"target {target_vocab}, or the same ids spelled differently)")
+
+
+def new_draft_pool(model: Transformer, target: KVPool, kv_dtype: str, compute_dtype, device) -> KVPool:
+    """The draft's keys and values in the target's format, a page for each of the target's pages (the same ids)."""
+    c = model.config
+    return new_kv_pool(kv_dtype, c.n_layers, target.n_pages, target.page_size, c.n_kv_heads, c.head_dim,
+                       compute_dtype, device)

@@ -1,0 +1,66 @@
+"""Draft-model drafting on the real default model: the default model (Q4_1) drafts for itself, on the CPU's
+kernels, and for its float32 copy (another scheme, the same vocabulary): replies identical to plain decoding's,
+greedy and seeded, several requests at once, and no page left behind."""
+
+import pytest
+import torch
+
+from localpd.engine import Engine
+from localpd.engine.sampling import SamplingParams
+from localpd.engine.speculate import SpeculateConfig
+from localpd.errors import LocalpdError
+
+from test_speculate_engine import PROMPTS, idle, reply, tokens
+
+DRAFT = SpeculateConfig("draft", 4, adaptive=False)  # 4 tokens a step: the default model costs as much as itself
+
+
+@pytest.fixture(scope="module", params=["native", "fp32"])
+def drafted_engine(request, default_gguf):
+    """The target in the file's scheme (fp16 pages) or float32, the default model drafting for it. One thread: with
+    two, the CPU's attention splits a lone decode row's positions in two parts and a verification's rows not
+    (kernels/cpu_kernels.c attention_shape), which moves a logprob by ~1e-3, enough to move a seeded draw."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    engine = Engine(default_gguf, device="cpu", max_context=1024, quant=request.param, draft=str(default_gguf),
+                    speculate=DRAFT)
+    yield engine
+    engine.close()
+    torch.set_num_threads(threads)
+
+
+def test_greedy_replies_are_plain_decodings_and_drafts_are_kept(drafted_engine):
+    params = SamplingParams(temperature=0, max_tokens=32, logprobs=1)
+    for messages in PROMPTS:
+        reply(drafted_engine, messages, SamplingParams(temperature=0, max_tokens=1))  # the prompt in the cache
+        plain, _ = reply(drafted_engine, messages, params)
+        spec, stats = reply(drafted_engine, messages, params, DRAFT)
+        assert tokens(spec) == tokens(plain)
+        assert all(abs(a.logprob - b.logprob) < 1e-2 for a, b in zip(spec, plain) if a.token_id is not None)
+        # the draft is the target's own weights (rounded to Q4_1 for the float32 target): nearly every draft holds
+        assert stats.drafted_tokens and stats.acceptance > 0.8 and stats.tokens_per_pass > 3
+    assert idle(drafted_engine)
+
+
+def test_seeded_samples_and_concurrent_requests_are_plain_decodings(drafted_engine):
+    sampled = SamplingParams(temperature=0.8, seed=11, max_tokens=32)
+    plain, _ = reply(drafted_engine, PROMPTS[2], sampled)
+    spec, stats = reply(drafted_engine, PROMPTS[2], sampled, DRAFT)
+    assert tokens(spec) == tokens(plain) and stats.drafted_tokens
+    greedy = SamplingParams(temperature=0, max_tokens=24)
+    expected = [tokens(reply(drafted_engine, m, greedy)[0]) for m in PROMPTS]
+    drafted_engine.set_speculate(DRAFT)
+    handles = [drafted_engine.submit(drafted_engine.encode_chat(m), greedy) for m in PROMPTS]
+    assert [tokens(list(h)) for h in handles] == expected
+    assert idle(drafted_engine)
+
+
+def test_draft_mode_needs_a_draft_model_and_rounded_pages_refuse_one(default_gguf):
+    engine = Engine(default_gguf, device="cpu", max_context=256)
+    try:
+        with pytest.raises(LocalpdError, match="--draft"):
+            engine.set_speculate(DRAFT)
+    finally:
+        engine.close()
+    with pytest.raises(LocalpdError, match="int4ch"):
+        Engine(default_gguf, device="cpu", max_context=256, kv="int4ch/int4", draft=str(default_gguf))
