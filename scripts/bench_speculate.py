@@ -6,6 +6,11 @@ Also the cost that decides the payoff: a step with r rows of one sequence (a ver
 over a one-row decode step, the model's forward alone.
 
     python scripts/bench_speculate.py [--model smollm2-135m] [--runs 3] [--max-tokens 300] [--threads 1]
+
+With --draft MODEL, a draft model's drafting instead: the target (--model, in --quant) with and without the draft,
+two engines, the replies alternating; tokens per target pass and the decode ratio.
+
+    python scripts/bench_speculate.py --quant fp32 --draft smollm2-135m
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ import torch
 
 from localpd.engine import Engine
 from localpd.engine.sampling import SamplingParams
-from localpd.engine.speculate import DRAFT_TOKENS, SpeculateConfig
+from localpd.engine.speculate import (CPU_STEP_COSTS, DRAFT_TOKENS, MAX_DRAFT, DraftState, SpeculateConfig,
+                                     Speculator, matched)
 from localpd.model.transformer import Batch
 
 TEXT = (
@@ -78,10 +84,14 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=300)
     ap.add_argument("--draft-tokens", type=int, default=DRAFT_TOKENS)
     ap.add_argument("--threads", type=int, help="torch's threads (default: torch's)")
+    ap.add_argument("--draft", help="a draft model of the target's vocabulary: its drafting measured instead")
+    ap.add_argument("--quant", help="the target's weight scheme (default: its file's own)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    engine = Engine(args.model, device="cpu", max_context=2048)
+    if args.draft:
+        return bench_draft(args)
+    engine = Engine(args.model, device="cpu", max_context=2048, quant=args.quant)
     print(f"# {engine.name} | weights {engine.quant} | kv {engine.kv_dtype} | {torch.get_num_threads()} threads")
     print(f"# {engine.path}")
     with torch.inference_mode():
@@ -107,7 +117,61 @@ def main() -> None:
               f"ngram {q:.1f} tok/s, ratio {q / p:.2f}x | per CPU second: plain {pc:.1f}, ngram {qc:.1f}, ratio "
               f"{qc / pc:.2f}x | drafted {ss.drafted_tokens}, accepted {acc}, {ss.tokens_per_pass:.2f} tokens/pass "
               f"| identical: {same}")
+        prompt = engine.encode_chat(messages)
+        adaptive, oracle = bound(prompt, ids, args.draft_tokens), bound(prompt, ids, MAX_DRAFT, True)
+        print(f"{'':7} replayed on the step costs (speculate.CPU_STEP_COSTS): adaptive k {adaptive:.2f}x, each draft "
+              f"cut where it fails (a bound for these drafts) {oracle:.2f}x")
     engine.close()
+
+
+def bound(prompt: list[int], ids: list[int], limit: int, oracle: bool = False) -> float:
+    """The decode ratio the greedy reply `ids` would get from prompt-lookup drafts on the cost table, a step of
+    r rows costing CPU_STEP_COSTS[r - 1]: with the adaptive k (engine.speculate, as run), or with the draft cut to
+    the k that knows how many of its tokens hold (the best any k policy can do with these drafts); at most limit
+    drafted tokens a step."""
+    speculator, state = Speculator(SpeculateConfig("ngram", limit)), DraftState()
+    at, time_ = 0, 0.0
+    while at < len(ids):
+        tokens, room = prompt + ids[:at], len(ids) - at - 1
+        if oracle:
+            draft = state.index.draft(tokens, min(limit, room))
+            held = matched(draft, ids[at:])[0]
+            draft = draft[:max(range(len(draft) + 1), key=lambda k: (1 + min(k, held)) / CPU_STEP_COSTS[k])]
+        else:
+            draft = speculator.propose(state, tokens, at, room)
+        kept = matched(draft, ids[at:])[0]
+        if draft:
+            Speculator.verified(state, len(draft), kept)
+        time_ += CPU_STEP_COSTS[len(draft)]
+        at += 1 + kept
+    return len(ids) / time_
+
+
+def bench_draft(args) -> None:
+    """Plain decoding on the target alone against the target with the draft (which also runs every step's rows),
+    the replies alternating; both engines' prompt pages warm in their prefix caches."""
+    plain_engine = Engine(args.model, device="cpu", max_context=2048, quant=args.quant)
+    spec = SpeculateConfig("draft", args.draft_tokens)
+    engine = Engine(args.model, device="cpu", max_context=2048, quant=args.quant, draft=args.draft, speculate=spec)
+    print(f"# target {engine.name} | weights {engine.quant} | kv {engine.kv_dtype} | draft {engine.drafter.name}, "
+          f"{engine.drafter.cost:.2f}x the target's weight bytes | {torch.get_num_threads()} threads")
+    for name, messages in PROMPTS.items():
+        reply(plain_engine, messages, args.max_tokens, SpeculateConfig())
+        reply(engine, messages, args.max_tokens, spec)
+        plain_tps, spec_tps, same = [], [], True
+        for _ in range(args.runs):
+            ids, s, _ = reply(plain_engine, messages, args.max_tokens, SpeculateConfig())
+            plain_tps.append(s.decode_tps)
+            sids, ss, _ = reply(engine, messages, args.max_tokens, spec)
+            spec_tps.append(ss.decode_tps)
+            same &= sids == ids
+        p, q = statistics.median(plain_tps), statistics.median(spec_tps)
+        acc = f"{ss.acceptance:.0%}" if ss.acceptance is not None else "-"
+        print(f"{name:7} reply {len(ids)} tokens | decode: plain {p:.1f} tok/s, draft model {q:.1f} tok/s, ratio "
+              f"{q / p:.2f}x | drafted {ss.drafted_tokens}, accepted {acc}, {ss.tokens_per_pass:.2f} tokens/target "
+              f"pass | identical: {same}")
+    engine.close()
+    plain_engine.close()
 
 
 if __name__ == "__main__":
