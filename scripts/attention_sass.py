@@ -1,4 +1,4 @@
-"""What the attention kernels compile to, without a GPU: kv_dispatch.paged_attention is called on CPU tensors
+"""What the attention kernels compile to, without a GPU: kvcache.dispatch.paged_attention is called on CPU tensors
 shaped like a real model's cache, its decode_kernel (or prefill_kernel) launch is captured instead of run, and that
 launch is compiled for an NVIDIA architecture (scripts/sass.py). Per KV dtype it reports the main loop's SASS
 instructions per 4-byte word of keys, values, scales and zeros a thread streams, barriers, shared-memory
@@ -19,8 +19,8 @@ import torch
 import triton
 
 import localpd.kernels.paged_attention as kernels
-from localpd.kernels.kv_dispatch import decode_block_t, paged_attention
-from localpd.quant.kv import KV_DTYPES, kv_bytes_per_token, new_kv_pool
+from localpd.kvcache.dispatch import decode_block_t, paged_attention
+from localpd.kvcache.formats import KV_DTYPES, kv_bytes_per_token, new_kv_pool
 from sass import compile_launch, loop_stats, print_budgets  # this script's folder
 
 PAGE_SIZE = 16

@@ -20,8 +20,8 @@ import torch
 from localpd.measure.bench_kernels import copies_for, graph_time
 from localpd.engine import Engine
 from localpd.errors import LocalpdError
-from localpd.kernels.kv_dispatch import paged_attention, write_kv
-from localpd.quant.kv import KV_DTYPES, check_kv_dtype, kv_bytes_per_token, new_kv_pool
+from localpd.kvcache.dispatch import paged_attention, write_kv
+from localpd.kvcache.formats import KV_DTYPES, check_kv_dtype, kv_bytes_per_token, new_kv_pool
 from localpd.engine.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=1)

@@ -58,7 +58,7 @@ def record(out: str, kernels: str = "") -> None:
 
     from localpd.model.config import ModelConfig
     from localpd.model.transformer import Batch, Transformer
-    from localpd.quant.kv import new_kv_pool
+    from localpd.kvcache.formats import new_kv_pool
     from localpd.load.synthetic import SYNTHETIC, synthetic_model
 
     seen: dict[str, dict] = {}
@@ -83,7 +83,7 @@ def record(out: str, kernels: str = "") -> None:
     # the splits a GPU takes (decode attention across pages, the GEMV across K), as on an H100's 132 SMs
     import localpd.kernels.gemv_dp4a as gemv_dp4a
     import localpd.kernels.gemv_kmajor as gemv_kmajor
-    import localpd.kernels.kv_dispatch as kv_dispatch
+    import localpd.kvcache.dispatch as kv_dispatch
     import localpd.kernels.quant_matmul as quant_matmul
 
     cpu_splits = kv_dispatch.decode_splits

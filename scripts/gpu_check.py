@@ -13,9 +13,9 @@ import torch
 
 import localpd.model.transformer as model_module
 from localpd.kernels.fused_dispatch import rope_ref
-from localpd.kernels.kv_dispatch import write_kv_ref
+from localpd.kvcache.dispatch import write_kv_ref
 from localpd.model.transformer import Batch, Transformer
-from localpd.quant.kv import new_kv_pool
+from localpd.kvcache.formats import new_kv_pool
 from localpd.quant.weights import Int4Weight, Int8Weight
 from localpd.load.synthetic import synthetic_model
 

@@ -22,7 +22,7 @@ def run(args) -> int:
     import torch
 
     from localpd.model.transformer import Batch, Transformer
-    from localpd.quant.kv import KVTraffic, new_kv_pool
+    from localpd.kvcache.formats import KVTraffic, new_kv_pool
     from localpd.measure.roofline import step_cost
     from localpd.load.synthetic import synthetic_model
 

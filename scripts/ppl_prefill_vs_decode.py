@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 
 import localpd.model.transformer as model_module
-from localpd.kernels.kv_dispatch import gather_kv, write_kv_ref
+from localpd.kvcache.dispatch import gather_kv, write_kv_ref
 from localpd.load.loader import load_model
 from localpd.model.transformer import Batch, Transformer
-from localpd.quant.kv import new_kv_pool
+from localpd.kvcache.formats import new_kv_pool
 from localpd.load.registry import resolve_model
 
 PAGE_SIZE = 16

@@ -9,7 +9,7 @@ import sys
 from localpd.api.models import FIT_TIMEOUT, KEEP_ALIVE, MAX_LOADED, keep_alive_seconds
 from localpd.cli.engine_args import CHAT_CONTEXT, engine_from_args
 from localpd.errors import LocalpdError
-from localpd.quant.kv import FORMATS, kv_formats
+from localpd.kvcache.formats import FORMATS, kv_formats
 from localpd.engine.scheduler import MAX_RUNNING, MAX_STEP_TOKENS
 from localpd.quant.schemes import SCHEMES
 

@@ -13,7 +13,7 @@ import logging
 import torch
 
 from localpd.model.transformer import Batch, Transformer
-from localpd.quant.kv import KVPool
+from localpd.kvcache.formats import KVPool
 
 log = logging.getLogger(__name__)
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)

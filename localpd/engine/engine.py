@@ -35,7 +35,7 @@ from localpd.kvcache.pages import PagePool
 from localpd.load.loader import load_model
 from localpd.load.registry import resolve_model
 from localpd.model.transformer import Transformer
-from localpd.quant.kv import KVTraffic, check_kv_dtype, kv_formats, new_kv_pool, same_kv
+from localpd.kvcache.formats import KVTraffic, check_kv_dtype, kv_formats, new_kv_pool, same_kv
 from localpd.quant.schemes import DENSE, check_scheme, compute_dtype, default_scheme, group_notes
 from localpd.quant.store import is_quantized_dir
 from localpd.text.stops import StopMatcher

@@ -20,7 +20,7 @@ from localpd.engine.scheduler import Scheduler, Work
 from localpd.engine.speculate import Speculator, accept
 from localpd.measure.roofline import step_cost
 from localpd.model.transformer import Batch, Transformer
-from localpd.quant.kv import KVPool, KVTraffic
+from localpd.kvcache.formats import KVPool, KVTraffic
 
 
 @dataclass

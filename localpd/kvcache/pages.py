@@ -1,6 +1,6 @@
 """Which KV pages belong to whom: a page allocator with reference counts and a prefix cache over full pages.
 
-This is host-side bookkeeping only; the pages' keys and values live in a KVPool (localpd.quant.kv). A full page
+This is host-side bookkeeping only; the pages' keys and values live in a KVPool (localpd.kvcache.formats). A full page
 is keyed by a chained hash of (the previous page's hash, its token ids, a salt naming the model, weight scheme
 and KV dtype), so a page is found again only when everything before it matches too. Cached pages are never
 written again: sequences only write at positions past the pages they matched. A cached page nobody references

@@ -13,7 +13,7 @@ import torch
 from localpd.model.config import ModelConfig, matrix_shapes
 from localpd.errors import LocalpdError
 from localpd.load.gguf import GGUFFile
-from localpd.kernels.kv_dispatch import kernel_head_dim
+from localpd.kvcache.dispatch import kernel_head_dim
 from localpd.quant.store import is_quantized_dir, load_quantized, tokenizer_meta
 from localpd.quant.weights import Weight, from_gguf
 from localpd.quant.schemes import (check_scheme, from_blocks, head_scheme, imports_codes, imports_exactly, is_matrix,
@@ -117,7 +117,7 @@ def rotary_rows(n_heads: int, head_dim: int, rotary_dim: int) -> torch.Tensor:
 
 
 def pad_heads(config: ModelConfig) -> ModelConfig:
-    """A head size the attention kernels do not take (kv_dispatch.kernel_head_dim: not a multiple of 32, such as
+    """A head size the attention kernels do not take (kvcache.dispatch.kernel_head_dim: not a multiple of 32, such as
     80 or 48) taken in the next one they do (96, 64): the projections stay as they are (proj_head_dim), and the
     model puts each head's two halves at the front of the padded head's halves (Transformer.head_cols), so RoPE's
     pairs stay pairs and the padding, zero, turns by angle 0 (rotary_dim) and adds nothing to q.k. The KV cache

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from localpd.errors import LocalpdError
 from localpd.model.transformer import Batch, Transformer
-from localpd.quant.kv import new_kv_pool, same_kv
+from localpd.kvcache.formats import new_kv_pool, same_kv
 
 PAGE_SIZE = 16
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from localpd.quant.kv import KVTraffic
+from localpd.kvcache.formats import KVTraffic
 
 
 @dataclass

@@ -19,12 +19,12 @@ from localpd.errors import LocalpdError
 from localpd.kernels import cpu
 from localpd.kernels.dispatch import as_int4, use_triton
 from localpd.kernels.fused_dispatch import act_mul, add_rms_norm, qk_norm
-from localpd.kernels.kv_dispatch import paged_attention, rope_write_kv, rope_write_kv_ref
+from localpd.kvcache.dispatch import paged_attention, rope_write_kv, rope_write_kv_ref
 from localpd.model.config import ModelConfig
 from localpd.model.linear import QuantLinear, StackedLinear, fuse, normed_separately
 from localpd.quant.int4k import Int4KWeight
 from localpd.quant.kmajor import to_kmajor
-from localpd.quant.kv import KVPool
+from localpd.kvcache.formats import KVPool
 from localpd.quant.weights import Int4Weight, Int8Weight
 from localpd.quant.weights import take_rows, weight_nbytes
 
@@ -50,7 +50,7 @@ class Batch:
     Sequence b owns rows q_starts[b]:q_starts[b + 1]; its keys are positions 0 .. seq_lens[b] - 1, at page
     page_table[b, pos // page_size]. slots[i] = page * page_size + offset is where token i's K/V are written.
     logit_rows: the rows whose next-token logits are wanted. stage_slots[i] = r * page_size + offset, r the
-    sequence's row in the KV pool's stage (per-page KV formats keep the open page there as computed; quant.kv);
+    sequence's row in the KV pool's stage (per-page KV formats keep the open page there as computed; kvcache.formats);
     without them such pages are re-quantized from their codes."""
 
     tokens: torch.Tensor  # [T] int64

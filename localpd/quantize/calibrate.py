@@ -18,7 +18,7 @@ from localpd.errors import LocalpdError
 from localpd.kernels.fused_dispatch import act_mul
 from localpd.model.linear import normed_separately
 from localpd.model.transformer import Batch, Transformer
-from localpd.quant.kv import new_kv_pool, same_kv
+from localpd.kvcache.formats import new_kv_pool, same_kv
 
 PAGE_SIZE, CHUNK = 16, 512
 # the model's fused projections -> the weight matrices that read the same input

@@ -232,7 +232,7 @@ def test_preemption_under_page_pressure_keeps_outputs_exact(default_gguf):
 
 
 def tight_bytes(path):
-    from localpd.quant.kv import kv_bytes_per_token
+    from localpd.kvcache.formats import kv_bytes_per_token
     from localpd.load.loader import load_model
 
     c = load_model(path).config
@@ -264,7 +264,7 @@ def test_int4ch_pages_the_engine_fills_while_decoding_are_the_ones_a_lone_sequen
 
     from localpd.kvcache.pages import PageTable
     from localpd.model.transformer import Batch
-    from localpd.quant.kv import new_kv_pool
+    from localpd.kvcache.formats import new_kv_pool
 
     e = Engine(default_gguf, device="cpu", max_context=512, kv="int4ch/int4")
     ids = e.encode_chat(Q)

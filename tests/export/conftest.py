@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from localpd.model.transformer import Batch, Transformer
-from localpd.quant.kv import new_kv_pool, same_kv
+from localpd.kvcache.formats import new_kv_pool, same_kv
 
 PAGE = 16
 

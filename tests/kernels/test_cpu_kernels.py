@@ -13,8 +13,8 @@ import torch
 from localpd.kernels import cpu
 from localpd.kernels.dispatch import PreNorm, int4_matmul_ref, int4k_matmul_ref, int8_matmul_ref
 from localpd.kernels.fused_dispatch import act_mul_ref, add_rms_norm_ref
-from localpd.kernels.kv_dispatch import paged_attention_ref, rope_write_kv_ref
-from localpd.quant.kv import new_kv_pool
+from localpd.kvcache.dispatch import paged_attention_ref, rope_write_kv_ref
+from localpd.kvcache.formats import new_kv_pool
 from localpd.quant.int4k import Int4KWeight
 from localpd.quant.weights import Int4Weight, Int8Weight
 

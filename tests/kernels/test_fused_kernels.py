@@ -17,7 +17,7 @@ from localpd.model.config import ModelConfig  # noqa: E402
 from localpd.kernels.fused_dispatch import (add_rms_norm, add_rms_norm_ref, qk_norm, qk_norm_ref,  # noqa: E402
                                             rope, rope_ref, act_mul, act_mul_ref)
 from localpd.model.transformer import Batch, Transformer  # noqa: E402
-from localpd.quant.kv import new_kv_pool  # noqa: E402
+from localpd.kvcache.formats import new_kv_pool  # noqa: E402
 from localpd.load.synthetic import random_weight  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}

@@ -15,10 +15,10 @@ import torch  # noqa: E402
 
 from localpd.kernels.fused_dispatch import rope_ref  # noqa: E402
 from localpd.engine.speculate import MAX_DRAFT  # noqa: E402
-from localpd.kernels.kv_dispatch import (ROWS_AS_DECODE, decode_block_t, decode_span, decode_splits,  # noqa: E402
+from localpd.kvcache.dispatch import (ROWS_AS_DECODE, decode_block_t, decode_span, decode_splits,  # noqa: E402
                                          paged_attention, paged_attention_ref, rope_write_kv, rope_write_kv_ref,
                                          rows_as_decode, write_kv, write_kv_ref)
-from localpd.quant.kv import dequantize_kv, kv_formats, new_kv_pool  # noqa: E402
+from localpd.kvcache.formats import dequantize_kv, kv_formats, new_kv_pool  # noqa: E402
 
 DTYPES = ["fp32", "bf16", "int8", "fp8", "int4", "int8/int4", "int4ch/int4", "int4ch"]
 
@@ -309,7 +309,7 @@ def test_a_sliding_windows_splits_share_out_the_window(kv_dtype):
 
 def test_the_references_window_is_attention_over_the_last_keys():
     """The reference's window against softmax attention written out over keys (p - window, p] of each query p."""
-    from localpd.kernels.kv_dispatch import gather_kv
+    from localpd.kvcache.dispatch import gather_kv
 
     q, layer, table, lens, starts = build_case("fp32", 16, 2, 3, [40, 29], [1, 12], seed=3)
     window, scale = 9, 64 ** -0.5
@@ -373,7 +373,7 @@ def test_decode_splits_follow_the_sequence_not_the_graph_width_table(monkeypatch
     (2 kv heads, for the interpreter's time: 64 splits) keeps nearly all of them busy: counted from the decode
     kernel's partial results (a split with work has a softmax sum above 0). Before, a split was a share of the
     table's width: the 4k sequence had work for 1 of 32 splits (8 of 256 programs), the 32k one for 16 of 64."""
-    import localpd.kernels.kv_dispatch as kd
+    import localpd.kvcache.dispatch as kd
     import localpd.kernels.paged_attention as pa
 
     monkeypatch.setattr(kd, "INTERPRETER_DECODE_PROGRAMS", kd.DECODE_PROGRAMS_PER_SM * 132)

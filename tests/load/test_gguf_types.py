@@ -75,7 +75,7 @@ def write_model(path, type_name: str, seed: int = 0, others: dict | None = None)
 
 def logits(lm, ids):
     from localpd.model.transformer import Batch, Transformer
-    from localpd.quant.kv import new_kv_pool
+    from localpd.kvcache.formats import new_kv_pool
 
     model = Transformer(lm.config, lm.weights)
     c = lm.config
@@ -127,7 +127,7 @@ def test_a_layer_of_int4_beside_int8_decodes_on_the_cpu(tmp_path):
     cannot share one matrix (a StackedLinear), and the CPU's decode takes them op by op, prompt and decode steps
     alike, giving the prompt's logits again when it runs whole."""
     from localpd.model.transformer import Batch, Transformer
-    from localpd.quant.kv import new_kv_pool
+    from localpd.kvcache.formats import new_kv_pool
 
     path = tmp_path / "mixed.gguf"
     write_model(path, "Q4_0", others={"attn_v": "Q8_0"})

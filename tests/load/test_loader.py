@@ -98,7 +98,7 @@ def assert_same_logits(lm, ref, n=17, context=None):
     """The loaded model's logits of every position of a random n-token prompt are the transformers model's
     (context: the longest sequence the model is built for; default its own maximum)."""
     from localpd.model.transformer import Batch, Transformer
-    from localpd.quant.kv import new_kv_pool
+    from localpd.kvcache.formats import new_kv_pool
 
     ids = torch.randint(0, 128, (n,))
     with torch.no_grad():

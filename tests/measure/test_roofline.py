@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from localpd.model.linear import QuantLinear, StackedLinear
-from localpd.quant.kv import KVTraffic, new_kv_pool
+from localpd.kvcache.formats import KVTraffic, new_kv_pool
 from localpd.measure.roofline import decode_ceiling_tps, step_cost, utilisation
 from localpd.engine.sampling import SamplingParams
 
@@ -107,14 +107,14 @@ def test_sliding_window_layers_read_only_their_window():
     """Gemma 3: five layers in six attend to the last `window` keys of each query, so a decode step reads that many
     tokens there, and a prefill chunk the keys from its first query's window on; a per-page format the scales of
     each page those tokens touch."""
-    from localpd.quant.kv import KVTraffic
+    from localpd.kvcache.formats import KVTraffic
 
     per_head = KVTraffic("int8", 1, 1, 64).per_token  # int8: 64 codes and a scale, keys and values
     gemma = KVTraffic("int8", 6, 2, 64, 16, 2, sliding_layers=5, window=10)
     assert gemma.read(100) == 2 * per_head * (100 + 5 * 10)
     assert gemma.read(100, 20) == 2 * per_head * (100 + 5 * 29)  # queries 80..99: keys 71..99
     assert gemma.read(7) == 2 * per_head * 6 * 7 and gemma.read(100) < KVTraffic("int8", 6, 2, 64).read(100)
-    from localpd.quant.kv import _head_bytes, kv_formats
+    from localpd.kvcache.formats import _head_bytes, kv_formats
 
     per_page = KVTraffic("int4ch", 2, 1, 64, 16, 2, sliding_layers=1, window=10)
     whole = KVTraffic("int4ch", 1, 1, 64, 16, 2)  # the global layer alone

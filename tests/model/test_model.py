@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from localpd.model.transformer import Batch
-from localpd.quant.kv import new_kv_pool
+from localpd.kvcache.formats import new_kv_pool
 from localpd.engine.sampling import SamplingParams
 
 # Both sides dequantize the same blocks to float32 and run float32 arithmetic in a different order, so the

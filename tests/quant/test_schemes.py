@@ -14,7 +14,7 @@ from localpd.load.loader import load_model
 from localpd.model.transformer import Batch
 from localpd.measure.perplexity import perplexity
 from localpd.quant.bnb import BnbInt8Weight, Nf4Weight
-from localpd.quant.kv import new_kv_pool
+from localpd.kvcache.formats import new_kv_pool
 from localpd.quant.weights import Int4Weight, Int8Weight
 from localpd.engine.sampling import SamplingParams
 from localpd.quant.schemes import int4_group

@@ -13,7 +13,7 @@ from localpd.errors import LocalpdError
 from localpd.load.loader import load_model
 from localpd.model.transformer import Batch, Transformer
 from localpd.quant.bnb import BnbInt8Weight, Nf4Weight
-from localpd.quant.kv import new_kv_pool
+from localpd.kvcache.formats import new_kv_pool
 from localpd.quant.weights import Int4Weight, Int8Weight
 from localpd.quantize.quantize import quantize_model
 from localpd.engine.sampling import SamplingParams

@@ -8,7 +8,7 @@ Formats (per token and kv head, along head_dim):
   byte, element 2i in the low nibble and 2i + 1 in the high nibble.
 - int4ch (keys): int4 per channel across a page's tokens (KIVI): each page holds one scale and one zero per head
   and channel, over the tokens written to it so far. A write re-quantizes the page's earlier tokens with the
-  widened range (kv_dispatch._write_pages_ref). Keys carry a few large channels that per-token groups cannot fit.
+  widened range (dispatch._write_pages_ref). Keys carry a few large channels that per-token groups cannot fit.
   So that a page filled a token at a time (decode) ends up exactly as one written whole (prefill), the pool keeps
   each running sequence's open page as computed, in a stage of a page per sequence (KVPool.k_stage, rows handed out
   by the scheduler): a write re-quantizes the page from the staged values instead of its already rounded codes.
@@ -279,7 +279,7 @@ def quantize_kv(x: torch.Tensor, fmt: str):
     if fmt in FLOAT:
         return x.to(FLOAT[fmt]), None, None
     if fmt in PER_PAGE:
-        raise ValueError(f"{fmt} is quantized a page at a time (kernels.kv_dispatch.write_kv_ref)")
+        raise ValueError(f"{fmt} is quantized a page at a time (kvcache.dispatch.write_kv_ref)")
     xf = x.float()
     if fmt in ("int8", "fp8"):
         top = 127.0 if fmt == "int8" else FP8_MAX

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from localpd.kernels import cpu
 from localpd.kernels.dispatch import cdiv, sm_count, use_triton
 from localpd.kernels.fused_dispatch import rope, triton_block
-from localpd.quant.kv import PER_PAGE, KVLayer, dequantize_kv, quantize_kv
+from localpd.kvcache.formats import PER_PAGE, KVLayer, dequantize_kv, quantize_kv
 
 
 def _pick(t, pages, offs):
@@ -75,7 +75,7 @@ def _write_side_ref(x, data, scale, zero, fmt, slots, page_size, stage=None, sta
 def write_kv_ref(layer: KVLayer, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
                  stage_slots: torch.Tensor | None = None) -> None:
     """k, v [T, H, D] into the slots (page * page_size + offset) [T], quantized to the layer's formats.
-    stage_slots [T]: each token's place in the layer's stage (per-page formats; see quant.kv), or None."""
+    stage_slots [T]: each token's place in the layer's stage (per-page formats; see kvcache.formats), or None."""
     for x, side, stage in zip((k, v), _sides(layer), (layer.k_stage, layer.v_stage)):
         _write_side_ref(x, *side, slots, layer.page_size, stage, stage_slots)
 

@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from localpd.errors import LocalpdError
-from localpd.kernels.kv_dispatch import paged_attention_ref, write_kv_ref
-from localpd.quant.kv import (FORMATS, KV_DTYPES, PER_PAGE, check_kv_dtype, dequantize_kv, kv_bytes_per_token,
+from localpd.kvcache.dispatch import paged_attention_ref, write_kv_ref
+from localpd.kvcache.formats import (FORMATS, KV_DTYPES, PER_PAGE, check_kv_dtype, dequantize_kv, kv_bytes_per_token,
                               kv_formats, new_kv_pool, quantize_kv)
 
 # relative error of one quantize/dequantize round trip on Gaussian data
