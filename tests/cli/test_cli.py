@@ -1,5 +1,8 @@
-"""`localpd` as a user runs it: subprocesses, real model, real terminal for the REPL."""
+"""`localpd` as a user runs it: subprocesses, real model, real terminal for the REPL. The error paths run the same
+`main()` in this process (`localpd_here`): a fresh process each would add its start-up (some 3 s on CI's cores)
+to a check that needs none."""
 
+import io
 import json
 import os
 import subprocess
@@ -14,6 +17,29 @@ PARIS = ["chat", "smollm2-135m", "What is the capital of France?", "--temperatur
 def localpd(args, env=None, stdin=None, timeout=300):
     return subprocess.run([sys.executable, "-m", "localpd.cli", *args], capture_output=True, text=True,
                           env={**os.environ, **(env or {})}, input=stdin, timeout=timeout)
+
+
+def localpd_here(args, capfd, stdin=None) -> subprocess.CompletedProcess:
+    """`localpd ARGS` run in this process, as `python -m localpd.cli` runs it (`sys.exit(main())`): its exit status
+    (argparse's SystemExit included) and what it wrote. torch's threads, which main() sets, are put back after."""
+    import torch
+
+    from localpd.cli.main import main
+
+    threads, saved_stdin = torch.get_num_threads(), sys.stdin
+    capfd.readouterr()
+    try:
+        if stdin is not None:
+            sys.stdin = io.StringIO(stdin)
+        try:
+            code = main(list(args))
+        except SystemExit as e:
+            code = e.code
+    finally:
+        sys.stdin = saved_stdin
+        torch.set_num_threads(threads)
+    out = capfd.readouterr()
+    return subprocess.CompletedProcess(["localpd", *args], code, out.out, out.err)
 
 
 def one_line_error(result, code=1):
@@ -46,7 +72,7 @@ def test_format_json_answers_with_one_json_object(default_gguf):
     assert isinstance(json.loads(r.stdout), dict)
 
 
-def test_format_takes_a_json_schema_file(default_gguf, tmp_path):
+def test_format_takes_a_json_schema_file(default_gguf, tmp_path, capfd):
     schema = tmp_path / "city.json"
     schema.write_text(json.dumps({"type": "object", "required": ["city", "country"], "properties": {
         "city": {"type": "string"}, "country": {"type": "string"}}}))
@@ -55,13 +81,13 @@ def test_format_takes_a_json_schema_file(default_gguf, tmp_path):
     assert r.returncode == 0, r.stderr
     assert set(json.loads(r.stdout)) == {"city", "country"}
     schema.write_text('{"type": "tuple"}')
-    bad = localpd(["chat", str(default_gguf), "Hi", "--format", str(schema)])
+    bad = localpd_here(["chat", str(default_gguf), "Hi", "--format", str(schema)], capfd)
     assert bad.returncode == 2 and "unknown JSON schema type" in bad.stderr and len(bad.stderr.splitlines()) == 1
-    missing = localpd(["chat", str(default_gguf), "Hi", "--format", str(tmp_path / "none.json")])
+    missing = localpd_here(["chat", str(default_gguf), "Hi", "--format", str(tmp_path / "none.json")], capfd)
     assert missing.returncode == 2 and "No such file" in missing.stderr
 
 
-def test_embed_prints_one_unit_vector_a_line_as_the_engine_computes_it(default_gguf, engine):
+def test_embed_prints_one_unit_vector_a_line_as_the_engine_computes_it(default_gguf, engine, capfd):
     texts = ["Paris is the capital of France.", "Bananas are yellow."]
     r = localpd(["embed", str(default_gguf), *texts, "--ctx", "2048", "--quant", engine.quant])  # the same path
     assert r.returncode == 0, r.stderr
@@ -74,11 +100,13 @@ def test_embed_prints_one_unit_vector_a_line_as_the_engine_computes_it(default_g
     assert piped.returncode == 0
     again = [json.loads(line) for line in piped.stdout.splitlines()]  # the two may share a step or not: a tolerance
     assert len(again) == 2 and all(max(abs(a - b) for a, b in zip(u, v)) < 1e-5 for u, v in zip(again, rows))
-    assert "nothing to embed" in one_line_error(localpd(["embed", str(default_gguf)], stdin="a\n\nb\n"))
-    assert "context" in one_line_error(localpd(["embed", str(default_gguf), "word " * 3000, "--ctx", "256"]))
+    empty_line = localpd_here(["embed", str(default_gguf)], capfd, stdin="a\n\nb\n")
+    assert "nothing to embed" in one_line_error(empty_line)
+    too_long = localpd_here(["embed", str(default_gguf), "word " * 3000, "--ctx", "256"], capfd)
+    assert "context" in one_line_error(too_long)
 
 
-def test_regex_and_choice_hold_the_reply(default_gguf):
+def test_regex_and_choice_hold_the_reply(default_gguf, capfd):
     r = localpd(["chat", str(default_gguf), "What is the capital of France?", "--regex", "The [a-z ]+ is [A-Z][a-z]+\\.",
                  "--temperature", "0", "--max-tokens", "24"])
     assert r.returncode == 0, r.stderr
@@ -88,13 +116,15 @@ def test_regex_and_choice_hold_the_reply(default_gguf):
     picked = localpd(["chat", str(default_gguf), "Is Paris in France? Answer yes or no.", "--choice", "yes",
                       "--choice", "no", "--temperature", "0"])
     assert picked.returncode == 0 and picked.stdout.strip() in ("yes", "no"), picked.stderr
-    assert "lookaround" in one_line_error(localpd(["chat", str(default_gguf), "Hi", "--regex", "(?=a)"]), code=2)
-    assert "not allowed with" in one_line_error(localpd(["chat", str(default_gguf), "Hi", "--regex", "a",
-                                                         "--format", "json"]), code=2)
-    assert "must not be empty" in one_line_error(localpd(["chat", str(default_gguf), "Hi", "--choice", ""]), code=2)
+    assert "lookaround" in one_line_error(localpd_here(["chat", str(default_gguf), "Hi", "--regex", "(?=a)"], capfd),
+                                          code=2)
+    assert "not allowed with" in one_line_error(localpd_here(["chat", str(default_gguf), "Hi", "--regex", "a",
+                                                              "--format", "json"], capfd), code=2)
+    assert "must not be empty" in one_line_error(localpd_here(["chat", str(default_gguf), "Hi", "--choice", ""],
+                                                              capfd), code=2)
 
 
-def test_grammar_holds_the_reply(default_gguf, tmp_path):
+def test_grammar_holds_the_reply(default_gguf, tmp_path, capfd):
     """--grammar FILE: a GBNF (or Lark) grammar; one the engine cannot take is a one-line error."""
     from pathlib import Path
 
@@ -108,8 +138,8 @@ def test_grammar_holds_the_reply(default_gguf, tmp_path):
     assert reader.feed(r.stdout.rstrip("\n") + "\n") and reader.done, r.stdout
     bad = tmp_path / "bad.gbnf"
     bad.write_text('root ::= "a" root')
-    assert "admits no string" in one_line_error(localpd(["chat", str(default_gguf), "Hi", "--grammar", str(bad)]),
-                                                code=2)
+    assert "admits no string" in one_line_error(localpd_here(["chat", str(default_gguf), "Hi", "--grammar", str(bad)],
+                                                             capfd), code=2)
 
 
 def test_verbose_prints_timings(default_gguf):
@@ -120,32 +150,32 @@ def test_verbose_prints_timings(default_gguf):
         assert key in r.stderr
 
 
-def test_unknown_model_lists_known_ones():
-    line = one_line_error(localpd(["chat", "no-such-model", "hi"]))
+def test_unknown_model_lists_known_ones(capfd):
+    line = one_line_error(localpd_here(["chat", "no-such-model", "hi"], capfd))
     assert "unknown model" in line and "smollm2-135m" in line
 
 
-def test_missing_file(tmp_path):
-    assert "not found" in one_line_error(localpd(["chat", str(tmp_path / "missing.gguf"), "hi"]))
+def test_missing_file(tmp_path, capfd):
+    assert "not found" in one_line_error(localpd_here(["chat", str(tmp_path / "missing.gguf"), "hi"], capfd))
 
 
-def test_truncated_gguf(tmp_path, default_gguf):
+def test_truncated_gguf(tmp_path, default_gguf, capfd):
     bad = tmp_path / "truncated.gguf"
     with open(default_gguf, "rb") as f:
         bad.write_bytes(f.read(5_000_000))
-    assert str(bad) in one_line_error(localpd(["chat", str(bad), "hi"]))
+    assert str(bad) in one_line_error(localpd_here(["chat", str(bad), "hi"], capfd))
 
 
-def test_not_a_gguf(tmp_path):
+def test_not_a_gguf(tmp_path, capfd):
     bad = tmp_path / "junk.gguf"
     bad.write_bytes(b"this is not a model" * 100)
-    one_line_error(localpd(["chat", str(bad), "hi"]))
+    one_line_error(localpd_here(["chat", str(bad), "hi"], capfd))
 
 
 @pytest.mark.parametrize("option", [["--temperature", "hot"], ["--max-tokens", "0"], ["--device", "tpu"],
                                     ["--draft-tokens", "0"], ["--draft-tokens", "16"], ["--speculate", "eagle"]])
-def test_bad_option_values_exit_2_with_one_line(option, default_gguf):
-    one_line_error(localpd(["chat", str(default_gguf), "hi", *option]), code=2)
+def test_bad_option_values_exit_2_with_one_line(option, default_gguf, capfd):
+    one_line_error(localpd_here(["chat", str(default_gguf), "hi", *option], capfd), code=2)
 
 
 def test_a_draft_model_of_another_vocabulary_is_a_one_line_error(default_gguf):
@@ -153,12 +183,12 @@ def test_a_draft_model_of_another_vocabulary_is_a_one_line_error(default_gguf):
     assert "vocabulary" in line and "synthetic:qwen2.5-0.5b" in line
 
 
-def test_out_of_range_sampling_value(default_gguf):
-    assert "top_p" in one_line_error(localpd(["chat", str(default_gguf), "hi", "--top-p", "5"]))
+def test_out_of_range_sampling_value(default_gguf, capfd):
+    assert "top_p" in one_line_error(localpd_here(["chat", str(default_gguf), "hi", "--top-p", "5"], capfd))
 
 
-def test_prompt_longer_than_the_context(default_gguf):
-    line = one_line_error(localpd(["chat", str(default_gguf), "word " * 200, "--ctx", "64"]))
+def test_prompt_longer_than_the_context(default_gguf, capfd):
+    line = one_line_error(localpd_here(["chat", str(default_gguf), "word " * 200, "--ctx", "64"], capfd))
     assert "context" in line
 
 
@@ -250,11 +280,11 @@ def test_serve_answers_an_openai_client_until_stopped(default_gguf):
     assert proc.returncode == 0 and "Traceback" not in err, err[-2000:]
 
 
-# each command and each bad value once (not all 16 pairs, a process of some 3 s each): the commands share one
-# --threads option (cli.main.add_model_options)
+# each command and each bad value once (not all 16 pairs): the commands share one --threads option
+# (cli.main.add_model_options)
 @pytest.mark.parametrize("command,value", [("chat", "0"), ("serve", "-2"), ("bench", "two"), ("tui", "1.5")])
-def test_threads_must_be_a_positive_whole_number(command, value):
-    line = one_line_error(localpd([command, "--threads", value]), code=2)
+def test_threads_must_be_a_positive_whole_number(command, value, capfd):
+    line = one_line_error(localpd_here([command, "--threads", value], capfd), code=2)
     assert "--threads" in line and ">= 1" in line
 
 
