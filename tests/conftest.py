@@ -11,7 +11,9 @@ import pytest  # noqa: E402
 
 # the real default model or transformers; kernels compiled for an NVIDIA GPU in a process of its own
 SLOW_FIXTURES = {"default_gguf", "engine", "hf_reference", "served", "sass_table"}
-INTERPRETED = {"test_kernels.py", "test_kv_kernels.py", "test_fused_kernels.py"}  # Triton's kernels, interpreted
+INTERPRETED = {"test_kernels.py", "test_kv_write.py", "test_decode_attention.py", "test_prefill_attention.py",
+               "test_fused_kernels.py"}  # Triton's kernels, interpreted
+COMPILED = {"test_attention_compile.py"}  # kernels compiled for NVIDIA cards (scripts/compile_check.py, sass_table)
 
 
 def pytest_collection_modifyitems(items):
@@ -19,7 +21,7 @@ def pytest_collection_modifyitems(items):
     SLOW_FIXTURES, directly or through another fixture), or runs the GEMV, attention and fused kernels under
     Triton's interpreter, is slow: `pytest -m "not slow"` runs the rest, `pytest` everything."""
     for item in items:
-        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())) or item.path.name in INTERPRETED:
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())) or item.path.name in INTERPRETED | COMPILED:
             item.add_marker(pytest.mark.slow)
 
 

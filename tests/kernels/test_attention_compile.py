@@ -1,0 +1,39 @@
+"""The attention kernels compiled for NVIDIA cards on this CPU (no GPU, no interpreter): what the decode kernel's
+loads compile to, and every prefill launch the model makes fitting each card."""
+
+import os
+
+import pytest
+
+
+def test_decode_attention_compiles_to_whole_tile_loads(sass_table):
+    """The decode kernel's sm_90 code for Llama-3-8B heads, built on this CPU from the launch paged_attention makes
+    (scripts/attention_sass.py): int4 pages are read as whole tiles of bytes, scales and zeros (16-byte loads, a
+    few load instructions per tile) where every element loaded its byte, scale and zero alone (grouped int4: 385-433
+    loads per 64-token tile, registers spilled; int4ch keys: 99), and per-token scales cost no multiply per
+    element, so int8 stays under the H100's budget of 45 instructions per 4-byte word."""
+    rows = {r[1]: r for r in sass_table("attention_sass.py", "--kv", "int4,int4ch/int4,int8")}
+    for kv in ("int4", "int4ch/int4"):
+        _, _, _, per_word, _, _, loads, widest, _, spilled = rows[kv]
+        assert int(loads) < 32 and widest.endswith(".128") and spilled == "0", rows
+        assert float(per_word) < 100, rows
+    assert float(rows["int8"][3]) < 45 and rows["int8"][9] == "0", rows
+
+
+def test_prefill_attention_compiles_without_spills_for_every_model_and_kv_format():
+    """Every prefill-attention launch the model makes (the head layouts of Llama-3-8B, Qwen2.5-7B, Llama-3.2-1B,
+    SmolLM2, Qwen3-8B, Gemma 3 and Phi-3.5-mini, every KV format), compiled on this CPU for an RTX 30 card (sm_86) and the H100 (sm_90) by
+    scripts/compile_check.py: each compiles, fits the card's shared memory per block and keeps its registers.
+    At 4 warps, Qwen2.5-7B's programs (a group of 7 padded to 8 heads x 16 rows x 128) spilled up to 496 bytes."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "LOCALPD_TRITON_INTERPRET")}
+    script = Path(__file__).parents[2] / "scripts" / "compile_check.py"
+    out = subprocess.run([sys.executable, str(script), "--arch", "86,90", "--kernels", "prefill", "--strict"],
+                         capture_output=True, text=True, env=env, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    rows = [line for line in out.stdout.splitlines() if line.startswith("prefill_kernel")]
+    assert len(rows) >= 20 and all("GROUP=7" not in r or '"num_warps": 8' in r for r in rows), out.stdout

@@ -1,0 +1,142 @@
+"""Decode attention over KV pages (a query row a sequence: tiles, splits, sliding windows) against the torch
+reference."""
+
+from kv_cases import DEV, interpret  # noqa: F401 (first: it sets TRITON_INTERPRET)
+from kv_cases import DTYPES, build_case, check
+
+import pytest
+import torch
+
+from localpd.engine.speculate import MAX_DRAFT
+from localpd.kvcache.dispatch import (ROWS_AS_DECODE, decode_block_t, decode_span, decode_splits, paged_attention,
+                                     paged_attention_ref, rows_as_decode, write_kv_ref)
+from localpd.kvcache.formats import kv_formats, new_kv_pool
+
+
+@pytest.mark.parametrize("kv_dtype", DTYPES)
+@pytest.mark.parametrize("page_size, group", [(16, 1), (32, 3), (16, 4)])
+def test_decode_batches_match_the_reference(kv_dtype, page_size, group):
+    lens = [1, 15, 16, 17, 100]  # odd lengths, page boundaries
+    check(build_case(kv_dtype, page_size, 2, group, lens, [1] * len(lens)), 1e-4)
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "fp16", "bf16", "int8", "fp8", "int4", "int8/int4", "int4/bf16",
+                                      "int4ch/int4"])
+@pytest.mark.parametrize("page_size", [16, 32])
+def test_decode_tiles_across_pages_with_garbage_past_the_end(kv_dtype, page_size):
+    """Tiles span several pages (8 or 4 here): lengths of exactly one tile, under one page, ending mid-tile and
+    mid-page or mid-tile on a page boundary, very different lengths in one batch, GQA groups of 1, 4 and 7 (odd,
+    padded); the pool starts as NaN/inf garbage."""
+    bt = decode_block_t(page_size, 64)
+    assert bt // page_size > 1
+    for group, lens in ((1, [bt, 3]), (4, [2 * bt + page_size + 3, 1, bt - 1]), (7, [bt + 1, bt + bt // 2])):
+        check(build_case(kv_dtype, page_size, 2, group, lens, [1] * len(lens), seed=group, poison=True), 1e-4)
+    check(build_case(kv_dtype, page_size, 2, 3, [70, 33], [6, 33], seed=8, poison=True), 1e-4)  # prefill too
+
+
+@pytest.mark.parametrize("kv_dtype", DTYPES)
+@pytest.mark.parametrize("group, batch, splits, per_split", [(4, 1, 4, 1), (7, 2, 2, 2)])
+def test_decode_splits_including_empty_partitions(kv_dtype, group, batch, splits, per_split):
+    """A sequence of 4 tiles, alone (a tile per split) or beside one of 5 tokens (two splits of two tiles, the short
+    sequence's second split empty); one KV head, so batch x kv heads is the batch. The pool starts as garbage."""
+    assert decode_splits(batch, 4, torch.device("cpu")) == (splits, per_split)
+    lens = [3 * decode_block_t(16, 64) + 5, 5][:batch]
+    check(build_case(kv_dtype, 16, 1, group, lens, [1] * batch, seed=5, poison=True), 1e-4)
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "int4ch/int4"])
+def test_a_sliding_windows_splits_share_out_the_window(kv_dtype):
+    """A decode's splits cover a sliding layer's window, from the page it starts in, not the whole page table: far
+    into a long sequence, several splits each take part of a window of 2 tiles and 20 tokens (one that starts
+    mid-page); a sequence shorter than the window, beside it, is attended whole. The pool starts as garbage."""
+    bt = decode_block_t(16, 64)
+    window, lens = 2 * bt + 20, [9 * bt + 7, bt + 3]
+    span = decode_span(-(-lens[0] // 16) * 16, window, 16)
+    assert span == window + 15 and decode_splits(2, -(-span // bt), torch.device("cpu")) == (2, 2)
+    assert decode_span(64, window, 16) == 64 and decode_span(1024, 0, 16) == 1024
+    check(build_case(kv_dtype, 16, 1, 4, lens, [1, 1], seed=3, poison=True), 1e-4, window)
+
+
+@pytest.mark.skipif(DEV == "cpu", reason="long contexts need a GPU")
+@pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "fp8", "int4", "int8/int4", "int4ch/int4"])
+def test_long_contexts_on_the_gpu(kv_dtype):
+    """Llama-3-8B heads (8 KV heads, GQA 4, D 128) at thousands of tokens, decode and a prefill chunk."""
+    check(build_case(kv_dtype, 16, 8, 4, [4099, 1, 777], [1, 1, 1], D=128, dtype=torch.bfloat16, seed=9), 2e-2)
+    check(build_case(kv_dtype, 16, 8, 4, [2100, 300], [64, 300], D=128, dtype=torch.bfloat16, seed=10), 2e-2)
+
+
+@pytest.mark.skipif(DEV != "cpu", reason="counts the interpreter's partial results")
+@pytest.mark.parametrize("n,H", [(4096, 8), (32768, 2)])
+def test_decode_splits_follow_the_sequence_not_the_graph_width_table(monkeypatch, n, H):
+    """Under a CUDA graph the page table spans the whole context (here 128k tokens); the splits are sized for an
+    H100 (2 programs an SM over its 132), and a sequence of 4k tokens (Llama-3-8B's 8 kv heads: 32 splits) or 32k
+    (2 kv heads, for the interpreter's time: 64 splits) keeps nearly all of them busy: counted from the decode
+    kernel's partial results (a split with work has a softmax sum above 0). Before, a split was a share of the
+    table's width: the 4k sequence had work for 1 of 32 splits (8 of 256 programs), the 32k one for 16 of 64."""
+    import localpd.kvcache.dispatch as kd
+    import localpd.kernels.paged_attention as pa
+
+    monkeypatch.setattr(kd, "INTERPRETER_DECODE_PROGRAMS", kd.DECODE_PROGRAMS_PER_SM * 132)
+    ps, group, D = 16, 4, 64
+    g = torch.Generator().manual_seed(n)
+    pool = new_kv_pool("bf16", 1, n // ps + 1, ps, H, D, torch.float32, DEV)
+    layer = pool.layer(0)
+    for t in (layer.k, layer.v):  # random keys and values, written straight into the pages
+        t.copy_(torch.randn(t.shape, generator=g))
+    table = torch.zeros(1, 131072 // ps, dtype=torch.int32)
+    table[0, :n // ps] = torch.arange(n // ps, dtype=torch.int32)
+    q = torch.randn(1, H * group, D, generator=g)
+    seen = []
+    real = pa.decode_reduce_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(part_acc, part_ml, *args, **kwargs):
+                seen.append(part_ml.clone())
+                return real[grid](part_acc, part_ml, *args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(pa, "decode_reduce_kernel", Spy())
+    out = paged_attention(q, layer, table, torch.tensor([n]), torch.tensor([0, 1]), D ** -0.5)
+    splits = kd.decode_splits(H, -(-131072 // kd.decode_block_t(ps, D)), torch.device("cpu"))[0]
+    assert splits == {8: 32, 2: 64}[H]
+    sums = seen[0].view(H, group, splits, 2)[:, 0, :, 1]  # each kv head's splits, through its first query head
+    busy = int((sums > 0).sum())
+    assert busy >= 0.9 * H * splits, (busy, H * splits)
+    if n <= 4096:  # the sums are right too (at 32k the reference alone takes half a minute)
+        ref = paged_attention_ref(q, layer, table, torch.tensor([n]), torch.tensor([0, 1]), D ** -0.5)
+        assert ((out - ref).norm() / ref.norm()).item() < 1e-4
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "int8", "int8/int4"])
+@pytest.mark.parametrize("window", [0, 20])
+def test_a_few_rows_of_a_sequence_attend_as_decode_rows_bit_for_bit(kv_dtype, window):
+    """The reference's rows of a verification step (a sequence's up to ROWS_AS_DECODE rows) are what decode steps
+    at those positions compute, exactly, alongside a longer prefill row set in the same batch."""
+    g = torch.Generator().manual_seed(5)
+    ps, H, group, D, n, t = 16, 2, 3, 64, 70, 9
+    pool = new_kv_pool(kv_dtype, 1, 12, ps, H, D, torch.float32, "cpu")
+    layer = pool.layer(0)
+    k, v = torch.randn(2, 2 * n, H, D, generator=g)
+    write_kv_ref(layer, k, v, torch.arange(2 * n))  # sequence 0 on pages 0-4, sequence 1 on pages 5-9
+    table = torch.tensor([[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]], dtype=torch.int32)
+    q = torch.randn(t + 40, H * group, D, generator=g)
+    scale = D ** -0.5
+    rows = paged_attention_ref(q, layer, table, torch.tensor([n, n], dtype=torch.int32),
+                               torch.tensor([0, t, t + 40], dtype=torch.int32), scale, window)
+    for i in range(t):
+        one = paged_attention_ref(q[i:i + 1], layer, table[:1], torch.tensor([n - t + i + 1], dtype=torch.int32),
+                                  torch.tensor([0, 1], dtype=torch.int32), scale, window)
+        assert torch.equal(rows[i], one[0])
+    assert ROWS_AS_DECODE >= MAX_DRAFT + 1
+    prefill = paged_attention_ref(q[t:], layer, table[1:], torch.tensor([n], dtype=torch.int32),
+                                  torch.tensor([0, 40], dtype=torch.int32), scale, window)
+    assert torch.equal(rows[t:], prefill)  # the long row set: one masked call, as before
+
+
+def test_drafts_are_verified_where_rows_compute_what_decode_steps_do():
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert rows_as_decode(kv_formats("fp16"), cpu) and rows_as_decode(kv_formats("bf16"), gpu)
+    assert rows_as_decode(kv_formats("int8/int4"), cpu) and rows_as_decode(kv_formats("fp8"), cpu)
+    assert not rows_as_decode(kv_formats("int8"), gpu)
+    assert not rows_as_decode(kv_formats("int4ch/int4"), cpu) and not rows_as_decode(kv_formats("int4ch"), gpu)
