@@ -19,8 +19,8 @@ from typing import Iterator
 
 import torch
 
-from localpd.constrain.grammar import GrammarConstraint, GrammarError, Vocabulary, json_grammar, regex_grammar, text_grammar
-from localpd.constrain.reasoning import ThinkFirst, reply_split
+from localpd.constrain.build import request_constraint
+from localpd.constrain.grammar import Vocabulary
 from localpd.constrain.tools import check_tools
 from localpd.engine.output import OutputProcessor
 from localpd.engine.requests import EngineStats, Request, RequestHandle, TokenEvent
@@ -38,6 +38,7 @@ from localpd.model.transformer import Transformer
 from localpd.kvcache.formats import KVTraffic, check_kv_dtype, kv_formats, new_kv_pool, same_kv
 from localpd.quant.schemes import DENSE, check_scheme, compute_dtype, default_scheme, group_notes
 from localpd.quant.store import is_quantized_dir
+from localpd.text.prompt import chat_prompt_ids, check_messages
 from localpd.text.stops import StopMatcher
 from localpd.text.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -207,33 +208,13 @@ class Engine:
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     template_vars: dict | None = None, tools: list[dict] | None = None,
                     continue_final: bool = False) -> list[int]:
-        """Token ids of a conversation in the model's chat template; template_vars: more variables for it (Qwen3's
-        enable_thinking); tools: OpenAI-style function specs the model may call (localpd.constrain.tools);
-        continue_final: the last message is the start of the assistant's reply, which the model goes on with (vLLM's
-        continue_final_message): the prompt ends where its text does, before the template closes the turn."""
+        """Token ids of a conversation in the model's chat template (localpd.text.prompt.chat_prompt_ids, which
+        says what the options do); tools are checked first (localpd.constrain.tools)."""
         if self.tokenizer is None:
             raise LocalpdError(f"{self.name} has no tokenizer")
-        for m in messages:
-            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
-                raise LocalpdError(f"unknown message role {m.get('role') if isinstance(m, dict) else m!r}; "
-                                   f"expected system, user, assistant or tool")
-            if not isinstance(m.get("content", ""), str):
-                raise LocalpdError("message content must be a string")
-        tools = check_tools(tools) if tools else None
-        if continue_final:
-            if not messages or messages[-1].get("role") != "assistant" or not messages[-1].get("content"):
-                raise LocalpdError("continuing the final message needs a last message from the assistant with text")
-            add_generation_prompt = False
-        text = self.tokenizer.render_chat(messages, add_generation_prompt, tools, **(template_vars or {}))
-        if continue_final:
-            content = messages[-1]["content"]
-            end = text.rfind(content)
-            end = end + len(content) if end >= 0 else text.rfind(content.strip()) + len(content.strip())
-            if end < len(content.strip()):
-                raise LocalpdError("the chat template does not show the final message's text as written, so it "
-                                   "cannot be continued")
-            text = text[:end]
-        return self.tokenizer.encode(text, add_bos=False)
+        check_messages(messages)
+        return chat_prompt_ids(self.tokenizer, messages, add_generation_prompt, template_vars,
+                               check_tools(tools) if tools else None, continue_final)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                embed: bool = False) -> RequestHandle:
@@ -262,7 +243,8 @@ class Engine:
         eos |= set(params.stop_token_ids)
         req = Request(
             seq=Sequence(rid, prompt, budget), handle=handle, params=params,
-            sampler=Sampler(params, device=self.device, constraint=self._constraint(params, eos, prompt)),
+            sampler=Sampler(params, device=self.device, constraint=request_constraint(
+                params, self.tokenizer, self._vocabulary_once, eos, prompt, self.name)),
             detok=IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None,
             stops=StopMatcher(params.stop), eos=eos, embed=embed,
         )
@@ -271,33 +253,11 @@ class Engine:
             self._wake.notify()
         return handle
 
-    def _constraint(self, params: SamplingParams, eos: set[int], prompt: list[int]):
-        """JSON mode's constraint, a pattern's or a grammar's; a thinking model's reasoning before the JSON (or the
-        match) is left free (a forced tool call's prompt opened the JSON already, so that reply does not reason
-        first). What the grammar engine cannot take is a LocalpdError naming it (param: regex, grammar or None)."""
-        if not params.json_object and params.regex is None and params.grammar is None:
-            return None
-        if self.tokenizer is None or not eos:
-            raise LocalpdError(f"a constrained reply needs a tokenizer with an end-of-sequence token; {self.name} "
-                               f"has none")
-        param = "regex" if params.regex is not None else "grammar" if params.grammar is not None else None
-        split = None if params.json_lead else reply_split(self.tokenizer, prompt)
-        try:
-            if params.grammar is not None:
-                grammar = text_grammar(params.grammar)
-            elif params.regex is not None:
-                grammar = regex_grammar(params.regex)
-            else:
-                grammar = json_grammar(params.json_schema, after_reasoning=split is not None)
-            if self._vocabulary is None:
-                self._vocabulary = Vocabulary(self.tokenizer, self.config.vocab_size, set(self.tokenizer.eos_ids))
-
-            def make():
-                return GrammarConstraint(self._vocabulary, grammar, eos, params.json_lead)
-
-            return make() if split is None else ThinkFirst(make, self.tokenizer, eos, split.inside)
-        except GrammarError as e:
-            raise LocalpdError(str(e), param=param) from None
+    def _vocabulary_once(self) -> Vocabulary:
+        """llguidance's view of the tokenizer, built at the first constraint."""
+        if self._vocabulary is None:
+            self._vocabulary = Vocabulary(self.tokenizer, self.config.vocab_size, set(self.tokenizer.eos_ids))
+        return self._vocabulary
 
     def embed(self, prompt_ids: list[int], request_id: str | None = None) -> RequestHandle:
         """Queue an embedding of a prompt: it is prefilled like any other (its full pages found in and left to the
