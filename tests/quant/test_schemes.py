@@ -31,24 +31,38 @@ def test_native_import_keeps_gguf_blocks_and_dequantizes_to_the_dense_weights(de
         assert torch.equal(native[name].dequantize(torch.float32), dense[name]), name
 
 
+@pytest.fixture(scope="module")
+def quantized(default_gguf):
+    """quantized(scheme): the default model's engine in a weight scheme, built once for this file's tests
+    (requantizing the Q4_1 file to int4-g64 or int4-g128 takes most of a minute on CI's 2 cores)."""
+    engines = {}
+
+    def get(quant: str) -> Engine:
+        if quant not in engines:
+            engines[quant] = Engine(default_gguf, device="cpu", quant=quant, max_context=256)
+        return engines[quant]
+
+    yield get
+    for engine in engines.values():
+        engine.close()
+
+
 @pytest.mark.parametrize("quant", ["native", "int8", "int4-g32", "int4-g64", "int4-g128"])
-def test_quantized_model_still_answers(default_gguf, quant):
-    engine = Engine(default_gguf, device="cpu", quant=quant, max_context=256)
+def test_quantized_model_still_answers(quantized, quant):
+    engine = quantized(quant)
     text = "".join(e.text for e in engine.chat(Q, SamplingParams(temperature=0, max_tokens=16)))
     assert "Paris" in text
-    engine.close()
 
 
-def test_int4_g128_falls_back_to_g64_where_128_does_not_divide_the_input(default_gguf):
+def test_int4_g128_falls_back_to_g64_where_128_does_not_divide_the_input(quantized):
     # SmolLM2-135M: hidden size 576 = 4.5 x 128 (q/k/v/o/gate/up inputs), ffn size 1536 = 12 x 128 (down_proj)
-    engine = Engine(default_gguf, device="cpu", quant="int4-g128", max_context=64)
+    engine = quantized("int4-g128")
     layer = engine.model.layers[5]
     assert layer.down.weight.group == 128
     assert layer.qkv.weight.group == layer.o.weight.group == layer.gate_up.weight.group == 64
     assert engine.notes == ["int4-g128: gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj use groups of 64 "
                             "(input dimension not a multiple of 128)"]
-    engine.close()
-    assert Engine(default_gguf, device="cpu", quant="int4-g64", max_context=64).notes == []
+    assert quantized("int4-g64").notes == []
 
 
 def test_int4_group_fallback_rules():
