@@ -16,7 +16,8 @@ stage() { local name=$1 limit=$2; shift 2; echo "=== $name (limit ${limit}s)"; l
   echo "=== $name rc=$rc in $((SECONDS - t0))s"; }
 for s in "$@"; do case $s in
   tests) TO="-s INT" stage gpu_kv_tests 150 env LOCALPD_TEST_DEVICE=cuda python3 -m pytest -q -n 12 -W ignore \
-           -p no:cacheprovider -rf --tb=line tests/kernels/test_kv_kernels.py
+           -p no:cacheprovider -rf --tb=line tests/kernels/test_kv_write.py tests/kernels/test_decode_attention.py \
+           tests/kernels/test_prefill_attention.py
          TO="-s INT" stage gpu_mm_tests 150 env LOCALPD_TEST_DEVICE=cuda python3 -m pytest -q -n 14 -W ignore \
            -p no:cacheprovider -rf --tb=line tests/kernels/test_kernels.py ;;
   kmtests) TO="-s INT" stage gpu_kmajor_tests 150 env LOCALPD_TEST_DEVICE=cuda python3 -m pytest -q -n 8 -W ignore \
@@ -51,7 +52,8 @@ for s in "$@"; do case $s in
   kvgraph) TAIL=8 stage bench_kv_graph 90 python3 scripts/bench_kv.py --model llama3-8b --attention-only --batch 1 \
              --contexts 4096,32768 --table-tokens 131072 ;;
   kvtests) TO="-s INT" stage gpu_kv_split_tests 120 env LOCALPD_TEST_DEVICE=cuda python3 -m pytest -q -n 12 -W ignore \
-             -p no:cacheprovider -rf --tb=short tests/kernels/test_kv_kernels.py -k "long_contexts or splits or window" ;;
+             -p no:cacheprovider -rf --tb=short tests/kernels/test_decode_attention.py \
+             tests/kernels/test_prefill_attention.py -k "long_contexts or splits or window" ;;
   kvfull) TAIL=30 stage bench_kv_full 400 python3 scripts/bench_kv.py --model synthetic:llama3-8b --contexts 4096 --streams 2 ;;
   *) echo "unknown stage $s" ;;
 esac; done

@@ -17,7 +17,7 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-@pytest.mark.parametrize("kv_dtype", [f for f in FORMATS if f not in PER_PAGE])  # int4ch: test_kv_kernels
+@pytest.mark.parametrize("kv_dtype", [f for f in FORMATS if f not in PER_PAGE])  # int4ch: tests/kernels/test_kv_write.py
 def test_round_trip_error_and_zero_rows(kv_dtype):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(37, 3, 64, generator=g) * 3
