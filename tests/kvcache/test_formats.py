@@ -17,7 +17,8 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-@pytest.mark.parametrize("kv_dtype", [f for f in FORMATS if f not in PER_PAGE])  # int4ch: tests/kernels/test_kv_write.py
+# int4ch: tests/kernels/test_kv_write.py
+@pytest.mark.parametrize("kv_dtype", [f for f in FORMATS if f not in PER_PAGE])
 def test_round_trip_error_and_zero_rows(kv_dtype):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(37, 3, 64, generator=g) * 3
