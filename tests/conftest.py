@@ -16,19 +16,35 @@ INTERPRETED = {"test_kernels.py", "test_kv_write.py", "test_decode_attention.py"
 COMPILED = {"test_attention_compile.py"}  # kernels compiled for NVIDIA cards (scripts/compile_check.py, sass_table)
 
 
+# The files that take longest, longest first (docs/PERF.md, "Test suite time (issue 31)": whole-suite runs under
+# pytest-xdist). pyproject's addopts hand each file to one of two processes; these go out first and the rest after
+# them in their own order, so that the two processes end together. xdist's own order (most tests first) handed out
+# a file of a few long tests (compile_check's, the CLI's processes) late, when the other process had little left.
+LONGEST_FILES = ("kernels/test_attention_compile.py", "kernels/test_fused_kernels.py", "kernels/test_kernels.py",
+                 "kernels/test_decode_attention.py", "cli/test_cli.py", "kernels/test_prefill_attention.py",
+                 "api/test_server_fuzz.py", "kernels/test_kv_write.py", "api/test_server.py", "quant/test_schemes.py",
+                 "cli/test_serve_shutdown.py", "engine/test_engine.py")
+
+
 def pytest_collection_modifyitems(items):
     """A test that loads the real default model or transformers, or compiles kernels for a GPU (one of
     SLOW_FIXTURES, directly or through another fixture), or runs the GEMV, attention and fused kernels under
-    Triton's interpreter, is slow: `pytest -m "not slow"` runs the rest, `pytest` everything."""
+    Triton's interpreter, is slow: `pytest -m "not slow"` runs the rest, `pytest` everything. The files of
+    LONGEST_FILES come first."""
     for item in items:
         if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())) or item.path.name in INTERPRETED | COMPILED:
             item.add_marker(pytest.mark.slow)
+    rank = {Path(__file__).parent / name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path, len(rank)))  # stable: the other files keep their order
 
 
 def pytest_configure(config):
     """Under pytest-xdist (pyproject's addopts run two worker processes), each worker takes its share of torch's
     threads, which localpd's CPU kernels use too, so that two workers running models at once do not fight over
-    the same cores."""
+    the same cores. Files are handed out in the order pytest_collection_modifyitems leaves them, not by xdist's
+    count of their tests."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
         import torch
