@@ -16,14 +16,16 @@ INTERPRETED = {"test_kernels.py", "test_kv_write.py", "test_decode_attention.py"
 COMPILED = {"test_attention_compile.py"}  # kernels compiled for NVIDIA cards (scripts/compile_check.py, sass_table)
 
 
-# The files that take longest, longest first (docs/PERF.md, "Test suite time (issue 31)": whole-suite runs under
-# pytest-xdist). pyproject's addopts hand each file to one of two processes; these go out first and the rest after
+# The files that take longest, longest first, by their seconds in a whole run (docs/PERF.md, "Test suite time,
+# second pass"). pyproject's addopts hand each file to one of two processes; these go out first and the rest after
 # them in their own order, so that the two processes end together. xdist's own order (most tests first) handed out
-# a file of a few long tests (compile_check's, the CLI's processes) late, when the other process had little left.
-LONGEST_FILES = ("kernels/test_attention_compile.py", "kernels/test_fused_kernels.py", "kernels/test_kernels.py",
-                 "kernels/test_decode_attention.py", "cli/test_cli.py", "kernels/test_prefill_attention.py",
-                 "api/test_server_fuzz.py", "kernels/test_kv_write.py", "api/test_server.py", "quant/test_schemes.py",
-                 "cli/test_serve_shutdown.py", "engine/test_engine.py")
+# the files of a few long tests (the schemathesis run, the serve-shutdown signals) last.
+LONGEST_FILES = ("cli/test_cli.py", "api/test_server.py", "api/test_ollama.py", "kernels/test_fused_kernels.py",
+                 "kernels/test_kv_write.py", "engine/test_engine.py", "kernels/test_prefill_attention.py",
+                 "kernels/test_attention_compile.py", "kernels/test_gemv_kmajor.py", "kernels/test_kernels.py",
+                 "quant/test_schemes.py", "kernels/test_decode_attention.py", "api/test_server_fuzz.py",
+                 "engine/test_speculate_engine.py", "quantize/test_calibrate.py", "kernels/test_cpu_kernels.py",
+                 "load/test_loader.py", "api/test_responses.py")
 
 
 def pytest_collection_modifyitems(items):
