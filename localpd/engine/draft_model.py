@@ -17,7 +17,7 @@ import torch
 from localpd.engine.scheduler import Sequence
 from localpd.errors import LocalpdError
 from localpd.model.transformer import Batch, Transformer
-from localpd.quant.kv import KVPool, new_kv_pool
+from localpd.kvcache.formats import KVPool, new_kv_pool
 from localpd.text.tokenizer import Tokenizer
 
 

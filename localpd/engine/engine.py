@@ -30,7 +30,7 @@ from localpd.engine.scheduler import MAX_RUNNING, MAX_STEP_TOKENS, Scheduler, Se
 from localpd.engine.draft_model import DraftModel, check_vocabulary, new_draft_pool
 from localpd.engine.speculate import SpeculateConfig, Speculator, allowed_prefix
 from localpd.errors import LocalpdError
-from localpd.kernels.kv_dispatch import rows_as_decode
+from localpd.kvcache.dispatch import rows_as_decode
 from localpd.kvcache.pages import PagePool
 from localpd.load.loader import load_model
 from localpd.load.registry import resolve_model

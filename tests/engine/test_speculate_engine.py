@@ -67,7 +67,7 @@ def test_greedy_replies_are_plain_decodings_token_for_token(kv_engine):
 
 def test_greedy_replies_over_other_pages_are_plain_decodings(other_engine):
     """Over float32 pages and per-token int8/int4 ones (each verification row's attention computed as a decode
-    row's: kernels.kv_dispatch.ROWS_AS_DECODE) every prompt, drafting wherever the text has a match."""
+    row's: kvcache.dispatch.ROWS_AS_DECODE) every prompt, drafting wherever the text has a match."""
     assert other_engine.drafts_allowed
     greedy_equality(other_engine)
 
