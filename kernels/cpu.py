@@ -360,7 +360,7 @@ def takes_attention(q: torch.Tensor, layer) -> bool:
 
 
 def attention(q, layer, page_table, seq_lens, q_starts, scale: float, window: int = 0, lib=None) -> torch.Tensor:
-    """paged_attention_ref (kernels/kv_dispatch.py) with the same arguments."""
+    """paged_attention_ref (localpd/kvcache/dispatch.py) with the same arguments."""
     lib = lib or library()
     T, Hq, D = q.shape
     out = torch.empty(T, Hq, D, dtype=torch.float32)
@@ -380,7 +380,7 @@ def takes_rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, la
 
 
 def rope_write(qkv, cos, sin, layer, slots, n_heads: int, n_kv_heads: int, lib=None) -> torch.Tensor:
-    """rope_write_kv_ref (kernels/kv_dispatch.py) with the same arguments (stage_slots aside: no stage here)."""
+    """rope_write_kv_ref (localpd/kvcache/dispatch.py) with the same arguments (stage_slots aside: no stage here)."""
     lib = lib or library()
     T = qkv.shape[0]
     D = qkv.shape[1] // (n_heads + 2 * n_kv_heads)

@@ -9,7 +9,7 @@
  *   windows), softmax in float.
  * - lpd_rope_write: RoPE on the query and key heads of a qkv row, in place, and the key and value heads written
  *   into their fp32 KV slots.
- * Each has a torch reference with the same arguments (kernels/dispatch.py, kernels/kv_dispatch.py), which the tests
+ * Each has a torch reference with the same arguments (kernels/dispatch.py, localpd/kvcache/dispatch.py), which the tests
  * compare it with. Work is shared by a small pool of threads that spin between calls, then sleep. */
 #include <math.h>
 #include <pthread.h>

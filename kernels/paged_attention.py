@@ -1,6 +1,6 @@
 """Triton kernels over the paged KV cache: writing keys/values (quantizing on the way in) and attention.
 
-KIND selects the page format (quant/kv.py): 0 float (fp32/fp16/bf16), 1 int8, 2 fp8 e4m3, 3 int4 (groups of 32,
+KIND selects the page format (localpd/kvcache/formats.py): 0 float (fp32/fp16/bf16), 1 int8, 2 fp8 e4m3, 3 int4 (groups of 32,
 two values a byte), 4 int4ch (int4 per channel of a page); the attention kernels take one for the keys (K_KIND)
 and one for the values (V_KIND), each with its own strides. Packed values are read directly, a whole tile per
 load, and dequantized in registers, so quantized KV moves fewer bytes (int4 as two half-width tiles, its low and
@@ -70,7 +70,7 @@ def _write_page_run(src, s_src_t, cos, sin, s_c, slots, t, T, data, scale, zero,
                     ROPE: tl.constexpr, STAGED: tl.constexpr):
     """int4ch, the program of token t (src: its head at token 0, rows s_src_t apart): if t is the first new token
     of its page in this step, re-quantize the page's earlier tokens together with the step's new ones over each
-    channel's range across them (as kv_dispatch._write_pages_ref); any other token's program does nothing.
+    channel's range across them (as localpd/kvcache/dispatch.py's _write_pages_ref); any other token's program does nothing.
     STAGED: the earlier tokens are read from the stage (stage: kv head h's row of slot 0, tokens s_st_t apart;
     stage_slots[t]: token t's slot there) and, if the page is left open, the new ones written to it; else the
     page's codes are dequantized."""
@@ -346,7 +346,7 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
     int4 is taken as its low and high nibbles, two half-width tiles (even and odd elements), with the query split
     the same way (keys) or two half-width accumulators (values). window > 0: the query sees its last `window`
     keys only (a sliding-window layer), and the splits share out those keys from the start of the page the first
-    of them is in (kv_dispatch.decode_span), not the whole sequence."""
+    of them is in (kvcache.dispatch.decode_span), not the whole sequence."""
     b = tl.program_id(0)
     kh = tl.program_id(1)
     sp = tl.program_id(2)

@@ -98,7 +98,7 @@ class Engine:
                  draft: str | None = None):
         """quant: a weight scheme (localpd.quant.schemes.SCHEMES); by default the file's own format ("native"; on a
         CPU without localpd's CPU kernels, float32: schemes.default_scheme). kv: the KV cache dtype
-        (localpd.quant.kv.KV_DTYPES); by default kv_default's. kv_memory: bytes for the KV cache (default: most of the free GPU memory; on the CPU room for
+        (localpd.kvcache.formats.KV_DTYPES); by default kv_default's. kv_memory: bytes for the KV cache (default: most of the free GPU memory; on the CPU room for
         two full contexts); or kv_tokens: room for that many tokens. cuda_graphs: replay decode steps as CUDA
         graphs on a GPU (localpd.engine.cuda_graph). speculate: speculative decoding (localpd.engine.speculate; by
         default off). draft: a model of the same vocabulary that drafts for this one (engine.draft_model; speculate's

@@ -28,7 +28,7 @@ class Sequence:
     cached_tokens: int = 0  # prompt tokens the prefix cache served at first admission
     admitted: bool = False  # admitted at least once (cached_tokens is final)
     preemptions: int = 0
-    stage_row: int = -1  # while running: its row in the KV pool's stage (quant.kv), one of 0 .. max_running - 1
+    stage_row: int = -1  # while running: its row in the KV pool's stage (kvcache/formats.py), one of 0 .. max_running - 1
     draft: list[int] = field(default_factory=list)  # tokens guessed to follow (engine.speculate), verified next step
 
     @property

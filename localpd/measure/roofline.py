@@ -3,7 +3,7 @@
 Bytes are what the kernels must move at least once: every matrix of the body once per step (packed data,
 scales and biases: whatever the format stores), the output head when some row needs logits, the embedding rows
 of the step's tokens, the keys and values each sequence attends to (its whole context, scales included) and
-those it writes (localpd.quant.kv.KVTraffic: a per-page format rewrites whole pages). FLOPs are 2 per
+those it writes (localpd.kvcache.formats.KVTraffic: a per-page format rewrites whole pages). FLOPs are 2 per
 multiply-add of the matrices and 4 * head_dim per (query head, attended key) pair of attention (scores and the
 weighted sum).
 """
