@@ -25,7 +25,7 @@ def rel(a, b) -> float:
 
 
 @torch.inference_mode()
-def main() -> int:
+def main() -> None:
     args, dev, bw = gpu_script(__doc__, lambda p: p.add_argument("--rows", default="1,4"))
     print(f"# {torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.0f} GB/s; times in us, % of copy bandwidth "
           f"for the weight bytes")
@@ -60,8 +60,7 @@ def main() -> int:
         del ws
         torch.cuda.empty_cache()
     write_rows(args.json, bw, out)
-    return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()
