@@ -30,8 +30,8 @@ from localpd.kernels.act_round import round_blocks
 def add_rms_norm_kernel(x, res, w, out_h, out_x, N, eps, s_x, s_r, s_h, s_ox, q, sq, s_q, s_sq, HAS_RES: tl.constexpr,
                         BLOCK: tl.constexpr, ROUND_BITS: tl.constexpr = 0):
     """Program t: s = x[t] (+ res[t]) rounded to x's dtype; out_x[t] = s; out_h[t] = s * rsqrt(mean(s^2) + eps) * w;
-    with ROUND_BITS (4 or 8) out_h[t] is also rounded for the integer GEMV into q[t], sq[t] (kernels/act_round.py:
-    N a multiple of 32)."""
+    with ROUND_BITS (4 or 8) h is rounded for the integer GEMV into q[t], sq[t] instead (kernels/act_round.py: N a
+    multiple of 32), and out_h is not written: nothing reads it then."""
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK)
     mask = d < N
@@ -43,11 +43,12 @@ def add_rms_norm_kernel(x, res, w, out_h, out_x, N, eps, s_x, s_r, s_h, s_ox, q,
     sf = s.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / N + eps)
     h = ((sf * inv).to(tl.float32) * tl.load(w + d, mask=mask, other=0.0).to(tl.float32)).to(out_h.dtype.element_ty)
-    tl.store(out_h + t * s_h + d, h, mask=mask)
     if ROUND_BITS:
         blk = tl.arange(0, BLOCK // 32)
         round_blocks(tl.reshape(h.to(tl.float32), (BLOCK // 32, 32)), blk, blk < N // 32, q + t * s_q, sq + t * s_sq,
                      BLOCK // 32, ROUND_BITS)
+    else:
+        tl.store(out_h + t * s_h + d, h, mask=mask)
 
 
 @triton.jit
@@ -80,8 +81,8 @@ def gate_act(g, ACT: tl.constexpr):
 def act_mul_kernel(gu, out, I, s_gu, s_o, q, sq, s_q, s_sq, BLOCK: tl.constexpr, ACT: tl.constexpr,
                    ROUND_BITS: tl.constexpr = 0):
     """Program (t, block): out[t, j] = act(gu[t, j]) * gu[t, I + j], act rounded to the dtype first as torch does;
-    with ROUND_BITS (4 or 8) out[t] is also rounded for the integer GEMV into q[t], sq[t] (kernels/act_round.py: I
-    a multiple of 32, BLOCK at least 32)."""
+    with ROUND_BITS (4 or 8) the product is rounded for the integer GEMV into q[t], sq[t] instead (kernels/
+    act_round.py: I a multiple of 32, BLOCK at least 32), and out is not written: nothing reads it then."""
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = j < I
@@ -89,11 +90,12 @@ def act_mul_kernel(gu, out, I, s_gu, s_o, q, sq, s_q, s_sq, BLOCK: tl.constexpr,
     u = tl.load(gu + t * s_gu + I + j, mask=mask, other=0.0)
     a = gate_act(g, ACT).to(u.dtype).to(tl.float32)
     y = (a * u.to(tl.float32)).to(out.dtype.element_ty)
-    tl.store(out + t * s_o + j, y, mask=mask)
     if ROUND_BITS:
         blk = tl.program_id(1) * (BLOCK // 32) + tl.arange(0, BLOCK // 32)
         round_blocks(tl.reshape(y.to(tl.float32), (BLOCK // 32, 32)), blk, blk < I // 32, q + t * s_q, sq + t * s_sq,
                      BLOCK // 32, ROUND_BITS)
+    else:
+        tl.store(out + t * s_o + j, y, mask=mask)
 
 
 @triton.jit

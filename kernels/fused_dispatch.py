@@ -72,9 +72,19 @@ def _warps(block: int) -> int:
     return 1 if block <= 256 else 4 if block <= 2048 else 8
 
 
+def _kernel_takes(x: torch.Tensor, *others: torch.Tensor | None) -> bool:
+    """Whether the Triton step runs on rows x (and the others given): Triton at hand, 2-D, last dimension dense."""
+    return use_triton(x) and x.dim() == 2 and all(t.stride(-1) == 1 for t in (x, *others) if t is not None)
+
+
+def _check_act(act: str) -> None:
+    if act not in GATE_ACTS:
+        raise LocalpdError(f"unknown MLP activation {act!r}; localpd knows {', '.join(GATE_ACTS)}")
+
+
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    if not use_triton(x) or x.dim() != 2 or x.stride(-1) != 1 or (residual is not None and residual.stride(-1) != 1):
+    if not _kernel_takes(x, residual):
         return add_rms_norm_ref(x, residual, weight, eps)
     return _add_rms_norm(x, residual, weight, eps, 0)[:2]
 
@@ -83,18 +93,20 @@ def add_rms_norm_rounded(x: torch.Tensor, residual: torch.Tensor | None, weight:
                          bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """add_rms_norm whose normalised rows are rounded for the integer GEMV of a bits-wide weight
     (kernels/act_round.py, N a multiple of 32): (q, scales, x + residual)."""
-    if not use_triton(x) or x.dim() != 2 or x.stride(-1) != 1 or (residual is not None and residual.stride(-1) != 1):
+    if not _kernel_takes(x, residual):
         return add_rms_norm_rounded_ref(x, residual, weight, eps, bits)
     _, s, q, sq = _add_rms_norm(x, residual, weight, eps, bits)
     return q, sq, s
 
 
 def _add_rms_norm(x, residual, weight, eps: float, bits: int):
+    """(normalised rows, x + residual, q, scales); with bits the rows are rounded into q and scales and not
+    written (x stands for them as a pointer the kernel does not store through), else q and scales are h."""
     from localpd.kernels.act_round import empty_rounded
     from localpd.kernels.fused import add_rms_norm_kernel
 
     T, N = x.shape
-    h = torch.empty_like(x)
+    h = x if bits else torch.empty_like(x)
     s = x if residual is None else torch.empty_like(x)
     r = x if residual is None else residual
     q, sq = empty_rounded(T, N, x.device) if bits else (h, h)
@@ -107,9 +119,8 @@ def _add_rms_norm(x, residual, weight, eps: float, bits: int):
 
 
 def act_mul(gate_up: torch.Tensor, act: str = "silu") -> torch.Tensor:
-    if act not in GATE_ACTS:
-        raise LocalpdError(f"unknown MLP activation {act!r}; localpd knows {', '.join(GATE_ACTS)}")
-    if not use_triton(gate_up) or gate_up.dim() != 2 or gate_up.stride(-1) != 1:
+    _check_act(act)
+    if not _kernel_takes(gate_up):
         return act_mul_ref(gate_up, act)
     return _act_mul(gate_up, act, 0)[0]
 
@@ -117,19 +128,20 @@ def act_mul(gate_up: torch.Tensor, act: str = "silu") -> torch.Tensor:
 def act_mul_rounded(gate_up: torch.Tensor, act: str, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """act_mul's output rounded for the integer GEMV of a bits-wide weight (kernels/act_round.py, I a multiple of
     32): (q, scales)."""
-    if act not in GATE_ACTS:
-        raise LocalpdError(f"unknown MLP activation {act!r}; localpd knows {', '.join(GATE_ACTS)}")
-    if not use_triton(gate_up) or gate_up.dim() != 2 or gate_up.stride(-1) != 1:
+    _check_act(act)
+    if not _kernel_takes(gate_up):
         return act_mul_rounded_ref(gate_up, act, bits)
     return _act_mul(gate_up, act, bits)[1:]
 
 
 def _act_mul(gate_up, act: str, bits: int):
+    """(act(gate) * up, q, scales); with bits the product is rounded into q and scales and not written (gate_up
+    stands for it as a pointer the kernel does not store through), else q and scales are the product."""
     from localpd.kernels.act_round import empty_rounded
     from localpd.kernels.fused import act_mul_kernel
 
     T, I = gate_up.shape[0], gate_up.shape[1] // 2
-    out = torch.empty((T, I), dtype=gate_up.dtype, device=gate_up.device)
+    out = gate_up if bits else torch.empty((T, I), dtype=gate_up.dtype, device=gate_up.device)
     q, sq = empty_rounded(T, I, gate_up.device) if bits else (out, out)
     block = max(32, min(1024, triton_block(I)))
     if T:

@@ -34,9 +34,6 @@ import triton.language as tl
 from localpd.kernels import gemv_kmajor as km
 from localpd.kernels.act_round import quantize_act, rounded_act_ref
 
-BLOCK = 32  # inputs sharing one activation scale (the CPU kernels' block)
-NUM_WARPS = 4  # blocks a trip: one a warp
-
 
 @triton.jit
 def _dp4a(a, b, c, SIGNED_A: tl.constexpr, ASM: tl.constexpr):
@@ -98,10 +95,12 @@ def _unit(q_ptr, rq0, rq1, rq2, rq3, at, wa, wb, ih0, il0, ih1, il1, ih2, il2, i
 
 
 @triton.jit
-def _trip_words(wp, fp, stride_wk, mask, WPB: tl.constexpr):
-    """A trip's words a thread, from wp (word 0 of each of its blocks): WPB of them (int8: 8; int4: 4, then 0s),
-    and its blocks' group factors (from fp)."""
-    fac = tl.load(fp, mask=mask, other=0)
+def _trip_words(wp, fp, c, nb, trip, stride_wk, stride_fg, mask, NB: tl.constexpr, WPB: tl.constexpr,
+                GROUP: tl.constexpr):
+    """Trip c's words a thread, from wp (word 0 of each of trip 0's blocks, a trip apart): WPB of them (int8: 8;
+    int4: 4, then 0s), and its blocks' group factors (fp: the factors' row 0)."""
+    wp = wp + c * trip
+    fac = tl.load(fp + ((c * NB + nb) * 32 // GROUP)[:, None, None] * stride_fg, mask=mask, other=0)
     w0 = tl.load(wp, mask=mask, other=0)
     w1 = tl.load(wp + stride_wk, mask=mask, other=0)
     w2 = tl.load(wp + 2 * stride_wk, mask=mask, other=0)
@@ -158,16 +157,15 @@ def _gemv_dp4a_kernel(q_ptr, s_ptr, y_ptr, w_ptr, f_ptr, M, N, K, stride_qm, str
     acc3 = tl.zeros((NB, BLOCK_N // 4, 4), tl.float32)
     wp = w_ptr + (nb * WPB)[:, None, None] * stride_wk + n3[None, :, :]  # word 0 of each block of trip 0
     trip = NB * WPB * stride_wk
-    fp = f_ptr + n3[None, :, :]  # + a block's group row
+    fp = f_ptr + n3[None, :, :]  # the factors' row 0
     # PREFETCH 1: the next trip's words and factors are loaded before this trip's arithmetic; 2: the trip after it
     # too (ptxas issues a trip's loads late in the loop body, so one trip ahead arrives just in time at best)
     if PREFETCH > 0:
-        n0, n1, n2, n3_, n4, n5, n6, n7, nf = _trip_words(
-            wp + c0 * trip, fp + ((c0 * NB + nb) * 32 // GROUP)[:, None, None] * stride_fg, stride_wk, m3, WPB)
+        n0, n1, n2, n3_, n4, n5, n6, n7, nf = _trip_words(wp, fp, c0, nb, trip, stride_wk, stride_fg, m3, NB, WPB,
+                                                          GROUP)
     if PREFETCH > 1:
-        c2 = tl.minimum(c0 + 1, c1 - 1)
-        p0, p1, p2, p3, p4, p5, p6, p7, pf = _trip_words(
-            wp + c2 * trip, fp + ((c2 * NB + nb) * 32 // GROUP)[:, None, None] * stride_fg, stride_wk, m3, WPB)
+        p0, p1, p2, p3, p4, p5, p6, p7, pf = _trip_words(wp, fp, tl.minimum(c0 + 1, c1 - 1), nb, trip, stride_wk,
+                                                         stride_fg, m3, NB, WPB, GROUP)
     for c in range(c0, c1):
         blk = c * NB + nb  # [NB]: this trip's blocks
         if PREFETCH > 0:
@@ -176,16 +174,14 @@ def _gemv_dp4a_kernel(q_ptr, s_ptr, y_ptr, w_ptr, f_ptr, M, N, K, stride_qm, str
             cn = tl.minimum(c + PREFETCH, c1 - 1)
             if PREFETCH > 1:
                 n0, n1, n2, n3_, n4, n5, n6, n7, nf = p0, p1, p2, p3, p4, p5, p6, p7, pf
-                p0, p1, p2, p3, p4, p5, p6, p7, pf = _trip_words(
-                    wp + cn * trip, fp + ((cn * NB + nb) * 32 // GROUP)[:, None, None] * stride_fg, stride_wk, m3,
-                    WPB)
+                p0, p1, p2, p3, p4, p5, p6, p7, pf = _trip_words(wp, fp, cn, nb, trip, stride_wk, stride_fg, m3, NB,
+                                                                 WPB, GROUP)
             else:
-                n0, n1, n2, n3_, n4, n5, n6, n7, nf = _trip_words(
-                    wp + cn * trip, fp + ((cn * NB + nb) * 32 // GROUP)[:, None, None] * stride_fg, stride_wk, m3,
-                    WPB)
+                n0, n1, n2, n3_, n4, n5, n6, n7, nf = _trip_words(wp, fp, cn, nb, trip, stride_wk, stride_fg, m3, NB,
+                                                                  WPB, GROUP)
         else:
-            w0, w1, w2, w3, w4, w5, w6, w7, fac = _trip_words(
-                wp + c * trip, fp + (blk * 32 // GROUP)[:, None, None] * stride_fg, stride_wk, m3, WPB)
+            w0, w1, w2, w3, w4, w5, w6, w7, fac = _trip_words(wp, fp, c, nb, trip, stride_wk, stride_fg, m3, NB, WPB,
+                                                              GROUP)
         scale = (fac & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         bias = (fac >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         ih0 = tl.zeros((NB, BLOCK_N // 4, 4), tl.int32)
@@ -259,7 +255,7 @@ def blocks_a_trip(k: int, most: int = DEFAULT_TILE["blocks"]) -> int:
 
 
 # The model's GEMVs take this kernel where its activations are 16-bit floats: the rounding to two int8 levels keeps
-# about 15 bits, below the 11 of float16 and 8 of bfloat16 (float32 activations keep gemv_kmajor's float product).
+# about 15 bits, more than float16's 11 and bfloat16's 8 (float32 activations keep gemv_kmajor's float product).
 # False sends every GEMV to gemv_kmajor (the benchmarks compare the two).
 ENABLED = True
 
@@ -277,10 +273,7 @@ def gemv_dp4a(x: torch.Tensor, words: torch.Tensor, factors: torch.Tensor, bits:
     """x [M, K] (M <= gemv_kmajor.MAX_ROWS) @ W.T (+ bias) -> [M, N] in x.dtype, for K-major words and factors
     (quant/kmajor.py), with x rounded by quantize_act. split_k overrides gemv_kmajor.split_for (tests); tile
     overrides DEFAULT_TILE's knobs (scripts/sweep_dp4a.py)."""
-    n, m = words.shape[1], x.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0 or n == 0:
-        return out
+    out = torch.empty((x.shape[0], words.shape[1]), dtype=x.dtype, device=x.device)
     q, s = quantize_act(x, bits)
     return gemv_rounded(q, s, out, words, factors, bits, group, bias=bias, split_k=split_k, tile=tile)
 
@@ -310,7 +303,7 @@ def gemv_rounded(q: torch.Tensor, s: torch.Tensor, out: torch.Tensor, words: tor
 # torch references, same signatures
 
 def gemv_dp4a_ref(x: torch.Tensor, words: torch.Tensor, factors: torch.Tensor, bits: int, group: int, *, bias=None,
-                  split_k: int | None = None, per_sm: int = 0) -> torch.Tensor:
+                  split_k: int | None = None, tile: dict | None = None) -> torch.Tensor:
     """gemv_dp4a in torch: the rounded activations times the dequantized weights, in float64."""
     from localpd.quant.kmajor import KMajorInt4, KMajorInt8
 

@@ -1,8 +1,8 @@
 """`localpd bench kernels --predict`: what a model's batch-1 decode GEMVs compile to, and the share of copy bandwidth
 that predicts, without a GPU (issue 32).
 
-Each decode linear of the model (qkv, o, gate_up, down, the head) is compiled as kernels/gemv_kmajor.py launches it
-(one row, the default tile, the input step in its own kernel) for each card's architecture with Triton's compiler
+Each decode linear of the model (qkv, o, gate_up, down, the head) is compiled as kernels/gemv_dp4a.py (the model's
+GEMV for 16-bit activations) and kernels/gemv_kmajor.py launch it (one row, the default tile, no input step) for each card's architecture with Triton's compiler
 and ptxas, and its main loop read from the disassembly (measure/sass.py). Per kernel: programs, bytes a program
 loads, the 16-byte loads a trip against the weight words' own, bytes in flight per SM, SASS instructions per weight
 word, registers and spilled bytes, and a predicted % of copy bandwidth from this model:
@@ -90,7 +90,6 @@ class Launch:
     trip_inputs: int  # inputs (K) a trip covers: split-K slices are whole trips
     prefetch: int  # trips ahead a trip's words are loaded
     act_bytes: float  # activation bytes a column tile reads, per input
-    launches: int  # kernel launches (each pays FLOOR_US)
     per_sm: int  # programs an SM the split-K is sized for
 
 
@@ -116,7 +115,7 @@ def compile_gemv(bits: int, group: int, n: int, k: int, arch: int, kernel: str =
         kwargs = dict(BITS=bits, GROUP=gk, BLOCK_N=km.BLOCK_N, NB=nb, BLOCK_M=1, OUT_BIAS=False, ASM=True,
                       PREFETCH=dp.DEFAULT_TILE["PREFETCH"], num_warps=warps, num_stages=1)
         return Launch(compile_launch(dp._gemv_dp4a_kernel, args, kwargs, arch), bits * 4 * nb / warps, 32 * warps,
-                      32 * nb, dp.DEFAULT_TILE["PREFETCH"], 2.25, 1, dp.DEFAULT_TILE["per_sm"])
+                      32 * nb, dp.DEFAULT_TILE["PREFETCH"], 2.25, dp.DEFAULT_TILE["per_sm"])
     bk = km.launch_block_k(k, bits, g, tile["BLOCK_K"])
     x = torch.empty(1, k, dtype=torch.bfloat16)
     args = (x, out, words, factors, 1, n, k, x.stride(0), out.stride(0), words.stride(0), factors.stride(0), ws, cnt,
@@ -125,7 +124,7 @@ def compile_gemv(bits: int, group: int, n: int, k: int, arch: int, kernel: str =
                   OUT_BIAS=False, PREFETCH=tile["PREFETCH"], BLOCK_M=1, num_warps=tile["num_warps"], num_stages=1)
     threads = 32 * tile["num_warps"]
     return Launch(compile_launch(km._gemv_kmajor_kernel, args, kwargs, arch), bk * bits / 32 * km.BLOCK_N / threads,
-                  threads, bk, tile["PREFETCH"], 2.0, 1, tile["per_sm"])
+                  threads, bk, tile["PREFETCH"], 2.0, tile["per_sm"])
 
 
 def predict(model: str = "llama3-8b", cards=CARDS, formats=FORMATS, kernels=("dp4a",)) -> list[Prediction]:
@@ -157,7 +156,7 @@ def predict(model: str = "llama3-8b", cards=CARDS, formats=FORMATS, kernels=("dp
                     in_flight = int(resident * trip_bytes)
                     need = card.gbs * 1e9 * LATENCY_US * 1e-6 / card.sms
                     eff = min(1.0, card.budget() / stats.per_word, in_flight / need)
-                    seconds = launch.launches * FLOOR_US * 1e-6 + nbytes / (eff * card.gbs * 1e9)
+                    seconds = FLOOR_US * 1e-6 + nbytes / (eff * card.gbs * 1e9)
                     rows.append(Prediction(card.name, kernel, fmt, name, n, k, programs, nbytes // programs,
                                            f"{wide}/{weight_wide}", in_flight, stats.per_word, stats.registers,
                                            stats.spilled, stats.barriers, nbytes / (card.gbs * 1e9) / seconds,
@@ -170,7 +169,7 @@ def run(args) -> int:
     rows = predict(args.model or "llama3-8b", cards, kernels=("dp4a", "kmajor"))
     print(f"# {args.model or 'llama3-8b'}: batch-1 decode GEMVs compiled per card, no GPU used: dp4a (kernels/gemv_"
           f"dp4a.py, the model's for 16-bit activations, DEFAULT_TILE) and kmajor "
-          f"(kernels/gemv_kmajor.py, float products); model: time = launches x {FLOOR_US} us + bytes / (efficiency x "
+          f"(kernels/gemv_kmajor.py, float products); model: time = {FLOOR_US} us + bytes / (efficiency x "
           f"bandwidth), efficiency = min(1, budget / instructions a word, in flight / (bandwidth x {LATENCY_US} us / "
           f"SMs))")
     for card in cards:
