@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from localpd.engine.runner import batch_of, slot_of
 from localpd.engine.scheduler import Sequence
 from localpd.errors import LocalpdError
 from localpd.model.transformer import Batch, Transformer
@@ -42,16 +43,9 @@ class DraftModel:
             tokens = [seqs[i].tokens[-1] if j == 0 else drafts[i][-1] for i in live]
             positions = [seqs[i].computed + j for i in live]
             pages = [seqs[i].table.pages for i in live]
-            width = max(len(p) for p in pages)
-
-            def t(x, dtype=torch.int32):
-                return torch.tensor(x, dtype=dtype, device=device)
-
-            slots = [p[pos // ps] * ps + pos % ps for p, pos in zip(pages, positions)]
-            batch = Batch(tokens=t(tokens, torch.long), positions=t(positions, torch.long), slots=t(slots, torch.long),
-                          page_table=t([p + [0] * (width - len(p)) for p in pages]),
-                          seq_lens=t([pos + 1 for pos in positions]), q_starts=t(list(range(len(live) + 1))),
-                          logit_rows=t(list(range(len(live))), torch.long))
+            batch = batch_of(tokens, positions, [slot_of(p, pos, ps) for p, pos in zip(pages, positions)], pages,
+                             [pos + 1 for pos in positions], list(range(len(live) + 1)), list(range(len(live))),
+                             device)
             for i, token in zip(live, self.model.forward(batch, self.kv).argmax(-1).tolist()):
                 drafts[i].append(token)
         return drafts

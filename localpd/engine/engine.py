@@ -176,10 +176,11 @@ class Engine:
         """The draft model in its file's own scheme (engine.draft_model), its pages the target's; a one-line error
         where its vocabulary is not the target's."""
         quant = default_scheme(self.device, is_quantized_dir(Path(draft)))
-        name, _, loaded = load(draft, quant, compute_dtype(quant, self.device), self.device, False)
+        dtype = compute_dtype(quant, self.device)
+        name, _, loaded = load(draft, quant, dtype, self.device, False)
         check_vocabulary(loaded.tokenizer(), self.tokenizer, loaded.config.vocab_size, self.config.vocab_size, name)
         model = Transformer(loaded.config, loaded.weights, context=self.max_context)
-        kv = new_draft_pool(model, self.kv, self.kv_dtype, compute_dtype(quant, self.device), self.device)
+        kv = new_draft_pool(model, self.kv, self.kv_dtype, dtype, self.device)
         return DraftModel(name, model, kv, model.weight_bytes / self.model.weight_bytes)
 
     @property

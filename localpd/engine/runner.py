@@ -112,15 +112,8 @@ class ModelRunner:
             lens.append(w.start + w.n)
             if w.sample:  # the last row, and a drafted sequence's rows after its own token
                 rows += range(starts[-1] - 1 - len(w.draft), starts[-1])
-        width = max(len(w.seq.table.pages) for w in work)
-        table = [w.seq.table.pages + [0] * (width - len(w.seq.table.pages)) for w in work]
-
-        def t(x, dtype=torch.int32):
-            return torch.tensor(x, dtype=dtype, device=self.device)
-
-        return Batch(tokens=t(ids, torch.long), positions=t(positions, torch.long), slots=t(slots, torch.long),
-                     page_table=t(table), seq_lens=t(lens), q_starts=t(starts), logit_rows=t(rows, torch.long),
-                     stage_slots=t(stage_slots, torch.long) if self.kv.has_stage else None)
+        return batch_of(ids, positions, slots, [w.seq.table.pages for w in work], lens, starts, rows, self.device,
+                        stage_slots if self.kv.has_stage else None)
 
     def _decode_inputs(self, work: list[Work]):
         """(tokens, positions, slots, stage slots, page lists, lengths) of a step in which every sequence decodes
@@ -184,6 +177,20 @@ class StepTimer:
 def prepare_all(masks: list) -> None:
     for prepare in masks:
         prepare()
+
+
+def batch_of(ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]], lens: list[int],
+             starts: list[int], rows: list[int], device, stage_slots: list[int] | None = None) -> Batch:
+    """A step's Batch from its lists: token ids, positions and KV slots a row; each sequence's pages (padded with
+    page 0 to the widest), length and first row (q_starts, one more at the end); the rows to take logits of."""
+    width = max(len(p) for p in tables)
+
+    def t(x, dtype=torch.int32):
+        return torch.tensor(x, dtype=dtype, device=device)
+
+    return Batch(tokens=t(ids, torch.long), positions=t(positions, torch.long), slots=t(slots, torch.long),
+                 page_table=t([p + [0] * (width - len(p)) for p in tables]), seq_lens=t(lens), q_starts=t(starts),
+                 logit_rows=t(rows, torch.long), stage_slots=None if stage_slots is None else t(stage_slots, torch.long))
 
 
 def slot_of(pages: list[int], pos: int, page_size: int) -> int:
