@@ -22,18 +22,25 @@ MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: x + MAGIC - MAGIC rounds |x| < 
 
 
 @triton.jit
-def round_blocks(v, blk, bmask, q_row, s_row, BLOCKS: tl.constexpr, BITS: tl.constexpr):
-    """v [BLOCKS, 32] fp32: blocks blk [BLOCKS] of a row (bmask: those that exist) rounded and stored at the row's
-    q and s (module doc)."""
+def two_levels(v):
+    """The rounding: each row of v [R, C] fp32 as (hi, lo, d), v ~ (256 hi + lo) d: hi, lo int32 in -127 .. 127
+    [R, C], d [R] fp32 (module doc). A row is a GEMV input's block of 32, or an attention query head
+    (kernels/paged_attention.py, int8 keys)."""
     amax = tl.max(tl.abs(v), axis=1)
     step = amax / 127.0
     inv = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)
     hi = (v * inv[:, None] + MAGIC) - MAGIC
     rest = v - hi * step[:, None]
     lo = (rest * (inv * 256.0)[:, None] + MAGIC) - MAGIC
-    hi, lo = hi.to(tl.int32), tl.minimum(tl.maximum(lo, -127.0), 127.0).to(tl.int32)
+    return hi.to(tl.int32), tl.minimum(tl.maximum(lo, -127.0), 127.0).to(tl.int32), step / 256.0
+
+
+@triton.jit
+def round_blocks(v, blk, bmask, q_row, s_row, BLOCKS: tl.constexpr, BITS: tl.constexpr):
+    """v [BLOCKS, 32] fp32: blocks blk [BLOCKS] of a row (bmask: those that exist) rounded and stored at the row's
+    q and s (module doc)."""
+    hi, lo, d = two_levels(v)
     isum = tl.sum(hi * 256 + lo, axis=1)
-    d = step / 256.0
     tl.store(s_row + blk * 2, d, mask=bmask)
     tl.store(s_row + blk * 2 + 1, d * isum.to(tl.float32), mask=bmask)
     base = q_row + blk * 16

@@ -7,7 +7,9 @@ load, and dequantized in registers, so quantized KV moves fewer bytes (int4 as t
 high nibbles; see decode_kernel). Decode (every sequence one query) splits each sequence's pages over several
 programs (flash-decoding), each walking its tokens a tile of several pages at a time (scores and weighted sums as
 tl.dot, the query group padded to 16 rows), and a reduce kernel merges each query head's partial softmaxes in one
-step; prefill chunks tile queries by BLOCK_M and walk the key pages with an online softmax and a causal mask. All
+step; the dots take half-precision queries' own type (kvcache.dispatch.attention_dot), and decode scores int8
+keys by integer dots (int8_key_dots); prefill chunks tile queries by BLOCK_M and walk the key pages with an
+online softmax and a causal mask. All
 query heads that share a KV head are one program (GQA), in both: its keys and values are loaded once for the
 group. Loads are masked at the sequence's end, so whatever lies past it (stale or never-written slots, padding in
 the page table) is not read. rope_write_kv_kernel is a layer's whole step between its qkv projection and
@@ -20,6 +22,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from localpd.kernels.act_round import two_levels
+
 FLOAT, INT8, FP8, INT4 = 0, 1, 2, 3
 
 
@@ -30,14 +34,16 @@ def _token_scales(scale, pages, offs, mask, head, c_page, c_tok, c_head):
 
 
 @triton.jit
-def _load_tokens(data, pages, offs, mask, head, s_page, s_tok, s_head, D: tl.constexpr, DP: tl.constexpr):
-    """Tokens (pages[i], offs[i]) of one KV head as float32 [len(pages), DP]: float pages as stored, int8 and fp8
-    without their per-token scale (the caller applies _token_scales to whole rows; int4 is read by _halves).
+def _load_tokens(data, pages, offs, mask, head, s_page, s_tok, s_head, D: tl.constexpr, DP: tl.constexpr,
+                 DOT: tl.constexpr):
+    """Tokens (pages[i], offs[i]) of one KV head as DOT [len(pages), DP] (the dots' operand type, which holds every
+    stored value exactly: bf16/fp16 pages, int8 codes, fp8 values): float pages as stored, int8 and fp8 without
+    their per-token scale (the caller applies _token_scales to whole rows; int4 is read by _halves).
     Masked tokens read 0, so stale or never-written memory past a sequence's end cannot turn into NaN; so do the
     columns past the head's D elements where DP, the tile, is wider (heads of 96 in tiles of 128)."""
     d = tl.arange(0, DP)
     tok = pages[:, None] * s_page + offs[:, None] * s_tok + head * s_head
-    return tl.load(data + tok + d[None, :], mask=mask[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)
+    return tl.load(data + tok + d[None, :], mask=mask[:, None] & (d < D)[None, :], other=0.0).to(DOT)
 
 
 @triton.jit
@@ -289,21 +295,22 @@ def _page_channels(q, scale_bits, zero_bits, PS: tl.constexpr):
 
 @triton.jit
 def _halves(data, scale, zero, pages, offs, mask, head, s_page, s_tok, s_head, c_page, c_tok, c_head,
-            KIND: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, PS: tl.constexpr):
-    """The even and odd elements of int4 tokens (KIND 3 grouped, 4 per channel) as float32 [len(pages), DP / 2]."""
+            KIND: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, PS: tl.constexpr, DOT: tl.constexpr):
+    """The even and odd elements of int4 tokens (KIND 3 grouped, 4 per channel) as DOT [len(pages), DP / 2],
+    dequantized in float32."""
     if KIND == 3:
         even, odd = _int4_halves(data, scale, zero, pages, offs, mask, head, s_page, s_tok, s_head, c_page, c_tok,
                                  c_head, D, DP)
     else:
         even, odd = _int4ch_halves(data, scale, zero, pages, offs, mask, head, s_page, s_tok, s_head, c_page,
                                    c_head, D, DP, PS)
-    return even, odd
+    return even.to(DOT), odd.to(DOT)
 
 
 @triton.jit
-def _query_tiles(q_rows, mask, sm_scale, D: tl.constexpr, DP: tl.constexpr):
-    """Query rows (q_rows: each row's first element) times sm_scale in float32: whole [rows, DP], and their even
-    and odd elements [rows, DP / 2] for int4 keys (unused loads are compiled away); 0 past the head's D."""
+def _query_tiles(q_rows, mask, sm_scale, D: tl.constexpr, DP: tl.constexpr, DOT: tl.constexpr):
+    """Query rows (q_rows: each row's first element) times sm_scale in float32, as DOT: whole [rows, DP], and their
+    even and odd elements [rows, DP / 2] for int4 keys (unused loads are compiled away); 0 past the head's D."""
     d = tl.arange(0, DP)
     h2 = tl.arange(0, DP // 2)
     m = mask[:, None]
@@ -311,7 +318,7 @@ def _query_tiles(q_rows, mask, sm_scale, D: tl.constexpr, DP: tl.constexpr):
     m2 = m & (h2 < D // 2)[None, :]
     even = tl.load(q_rows + 2 * h2[None, :], mask=m2, other=0.0).to(tl.float32) * sm_scale
     odd = tl.load(q_rows + 2 * h2[None, :] + 1, mask=m2, other=0.0).to(tl.float32) * sm_scale
-    return whole, even, odd
+    return whole.to(DOT), even.to(DOT), odd.to(DOT)
 
 
 @triton.jit
@@ -335,18 +342,22 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
                   s_q_t, s_q_h, s_pt_b, sk_page, sk_tok, sk_head, ck_page, ck_tok, ck_head,
                   sv_page, sv_tok, sv_head, cv_page, cv_tok, cv_head, SPLITS, window,
                   K_KIND: tl.constexpr, V_KIND: tl.constexpr, PS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                  GROUP: tl.constexpr, GP: tl.constexpr, BLOCK_T: tl.constexpr):
+                  GROUP: tl.constexpr, GP: tl.constexpr, BLOCK_T: tl.constexpr, DOT: tl.constexpr,
+                  INT8_KEYS: tl.constexpr):
     """Program (b, kv head, split): the group's queries (padded to GP >= 16 rows for tl.dot) against this split's
     tokens, BLOCK_T at a time across several pages; partial softmax results out. The splits share out the
     sequence's own tokens in whole tiles (its length read here, not the page table's width: a CUDA graph's table
     spans the whole context, and a 4k sequence in a 128k table would otherwise keep one split of SPLITS busy).
 
-    The tiles go into the dots as stored, and each format's scales are applied where they cost least: a per-token
-    scale (int8, fp8) multiplies the scores (keys) or the softmax weights (values), not every element; grouped
-    int4 is taken as its low and high nibbles, two half-width tiles (even and odd elements), with the query split
-    the same way (keys) or two half-width accumulators (values). window > 0: the query sees its last `window`
-    keys only (a sliding-window layer), and the splits share out those keys from the start of the page the first
-    of them is in (kvcache.dispatch.decode_span), not the whole sequence."""
+    The tiles go into the dots as stored, in DOT (the queries' type where it is bf16/fp16: tensor-core dots at
+    twice tf32's rate, the softmax weights rounded to it), and each format's scales are applied where they cost
+    least: a per-token scale (int8, fp8) multiplies the scores (keys) or the softmax weights (values), not every
+    element; grouped int4 is taken as its low and high nibbles, two half-width tiles (even and odd elements), with
+    the query split the same way (keys) or two half-width accumulators (values). INT8_KEYS: int8 keys meet each
+    query head rounded to two int8 levels in two integer dots, so the codes need no conversion at all.
+    window > 0: the query sees its last `window` keys only (a sliding-window layer), and the splits share out those
+    keys from the start of the page the first of them is in (kvcache.dispatch.decode_span), not the whole
+    sequence."""
     b = tl.program_id(0)
     kh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -360,9 +371,12 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
     gmask = g < GROUP
     K_INT4: tl.constexpr = K_KIND == 3 or K_KIND == 4
     V_INT4: tl.constexpr = V_KIND == 3 or V_KIND == 4
-    # float32 operands: tf32 on the GPU, which holds bf16/fp16 queries and keys exactly (and the interpreter has
-    # no bf16 dot)
-    qv, q_even, q_odd = _query_tiles(q + b * s_q_t + (kh * GROUP + g)[:, None] * s_q_h, gmask, sm_scale, D, DP)
+    q_rows = q + b * s_q_t + (kh * GROUP + g)[:, None] * s_q_h
+    if INT8_KEYS:  # each query head rounded to two int8 levels (act_round.two_levels), ~15 bits
+        q_hi, q_lo, q_step = two_levels(_query_tiles(q_rows, gmask, sm_scale, D, DP, tl.float32)[0])
+        q_hi, q_lo = q_hi.to(tl.int8), q_lo.to(tl.int8)
+    else:
+        qv, q_even, q_odd = _query_tiles(q_rows, gmask, sm_scale, D, DP, DOT)
     m = tl.full((GP,), float("-inf"), tl.float32)
     l = tl.zeros((GP,), tl.float32)
     acc = tl.zeros((GP, DP), tl.float32)
@@ -377,15 +391,18 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
         # V is requested with K, before the math, so both tiles are in flight together
         if K_INT4:
             k_even, k_odd = _halves(k, k_scale, k_zero, pages, offs, tmask, kh, sk_page, sk_tok, sk_head, ck_page,
-                                    ck_tok, ck_head, K_KIND, D, DP, PS)
+                                    ck_tok, ck_head, K_KIND, D, DP, PS, DOT)
         else:
-            kt = _load_tokens(k, pages, offs, tmask, kh, sk_page, sk_tok, sk_head, D, DP)
+            kt = _load_tokens(k, pages, offs, tmask, kh, sk_page, sk_tok, sk_head, D, DP,
+                              tl.int8 if INT8_KEYS else DOT)
         if V_INT4:
             v_even, v_odd = _halves(v, v_scale, v_zero, pages, offs, tmask, kh, sv_page, sv_tok, sv_head, cv_page,
-                                    cv_tok, cv_head, V_KIND, D, DP, PS)
+                                    cv_tok, cv_head, V_KIND, D, DP, PS, DOT)
         else:
-            vt = _load_tokens(v, pages, offs, tmask, kh, sv_page, sv_tok, sv_head, D, DP)
-        if K_INT4:
+            vt = _load_tokens(v, pages, offs, tmask, kh, sv_page, sv_tok, sv_head, D, DP, DOT)
+        if INT8_KEYS:  # integer dots of the codes: the keys go in as stored, no conversion
+            s = (tl.dot(q_hi, tl.trans(kt)) * 256 + tl.dot(q_lo, tl.trans(kt))).to(tl.float32) * q_step[:, None]
+        elif K_INT4:
             s = tl.dot(q_even, tl.trans(k_even)) + tl.dot(q_odd, tl.trans(k_odd))  # [GP, BLOCK_T]
         else:
             s = tl.dot(qv, tl.trans(kt))
@@ -399,6 +416,7 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
         m = m_new
         if V_KIND == 1 or V_KIND == 2:
             w = w * _token_scales(v_scale, pages, offs, tmask, kh, cv_page, cv_tok, cv_head)[None, :]
+        w = w.to(DOT)
         if V_INT4:
             acc_even = acc_even * alpha[:, None] + tl.dot(w, v_even)
             acc_odd = acc_odd * alpha[:, None] + tl.dot(w, v_odd)
@@ -435,7 +453,7 @@ def prefill_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_le
                    s_q_t, s_q_h, s_o_t, s_o_h, s_pt_b, sk_page, sk_tok, sk_head, ck_page, ck_tok, ck_head,
                    sv_page, sv_tok, sv_head, cv_page, cv_tok, cv_head, window,
                    K_KIND: tl.constexpr, V_KIND: tl.constexpr, PS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                   GROUP: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr):
+                   GROUP: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr, DOT: tl.constexpr):
     """Program (b, query block, kv head): BLOCK_M query rows of one sequence for each of the GROUP query heads that
     share the kv head (GP * BLOCK_M rows, the group padded to GP, a power of two), against its pages, causal: each
     page is read once for the group, not once per query head. Scales and int4 halves as in decode_kernel.
@@ -455,7 +473,8 @@ def prefill_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_le
     pos = n - q_len + rows  # absolute positions of the query rows
     K_INT4: tl.constexpr = K_KIND == 3 or K_KIND == 4
     V_INT4: tl.constexpr = V_KIND == 3 or V_KIND == 4
-    qv, q_even, q_odd = _query_tiles(q + (q0 + rows)[:, None] * s_q_t + h[:, None] * s_q_h, rmask, sm_scale, D, DP)
+    q_rows = q + (q0 + rows)[:, None] * s_q_t + h[:, None] * s_q_h
+    qv, q_even, q_odd = _query_tiles(q_rows, rmask, sm_scale, D, DP, DOT)
     m = tl.full((GP * BLOCK_M,), float("-inf"), tl.float32)
     l = tl.zeros((GP * BLOCK_M,), tl.float32)
     acc = tl.zeros((GP * BLOCK_M, DP), tl.float32)
@@ -470,10 +489,10 @@ def prefill_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_le
         kmask = p * PS + t < n
         if K_INT4:
             k_even, k_odd = _halves(k, k_scale, k_zero, pages, t, kmask, kh, sk_page, sk_tok, sk_head, ck_page,
-                                    ck_tok, ck_head, K_KIND, D, DP, PS)
+                                    ck_tok, ck_head, K_KIND, D, DP, PS, DOT)
             s = tl.dot(q_even, tl.trans(k_even)) + tl.dot(q_odd, tl.trans(k_odd))  # [BLOCK_M, PS]
         else:
-            kt = _load_tokens(k, pages, t, kmask, kh, sk_page, sk_tok, sk_head, D, DP)
+            kt = _load_tokens(k, pages, t, kmask, kh, sk_page, sk_tok, sk_head, D, DP, DOT)
             s = tl.dot(qv, tl.trans(kt))
         if K_KIND == 1 or K_KIND == 2:
             s = s * _token_scales(k_scale, pages, t, kmask, kh, ck_page, ck_tok, ck_head)[None, :]
@@ -488,13 +507,14 @@ def prefill_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_le
         m = m_new
         if V_KIND == 1 or V_KIND == 2:
             w = w * _token_scales(v_scale, pages, t, kmask, kh, cv_page, cv_tok, cv_head)[None, :]
+        w = w.to(DOT)
         if V_INT4:
             v_even, v_odd = _halves(v, v_scale, v_zero, pages, t, kmask, kh, sv_page, sv_tok, sv_head, cv_page,
-                                    cv_tok, cv_head, V_KIND, D, DP, PS)
+                                    cv_tok, cv_head, V_KIND, D, DP, PS, DOT)
             acc_even = acc_even * alpha[:, None] + tl.dot(w, v_even)
             acc_odd = acc_odd * alpha[:, None] + tl.dot(w, v_odd)
         else:
-            vt = _load_tokens(v, pages, t, kmask, kh, sv_page, sv_tok, sv_head, D, DP)
+            vt = _load_tokens(v, pages, t, kmask, kh, sv_page, sv_tok, sv_head, D, DP, DOT)
             acc = acc * alpha[:, None] + tl.dot(w, vt)
     inv = 1.0 / tl.where(l > 0, l, 1.0)[:, None]
     _store_rows(out + (q0 + rows)[:, None] * s_o_t + h[:, None] * s_o_h, acc * inv, acc_even * inv, acc_odd * inv,

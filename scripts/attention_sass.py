@@ -19,6 +19,7 @@ import torch
 import triton
 
 import localpd.kernels.paged_attention as kernels
+import localpd.kvcache.dispatch as kv_dispatch
 from localpd.kvcache.dispatch import decode_block_t, paged_attention
 from localpd.kvcache.formats import KV_DTYPES, kv_bytes_per_token, new_kv_pool
 from sass import compile_launch, loop_stats, print_budgets  # this script's folder
@@ -47,8 +48,9 @@ def attention_launch(kernel: str, kv_dtype: str, n_heads: int, n_kv_heads: int, 
                 raise Captured(args, kwargs)
             return launch
 
-    real = getattr(kernels, kernel)
+    real, gpu_dot = getattr(kernels, kernel), kv_dispatch.attention_dot
     setattr(kernels, kernel, Recorder())
+    kv_dispatch.attention_dot = lambda dtype, interpreted: gpu_dot(dtype, interpreted=False)  # a GPU's dot type
     os.environ["LOCALPD_TRITON_INTERPRET"] = "1"  # Triton's path on CPU tensors (the launch never runs)
     try:
         paged_attention(q, layer, table, lens, starts, head_dim ** -0.5)
@@ -56,6 +58,7 @@ def attention_launch(kernel: str, kv_dtype: str, n_heads: int, n_kv_heads: int, 
         return e.args
     finally:
         setattr(kernels, kernel, real)
+        kv_dispatch.attention_dot = gpu_dot
     raise RuntimeError(f"paged_attention did not launch {kernel}")
 
 

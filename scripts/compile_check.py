@@ -52,6 +52,7 @@ def record(out: str, kernels: str = "") -> None:
     --kernels pattern) takes the K-major GEMV, again with the int4/int8 matrices in the GPU's K-major layout."""
     os.environ["LOCALPD_TRITON_INTERPRET"] = os.environ["TRITON_INTERPRET"] = "1"
     import torch
+    import triton.language as tl
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
     from triton.runtime.interpreter import InterpretedFunction
@@ -66,6 +67,8 @@ def record(out: str, kernels: str = "") -> None:
     def describe(value, constexpr: bool):
         """A constexpr's value; else the type and specialisation the launcher gives the argument (an integer 1
         becomes a constexpr)."""
+        if isinstance(value, tl.dtype):  # a constexpr naming a type (the attention's DOT)
+            return {"dtype": value.name}
         if constexpr:
             return {"value": value}
         ty, spec = native_specialize_impl(BaseBackend, value, False, True, True)
@@ -90,6 +93,8 @@ def record(out: str, kernels: str = "") -> None:
     kv_dispatch.sm_count = quant_matmul.sm_count = gemv_kmajor.sm_count = lambda device: 132
     gemv_dp4a._asm = lambda device: True  # the GPU's dp4a instruction (launches are recorded, not run)
     kv_dispatch.decode_splits = lambda heads, tiles, device: cpu_splits(heads, tiles, torch.device("cuda"))
+    gpu_dot = kv_dispatch.attention_dot
+    kv_dispatch.attention_dot = lambda dtype, interpreted: gpu_dot(dtype, interpreted=False)  # bf16 dots, as a GPU
     dtype = torch.bfloat16
     for name, heads, kv_heads, dim, hidden in MODELS:
         real = SYNTHETIC[name]
@@ -161,6 +166,9 @@ def compile_one(job):
     kernel = getattr(importlib.import_module(module), name)
     sig, const, attrs = {}, {}, {}
     for i, (param, (arg, d)) in enumerate(zip(kernel.params, launch["args"].items())):
+        if "dtype" in d:
+            sig[arg], const[arg] = "constexpr", triton.language.dtype(d["dtype"])
+            continue
         ty, spec = (d["type"], d["spec"]) if "type" in d else \
             ("constexpr", None) if param.is_constexpr else native_specialize_impl(BaseBackend, d["value"], False,
                                                                                   True, True)

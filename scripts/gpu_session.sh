@@ -53,7 +53,7 @@ for s in "$@"; do case $s in
              --contexts 4096,32768 --table-tokens 131072 ;;
   kvtests) TO="-s INT" stage gpu_kv_split_tests 120 env LOCALPD_TEST_DEVICE=cuda python3 -m pytest -q -n 12 -W ignore \
              -p no:cacheprovider -rf --tb=short tests/kernels/test_decode_attention.py \
-             tests/kernels/test_prefill_attention.py -k "long_contexts or splits or window" ;;
+             tests/kernels/test_prefill_attention.py -k "long_contexts or splits or window or half" ;;
   kvfull) TAIL=30 stage bench_kv_full 400 python3 scripts/bench_kv.py --model synthetic:llama3-8b --contexts 4096 --streams 2 ;;
   *) echo "unknown stage $s" ;;
 esac; done

@@ -292,6 +292,30 @@ def decode_span(table_tokens: int, window: int, page_size: int) -> int:
     return min(table_tokens, window + page_size - 1) if window > 0 else table_tokens
 
 
+def attention_dot(dtype: torch.dtype, interpreted: bool):
+    """The attention kernels' dot operand type for queries of `dtype`: bfloat16/float16 queries take their own
+    type, which holds every stored key and value exactly (bf16/fp16 pages, int8 codes, fp8 values; int4's
+    dequantized values rounded once), the softmax weights rounded to it as FlashAttention does: tensor-core dots at
+    twice tf32's rate, from tiles of half the registers. float32 queries keep float32 (tf32 on a GPU). Triton's
+    interpreter multiplies bfloat16 dots wrongly (an error of 4.5e10 on a 16 x 32 product, Triton 3.9), so there
+    bfloat16 takes float32; its float16 dots are right and run as a GPU's do."""
+    import triton.language as tl
+
+    if dtype == torch.float16:
+        return tl.float16
+    if dtype == torch.bfloat16 and not interpreted:
+        return tl.bfloat16
+    return tl.float32
+
+
+def int8_key_dots(layer: KVLayer, dtype: torch.dtype) -> bool:
+    """Whether decode scores int8 keys by integer dots (tensor cores' int8 rate, keys as stored): with half-precision
+    queries, each query head rounded to two int8 levels (about 15 bits, more than bfloat16's 8). Where keys were
+    converted to the dot's type first, int8 pages took as many conversions as bytes and ran at 0.84x bf16 pages'
+    speed at 32k tokens (H200, docs/PERF.md); float32 queries keep their precision."""
+    return layer.k_format == "int8" and dtype in (torch.float16, torch.bfloat16)
+
+
 def paged_attention(q: torch.Tensor, layer: KVLayer, page_table: torch.Tensor, seq_lens: torch.Tensor,
                     q_starts: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
     """q [T, Hq, D] -> [T, Hq, D] (see the module docstring); window > 0: a sliding-window layer's attention, each
@@ -309,7 +333,8 @@ def paged_attention(q: torch.Tensor, layer: KVLayer, page_table: torch.Tensor, s
     group = Hq // H
     out = torch.empty_like(q)
     ks, vs, kz, vz = _scales(layer)
-    kinds = dict(K_KIND=KINDS[layer.k_format], V_KIND=KINDS[layer.v_format])
+    kinds = dict(K_KIND=KINDS[layer.k_format], V_KIND=KINDS[layer.v_format],
+                 DOT=attention_dot(q.dtype, interpreted=not q.is_cuda))
     strides = (*_strides(layer.k, layer.k_scale), *_strides(layer.v, layer.v_scale))
     if T == B:
         ps = layer.page_size
@@ -322,7 +347,8 @@ def paged_attention(q: torch.Tensor, layer: KVLayer, page_table: torch.Tensor, s
         decode_kernel[(B, H, splits)](q, layer.k, layer.v, ks, vs, kz, vz, page_table, seq_lens, part_acc, part_ml,
                                       scale, q.stride(0), q.stride(1), page_table.stride(0), *strides,
                                       splits, window, **kinds, PS=ps, D=D, DP=DP,
-                                      GROUP=group, GP=gp, BLOCK_T=block_t, num_warps=DECODE_WARPS)
+                                      GROUP=group, GP=gp, BLOCK_T=block_t, num_warps=DECODE_WARPS,
+                                      INT8_KEYS=int8_key_dots(layer, q.dtype))
         decode_reduce_kernel[(B, Hq)](part_acc, part_ml, out, out.stride(0), out.stride(1), splits, D=D, DP=DP,
                                       SP=1 << (splits - 1).bit_length(), num_warps=4)
         return out

@@ -39,11 +39,16 @@ def test_heads_that_are_not_a_power_of_two(kv_dtype):
         check(build_case(kv_dtype, 16, 2, group, [50, 33], [21, 33], D=D, seed=D + 1, poison=True), 1e-4)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_precision_queries(dtype):
-    kv = "fp16" if dtype == torch.float16 else "bf16"
-    check(build_case(kv, 16, 2, 2, [20, 45], [1, 1], dtype=dtype), 2e-2)
-    check(build_case(kv, 32, 1, 4, [45, 9], [20, 9], D=128, dtype=dtype), 2e-2)
+@pytest.mark.parametrize("dtype, kv", [(torch.float16, "fp16"), (torch.bfloat16, "bf16"), (torch.float16, "int8"),
+                                       (torch.bfloat16, "int8"), (torch.float16, "fp8"), (torch.float16, "int4"),
+                                       (torch.float16, "int4ch/int4")])
+def test_half_precision_queries(dtype, kv):
+    """Half-precision queries take dots of their own type (kvcache.dispatch.attention_dot; under the interpreter
+    float16 only, whose bfloat16 dots are wrong) and, over int8 keys in decode, integer dots of each query head
+    rounded to two int8 levels (int8_key_dots): within a few of the output's roundings of the reference."""
+    atol = 3e-3 if dtype == torch.float16 else 2e-2
+    check(build_case(kv, 16, 2, 2, [20, 45], [1, 1], dtype=dtype, seed=1), atol)
+    check(build_case(kv, 32, 1, 4, [45, 9], [20, 9], D=128, dtype=dtype, seed=2), atol)
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "int8", "int4", "int4ch/int4"])
