@@ -90,27 +90,27 @@ def torch_openmp() -> Path | None:
     return found[0] if found else None
 
 
-def _compile(cc: str, flags: list[str], openmp: Path | None, out: Path) -> subprocess.CompletedProcess:
+def _compile(cc: str, flags: list[str], openmp: Path | None, out: Path, source: Path) -> subprocess.CompletedProcess:
     if openmp is None:
-        return subprocess.run([cc, *flags, "-o", str(out), str(SOURCE), "-lm"], capture_output=True, text=True)
+        return subprocess.run([cc, *flags, "-o", str(out), str(source), "-lm"], capture_output=True, text=True)
     obj = out.with_suffix(".o")  # compiled with -fopenmp, linked to torch's runtime rather than the system's
-    run = subprocess.run([cc, *flags, "-fopenmp", "-c", "-o", str(obj), str(SOURCE)], capture_output=True, text=True)
+    run = subprocess.run([cc, *flags, "-fopenmp", "-c", "-o", str(obj), str(source)], capture_output=True, text=True)
     if run.returncode != 0:
         return run
     return subprocess.run([cc, *flags, "-o", str(out), str(obj), str(openmp), f"-Wl,-rpath,{openmp.parent}", "-lm"],
                           capture_output=True, text=True)
 
 
-def build(march: str = "native", out_dir: Path | None = None, openmp: bool = True) -> Path:
+def build(march: str = "native", out_dir: Path | None = None, openmp: bool = True, source: Path = SOURCE) -> Path:
     """The compiled library for `march` (built now unless already kept); raises RuntimeError with the reason.
-    openmp: share torch's OpenMP threads where it can (else a thread pool of the library's own)."""
+    openmp: share torch's OpenMP threads where it can (else a thread pool of the library's own); source: another
+    version of cpu_kernels.c (a benchmark's baseline)."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if not cc:
         raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
     flags = [*FLAGS, *march_flags(march)]
     runtime = torch_openmp() if openmp else None
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join([cc, *flags, str(runtime)]).encode(),
+    key = hashlib.sha256(b"\0".join([source.read_bytes(), " ".join([cc, *flags, str(runtime)]).encode(),
                                      _processor().encode()])).hexdigest()
     out_dir = out_dir or _cache_dir()
     lib = out_dir / f"localpd_cpu_{march}_{key[:16]}.so"
@@ -119,12 +119,12 @@ def build(march: str = "native", out_dir: Path | None = None, openmp: bool = Tru
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         part = Path(tmp) / lib.name
-        run = _compile(cc, flags, runtime, part)
+        run = _compile(cc, flags, runtime, part, source)
         if run.returncode != 0 and runtime is not None:
-            return build(march, out_dir, openmp=False)
+            return build(march, out_dir, openmp=False, source=source)
         if run.returncode != 0:
             first = (run.stderr.strip().splitlines() or ["no output"])[0]
-            raise RuntimeError(f"{Path(cc).name} failed to build {SOURCE.name}: {first}")
+            raise RuntimeError(f"{Path(cc).name} failed to build {source.name}: {first}")
         os.replace(part, lib)  # atomic: a concurrent build of the same key writes the same file
     return lib
 

@@ -491,9 +491,10 @@ static inline __m512i load_pair(const gemm_args *a, const uint8_t *wrow, int b) 
 /* The products take four weight rows at a time, a block or two of each in turn: four streams of a few hundred bytes
  * each, which the processor's own prefetcher does not follow (4 x 576-byte rows so read: 10 GB/s on one thread of
  * the Zen 4 EPYC, where one stream reads at 22). The four rows are one run of bytes, so each step requests the
- * `bytes` it reads WEIGHT_AHEAD further along that run (18 GB/s so; 4 to 16 KiB ahead alike, 32 less). Only
- * where one input row meets the weight (gemv4, decode): gemm4xm's four rows of work a step keep up without it, and
- * with it 4 input rows took 1.4x as long (120 MB of int8, 2 threads), so it keeps a prefetch a row. */
+ * `bytes` it reads WEIGHT_AHEAD further along that run (18 GB/s so; 4 to 16 KiB ahead alike, 32 less). gemm4xm
+ * (2 to 4 input rows) does the same: with a prefetch a row 8 rows ahead it read the output head (28 MB of int8,
+ * out of the caches) at a third of gemv4's rate, even for one input row, so that a 2-row step's head cost 2.9x a
+ * 1-row step's; with the run's prefetch 1.6x to 1.9x (one thread, Zen 4). */
 #define WEIGHT_AHEAD 8192
 static inline void prefetch_run(const uint8_t *run, size_t at, size_t bytes) {
     for (size_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)(run + WEIGHT_AHEAD + at + o), _MM_HINT_T0);
@@ -577,7 +578,7 @@ static void gemm1x4(const gemm_args *a, int n, int m0, int mm, const float *ds, 
 static inline __attribute__((always_inline)) void gemm4xm(const gemm_args *a, int n, int m0, const int MM,
                                                            const float *ds, const float *extra) {
     int K = a->K, nb = K / 32;
-    size_t row_bytes = a->bits == 4 ? K / 2 : K, ahead = 8 * row_bytes, step = a->bits == 4 ? 16 : 32;
+    size_t row_bytes = a->bits == 4 ? K / 2 : K, step = a->bits == 4 ? 16 : 32;
     const uint8_t *w0 = a->w + (size_t)n * row_bytes;
     const __m512i pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     __m512 acc[4][4];
@@ -585,10 +586,9 @@ static inline __attribute__((always_inline)) void gemm4xm(const gemm_args *a, in
         for (int m = 0; m < MM; m++) acc[r][m] = _mm512_setzero_ps();
     for (int b = 0; b < nb; b += 2) {
         __m512i wv[4];
-        for (int r = 0; r < 4; r++) {
-            _mm_prefetch((const char *)(w0 + r * row_bytes + ahead + b * step), _MM_HINT_T0);
-            wv[r] = load_pair(a, w0 + r * row_bytes, b);
-        }
+        for (size_t o = 0; o < 8 * step; o += 64) /* prefetch_run's, written out: called here, gcc 12 built none */
+            _mm_prefetch((const char *)(w0 + WEIGHT_AHEAD + b * 4 * step + o), _MM_HINT_T0);
+        for (int r = 0; r < 4; r++) wv[r] = load_pair(a, w0 + r * row_bytes, b);
         for (int m = 0; m < MM; m++) {
             const int8_t *xm = a->xq + (size_t)(m0 + m) * K + b * 32;
             __m512i x = _mm512_loadu_si512(xm), xl = _mm512_loadu_si512(xm + a->lo);
@@ -930,6 +930,8 @@ typedef struct {
     float scale;
     float *out;
     int *row_seq; /* each row's sequence */
+    const int *group_row; /* [groups + 1]: each group's first row (row_groups) */
+    int groups;
     int per;      /* query heads of one key head a task takes: each key and value row read once for them */
     int splits;   /* parts a row's positions are cut into, each a task (attention_shape) */
     float *part;  /* splits > 1: each (row, query head, part)'s max score, sum of exponentials and D unscaled
@@ -974,12 +976,62 @@ static inline void prefetch_row(const char *row, int bytes) { /* a prefetch neve
 #endif
 }
 
-/* A task: query heads hq0 .. hq0 + per - 1 of one key head, for one row, over one part of its positions. */
+#define GROUP_ROWS 16 /* rows of one sequence a task takes at most (a verification step's: MAX_DRAFT + 1) */
+#define VALUE_CHUNK 64 /* value rows a task converts to float at a time, for all its rows */
+
+/* o[0 .. D) += sum over j < kc of e[j] x row j of vc (kc rows of D floats), each o[d] summed in the order of j: a
+ * stretch of 32 (or 8) outputs stays in registers over the rows, where adding a row at a time stored them again. */
+static void add_values(float *o, const float *e, const float *vc, int kc, int D) {
+    int d = 0;
+#if defined(LPD_AVX2) || defined(LPD_AVX512)
+    for (; d + 32 <= D; d += 32) {
+        __m256 a0 = _mm256_loadu_ps(o + d), a1 = _mm256_loadu_ps(o + d + 8), a2 = _mm256_loadu_ps(o + d + 16),
+               a3 = _mm256_loadu_ps(o + d + 24);
+        for (int j = 0; j < kc; j++) {
+            const float *v = vc + (size_t)j * D + d;
+            __m256 x = _mm256_broadcast_ss(e + j);
+            a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(v), a0), a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(v + 8), a1);
+            a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(v + 16), a2), a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(v + 24), a3);
+        }
+        _mm256_storeu_ps(o + d, a0), _mm256_storeu_ps(o + d + 8, a1);
+        _mm256_storeu_ps(o + d + 16, a2), _mm256_storeu_ps(o + d + 24, a3);
+    }
+    for (; d + 8 <= D; d += 8) {
+        __m256 a0 = _mm256_loadu_ps(o + d);
+        for (int j = 0; j < kc; j++) a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(e + j), _mm256_loadu_ps(vc + (size_t)j * D + d), a0);
+        _mm256_storeu_ps(o + d, a0);
+    }
+    for (; d < D; d++)
+        for (int j = 0; j < kc; j++) o[d] = fmaf(e[j], vc[(size_t)j * D + d], o[d]);
+#else
+    for (int j = 0; j < kc; j++)
+        for (d = 0; d < D; d++) o[d] += e[j] * vc[(size_t)j * D + d];
+#endif
+}
+
+/* A sequence's rows cut into groups of consecutive rows, at most GROUP_ROWS each: row_seq[t] = t's sequence,
+ * group_row[g] = group g's first row (group_row[groups] = T). Returns the number of groups. */
+static int row_groups(int B, const int32_t *q_starts, int *row_seq, int *group_row) {
+    int g = 0;
+    for (int b = 0; b < B; b++)
+        for (int t = q_starts[b]; t < q_starts[b + 1]; t++) {
+            row_seq[t] = b;
+            if ((t - q_starts[b]) % GROUP_ROWS == 0) group_row[g++] = t;
+        }
+    group_row[g] = q_starts[B];
+    return g;
+}
+
+/* A task: query heads hq0 .. hq0 + per - 1 of one key head, for a group of rows of one sequence, each over one
+ * part of its own positions (causal: a row sees the keys up to its own). The rows walk the keys and values once
+ * together: a key or value row is read (and converted from float16) once for all of them, where a task a row read
+ * it once a row; each row's scores, softmax and sums are computed by the same code in the same order as where the
+ * row is alone (a decode step's), so a verification step's rows are bit for bit the decode rows they check. */
 static void attention_task(void *ctx, int ith, int nth) {
     const attn_args *a = ctx;
     int D = a->D, H = a->H, PS = a->PS, group = a->Hq / a->H, per = a->per, parts = group / per, splits = a->splits;
     long tok = (long)H * D;
-    int lo = 0, hi, tasks = a->T * H * parts * splits;
+    int lo = 0, hi, tasks = a->groups * H * parts * splits;
     if (a->next) hi = tasks; /* a task at a time from the counter, for as long as it has any */
     else share(tasks, ith, nth, &lo, &hi);
     static __thread void *buf;
@@ -988,70 +1040,93 @@ static void attention_task(void *ctx, int ith, int nth) {
         int task_i = a->next ? atomic_fetch_add_explicit(a->next, 1, memory_order_relaxed) : i;
         if (task_i >= tasks) break;
         int sp = task_i % splits, head_task = task_i / splits;
-        int t = head_task / (H * parts), kvh = head_task / parts % H, hq0 = kvh * group + head_task % parts * per;
-        int b = a->row_seq[t], n = a->seq_lens[b], rows = a->q_starts[b + 1] - a->q_starts[b];
-        int pos = n - rows + (t - a->q_starts[b]);
-        int first = a->window > 0 && pos - a->window + 1 > 0 ? pos - a->window + 1 : 0;
-        int all = pos + 1 - first, j0 = (int)((long)all * sp / splits), len = (int)((long)all * (sp + 1) / splits) - j0;
-        first += j0;
-        float *s = scratch(&buf, &cap, sizeof(float) * ((size_t)per * (len + D) + D));
+        int g = head_task / (H * parts), kvh = head_task / parts % H, hq0 = kvh * group + head_task % parts * per;
+        int t0 = a->group_row[g], nr = a->group_row[g + 1] - t0;
+        int b = a->row_seq[t0], n = a->seq_lens[b], rows = a->q_starts[b + 1] - a->q_starts[b];
+        int from[GROUP_ROWS], len[GROUP_ROWS], walk0 = 1 << 30, walk1 = 0; /* each row's part; their union */
+        size_t at[GROUP_ROWS + 1];
+        at[0] = 0;
+        for (int r = 0; r < nr; r++) {
+            int pos = n - rows + (t0 + r - a->q_starts[b]);
+            int first = a->window > 0 && pos - a->window + 1 > 0 ? pos - a->window + 1 : 0;
+            int all = pos + 1 - first, j0 = (int)((long)all * sp / splits);
+            len[r] = (int)((long)all * (sp + 1) / splits) - j0;
+            from[r] = first + j0;
+            walk0 = from[r] < walk0 ? from[r] : walk0;
+            walk1 = from[r] + len[r] > walk1 ? from[r] + len[r] : walk1;
+            at[r + 1] = at[r] + (size_t)per * len[r];
+        }
+        float *s = scratch(&buf, &cap, sizeof(float) * (at[nr] + (size_t)nr * per * D + (size_t)(VALUE_CHUNK + 1) * D));
         if (!s) return;
-        float *acc = s + (size_t)per * len, *row = acc + (size_t)per * D; /* row: a float16 row in float */
-        const float *q = a->q + t * a->q_t + hq0 * a->q_h;
+        float *acc = s + at[nr], *row = acc + (size_t)nr * per * D; /* row: a float16 row in float */
+        float *vc = row + D; /* VALUE_CHUNK value rows in float */
         const int32_t *pages = a->page_table + b * a->pt_stride;
         /* the per query heads sharing a key head take each key and value row from memory once; the rows go page by
          * page (no division a row), the row PREFETCH ahead requested early: a layer's pages have left the caches
          * by the next step, and the page table hides the stride from the hardware */
-        float mx[MAX_GROUP];
-        for (int h = 0; h < per; h++) mx[h] = -INFINITY;
+        float mx[GROUP_ROWS][MAX_GROUP];
+        for (int r = 0; r < nr; r++)
+            for (int h = 0; h < per; h++) mx[r][h] = -INFINITY;
         size_t esz = a->half ? 2 : 4, tok_bytes = tok * esz;
         const char *kbase = (const char *)a->k + kvh * D * esz, *vbase = (const char *)a->v + kvh * D * esz;
-        for (int j = 0, run; j < len;) {
-            const char *kp = kbase + page_run(pages, first + j, PS, len - j, tok, &run) * esz;
-            for (int r = 0; r < run; r++, j++, kp += tok_bytes) {
+        for (int j = walk0, run; j < walk1;) {
+            const char *kp = kbase + page_run(pages, j, PS, walk1 - j, tok, &run) * esz;
+            for (int k = 0; k < run; k++, j++, kp += tok_bytes) {
                 prefetch_row(kp + PREFETCH * tok_bytes, D * esz);
                 const float *kr = (const float *)kp;
                 if (a->half) load_row(row, kp, D, 1), kr = row;
-                for (int h = 0; h < per; h++) {
-                    float sj = s[h * len + j] = dot_head(q + h * a->q_h, kr, D) * a->scale;
-                    mx[h] = sj > mx[h] ? sj : mx[h];
+                for (int r = 0; r < nr; r++) {
+                    if (j < from[r] || j >= from[r] + len[r]) continue;
+                    const float *q = a->q + (t0 + r) * a->q_t + hq0 * a->q_h;
+                    float *sr = s + at[r] + (j - from[r]);
+                    for (int h = 0; h < per; h++) {
+                        float sj = sr[h * len[r]] = dot_head(q + h * a->q_h, kr, D) * a->scale;
+                        mx[r][h] = sj > mx[r][h] ? sj : mx[r][h];
+                    }
                 }
             }
         }
-        float sum[MAX_GROUP];
-        for (int h = 0; h < per; h++) {
-            float *sh = s + h * len, z = 0.f;
-            for (int j = 0; j < len; j++) {
-                sh[j] = expf(sh[j] - mx[h]);
-                z += sh[j];
+        float sum[GROUP_ROWS][MAX_GROUP];
+        for (int r = 0; r < nr; r++)
+            for (int h = 0; h < per; h++) {
+                float *sh = s + at[r] + (size_t)h * len[r], z = 0.f;
+                for (int j = 0; j < len[r]; j++) {
+                    sh[j] = expf(sh[j] - mx[r][h]);
+                    z += sh[j];
+                }
+                sum[r][h] = z;
             }
-            sum[h] = z;
-        }
-        for (int d = 0; d < per * D; d++) acc[d] = 0.f;
-        for (int j = 0, run; j < len;) {
-            const char *vp = vbase + page_run(pages, first + j, PS, len - j, tok, &run) * esz;
-            for (int r = 0; r < run; r++, j++, vp += tok_bytes) {
-                prefetch_row(vp + PREFETCH * tok_bytes, D * esz);
-                const float *vr = (const float *)vp;
-                if (a->half) load_row(row, vp, D, 1), vr = row;
-                for (int h = 0; h < per; h++) {
-                    float e = s[h * len + j], *ah = acc + h * D;
-                    for (int d = 0; d < D; d++) ah[d] += e * vr[d];
+        for (size_t d = 0; d < (size_t)nr * per * D; d++) acc[d] = 0.f;
+        for (int c0 = walk0; c0 < walk1; c0 += VALUE_CHUNK) { /* the value rows a chunk at a time, in float */
+            int kc = walk1 - c0 < VALUE_CHUNK ? walk1 - c0 : VALUE_CHUNK;
+            for (int j = 0, run; j < kc;) {
+                const char *vp = vbase + page_run(pages, c0 + j, PS, kc - j, tok, &run) * esz;
+                for (int k = 0; k < run; k++, j++, vp += tok_bytes) {
+                    prefetch_row(vp + PREFETCH * tok_bytes, D * esz);
+                    load_row(vc + (size_t)j * D, vp, D, a->half);
                 }
             }
-        }
-        for (int h = 0; h < per; h++) {
-            long head = (long)t * a->Hq + hq0 + h;
-            if (splits == 1) {
-                float inv = 1.0f / sum[h], *o = a->out + head * D;
-                for (int d = 0; d < D; d++) o[d] = acc[h * D + d] * inv;
-            } else { /* this part's max, sum and unscaled outputs, for merge_task */
-                float *p = a->part + (head * splits + sp) * (D + 2);
-                p[0] = mx[h];
-                p[1] = sum[h];
-                memcpy(p + 2, acc + h * D, sizeof(float) * D);
+            for (int r = 0; r < nr; r++) {
+                int j0 = from[r] > c0 ? from[r] : c0, j1 = from[r] + len[r] < c0 + kc ? from[r] + len[r] : c0 + kc;
+                for (int h = 0; j0 < j1 && h < per; h++)
+                    add_values(acc + ((size_t)r * per + h) * D, s + at[r] + (size_t)h * len[r] + (j0 - from[r]),
+                               vc + (size_t)(j0 - c0) * D, j1 - j0, D);
             }
         }
+        for (int r = 0; r < nr; r++)
+            for (int h = 0; h < per; h++) {
+                long head = (long)(t0 + r) * a->Hq + hq0 + h;
+                const float *ah = acc + ((size_t)r * per + h) * D;
+                if (splits == 1) {
+                    float inv = 1.0f / sum[r][h], *o = a->out + head * D;
+                    for (int d = 0; d < D; d++) o[d] = ah[d] * inv;
+                } else { /* this part's max, sum and unscaled outputs, for merge_task */
+                    float *p = a->part + (head * splits + sp) * (D + 2);
+                    p[0] = mx[r][h];
+                    p[1] = sum[r][h];
+                    memcpy(p + 2, ah, sizeof(float) * D);
+                }
+            }
     }
 }
 
@@ -1268,17 +1343,18 @@ static int check_tables(int T, int B, const int32_t *seq_lens, const int32_t *q_
 }
 
 /* How a step's attention is cut into tasks: each takes the query heads of a key head (at most MAX_GROUP, a divisor
- * of the group) so that a key or value row is read once for all of them, and each row's positions are cut into
- * `splits` parts where that leaves fewer than two tasks a thread (a decode row of a model with few key heads),
- * each part at least 16 positions of the shortest row (`shortest`). */
+ * of the group) of a group of rows (row_groups) so that a key or value row is read once for all of them, and each
+ * row's positions are cut into `splits` parts where that leaves fewer than two tasks a thread (a decode row of a
+ * model with few key heads), each part at least 16 positions of the shortest row (`shortest`). Counted by groups,
+ * not rows, so that a verification step's rows of one sequence are cut as its decode row is. */
 typedef struct {
     int per, splits;
 } attn_shape;
 
-static attn_shape attention_shape(int T, int Hq, int H, int nth, int shortest) {
+static attn_shape attention_shape(int groups, int Hq, int H, int nth, int shortest) {
     int group = Hq / H, per = group;
     while (per > MAX_GROUP || group % per) per--;
-    long tasks = (long)T * H * (group / per), want = 2L * nth;
+    long tasks = (long)groups * H * (group / per), want = 2L * nth;
     int splits = tasks >= want ? 1 : (int)((want + tasks - 1) / tasks), most = shortest / 16 > 1 ? shortest / 16 : 1;
     return (attn_shape){per, splits < most ? splits : most};
 }
@@ -1303,15 +1379,17 @@ int lpd_attention(const float *q, long q_t, long q_h, int T, int Hq, int D, cons
     if (check_tables(T, B, seq_lens, q_starts, page_table, pt_stride, pt_width, n_pages, PS, NULL)) return -2;
     static __thread void *buf;
     static __thread size_t cap;
-    attn_shape shape = attention_shape(T, Hq, H, nth, shortest_row(B, seq_lens, q_starts, window));
+    int *rows = scratch(&buf, &cap, sizeof(int) * (2 * (size_t)T + 1)); /* row_seq, then group_row */
+    if (!rows) return -1;
+    int groups = row_groups(B, q_starts, rows, rows + T);
+    attn_shape shape = attention_shape(groups, Hq, H, nth, shortest_row(B, seq_lens, q_starts, window));
+    static __thread void *part_buf;
+    static __thread size_t part_cap;
     size_t parts = shape.splits > 1 ? (size_t)T * Hq * shape.splits * (D + 2) : 0;
-    float *part = scratch(&buf, &cap, sizeof(float) * parts + sizeof(int) * (size_t)(T > 0 ? T : 1));
-    if (!part) return -1;
-    int *row_seq = (int *)(part + parts);
-    for (int b = 0; b < B; b++)
-        for (int t = q_starts[b]; t < q_starts[b + 1]; t++) row_seq[t] = b;
+    float *part = parts ? scratch(&part_buf, &part_cap, sizeof(float) * parts) : NULL;
+    if (parts && !part) return -1;
     attn_args a = {q, q_t, q_h, T, Hq, D, H, PS, B, window, k, v, half, page_table, seq_lens, q_starts, pt_stride,
-                   scale, out, row_seq, shape.per, shape.splits, part, NULL};
+                   scale, out, rows, rows + T, groups, shape.per, shape.splits, part, NULL};
 #if defined(LPD_AVX512) || defined(LPD_AVX2)
     int tiled = tile_attention(&a, nth);
     if (tiled) return tiled > 0 ? 0 : -1;
@@ -1581,6 +1659,7 @@ typedef struct {
     float *xd;
     int32_t *xsum;
     spin_barrier barrier;
+    int groups; /* the rows' groups (row_groups: their first rows follow row_seq) */
 } layers_args;
 
 /* One product inside the layers' region: the input step (rows shared), everyone meets, the rows of the weight
@@ -1614,10 +1693,11 @@ static void layers_task(void *ctx, int ith, int nth) {
         rope_rows(s->qkv, row, t0, t1, Hq, H, D, s->cos[r], s->sin[r], s->cs_t, c->rope != 2, s->slots, c->k, c->v,
                   c->half);
         barrier_wait(&s->barrier, nth);
-        attn_shape shape = attention_shape(T, Hq, H, nth, shortest_row(s->B, s->seq_lens, s->q_starts, c->window));
+        attn_shape shape = attention_shape(s->groups, Hq, H, nth,
+                                           shortest_row(s->B, s->seq_lens, s->q_starts, c->window));
         attn_args a = {s->qkv, row, D, T, Hq, D, H, s->PS, s->B, c->window, c->k, c->v, c->half, s->page_table,
-                       s->seq_lens, s->q_starts, s->pt_stride, s->scale, s->attn, s->row_seq, shape.per, shape.splits,
-                       s->part, &s->barrier.work};
+                       s->seq_lens, s->q_starts, s->pt_stride, s->scale, s->attn, s->row_seq, s->row_seq + T,
+                       s->groups, shape.per, shape.splits, s->part, &s->barrier.work};
         attention_task(&a, ith, nth);
         barrier_wait(&s->barrier, nth);
         if (shape.splits > 1) {
@@ -1652,10 +1732,10 @@ int lpd_decode_layers(const layer_plan *plans, const layer_cache *caches, int n_
         heads = h > heads ? h : heads;
     }
     /* scratch, each piece 64-byte aligned: the residual stream's second buffer, the rounded input (two int8 levels,
-     * block scales, block sums), attention's parts (at most 2 nth a row: attention_shape), each row's sequence */
+     * block scales, block sums), attention's parts (at most 2 nth a row: attention_shape), each row's sequence and each group's first row */
     size_t sizes[6] = {sizeof(float) * T * plans[0].qkv.K, 2 * (size_t)T * kmax, sizeof(float) * T * (kmax / 32),
                        sizeof(int32_t) * T * (kmax / 32), sizeof(float) * T * heads * 2 * (nth > 1 ? nth : 1),
-                       sizeof(int) * T};
+                       sizeof(int) * (2 * (size_t)T + 1)};
     size_t at[6], total = 0;
     for (int i = 0; i < 6; i++) {
         at[i] = total;
@@ -1673,8 +1753,7 @@ int lpd_decode_layers(const layer_plan *plans, const layer_cache *caches, int n_
     atomic_init(&s.barrier.generation, 0);
     atomic_init(&s.barrier.sleeping, 0);
     atomic_init(&s.barrier.work, 0);
-    for (int b = 0; b < B; b++)
-        for (int t = q_starts[b]; t < q_starts[b + 1]; t++) s.row_seq[t] = b;
+    s.groups = row_groups(B, q_starts, s.row_seq, s.row_seq + T);
     parallel(layers_task, &s, nth);
     return 0;
 }

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -25,6 +27,7 @@ from localpd.engine import Engine
 from localpd.engine.sampling import SamplingParams
 from localpd.engine.speculate import (CPU_STEP_COSTS, DRAFT_TOKENS, MAX_DRAFT, DraftState, SpeculateConfig,
                                      Speculator, matched)
+from localpd.kernels import cpu
 from localpd.model.transformer import Batch
 
 TEXT = (
@@ -47,24 +50,96 @@ PROMPTS = {
 }
 
 
-def step_costs(engine: Engine, rows: list[int], reps: int = 30, context: int = 400) -> dict[int, float]:
-    """Seconds of the forward of one sequence's r rows after `context` cached positions: the fastest of reps, the
-    row counts taken in turn each rep, so that what else the machine runs weighs on all of them alike."""
-    kv, ps = engine.kv, engine.kv.page_size
-    batches = {}
-    for r in rows:
-        batches[r] = Batch.single(list(range(100, 100 + r)), context, -(-(context + r) // ps), ps, "cpu",
-                                  all_logits=True)
-        batches[r].stage_slots = None
-        for _ in range(3):
-            engine.model.forward(batches[r], kv)
-    best = dict.fromkeys(rows, float("inf"))
+def fastest(calls: dict, reps: int) -> dict:
+    """The fewest CPU seconds of the process each call took over reps, the calls taken in turn each rep, so that
+    what else the machine runs weighs on all of them alike."""
+    best = dict.fromkeys(calls, float("inf"))
     for _ in range(reps):
-        for r in rows:
-            t0 = time.perf_counter()
-            engine.model.forward(batches[r], kv)
-            best[r] = min(best[r], time.perf_counter() - t0)
+        for key, call in calls.items():
+            t0 = time.process_time()
+            call()
+            best[key] = min(best[key], time.process_time() - t0)
     return best
+
+
+def on_library(lib, call):
+    """call, run with lib as the CPU kernels (cpu.library()) where lib is not None."""
+    def run():
+        if lib is None:
+            return call()
+        kept = cpu.library
+        cpu.library = lambda: lib
+        try:
+            return call()
+        finally:
+            cpu.library = kept
+    return run
+
+
+def step_costs(engine: Engine, rows: list[int], libs: dict, reps: int = 30, context: int = 400) -> dict:
+    """CPU seconds of the forward of one sequence's r rows after `context` cached positions, on each library of
+    libs (name -> library, None: this source's): {(name, r): seconds}."""
+    kv, ps = engine.kv, engine.kv.page_size
+    calls = {}
+    for r in rows:
+        batch = Batch.single(list(range(100, 100 + r)), context, -(-(context + r) // ps), ps, "cpu", all_logits=True)
+        batch.stage_slots = None
+        for name, lib in libs.items():
+            calls[name, r] = on_library(lib, lambda b=batch: engine.model.forward(b, kv))
+    for call in calls.values():
+        call()
+    return fastest(calls, reps)
+
+
+def step_parts(engine: Engine, rows: list[int], libs: dict, reps: int = 15, context: int = 400) -> dict:
+    """CPU seconds of each part of a step of r rows of one sequence after `context` cached positions, each part alone
+    on localpd's CPU kernels, on each library of libs: every layer's four products, every layer's attention over the
+    sequence's pages, the output head: {(name, part, r): seconds}."""
+    model, kv, ps = engine.model, engine.kv, engine.kv.page_size
+    c = model.config
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    calls = {}
+    for r in rows:
+        batch = Batch.single(list(range(100, 100 + r)), context, -(-(context + r) // ps), ps, "cpu", all_logits=True)
+        batch.stage_slots = None
+        model.forward(batch, kv)  # the pages written
+        products = [(lin is L.down, lin) for L in model.layers for lin in (L.qkv, L.o, L.gate_up, L.down)]
+        inputs = [rand(r, 2 * lin.weight.shape[1] if g else lin.weight.shape[1]) for g, lin in products]
+        q = rand(r, c.n_heads, c.head_dim)
+        scale = 1.0 / c.head_dim ** 0.5
+        parts = {"linears": lambda p=products, xs=inputs: [cpu.linear(x, lin.weight, lin.bias, gated=c.act if g else None)
+                                                          for (g, lin), x in zip(p, xs)],
+                 "attention": lambda q=q, b=batch: [cpu.attention(q, kv.layer(li), b.page_table, b.seq_lens,
+                                                                  b.q_starts, scale) for li in range(c.n_layers)],
+                 "head": lambda x=rand(r, c.dim): cpu.linear(x, model.lm_head.weight, model.lm_head.bias)}
+        for name, lib in libs.items():
+            for part, call in parts.items():
+                calls[name, part, r] = on_library(lib, call)
+    return fastest(calls, reps)
+
+
+def print_costs(libs: dict, costs: dict, parts: dict, rows: list[int], part_rows: list[int]) -> None:
+    """The step costs over a one-row step's, each part's too, on each library; and the first library's over the
+    second's where two were measured."""
+    for name in libs:
+        print(f"[{name}] rows a step: " + "  ".join(f"{r:>5}" for r in rows))
+        print(f"[{name}] x one row:   " + "  ".join(f"{costs[name, r] / costs[name, 1]:5.2f}" for r in rows)
+              + f"   (one row {costs[name, 1] * 1e3:.2f} ms)")
+        for part in ("linears", "attention", "head"):
+            one = parts[name, part, 1]
+            print(f"[{name}] {part + ',':11} {one * 1e3:5.2f} ms at one row; x one row at "
+                  + ", ".join(f"{r}: {parts[name, part, r] / one:.2f}" for r in part_rows))
+    if len(libs) == 2:
+        new, old = libs
+        print(f"{new} over {old}, CPU seconds of a step: "
+              + ", ".join(f"{r} rows {costs[new, r] / costs[old, r]:.2f}" for r in rows))
+        for part in ("linears", "attention", "head"):
+            print(f"{new} over {old}, {part}: "
+                  + ", ".join(f"{r} rows {parts[new, part, r] / parts[old, part, r]:.2f}" for r in part_rows))
 
 
 def reply(engine: Engine, messages, max_tokens: int, speculate: SpeculateConfig):
@@ -86,6 +161,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, help="torch's threads (default: torch's)")
     ap.add_argument("--draft", help="a draft model of the target's vocabulary: its drafting measured instead")
     ap.add_argument("--quant", help="the target's weight scheme (default: its file's own)")
+    ap.add_argument("--parts", action="store_true", help="the step costs and each part's alone, no replies")
+    ap.add_argument("--against", help="another cpu_kernels.c (e.g. `git show main:kernels/cpu_kernels.c`): its "
+                                      "step costs measured in the same run, alternating")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -94,18 +172,25 @@ def main() -> None:
     engine = Engine(args.model, device="cpu", max_context=2048, quant=args.quant)
     print(f"# {engine.name} | weights {engine.quant} | kv {engine.kv_dtype} | {torch.get_num_threads()} threads")
     print(f"# {engine.path}")
+    libs = {"this source": None}
+    if args.against:
+        libs[Path(args.against).name] = cpu.open_library(cpu.build(out_dir=Path(tempfile.mkdtemp()),
+                                                                    source=Path(args.against)))
+    rows, part_rows = [1, 2, 3, 4, 5, 8, 9, 12, 16], [1, 2, 5, 9]
     with torch.inference_mode():
-        costs = step_costs(engine, [1, 2, 3, 4, 5, 8, 9, 12, 16])
-    print("rows a step:  " + "  ".join(f"{r:>5}" for r in costs))
-    print("x one row:    " + "  ".join(f"{c / costs[1]:5.2f}" for c in costs.values()))
+        costs = step_costs(engine, rows, libs)
+        parts = step_parts(engine, part_rows, libs)
+    print_costs(libs, costs, parts, rows, part_rows)
+    if args.parts:
+        return
     spec = SpeculateConfig("ngram", args.draft_tokens)
     for name, messages in PROMPTS.items():
         reply(engine, messages, args.max_tokens, SpeculateConfig())  # warm: the prompt's pages in the prefix cache
         plain_tps, spec_tps, plain_cpu, spec_cpu, same = [], [], [], [], True
         for _ in range(args.runs):
-            ids, s, cpu = reply(engine, messages, args.max_tokens, SpeculateConfig())
+            ids, s, cpu_s = reply(engine, messages, args.max_tokens, SpeculateConfig())
             plain_tps.append(s.decode_tps)
-            plain_cpu.append(len(ids) / cpu)
+            plain_cpu.append(len(ids) / cpu_s)
             sids, ss, scpu = reply(engine, messages, args.max_tokens, spec)
             spec_tps.append(ss.decode_tps)
             spec_cpu.append(len(sids) / scpu)

@@ -265,6 +265,42 @@ def test_a_decode_row_cut_into_parts_and_merged(lib, window, kv):
     assert (out - paged_attention_ref(q, *args)).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("D,Hq,H", [(64, 9, 3), (40, 4, 1)])
+@pytest.mark.parametrize("window", [0, 23])
+@pytest.mark.parametrize("kv", ["fp32", "fp16"])
+@pytest.mark.parametrize("threads", [1, 4])
+def test_a_sequences_rows_are_each_its_decode_row_bit_for_bit(lib, D, Hq, H, window, kv, threads):
+    """1 to 14 rows of one sequence (a verification step: the decode row and the drafted tokens after it; 15 rows
+    in all, below TILE_ROWS, where prefill's tiles take over), beside another sequence's decode row, walk the
+    sequence's keys once together: each row's output is what the row alone gives in a decode step (the same step's
+    other sequence beside it) bit for bit, and the reference's; positions that are not multiples of the page size,
+    pages out of order. Four threads cut the rows' positions into parts (one key head: too few tasks), as they cut
+    the decode row's."""
+    g = torch.Generator().manual_seed(D + Hq + window + threads)
+    ps = 16
+    layer = _pool(D, H, ps, 30, g, kv)
+    perm = torch.randperm(30, generator=g).to(torch.int32)
+    page_table = torch.stack([perm[0:15], perm[15:30]])
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for r in range(1, 15):
+            n = 150 + 3 * r  # the sequence's length with its r rows: its rows at positions n - r .. n - 1
+            q = torch.randn(1 + r, Hq, D, generator=g)
+            args = (layer, page_table, torch.tensor([70, n], dtype=torch.int32),
+                    torch.tensor([0, 1, 1 + r], dtype=torch.int32), D ** -0.5, window)
+            out = cpu.attention(q, *args, lib=lib)
+            assert (out - paged_attention_ref(q, *args)).abs().max().item() < 1e-5, r
+            for i in range(r):
+                alone = cpu.attention(q[[0, 1 + i]], layer, page_table,
+                                      torch.tensor([70, n - r + i + 1], dtype=torch.int32),
+                                      torch.tensor([0, 1, 2], dtype=torch.int32), D ** -0.5, window, lib=lib)
+                assert torch.equal(out[1 + i], alone[1]), (r, i)
+            assert torch.equal(out[0], alone[0]), r
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_attention_of_strided_queries(lib):
     """Queries as a view of the qkv rows (row stride past the query heads), as the model passes them."""
     g = torch.Generator().manual_seed(2)
