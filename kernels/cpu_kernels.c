@@ -979,6 +979,50 @@ static inline void prefetch_row(const char *row, int bytes) { /* a prefetch neve
 #define GROUP_ROWS 16 /* rows of one sequence a task takes at most (a verification step's: MAX_DRAFT + 1) */
 #define VALUE_CHUNK 64 /* value rows a task converts to float at a time, for all its rows */
 
+#if defined(LPD_AVX2) || defined(LPD_AVX512)
+/* dst row i (stride ds) = column i of the 8 x 8 floats at src (row stride ss). */
+static inline void transpose8(const float *src, size_t ss, float *dst, size_t ds) {
+    __m256 r0 = _mm256_loadu_ps(src), r1 = _mm256_loadu_ps(src + ss), r2 = _mm256_loadu_ps(src + 2 * ss),
+           r3 = _mm256_loadu_ps(src + 3 * ss), r4 = _mm256_loadu_ps(src + 4 * ss), r5 = _mm256_loadu_ps(src + 5 * ss),
+           r6 = _mm256_loadu_ps(src + 6 * ss), r7 = _mm256_loadu_ps(src + 7 * ss);
+    __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1), t2 = _mm256_unpacklo_ps(r2, r3),
+           t3 = _mm256_unpackhi_ps(r2, r3), t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5),
+           t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+    __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xee),
+           u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xee),
+           u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xee),
+           u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xee);
+    _mm256_storeu_ps(dst, _mm256_permute2f128_ps(u0, u4, 0x20));
+    _mm256_storeu_ps(dst + ds, _mm256_permute2f128_ps(u1, u5, 0x20));
+    _mm256_storeu_ps(dst + 2 * ds, _mm256_permute2f128_ps(u2, u6, 0x20));
+    _mm256_storeu_ps(dst + 3 * ds, _mm256_permute2f128_ps(u3, u7, 0x20));
+    _mm256_storeu_ps(dst + 4 * ds, _mm256_permute2f128_ps(u0, u4, 0x31));
+    _mm256_storeu_ps(dst + 5 * ds, _mm256_permute2f128_ps(u1, u5, 0x31));
+    _mm256_storeu_ps(dst + 6 * ds, _mm256_permute2f128_ps(u2, u6, 0x31));
+    _mm256_storeu_ps(dst + 7 * ds, _mm256_permute2f128_ps(u3, u7, 0x31));
+}
+
+/* S[j] = scale x q . key j for the VALUE_CHUNK keys of kt (D rows of VALUE_CHUNK keys: transposed), eight keys a
+ * register, each score summed over d in order: a key's score costs its D / 8 multiply-adds, where one key at a time
+ * (dot_head) added up a register's lanes for each. */
+static inline void scores_chunk(const float *q, const float *kt, int D, float scale, float *S) {
+    __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0;
+    for (int d = 0; d < D; d++) {
+        const float *k = kt + (size_t)d * VALUE_CHUNK;
+        __m256 x = _mm256_broadcast_ss(q + d);
+        c0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k), c0), c1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 8), c1);
+        c2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 16), c2), c3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 24), c3);
+        c4 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 32), c4), c5 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 40), c5);
+        c6 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 48), c6), c7 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 56), c7);
+    }
+    __m256 f = _mm256_set1_ps(scale);
+    _mm256_storeu_ps(S, _mm256_mul_ps(c0, f)), _mm256_storeu_ps(S + 8, _mm256_mul_ps(c1, f));
+    _mm256_storeu_ps(S + 16, _mm256_mul_ps(c2, f)), _mm256_storeu_ps(S + 24, _mm256_mul_ps(c3, f));
+    _mm256_storeu_ps(S + 32, _mm256_mul_ps(c4, f)), _mm256_storeu_ps(S + 40, _mm256_mul_ps(c5, f));
+    _mm256_storeu_ps(S + 48, _mm256_mul_ps(c6, f)), _mm256_storeu_ps(S + 56, _mm256_mul_ps(c7, f));
+}
+#endif
+
 /* s[j] = e^(s[j] - mx) for j < n, in place; returns their sum (eight at a time where the processor has AVX2). */
 static float exps_in_place(float *s, int n, float mx) {
     int j = 0;
@@ -1073,10 +1117,12 @@ static void attention_task(void *ctx, int ith, int nth) {
             walk1 = from[r] + len[r] > walk1 ? from[r] + len[r] : walk1;
             at[r + 1] = at[r] + (size_t)per * len[r];
         }
-        float *s = scratch(&buf, &cap, sizeof(float) * (at[nr] + (size_t)nr * per * D + (size_t)(VALUE_CHUNK + 1) * D));
+        float *s = scratch(&buf, &cap, sizeof(float) * (at[nr] + (size_t)nr * per * D
+                                                        + (size_t)(2 * VALUE_CHUNK + 1) * D + VALUE_CHUNK));
         if (!s) return;
         float *acc = s + at[nr], *row = acc + (size_t)nr * per * D; /* row: a float16 row in float */
-        float *vc = row + D; /* VALUE_CHUNK value rows in float */
+        /* a chunk's value rows (or key rows) in float, its keys transposed, scores */
+        float *vc = row + D, *kt = vc + (size_t)VALUE_CHUNK * D, *S = kt + (size_t)VALUE_CHUNK * D;
         const int32_t *pages = a->page_table + b * a->pt_stride;
         /* the per query heads sharing a key head take each key and value row from memory once; the rows go page by
          * page (no division a row), the row PREFETCH ahead requested early: a layer's pages have left the caches
@@ -1086,7 +1132,42 @@ static void attention_task(void *ctx, int ith, int nth) {
             for (int h = 0; h < per; h++) mx[r][h] = -INFINITY;
         size_t esz = a->half ? 2 : 4, tok_bytes = tok * esz;
         const char *kbase = (const char *)a->k + kvh * D * esz, *vbase = (const char *)a->v + kvh * D * esz;
-        for (int j = walk0, run; j < walk1;) {
+#if defined(LPD_AVX2) || defined(LPD_AVX512)
+        for (int c0 = walk0; D % 8 == 0 && c0 < walk1; c0 += VALUE_CHUNK) { /* keys a chunk at a time, transposed */
+            int kc = walk1 - c0 < VALUE_CHUNK ? walk1 - c0 : VALUE_CHUNK;
+            for (int j = 0, run; j < kc;) {
+                const char *kp = kbase + page_run(pages, c0 + j, PS, kc - j, tok, &run) * esz;
+                for (int k = 0; k < run; k++, j++, kp += tok_bytes) {
+                    prefetch_row(kp + PREFETCH * tok_bytes, D * esz);
+                    load_row(vc + (size_t)j * D, kp, D, a->half);
+                }
+            }
+            if (kc < VALUE_CHUNK) /* past the last key: zeros (its block of 8 goes whole); the scores past it, and
+                                   * past the keys transposed, are never read */
+                memset(vc + (size_t)kc * D, 0, sizeof(float) * (VALUE_CHUNK - kc) * D);
+            for (int j = 0; j < kc; j += 8)
+                for (int d = 0; d < D; d += 8) transpose8(vc + (size_t)j * D + d, D, kt + (size_t)d * VALUE_CHUNK + j,
+                                                          VALUE_CHUNK);
+            for (int r = 0; r < nr; r++) {
+                int j0 = from[r] > c0 ? from[r] : c0, j1 = from[r] + len[r] < c0 + kc ? from[r] + len[r] : c0 + kc;
+                const float *q = a->q + (t0 + r) * a->q_t + hq0 * a->q_h;
+                for (int h = 0; j0 < j1 && h < per; h++) {
+                    scores_chunk(q + h * a->q_h, kt, D, a->scale, S);
+                    float *sr = s + at[r] + (size_t)h * len[r] - from[r], m = mx[r][h];
+                    for (int j = j0; j < j1; j++) {
+                        sr[j] = S[j - c0];
+                        m = S[j - c0] > m ? S[j - c0] : m;
+                    }
+                    mx[r][h] = m;
+                }
+            }
+        }
+        int one_by_one = D % 8 != 0; /* the keys one at a time: other widths', and plain C's */
+#else
+        int one_by_one = 1;
+        (void)S;
+#endif
+        for (int j = walk0, run; one_by_one && j < walk1;) {
             const char *kp = kbase + page_run(pages, j, PS, walk1 - j, tok, &run) * esz;
             for (int k = 0; k < run; k++, j++, kp += tok_bytes) {
                 prefetch_row(kp + PREFETCH * tok_bytes, D * esz);
