@@ -83,8 +83,9 @@ def keep_alive_seconds(value) -> float | None:
 
 
 def loaded_bytes(e: Engine) -> int:
-    """What a loaded engine holds: its weights and its KV pool."""
-    return e.model.weight_bytes + e.stats().kv_pages_total * PAGE_SIZE * e.kv_token_bytes
+    """What a loaded engine holds: its weights, a draft model's, and its KV pool (the draft's pages included)."""
+    draft = e.drafter.model.weight_bytes if e.drafter is not None else 0
+    return e.model.weight_bytes + draft + e.stats().kv_pages_total * PAGE_SIZE * e.kv_token_bytes
 
 
 @dataclass(eq=False)

@@ -18,7 +18,7 @@ from localpd.engine.runner import batch_of, slot_of
 from localpd.engine.scheduler import Sequence
 from localpd.errors import LocalpdError
 from localpd.model.transformer import Batch, Transformer
-from localpd.kvcache.formats import KVPool, new_kv_pool
+from localpd.kvcache.formats import KVPool, kv_bytes_per_token, new_kv_pool
 from localpd.text.tokenizer import Tokenizer
 
 
@@ -61,6 +61,12 @@ def check_vocabulary(draft: Tokenizer | None, target: Tokenizer | None, draft_vo
     if not same:
         raise LocalpdError(f"draft model {name} has another vocabulary than the target's ({draft_vocab} tokens, the "
                            f"target {target_vocab}, or the same ids spelled differently)")
+
+
+def draft_token_bytes(model: Transformer, kv_dtype: str, page_size: int) -> int:
+    """Storage bytes of one token's keys and values in the draft's pool (new_draft_pool's), over all its layers."""
+    c = model.config
+    return kv_bytes_per_token(kv_dtype, c.n_layers, c.n_kv_heads, c.head_dim, page_size)
 
 
 def new_draft_pool(model: Transformer, target: KVPool, kv_dtype: str, compute_dtype, device) -> KVPool:

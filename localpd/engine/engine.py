@@ -27,7 +27,7 @@ from localpd.engine.requests import EngineStats, Request, RequestHandle, TokenEv
 from localpd.engine.runner import ModelRunner
 from localpd.engine.sampling import Sampler, SamplingParams
 from localpd.engine.scheduler import MAX_RUNNING, MAX_STEP_TOKENS, Scheduler, Sequence
-from localpd.engine.draft_model import DraftModel, check_vocabulary, new_draft_pool
+from localpd.engine.draft_model import DraftModel, check_vocabulary, draft_token_bytes, new_draft_pool
 from localpd.engine.speculate import SpeculateConfig, Speculator, allowed_prefix
 from localpd.errors import LocalpdError
 from localpd.kvcache.dispatch import rows_as_decode
@@ -98,8 +98,9 @@ class Engine:
                  draft: str | None = None):
         """quant: a weight scheme (localpd.quant.schemes.SCHEMES); by default the file's own format ("native"; on a
         CPU without localpd's CPU kernels, float32: schemes.default_scheme). kv: the KV cache dtype
-        (localpd.kvcache.formats.KV_DTYPES); by default kv_default's. kv_memory: bytes for the KV cache (default: most of the free GPU memory; on the CPU room for
-        two full contexts); or kv_tokens: room for that many tokens. cuda_graphs: replay decode steps as CUDA
+        (localpd.kvcache.formats.KV_DTYPES); by default kv_default's. kv_memory: bytes for the KV cache, a draft
+        model's pages included (default: most of the free GPU memory; on the CPU room for two full contexts); or
+        kv_tokens: room for that many tokens. cuda_graphs: replay decode steps as CUDA
         graphs on a GPU (localpd.engine.cuda_graph). speculate: speculative decoding (localpd.engine.speculate; by
         default off). draft: a model of the same vocabulary that drafts for this one (engine.draft_model; speculate's
         mode "draft")."""
@@ -131,6 +132,15 @@ class Engine:
         c = self.config
         self.kv_traffic = KVTraffic(self.kv_dtype, c.n_layers, c.n_kv_heads, c.head_dim, PAGE_SIZE,
                                     self.compute_dtype.itemsize, len(c.swa_layers), c.sliding_window)
+        # drafts only where a verification step's rows compute what plain decoding's steps would (not int4ch, not
+        # rounded pages on a GPU): else the reply would no longer be plain decoding's
+        self.drafts_allowed = rows_as_decode(kv_formats(self.kv_dtype), self.device)
+        if draft and not self.drafts_allowed:
+            raise LocalpdError(f"a draft model cannot draft under the {self.kv_dtype} KV cache on {self.device.type}: "
+                               f"its rounded pages would let drafted rows change the reply")
+        # the draft model before the pool is sized: its pages (one for each of the target's) share the budget
+        drafting = self._load_draft(draft) if draft else None
+        self.draft_token_bytes = 0 if drafting is None else draft_token_bytes(drafting[1], self.kv_dtype, PAGE_SIZE)
         if kv_tokens is not None and kv_memory is None:
             kv_memory = -(-max(kv_tokens, self.max_context + 1) // PAGE_SIZE) * PAGE_SIZE * self.kv_token_bytes
         n_pages = self._kv_pages(parse_bytes(kv_memory))
@@ -140,13 +150,11 @@ class Engine:
         self.kv = new_kv_pool(self.kv_dtype, c.n_layers, n_pages + graphs, PAGE_SIZE, c.n_kv_heads, c.head_dim,
                               self.compute_dtype, self.device, stage_rows=max_running + graphs)
         self.graphs = None
-        # drafts only where a verification step's rows compute what plain decoding's steps would (not int4ch, not
-        # rounded pages on a GPU): else the reply would no longer be plain decoding's
-        self.drafts_allowed = rows_as_decode(kv_formats(self.kv_dtype), self.device)
-        if draft and not self.drafts_allowed:
-            raise LocalpdError(f"a draft model cannot draft under the {self.kv_dtype} KV cache on {self.device.type}: "
-                               f"its rounded pages would let drafted rows change the reply")
-        self.drafter = self._load_draft(draft) if draft else None
+        self.drafter = None
+        if drafting is not None:
+            name, model, dtype = drafting
+            self.drafter = DraftModel(name, model, new_draft_pool(model, self.kv, self.kv_dtype, dtype, self.device),
+                                      model.weight_bytes / self.model.weight_bytes)
         if graphs and self.drafter is None:  # a draft follows each step's batch: no graph replays
             from localpd.engine.cuda_graph import DecodeGraphs
 
@@ -172,21 +180,20 @@ class Engine:
         self._thread.start()
         _open_engines.add(self)
 
-    def _load_draft(self, draft: str) -> DraftModel:
-        """The draft model in its file's own scheme (engine.draft_model), its pages the target's; a one-line error
-        where its vocabulary is not the target's."""
+    def _load_draft(self, draft: str) -> tuple[str, Transformer, torch.dtype]:
+        """The draft model in its file's own scheme (engine.draft_model): its name, model and compute dtype; a
+        one-line error where its vocabulary is not the target's."""
         quant = default_scheme(self.device, is_quantized_dir(Path(draft)))
         dtype = compute_dtype(quant, self.device)
         name, _, loaded = load(draft, quant, dtype, self.device, False)
         check_vocabulary(loaded.tokenizer(), self.tokenizer, loaded.config.vocab_size, self.config.vocab_size, name)
-        model = Transformer(loaded.config, loaded.weights, context=self.max_context)
-        kv = new_draft_pool(model, self.kv, self.kv_dtype, dtype, self.device)
-        return DraftModel(name, model, kv, model.weight_bytes / self.model.weight_bytes)
+        return name, Transformer(loaded.config, loaded.weights, context=self.max_context), dtype
 
     @property
     def kv_token_bytes(self) -> int:
-        """Storage bytes of one token's keys and values over all layers (what sizes the pool)."""
-        return self.kv_traffic.per_token
+        """Storage bytes of one token's keys and values over all layers, a draft model's too (what sizes the pool:
+        --kv-memory holds both)."""
+        return self.kv_traffic.per_token + self.draft_token_bytes
 
     def _kv_pages(self, kv_memory: int | None) -> int:
         page_bytes = self.kv_token_bytes * PAGE_SIZE
@@ -199,9 +206,10 @@ class Engine:
                 kv_memory = 2 * need * page_bytes
         pages = kv_memory // page_bytes
         if pages < need:
+            both = ", the draft model's included" if self.draft_token_bytes else ""
             raise LocalpdError(
                 f"the KV cache budget ({kv_memory / 2**20:.0f} MiB, {pages} pages) does not hold one context of "
-                f"{self.max_context} tokens ({need} pages of {page_bytes / 2**10:.0f} KiB in {self.kv_dtype}); "
+                f"{self.max_context} tokens ({need} pages of {page_bytes / 2**10:.0f} KiB in {self.kv_dtype}{both}); "
                 f"lower --ctx or raise --kv-memory")
         return int(pages)
 

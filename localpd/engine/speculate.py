@@ -29,9 +29,11 @@ DRAFT_TOKENS = 8  # --draft-tokens' default
 NGRAMS = (3, 2)  # the suffix lengths looked up, longest first
 # A step's time with r rows of one sequence over a one-row decode step's, r = 1, 2, ...: on the CPU's kernels
 # (SmolLM2-135M Q4_1 at 400 tokens of context, the 2-core Zen 4 VM, docs/PERF.md issue 30) each row's int8 dot
-# products and attention are its own work, so a row costs 0.45 to 0.5 of a one-row step; only the weights' loads
-# and the output head's are shared. On a GPU a decode step is bound by the weights' bytes, which the rows share.
-CPU_STEP_COSTS = (1.0, 1.39, 1.83, 2.35, 3.06, 3.55, 4.02, 4.49, 5.28, 5.66, 6.11, 6.67, 7.44, 8.0, 8.5, 8.9)
+# products are its own work, so a row costs about 0.45 of a one-row step in the products; the attention walks a
+# sequence's keys once for its rows, and the weights' loads and the output head's are shared. (The table of the
+# first measurement, scaled by the rows-sharing attention's gain measured against it in one run.) On a GPU a
+# decode step is bound by the weights' bytes, which the rows share.
+CPU_STEP_COSTS = (1.0, 1.18, 1.66, 2.09, 2.81, 3.23, 3.64, 4.05, 4.77, 5.09, 5.50, 5.96, 6.70, 7.36, 8.1, 9.85)
 GPU_ROW_COST = 0.02
 MIN_GAIN = 1.05  # drafting runs where the best k's expected tokens per unit of time passes this (1: plain decode)
 DECAY = 0.85  # weight of the earlier evidence at each update of the acceptance estimate

@@ -64,3 +64,22 @@ def test_draft_mode_needs_a_draft_model_and_rounded_pages_refuse_one(default_ggu
         engine.close()
     with pytest.raises(LocalpdError, match="int4ch"):
         Engine(default_gguf, device="cpu", max_context=256, kv="int4ch/int4", draft=str(default_gguf))
+
+
+def test_the_kv_memory_holds_the_draft_models_pages_too(default_gguf):
+    """--kv-memory is the budget of both pools: the target's pages and the draft's (one for each of the target's)
+    fit in it together, and a budget too small for one context says the draft's pages were counted."""
+    plain = Engine(default_gguf, device="cpu", max_context=256)
+    page = plain.kv_token_bytes * plain.pages.page_size
+    plain.close()
+    budget = 40 * page
+    engine = Engine(default_gguf, device="cpu", max_context=256, kv_memory=budget, draft=str(default_gguf))
+    try:
+        held = sum(pool.bytes_per_token() * pool.n_pages * pool.page_size for pool in (engine.kv, engine.drafter.kv))
+        assert engine.kv.n_pages == engine.drafter.kv.n_pages == 20  # half the pages of the budget without a draft
+        assert budget - 2 * page < held <= budget
+        assert engine.kv_token_bytes == 2 * plain.kv_token_bytes  # the draft is the target's shape
+    finally:
+        engine.close()
+    with pytest.raises(LocalpdError, match="the draft model's included"):
+        Engine(default_gguf, device="cpu", max_context=256, kv_memory=25 * page, draft=str(default_gguf))
