@@ -18,8 +18,10 @@ DRAFT = SpeculateConfig("draft", 4, adaptive=False)  # 4 tokens a step: the defa
 @pytest.fixture(scope="module", params=["native", "fp32"])
 def drafted_engine(request, default_gguf):
     """The target in the file's scheme (fp16 pages) or float32, the default model drafting for it. One thread: with
-    two, the CPU's attention splits a lone decode row's positions in two parts and a verification's rows not
-    (kernels/cpu_kernels.c attention_shape), which moves a logprob by ~1e-3, enough to move a seeded draw."""
+    two, the CPU's attention splits a row's positions in parts no shorter than 16 positions of the step's shortest
+    row (kernels/cpu_kernels.c attention_shape), and the first of a verification's rows is shorter than the decode
+    row it checks: over a short prompt their parts differ, which moves a logprob by ~1e-3, enough to move a seeded
+    draw."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     engine = Engine(default_gguf, device="cpu", max_context=1024, quant=request.param, draft=str(default_gguf),
