@@ -976,6 +976,20 @@ static inline void prefetch_row(const char *row, int bytes) { /* a prefetch neve
 #endif
 }
 
+/* The rows of positions c0 .. c0 + kc - 1 of one key head (base: the head's first row in the pool) in float, kc
+ * rows of D into dst, page by page, the row PREFETCH ahead requested early. */
+static void load_chunk(float *dst, const char *base, const int32_t *pages, int c0, int kc, int PS, long tok, int half,
+                       int D) {
+    size_t esz = half ? 2 : 4, tok_bytes = tok * esz;
+    for (int j = 0, run; j < kc;) {
+        const char *p = base + page_run(pages, c0 + j, PS, kc - j, tok, &run) * esz;
+        for (int k = 0; k < run; k++, j++, p += tok_bytes) {
+            prefetch_row(p + PREFETCH * tok_bytes, D * esz);
+            load_row(dst + (size_t)j * D, p, D, half);
+        }
+    }
+}
+
 #define GROUP_ROWS 16 /* rows of one sequence a task takes at most (a verification step's: MAX_DRAFT + 1) */
 #define VALUE_CHUNK 64 /* value rows a task converts to float at a time, for all its rows */
 
@@ -1135,13 +1149,7 @@ static void attention_task(void *ctx, int ith, int nth) {
 #if defined(LPD_AVX2) || defined(LPD_AVX512)
         for (int c0 = walk0; D % 8 == 0 && c0 < walk1; c0 += VALUE_CHUNK) { /* keys a chunk at a time, transposed */
             int kc = walk1 - c0 < VALUE_CHUNK ? walk1 - c0 : VALUE_CHUNK;
-            for (int j = 0, run; j < kc;) {
-                const char *kp = kbase + page_run(pages, c0 + j, PS, kc - j, tok, &run) * esz;
-                for (int k = 0; k < run; k++, j++, kp += tok_bytes) {
-                    prefetch_row(kp + PREFETCH * tok_bytes, D * esz);
-                    load_row(vc + (size_t)j * D, kp, D, a->half);
-                }
-            }
+            load_chunk(vc, kbase, pages, c0, kc, PS, tok, a->half, D);
             if (kc < VALUE_CHUNK) /* past the last key: zeros (its block of 8 goes whole); the scores past it, and
                                    * past the keys transposed, are never read */
                 memset(vc + (size_t)kc * D, 0, sizeof(float) * (VALUE_CHUNK - kc) * D);
@@ -1192,13 +1200,7 @@ static void attention_task(void *ctx, int ith, int nth) {
         for (size_t d = 0; d < (size_t)nr * per * D; d++) acc[d] = 0.f;
         for (int c0 = walk0; c0 < walk1; c0 += VALUE_CHUNK) { /* the value rows a chunk at a time, in float */
             int kc = walk1 - c0 < VALUE_CHUNK ? walk1 - c0 : VALUE_CHUNK;
-            for (int j = 0, run; j < kc;) {
-                const char *vp = vbase + page_run(pages, c0 + j, PS, kc - j, tok, &run) * esz;
-                for (int k = 0; k < run; k++, j++, vp += tok_bytes) {
-                    prefetch_row(vp + PREFETCH * tok_bytes, D * esz);
-                    load_row(vc + (size_t)j * D, vp, D, a->half);
-                }
-            }
+            load_chunk(vc, vbase, pages, c0, kc, PS, tok, a->half, D);
             for (int r = 0; r < nr; r++) {
                 int j0 = from[r] > c0 ? from[r] : c0, j1 = from[r] + len[r] < c0 + kc ? from[r] + len[r] : c0 + kc;
                 for (int h = 0; j0 < j1 && h < per; h++)
