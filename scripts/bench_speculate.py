@@ -186,22 +186,30 @@ def main() -> None:
     spec = SpeculateConfig("ngram", args.draft_tokens)
     for name, messages in PROMPTS.items():
         reply(engine, messages, args.max_tokens, SpeculateConfig())  # warm: the prompt's pages in the prefix cache
-        plain_tps, spec_tps, plain_cpu, spec_cpu, same = [], [], [], [], True
+        runs = {lib: {"plain": [], "ngram": [], "plain_cpu": [], "ngram_cpu": [], "same": True} for lib in libs}
         for _ in range(args.runs):
-            ids, s, cpu_s = reply(engine, messages, args.max_tokens, SpeculateConfig())
-            plain_tps.append(s.decode_tps)
-            plain_cpu.append(len(ids) / cpu_s)
-            sids, ss, scpu = reply(engine, messages, args.max_tokens, spec)
-            spec_tps.append(ss.decode_tps)
-            spec_cpu.append(len(sids) / scpu)
-            same &= sids == ids
-        p, q = statistics.median(plain_tps), statistics.median(spec_tps)
-        pc, qc = statistics.median(plain_cpu), statistics.median(spec_cpu)
-        acc = f"{ss.acceptance:.0%}" if ss.acceptance is not None else "-"
-        print(f"{name:7} prompt {ss.prompt_tokens} tokens, reply {len(ids)} tokens | decode: plain {p:.1f} tok/s, "
-              f"ngram {q:.1f} tok/s, ratio {q / p:.2f}x | per CPU second: plain {pc:.1f}, ngram {qc:.1f}, ratio "
-              f"{qc / pc:.2f}x | drafted {ss.drafted_tokens}, accepted {acc}, {ss.tokens_per_pass:.2f} tokens/pass "
-              f"| identical: {same}")
+            for lib, r in runs.items():  # the libraries in turn each run, each's plain reply then its ngram reply
+                ids, s, cpu_s = on_library(libs[lib], lambda: reply(engine, messages, args.max_tokens,
+                                                                    SpeculateConfig()))()
+                sids, ss, scpu = on_library(libs[lib], lambda: reply(engine, messages, args.max_tokens, spec))()
+                r["plain"].append(s.decode_tps)
+                r["plain_cpu"].append(len(ids) / cpu_s)
+                r["ngram"].append(ss.decode_tps)
+                r["ngram_cpu"].append(len(sids) / scpu)
+                r["same"] &= sids == ids
+                r["stats"], r["tokens"] = ss, len(ids)
+        for lib, r in runs.items():
+            p, q, pc, qc = (statistics.median(r[k]) for k in ("plain", "ngram", "plain_cpu", "ngram_cpu"))
+            r["medians"], ss = (p, q, pc, qc), r["stats"]
+            acc = f"{ss.acceptance:.0%}" if ss.acceptance is not None else "-"
+            print(f"{name:7} [{lib}] prompt {ss.prompt_tokens} tokens, reply {r['tokens']} tokens | decode: plain "
+                  f"{p:.1f} tok/s, ngram {q:.1f} tok/s, ratio {q / p:.2f}x | per CPU second: plain {pc:.1f}, ngram "
+                  f"{qc:.1f}, ratio {qc / pc:.2f}x | drafted {ss.drafted_tokens}, accepted {acc}, "
+                  f"{ss.tokens_per_pass:.2f} tokens/pass | identical: {r['same']}")
+        if len(libs) == 2:
+            (new, a), (old, b) = ((lib, r["medians"]) for lib, r in runs.items())
+            print(f"{'':7} {new} over {old}, per CPU second: plain {a[2] / b[2]:.2f}x, ngram {a[3] / b[3]:.2f}x; "
+                  f"{new}'s ngram over {old}'s plain {a[3] / b[2]:.2f}x")
         prompt = engine.encode_chat(messages)
         adaptive, oracle = bound(prompt, ids, args.draft_tokens), bound(prompt, ids, MAX_DRAFT, True)
         print(f"{'':7} replayed on the step costs (speculate.CPU_STEP_COSTS): adaptive k {adaptive:.2f}x, each draft "
