@@ -85,7 +85,8 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                    help="KV cache dtype: " + ", ".join(FORMATS) + ", or KEYS/VALUES such as int4ch/int4 "
                    "(default: fp16 on the CPU's kernels, else the compute dtype)")
     p.add_argument("--kv-memory", metavar="SIZE",
-                   help="bytes for the KV cache, e.g. 4GiB (default: most of the free GPU memory; two contexts on CPU)")
+                   help="bytes for the KV cache, a --draft model's pages included, e.g. 4GiB (default: most of the "
+                        "free GPU memory; two contexts on CPU)")
 
 
 def draft_tokens_arg(text: str) -> int:
