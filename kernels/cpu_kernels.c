@@ -494,7 +494,7 @@ static inline __m512i load_pair(const gemm_args *a, const uint8_t *wrow, int b) 
  * `bytes` it reads WEIGHT_AHEAD further along that run (18 GB/s so; 4 to 16 KiB ahead alike, 32 less). gemm4xm
  * (2 to 4 input rows) does the same: with a prefetch a row 8 rows ahead it read the output head (28 MB of int8,
  * out of the caches) at a third of gemv4's rate, even for one input row, so that a 2-row step's head cost 2.9x a
- * 1-row step's; with the run's prefetch 1.6x to 1.9x (one thread, Zen 4). */
+ * 1-row step's; with the run's prefetch 1.6x to 2x (one thread, Zen 4). */
 #define WEIGHT_AHEAD 8192
 static inline void prefetch_run(const uint8_t *run, size_t at, size_t bytes) {
     for (size_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)(run + WEIGHT_AHEAD + at + o), _MM_HINT_T0);
