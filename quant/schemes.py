@@ -11,7 +11,10 @@ from localpd.quant.int4k import Int4KWeight
 from localpd.quant.weights import INT4_GROUPS, Int4Weight, Int8Weight, Weight
 
 DENSE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-INT4 = {"int4-g32": 32, "int4-g64": 64, "int4-g128": 128}
+# int4 in groups (Int4Weight, a float16 scale and bias a group); the -zp schemes keep each bias a whole number of
+# scales, an integer zero point, as GPTQ, AWQ and compressed-tensors store asymmetric int4 (so they export exactly)
+INT4 = {"int4-g32": 32, "int4-g64": 64, "int4-g128": 128, "int4-zp-g32": 32, "int4-zp-g64": 64, "int4-zp-g128": 128}
+INT4_ZP = ("int4-zp-g32", "int4-zp-g64", "int4-zp-g128")
 BNB = {"bnb-nf4": Nf4Weight, "bnb-int8": BnbInt8Weight}  # bitsandbytes' formats and matmuls (optional)
 INT4_K = "int4-k"  # 4-bit codes, groups of 32, scales quantized within super-blocks of 256 (quant/int4k.py)
 SCHEMES = ("native", *DENSE, "int8", *INT4, INT4_K, *BNB)
@@ -75,6 +78,7 @@ def imports_exactly(gguf_type: str, scheme: str) -> bool:
     nearest int8), not re-quantized from its float values."""
     return gguf_type in GGUF_NATIVE and (scheme == "native" or (scheme == "int8" and gguf_type == "Q8_0")
                                          or (scheme == "int4-g32" and gguf_type in ("Q4_0", "Q4_1"))
+                                         or (scheme == "int4-zp-g32" and gguf_type == "Q4_0")  # zero point 8
                                          or (scheme == INT4_K and gguf_type == "Q4_K"))
 
 
@@ -127,7 +131,7 @@ def quantize(dense: torch.Tensor, scheme: str, dtype: torch.dtype, importance: t
     if scheme == "int8":
         return Int8Weight.quantize(dense)
     if scheme in INT4:
-        return Int4Weight.quantize(dense, int4_group(scheme, dense.shape[1]), importance)
+        return Int4Weight.quantize(dense, int4_group(scheme, dense.shape[1]), importance, scheme in INT4_ZP)
     if scheme == INT4_K:
         return Int4KWeight.quantize(dense, importance)
     if scheme in BNB:

@@ -9,6 +9,14 @@ Int4 packed layout (what the GPU kernels read)
 low nibble and column 2b + 1 in its high nibble, so `packed.view(torch.uint8)` is the plain [N, K // 2]
 layout. Four consecutive words (one 16-byte load) hold 32 consecutive columns.
 The value of column k is q * scales[n, k // group] + biases[n, k // group], with q in 0..15.
+
+Integer zero points
+-------------------
+GPTQ, AWQ and compressed-tensors store asymmetric int4 as (q - z) * scale with an integer zero point z in 0..15.
+An Int4Weight holds such a group exactly when its bias is -z * scale (integer_zeros finds z). quantize(...,
+integer_zero=True) makes every group so: its float16 scale has at most 7 significant bits (integer_zero_scale), so
+z * scale (at most 11) is a float16 and the bias is stored exactly; q * scale + bias is then (q - z) * scale to the
+last bit in float32.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from localpd.quant import gguf_blocks
 from localpd.quant.bnb import BnbInt8Weight, Nf4Weight
 
 INT4_GROUPS = (32, 64, 128)
+ZERO_SCALE_BITS = 7  # significant bits of an integer-zero-point scale: 7 + 4 (z <= 15) fit float16's 11
 CLIP_RATIOS = torch.linspace(1.0, 0.8, 20).tolist()  # 1.0 first: plain min/max round-to-nearest
 _CHUNK_ELEMENTS = 1 << 23  # rows quantized at a time, to bound temporary memory
 
@@ -113,9 +122,11 @@ class Int4Weight:
         return sum(t.numel() * t.element_size() for t in (self.packed, self.scales, self.biases))
 
     @classmethod
-    def quantize(cls, w: torch.Tensor, group: int = 128, importance: torch.Tensor | None = None) -> Int4Weight:
+    def quantize(cls, w: torch.Tensor, group: int = 128, importance: torch.Tensor | None = None,
+                 integer_zero: bool = False) -> Int4Weight:
         """Per group, try clipping ratios r of [min, max] and keep the one with least squared error, then refine
-        scale and bias by alternating least squares (_refit_int4).
+        scale and bias by alternating least squares (_refit_int4; with integer_zero, _refit_int4_zero: the bias
+        stays -z * scale for an integer zero point z, module docstring).
 
         Scale and bias are rounded to float16 before the error is measured, so the choice is made on what
         is stored. Ratio 1.0 is tried first, so the result is never worse than plain round-to-nearest.
@@ -133,7 +144,8 @@ class Int4Weight:
                 raise LocalpdError(f"importance must have one value per input column ({k}), got {tuple(importance.shape)}")
             h = importance.detach().float().to(w.device).clamp_min(0).reshape(1, k // group, group)
             h = h + 1e-3 * h.mean()  # columns never seen active still count a little
-        parts = [_quantize_int4_rows(rows.detach().float(), group, h=h) for rows in _row_chunks(w)]
+        rows_of = _quantize_int4_zero_rows if integer_zero else _quantize_int4_rows
+        parts = [rows_of(rows.detach().float(), group, h=h) for rows in _row_chunks(w)]
         q = torch.cat([p[0] for p in parts])
         return cls(pack_int4(q), torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts]))
 
@@ -181,6 +193,72 @@ def _quantize_int4_rows(w: torch.Tensor, group: int, ratios=CLIP_RATIOS, h: torc
     if len(ratios) > 1:
         best_q, best_s, best_b = _refit_int4(g, h, best_q, best_s, best_b, best_err)
     return best_q.to(torch.uint8).reshape(n, k), best_s.contiguous(), best_b.contiguous()
+
+
+def integer_zero_scale(s: torch.Tensor) -> torch.Tensor:
+    """float32 scales -> float16 scales of ZERO_SCALE_BITS significant bits, at least float16's smallest normal
+    2^-14: z * scale is then a float16 for every z in 0..15 (module docstring)."""
+    m, e = torch.frexp(s.clamp_min(2.0 ** -14))
+    return torch.ldexp(torch.round(m * 2 ** ZERO_SCALE_BITS) / 2 ** ZERO_SCALE_BITS, e).half()
+
+
+def integer_zeros(scales: torch.Tensor, biases: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each group's zero point z (float32, whole numbers) and whether it holds the group exactly: bias == -z * scale
+    in float32 with z in 0..15 and scale > 0, so q * scale + bias == (q - z) * scale. scales, biases: float32."""
+    z = torch.round(-biases / torch.where(scales > 0, scales, torch.ones_like(scales)))
+    whole = (scales > 0) & (z >= 0) & (z <= 15) & (-z * scales == biases)
+    return z.clamp(0, 15), whole
+
+
+def _zero_codes(g, h, s, z):
+    """Codes of groups g for float16 scales s and zero points z [..., 1], and their h-weighted squared error."""
+    sf = s.float()
+    q = torch.round(g / sf + z).clamp(0, 15)
+    return q, (h * ((q - z) * sf - g) ** 2).sum(dim=-1)
+
+
+def _quantize_int4_zero_rows(w: torch.Tensor, group: int, ratios=CLIP_RATIOS, h: torch.Tensor | None = None):
+    """_quantize_int4_rows with integer zero points: per clipping ratio r, the range [r min, r max] widened to hold
+    0, its scale / 15 as integer_zero_scale, the zero point that puts r min on code 0; then _refit_int4_zero."""
+    n, k = w.shape
+    g = w.reshape(n, k // group, group)
+    h = torch.ones(1, k // group, group, device=w.device) if h is None else h
+    lo, hi = g.amin(dim=-1, keepdim=True).clamp_max(0), g.amax(dim=-1, keepdim=True).clamp_min(0)
+    best_err = best_q = best_s = best_z = None
+    for r in ratios:
+        s = integer_zero_scale((hi - lo) * r / 15)
+        z = torch.round(-lo * r / s.float()).clamp(0, 15)
+        q, err = _zero_codes(g, h, s, z)
+        if best_err is None:
+            best_err, best_q, best_s, best_z = err, q, s, z
+            continue
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_q = torch.where(better[..., None], q, best_q)
+        best_s, best_z = torch.where(better[..., None], s, best_s), torch.where(better[..., None], z, best_z)
+    best_q, best_s, best_z = _refit_int4_zero(g, h, best_q, best_s, best_z, best_err)
+    biases = (-best_z * best_s.float()).half()
+    if not torch.isfinite(biases).all():
+        raise LocalpdError(f"a group of values up to {g.abs().max().item():g} has no int4 scale within float16")
+    return best_q.to(torch.uint8).reshape(n, k), best_s[..., 0].contiguous(), biases[..., 0].contiguous()
+
+
+def _refit_int4_zero(g, h, q, s, z, err, rounds: int = 2):
+    """Alternate: for the current codes, each of z - 1, z, z + 1 with its (h-weighted) least-squares scale, then
+    the codes re-rounded to it; a group takes the best candidate only where it lowers the error. (On the default
+    model's matrices two rounds gain 0.3% of the RMS error, eight rounds no more.)"""
+    for _ in range(rounds):
+        for shift in (0, -1, 1):
+            zc = (z + shift).clamp(0, 15)
+            c = q - zc
+            fitted = (h * c * g).sum(-1, keepdim=True) / (h * c * c).sum(-1, keepdim=True).clamp_min(1e-30)
+            sc = torch.where(fitted > 0, integer_zero_scale(fitted), s)
+            new_q, new_err = _zero_codes(g, h, sc, zc)
+            better = new_err < err
+            err = torch.where(better, new_err, err)
+            q = torch.where(better[..., None], new_q, q)
+            s, z = torch.where(better[..., None], sc, s), torch.where(better[..., None], zc, z)
+    return q, s, z
 
 
 def _refit_int4(g, h, q, scales, biases, err, rounds: int = 8):

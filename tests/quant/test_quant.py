@@ -9,7 +9,7 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from localpd.errors import LocalpdError
 from localpd.quant.int4k import Int4KWeight
-from localpd.quant.weights import Int4Weight, Int8Weight, from_gguf, pack_int4, unpack_int4
+from localpd.quant.weights import Int4Weight, Int8Weight, from_gguf, integer_zeros, pack_int4, unpack_int4
 
 
 def rel_err(a, b):
@@ -36,6 +36,41 @@ def test_int4_error_and_clipping_never_worse_than_rtn(group, bound):
     err_rtn = ((rtn.dequantize() - w) ** 2).reshape(200, -1, group).sum(-1)
     assert (err <= err_rtn + 1e-6).all()
     assert err.sum() < err_rtn.sum()
+
+
+@pytest.mark.parametrize("group", [32, 128])
+def test_int4_integer_zero_points_hold_every_group_exactly(group):
+    """integer_zero=True: every group's bias is -z * scale for a whole z in 0..15, so q * scale + bias is (q - z) *
+    scale in float32 to the last bit (what GPTQ, AWQ and compressed-tensors store); the scale keeps 7 significant
+    bits. Its error is near the float-bias scheme's and below plain min/max rounding to an integer zero point."""
+    w = torch.distributions.StudentT(5.0).sample((200, 384)) * 0.02
+    q = Int4Weight.quantize(w, group, integer_zero=True)
+    scale, bias = q.scales.float(), q.biases.float()
+    zero, whole = integer_zeros(scale, bias)
+    assert bool(whole.all()) and not bool((zero == 8).all())
+    codes = q.unpack().float().reshape(200, -1, group)
+    assert torch.equal(((codes - zero[..., None]) * scale[..., None]).reshape(200, 384), q.dequantize())
+    mantissa, _ = torch.frexp(scale)
+    assert torch.equal(mantissa * 2 ** 7, torch.round(mantissa * 2 ** 7))
+    lo, hi = w.reshape(200, -1, group).amin(-1).clamp_max(0), w.reshape(200, -1, group).amax(-1).clamp_min(0)
+    s = ((hi - lo) / 15)[..., None]
+    z = torch.round(-lo[..., None] / s)
+    rtn = ((torch.round(w.reshape(200, -1, group) / s + z).clamp(0, 15) - z) * s).reshape(200, 384)
+    err, err_float = rel_err(q.dequantize(), w), rel_err(Int4Weight.quantize(w, group).dequantize(), w)
+    assert err < 0.97 * rel_err(rtn, w) and err < 1.1 * err_float, (err, rel_err(rtn, w), err_float)
+
+
+def test_int4_integer_zero_points_weigh_error_by_importance():
+    """Calibration's importance counts with integer zero points too: the columns it weighs come out nearer."""
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(128, 256, generator=g) * 0.02
+    importance = torch.ones(256)
+    importance[::4] = 100.0
+    plain, weighted = (Int4Weight.quantize(w, 64, imp, integer_zero=True) for imp in (None, importance))
+    heavy = slice(0, None, 4)
+    assert rel_err(weighted.dequantize()[:, heavy], w[:, heavy]) < 0.9 * rel_err(plain.dequantize()[:, heavy],
+                                                                                   w[:, heavy])
+    assert bool(integer_zeros(weighted.scales.float(), weighted.biases.float())[1].all())
 
 
 def test_int4_clipping_helps_heavy_tails():
@@ -72,6 +107,8 @@ def test_zero_and_constant_rows_stay_finite():
     for q in (Int4Weight.quantize(w, 32), Int8Weight.quantize(w)):
         d = q.dequantize()
         assert torch.isfinite(d).all() and torch.allclose(d, w, rtol=0, atol=1e-4)
+    d = Int4Weight.quantize(w, 32, integer_zero=True).dequantize()  # within its 7-bit scale's rounding
+    assert torch.isfinite(d).all() and torch.allclose(d, w, rtol=0, atol=0.25 * 2 ** -8) and not d[0].any()
 
 
 def test_dequantize_dtype():

@@ -15,9 +15,9 @@ from localpd.model.transformer import Batch
 from localpd.measure.perplexity import perplexity
 from localpd.quant.bnb import BnbInt8Weight, Nf4Weight
 from localpd.kvcache.formats import new_kv_pool
-from localpd.quant.weights import Int4Weight, Int8Weight
+from localpd.quant.weights import Int4Weight, Int8Weight, integer_zeros
 from localpd.engine.sampling import SamplingParams
-from localpd.quant.schemes import int4_group
+from localpd.quant.schemes import imports_exactly, int4_group, quantize
 
 Q = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -70,6 +70,18 @@ def test_int4_group_fallback_rules():
     assert int4_group("int4-g32", 4096) == 32  # never a coarser group than asked for
     with pytest.raises(LocalpdError, match=r"int4-g64 needs the input dimension \(100\) to be a multiple of 32"):
         int4_group("int4-g64", 100)
+
+
+def test_int4_zp_schemes_keep_integer_zero_points_in_int4s_groups():
+    """int4-zp-gN: Int4Weight in int4-gN's groups (the same fallback), every bias a whole number of scales; a Q4_0
+    file's blocks ((q - 8) * d) are such groups already, so they import as they are."""
+    w = torch.randn(64, 576, generator=torch.Generator().manual_seed(2)) * 0.02
+    zp, plain = quantize(w, "int4-zp-g128", torch.float32), quantize(w, "int4-g128", torch.float32)
+    assert isinstance(zp, Int4Weight) and zp.group == plain.group == int4_group("int4-zp-g128", 576) == 64
+    assert bool(integer_zeros(zp.scales.float(), zp.biases.float())[1].all())
+    assert not bool(integer_zeros(plain.scales.float(), plain.biases.float())[1].all())
+    assert imports_exactly("Q4_0", "int4-zp-g32") and not imports_exactly("Q4_1", "int4-zp-g32")
+    assert not imports_exactly("Q4_0", "int4-zp-g64")
 
 
 def last_logits(model, ids):
