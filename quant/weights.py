@@ -150,11 +150,12 @@ class Int4Weight:
         return cls(pack_int4(q), torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts]))
 
     @classmethod
-    def quantize_rtn(cls, w: torch.Tensor, group: int = 128) -> Int4Weight:
-        """Plain min/max round-to-nearest (no clipping search): the baseline `quantize` improves on."""
+    def quantize_rtn(cls, w: torch.Tensor, group: int = 128, integer_zero: bool = False) -> Int4Weight:
+        """Plain min/max round-to-nearest (no clipping search, no refit): the baseline `quantize` improves on."""
         n, k = w.shape
         _check_group("int4", group, k)
-        q, scales, biases = _quantize_int4_rows(w.detach().float(), group, ratios=(1.0,))
+        rows_of = _quantize_int4_zero_rows if integer_zero else _quantize_int4_rows
+        q, scales, biases = rows_of(w.detach().float(), group, ratios=(1.0,))
         return cls(pack_int4(q), scales, biases)
 
     def unpack(self) -> torch.Tensor:
@@ -236,7 +237,8 @@ def _quantize_int4_zero_rows(w: torch.Tensor, group: int, ratios=CLIP_RATIOS, h:
         best_err = torch.where(better, err, best_err)
         best_q = torch.where(better[..., None], q, best_q)
         best_s, best_z = torch.where(better[..., None], s, best_s), torch.where(better[..., None], z, best_z)
-    best_q, best_s, best_z = _refit_int4_zero(g, h, best_q, best_s, best_z, best_err)
+    if len(ratios) > 1:
+        best_q, best_s, best_z = _refit_int4_zero(g, h, best_q, best_s, best_z, best_err)
     biases = (-best_z * best_s.float()).half()
     if not torch.isfinite(biases).all():
         raise LocalpdError(f"a group of values up to {g.abs().max().item():g} has no int4 scale within float16")

@@ -4,8 +4,10 @@ tokenizer files and generation_config.json. The compressed-tensors package packs
 
 pack-quantized stores value = (q - zero_point) * scale with integer codes and zero points. So int8 (symmetric, per
 channel or per group) is exact, and so is int4 whose biases are -8 * scale (a Q4_0 file's: symmetric) or another
-whole number of scales in -15..0 (asymmetric, zero point -8 - bias / scale). int4 with other float16 biases (Q4_1's,
-localpd's own: 99.7% of the default model's groups) has no integer zero point that holds them; it takes one near
+whole number of scales in -15..0 (asymmetric, zero point -8 - bias / scale): every group of the int4-zp-gN schemes
+(quant/schemes.py; `localpd quantize --scheme int4-zp-g128` makes them from a float model), so those export exactly.
+int4 with other float16 biases (Q4_1's, int4-gN's: 99.7% of the default model's groups) has no integer zero point that
+holds them (integer_zeros finds the groups that have one, which are kept as they are); the others take one near
 -8 - bias / scale and a refitted scale, its codes re-rounded to them (zero_point_fit), and int4-k's groups go the
 same way; the added error is reported. (The package packs zero points as num_bits integers, so a float zero point
 cannot be written; 8-bit codes would hold a group exactly only where bias / scale is a fraction j / k, k <= 17:
@@ -27,7 +29,7 @@ from localpd.export.report import ExportReport
 from localpd.export.source import Source, tokenizer_meta
 from localpd.model.config import ModelConfig
 from localpd.quant.int4k import Int4KWeight
-from localpd.quant.weights import Int4Weight, Int8Weight, Weight
+from localpd.quant.weights import Int4Weight, Int8Weight, Weight, integer_zeros
 from localpd.text.tokenizer import Tokenizer
 
 HF_ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
@@ -35,6 +37,10 @@ HF_ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM"
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json")
+FLOAT_ZEROS = ("{n} int4 matrices have float zero points (a Q4_1 file's, an int4-gN scheme's), which "
+               "compressed-tensors cannot hold: they are re-quantized to integer zero points, with the error above. "
+               "For an exact int4 export, quantize the original float model to integer zero points (localpd quantize "
+               "MODEL --scheme int4-zp-g128) and export that; --quant int8 exports 8-bit weights exactly")
 TORCH_DTYPE = "float16"  # what vLLM runs it in by default (--dtype overrides); float16 holds Q4_x/Q8_0 scales exactly
 
 
@@ -82,11 +88,17 @@ def quantization(w: Weight) -> tuple[dict, dict[str, torch.Tensor]] | None:
         return None
     scale, bias, group = form
     args = {"num_bits": 4, "strategy": "group", "group_size": group}
-    if torch.equal(bias, -8 * scale) and bool((scale > 0).all()):
-        return {**args, "symmetric": True}, {"weight": w.dequantize(), "weight_scale": scale}
+    zero, whole = integer_zeros(scale, bias)
     values = w.dequantize()
-    scale, zero = zero_point_fit(values, scale, bias, group)
-    return {**args, "symmetric": False}, {"weight": values, "weight_scale": scale, "weight_zero_point": zero}
+    if bool(whole.all()) and bool((zero == 8).all()):
+        return {**args, "symmetric": True}, {"weight": values, "weight_scale": scale}
+    if not bool(whole.all()):  # groups with float zero points refitted; the others kept as they are, exactly
+        fitted_scale, fitted_zero = zero_point_fit(values, scale, bias, group)
+        scale, zero = torch.where(whole, scale, fitted_scale), torch.where(whole, zero - 8, fitted_zero.float())
+    else:
+        zero = zero - 8
+    return {**args, "symmetric": False}, {"weight": values, "weight_scale": scale,
+                                          "weight_zero_point": zero.to(torch.int8)}
 
 
 def zero_point_fit(values: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, group: int,
@@ -175,6 +187,7 @@ def export_compressed_tensors(source: Source, tmp: Path, report: ExportReport) -
     tmp.mkdir()
     tensors: dict[str, torch.Tensor] = {}
     groups: dict[str, tuple[dict, list[str]]] = {}
+    float_zeros = 0
     for key, w in loaded.weights.items():
         name = hf_name(key)
         q = quantization(w) if key not in ("embed_tokens", "lm_head") else None
@@ -190,8 +203,11 @@ def export_compressed_tensors(source: Source, tmp: Path, report: ExportReport) -
         kind = f"int{args['num_bits']} {args.get('group_size') or 'channel'} " \
                f"{'symmetric' if args['symmetric'] else 'asymmetric'}"
         report.add(name, kind, w.dequantize(), decoded.float())
+        float_zeros += args["num_bits"] == 4 and not report.tensors[-1].exact
         tensors.update({f"{name}.{field}": t.contiguous() for field, t in packed.items()})
         groups.setdefault(json.dumps(args, sort_keys=True), (args, []))[1].append(name)
+    if float_zeros:
+        report.notes.append(FLOAT_ZEROS.format(n=float_zeros))
     quant = QuantizationConfig(
         config_groups={f"group_{i}": QuantizationScheme(targets=names, weights=QuantizationArgs(type="int", **args))
                        for i, (args, names) in enumerate(groups.values())},

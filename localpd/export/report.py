@@ -19,6 +19,7 @@ class TensorLoss:
 class ExportReport:
     path: str = ""
     tensors: list[TensorLoss] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what the format could not hold, and what would fit it
 
     def add(self, name: str, stored_as: str, held: torch.Tensor, decoded: torch.Tensor) -> None:
         """held, decoded: localpd's values and the file's, both float32."""
@@ -41,4 +42,4 @@ class ExportReport:
             mean = sum(t.rel_error for t in self.lossy) / len(self.lossy)
             out.append(f"{len(self.lossy)} re-quantized: relative error mean {mean:.2e}, worst {worst.rel_error:.2e} "
                        f"({worst.name} as {worst.stored_as})")
-        return out
+        return out + self.notes

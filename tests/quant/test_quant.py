@@ -58,6 +58,10 @@ def test_int4_integer_zero_points_hold_every_group_exactly(group):
     rtn = ((torch.round(w.reshape(200, -1, group) / s + z).clamp(0, 15) - z) * s).reshape(200, 384)
     err, err_float = rel_err(q.dequantize(), w), rel_err(Int4Weight.quantize(w, group).dequantize(), w)
     assert err < 0.97 * rel_err(rtn, w) and err < 1.1 * err_float, (err, rel_err(rtn, w), err_float)
+    nearest = Int4Weight.quantize_rtn(w, group, integer_zero=True)  # ratio 1.0 alone: the search never does worse
+    assert bool(integer_zeros(nearest.scales.float(), nearest.biases.float())[1].all())
+    per_group = [((x.dequantize() - w) ** 2).reshape(200, -1, group).sum(-1) for x in (q, nearest)]
+    assert (per_group[0] <= per_group[1]).all() and per_group[0].sum() < per_group[1].sum()
 
 
 def test_int4_integer_zero_points_weigh_error_by_importance():
