@@ -225,18 +225,13 @@ def _quantize_int4_zero_rows(w: torch.Tensor, group: int, ratios=CLIP_RATIOS, h:
     g = w.reshape(n, k // group, group)
     h = torch.ones(1, k // group, group, device=w.device) if h is None else h
     lo, hi = g.amin(dim=-1, keepdim=True).clamp_max(0), g.amax(dim=-1, keepdim=True).clamp_min(0)
-    best_err = best_q = best_s = best_z = None
+    best = None
     for r in ratios:
         s = integer_zero_scale((hi - lo) * r / 15)
         z = torch.round(-lo * r / s.float()).clamp(0, 15)
-        q, err = _zero_codes(g, h, s, z)
-        if best_err is None:
-            best_err, best_q, best_s, best_z = err, q, s, z
-            continue
-        better = err < best_err
-        best_err = torch.where(better, err, best_err)
-        best_q = torch.where(better[..., None], q, best_q)
-        best_s, best_z = torch.where(better[..., None], s, best_s), torch.where(better[..., None], z, best_z)
+        candidate = (*_zero_codes(g, h, s, z), s, z)
+        best = candidate if best is None else _lower_error(best, candidate)
+    best_q, best_err, best_s, best_z = best
     if len(ratios) > 1:
         best_q, best_s, best_z = _refit_int4_zero(g, h, best_q, best_s, best_z, best_err)
     biases = (-best_z * best_s.float()).half()
@@ -255,12 +250,16 @@ def _refit_int4_zero(g, h, q, s, z, err, rounds: int = 2):
             c = q - zc
             fitted = (h * c * g).sum(-1, keepdim=True) / (h * c * c).sum(-1, keepdim=True).clamp_min(1e-30)
             sc = torch.where(fitted > 0, integer_zero_scale(fitted), s)
-            new_q, new_err = _zero_codes(g, h, sc, zc)
-            better = new_err < err
-            err = torch.where(better, new_err, err)
-            q = torch.where(better[..., None], new_q, q)
-            s, z = torch.where(better[..., None], sc, s), torch.where(better[..., None], zc, z)
+            q, err, s, z = _lower_error((q, err, s, z), (*_zero_codes(g, h, sc, zc), sc, zc))
     return q, s, z
+
+
+def _lower_error(best: tuple, candidate: tuple) -> tuple:
+    """Per group, whichever of two (codes [..., group], error [...], scale [..., 1], zero [..., 1]) errs less; the
+    best one where they tie."""
+    better = candidate[1] < best[1]
+    return tuple(torch.where(better if i == 1 else better[..., None], c, b)
+                 for i, (b, c) in enumerate(zip(best, candidate)))
 
 
 def _refit_int4(g, h, q, scales, biases, err, rounds: int = 8):
