@@ -218,12 +218,15 @@ def test_repl_session(default_gguf):
     assert child.exitstatus == 0
 
 
-@pytest.mark.xfail(strict=False, reason="timed out waiting for the prompt after Ctrl+C in both whole-suite runs of "
-                   "2026-11-26 (the reply went on), never alone (9 runs, also beside a loaded process): not yet "
-                   "understood; docs and closing note")
 def test_ctrl_c_stops_a_reply_but_not_the_repl(default_gguf):
+    """The REPL started with SIGINT ignored, as a suite or shell started in the background of a non-interactive
+    shell passes it on (Python then installs no KeyboardInterrupt handler of its own): Ctrl+C still stops a reply."""
+    import signal
+
     child = pexpect.spawn(sys.executable, ["-m", "localpd.cli", "chat", str(default_gguf), "--max-tokens", "2000",
-                                           "--ctx", "4096"], encoding="utf-8", timeout=120, env={**os.environ, "TERM": "dumb"})
+                                           "--ctx", "4096"], encoding="utf-8", timeout=120,
+                          env={**os.environ, "TERM": "dumb"},
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     child.expect(">>> ")
     child.sendline("Write a very long essay about the history of Europe.")
     child.expect("Europe.\r\n")  # the echo of the line typed
