@@ -5,6 +5,7 @@ import os
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import uvicorn
@@ -35,6 +36,15 @@ class LiveServer:
     def stop(self):
         self.server.should_exit = True
         self.thread.join(timeout=10)
+
+
+def at_once(ask, cases) -> list:
+    """ask(case) for every case, the requests sent together so that the engine batches them (one step's weight read
+    serves them all, where one request at a time reads the weights once per token each); the replies in the cases'
+    order. A seeded reply is the same alone or batched (test_server's n choices and sixteen streams hold that)."""
+    cases = list(cases)
+    with ThreadPoolExecutor(len(cases)) as pool:
+        return list(pool.map(ask, cases))
 
 
 def idle(engine) -> bool:

@@ -8,7 +8,7 @@ import time
 import httpx
 import openai
 import pytest
-from live_server import KEY, MODEL, LiveServer, idle
+from live_server import KEY, MODEL, LiveServer, at_once, idle
 
 from localpd.engine import Engine
 from localpd.engine.sampling import SamplingParams
@@ -104,24 +104,26 @@ def test_forced_calls_follow_the_tools_schemas_whatever_is_sampled(client):
         "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
     named = {"type": "function", "function": {"name": "get_weather"}}
     calls = []
-    for seed in range(3):
-        for tools, choice in (([WEATHER], named), ([WEATHER], "required"), ([WEATHER, clock], "required")):
-            c = client.chat.completions.create(model=MODEL, messages=ASK, tools=tools, tool_choice=choice,
-                                               temperature=1.0, seed=seed, max_tokens=64).choices[0]
-            if c.finish_reason == "length":
-                assert JsonPrefix().feed(c.message.content.removeprefix("<tool_call>\n"))
-                continue
-            assert c.finish_reason == "tool_calls" and c.message.content is None
-            call = c.message.tool_calls[0].function
-            args = json.loads(call.arguments)
-            assert call.name in ("get_weather", "get_time") and isinstance(args, dict)
-            if len(tools) == 1:
-                assert call.name == "get_weather"
-            if call.name == "get_weather":
-                assert set(args) == {"city"} and isinstance(args["city"], str)
-            else:
-                assert args in ({"zone": "UTC"}, {"zone": "CET"})
-            calls.append(call.name)
+    cases = [(seed, tools, choice) for seed in range(3)
+             for tools, choice in (([WEATHER], named), ([WEATHER], "required"), ([WEATHER, clock], "required"))]
+    replies = at_once(lambda case: client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=case[1], tool_choice=case[2], temperature=1.0, seed=case[0],
+        max_tokens=64).choices[0], cases)
+    for (seed, tools, choice), c in zip(cases, replies):
+        if c.finish_reason == "length":
+            assert JsonPrefix().feed(c.message.content.removeprefix("<tool_call>\n"))
+            continue
+        assert c.finish_reason == "tool_calls" and c.message.content is None
+        call = c.message.tool_calls[0].function
+        args = json.loads(call.arguments)
+        assert call.name in ("get_weather", "get_time") and isinstance(args, dict)
+        if len(tools) == 1:
+            assert call.name == "get_weather"
+        if call.name == "get_weather":
+            assert set(args) == {"city"} and isinstance(args["city"], str)
+        else:
+            assert args in ({"zone": "UTC"}, {"zone": "CET"})
+        calls.append(call.name)
     assert len(calls) >= 6
 
 
@@ -146,9 +148,9 @@ def test_a_json_schema_reply_parses_into_its_model(client):
         fame: float = Field(ge=0, lt=1)
 
     ask = [{"role": "user", "content": "Describe the Eiffel Tower: its name, the year it was built, its height."}]
-    for seed in range(3):
-        t = client.chat.completions.parse(model=MODEL, messages=ask, response_format=Tower, temperature=1.0,
-                                          seed=seed, max_tokens=96).choices[0]
+    for t in at_once(lambda seed: client.chat.completions.parse(model=MODEL, messages=ask, response_format=Tower,
+                                                                temperature=1.0, seed=seed, max_tokens=96).choices[0],
+                     range(3)):
         assert t.finish_reason == "stop" and isinstance(t.message.parsed, Tower), t.message.content
 
 
@@ -164,9 +166,9 @@ def test_patterns_and_formats_of_a_model_are_held(client):
         gate: str = Field(pattern=r"^[A-H][1-9]$")
 
     ask = [{"role": "user", "content": "Book me a flight to Paris: its flight code, the day and the gate."}]
-    for seed in range(3):
-        t = client.chat.completions.parse(model=MODEL, messages=ask, response_format=Flight, temperature=1.0,
-                                          seed=seed, max_tokens=96).choices[0]
+    for t in at_once(lambda seed: client.chat.completions.parse(model=MODEL, messages=ask, response_format=Flight,
+                                                                temperature=1.0, seed=seed, max_tokens=96).choices[0],
+                     range(3)):
         assert t.finish_reason == "stop" and isinstance(t.message.parsed, Flight), t.message.content
 
 
@@ -179,26 +181,27 @@ def test_vllms_structured_outputs_hold_the_reply_to_a_choice_a_pattern_or_a_sche
     ask = [{"role": "user", "content": "Is 'I loved this film' positive or negative?"}]
     kw = dict(model=MODEL, messages=ask, temperature=1.0, max_tokens=24)
     choices = ["positive", "negative"]
-    for seed in range(2):
-        for body in ({"guided_choice": choices}, {"structured_outputs": {"choice": choices}}):
-            c = client.chat.completions.create(**kw, seed=seed, extra_body=body).choices[0]
-            assert c.message.content in choices and c.finish_reason == "stop"
     drinks = ["☕ café crème", "🍵 thé", "🥛 lait"]  # the emoji come in tokens of a byte or two each
-    for seed in range(3):
-        c = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Name a French drink."}],
-                                           temperature=1.0, max_tokens=24, seed=seed,
-                                           extra_body={"guided_choice": drinks}).choices[0]
-        assert c.message.content in drinks and c.finish_reason == "stop"
-        c = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Name a French drink."}],
-                                           temperature=1.0, max_tokens=24, seed=seed,
-                                           extra_body={"guided_json": {"enum": drinks}}).choices[0]
-        assert json.loads(c.message.content) in drinks and c.finish_reason == "stop"  # JSON mode's texts too
+    drink = [{"role": "user", "content": "Name a French drink."}]
     phone = r"\(\d{3}\) \d{3}-\d{4}"
-    for seed in range(3):
-        c = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Give me a phone number."}],
-                                           temperature=1.0, max_tokens=24, seed=seed,
-                                           extra_body={"structured_outputs": {"regex": phone}}).choices[0]
-        assert re.fullmatch(phone, c.message.content) and c.finish_reason == "stop", c.message.content
+    phone_ask = [{"role": "user", "content": "Give me a phone number."}]
+    cases = ([("choice", seed, kw["messages"], body) for seed in range(2)
+              for body in ({"guided_choice": choices}, {"structured_outputs": {"choice": choices}})]
+             + [(what, seed, drink, body) for seed in range(3) for what, body in
+                (("drink", {"guided_choice": drinks}), ("drink json", {"guided_json": {"enum": drinks}}))]
+             + [("phone", seed, phone_ask, {"structured_outputs": {"regex": phone}}) for seed in range(3)])
+    replies = at_once(lambda case: client.chat.completions.create(
+        model=MODEL, messages=case[2], temperature=1.0, max_tokens=24, seed=case[1], extra_body=case[3]).choices[0],
+        cases)
+    for (what, _, _, _), c in zip(cases, replies):
+        if what == "choice":
+            assert c.message.content in choices and c.finish_reason == "stop"
+        elif what == "drink":
+            assert c.message.content in drinks and c.finish_reason == "stop"
+        elif what == "drink json":
+            assert json.loads(c.message.content) in drinks and c.finish_reason == "stop"  # JSON mode's texts too
+        else:
+            assert re.fullmatch(phone, c.message.content) and c.finish_reason == "stop", c.message.content
     streamed = "".join(ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
         **kw, seed=0, stream=True, extra_body={"guided_choice": choices}) if ch.choices)
     assert streamed == client.chat.completions.create(**kw, seed=0, extra_body={"guided_choice": choices}
@@ -222,16 +225,18 @@ def test_a_grammar_holds_each_reply_gbnf_or_lark(served, client):
     grammars = Path(__file__).parent.parent / "constrain" / "grammars"
     asks = {"json": "Describe a cat as JSON.", "arithmetic": "Write two sums and their results.",
             "list": "List three fruits."}
-    for name, ask in asks.items():
-        text = (grammars / f"{name}.gbnf").read_text()
-        for seed, body in enumerate(({"grammar": text}, {"structured_outputs": {"grammar": text}},
-                                     {"guided_grammar": text})):
-            c = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": ask}], seed=seed,
-                                               temperature=1.0, max_tokens=48, extra_body=body).choices[0]
-            reader = Reader(text_grammar(text))
-            assert reader.feed(c.message.content) and (reader.done or c.finish_reason == "length"), c.message.content
-            if name == "json" and c.finish_reason == "stop":
-                assert isinstance(json.loads(c.message.content), dict)
+    cases = [(name, text, ask, seed, body) for name, ask in asks.items()
+             for text in [(grammars / f"{name}.gbnf").read_text()]
+             for seed, body in enumerate(({"grammar": text}, {"structured_outputs": {"grammar": text}},
+                                          {"guided_grammar": text}))]
+    replies = at_once(lambda case: client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": case[2]}], seed=case[3], temperature=1.0, max_tokens=48,
+        extra_body=case[4]).choices[0], cases)
+    for (name, text, _, _, _), c in zip(cases, replies):
+        reader = Reader(text_grammar(text))
+        assert reader.feed(c.message.content) and (reader.done or c.finish_reason == "length"), c.message.content
+        if name == "json" and c.finish_reason == "stop":
+            assert isinstance(json.loads(c.message.content), dict)
     lark = 'start: "The answer is " NUMBER "."\nNUMBER: /[0-9]{1,3}/'
     done = client.completions.create(model=MODEL, prompt="2 + 2 =", max_tokens=12, temperature=0,
                                      extra_body={"structured_outputs": {"grammar": lark}}).choices[0]
