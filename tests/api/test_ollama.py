@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import ollama
 import pytest
-from live_server import KEY, MODEL, LiveServer, idle
+from live_server import KEY, MODEL, LiveServer, at_once, idle
 
 from localpd.engine.sampling import SamplingParams
 from localpd.api.app import create_app
@@ -80,9 +80,8 @@ def test_format_holds_the_reply_to_json_or_a_schema(client):
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
                                                "country": {"type": "string", "maxLength": 30}},
               "required": ["city", "country"]}
-    for seed in range(2):
-        r = client.chat(model=MODEL, messages=ASK, format=schema, options={"temperature": 1, "seed": seed,
-                                                                               "num_predict": 64})
+    for r in at_once(lambda seed: client.chat(model=MODEL, messages=ASK, format=schema,
+                                              options={"temperature": 1, "seed": seed, "num_predict": 64}), range(2)):
         assert set(json.loads(r.message.content)) == {"city", "country"}
 
 
