@@ -25,7 +25,33 @@ LONGEST_FILES = ("cli/test_cli.py", "api/test_server.py", "api/test_ollama.py", 
                  "kernels/test_attention_compile.py", "kernels/test_gemv_kmajor.py", "kernels/test_kernels.py",
                  "quant/test_schemes.py", "kernels/test_decode_attention.py", "api/test_server_fuzz.py",
                  "engine/test_speculate_engine.py", "quantize/test_calibrate.py", "kernels/test_cpu_kernels.py",
-                 "load/test_loader.py", "api/test_responses.py")
+                 "load/test_loader.py", "api/test_responses.py",
+                 # files added since that pass, by their seconds in CI's --durations of 2026-11-26 (at least 10 each):
+                 # left in collection order they came among the last files handed out (model/test_model.py goes
+                 # with quant/test_schemes.py, TOGETHER)
+                 "engine/test_draft_model.py", "model/test_cpu_fidelity.py", "api/test_models.py", "tui/test_tui.py",
+                 "measure/test_predict.py")
+
+# Files that share a costly session fixture go to one process, so that it is built once: transformers' model of the
+# default GGUF (hf_reference, some 13 s of CPU to dequantize). Each is handed out with the first of its group.
+TOGETHER = {"model/test_model.py": "quant/test_schemes.py", "load/test_loader.py": "quant/test_schemes.py"}
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """pyproject's --dist loadfile, with the files of TOGETHER each in its group's work unit."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    together = {f"tests/{name}": f"tests/{group}" for name, group in TOGETHER.items()}
+
+    class GroupedFiles(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return together.get(scope, scope)
+
+    return GroupedFiles(config, log)
 
 
 def pytest_collection_modifyitems(items):
