@@ -28,6 +28,7 @@ from typing import NamedTuple
 import torch
 
 from localpd.errors import LocalpdError
+from localpd.quant.codebook import CODEBOOK_TYPES, CodebookWeight
 from localpd.quant.int4k import Int4KWeight
 from localpd.quant.weights import Int4Weight, Int8Weight
 
@@ -44,14 +45,14 @@ SIGNATURES = {
     "lpd_huge_pages": ([_P, ctypes.c_size_t], _I),
     "lpd_trim": ([], None),
     "lpd_threads": ([], ctypes.c_char_p),
-    "lpd_linear": ([_I, _P, _P, _P, _F, _P, _I, _I, _I, _P, _P, _P, _P, _I, _I, _P, _P, _I], _I),
+    "lpd_linear": ([_I, _P, _P, _P, _F, _P, _I, _I, _I, _P, _P, _P, _P, _P, _I, _I, _P, _P, _I], _I),
     "lpd_attention": ([_P, _L, _L, _I, _I, _I, _P, _P, _I, _I, _I, _P, _L, _I, _I, _P, _P, _I, _F, _I, _P, _I], _I),
     "lpd_rope_write": ([_P, _L, _I, _I, _I, _I, _P, _P, _L, _P, _P, _P, _I, _L], _I),
     "lpd_half_pages": ([], _I),
-    "lpd_dequantize": ([_I, _P, _P, _P, _P, _I, _I, _I, _I, _P, _I], None),
+    "lpd_dequantize": ([_I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _I], None),
     "lpd_round_input": ([_I, _P, _P, _P, _F, _P, _I, _I, _P, _I], None),
     "lpd_set_sgemm": ([_P], None),
-    "lpd_dequant_gemm": ([_I, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _I, _I], _I),
+    "lpd_dequant_gemm": ([_I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _I, _I], _I),
     "lpd_decode_layers": ([_P, _P, _I, _P, _P, _I, _I, _P, _P, _P, _P, _P, _L, _P, _I, _P, _L, _I, _I, _P, _P, _I, _F,
                            _I], _I),
 }
@@ -212,14 +213,17 @@ class Plan(NamedTuple):
     scales: int  # int4-k: each super-block's d
     biases: int | None  # int4-k: each super-block's dmin
     sub: int | None  # int4-k: each group's scale and minimum bytes (quant/int4k.py); else None
+    lut: int | None  # a codebook weight's 16 values (quant/codebook.py); else None
     group: int
     n: int
     k: int
 
 
-# The tensors of each format lpd_linear takes, in its argument order: codes, scales, biases, int4-k's group bytes
+# The tensors of each format lpd_linear takes, in its argument order: codes, scales, biases, int4-k's group bytes,
+# a codebook's values
 FIELDS = {Int4Weight: ("packed", "scales", "biases"), Int8Weight: ("data", "scales"),
-          Int4KWeight: ("packed", "d", "dmin", "sub")}
+          Int4KWeight: ("packed", "d", "dmin", "sub"),
+          **{cls: ("packed", "scales", None, None, "table") for cls in set(CODEBOOK_TYPES.values())}}
 
 
 def weight_plan(w) -> Plan | None:
@@ -228,12 +232,12 @@ def weight_plan(w) -> Plan | None:
     plan = w.__dict__.get("_cpu_plan", False) if type(w) in FIELDS else None
     if plan is False:
         n, k = w.shape
-        parts = [getattr(w, f) for f in FIELDS[type(w)]]
-        if k % 32 or w.group % 32 or library() is None or not all(t.is_contiguous() for t in parts):
+        parts = [f and getattr(w, f) for f in FIELDS[type(w)]]
+        if k % 32 or w.group % 32 or library() is None or not all(t is None or t.is_contiguous() for t in parts):
             plan = None
         else:
-            ptrs = [t.data_ptr() for t in parts] + [None, None]
-            plan = Plan(8 if isinstance(w, Int8Weight) else 4, *ptrs[:4], w.group, n, k)
+            ptrs = [_ptr(t) for t in parts] + [None] * (5 - len(parts))
+            plan = Plan(8 if isinstance(w, Int8Weight) else 4, *ptrs, w.group, n, k)
         w.__dict__["_cpu_plan"] = plan
     return plan
 
@@ -250,7 +254,7 @@ def gather_weights(weights: list) -> int:
     if lib is None:
         return 0
     todo = {id(w): w for w in weights if type(w) in FIELDS and getattr(w, FIELDS[type(w)][0]).device.type == "cpu"}
-    parts = [(w, f, getattr(w, f)) for w in todo.values() for f in FIELDS[type(w)]]
+    parts = [(w, f, getattr(w, f)) for w in todo.values() for f in FIELDS[type(w)] if f in w.__dataclass_fields__]
     sizes = [(t.nbytes + 63) // 64 * 64 for _, _, t in parts]
     if not parts:
         return 0
@@ -276,7 +280,7 @@ def takes_linear(x: torch.Tensor, w, bias, norm) -> bool:
                                                           or norm.residual.dtype == torch.float32))))
 
 
-def linear(x: torch.Tensor, w: Int4Weight | Int8Weight | Int4KWeight, bias=None, gated: str | None = None, norm=None,
+def linear(x: torch.Tensor, w: Int4Weight | Int8Weight | Int4KWeight | CodebookWeight, bias=None, gated: str | None = None, norm=None,
            lib=None):
     """int4_matmul_ref / int8_matmul_ref (kernels/dispatch.py) with the same arguments, on x [..., K or 2K]
     (takes_linear said yes). lib: a library other than library() (tests build one per instruction set)."""
@@ -296,7 +300,7 @@ def linear(x: torch.Tensor, w: Int4Weight | Int8Weight | Int4KWeight, bias=None,
     if m >= GEMM_ROWS:
         _gemm(lib, p, pre, x, res, nw, eps, s, bias, y)
     elif m and lib.lpd_linear(pre, x.data_ptr(), _ptr(res), _ptr(nw), eps, _ptr(s), m, p.k, p.bits, p.data, p.scales,
-                              p.biases, p.sub, p.group, p.n, _ptr(bias), y.data_ptr(), threads()):
+                              p.biases, p.sub, p.lut, p.group, p.n, _ptr(bias), y.data_ptr(), threads()):
         raise MemoryError("lpd_linear could not allocate its scratch")  # its only failure
     y = y.reshape(*lead, p.n)
     return y if norm is None else (y, s.reshape(*lead, p.k))
@@ -313,15 +317,15 @@ def _gemm(lib, p: Plan, pre: int, x, res, nw, eps: float, s, bias, y) -> None:
     nth = threads()
     lib.lpd_round_input(pre, x.data_ptr(), _ptr(res), _ptr(nw), eps, _ptr(s), m, p.k, h.data_ptr(), nth)
     rows = gemm_slice(p.n, p.k, nth)
-    rc = lib.lpd_dequant_gemm(p.bits, p.data, p.scales, p.biases, p.sub, p.group, p.k, p.n, m, h.data_ptr(),
+    rc = lib.lpd_dequant_gemm(p.bits, p.data, p.scales, p.biases, p.sub, p.lut, p.group, p.k, p.n, m, h.data_ptr(),
                               y.data_ptr(), rows, nth)
     if rc == -3:  # no BLAS in torch's library
         rows = max(1, min(p.n, GEMM_SLICE // p.k))
         part = torch.empty(rows, p.k, dtype=torch.float32)
         for n0 in range(0, p.n, rows):
             n1 = min(p.n, n0 + rows)
-            lib.lpd_dequantize(p.bits, p.data, p.scales, p.biases, p.sub, p.group, p.k, n0, n1, part.data_ptr(),
-                               nth)
+            lib.lpd_dequantize(p.bits, p.data, p.scales, p.biases, p.sub, p.lut, p.group, p.k, n0, n1,
+                               part.data_ptr(), nth)
             torch.mm(h, part[:n1 - n0].T, out=y[:, n0:n1]) if rows == p.n else y[:, n0:n1].copy_(h @ part[:n1 - n0].T)
     else:
         _check(rc, "lpd_dequant_gemm")
@@ -396,7 +400,7 @@ class LinPlan(ctypes.Structure):
     """lin_plan in cpu_kernels.c: one projection's weight (a Plan) and bias."""
 
     _fields_ = [("bits", _I), ("w", _P), ("scales", _P), ("biases", _P), ("sub", _P), ("group", _I), ("N", _I),
-                ("K", _I), ("bias", _P)]
+                ("K", _I), ("bias", _P), ("lut", _P)]
 
 
 class LayerPlan(ctypes.Structure):
@@ -416,7 +420,7 @@ def layer_plan(linears: list, attn_norm: torch.Tensor, mlp_norm: torch.Tensor, n
         if plan is None or not _f32(lin.bias):
             return None
         parts.append(LinPlan(plan.bits, plan.data, plan.scales, plan.biases, plan.sub, plan.group, plan.n, plan.k,
-                             _ptr(lin.bias)))
+                             _ptr(lin.bias), plan.lut))
     if not (_f32(attn_norm) and _f32(mlp_norm)) or act not in PRE:
         return None
     return LayerPlan(n_heads, n_kv_heads, head_dim, PRE[act], eps, attn_norm.data_ptr(), mlp_norm.data_ptr(), *parts)

@@ -416,9 +416,19 @@ typedef struct {
     const uint8_t *w;
     const uint16_t *scales, *biases; /* int4-k (sub set): each super-block's d and dmin */
     const uint8_t *sub;               /* int4-k: each group's scale byte, then its minimum (int8); else NULL */
+    const int8_t *lut; /* a codebook weight: its 16 values (see codebook_weight); else NULL */
     const float *bias;
     float *y;
 } gemm_args;
+
+/* A codebook weight (quant/codebook.py: IQ4_NL, IQ4_XS, MXFP4) holds 4-bit codes whose values are a 16-entry int8
+ * table's, times a float16 scale a block of 32 (bits 4, lut set). The products look each code up in registers
+ * (vpshufb) and then take it as an int8 weight: signed values, no bias, AVX512's flipped by 128. A block's 16 bytes
+ * keep GGUF's order (byte j: column j in its low nibble, column j + 16 in its high one), so its input is not
+ * deinterleaved, and each block's integer sums, and the lanes that hold them, are those of the same values held as
+ * int8 bytes: the same floats, at half the bytes. */
+static inline int signed_codes(const gemm_args *a) { return a->bits == 8 || a->lut; }
+static inline int deinterleaved(int bits, const int8_t *lut) { return bits == 4 && !lut; }
 
 /* Integer sums of weight row `wrow` against activation rows xq[0..mm) (row stride K), all nb blocks: out[m * nb + b]. */
 static void block_sums(const gemm_args *a, const uint8_t *wrow, const int8_t *xq, int mm, int32_t *out) {
@@ -430,6 +440,10 @@ static void block_sums(const gemm_args *a, const uint8_t *wrow, const int8_t *xq
             __m128i raw = _mm_loadu_si128((const __m128i *)(wrow + b * 16));
             __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(15));
             __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(15));
+            if (a->lut) {
+                __m128i tab = _mm_loadu_si128((const __m128i *)a->lut);
+                lo = _mm_shuffle_epi8(tab, lo), hi = _mm_shuffle_epi8(tab, hi);
+            }
             wv = _mm256_set_m128i(hi, lo);
         } else {
             wv = _mm256_loadu_si256((const __m256i *)(wrow + b * 32));
@@ -438,7 +452,7 @@ static void block_sums(const gemm_args *a, const uint8_t *wrow, const int8_t *xq
             const int8_t *x = xq + (size_t)m * K + b * 32;
             __m256i xh = _mm256_loadu_si256((const __m256i *)x), xl = _mm256_loadu_si256((const __m256i *)(x + a->lo));
             __m256i wa = wv;
-            if (a->bits == 8) { /* |w| times x with w's sign */
+            if (signed_codes(a)) { /* |w| times x with w's sign */
                 wa = _mm256_sign_epi8(wv, wv);
                 xh = _mm256_sign_epi8(xh, wv);
                 xl = _mm256_sign_epi8(xl, wv);
@@ -455,10 +469,12 @@ static void block_sums(const gemm_args *a, const uint8_t *wrow, const int8_t *xq
         for (int m = 0; m < mm; m++) {
             const int8_t *x = xq + (size_t)m * K + b * 32, *xl = x + a->lo;
             int32_t s = 0;
-            if (a->bits == 4) {
+            if (a->bits == 4) { /* x[j], x[16 + j]: the input of the low and high nibble (deinterleaved, or a codebook's) */
                 const uint8_t *wb = wrow + b * 16;
-                for (int j = 0; j < 16; j++)
-                    s += (wb[j] & 15) * (256 * x[j] + xl[j]) + (wb[j] >> 4) * (256 * x[16 + j] + xl[16 + j]);
+                for (int j = 0; j < 16; j++) {
+                    int w0 = a->lut ? a->lut[wb[j] & 15] : wb[j] & 15, w1 = a->lut ? a->lut[wb[j] >> 4] : wb[j] >> 4;
+                    s += w0 * (256 * x[j] + xl[j]) + w1 * (256 * x[16 + j] + xl[16 + j]);
+                }
             } else {
                 const int8_t *wb = (const int8_t *)wrow + b * 32;
                 for (int j = 0; j < 32; j++) s += wb[j] * (256 * x[j] + xl[j]);
@@ -478,10 +494,18 @@ static inline __m512i expand_int4_pair(const uint8_t *p) {
     return _mm512_and_si512(both, _mm512_set1_epi8(15));
 }
 /* Weight blocks b, b + 1 of a row as 64 unsigned bytes for vpdpbusd: int4 codes as they are, int8 flipped by 128
- * (corrected by 128 x the input's sum, row_factors). */
-static inline __m512i load_pair(const gemm_args *a, const uint8_t *wrow, int b) {
-    if (a->bits == 4) return expand_int4_pair(wrow + b * 16);
+ * (corrected by 128 x the input's sum, row_factors), a codebook's codes looked up in tab (lut_table). */
+static inline __m512i load_pair(const gemm_args *a, const uint8_t *wrow, int b, __m512i tab) {
+    if (a->bits == 4) {
+        __m512i codes = expand_int4_pair(wrow + b * 16);
+        return a->lut ? _mm512_shuffle_epi8(tab, codes) : codes;
+    }
     return _mm512_xor_si512(_mm512_loadu_si512(wrow + b * 32), _mm512_set1_epi8((char)0x80));
+}
+/* A codebook's values flipped by 128 (as int8 weights are), in each 128-bit lane for vpshufb; zeros without one. */
+static inline __m512i lut_table(const gemm_args *a) {
+    if (!a->lut) return _mm512_setzero_si512();
+    return _mm512_broadcast_i32x4(_mm_xor_si128(_mm_loadu_si128((const __m128i *)a->lut), _mm_set1_epi8((char)0x80)));
 }
 #endif
 
@@ -509,6 +533,7 @@ static void gemv4(const gemm_args *a, int n, const float *ds, const float *extra
     size_t row_bytes = a->bits == 4 ? K / 2 : K;
     const uint8_t *w0 = a->w + (size_t)n * row_bytes, *w1 = w0 + row_bytes, *w2 = w1 + row_bytes, *w3 = w2 + row_bytes;
     __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+    const __m512i tab = lut_table(a);
     const __m512i pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0); /* a pair's factors */
 #define LPD_ROW(r, wexpr)                                                                                          \
     {                                                                                                              \
@@ -523,10 +548,10 @@ static void gemv4(const gemm_args *a, int n, const float *ds, const float *extra
     for (int b = 0; b < nb; b += 2) {
         __m512i x = _mm512_loadu_si512(a->xq + b * 32), xl = _mm512_loadu_si512(a->xq + a->lo + b * 32);
         prefetch_run(w0, b * step, 2 * step);
-        LPD_ROW(0, load_pair(a, w0, b));
-        LPD_ROW(1, load_pair(a, w1, b));
-        LPD_ROW(2, load_pair(a, w2, b));
-        LPD_ROW(3, load_pair(a, w3, b));
+        LPD_ROW(0, load_pair(a, w0, b, tab));
+        LPD_ROW(1, load_pair(a, w1, b, tab));
+        LPD_ROW(2, load_pair(a, w2, b, tab));
+        LPD_ROW(3, load_pair(a, w3, b, tab));
     }
 #undef LPD_ROW
     float *y = a->y + n;
@@ -552,8 +577,9 @@ static void gemm1x4(const gemm_args *a, int n, int m0, int mm, const float *ds, 
         d[m] = ds + r * nb;
     }
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    const __m512i tab = lut_table(a);
     for (int b = 0; b < nb; b += 2) {
-        __m512i wv = load_pair(a, wrow, b);
+        __m512i wv = load_pair(a, wrow, b, tab);
 #pragma GCC unroll 4
         for (int m = 0; m < 4; m++) {
             __m512i p = _mm512_add_epi32(
@@ -580,7 +606,7 @@ static inline __attribute__((always_inline)) void gemm4xm(const gemm_args *a, in
     int K = a->K, nb = K / 32;
     size_t row_bytes = a->bits == 4 ? K / 2 : K, step = a->bits == 4 ? 16 : 32;
     const uint8_t *w0 = a->w + (size_t)n * row_bytes;
-    const __m512i pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0), tab = lut_table(a);
     __m512 acc[4][4];
     for (int r = 0; r < 4; r++)
         for (int m = 0; m < MM; m++) acc[r][m] = _mm512_setzero_ps();
@@ -588,7 +614,7 @@ static inline __attribute__((always_inline)) void gemm4xm(const gemm_args *a, in
         __m512i wv[4];
         for (size_t o = 0; o < 8 * step; o += 64) /* prefetch_run's, written out: called here, gcc 12 built none */
             _mm_prefetch((const char *)(w0 + WEIGHT_AHEAD + b * 4 * step + o), _MM_HINT_T0);
-        for (int r = 0; r < 4; r++) wv[r] = load_pair(a, w0 + r * row_bytes, b);
+        for (int r = 0; r < 4; r++) wv[r] = load_pair(a, w0 + r * row_bytes, b, tab);
         for (int m = 0; m < MM; m++) {
             const int8_t *xm = a->xq + (size_t)(m0 + m) * K + b * 32;
             __m512i x = _mm512_loadu_si512(xm), xl = _mm512_loadu_si512(xm + a->lo);
@@ -612,18 +638,30 @@ static inline __attribute__((always_inline)) void gemm4xm(const gemm_args *a, in
  * the weight's codes widened to int16: vpmaddwd sums a pair of products into each int32 lane, two multiplies a
  * block where pmaddubsw on each int8 level took four (and four more instructions to join the levels). A lane's sum
  * is at most 4 x 128 x 32639 < 2^24: exact in float too. */
-static inline __m256i dot16(const gemm_args *a, const uint8_t *wrow, int b, __m256i x0, __m256i x1) {
+static inline __m256i dot16(const gemm_args *a, const uint8_t *wrow, int b, __m256i x0, __m256i x1, __m128i tab) {
     __m256i w0, w1;
-    if (a->bits == 4) { /* low nibbles: the block's even columns (x0), high: its odd ones (x1) */
+    if (a->bits == 4) { /* low nibbles: the block's even columns (x0), high: its odd ones (x1); a codebook's: its
+                         * columns 0-15 and 16-31, looked up in tab */
         __m128i raw = _mm_loadu_si128((const __m128i *)(wrow + b * 16)), m = _mm_set1_epi8(15);
-        w0 = _mm256_cvtepu8_epi16(_mm_and_si128(raw, m));
-        w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), m));
+        __m128i lo = _mm_and_si128(raw, m), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m);
+        if (a->lut) {
+            w0 = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(tab, lo));
+            w1 = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(tab, hi));
+        } else {
+            w0 = _mm256_cvtepu8_epi16(lo);
+            w1 = _mm256_cvtepu8_epi16(hi);
+        }
     } else {
         __m256i raw = _mm256_loadu_si256((const __m256i *)(wrow + b * 32));
         w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(raw));
         w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(raw, 1));
     }
     return _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
+}
+
+/* A codebook's 16 values for vpshufb (zeros without one). */
+static inline __m128i lut_table(const gemm_args *a) {
+    return a->lut ? _mm_loadu_si128((const __m128i *)a->lut) : _mm_setzero_si128();
 }
 
 /* Rows n .. n + 3 against input row 0, the input's blocks loaded once for the four. */
@@ -633,13 +671,14 @@ static void gemv4(const gemm_args *a, int n, const float *ds, const float *extra
     const uint8_t *w[4] = {a->w + (size_t)n * row_bytes, a->w + (size_t)(n + 1) * row_bytes,
                            a->w + (size_t)(n + 2) * row_bytes, a->w + (size_t)(n + 3) * row_bytes};
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    const __m128i tab = lut_table(a);
     for (int b = 0; b < nb; b++) {
         __m256i x0 = _mm256_loadu_si256((const __m256i *)(a->x16 + b * 32));
         __m256i x1 = _mm256_loadu_si256((const __m256i *)(a->x16 + b * 32 + 16));
         prefetch_run(w[0], b * step, step);
 #pragma GCC unroll 4
         for (int r = 0; r < 4; r++) {
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot16(a, w[r], b, x0, x1)), _mm256_set1_ps(ds[r * nb + b]),
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot16(a, w[r], b, x0, x1, tab)), _mm256_set1_ps(ds[r * nb + b]),
                                      acc[r]);
         }
     }
@@ -701,7 +740,8 @@ static void row_factors(const gemm_args *a, int n, int m0, int mm, int xor_block
         }
         return;
     }
-    const uint16_t *srow = a->scales + (size_t)n * ng, *brow = a->bits == 4 ? a->biases + (size_t)n * ng : NULL;
+    const uint16_t *srow = a->scales + (size_t)n * ng;
+    const uint16_t *brow = deinterleaved(a->bits, a->lut) ? a->biases + (size_t)n * ng : NULL; /* int4's biases */
     for (int m = 0; m < mm; m++) {
         const float *xd = a->xd + (size_t)(m0 + m) * nb, *xsf = a->xsf + (size_t)(m0 + m) * nb;
         float *dm = ds + m * nb, e = 0.f;
@@ -723,7 +763,7 @@ static void row_factors(const gemm_args *a, int n, int m0, int mm, int xor_block
             dm[b] = half_to_float(srow[b / per_group]) * xd[b];
             if (brow) e += half_to_float(brow[b / per_group]) * xsf[b];
         }
-        if (a->bits == 8) { /* AVX512's (w + 128) x, less 128 * sum(x): eight blocks a step, where one sum's chain
+        if (signed_codes(a)) { /* AVX512's (w + 128) x, less 128 * sum(x): eight blocks a step, where one sum's chain
                              * of adds cost a K = 576 row some 70 cycles beside the 20 or so of its products */
             const int32_t *xs = a->xsum + (size_t)(m0 + m) * nb;
             float c = 0.f;
@@ -798,8 +838,9 @@ static void gemm_rows(const gemm_args *a, int n0, int n1, float *ds) {
 #if defined(LPD_AVX512)
             __m512 acc[ROWS_AT_ONCE];
             for (int m = 0; m < mm; m++) acc[m] = _mm512_setzero_ps();
+            const __m512i tab = lut_table(a);
             for (int b = 0; b < vec_blocks; b += 2) {
-                __m512i wv = load_pair(a, wrow, b);
+                __m512i wv = load_pair(a, wrow, b, tab);
                 for (int m = 0; m < mm; m++) {
                     const int8_t *x = a->xq + (size_t)(m0 + m) * K + b * 32;
                     __m512i p = _mm512_add_epi32(
@@ -813,11 +854,12 @@ static void gemm_rows(const gemm_args *a, int n0, int n1, float *ds) {
 #elif defined(LPD_AVX2)
             __m256 acc[ROWS_AT_ONCE];
             for (int m = 0; m < mm; m++) acc[m] = _mm256_setzero_ps();
+            const __m128i tab = lut_table(a);
             for (int b = 0; b < vec_blocks; b++) {
                 for (int m = 0; m < mm; m++) {
                     const int16_t *x = a->x16 + (size_t)(m0 + m) * K + b * 32;
                     __m256i p = dot16(a, wrow, b, _mm256_loadu_si256((const __m256i *)x),
-                                      _mm256_loadu_si256((const __m256i *)(x + 16)));
+                                      _mm256_loadu_si256((const __m256i *)(x + 16)), tab);
                     acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(ds[m * nb + b]), acc[m]);
                 }
             }
@@ -894,24 +936,25 @@ static void input_task(void *ctx, int ith, int nth) { /* each thread its share o
 }
 
 /* y [M, N] = input step of x, then @ W.T (+ bias). bits 4: w = packed int4 [N, K/2] with scales and biases [N,
- * K/group] float16; bits 8: w = int8 [N, K] with scales [N, K/group], biases NULL. pre: PRE_NONE (x [M, K]),
+ * K/group] float16 (int4-k: sub set; a codebook's: lut set, biases NULL); bits 8: w = int8 [N, K] with scales [N,
+ * K/group], biases NULL. pre: PRE_NONE (x [M, K]),
  * PRE_NORM (x, residual or NULL, norm_w [K], eps; x + residual stored in sum_out [M, K], apart from both), or an
  * activation (x =
  * [gate | up], [M, 2K]). K a multiple of 32, group a multiple of 32 dividing K. Returns 0, or -1 without memory. */
 int lpd_linear(int pre, const float *x, const float *residual, const float *norm_w, float eps, float *sum_out, int M,
                int K, int bits, const void *w, const uint16_t *scales, const uint16_t *biases, const uint8_t *sub,
-               int group, int N, const float *bias, float *y, int nth) {
+               const int8_t *lut, int group, int N, const float *bias, float *y, int nth) {
     static __thread void *buf;
     static __thread size_t cap;
     int nb = K / 32;
     size_t q_bytes = (2 * (size_t)M * K + 63) / 64 * 64, d_bytes = ((size_t)M * nb * 4 + 63) / 64 * 64;
     char *mem = scratch(&buf, &cap, q_bytes + 2 * d_bytes);
     if (!mem) return -1;
-    input_args in = {pre, M, K, bits == 4, x, residual, norm_w, eps, sum_out, (int8_t *)mem,
+    input_args in = {pre, M, K, deinterleaved(bits, lut), x, residual, norm_w, eps, sum_out, (int8_t *)mem,
                      (float *)(mem + q_bytes), (int32_t *)(mem + q_bytes + d_bytes)};
     parallel(input_task, &in, M >= 8 ? nth : 1);
     gemm_args g = {M, N, K, group, bits, in.xq, (size_t)M * K, in.xd, in.xsum, NULL, NULL, w, scales, biases,
-                   sub, bias, y};
+                   sub, lut, bias, y};
     parallel(gemm_task, &g, nth);
     return 0;
 }
@@ -1536,6 +1579,7 @@ typedef struct {
     const uint8_t *w;
     const uint16_t *scales, *biases;
     const uint8_t *sub; /* int4-k (gemm_args) */
+    const int8_t *lut;  /* a codebook weight (gemm_args) */
     float *out;
 } dequant_args;
 
@@ -1544,9 +1588,22 @@ typedef struct {
  * multiple of 16 (the scalar loop takes it). An int4 byte holds two columns, the low nibble first. */
 static inline int dequant_group8(const dequant_args *a, int n, int g, float s, float m, float *o) {
     int G = a->group, K = a->K;
-    if (G % 16) return 0;
+    if (G % 16 || (a->lut && G % 32)) return 0;
     __m256 vs = _mm256_set1_ps(s);
-    if (a->bits == 4) {
+    if (a->lut) { /* a block's 16 bytes: columns 0-15 in the low nibbles, 16-31 in the high ones */
+        const uint8_t *p = a->w + (size_t)n * (K / 2) + g * (G / 2);
+        __m128i tab = _mm_loadu_si128((const __m128i *)a->lut), mask = _mm_set1_epi8(15);
+        for (int j = 0; j < G / 2; j += 16) {
+            __m128i raw = _mm_loadu_si128((const __m128i *)(p + j));
+            __m128i v[2] = {_mm_shuffle_epi8(tab, _mm_and_si128(raw, mask)),
+                            _mm_shuffle_epi8(tab, _mm_and_si128(_mm_srli_epi16(raw, 4), mask))};
+            for (int h = 0; h < 2; h++) {
+                _mm256_storeu_ps(o + 2 * j + 16 * h, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v[h])), vs));
+                _mm256_storeu_ps(o + 2 * j + 16 * h + 8,
+                                 _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v[h], 8))), vs));
+            }
+        }
+    } else if (a->bits == 4) {
         __m256 vm = _mm256_set1_ps(m);
         const uint8_t *p = a->w + (size_t)n * (K / 2) + g * (G / 2);
         __m128i mask = _mm_set1_epi8(15);
@@ -1580,11 +1637,17 @@ static void dequant_rows(const dequant_args *a, int r0, int r1, float *out) {
         if (a->sub) k_group_scales(k_row_at(a->scales, a->biases, a->sub, n, ng), ng, ws, wb);
         for (int g = 0; g < ng; g++) {
             float s = a->sub ? ws[g] : half_to_float(a->scales[(size_t)n * ng + g]);
-            float m = a->sub ? wb[g] : a->bits == 4 ? half_to_float(a->biases[(size_t)n * ng + g]) : 0.f;
+            float m = a->sub ? wb[g] : deinterleaved(a->bits, a->lut) ? half_to_float(a->biases[(size_t)n * ng + g]) : 0.f;
 #if defined(LPD_AVX512) || defined(LPD_AVX2)
             if (dequant_group8(a, n, g, s, m, o + g * a->group)) continue;
 #endif
-            if (a->bits == 4) {
+            if (a->lut) {
+                const uint8_t *p = a->w + (size_t)n * (K / 2) + g * (a->group / 2);
+                float *og = o + g * a->group;
+                for (int j = 0; j < a->group / 2; j++) /* block j / 16: columns 0-15 low nibbles, 16-31 high */
+                    og[j / 16 * 32 + j % 16] = (float)a->lut[p[j] & 15] * s,
+                    og[j / 16 * 32 + 16 + j % 16] = (float)a->lut[p[j] >> 4] * s;
+            } else if (a->bits == 4) {
                 const uint8_t *p = a->w + (size_t)n * (K / 2) + g * (a->group / 2);
                 for (int j = 0; j < a->group / 2; j++) {
                     o[g * a->group + 2 * j] = (float)(p[j] & 15) * s + m;
@@ -1606,8 +1669,8 @@ static void dequant_task(void *ctx, int ith, int nth) {
 }
 
 void lpd_dequantize(int bits, const void *w, const uint16_t *scales, const uint16_t *biases, const uint8_t *sub,
-                    int group, int K, int n0, int n1, float *out, int nth) {
-    dequant_args a = {bits, group, K, n0, n1, w, scales, biases, sub, out};
+                    const int8_t *lut, int group, int K, int n0, int n1, float *out, int nth) {
+    dequant_args a = {bits, group, K, n0, n1, w, scales, biases, sub, lut, out};
     parallel(dequant_task, &a, nth);
 }
 
@@ -1652,9 +1715,9 @@ static void dq_gemm_task(void *ctx, int ith, int nth) {
 
 /* Returns 0, -1 without memory, -3 without a BLAS (lpd_set_sgemm). */
 int lpd_dequant_gemm(int bits, const void *w, const uint16_t *scales, const uint16_t *biases, const uint8_t *sub,
-                     int group, int K, int N, int M, const float *h, float *y, int slice, int nth) {
+                     const int8_t *lut, int group, int K, int N, int M, const float *h, float *y, int slice, int nth) {
     if (!blas_sgemm) return -3;
-    dq_gemm_args a = {{bits, group, K, 0, N, w, scales, biases, sub, NULL}, M, slice > 0 ? slice : 1, h, y, 0, 0};
+    dq_gemm_args a = {{bits, group, K, 0, N, w, scales, biases, sub, lut, NULL}, M, slice > 0 ? slice : 1, h, y, 0, 0};
     parallel(dq_gemm_task, &a, nth);
     return atomic_load(&a.failed) ? -1 : 0;
 }
@@ -1670,6 +1733,7 @@ typedef struct {
     const uint8_t *sub; /* int4-k (gemm_args) */
     int group, N, K;
     const float *bias;
+    const int8_t *lut; /* a codebook weight (gemm_args) */
 } lin_plan;
 
 typedef struct {
@@ -1762,11 +1826,12 @@ typedef struct {
 static void linear_phase(layers_args *s, int ith, int nth, int pre, const lin_plan *l, const float *x,
                          const float *residual, const float *norm_w, float eps, float *sum_out, float *y) {
     int M = s->T;
-    input_args in = {pre, M, l->K, l->bits == 4, x, residual, norm_w, eps, sum_out, s->xq, s->xd, s->xsum};
+    input_args in = {pre, M, l->K, deinterleaved(l->bits, l->lut), x, residual, norm_w, eps, sum_out, s->xq, s->xd,
+                     s->xsum};
     input_task(&in, ith, nth);
     barrier_wait(&s->barrier, nth);
     gemm_args g = {M, l->N, l->K, l->group, l->bits, s->xq, (size_t)M * l->K, s->xd, s->xsum, NULL, NULL, l->w,
-                   l->scales, l->biases, l->sub, l->bias, y}; /* equal shares: measured faster than
+                   l->scales, l->biases, l->sub, l->lut, l->bias, y}; /* equal shares: measured faster than
                                                                           * taking chunks from a counter */
     gemm_task(&g, ith, nth);
     barrier_wait(&s->barrier, nth);

@@ -22,6 +22,7 @@ import torch
 from localpd.errors import LocalpdError
 from localpd.kernels import cpu
 from localpd.quant.bnb import LLM_INT8_THRESHOLD, BnbInt8Weight, Nf4Weight, bitsandbytes, nf4_code
+from localpd.quant.codebook import CodebookWeight
 from localpd.quant.int4k import Int4KWeight
 from localpd.quant.kmajor import KMajorWeight
 from localpd.quant.weights import Int4Weight, Int8Weight
@@ -168,6 +169,11 @@ def int4k_matmul_ref(x, w: Int4KWeight, bias=None, gated: str | None = None, nor
     return _input_matmul_ref(x, w.dequantize(torch.float32), bias, gated, norm)
 
 
+def codebook_matmul_ref(x, w: CodebookWeight, bias=None, gated: str | None = None, norm: PreNorm | None = None):
+    """int4_matmul_ref for a codebook weight (quant/codebook.py), dequantized in fp32."""
+    return _input_matmul_ref(x, w.dequantize(torch.float32), bias, gated, norm)
+
+
 def int8_matmul_ref(x, data, scales, group: int, bias=None, gated: str | None = None,
                     norm: PreNorm | None = None):
     w = Int8Weight(data, scales)
@@ -243,6 +249,19 @@ def linear_int4k(x: torch.Tensor, w: Int4KWeight, bias: torch.Tensor | None = No
     return _linear(x, w.shape, lambda x2, n: int4k_matmul_ref(x2, w, bias=bias, gated=gated, norm=n), gated, norm)
 
 
+def linear_codebook(x: torch.Tensor, w: CodebookWeight, bias: torch.Tensor | None = None, gated: str | None = None,
+                    norm: PreNorm | None = None):
+    """linear_int4 for a codebook weight: localpd's CPU kernels look its codes up as they load them; Triton's int8
+    kernels take its values as int8 (as_int8: 8.5 bits a weight read on the GPU, not 4.5); elsewhere the torch
+    reference."""
+    if use_triton(x):
+        return linear_int4(x, as_int8(w), bias, gated, norm)
+    if cpu.takes_linear(x, w, bias, norm):
+        check_width(x, w.shape, gated)
+        return cpu.linear(x, w, bias, gated, norm)
+    return _linear(x, w.shape, lambda x2, n: codebook_matmul_ref(x2, w, bias=bias, gated=gated, norm=n), gated, norm)
+
+
 def kmajor_matmul_ref(x, w: KMajorWeight, bias=None, gated: str | None = None, norm: PreNorm | None = None):
     """int4_matmul_ref for a K-major weight (quant/kmajor.py), dequantized in fp32."""
     return _input_matmul_ref(x, w.dequantize(torch.float32), bias, gated, norm)
@@ -291,6 +310,15 @@ def as_int4(w: Int4KWeight) -> Int4Weight:
         scale, bias = w.group_scales()
         int4 = w.__dict__["_as_int4"] = Int4Weight(w.packed, scale.half(), bias.half())
     return int4
+
+
+def as_int8(w: CodebookWeight) -> Int8Weight:
+    """The int8 weight holding w's values (exactly: the codebook's entries times the same scales), made once and kept
+    on w."""
+    int8 = w.__dict__.get("_as_int8")
+    if int8 is None:
+        int8 = w.__dict__["_as_int8"] = Int8Weight(w.int8_values(), w.scales)
+    return int8
 
 
 def bnb_matmul_ref(x: torch.Tensor, w: Nf4Weight | BnbInt8Weight) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """GGUF block types whose every group of 32 values is codes * scale (+ bias): decoded into that form.
 
 In this form a block type maps onto localpd's own formats with group 32: codes 0..15 with a scale and a bias are
-an Int4Weight, signed codes with a scale alone an Int8Weight. Scales computed from several stored fields (IQ4_XS's
+an Int4Weight, 4-bit codes into a table of int8 values (IQ4_NL, IQ4_XS, MXFP4) a CodebookWeight (quant/codebook.py),
+other signed codes with a scale alone an Int8Weight. Scales computed from several stored fields (IQ4_XS's
 d * (ls - 32)) are rounded to float16 there; the other types import bit for bit, but Q5_1 and Q5_K (5-bit codes and
 a bias), which become int8 with the least error (quant.weights.int8_near). Q4_K keeps its fields apart, as int4-k
 (quant/int4k.py); its decoder here serves the exact float dequantization.
@@ -126,7 +127,8 @@ def mxfp4(b: torch.Tensor) -> Groups:
 
 DECODERS = {"Q8_0": q8_0, "Q4_0": q4_0, "Q4_1": q4_1, "Q5_0": q5_0, "Q5_1": q5_1, "Q4_K": q4_k, "Q5_K": q5_k,
             "IQ4_NL": iq4_nl, "IQ4_XS": iq4_xs, "MXFP4": mxfp4}
-INT4_TYPES = {"Q4_0", "Q4_1"}  # codes 0..15 with a bias: Int4Weight (Q4_K: Int4KWeight); the rest are Int8Weight
+INT4_TYPES = {"Q4_0", "Q4_1"}  # codes 0..15 with a bias: Int4Weight (Q4_K: Int4KWeight); IQ4 and MXFP4: a
+# CodebookWeight (quant/codebook.py's CODEBOOK_TYPES); the rest are Int8Weight
 INT8_NEAR = {"Q5_1", "Q5_K"}  # 5-bit codes with a bias: Int8Weight has no bias, so these are not exact there
 
 

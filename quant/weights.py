@@ -29,6 +29,7 @@ from localpd.errors import LocalpdError
 from localpd.load.gguf_header import GGML_TYPES
 from localpd.quant import gguf_blocks
 from localpd.quant.bnb import BnbInt8Weight, Nf4Weight
+from localpd.quant.codebook import CODEBOOK_TYPES
 
 INT4_GROUPS = (32, 64, 128)
 ZERO_SCALE_BITS = 7  # significant bits of an integer-zero-point scale: 7 + 4 (z <= 15) fit float16's 11
@@ -301,8 +302,9 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 def from_gguf(type_name: str, raw_blocks_uint8: torch.Tensor, shape: tuple[int, int]):
     """Import of a GGUF block type whose groups of 32 are codes * scale (+ bias) (quant.gguf_blocks): Q4_0 and Q4_1
-    -> Int4Weight, Q4_K -> Int4KWeight (quant/int4k.py), Q8_0, Q5_0, IQ4_NL, IQ4_XS and MXFP4 -> Int8Weight, group 32.
-    Bit for bit, but for IQ4_XS's scales (products of two stored fields), which are rounded to float16.
+    -> Int4Weight, Q4_K -> Int4KWeight (quant/int4k.py), IQ4_NL, IQ4_XS and MXFP4 -> CodebookWeight
+    (quant/codebook.py), Q8_0 and Q5_0 -> Int8Weight, group 32. Bit for bit, but for IQ4_XS's scales (products of
+    two stored fields), which are rounded to float16.
 
     `raw_blocks_uint8` holds the tensor's blocks as stored (any shape); `shape` is (N rows, K columns) with blocks
     running along K.
@@ -331,6 +333,8 @@ def from_gguf(type_name: str, raw_blocks_uint8: torch.Tensor, shape: tuple[int, 
     if type_name in gguf_blocks.INT4_TYPES:
         biases = _half_scales(g.bias, type_name).reshape(n, k // 32)
         return Int4Weight(pack_int4(g.codes.reshape(n, k)), scales, biases)
+    if type_name in CODEBOOK_TYPES:
+        return CODEBOOK_TYPES[type_name].from_values(g.codes.reshape(n, k), scales)
     return Int8Weight(g.codes.reshape(n, k).contiguous(), scales)
 
 

@@ -10,10 +10,11 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from localpd.kernels.dispatch import (PreNorm, linear_bnb_int8, linear_bnb_nf4, linear_int4, linear_int4k, linear_int8,
-                                     linear_kmajor)
+from localpd.kernels.dispatch import (PreNorm, linear_bnb_int8, linear_bnb_nf4, linear_codebook, linear_int4,
+                                     linear_int4k, linear_int8, linear_kmajor)
 from localpd.kernels.fused_dispatch import act_mul, add_rms_norm
 from localpd.quant.bnb import BnbInt8Weight, Nf4Weight
+from localpd.quant.codebook import CODEBOOK_TYPES
 from localpd.quant.int4k import Int4KWeight
 from localpd.quant.kmajor import KMajorInt4, KMajorInt8
 from localpd.quant.weights import Int4Weight, Int8Weight, Weight, cat_rows, weight_nbytes
@@ -30,6 +31,7 @@ KERNELS: dict[type, Kernel] = {
     Int4Weight: Kernel(linear_int4, fuses=True),
     Int8Weight: Kernel(linear_int8, fuses=True),
     Int4KWeight: Kernel(linear_int4k, fuses=True),
+    **{cls: Kernel(linear_codebook, fuses=True) for cls in set(CODEBOOK_TYPES.values())},
     KMajorInt4: Kernel(linear_kmajor, fuses=True),  # the GPU's layout of the two above (to_gpu_layout)
     KMajorInt8: Kernel(linear_kmajor, fuses=True),
     Nf4Weight: Kernel(linear_bnb_nf4),

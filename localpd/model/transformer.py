@@ -17,11 +17,12 @@ import torch
 
 from localpd.errors import LocalpdError
 from localpd.kernels import cpu
-from localpd.kernels.dispatch import as_int4, use_triton
+from localpd.kernels.dispatch import as_int4, as_int8, use_triton
 from localpd.kernels.fused_dispatch import act_mul, add_rms_norm, qk_norm
 from localpd.kvcache.dispatch import paged_attention, rope_write_kv, rope_write_kv_ref
 from localpd.model.config import ModelConfig
 from localpd.model.linear import QuantLinear, StackedLinear, fuse, normed_separately
+from localpd.quant.codebook import CodebookWeight
 from localpd.quant.int4k import Int4KWeight
 from localpd.quant.kmajor import to_kmajor
 from localpd.kvcache.formats import KVPool
@@ -181,7 +182,7 @@ class Transformer:
                                + [self.embed])  # a StackedLinear (int4 beside int8) gathers each of its parts
 
     def _to_gpu_layout(self) -> None:
-        """Every int4/int8 matrix (int4-k's as its int4 groups) moved to the K-major layout the batch-1 GEMV streams
+        """Every int4/int8 matrix (int4-k's as its int4 groups, a codebook's as its int8 values) moved to the K-major layout the batch-1 GEMV streams
         (quant/kmajor.py); a tied output head keeps one copy, which the embedding lookup reads too."""
         from localpd.kernels.gemv_kmajor import takes  # imports Triton
 
@@ -189,7 +190,8 @@ class Transformer:
         linears = [lin for L in self.layers for lin in (L.qkv, L.o, L.gate_up, L.down)] + [self.lm_head]
         for lin in linears:
             for part in getattr(lin, "parts", [lin]):
-                w = as_int4(part.weight) if isinstance(part.weight, Int4KWeight) else part.weight
+                w = part.weight
+                w = as_int4(w) if isinstance(w, Int4KWeight) else as_int8(w) if isinstance(w, CodebookWeight) else w
                 bits = 4 if isinstance(w, Int4Weight) else 8 if isinstance(w, Int8Weight) else 0
                 if bits and takes(w.shape, bits, w.group):  # else the row-major kernels, as before
                     part.weight = to_kmajor(w)

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from localpd.kernels import cpu
-from localpd.kernels.dispatch import PreNorm, int4_matmul_ref, int4k_matmul_ref, int8_matmul_ref
+from localpd.kernels.dispatch import PreNorm, as_int8, codebook_matmul_ref, int4_matmul_ref, int4k_matmul_ref, int8_matmul_ref
 from localpd.kernels.fused_dispatch import act_mul_ref, add_rms_norm_ref
 from localpd.kvcache.dispatch import paged_attention_ref, rope_write_kv_ref
 from localpd.kvcache.formats import new_kv_pool
+from localpd.quant.codebook import CodebookWeight, IQ4Weight, MXFP4Weight
 from localpd.quant.int4k import Int4KWeight
 from localpd.quant.weights import Int4Weight, Int8Weight
 
@@ -65,7 +66,15 @@ def rounded_rows(h: torch.Tensor) -> torch.Tensor:
     return ((256 * hi + lo) * (step / 256)).reshape(h.shape)
 
 
+CODEBOOKS = {"iq4": IQ4Weight, "mxfp4": MXFP4Weight}
+
+
 def weights(kind: str, n: int, k: int, group: int, g: torch.Generator):
+    if kind in CODEBOOKS:  # random codes (every one of the 16), scales of several magnitudes
+        cls = CODEBOOKS[kind]
+        values = cls.table[torch.randint(0, 16, (n, k), generator=g)]
+        scales = (torch.rand(n, k // 32, generator=g) * torch.rand(n, 1, generator=g) * 0.05).half()
+        return cls.from_values(values, scales)
     dense = torch.randn(n, k, generator=g)
     if kind == "int4k":
         return Int4KWeight.from_int4(Int4Weight.quantize_rtn(dense, 32))
@@ -75,6 +84,8 @@ def weights(kind: str, n: int, k: int, group: int, g: torch.Generator):
 
 
 def ref(w, x, bias=None, gated=None, norm=None):
+    if isinstance(w, CodebookWeight):
+        return codebook_matmul_ref(x, w, bias=bias, gated=gated, norm=norm)
     if isinstance(w, Int4KWeight):
         return int4k_matmul_ref(x, w, bias=bias, gated=gated, norm=norm)
     if isinstance(w, Int4Weight):
@@ -92,7 +103,7 @@ def rel_err(a, b):
 SHAPES = [(1, 61, 96), (1, 70, 576), (1, 64, 1536), (3, 128, 576), (5, 17, 32), (9, 33, 1536), (1, 1, 4096),
           (16, 61, 96), (37, 200, 576), (128, 1000, 1536)]
 GROUPS = [("int4", 32), ("int4", 64), ("int4", 128), ("int8", 32), ("int8", None),  # None: one scale per row
-          ("int4k", 32)]
+          ("int4k", 32), ("iq4", 32), ("mxfp4", 32)]
 
 
 @pytest.mark.parametrize("kind,group,m,n,k", [(kind, group, *shape) for kind, group in GROUPS for shape in SHAPES
@@ -111,7 +122,7 @@ def test_linear_matches_the_reference_on_its_rounded_input(lib, kind, group, m, 
     assert rel_err(y, ref(w, x, bias)) < 1e-4
 
 
-@pytest.mark.parametrize("kind", ["int4", "int8", "int4k"])
+@pytest.mark.parametrize("kind", ["int4", "int8", "int4k", "iq4"])
 def test_prefill_rows_without_a_blas_take_torch_mm_and_match(lib, kind):
     """Where torch's library exports no sgemm, lpd_dequant_gemm says so and the rows go through torch.mm over the
     dequantized weight: the same products."""
@@ -136,7 +147,7 @@ def test_a_prefill_slice_fits_the_l2_and_leaves_every_thread_work(n, k, nth):
     assert rows == 8 or rows <= -(-n // (4 * nth))  # each thread takes four slices or more
 
 
-@pytest.mark.parametrize("kind", ["int4", "int8", "int4k"])
+@pytest.mark.parametrize("kind", ["int4", "int8", "int4k", "iq4"])
 @pytest.mark.parametrize("residual", [False, True])
 def test_linear_with_rms_norm_in_front(lib, kind, residual):
     g = torch.Generator().manual_seed(5 + residual)
@@ -152,7 +163,7 @@ def test_linear_with_rms_norm_in_front(lib, kind, residual):
     assert rel_err(y, y_ref) < 1e-4
 
 
-@pytest.mark.parametrize("kind", ["int4", "int8", "int4k"])
+@pytest.mark.parametrize("kind", ["int4", "int8", "int4k", "iq4"])
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 def test_linear_with_the_gate_in_front(lib, kind, act):
     g = torch.Generator().manual_seed(9)
@@ -380,7 +391,8 @@ def test_decode_layers_in_one_call_equal_the_kernels_op_by_op(lib, kv):
 
     g = torch.Generator().manual_seed(11)
     Hq, H, D, dim, ffn, ps, eps = 4, 2, 16, 64, 96, 8, 1e-5
-    kinds, ropes, windows = [("int4", 32), ("int8", 32), ("int8", None), ("int4k", 32)], [0, 1, 2, 0], [0, 5, 0, 0]
+    kinds = [("int4", 32), ("int8", 32), ("int8", None), ("int4k", 32), ("iq4", 32)]
+    ropes, windows = [0, 1, 2, 0, 0], [0, 5, 0, 0, 3]
     layers = []
     for kind, group in kinds:
         lin = [SimpleNamespace(weight=weights(kind, n, k, group or k, g), bias=None)
@@ -424,19 +436,20 @@ def test_gathered_weights_view_one_buffer_and_multiply_the_same():
     """gather_weights moves int4 and int8 weights (one listed twice) into one buffer, 2 MiB-aligned; the products
     after the move (whose plans were made before it) equal those before, bit for bit."""
     g = torch.Generator().manual_seed(8)
-    ws = [weights("int4", 96, 576, 32, g), weights("int8", 64, 160, 32, g), weights("int4k", 40, 320, 32, g)]
-    x = torch.randn(1, 576, generator=g), torch.randn(1, 160, generator=g), torch.randn(1, 320, generator=g)
+    ws = [weights("int4", 96, 576, 32, g), weights("int8", 64, 160, 32, g), weights("int4k", 40, 320, 32, g),
+          weights("iq4", 24, 96, 32, g)]
+    x = [torch.randn(1, w.shape[1], generator=g) for w in ws]
     before = [cpu.linear(xi, w) for xi, w in zip(x, ws)]
     moved = cpu.gather_weights(ws + ws[:1])
     assert moved >= sum(w.nbytes for w in ws)
     tensors = [ws[0].packed, ws[0].scales, ws[0].biases, ws[1].data, ws[1].scales, ws[2].packed, ws[2].d,
-               ws[2].dmin, ws[2].sub]
+               ws[2].dmin, ws[2].sub, ws[3].packed, ws[3].scales]
     assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
     assert ws[0].packed.data_ptr() % cpu.HUGE_PAGE == 0
     assert all(torch.equal(cpu.linear(xi, w), b) for xi, w, b in zip(x, ws, before))
 
 
-@pytest.mark.parametrize("kind,group", [("int4", 32), ("int8", 32), ("int8", None)])
+@pytest.mark.parametrize("kind,group", [("int4", 32), ("int8", 32), ("int8", None), ("iq4", 32)])
 @pytest.mark.parametrize("n,k", [(70, 576), (64, 1536), (33, 96)])
 def test_each_of_a_few_rows_is_its_one_row_product_bit_for_bit(lib, kind, group, n, k):
     """2 to 15 rows (a verification step's: a decode row and the drafted tokens after it) give each row exactly
@@ -450,3 +463,16 @@ def test_each_of_a_few_rows_is_its_one_row_product_bit_for_bit(lib, kind, group,
     alone = torch.cat([cpu.linear(x[i:i + 1], w, lib=lib) for i in range(15)])
     for m in (2, 3, 4, 5, 8, 9, 15):
         assert torch.equal(cpu.linear(x[:m], w, lib=lib), alone[:m]), m
+
+
+@pytest.mark.parametrize("kind", list(CODEBOOKS))
+@pytest.mark.parametrize("m,n,k", [(1, 70, 576), (1, 33, 96), (3, 61, 1536), (5, 17, 32), (40, 200, 576)])
+def test_a_codebook_weight_multiplies_as_its_values_held_as_int8_bit_for_bit(lib, kind, m, n, k):
+    """Codes looked up in registers give the products of the same values stored as int8 bytes (as IQ4_NL, IQ4_XS and
+    MXFP4 were held before), in the same lanes and order: the same floats, decode rows (an odd last block too) and
+    prefill rows alike, at 4.5 bits a weight where int8 takes 8.5."""
+    g = torch.Generator().manual_seed(m + n + k)
+    w = weights(kind, n, k, 32, g)
+    x, bias = torch.randn(m, k, generator=g) * 3, torch.randn(n, generator=g)
+    assert torch.equal(cpu.linear(x, w, bias, lib=lib), cpu.linear(x, as_int8(w), bias, lib=lib))
+    assert w.nbytes * 8 / (n * k) == 4.5

@@ -10,6 +10,7 @@ from gguf.quants import dequantize as ref_dequantize
 from gguf.quants import quantize as ref_quantize
 
 from localpd.load.loader import load_model
+from localpd.quant.codebook import CodebookWeight, IQ4Weight, MXFP4Weight
 from localpd.quant.int4k import Int4KWeight
 from localpd.quant.weights import Int4Weight, Int8Weight
 
@@ -18,8 +19,8 @@ DIM, FFN, HEADS, KV_HEADS, VOCAB = 256, 512, 4, 2, 64
 QUANTIZABLE = {"Q5_0", "Q5_1", "MXFP4", "TQ1_0", "TQ2_0"}  # gguf.quants makes these from floats
 TYPES = ["Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "IQ3_XXS", "IQ3_S", "IQ2_XXS",
          "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4"]
-EXACT = {"Q5_0": Int8Weight, "IQ4_NL": Int8Weight, "MXFP4": Int8Weight, "Q4_K": Int4KWeight}  # bit for bit on import
-NEAR = {"IQ4_XS": 1e-3}  # within float16 rounding of scales (the others: int8 rounding)
+EXACT = {"Q5_0": Int8Weight, "IQ4_NL": IQ4Weight, "MXFP4": MXFP4Weight, "Q4_K": Int4KWeight}  # bit for bit on import
+NEAR = {"IQ4_XS": (IQ4Weight, 1e-3)}  # within float16 rounding of scales (the others: int8 rounding)
 
 
 def blocks_by_hand(qtype, rows: int, cols: int, rng) -> np.ndarray:
@@ -93,12 +94,13 @@ def test_small_file_of_each_type_loads_and_runs(tmp_path, type_name):
     for name, w in native.weights.items():
         if not name.endswith("_proj"):
             continue
-        assert isinstance(w, (Int4Weight, Int8Weight, Int4KWeight)) and w.group == 32, name
+        assert isinstance(w, (Int4Weight, Int8Weight, Int4KWeight, CodebookWeight)) and w.group == 32, name
         want, got = exact.weights[name], w.dequantize()
         if type_name in EXACT:
             assert isinstance(w, EXACT[type_name]) and torch.equal(got, want), name
         else:  # within float16 rounding of the scales, or int8's rounding of the file's values
-            assert ((got - want).norm() / want.norm()).item() < NEAR.get(type_name, 1e-2), name
+            kind, tolerance = NEAR.get(type_name, (Int8Weight, 1e-2))
+            assert isinstance(w, kind) and ((got - want).norm() / want.norm()).item() < tolerance, name
     assert torch.isfinite(logits(native, list(range(0, VOCAB, 5)))).all()
 
 
@@ -120,6 +122,39 @@ def test_q4_k_m_made_by_llama_cpp_loads_and_chats(tmp_path, default_gguf, llama_
                           capture_output=True, text=True, timeout=300)
     assert chat.returncode == 0 and "Traceback" not in chat.stderr, chat.stderr[-2000:]
     assert len(chat.stdout.split()) >= 3
+
+
+def test_iq4_xs_made_by_llama_cpp_decodes_as_its_values_held_as_int8(tmp_path, default_gguf, llama_quantize):
+    """llama.cpp's IQ4_XS file of the default model (IQ4_NL and IQ4_XS tensors, held at 4.5 bits a weight as 4-bit
+    codes into their grid): a prompt and greedy decode steps give the same logits, bit for bit, as the same values
+    held as int8 (8.5 bits, as they were before)."""
+    import subprocess
+
+    from localpd.kernels.dispatch import as_int8
+    from localpd.kvcache.formats import new_kv_pool
+    from localpd.model.transformer import Batch, Transformer
+
+    path = tmp_path / "iq4_xs.gguf"
+    made = subprocess.run([str(llama_quantize), "--allow-requantize", str(default_gguf), str(path), "IQ4_XS", "2"],
+                          capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stderr[-2000:]
+    lm = load_model(path, scheme="native")
+    held = [w for w in lm.weights.values() if isinstance(w, CodebookWeight)]
+    assert len(held) >= 180
+    int8 = {k: as_int8(w) if isinstance(w, CodebookWeight) else w for k, w in lm.weights.items()}
+    c = lm.config
+    steps = []
+    for weights in (lm.weights, int8):
+        model = Transformer(c, weights)
+        pool = new_kv_pool("fp16", c.n_layers, 4, 16, c.n_kv_heads, c.head_dim, model.dtype, model.device)
+        ids = list(range(100, 120))
+        with torch.no_grad():
+            out = [model.forward(Batch.single(ids, 0, 4, 16, model.device), pool)[0]]
+            for i in range(8):
+                ids.append(int(out[-1].argmax()))
+                out.append(model.forward(Batch.single(ids[-1:], len(ids) - 1, 4, 16, model.device), pool)[0])
+        steps.append(torch.stack(out))
+    assert torch.equal(steps[0], steps[1])
 
 
 def test_a_layer_of_int4_beside_int8_decodes_on_the_cpu(tmp_path):
