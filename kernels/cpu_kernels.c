@@ -416,19 +416,36 @@ typedef struct {
     const uint8_t *w;
     const uint16_t *scales, *biases; /* int4-k (sub set): each super-block's d and dmin */
     const uint8_t *sub;               /* int4-k: each group's scale byte, then its minimum (int8); else NULL */
-    const int8_t *lut; /* a codebook weight: its 16 values (see codebook_weight); else NULL */
+    const int8_t *lut; /* a codebook weight's 16 values (codebook_code); else NULL */
     const float *bias;
     float *y;
 } gemm_args;
 
 /* A codebook weight (quant/codebook.py: IQ4_NL, IQ4_XS, MXFP4) holds 4-bit codes whose values are a 16-entry int8
  * table's, times a float16 scale a block of 32 (bits 4, lut set). The products look each code up in registers
- * (vpshufb) and then take it as an int8 weight: signed values, no bias, AVX512's flipped by 128. A block's 16 bytes
- * keep GGUF's order (byte j: column j in its low nibble, column j + 16 in its high one), so its input is not
+ * (vpermb or vpshufb) and then take it as an int8 weight: signed values, no bias, AVX512's flipped by 128. A row's
+ * blocks go in pairs of 32 bytes, byte j holding column j of the pair's first block in its low nibble and column j
+ * of its second in its high one; an odd last block takes 16 bytes, byte j holding its columns j and j + 16. So one
+ * 32-byte load, shifted by 0 and 4 bits, gives a pair's 64 codes in the order of its 64 int8 bytes: the input is not
  * deinterleaved, and each block's integer sums, and the lanes that hold them, are those of the same values held as
- * int8 bytes: the same floats, at half the bytes. */
+ * int8: the same floats, at half the bytes. */
 static inline int signed_codes(const gemm_args *a) { return a->bits == 8 || a->lut; }
 static inline int deinterleaved(int bits, const int8_t *lut) { return bits == 4 && !lut; }
+static inline int codebook_code(const uint8_t *wrow, int nb, int b, int j) { /* column j of block b's code */
+    if ((nb & 1) && b == nb - 1) return (wrow[b * 16 + (j & 15)] >> (j & 16 ? 4 : 0)) & 15;
+    return (wrow[b / 2 * 32 + j] >> (b & 1 ? 4 : 0)) & 15;
+}
+#if defined(LPD_AVX512) || defined(LPD_AVX2)
+/* Block b's 32 codes in column order (codebook_code's layout), each in a byte's low four bits. */
+static inline __m256i codebook_block(const uint8_t *wrow, int nb, int b) {
+    if ((nb & 1) && b == nb - 1) {
+        __m128i raw = _mm_loadu_si128((const __m128i *)(wrow + b * 16)), m = _mm_set1_epi8(15);
+        return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m), _mm_and_si128(raw, m));
+    }
+    __m256i raw = _mm256_loadu_si256((const __m256i *)(wrow + b / 2 * 32));
+    return _mm256_and_si256(_mm256_srl_epi16(raw, _mm_cvtsi32_si128(4 * (b & 1))), _mm256_set1_epi8(15));
+}
+#endif
 
 /* Integer sums of weight row `wrow` against activation rows xq[0..mm) (row stride K), all nb blocks: out[m * nb + b]. */
 static void block_sums(const gemm_args *a, const uint8_t *wrow, const int8_t *xq, int mm, int32_t *out) {
@@ -436,14 +453,13 @@ static void block_sums(const gemm_args *a, const uint8_t *wrow, const int8_t *xq
     for (int b = 0; b < nb; b++) {
 #if defined(LPD_AVX512) || defined(LPD_AVX2)
         __m256i wv;
-        if (a->bits == 4) {
+        if (a->lut) {
+            __m256i tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)a->lut));
+            wv = _mm256_shuffle_epi8(tab, codebook_block(wrow, nb, b));
+        } else if (a->bits == 4) {
             __m128i raw = _mm_loadu_si128((const __m128i *)(wrow + b * 16));
             __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(15));
             __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(15));
-            if (a->lut) {
-                __m128i tab = _mm_loadu_si128((const __m128i *)a->lut);
-                lo = _mm_shuffle_epi8(tab, lo), hi = _mm_shuffle_epi8(tab, hi);
-            }
             wv = _mm256_set_m128i(hi, lo);
         } else {
             wv = _mm256_loadu_si256((const __m256i *)(wrow + b * 32));
@@ -469,12 +485,12 @@ static void block_sums(const gemm_args *a, const uint8_t *wrow, const int8_t *xq
         for (int m = 0; m < mm; m++) {
             const int8_t *x = xq + (size_t)m * K + b * 32, *xl = x + a->lo;
             int32_t s = 0;
-            if (a->bits == 4) { /* x[j], x[16 + j]: the input of the low and high nibble (deinterleaved, or a codebook's) */
+            if (a->lut) {
+                for (int j = 0; j < 32; j++) s += a->lut[codebook_code(wrow, nb, b, j)] * (256 * x[j] + xl[j]);
+            } else if (a->bits == 4) {
                 const uint8_t *wb = wrow + b * 16;
-                for (int j = 0; j < 16; j++) {
-                    int w0 = a->lut ? a->lut[wb[j] & 15] : wb[j] & 15, w1 = a->lut ? a->lut[wb[j] >> 4] : wb[j] >> 4;
-                    s += w0 * (256 * x[j] + xl[j]) + w1 * (256 * x[16 + j] + xl[16 + j]);
-                }
+                for (int j = 0; j < 16; j++)
+                    s += (wb[j] & 15) * (256 * x[j] + xl[j]) + (wb[j] >> 4) * (256 * x[16 + j] + xl[16 + j]);
             } else {
                 const int8_t *wb = (const int8_t *)wrow + b * 32;
                 for (int j = 0; j < 32; j++) s += wb[j] * (256 * x[j] + xl[j]);
@@ -494,15 +510,24 @@ static inline __m512i expand_int4_pair(const uint8_t *p) {
     return _mm512_and_si512(both, _mm512_set1_epi8(15));
 }
 /* Weight blocks b, b + 1 of a row as 64 unsigned bytes for vpdpbusd: int4 codes as they are, int8 flipped by 128
- * (corrected by 128 x the input's sum, row_factors), a codebook's codes looked up in tab (lut_table). */
+ * (corrected by 128 x the input's sum, row_factors), a codebook's codes looked up in tab (lut_table): the pair's 32
+ * bytes in both halves, the upper half shifted by 4 bits, and the low nibble of each byte looked up (vpermb takes
+ * an index's low six bits, and the table fills all four of its 16-byte lanes, so the two bits above the nibble
+ * pick a copy of it and need no mask). */
 static inline __m512i load_pair(const gemm_args *a, const uint8_t *wrow, int b, __m512i tab) {
-    if (a->bits == 4) {
-        __m512i codes = expand_int4_pair(wrow + b * 16);
-        return a->lut ? _mm512_shuffle_epi8(tab, codes) : codes;
+    if (a->lut) {
+        __m512i both = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(wrow + b * 16)));
+        __m512i idx = _mm512_srlv_epi64(both, _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0));
+#if defined(__AVX512VBMI__)
+        return _mm512_permutexvar_epi8(idx, tab);
+#else
+        return _mm512_shuffle_epi8(tab, _mm512_and_si512(idx, _mm512_set1_epi8(15)));
+#endif
     }
+    if (a->bits == 4) return expand_int4_pair(wrow + b * 16);
     return _mm512_xor_si512(_mm512_loadu_si512(wrow + b * 32), _mm512_set1_epi8((char)0x80));
 }
-/* A codebook's values flipped by 128 (as int8 weights are), in each 128-bit lane for vpshufb; zeros without one. */
+/* A codebook's values flipped by 128 (as int8 weights are), in each 128-bit lane; zeros without one. */
 static inline __m512i lut_table(const gemm_args *a) {
     if (!a->lut) return _mm512_setzero_si512();
     return _mm512_broadcast_i32x4(_mm_xor_si128(_mm_loadu_si128((const __m128i *)a->lut), _mm_set1_epi8((char)0x80)));
@@ -538,8 +563,8 @@ static void gemv4(const gemm_args *a, int n, const float *ds, const float *extra
 #define LPD_ROW(r, wexpr)                                                                                          \
     {                                                                                                              \
         __m512i wv = wexpr;                                                                                        \
-        __m512i p = _mm512_add_epi32(_mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, x), 8),    \
-                                     _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xl));                        \
+        __m512i p = _mm512_dpbusd_epi32(_mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, x), 8), \
+                                        wv, xl); /* (hi sums << 8) + lo sums, the lo ones added in place */       \
         __m128 two = _mm_castpd_ps(_mm_load_sd((const double *)(ds + r * nb + b)));                               \
         acc##r = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(two)),   \
                                  acc##r);                                                                          \
@@ -640,17 +665,14 @@ static inline __attribute__((always_inline)) void gemm4xm(const gemm_args *a, in
  * is at most 4 x 128 x 32639 < 2^24: exact in float too. */
 static inline __m256i dot16(const gemm_args *a, const uint8_t *wrow, int b, __m256i x0, __m256i x1, __m128i tab) {
     __m256i w0, w1;
-    if (a->bits == 4) { /* low nibbles: the block's even columns (x0), high: its odd ones (x1); a codebook's: its
-                         * columns 0-15 and 16-31, looked up in tab */
+    if (a->lut) { /* the block's 32 values in column order, as an int8 block's bytes */
+        __m256i v = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(tab), codebook_block(wrow, a->K / 32, b));
+        w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v));
+        w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1));
+    } else if (a->bits == 4) { /* low nibbles: the block's even columns (x0), high: its odd ones (x1) */
         __m128i raw = _mm_loadu_si128((const __m128i *)(wrow + b * 16)), m = _mm_set1_epi8(15);
-        __m128i lo = _mm_and_si128(raw, m), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m);
-        if (a->lut) {
-            w0 = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(tab, lo));
-            w1 = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(tab, hi));
-        } else {
-            w0 = _mm256_cvtepu8_epi16(lo);
-            w1 = _mm256_cvtepu8_epi16(hi);
-        }
+        w0 = _mm256_cvtepu8_epi16(_mm_and_si128(raw, m));
+        w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), m));
     } else {
         __m256i raw = _mm256_loadu_si256((const __m256i *)(wrow + b * 32));
         w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(raw));
@@ -1588,20 +1610,16 @@ typedef struct {
  * multiple of 16 (the scalar loop takes it). An int4 byte holds two columns, the low nibble first. */
 static inline int dequant_group8(const dequant_args *a, int n, int g, float s, float m, float *o) {
     int G = a->group, K = a->K;
-    if (G % 16 || (a->lut && G % 32)) return 0;
+    if (G % 16 || (a->lut && G != 32)) return 0;
     __m256 vs = _mm256_set1_ps(s);
-    if (a->lut) { /* a block's 16 bytes: columns 0-15 in the low nibbles, 16-31 in the high ones */
-        const uint8_t *p = a->w + (size_t)n * (K / 2) + g * (G / 2);
-        __m128i tab = _mm_loadu_si128((const __m128i *)a->lut), mask = _mm_set1_epi8(15);
-        for (int j = 0; j < G / 2; j += 16) {
-            __m128i raw = _mm_loadu_si128((const __m128i *)(p + j));
-            __m128i v[2] = {_mm_shuffle_epi8(tab, _mm_and_si128(raw, mask)),
-                            _mm_shuffle_epi8(tab, _mm_and_si128(_mm_srli_epi16(raw, 4), mask))};
-            for (int h = 0; h < 2; h++) {
-                _mm256_storeu_ps(o + 2 * j + 16 * h, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v[h])), vs));
-                _mm256_storeu_ps(o + 2 * j + 16 * h + 8,
-                                 _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v[h], 8))), vs));
-            }
+    if (a->lut) { /* a group is a block (codebook_code) */
+        __m256i tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)a->lut));
+        __m256i v = _mm256_shuffle_epi8(tab, codebook_block(a->w + (size_t)n * (K / 2), K / 32, g));
+        __m128i h[2] = {_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)};
+        for (int i = 0; i < 2; i++) {
+            _mm256_storeu_ps(o + 16 * i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(h[i])), vs));
+            _mm256_storeu_ps(o + 16 * i + 8,
+                             _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(h[i], 8))), vs));
         }
     } else if (a->bits == 4) {
         __m256 vm = _mm256_set1_ps(m);
@@ -1641,12 +1659,9 @@ static void dequant_rows(const dequant_args *a, int r0, int r1, float *out) {
 #if defined(LPD_AVX512) || defined(LPD_AVX2)
             if (dequant_group8(a, n, g, s, m, o + g * a->group)) continue;
 #endif
-            if (a->lut) {
-                const uint8_t *p = a->w + (size_t)n * (K / 2) + g * (a->group / 2);
-                float *og = o + g * a->group;
-                for (int j = 0; j < a->group / 2; j++) /* block j / 16: columns 0-15 low nibbles, 16-31 high */
-                    og[j / 16 * 32 + j % 16] = (float)a->lut[p[j] & 15] * s,
-                    og[j / 16 * 32 + 16 + j % 16] = (float)a->lut[p[j] >> 4] * s;
+            if (a->lut) { /* a group is a block */
+                for (int j = 0; j < 32; j++)
+                    o[g * 32 + j] = (float)a->lut[codebook_code(a->w + (size_t)n * (K / 2), ng, g, j)] * s;
             } else if (a->bits == 4) {
                 const uint8_t *p = a->w + (size_t)n * (K / 2) + g * (a->group / 2);
                 for (int j = 0; j < a->group / 2; j++) {

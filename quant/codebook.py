@@ -2,9 +2,12 @@
 columns: value = VALUES[q] * scale. GGUF's IQ4_NL and IQ4_XS (its scales multiplied out, rounded to float16) are
 IQ4Weight, MXFP4 is MXFP4Weight: 4.5 bits a weight where the same values held as int8 took 8.5.
 
-`packed` is uint8 [N, K // 2] in GGUF's order, not Int4Weight's: block b of a row is bytes 16b .. 16b + 15, byte j
-holding column 32b + j in its low nibble and column 32b + 16 + j in its high one (the file's own bytes). The table
-belongs to the class (each subclass one), so that, as in every other format, each tensor is indexed by output row.
+`packed` is uint8 [N, K // 2], a row's blocks of 32 columns in pairs: the pair of blocks 2p and 2p + 1 is bytes 32p ..
+32p + 31, byte j holding column j of block 2p in its low nibble and column j of block 2p + 1 in its high one; where K
+is an odd number of blocks, the last takes 16 bytes, byte j holding its columns j and j + 16 (GGUF's order). One
+32-byte load then gives a pair's 64 codes in column order with a shift and no shuffle (kernels/cpu_kernels.c). The
+table belongs to the class (each subclass one), so that, as in every other format, each tensor is indexed by output
+row.
 
 The CPU kernels look each code up in registers and multiply it as an int8 weight (kernels/cpu_kernels.c); the GPU
 takes it as that int8 weight (kernels/dispatch.py's as_int8).
@@ -67,15 +70,18 @@ class CodebookWeight:
         codes = index.to(values.device)[values.long() + 128]
         if (codes < 0).any():
             raise LocalpdError(f"a value is not in {cls.__name__}'s codebook")
-        n, k = values.shape
-        q = codes.to(torch.uint8).reshape(n, k // GROUP, 2, GROUP // 2)
-        return cls((q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, k // 2).contiguous(), scales.contiguous())
+        return cls(pack(codes.to(torch.uint8)), scales.contiguous())
 
     def codes(self) -> torch.Tensor:
         """The codes as uint8 [N, K], columns in order."""
         n, k = self.shape
-        b = self.packed.reshape(n, k // GROUP, GROUP // 2)
-        return torch.cat([b & 15, b >> 4], dim=-1).reshape(n, k)
+        pairs = k // GROUP // 2 * 2 * GROUP // 2
+        body = self.packed[:, :pairs].reshape(n, -1, 1, GROUP)
+        parts = [torch.cat([body & 15, body >> 4], dim=2).reshape(n, -1)]
+        if k // GROUP % 2:
+            last = self.packed[:, pairs:]
+            parts.append(torch.cat([last & 15, last >> 4], dim=1))
+        return torch.cat(parts, dim=1)
 
     def int8_values(self) -> torch.Tensor:
         """VALUES[q] as int8 [N, K]."""
@@ -85,6 +91,18 @@ class CodebookWeight:
         n, k = self.shape
         v = self.int8_values().float().reshape(n, k // GROUP, GROUP) * self.scales.float()[..., None]
         return v.reshape(n, k).to(dtype)
+
+
+def pack(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [N, K] (0..15) -> packed [N, K // 2] in the module docstring's layout."""
+    n, k = codes.shape
+    nb = k // GROUP
+    body = codes[:, :nb // 2 * 2 * GROUP].reshape(n, -1, 2, GROUP)
+    parts = [(body[:, :, 0] | (body[:, :, 1] << 4)).reshape(n, -1)]
+    if nb % 2:
+        last = codes[:, -GROUP:]
+        parts.append(last[:, :GROUP // 2] | (last[:, GROUP // 2:] << 4))
+    return torch.cat(parts, dim=1).contiguous()
 
 
 class IQ4Weight(CodebookWeight):

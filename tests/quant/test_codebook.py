@@ -20,15 +20,21 @@ def test_values_and_scales_round_trip(cls):
     assert torch.equal(w.dequantize(), (values.float().reshape(5, 3, 32) * scales.float()[..., None]).reshape(5, 96))
 
 
-def test_an_iq4_nl_block_is_held_as_the_file_stores_it():
-    """The codes are the file's bytes: byte j of a block holds column j (low nibble) and j + 16 (high)."""
-    g = torch.Generator().manual_seed(2)
-    blocks = torch.randint(0, 256, (6, 18), dtype=torch.uint8, generator=g)
+@pytest.mark.parametrize("k", [96, 128])
+def test_iq4_nl_blocks_import_exactly_in_pairs(k):
+    """A pair of blocks is 32 bytes, byte j holding column j of the first in its low nibble and of the second in its
+    high one; an odd last block keeps the file's 16 bytes (column j low, j + 16 high)."""
+    g = torch.Generator().manual_seed(k)
+    blocks = torch.randint(0, 256, (2 * k // 32, 18), dtype=torch.uint8, generator=g)
     blocks[:, :2] = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)
-    w = from_gguf("IQ4_NL", blocks, (2, 96))
+    w = from_gguf("IQ4_NL", blocks, (2, k))
     assert isinstance(w, IQ4Weight)
-    assert torch.equal(w.packed, blocks[:, 2:].reshape(2, 48))
     assert torch.equal(w.dequantize().reshape(-1), gguf_blocks.dequantize(gguf_blocks.iq4_nl(blocks)))
+    first, second = blocks[0, 2:], blocks[1, 2:]  # row 0's first two blocks, as the file holds them
+    codes = [torch.cat([b & 15, b >> 4]) for b in (first, second)]
+    assert torch.equal(w.packed[0, :32], codes[0] | (codes[1] << 4))
+    if k == 96:
+        assert torch.equal(w.packed[0, 32:], blocks[2, 2:])
 
 
 def test_rows_taken_and_stacked():
