@@ -504,10 +504,20 @@ static void block_sums(const gemm_args *a, const uint8_t *wrow, const int8_t *xq
 #if defined(LPD_AVX512)
 /* Two blocks at a time in 512-bit registers: acc[m] += float(sum of each block's products) * ds, per lane. */
 static inline __m512i expand_int4_pair(const uint8_t *p) {
+#if defined(__AVX512VBMI__) /* each block's 16 bytes twice (one vpermb), the second copy shifted: 3 operations, 1
+                             * shuffle, where 5 with 2 shuffles took 10% longer (3072 x 576 in L3, one thread) */
+    __m512i raw = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p)); /* blocks b, b+1: 16 bytes each */
+    const __m512i twice = _mm512_set_epi8(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16,
+                                          31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16,
+                                          15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0,
+                                          15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    __m512i both = _mm512_srlv_epi64(_mm512_permutexvar_epi8(twice, raw), _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0));
+#else
     __m256i raw = _mm256_loadu_si256((const __m256i *)p);                 /* blocks b, b+1: 16 bytes each */
     __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1);
-    both = _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));    /* lo b, hi b, lo b+1, hi b+1 */
-    return _mm512_and_si512(both, _mm512_set1_epi8(15));
+    both = _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));
+#endif
+    return _mm512_and_si512(both, _mm512_set1_epi8(15)); /* lo b, hi b, lo b+1, hi b+1 */
 }
 /* Weight blocks b, b + 1 of a row as 64 unsigned bytes for vpdpbusd: int4 codes as they are, int8 flipped by 128
  * (corrected by 128 x the input's sum, row_factors), a codebook's codes looked up in tab (lut_table): the pair's 32

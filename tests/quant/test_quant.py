@@ -8,6 +8,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 from localpd.errors import LocalpdError
+from localpd.quant.codebook import IQ4Weight, MXFP4Weight
 from localpd.quant.int4k import Int4KWeight
 from localpd.quant.weights import Int4Weight, Int8Weight, from_gguf, integer_zeros, pack_int4, unpack_int4
 
@@ -164,7 +165,8 @@ def test_gguf_import_is_exact(type_name, seed):
     blocks = _random_blocks(type_name, n * k // block, rng)
     expected = torch.from_numpy(gguf_dequantize(blocks.reshape(-1), GGMLQuantizationType[type_name]).reshape(n, k))
     w = from_gguf(type_name, torch.from_numpy(blocks.reshape(-1).copy()), (n, k))
-    assert isinstance(w, {"Q4_0": Int4Weight, "Q4_1": Int4Weight, "Q4_K": Int4KWeight}.get(type_name, Int8Weight))
+    assert isinstance(w, {"Q4_0": Int4Weight, "Q4_1": Int4Weight, "Q4_K": Int4KWeight, "IQ4_NL": IQ4Weight,
+                          "IQ4_XS": IQ4Weight, "MXFP4": MXFP4Weight}.get(type_name, Int8Weight))
     assert w.group == 32 and w.shape == (n, k)
     got = w.dequantize(torch.float32)
     if type_name in ROUNDED:  # each value off by at most float16's rounding of its scale (and bias)
