@@ -236,17 +236,23 @@ def linear_int4(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None
 linear_int8 = linear_int4  # the same dispatch: the weight's type picks the kernel
 
 
+def _linear_held(x, w, gpu_form, ref, bias, gated, norm):
+    """linear_int4 for a format that localpd's CPU kernels read as it is held and Triton's kernels take in another
+    form (gpu_form(w), made once), with its torch reference ref elsewhere."""
+    if use_triton(x):
+        return linear_int4(x, gpu_form(w), bias, gated, norm)
+    if cpu.takes_linear(x, w, bias, norm):
+        check_width(x, w.shape, gated)
+        return cpu.linear(x, w, bias, gated, norm)
+    return _linear(x, w.shape, lambda x2, n: ref(x2, w, bias=bias, gated=gated, norm=n), gated, norm)
+
+
 def linear_int4k(x: torch.Tensor, w: Int4KWeight, bias: torch.Tensor | None = None, gated: str | None = None,
                  norm: PreNorm | None = None):
     """linear_int4 for an int4-k weight: localpd's CPU kernels read its super-block scales as they are; Triton's
     int4 kernels take its groups' scales and biases expanded to float16 (int4-g32, as_int4: 5 bits a weight read
     on the GPU, not 4.6); elsewhere the torch reference."""
-    if use_triton(x):
-        return linear_int4(x, as_int4(w), bias, gated, norm)
-    if cpu.takes_linear(x, w, bias, norm):
-        check_width(x, w.shape, gated)
-        return cpu.linear(x, w, bias, gated, norm)
-    return _linear(x, w.shape, lambda x2, n: int4k_matmul_ref(x2, w, bias=bias, gated=gated, norm=n), gated, norm)
+    return _linear_held(x, w, as_int4, int4k_matmul_ref, bias, gated, norm)
 
 
 def linear_codebook(x: torch.Tensor, w: CodebookWeight, bias: torch.Tensor | None = None, gated: str | None = None,
@@ -254,12 +260,7 @@ def linear_codebook(x: torch.Tensor, w: CodebookWeight, bias: torch.Tensor | Non
     """linear_int4 for a codebook weight: localpd's CPU kernels look its codes up as they load them; Triton's int8
     kernels take its values as int8 (as_int8: 8.5 bits a weight read on the GPU, not 4.5); elsewhere the torch
     reference."""
-    if use_triton(x):
-        return linear_int4(x, as_int8(w), bias, gated, norm)
-    if cpu.takes_linear(x, w, bias, norm):
-        check_width(x, w.shape, gated)
-        return cpu.linear(x, w, bias, gated, norm)
-    return _linear(x, w.shape, lambda x2, n: codebook_matmul_ref(x2, w, bias=bias, gated=gated, norm=n), gated, norm)
+    return _linear_held(x, w, as_int8, codebook_matmul_ref, bias, gated, norm)
 
 
 def kmajor_matmul_ref(x, w: KMajorWeight, bias=None, gated: str | None = None, norm: PreNorm | None = None):
