@@ -573,8 +573,8 @@ static void gemv4(const gemm_args *a, int n, const float *ds, const float *extra
 #define LPD_ROW(r, wexpr)                                                                                          \
     {                                                                                                              \
         __m512i wv = wexpr;                                                                                        \
-        __m512i p = _mm512_dpbusd_epi32(_mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, x), 8), \
-                                        wv, xl); /* (hi sums << 8) + lo sums, the lo ones added in place */       \
+        __m512i p = _mm512_add_epi32(_mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, x), 8),    \
+                                     _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xl));                        \
         __m128 two = _mm_castpd_ps(_mm_load_sd((const double *)(ds + r * nb + b)));                               \
         acc##r = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(two)),   \
                                  acc##r);                                                                          \
