@@ -10,8 +10,10 @@ import torch
 from localpd.errors import LocalpdError
 from localpd.load.loader import LoadedModel, load_model
 from localpd.load.registry import resolve_model
+from localpd.quant.codebook import CodebookWeight
 from localpd.quant.schemes import BNB, check_scheme, compute_dtype
 from localpd.quant.store import is_quantized_dir, read_meta
+from localpd.quant.weights import Int8Weight, Weight
 
 FORMATS = ("gguf", "compressed-tensors")
 # schemes a format cannot hold: compressed-tensors has no NF4 codebook nor LLM.int8's layout (GGUF re-quantizes them)
@@ -60,7 +62,15 @@ def load_source(model: str, fmt: str, quant: str | None = None) -> Source:
     if loaded.config.arch not in ARCHS[fmt] or loaded.config.proj_head_dim or loaded.config.nope_layers:
         raise LocalpdError(f"export to {fmt} takes the {', '.join(ARCHS[fmt])} architectures; {resolved.name} is "
                            f"{loaded.config.arch}")
+    loaded.weights = {key: exported_weight(w) for key, w in loaded.weights.items()}
     return Source(resolved.name, path, scheme, loaded)
+
+
+def exported_weight(w: Weight) -> Weight:
+    """A weight as the formats take it: a codebook weight (IQ4_NL, IQ4_XS, MXFP4, held as 4-bit codes into the
+    type's grid) as the int8 values it stands for with its scales, which GGUF's Q8_0 and compressed-tensors' int8
+    hold exactly; any other as it is."""
+    return Int8Weight(w.int8_values(), w.scales) if isinstance(w, CodebookWeight) else w
 
 
 def tokenizer_meta(loaded: LoadedModel) -> dict | None:

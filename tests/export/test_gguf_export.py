@@ -290,3 +290,21 @@ def test_a_tokenizer_json_whose_text_splitting_llama_cpp_cannot_be_told_is_refus
     with pytest.raises(LocalpdError, match="splits text before BPE in a way localpd cannot name to llama.cpp "
                                            r"\(Whitespace\); convert it with llama.cpp's convert_hf_to_gguf.py"):
         pre_name({"type": "Whitespace"})
+
+
+def test_codebook_weights_export_as_the_int8_values_they_stand_for_exactly():
+    """IQ4_NL/IQ4_XS/MXFP4 weights are held as 4-bit codes into their grid (quant/codebook.py); the export takes them
+    as their int8 values and scales (export.source.exported_weight), which Q8_0 holds as they are: re-rounding their
+    dequantized values moved them by up to 1.5e-3 (207 of the IQ4_XS file's 272 tensors)."""
+    from localpd.export.gguf import encode
+    from localpd.export.source import exported_weight
+    from localpd.quant.codebook import IQ4Weight, MXFP4Weight
+
+    g = torch.Generator().manual_seed(5)
+    for cls in (IQ4Weight, MXFP4Weight):
+        values = cls.table[torch.randint(0, 16, (24, 96), generator=g)]
+        w = cls.from_values(values, (torch.rand(24, 3, generator=g) / 50 + 1e-3).half())
+        qtype, _, held = encode(exported_weight(w))
+        assert qtype == "Q8_0" and torch.equal(held.dequantize(), w.dequantize()), cls
+    dense = torch.randn(4, 32, generator=g)
+    assert exported_weight(dense) is dense
