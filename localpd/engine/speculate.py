@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from localpd.errors import LocalpdError
 
 MODES = ("ngram", "off")  # --speculate's; "draft" is --draft MODEL's (engine.draft_model)
-MAX_DRAFT = 15  # --draft-tokens' bound: k + 1 rows stay under the CPU kernels' GEMM_ROWS (16), their int8 path
+MAX_DRAFT = 14  # --draft-tokens' bound: k + 1 rows (15) stay under the CPU kernels' GEMM_ROWS and TILE_ROWS (16),
+# so a verification's rows take decode's int8 products and attention (at 15 drafted, its 16 rows took the float ones)
 DRAFT_TOKENS = 8  # --draft-tokens' default
 NGRAMS = (3, 2)  # the suffix lengths looked up, longest first
 # A step's time with r rows of one sequence over a one-row decode step's, r = 1, 2, ...: on the CPU's kernels

@@ -51,6 +51,14 @@ def test_k_follows_the_acceptance_rate_and_drafting_stops_where_it_loses():
     assert Speculator(SpeculateConfig("ngram", 8, adaptive=False)).propose(DraftState(), text, 10, 3) == [7, 8, 9]
 
 
+def test_a_whole_verification_stays_on_the_cpu_kernels_decode_path():
+    """k + 1 rows under GEMM_ROWS: from 16 rows on a step takes the float products (kernels/cpu.py), whose sums
+    are not decode's, and a greedy reply drafted 15 tokens at a time could move."""
+    from localpd.kernels.cpu import GEMM_ROWS
+
+    assert MAX_DRAFT + 1 < GEMM_ROWS
+
+
 @pytest.mark.parametrize("k", [0, MAX_DRAFT + 1])
 def test_draft_tokens_out_of_bounds_is_an_error(k):
     with pytest.raises(LocalpdError, match="draft tokens"):
