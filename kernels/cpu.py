@@ -280,8 +280,8 @@ def takes_linear(x: torch.Tensor, w, bias, norm) -> bool:
                                                           or norm.residual.dtype == torch.float32))))
 
 
-def linear(x: torch.Tensor, w: Int4Weight | Int8Weight | Int4KWeight | CodebookWeight, bias=None, gated: str | None = None, norm=None,
-           lib=None):
+def linear(x: torch.Tensor, w: Int4Weight | Int8Weight | Int4KWeight | CodebookWeight, bias=None,
+           gated: str | None = None, norm=None, lib=None):
     """int4_matmul_ref / int8_matmul_ref (kernels/dispatch.py) with the same arguments, on x [..., K or 2K]
     (takes_linear said yes). lib: a library other than library() (tests build one per instruction set)."""
     lib = lib or library()

@@ -318,7 +318,7 @@ def as_int8(w: CodebookWeight) -> Int8Weight:
     on w."""
     int8 = w.__dict__.get("_as_int8")
     if int8 is None:
-        int8 = w.__dict__["_as_int8"] = Int8Weight(w.int8_values(), w.scales)
+        int8 = w.__dict__["_as_int8"] = w.to_int8()
     return int8
 
 

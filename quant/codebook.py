@@ -87,6 +87,12 @@ class CodebookWeight:
         """VALUES[q] as int8 [N, K]."""
         return self.table.to(self.packed.device)[self.codes().long()]
 
+    def to_int8(self):
+        """The Int8Weight of the same values: the entries as int8 codes with the same scales, exactly."""
+        from localpd.quant.weights import Int8Weight  # weights imports this module (from_gguf's CODEBOOK_TYPES)
+
+        return Int8Weight(self.int8_values(), self.scales)
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         n, k = self.shape
         v = self.int8_values().float().reshape(n, k // GROUP, GROUP) * self.scales.float()[..., None]

@@ -13,7 +13,7 @@ from localpd.load.registry import resolve_model
 from localpd.quant.codebook import CodebookWeight
 from localpd.quant.schemes import BNB, check_scheme, compute_dtype
 from localpd.quant.store import is_quantized_dir, read_meta
-from localpd.quant.weights import Int8Weight, Weight
+from localpd.quant.weights import Weight
 
 FORMATS = ("gguf", "compressed-tensors")
 # schemes a format cannot hold: compressed-tensors has no NF4 codebook nor LLM.int8's layout (GGUF re-quantizes them)
@@ -70,7 +70,7 @@ def exported_weight(w: Weight) -> Weight:
     """A weight as the formats take it: a codebook weight (IQ4_NL, IQ4_XS, MXFP4, held as 4-bit codes into the
     type's grid) as the int8 values it stands for with its scales, which GGUF's Q8_0 and compressed-tensors' int8
     hold exactly; any other as it is."""
-    return Int8Weight(w.int8_values(), w.scales) if isinstance(w, CodebookWeight) else w
+    return w.to_int8() if isinstance(w, CodebookWeight) else w
 
 
 def tokenizer_meta(loaded: LoadedModel) -> dict | None:
