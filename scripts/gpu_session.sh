@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-tool call: install, then the named stages, each under its own time limit, logs under $OUT.
 # Usage (on the GPU machine, repo root): scripts/gpu_session.sh tests kmtests dp4a fused check check3 sweep kmsweep mma ncu kernels kernels1 kvtests kvgraph
-#   bench peers kv kvfull
+#   bench peers kv kvfull spec
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -28,6 +28,7 @@ for s in "$@"; do case $s in
   dp4asweep) TAIL=12 stage sweep_dp4a 300 python3 scripts/sweep_dp4a.py --json "$OUT/sweep_dp4a.json" \
                --table kernels/gemv_dp4a_tiles.json  # later stages of this call launch the measured tiles
              cp kernels/gemv_dp4a_tiles.json "$OUT/" ;;
+  spec) TAIL=12 stage gpu_speculate 200 python3 scripts/gpu_speculate.py ;;  # drafts' replies equal, rows' costs
   check) stage gpu_check 150 python3 scripts/gpu_check.py ;;
   check3) stage gpu_check_qwen3 240 python3 scripts/gpu_check.py --model qwen3-0.6b ;;  # qk_norm, heads of 128
   sweep) TAIL=80 stage sweep_gemv 500 python3 scripts/sweep_gemv.py --no-mma --json "$OUT/sweep_gemv.json" \
