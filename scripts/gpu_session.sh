@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-tool call: install, then the named stages, each under its own time limit, logs under $OUT.
 # Usage (on the GPU machine, repo root): scripts/gpu_session.sh tests kmtests dp4a fused check check3 sweep kmsweep mma ncu kernels kernels1 kvtests kvgraph
-#   bench peers kv kvfull spec
+#   bench peers kv kvfull spec kvsweep
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -52,6 +52,7 @@ for s in "$@"; do case $s in
   kv) stage bench_kv 50 python3 scripts/bench_kv.py --model llama3-8b --attention-only --batch 1 ;;
   kvgraph) TAIL=8 stage bench_kv_graph 90 python3 scripts/bench_kv.py --model llama3-8b --attention-only --batch 1 \
              --contexts 4096,32768 --table-tokens 131072 ;;
+  kvsweep) TAIL=10 stage sweep_decode_attention 150 python3 scripts/sweep_decode_attention.py ;;
   kvtests) TO="-s INT" stage gpu_kv_split_tests 120 env LOCALPD_TEST_DEVICE=cuda python3 -m pytest -q -n 12 -W ignore \
              -p no:cacheprovider -rf --tb=short tests/kernels/test_decode_attention.py \
              tests/kernels/test_prefill_attention.py -k "long_contexts or splits or window or half" ;;

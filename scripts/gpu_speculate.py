@@ -42,26 +42,36 @@ def repeating_prompts(vocab: int, n: int, gen: torch.Generator) -> list[list[int
     return out
 
 
-def check_replies(model: str, quant: str, max_tokens: int, device: str) -> bool:
+def agreement(a: list[list[int]], b: list[list[int]]) -> str:
+    same = sum(x == y for r, q in zip(a, b) for x, y in zip(r, q))
+    first = [next((i for i, (x, y) in enumerate(zip(r, q)) if x != y), None) for r, q in zip(a, b)]
+    return f"{same}/{sum(map(len, a))} tokens equal (first difference per reply: {first})"
+
+
+def check_replies(model: str, quant: str, max_tokens: int, device: str, strict: bool) -> bool:
+    """Plain decoding cold (the prompts computed afresh), plain decoding warm (their pages from the prefix cache) and
+    prompt lookup warm; strict: the drafted replies must equal plain decoding's (a model whose top logits are not
+    near-ties: a random 8B model's are, and its warm and cold replies differ by float rounding alone)."""
     ok = True
     gen = torch.Generator().manual_seed(0)
     for kv in (None, "fp32"):
         engine = Engine(model, device=device, quant=quant, kv=kv, max_context=512, kv_memory="512MiB")
         prompts = repeating_prompts(engine.config.vocab_size, 3, gen)
-        plain, _ = replies(engine, prompts, max_tokens, SpeculateConfig())
+        cold, _ = replies(engine, prompts, max_tokens, SpeculateConfig())
+        warm, stats0 = replies(engine, prompts, max_tokens, SpeculateConfig())
         spec, stats = replies(engine, prompts, max_tokens, SpeculateConfig("ngram", 8, adaptive=False))
-        same = sum(a == b for x, y in zip(plain, spec) for a, b in zip(x, y))
-        total = sum(map(len, plain))
         drafted = sum(s.drafted_tokens for s in stats)
         kept = sum(s.accepted_tokens for s in stats)
         passes = sum(s.decode_steps for s in stats)
         written = sum(s.decode_written for s in stats)
+        tps0 = statistics.median(s.decode_tps for s in stats0)
         tps = statistics.median(s.decode_tps for s in stats)
-        first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(plain, spec)]
-        ok &= same == total
-        print(f"{'ok ' if same == total else 'BAD'} {model} {quant} kv {engine.kv_dtype}: {same}/{total} tokens equal "
-              f"(first difference per reply: {first}); drafted {drafted}, kept {kept}, "
-              f"{written / max(passes, 1):.2f} tokens/pass; median decode {tps:.1f} tok/s", flush=True)
+        same = spec == warm
+        ok &= same or not strict
+        print(f"{'ok ' if same or not strict else 'BAD'} {model} {quant} kv {engine.kv_dtype}: drafted against plain "
+              f"(warm): {agreement(warm, spec)}; plain warm against cold: {agreement(cold, warm)}; drafted {drafted}, "
+              f"kept {kept}, {written / max(passes, 1):.2f} tokens/pass; median decode {tps:.1f} tok/s drafted, "
+              f"{tps0:.1f} plain", flush=True)
         engine.close()
     return ok
 
@@ -80,7 +90,7 @@ def time_forward(call, reps: int, device: str) -> float:
 
 
 def row_costs(model: str, quant: str, context: int, reps: int, device: str) -> None:
-    engine = Engine(model, device=device, quant=quant, max_context=context + 64, kv_tokens=context + 64)
+    engine = Engine(model, device=device, quant=quant, max_context=context + 160, kv_tokens=context + 160)
     kv, ps = engine.kv, engine.kv.page_size
     n_pages = -(-(context + 16) // ps)
     with torch.inference_mode():
@@ -92,6 +102,17 @@ def row_costs(model: str, quant: str, context: int, reps: int, device: str) -> N
             batch = Batch.single(list(range(200, 200 + r)), context, n_pages, ps, device, all_logits=True)
             batch.stage_slots = None
             eager[r] = time_forward(lambda b=batch: engine.model.forward(b, kv), reps, device)
+    graphed = {}
+    with torch.inference_mode():
+        if engine.graphs is not None:  # a verification of r - 1 drafted tokens as the engine runs it: r decode rows
+            g = engine.graphs
+            g.buckets = sorted(set(range(1, 17)) | set(g.buckets))  # each r its own graph: the cost of exactly r rows
+            pages = list(range(n_pages))
+            for r in range(1, 17):
+                pos = list(range(context, context + r))
+                inputs = (list(range(200, 200 + r)), pos, [p for p in pos], [p % ps for p in pos], [pages] * r,
+                          [p + 1 for p in pos])
+                graphed[r] = time_forward(lambda i=inputs: g.run(*i), reps, device)
     # a one-row decode step as the engine runs it: plain greedy decoding's time per token (graph replays)
     params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
     engine.set_speculate(SpeculateConfig())
@@ -109,6 +130,9 @@ def row_costs(model: str, quant: str, context: int, reps: int, device: str) -> N
     print("eager ms:             " + " ".join(f"{t * 1e3:6.2f}" for t in eager.values()))
     print("x graph step:         " + " ".join(f"{t / step:6.2f}" for t in eager.values()))
     print("x eager one row:      " + " ".join(f"{t / eager[1]:6.2f}" for t in eager.values()))
+    if graphed:
+        print("graph ms:             " + " ".join(f"{t * 1e3:6.2f}" for t in graphed.values()))
+        print("graph x one row:      " + " ".join(f"{t / graphed[1]:6.2f}" for t in graphed.values()))
     print("speculate.step_costs: " + " ".join(f"{table[r - 1]:6.2f}" for r in eager if r - 1 < len(table)))
     engine.close()
 
@@ -122,8 +146,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself")
     args = ap.parse_args()
-    ok = check_replies("synthetic:smollm2-135m", "int4-g32", args.max_tokens, args.device)
-    ok &= check_replies(args.model, args.quant, args.max_tokens, args.device)
+    ok = check_replies("synthetic:smollm2-135m", "int4-g32", args.max_tokens, args.device, strict=True)
+    ok &= check_replies(args.model, args.quant, args.max_tokens, args.device, strict=False)
     row_costs(args.model, args.quant, args.context, args.reps, args.device)
     return 0 if ok else 1
 

@@ -180,3 +180,40 @@ def test_a_draft_is_cut_where_the_json_grammar_refuses_a_token(kv_engine):
     assert allowed_prefix(constraint, tok.encode("hello", add_bos=False)) == 0
     constraint.advance(whole[0])  # checking did not advance it; advancing does
     assert allowed_prefix(constraint, whole[1:]) == len(whole) - 1
+
+
+def test_a_verification_laid_out_as_decode_rows_computes_plain_decodings_logits(kv_engine):
+    """A CUDA graph replays a verification as decode rows (ModelRunner._decode_inputs: each drafted row a sequence
+    of its own over the same pages, its length its position + 1; the step writes every row's key and value before
+    any row attends, so row i sees the drafted rows before it and none after). Those rows give the logits of plain
+    decoding's one-row steps, up to the multi-row products' order of sums (LOGPROB_ATOL)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from localpd.engine.runner import ModelRunner, batch_of
+    from localpd.engine.scheduler import Work
+    from localpd.kvcache.formats import new_kv_pool
+    from localpd.model.transformer import Batch
+
+    model, c, ps = kv_engine.model, kv_engine.config, kv_engine.kv.page_size
+    prompt = kv_engine.encode_chat(PROMPTS[0])
+    n, draft = len(prompt) - 1, [prompt[5], prompt[9], prompt[2], prompt[7]]  # the prompt's last token verifies 4
+    pages = list(range(-(-(n + 1 + len(draft)) // ps)))
+    kv = new_kv_pool("fp16", c.n_layers, len(pages), ps, c.n_kv_heads, c.head_dim, torch.float32, "cpu")
+    with torch.inference_mode():
+        model.forward(Batch.single(prompt[:n], 0, len(pages), ps, "cpu"), kv)
+        want = []
+        for i, token in enumerate([prompt[n]] + draft):  # plain decoding: one row a step
+            step = Batch.single([token], n + i, len(pages), ps, "cpu")
+            step.stage_slots = None
+            want.append(model.forward(step, kv)[0].clone())
+        seq = SimpleNamespace(tokens=prompt, table=SimpleNamespace(pages=pages), stage_row=0)
+        work = Work(seq, n, 1 + len(draft), True, draft)
+        tokens, positions, slots, _, tables, lens = ModelRunner._decode_inputs(SimpleNamespace(kv=kv), [work])
+        assert tokens == [prompt[n]] + draft and lens == list(range(n + 1, n + 2 + len(draft)))
+        rows = list(range(len(tokens)))
+        got = model.forward(batch_of(tokens, positions, slots, tables, lens, rows + [len(rows)], rows, "cpu"), kv)
+    want = torch.stack(want)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert (got.log_softmax(-1) - want.log_softmax(-1)).abs().max() < LOGPROB_ATOL
