@@ -21,7 +21,7 @@ import triton
 import localpd.kernels.paged_attention as kernels
 import localpd.kvcache.dispatch as kv_dispatch
 from localpd.kvcache.dispatch import decode_block_t, paged_attention
-from localpd.kvcache.formats import KV_DTYPES, kv_bytes_per_token, new_kv_pool
+from localpd.kvcache.formats import KV_DTYPES, kv_bytes_per_token, kv_formats, new_kv_pool
 from sass import compile_launch, loop_stats, print_budgets  # this script's folder
 
 PAGE_SIZE = 16
@@ -71,17 +71,18 @@ def main() -> int:
     args = p.parse_args()
     n_heads, n_kv_heads, head_dim = map(int, args.heads.split(","))
     kernel_name = f"{args.kernel}_kernel"
-    tokens = decode_block_t(PAGE_SIZE, head_dim) if args.kernel == "decode" else PAGE_SIZE  # per loop trip
+    def trip(kv_dtype: str) -> int:  # tokens a loop trip takes
+        return decode_block_t(PAGE_SIZE, head_dim, kv_formats(kv_dtype)[0]) if args.kernel == "decode" else PAGE_SIZE
     print(f"# Triton {triton.__version__}; {kernel_name}, {n_heads} query / {n_kv_heads} KV heads x {head_dim}; per "
-          f"loop trip ({tokens} tokens): SASS instructions per 4-byte word of KV a thread streams, barriers, "
-          f"shared-memory and global load instructions, widest load")
+          f"loop trip ({trip('bf16')} tokens over 16-bit keys, {trip('int8')} over rounded ones): SASS instructions "
+          f"per 4-byte word of KV a thread streams, barriers, shared-memory and global load instructions, widest load")
     print(f"{'arch':>5} {'kv':>12} {'instr':>6} {'instr/word':>10} {'bar':>4} {'smem':>5} {'loads':>5} "
           f"{'widest':>20} {'regs':>4} {'spill':>5}")
     for arch in map(int, args.arch.split(",")):
         for kv_dtype in args.kv.split(","):
             launch_args, kwargs = attention_launch(kernel_name, kv_dtype, n_heads, n_kv_heads, head_dim)
             kernel = compile_launch(getattr(kernels, kernel_name), launch_args, kwargs, arch)
-            tile_bytes = tokens * kv_bytes_per_token(kv_dtype, 1, 1, head_dim, PAGE_SIZE)
+            tile_bytes = trip(kv_dtype) * kv_bytes_per_token(kv_dtype, 1, 1, head_dim, PAGE_SIZE)
             s = loop_stats(kernel, tile_bytes / 4 / (32 * kwargs["num_warps"]))
             print(f"{arch:>5} {kv_dtype:>12} {s.instructions:>6} {s.per_word:>10} {s.barriers:>4} {s.shared:>5} "
                   f"{s.global_loads:>5} {s.widest_load:>20} {s.registers:>4} {s.spilled:>5}")

@@ -262,19 +262,25 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer
 
 # Decode attention walks each split a tile at a time, BLOCK_T tokens spanning BLOCK_T // page_size pages: one page
 # (16 tokens) per iteration left too few bytes in flight per SM (H100, 2026-11-23: 18% of bandwidth at 32k). A tile
-# is DECODE_TILE_ELEMS elements of K (and as many of V): 64 tokens at head dim 128, 128 at 64, so 16 KB of bf16 or
-# 8 KB of int8 K per iteration at either size, and always whole pages. The query group is padded to 16 rows for
-# tl.dot. Unmeasured first choices, to tune on a GPU with scripts/bench_kv.py --attention-only.
+# is DECODE_TILE_ELEMS elements of K (and as many of V): 64 tokens at head dim 128, 128 at 64, 16 KB of bf16 a trip;
+# over int8, fp8 and int4 keys (DECODE_WIDE_TILE_KEYS) twice the tokens, the same 16 KB of int8. Always whole pages.
+# The query group is padded to 16 rows for tl.dot. Measured on an H100 at 32k tokens (scripts/sweep_decode_attention.py,
+# 2026-11-26): bf16 best at 8192 (16384: 1.0x, 32768: 0.66x); int8 and int4 1.25x faster at 16384 than at 8192,
+# slower again at 32768; 2 programs an SM and 4 warps best or within 3%. int4ch keys keep 8192: at 16384 their sm_90
+# code spills 72 bytes (unmeasured there); int8's spills 64 (Triton 3.9) and was the measured 1.25x.
 DECODE_TILE_ELEMS = 8192
+DECODE_WIDE_TILE_KEYS = ("int8", "fp8", "int4")
 DECODE_WARPS = 4
 DECODE_PROGRAMS_PER_SM = 2  # what the splits aim at when batch x kv heads alone leave SMs idle
 DECODE_MAX_SPLITS = 64  # the reduce holds all of a head's splits in one [splits, head_dim] tile
 INTERPRETER_DECODE_PROGRAMS = 4  # the splits' target under Triton's interpreter (no SMs to fill)
 
 
-def decode_block_t(page_size: int, head_dim: int) -> int:
-    """Tokens per decode tile: DECODE_TILE_ELEMS elements of the head's tile width, and at least one page."""
-    return max(page_size, DECODE_TILE_ELEMS // triton_block(head_dim))
+def decode_block_t(page_size: int, head_dim: int, k_format: str = "bf16") -> int:
+    """Tokens per decode tile over keys of k_format: DECODE_TILE_ELEMS elements of the head's tile width (twice as
+    many for DECODE_WIDE_TILE_KEYS), and at least one page."""
+    elems = DECODE_TILE_ELEMS * (2 if k_format in DECODE_WIDE_TILE_KEYS else 1)
+    return max(page_size, elems // triton_block(head_dim))
 
 
 def decode_splits(batch_heads: int, tiles: int, device: torch.device) -> tuple[int, int]:
@@ -338,7 +344,7 @@ def paged_attention(q: torch.Tensor, layer: KVLayer, page_table: torch.Tensor, s
     strides = (*_strides(layer.k, layer.k_scale), *_strides(layer.v, layer.v_scale))
     if T == B:
         ps = layer.page_size
-        block_t = decode_block_t(ps, D)
+        block_t = decode_block_t(ps, D, layer.k_format)
         span = decode_span(page_table.shape[1] * ps, window, ps)
         splits, _ = decode_splits(B * H, cdiv(span, block_t), q.device)  # the kernel shares out each length
         gp = max(16, 1 << (group - 1).bit_length())  # the group padded for tl.dot

@@ -26,8 +26,9 @@ def test_decode_batches_match_the_reference(kv_dtype, page_size, group):
 def test_decode_tiles_across_pages_with_garbage_past_the_end(kv_dtype, page_size):
     """Tiles span several pages (8 or 4 here): lengths of exactly one tile, under one page, ending mid-tile and
     mid-page or mid-tile on a page boundary, very different lengths in one batch, GQA groups of 1, 4 and 7 (odd,
-    padded); the pool starts as NaN/inf garbage."""
-    bt = decode_block_t(page_size, 64)
+    padded); the pool starts as NaN/inf garbage. int8, fp8 and int4 keys take tiles of twice the tokens."""
+    bt = decode_block_t(page_size, 64, kv_formats(kv_dtype)[0])
+    assert bt == decode_block_t(page_size, 64) * (2 if kv_formats(kv_dtype)[0] in ("int8", "fp8", "int4") else 1)
     assert bt // page_size > 1
     for group, lens in ((1, [bt, 3]), (4, [2 * bt + page_size + 3, 1, bt - 1]), (7, [bt + 1, bt + bt // 2])):
         check(build_case(kv_dtype, page_size, 2, group, lens, [1] * len(lens), seed=group, poison=True), 1e-4)
