@@ -270,8 +270,9 @@ def kmajor_matmul_ref(x, w: KMajorWeight, bias=None, gated: str | None = None, n
 
 def linear_kmajor(x: torch.Tensor, w: KMajorWeight, bias: torch.Tensor | None = None, gated: str | None = None,
                   norm: PreNorm | None = None):
-    """linear_int4 for the GPU's K-major int4/int8 layout: for up to MAX_ROWS rows a GEMV (kernels/gemv_dp4a.py's
-    integer one where it takes the weight and the activations' dtype, else kernels/gemv_kmajor.py's), else
+    """linear_int4 for the GPU's K-major int4/int8 layout: a GEMV for a few rows (kernels/gemv_dp4a.py's integer one,
+    up to its MAX_ROWS, where it takes the weight and the activations' dtype; else kernels/gemv_kmajor.py's, up to
+    its MAX_ROWS), else
     dequantize + cuBLAS, each after the input step (RMSNorm, SiLU * up) in a kernel of its own unless
     gemv_kmajor.FUSE_INPUT_STEP; the torch reference where Triton does not run."""
     if not use_triton(x):
@@ -283,7 +284,7 @@ def linear_kmajor(x: torch.Tensor, w: KMajorWeight, bias: torch.Tensor | None = 
 
     def run(x2, n):
         gemv = x2.shape[0] <= km.MAX_ROWS
-        if gemv and dp.takes(w.shape, w.BITS, w.group, x2.dtype):  # the input step rounds its output for it
+        if x2.shape[0] <= dp.MAX_ROWS and dp.takes(w.shape, w.BITS, w.group, x2.dtype):  # rounded by the input step
             if n is not None:
                 q, sq, s = add_rms_norm_rounded(x2, n.residual, n.weight, n.eps, w.BITS)
             else:

@@ -254,6 +254,10 @@ def blocks_a_trip(k: int, most: int = DEFAULT_TILE["blocks"]) -> int:
     return nb
 
 
+# Rows the model sends here (decode batches, a verification's drafted rows): 4 a program, so 9-16 rows read each
+# weight tile in 3-4 programs, where past gemv_kmajor.MAX_ROWS (8) the weight was dequantized for cuBLAS: 5.6x a
+# one-row step at 9-16 rows on an H100 (Llama-3-8B int4-g128, scripts/gpu_speculate.py, 2026-11-26).
+MAX_ROWS = 16
 # The model's GEMVs take this kernel where its activations are 16-bit floats: the rounding to two int8 levels keeps
 # about 15 bits, more than float16's 11 and bfloat16's 8 (float32 activations keep gemv_kmajor's float product).
 # False sends every GEMV to gemv_kmajor (the benchmarks compare the two).
@@ -270,7 +274,7 @@ def takes(shape: tuple[int, int], bits: int, group: int, dtype: torch.dtype = to
 
 def gemv_dp4a(x: torch.Tensor, words: torch.Tensor, factors: torch.Tensor, bits: int, group: int, *, bias=None,
               split_k: int | None = None, tile: dict | None = None) -> torch.Tensor:
-    """x [M, K] (M <= gemv_kmajor.MAX_ROWS) @ W.T (+ bias) -> [M, N] in x.dtype, for K-major words and factors
+    """x [M, K] (M <= MAX_ROWS) @ W.T (+ bias) -> [M, N] in x.dtype, for K-major words and factors
     (quant/kmajor.py), with x rounded by quantize_act. split_k overrides gemv_kmajor.split_for (tests); tile
     overrides DEFAULT_TILE's knobs (scripts/sweep_dp4a.py)."""
     out = torch.empty((x.shape[0], words.shape[1]), dtype=x.dtype, device=x.device)

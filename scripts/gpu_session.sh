@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-tool call: install, then the named stages, each under its own time limit, logs under $OUT.
 # Usage (on the GPU machine, repo root): scripts/gpu_session.sh tests kmtests dp4a fused check check3 sweep kmsweep mma ncu kernels kernels1 kvtests kvgraph
-#   bench peers kv kvfull spec kvsweep
+#   bench peers kv kvfull spec kvsweep dp4atests rows
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -25,6 +25,9 @@ for s in "$@"; do case $s in
   dp4a) TO="-s INT" stage gpu_dp4a_tests 120 env LOCALPD_TEST_DEVICE=cuda python3 -m pytest -q -n 8 -W ignore \
           -p no:cacheprovider -rf --tb=short tests/kernels/test_gemv_dp4a.py tests/kernels/test_act_round.py
         TAIL=24 stage bench_dp4a 240 python3 scripts/bench_dp4a.py --json "$OUT/bench_dp4a.json" ;;
+  dp4atests) TO="-s INT" stage gpu_dp4a_tests 120 env LOCALPD_TEST_DEVICE=cuda python3 -m pytest -q -n 8 -W ignore \
+          -p no:cacheprovider -rf --tb=short tests/kernels/test_gemv_dp4a.py tests/kernels/test_act_round.py ;;
+  rows) TAIL=20 stage sweep_dp4a_rows 150 python3 scripts/sweep_dp4a_rows.py --json "$OUT/sweep_dp4a_rows.json" ;;
   dp4asweep) TAIL=12 stage sweep_dp4a 300 python3 scripts/sweep_dp4a.py --json "$OUT/sweep_dp4a.json" \
                --table kernels/gemv_dp4a_tiles.json  # later stages of this call launch the measured tiles
              cp kernels/gemv_dp4a_tiles.json "$OUT/" ;;

@@ -58,10 +58,10 @@ def test_gemv_matches_the_reference(fmt, group, n, k, m, split):
     assert not cnt.any()  # the last program of each tile left its counter at zero for the next launch
 
 
-@pytest.mark.parametrize("m,split", [(2, 1), (5, 3)])
+@pytest.mark.parametrize("m,split", [(2, 1), (5, 3), (16, 2)])
 def test_rows_sharing_a_program_are_each_rows_own_product(m, split):
-    """Up to 4 rows share a program's words (2 exactly; 5 in a full program and a padded one): each row's output
-    is bit for bit what the row alone gives."""
+    """Up to 4 rows share a program's words (2 exactly; 5 in a full program and a padded one; 16, MAX_ROWS, in
+    four): each row's output is bit for bit what the row alone gives."""
     n, k = 136, 256
     _, kw = weight("int4", n, k, 64, seed=m)
     x = activations(m, k, seed=m + 1)
@@ -86,10 +86,14 @@ def test_every_launch_tile_computes_the_same_product(tile):
 
 
 def test_the_model_linear_takes_it_for_16_bit_activations_only():
-    """linear_kmajor: bfloat16 activations go through this GEMV (its product equals gemv_dp4a's), float32 ones
-    through gemv_kmajor's float product; ENABLED = False sends bfloat16 there too."""
+    """linear_kmajor: bfloat16 activations go through this GEMV (its product equals gemv_dp4a's), up to MAX_ROWS
+    rows (past gemv_kmajor's), float32 ones through gemv_kmajor's float product; ENABLED = False sends bfloat16
+    there too."""
     _, kw = weight("int4", 96, 256, 128, seed=5)
     x = activations(2, 256, seed=6, dtype=torch.bfloat16)
+    assert dp.MAX_ROWS > km.MAX_ROWS
+    x16 = activations(dp.MAX_ROWS, 256, seed=7, dtype=torch.bfloat16)
+    assert torch.equal(linear_kmajor(x16, kw), dp.gemv_dp4a(x16, kw.words, kw.factors, 4, 128))
     assert dp.takes(kw.shape, 4, 128, torch.bfloat16) and not dp.takes(kw.shape, 4, 128, torch.float32)
     assert not dp.takes((96, 80), 4, 80, torch.bfloat16)  # K not whole blocks
     assert torch.equal(linear_kmajor(x, kw), dp.gemv_dp4a(x, kw.words, kw.factors, 4, 128))
