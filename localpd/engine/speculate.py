@@ -33,12 +33,12 @@ NGRAMS = (3, 2)  # the suffix lengths looked up, longest first
 # products are its own work, so a row costs about 0.45 of a one-row step in the products; the attention walks a
 # sequence's keys once for its rows, and the weights' loads and the output head's are shared. (The table of the
 # first measurement, scaled by the rows-sharing attention's gain measured against it in one run.) On a GPU a
-# verification replays a decode graph of r rows (engine.runner), whose time follows the GEMV's row tiles: measured on
-# an H100 (Llama-3-8B shapes, int4-g128, 1k tokens of context, scripts/gpu_speculate.py, 2026-11-26), 2 rows 1.10x a
-# one-row step, 3-4 rows 1.55-1.59x, 5-8 rows 2.04-2.13x, and from 9 rows on 5.6x (past the GEMV's MAX_ROWS the
-# weights are dequantized for cuBLAS): drafts of up to 7 tokens pay there.
+# verification replays the decode graph of its bucket of rows (engine.runner, engine.cuda_graph.BUCKETS), whose time
+# follows the integer GEMV's programs of 4 rows: measured on an H100 (Llama-3-8B shapes, int4-g128, 1k tokens of
+# context, scripts/gpu_speculate.py, 2026-11-26), exactly r rows over one: 2: 1.10, 3-4: 1.55-1.58, 5-8: 2.00-2.13,
+# 9-12: 2.52-2.68, 13-16: 3.18-3.29; the table holds each r's bucket's time.
 CPU_STEP_COSTS = (1.0, 1.18, 1.66, 2.09, 2.81, 3.23, 3.64, 4.05, 4.77, 5.09, 5.50, 5.96, 6.70, 7.36, 8.1, 9.85)
-GPU_STEP_COSTS = (1.0, 1.10, 1.55, 1.59, 2.06, 2.06, 2.12, 2.13, 5.59, 5.65, 5.67, 5.67, 5.67, 5.68, 5.69, 5.70)
+GPU_STEP_COSTS = (1.0, 1.10, 1.58, 1.58, 2.13, 2.13, 2.13, 2.13, 2.68, 2.68, 2.68, 2.68, 3.29, 3.29, 3.29, 3.29)
 MIN_GAIN = 1.05  # drafting runs where the best k's expected tokens per unit of time passes this (1: plain decode)
 DECAY = 0.85  # weight of the earlier evidence at each update of the acceptance estimate
 PRIOR = (1.5, 2.5)  # (kept, checked) drafted tokens assumed before any evidence: 0.6, worth a couple of drafts

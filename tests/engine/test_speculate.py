@@ -131,11 +131,14 @@ def test_a_seeded_verification_draws_what_plain_sampling_draws(params):
         assert len(got) == min(kept, len(draft)) + 1
 
 
-def test_a_gpu_draft_stays_within_the_gemvs_row_tile():
-    """On a GPU a verification of more than 7 drafted tokens leaves the GEMV (9 rows and more dequantize the weights,
-    5.6x a one-row step on an H100): however well drafts hold, k stays at most 7 there; at a rate of one in two a
-    short draft pays (2 rows cost 1.10x one), and at one in twenty none does."""
+def test_a_gpu_draft_fills_a_graph_bucket():
+    """On a GPU a verification replays the decode graph of its bucket of rows (engine.cuda_graph.BUCKETS), whose
+    time the table holds: the draft length that pays best fills a bucket (k + 1 rows one of them), grows with the
+    rate, and at one in twenty no draft pays."""
+    from localpd.engine.cuda_graph import BUCKETS
     from localpd.engine.speculate import best_k, step_costs
 
     gpu = step_costs("cuda")
-    assert best_k(0.97, 14, gpu) == 7 and 1 <= best_k(0.5, 14, gpu) <= 3 and best_k(0.05, 14, gpu) == 0
+    ks = [best_k(rate, MAX_DRAFT, gpu) for rate in (0.3, 0.5, 0.7, 0.8, 0.9, 0.97)]
+    assert all(k + 1 in BUCKETS for k in ks) and ks == sorted(ks) and ks[0] < ks[-1], ks
+    assert best_k(0.05, MAX_DRAFT, gpu) == 0
