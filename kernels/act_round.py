@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from localpd.kernels.pdl import launch_args, wait_prior
+
 MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: x + MAGIC - MAGIC rounds |x| < 2**22 half to even
 
 
@@ -62,8 +64,9 @@ def round_blocks(v, blk, bmask, q_row, s_row, BLOCKS: tl.constexpr, BITS: tl.con
 
 @triton.jit
 def _quantize_act_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm, BITS: tl.constexpr,
-                         BLOCKS: tl.constexpr):
+                         BLOCKS: tl.constexpr, PDL: tl.constexpr = False):
     """Program (row, c): blocks [c * BLOCKS, (c + 1) * BLOCKS) of x's row."""
+    wait_prior(PDL)  # kernels/pdl.py: what the kernel before wrote is read from here on
     row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
     blk = c * BLOCKS + tl.arange(0, BLOCKS)
     bmask = blk < K // 32
@@ -89,7 +92,7 @@ def quantize_act(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor
         x = x if x.stride(-1) == 1 else x.contiguous()
         _quantize_act_kernel[(m, triton.cdiv(k // 32, QUANT_BLOCKS))](
             x, q, s, k, x.stride(0), q.stride(0), s.stride(0), BITS=bits, BLOCKS=QUANT_BLOCKS, num_warps=4,
-            enable_fp_fusion=False)
+            enable_fp_fusion=False, **launch_args(x))
     return q, s
 
 

@@ -24,14 +24,16 @@ import triton
 import triton.language as tl
 
 from localpd.kernels.act_round import round_blocks
+from localpd.kernels.pdl import wait_prior
 
 
 @triton.jit
 def add_rms_norm_kernel(x, res, w, out_h, out_x, N, eps, s_x, s_r, s_h, s_ox, q, sq, s_q, s_sq, HAS_RES: tl.constexpr,
-                        BLOCK: tl.constexpr, ROUND_BITS: tl.constexpr = 0):
+                        BLOCK: tl.constexpr, ROUND_BITS: tl.constexpr = 0, PDL: tl.constexpr = False):
     """Program t: s = x[t] (+ res[t]) rounded to x's dtype; out_x[t] = s; out_h[t] = s * rsqrt(mean(s^2) + eps) * w;
     with ROUND_BITS (4 or 8) h is rounded for the integer GEMV into q[t], sq[t] instead (kernels/act_round.py: N a
     multiple of 32), and out_h is not written: nothing reads it then."""
+    wait_prior(PDL)  # kernels/pdl.py: what the kernel before wrote is read from here on
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK)
     mask = d < N
@@ -52,9 +54,10 @@ def add_rms_norm_kernel(x, res, w, out_h, out_x, N, eps, s_x, s_r, s_h, s_ox, q,
 
 
 @triton.jit
-def qk_norm_kernel(qkv, wq, wk, D, eps, s_t, HQ: tl.constexpr, BLOCK: tl.constexpr):
+def qk_norm_kernel(qkv, wq, wk, D, eps, s_t, HQ: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """Program (t, head): qkv[t, head] = RMSNorm(qkv[t, head]) * (wq for a query head (head < HQ), else wk), in
     place; the heads are D wide and consecutive, queries first."""
+    wait_prior(PDL)  # kernels/pdl.py: what the kernel before wrote is read from here on
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, BLOCK)
@@ -79,10 +82,11 @@ def gate_act(g, ACT: tl.constexpr):
 
 @triton.jit
 def act_mul_kernel(gu, out, I, s_gu, s_o, q, sq, s_q, s_sq, BLOCK: tl.constexpr, ACT: tl.constexpr,
-                   ROUND_BITS: tl.constexpr = 0):
+                   ROUND_BITS: tl.constexpr = 0, PDL: tl.constexpr = False):
     """Program (t, block): out[t, j] = act(gu[t, j]) * gu[t, I + j], act rounded to the dtype first as torch does;
     with ROUND_BITS (4 or 8) the product is rounded for the integer GEMV into q[t], sq[t] instead (kernels/
     act_round.py: I a multiple of 32, BLOCK at least 32), and out is not written: nothing reads it then."""
+    wait_prior(PDL)  # kernels/pdl.py: what the kernel before wrote is read from here on
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = j < I

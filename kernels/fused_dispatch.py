@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from localpd.errors import LocalpdError
 from localpd.kernels.dispatch import cdiv, use_triton
+from localpd.kernels.pdl import launch_args
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -114,7 +115,8 @@ def _add_rms_norm(x, residual, weight, eps: float, bits: int):
         block = triton_block(N)
         add_rms_norm_kernel[(T,)](x, r, weight, h, s, N, eps, x.stride(0), r.stride(0), h.stride(0), s.stride(0),
                                   q, sq, q.stride(0), sq.stride(0), HAS_RES=residual is not None, BLOCK=block,
-                                  ROUND_BITS=bits, num_warps=_warps(block), enable_fp_fusion=not bits)
+                                  ROUND_BITS=bits, num_warps=_warps(block), enable_fp_fusion=not bits,
+                                  **launch_args(x))
     return h, s, q, sq
 
 
@@ -147,7 +149,8 @@ def _act_mul(gate_up, act: str, bits: int):
     if T:
         act_mul_kernel[(T, cdiv(I, block))](gate_up, out, I, gate_up.stride(0), out.stride(0), q, sq, q.stride(0),
                                             sq.stride(0), BLOCK=block, ACT=act, ROUND_BITS=bits,
-                                            num_warps=_warps(block), enable_fp_fusion=not bits)
+                                            num_warps=_warps(block), enable_fp_fusion=not bits,
+                                            **launch_args(gate_up))
     return out, q, sq
 
 
@@ -161,7 +164,8 @@ def qk_norm(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, n
     if qkv.shape[0]:
         block = triton_block(d)
         qk_norm_kernel[(qkv.shape[0], n_heads + n_kv_heads)](qkv, q_weight, k_weight, d, eps, qkv.stride(0),
-                                                              HQ=n_heads, BLOCK=block, num_warps=_warps(block))
+                                                              HQ=n_heads, BLOCK=block, num_warps=_warps(block),
+                                                              **launch_args(qkv))
     return qkv
 
 

@@ -33,6 +33,7 @@ import triton.language as tl
 
 from localpd.kernels import gemv_kmajor as km
 from localpd.kernels.act_round import quantize_act, rounded_act_ref
+from localpd.kernels.pdl import launch_args, wait_prior
 
 
 @triton.jit
@@ -129,13 +130,16 @@ def _row_block(s_ptr, at, ih, il, scale, bias, BITS: tl.constexpr):
 def _gemv_dp4a_kernel(q_ptr, s_ptr, y_ptr, w_ptr, f_ptr, M, N, K, stride_qm, stride_sm, stride_ym, stride_wk,
                       stride_fg, ws_ptr, cnt_ptr, SPLIT_K, bias_ptr, BITS: tl.constexpr, GROUP: tl.constexpr,
                       BLOCK_N: tl.constexpr, NB: tl.constexpr, BLOCK_M: tl.constexpr = 1,
-                      OUT_BIAS: tl.constexpr = False, ASM: tl.constexpr = True, PREFETCH: tl.constexpr = 1):
+                      OUT_BIAS: tl.constexpr = False, ASM: tl.constexpr = True, PREFETCH: tl.constexpr = 1,
+                      PDL: tl.constexpr = False):
     """Program (m, n, s): rows [m * BLOCK_M, (m + 1) * BLOCK_M) (1, 2 or 4), outputs [n * BLOCK_N, (n + 1) *
     BLOCK_N), the s-th slice of K's trips of NB blocks (K a multiple of 32 * NB; a warp takes NB / warps). q_ptr,
     s_ptr: the rows' rounded activations (kernels/act_round.py); ws_ptr, cnt_ptr: gemv_kmajor's split-K workspace
     and counters. GROUP: inputs per group, a multiple of 32 (per channel: a value no block reaches past). Tiles are
     [NB, BLOCK_N / 4, 4]: a thread holds 4 neighbouring outputs (16-byte word loads) and loads each quarter block's
-    4 activation int32 with one 16-byte load. PREFETCH: trips ahead a trip's words and factors are loaded (0-2)."""
+    4 activation int32 with one 16-byte load. PREFETCH: trips ahead a trip's words and factors are loaded (0-2); with
+    PDL those first trips' loads go out before the wait for the kernel that wrote the activations (kernels/pdl.py).
+    """
     WPB: tl.constexpr = BITS  # words a block of 32 inputs
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m0 = pid_m * BLOCK_M
@@ -166,6 +170,7 @@ def _gemv_dp4a_kernel(q_ptr, s_ptr, y_ptr, w_ptr, f_ptr, M, N, K, stride_qm, str
     if PREFETCH > 1:
         p0, p1, p2, p3, p4, p5, p6, p7, pf = _trip_words(wp, fp, tl.minimum(c0 + 1, c1 - 1), nb, trip, stride_wk,
                                                          stride_fg, m3, NB, WPB, GROUP)
+    wait_prior(PDL)  # the weights above are never written by a step; the activations below are
     for c in range(c0, c1):
         blk = c * NB + nb  # [NB]: this trip's blocks
         if PREFETCH > 0:
@@ -300,7 +305,8 @@ def gemv_rounded(q: torch.Tensor, s: torch.Tensor, out: torch.Tensor, words: tor
         q, s, out, words, factors, m, n, k, q.stride(0), s.stride(0), out.stride(0), words.stride(0),
         factors.stride(0), ws, cnt, split, out if bias is None else bias, BITS=bits,
         GROUP=group if group < k else 1 << 30, BLOCK_N=km.BLOCK_N, NB=nb, BLOCK_M=rows, OUT_BIAS=bias is not None,
-        ASM=_asm(out.device), PREFETCH=int(tile["PREFETCH"]), num_warps=min(nb, tile["num_warps"]), num_stages=1)
+        ASM=_asm(out.device), PREFETCH=int(tile["PREFETCH"]), num_warps=min(nb, tile["num_warps"]), num_stages=1,
+        **launch_args(out))
     return out
 
 

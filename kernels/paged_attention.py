@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from localpd.kernels.act_round import two_levels
+from localpd.kernels.pdl import wait_prior
 
 FLOAT, INT8, FP8, INT4 = 0, 1, 2, 3
 
@@ -209,10 +210,11 @@ def rope_write_kv_kernel(qkv, cos, sin, slots, k, v, k_scale, v_scale, k_zero, v
                          s_t, s_c, sk_page, sk_tok, sk_head, ck_page, ck_tok, ck_head, sv_page, sv_tok, sv_head,
                          cv_page, cv_tok, cv_head, sks_t, sks_h, svs_t, svs_h, HQ, H, T, K_KIND: tl.constexpr,
                          V_KIND: tl.constexpr, PS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                         K_STAGED: tl.constexpr, V_STAGED: tl.constexpr):
+                         K_STAGED: tl.constexpr, V_STAGED: tl.constexpr, PDL: tl.constexpr = False):
     """Program (token, head) over a qkv row's HQ query, H key and H value heads: rotates a query head in place,
     writes a key head rotated and a value head as is into the token's slot (RoPE and the KV write in one launch;
     the key heads of qkv are left unrotated)."""
+    wait_prior(PDL)  # kernels/pdl.py: what the kernel before wrote is read from here on
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     row = qkv + t * s_t
@@ -343,7 +345,7 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
                   sv_page, sv_tok, sv_head, cv_page, cv_tok, cv_head, SPLITS, window,
                   K_KIND: tl.constexpr, V_KIND: tl.constexpr, PS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                   GROUP: tl.constexpr, GP: tl.constexpr, BLOCK_T: tl.constexpr, DOT: tl.constexpr,
-                  INT8_KEYS: tl.constexpr):
+                  INT8_KEYS: tl.constexpr, PDL: tl.constexpr = False):
     """Program (b, kv head, split): the group's queries (padded to GP >= 16 rows for tl.dot) against this split's
     tokens, BLOCK_T at a time across several pages; partial softmax results out. The splits share out the
     sequence's own tokens in whole tiles (its length read here, not the page table's width: a CUDA graph's table
@@ -358,6 +360,7 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
     window > 0: the query sees its last `window` keys only (a sliding-window layer), and the splits share out those
     keys from the start of the page the first of them is in (kvcache.dispatch.decode_span), not the whole
     sequence."""
+    wait_prior(PDL)  # kernels/pdl.py: what the kernel before wrote is read from here on
     b = tl.program_id(0)
     kh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -431,9 +434,10 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
 
 @triton.jit
 def decode_reduce_kernel(part_acc, part_ml, out, s_o_t, s_o_h, SPLITS, D: tl.constexpr, DP: tl.constexpr,
-                         SP: tl.constexpr):
+                         SP: tl.constexpr, PDL: tl.constexpr = False):
     """Program (b, query head): merge the head's SPLITS partial softmaxes (padded to SP, a power of two) into its
     output row. They are loaded as one tile: a loop over the splits would wait on a round trip for each."""
+    wait_prior(PDL)  # kernels/pdl.py: what the kernel before wrote is read from here on
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.arange(0, SP)

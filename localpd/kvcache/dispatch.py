@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from localpd.kernels import cpu
 from localpd.kernels.dispatch import cdiv, sm_count, use_triton
 from localpd.kernels.fused_dispatch import rope, triton_block
+from localpd.kernels.pdl import launch_args
 from localpd.kvcache.formats import PER_PAGE, KVLayer, dequantize_kv, quantize_kv
 
 
@@ -256,7 +257,7 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer
             *_strides(layer.k, layer.k_scale), *_strides(layer.v, layer.v_scale), ks_t, ks_h, vs_t, vs_h,
             n_heads, n_kv_heads, T, K_KIND=KINDS[layer.k_format], V_KIND=KINDS[layer.v_format],
             PS=layer.page_size, D=D, DP=triton_block(D), K_STAGED=k_staged, V_STAGED=v_staged,
-            num_warps=rope_write_warps(layer, D))
+            num_warps=rope_write_warps(layer, D), **launch_args(qkv))
     return qkv.view(T, -1, D)[:, :n_heads]
 
 
@@ -354,9 +355,9 @@ def paged_attention(q: torch.Tensor, layer: KVLayer, page_table: torch.Tensor, s
                                       scale, q.stride(0), q.stride(1), page_table.stride(0), *strides,
                                       splits, window, **kinds, PS=ps, D=D, DP=DP,
                                       GROUP=group, GP=gp, BLOCK_T=block_t, num_warps=DECODE_WARPS,
-                                      INT8_KEYS=int8_key_dots(layer, q.dtype))
+                                      INT8_KEYS=int8_key_dots(layer, q.dtype), **launch_args(q))
         decode_reduce_kernel[(B, Hq)](part_acc, part_ml, out, out.stride(0), out.stride(1), splits, D=D, DP=DP,
-                                      SP=1 << (splits - 1).bit_length(), num_warps=4)
+                                      SP=1 << (splits - 1).bit_length(), num_warps=4, **launch_args(q))
         return out
     gp = 1 << (group - 1).bit_length()
     block_m = prefill_block_m(D, gp)
