@@ -397,7 +397,12 @@ def load_hf_dir(path: Path, dtype, device, scheme: str = "native", importance: d
     cfg_file = path / "config.json"
     if not cfg_file.exists():
         raise LocalpdError(f"{path} has no config.json; not a Hugging Face model directory")
-    config = hf_config(json.loads(cfg_file.read_text()), path)
+    raw = json.loads(cfg_file.read_text())
+    method = (raw.get("quantization_config") or {}).get("quant_method")
+    if method:  # weights packed for another engine: their tensors are not the model's float ones
+        raise LocalpdError(f"{path} holds weights quantized by {method} (for vLLM/SGLang or transformers); localpd "
+                           f"reads Hugging Face checkpoints in float32/float16/bfloat16 and GGUF files")
+    config = hf_config(raw, path)
     index = path / "model.safetensors.index.json"
     files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists()
              else [p.name for p in sorted(path.glob("*.safetensors"))])

@@ -76,6 +76,19 @@ def test_int8_decompresses_to_exactly_localpds_weights(int8):
     assert (args["num_bits"], args["strategy"], args["symmetric"]) == (8, "channel", True)
 
 
+def test_localpd_refuses_to_run_or_export_an_export_for_vllm_in_one_line(int8, tmp_path):
+    """The directory's tensors are packed for another engine (weight_packed, weight_scale): loading it for chat or
+    for a GGUF export says so, where it failed on a missing tensor or a KeyError."""
+    from localpd.errors import LocalpdError
+
+    out = int8[0]
+    with pytest.raises(LocalpdError, match="holds weights quantized by compressed-tensors"):
+        load_model(out)
+    with pytest.raises(LocalpdError, match="holds weights quantized by compressed-tensors"):
+        export_model(str(out), "gguf", tmp_path / "x.gguf")
+    assert not (tmp_path / "x.gguf").exists()
+
+
 def test_int4_with_integer_zero_points_decompresses_to_exactly_localpds_weights(int4_zp):
     """Every int4-zp matrix is asymmetric int4 in compressed-tensors as it is: the package decompresses the file
     to localpd's dequantized weights bit for bit."""

@@ -9,6 +9,7 @@ import time
 import urllib.request
 from contextlib import contextmanager
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 import torch
@@ -308,3 +309,68 @@ def test_codebook_weights_export_as_the_int8_values_they_stand_for_exactly():
         assert qtype == "Q8_0" and torch.equal(held.dequantize(), w.dequantize()), cls
     dense = torch.randn(4, 32, generator=g)
     assert exported_weight(dense) is dense
+
+
+TEXTS = ["Hello world, naïve café 🙂 12345", "two  spaces\tand a tab\nnew line ", "localpd serve --port 8080", ""]
+# SentencePiece and llama.cpp add the space prefix to text that starts with a space, and after a special token;
+# localpd's GGUF reader follows transformers' GGUF conversion there (text.tokenizer), which does not: llama.cpp
+# alone is held to these
+SPACE_PREFIXED = ["  two leading spaces", " one", "<s> is text here, </s> too"]
+
+
+def sentencepiece_tokenizer(dir_: Path):
+    """A SentencePiece-style BPE with byte fallback, as Llama 2's tokenizer.json is (spaces as U+2581 by the
+    normalizer, <unk> <s> </s> first, then the 256 byte tokens, bos added), trained on the README; bytes no piece
+    holds (the README has no 'ï' or emoji) fall back to <0xNN>."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    specials = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+    tok.train_from_iterator(Path("README.md").read_text().splitlines(),
+                            trainers.BpeTrainer(vocab_size=800, special_tokens=specials, show_progress=False))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    spec = json.loads(tok.to_str())
+    spec["added_tokens"] = spec["added_tokens"][:3]  # the bytes are vocabulary, not special tokens
+    (dir_ / "tokenizer.json").write_text(json.dumps(spec))
+    (dir_ / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
+                                                            "unk_token": "<unk>", "add_bos_token": True}))
+    (dir_ / "chat_template.jinja").unlink(missing_ok=True)
+    return Tokenizer.from_file(str(dir_ / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_export(default_gguf, tmp_path_factory):
+    """The default model's weights in a Hugging Face directory with a SentencePiece tokenizer.json, exported to GGUF."""
+    tmp = tmp_path_factory.mktemp("spm")
+    hf = tmp / "hf"
+    export_model(str(default_gguf), "compressed-tensors", hf, quant="fp32")
+    hf_tok = sentencepiece_tokenizer(hf)
+    export_model(str(hf), "gguf", tmp / "spm.gguf")
+    return tmp / "spm.gguf", hf_tok
+
+
+def test_a_sentencepiece_tokenizer_json_exports_as_a_llama_vocabulary(sentencepiece_export):
+    """Llama 2-style vocabularies (SentencePiece BPE, byte fallback) export as tokenizer.ggml.model "llama": bytes
+    typed as bytes, each token scored by its merge's rank, the space prefix; localpd reads the file back into the
+    tokenizer.json's own token ids for text with spaces, tabs, accents and emoji (bytes)."""
+    path, hf_tok = sentencepiece_export
+    meta = GGUFFile(path).metadata
+    assert meta["tokenizer.ggml.model"] == "llama" and meta["tokenizer.ggml.add_space_prefix"] is True
+    tokens, types, scores = (meta[f"tokenizer.ggml.{k}"] for k in ("tokens", "token_type", "scores"))
+    assert [types[i] for i in range(3, 259)] == [6] * 256 and types[0] == 2 and types[1] == types[2] == 3
+    merged = tokens.index("th") if "th" in tokens else None
+    assert merged is not None and scores[merged] > min(scores)
+    localpd_tok = load_model(path).tokenizer()
+    for text in TEXTS:
+        assert localpd_tok.encode(text) == hf_tok.encode(text).ids, text
+
+
+def test_llama_cpp_tokenizes_the_sentencepiece_export_as_the_tokenizer_json_does(llama_bin, sentencepiece_export):
+    path, hf_tok = sentencepiece_export
+    with llama_server(llama_bin, path) as url:
+        for text in TEXTS + SPACE_PREFIXED:
+            got = post(url + "/tokenize", {"content": text, "add_special": True})["tokens"]
+            assert got == hf_tok.encode(text).ids, text
