@@ -28,10 +28,27 @@ class DraftModel:
     model: Transformer
     kv: KVPool
     cost: float  # a draft decode step's time over the target's (their weights' bytes: a decode step reads them all)
+    graphs: object = None  # engine.cuda_graph.DecodeGraphs of the draft on a GPU: its decode-shaped steps replay
 
     def follow(self, batch: Batch) -> None:
         """The target's step over the draft: its keys and values for the same positions."""
         self.model.forward(batch, self.kv, logits=False)
+
+    def follow_decode(self, inputs: tuple) -> None:
+        """follow() for a step the target replayed from a CUDA graph: its decode inputs (ModelRunner._decode_inputs,
+        every row one sequence's), replayed by the draft's own graph where one serves them."""
+        self.step(inputs, self.model.device)
+
+    def step(self, inputs: tuple, device: torch.device) -> torch.Tensor:
+        """The draft's logits for decode inputs (tokens, positions, slots, stage slots, page lists, lengths): a
+        graph's replay where one serves them, else the eager forward."""
+        logits = None if self.graphs is None else self.graphs.run(*inputs)
+        if logits is None:
+            tokens, positions, slots, _, tables, lens = inputs
+            rows = list(range(len(tokens)))
+            logits = self.model.forward(batch_of(tokens, positions, slots, tables, lens, rows + [len(rows)], rows,
+                                                 device), self.kv)
+        return logits
 
     def propose(self, seqs: list[Sequence], ks: list[int], device: torch.device) -> list[list[int]]:
         """Up to ks[i] greedy tokens after decoding sequence i's pending token (its pages must hold positions
@@ -43,10 +60,9 @@ class DraftModel:
             tokens = [seqs[i].tokens[-1] if j == 0 else drafts[i][-1] for i in live]
             positions = [seqs[i].computed + j for i in live]
             pages = [seqs[i].table.pages for i in live]
-            batch = batch_of(tokens, positions, [slot_of(p, pos, ps) for p, pos in zip(pages, positions)], pages,
-                             [pos + 1 for pos in positions], list(range(len(live) + 1)), list(range(len(live))),
-                             device)
-            for i, token in zip(live, self.model.forward(batch, self.kv).argmax(-1).tolist()):
+            slots = [slot_of(p, pos, ps) for p, pos in zip(pages, positions)]
+            inputs = (tokens, positions, slots, [0] * len(live), pages, [pos + 1 for pos in positions])
+            for i, token in zip(live, self.step(inputs, device).argmax(-1).tolist()):
                 drafts[i].append(token)
         return drafts
 

@@ -7,7 +7,6 @@ prefix cache first, so a repeated system prompt or the earlier turns of a chat a
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import itertools
 import logging
@@ -155,11 +154,14 @@ class Engine:
             name, model, dtype = drafting
             self.drafter = DraftModel(name, model, new_draft_pool(model, self.kv, self.kv_dtype, dtype, self.device),
                                       model.weight_bytes / self.model.weight_bytes)
-        if graphs and self.drafter is None:  # a draft follows each step's batch: no graph replays
+        if graphs:  # a draft model replays its decode steps too, on graphs of its own over its pool
             from localpd.engine.cuda_graph import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self.model, self.kv, -(-(self.max_context + 1) // PAGE_SIZE), n_pages,
-                                       max_running, min(max_running, 64))
+            max_pages = -(-(self.max_context + 1) // PAGE_SIZE)
+            self.graphs = DecodeGraphs(self.model, self.kv, max_pages, n_pages, max_running, min(max_running, 64))
+            if self.drafter is not None:
+                self.drafter.graphs = DecodeGraphs(self.drafter.model, self.drafter.kv, max_pages, n_pages, 0,
+                                                   min(max_running, 64))
         self.pages = PagePool(n_pages, PAGE_SIZE, salt=f"{self.name}|{self.quant}|{self.kv_dtype}")
         self.scheduler = Scheduler(self.pages, max_step_tokens, max_running)
         self.runner = ModelRunner(self.model, self.kv, self.kv_traffic, self.scheduler, self.graphs, self.device,

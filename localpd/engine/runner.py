@@ -61,6 +61,8 @@ class ModelRunner:
             inputs = self._decode_inputs(work)
             timer.start()
             logits = self.graphs.run(*inputs)
+            if logits is not None and self.drafter is not None:
+                self.drafter.follow_decode(inputs)
         if logits is None:
             batch = self._batch(work)
             timer.start()

@@ -85,3 +85,41 @@ def test_the_kv_memory_holds_the_draft_models_pages_too(default_gguf):
         engine.close()
     with pytest.raises(LocalpdError, match="the draft model's included"):
         Engine(default_gguf, device="cpu", max_context=256, kv_memory=25 * page, draft=str(default_gguf))
+
+
+class EagerGraphs:
+    """engine.cuda_graph.DecodeGraphs' interface run eagerly: a CPU stand-in for a GPU's graph replays."""
+
+    def __init__(self, model, kv):
+        self.model, self.kv, self.runs = model, kv, 0
+
+    def run(self, tokens, positions, slots, stage_slots, tables, lens):
+        from localpd.engine.runner import batch_of
+
+        self.runs += 1
+        rows = list(range(len(tokens)))
+        return self.model.forward(batch_of(tokens, positions, slots, tables, lens, rows + [len(rows)], rows, "cpu"),
+                                  self.kv)
+
+
+def test_with_graphs_the_draft_follows_and_drafts_through_its_own(default_gguf):
+    """On a GPU the target replays its decode and verification steps from CUDA graphs, and the draft model follows
+    them and drafts through graphs of its own (where it ran every step eagerly: about 9x a replayed step on an
+    H100). Here both graphs are stand-ins that run the same inputs eagerly: the drafted replies are still plain
+    decoding's, and both paths were taken."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    engine = Engine(default_gguf, device="cpu", max_context=1024, draft=str(default_gguf), speculate=DRAFT)
+    try:
+        greedy = SamplingParams(temperature=0, max_tokens=24)
+        expected = [tokens(reply(engine, m, greedy)[0]) for m in PROMPTS[:2]]
+        engine.runner.graphs = target = EagerGraphs(engine.model, engine.kv)
+        engine.drafter.graphs = draft = EagerGraphs(engine.drafter.model, engine.drafter.kv)
+        for messages, want in zip(PROMPTS[:2], expected):
+            got, stats = reply(engine, messages, greedy, DRAFT)
+            assert tokens(got) == want and stats.drafted_tokens and stats.acceptance > 0.8
+        assert target.runs and draft.runs > target.runs  # the draft's k steps a target step, and its following
+        assert idle(engine)
+    finally:
+        engine.close()
+        torch.set_num_threads(threads)
