@@ -1,8 +1,9 @@
 """Speculative decoding on a GPU (issue 30), in one run:
 
-1. Greedy replies with prompt-lookup drafts against plain decoding's on the same engine (CUDA graphs on for the
-   plain steps, verification steps eager), three requests at once so that steps mix drafted and plain sequences,
-   for each KV format that allows drafts: tokens equal, drafted, kept, tokens per pass.
+1. Greedy replies with prompt-lookup drafts against plain decoding's on the same engine (verification steps replay
+   decode graphs as plain steps do), three requests at once so that steps mix drafted and plain sequences, for
+   each KV format that allows drafts: tokens equal, drafted, kept, tokens per pass; and a model drafting for
+   itself (engine.draft_model, on graphs of its own).
 2. What a verification step costs: the model's forward over r rows of one sequence (eager, as a verification runs)
    over a one-row decode step replayed from its CUDA graph, r = 1 .. 16, on a model of real size (random weights):
    the table speculate.step_costs should hold for a GPU.
@@ -73,6 +74,25 @@ def check_replies(model: str, quant: str, max_tokens: int, device: str, strict: 
               f"kept {kept}, {written / max(passes, 1):.2f} tokens/pass; median decode {tps:.1f} tok/s drafted, "
               f"{tps0:.1f} plain", flush=True)
         engine.close()
+    return ok
+
+
+def check_draft_model(model: str, quant: str | None, max_tokens: int, device: str) -> bool:
+    """The model drafting for itself (engine.draft_model, both on CUDA graphs): greedy replies equal plain decoding's
+    on the same engine, nearly every draft kept, and the decode rates of both."""
+    gen = torch.Generator().manual_seed(1)
+    engine = Engine(model, device=device, quant=quant, max_context=512, kv_memory="512MiB", draft=model,
+                    speculate=SpeculateConfig("draft", 4, adaptive=False))
+    prompts = repeating_prompts(engine.config.vocab_size, 3, gen)
+    replies(engine, prompts, max_tokens, SpeculateConfig())  # cold: graphs captured, prompts cached
+    plain, stats0 = replies(engine, prompts, max_tokens, SpeculateConfig())
+    drafted, stats = replies(engine, prompts, max_tokens, SpeculateConfig("draft", 4, adaptive=False))
+    kept = sum(s.accepted_tokens for s in stats) / max(1, sum(s.drafted_tokens for s in stats))
+    ok = drafted == plain and kept > 0.8
+    print(f"{'ok ' if ok else 'BAD'} {model} {quant} drafting for itself: {agreement(plain, drafted)}; {kept:.0%} of "
+          f"drafts kept; median decode {statistics.median(s.decode_tps for s in stats):.1f} tok/s drafted, "
+          f"{statistics.median(s.decode_tps for s in stats0):.1f} plain", flush=True)
+    engine.close()
     return ok
 
 
@@ -148,6 +168,7 @@ def main() -> int:
     args = ap.parse_args()
     ok = check_replies("synthetic:smollm2-135m", "int4-g32", args.max_tokens, args.device, strict=True)
     ok &= check_replies(args.model, args.quant, args.max_tokens, args.device, strict=False)
+    ok &= check_draft_model("synthetic:smollm2-135m", None, args.max_tokens, args.device)  # the draft's scheme
     row_costs(args.model, args.quant, args.context, args.reps, args.device)
     return 0 if ok else 1
 
