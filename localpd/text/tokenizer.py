@@ -7,7 +7,7 @@ import json
 import re
 from pathlib import Path
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from localpd.text.chat_template import check_template_vars, render
@@ -98,8 +98,10 @@ def _spm_from_gguf(tokens: list[str], types: list[int], meta: dict) -> HFTokeniz
     tok = HFTokenizer(models.BPE(vocab, [(m[3], m[4]) for m in merges], unk_token=tokens[unk_id],
                                  fuse_unk=True, byte_fallback=True))
     prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first" if prefix else "never",
-                                                 split=False)
+    # spaces as U+2581 and, with the prefix, one more in front of each run of text (the first, and each after a
+    # special token, whatever it starts with): llama.cpp's rule, and SentencePiece's, as Llama 2's tokenizer.json
+    # writes it; transformers' GGUF conversion (a Metaspace) adds none after a special token or before a space
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁")] * prefix + [normalizers.Replace(" ", "▁")])
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     tok.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
     return tok

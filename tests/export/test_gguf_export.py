@@ -311,11 +311,8 @@ def test_codebook_weights_export_as_the_int8_values_they_stand_for_exactly():
     assert exported_weight(dense) is dense
 
 
-TEXTS = ["Hello world, naïve café 🙂 12345", "two  spaces\tand a tab\nnew line ", "localpd serve --port 8080", ""]
-# SentencePiece and llama.cpp add the space prefix to text that starts with a space, and after a special token;
-# localpd's GGUF reader follows transformers' GGUF conversion there (text.tokenizer), which does not: llama.cpp
-# alone is held to these
-SPACE_PREFIXED = ["  two leading spaces", " one", "<s> is text here, </s> too"]
+TEXTS = ["Hello world, naïve café 🙂 12345", "two  spaces\tand a tab\nnew line ", "localpd serve --port 8080", "",
+         "  two leading spaces", " one", "<s> is text here, </s> too"]  # the space prefix before a space, after <s>
 
 
 def sentencepiece_tokenizer(dir_: Path):
@@ -355,7 +352,8 @@ def sentencepiece_export(default_gguf, tmp_path_factory):
 def test_a_sentencepiece_tokenizer_json_exports_as_a_llama_vocabulary(sentencepiece_export):
     """Llama 2-style vocabularies (SentencePiece BPE, byte fallback) export as tokenizer.ggml.model "llama": bytes
     typed as bytes, each token scored by its merge's rank, the space prefix; localpd reads the file back into the
-    tokenizer.json's own token ids for text with spaces, tabs, accents and emoji (bytes)."""
+    tokenizer.json's own token ids for text with spaces (leading ones too), tabs, accents, emoji (bytes) and special
+    tokens."""
     path, hf_tok = sentencepiece_export
     meta = GGUFFile(path).metadata
     assert meta["tokenizer.ggml.model"] == "llama" and meta["tokenizer.ggml.add_space_prefix"] is True
@@ -371,6 +369,6 @@ def test_a_sentencepiece_tokenizer_json_exports_as_a_llama_vocabulary(sentencepi
 def test_llama_cpp_tokenizes_the_sentencepiece_export_as_the_tokenizer_json_does(llama_bin, sentencepiece_export):
     path, hf_tok = sentencepiece_export
     with llama_server(llama_bin, path) as url:
-        for text in TEXTS + SPACE_PREFIXED:
+        for text in TEXTS:
             got = post(url + "/tokenize", {"content": text, "add_special": True})["tokens"]
             assert got == hf_tok.encode(text).ids, text
