@@ -419,6 +419,11 @@ typedef struct {
     const int8_t *lut; /* a codebook weight's 16 values (codebook_code); else NULL */
     const float *bias;
     float *y;
+    float *side;     /* AVX512: the thread's weight_side scratch (gemm_task) */
+    const float *xt; /* AVX512, several rows: xd, xsf and the sums in float by block, then row (mp a block) */
+    int mp;          /* the rows rounded up to 16 */
+    const int16_t *xw; /* AVX512, several rows: each value as the int16 256 hi + lo, as gemm4xm takes them
+                        * (widen_row; gemm_task fills it) */
 } gemm_args;
 
 /* A codebook weight (quant/codebook.py: IQ4_NL, IQ4_XS, MXFP4) holds 4-bit codes whose values are a 16-entry int8
@@ -545,6 +550,20 @@ static inline __m512i lut_table(const gemm_args *a) {
 #endif
 
 #define ROWS_AT_ONCE 4
+/* The factors' row stride in ds (row_factors): AVX512 stores whole registers of eight, past nb zeros, so a row never
+ * shares a register's span with the next (a load over two stores of it waits for both to land). */
+#if defined(LPD_AVX512)
+#define DSTRIDE(nb) (((nb) + 7) & ~7)
+#else
+#define DSTRIDE(nb) (nb)
+#endif
+/* From this many input rows on, AVX512 takes the products in tiles (tile_rows); fewer rows work out each (weight
+ * row, input row)'s factors in row_factors (the tiles took 1.07x to 1.16x of that at 5 to 8 rows, 0.96x at 9 to
+ * 15: SmolLM2-135M's four products on the Zen 4 EPYC, one thread). */
+#define TILE_FROM 9
+#ifndef WIDE_FROM
+#define WIDE_FROM 3
+#endif
 
 #if defined(LPD_AVX512) || defined(LPD_AVX2)
 /* The products take four weight rows at a time, a block or two of each in turn: four streams of a few hundred bytes
@@ -575,7 +594,7 @@ static void gemv4(const gemm_args *a, int n, const float *ds, const float *extra
         __m512i wv = wexpr;                                                                                        \
         __m512i p = _mm512_add_epi32(_mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, x), 8),    \
                                      _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xl));                        \
-        __m128 two = _mm_castpd_ps(_mm_load_sd((const double *)(ds + r * nb + b)));                               \
+        __m128 two = _mm_castpd_ps(_mm_load_sd((const double *)(ds + r * DSTRIDE(nb) + b)));                      \
         acc##r = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(two)),   \
                                  acc##r);                                                                          \
     }
@@ -609,7 +628,7 @@ static void gemm1x4(const gemm_args *a, int n, int m0, int mm, const float *ds, 
     for (int m = 0; m < 4; m++) {
         int r = m < mm ? m : 0;
         x[m] = a->xq + (size_t)(m0 + r) * K;
-        d[m] = ds + r * nb;
+        d[m] = ds + r * DSTRIDE(nb);
     }
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     const __m512i tab = lut_table(a);
@@ -633,30 +652,51 @@ static void gemm1x4(const gemm_args *a, int n, int m0, int mm, const float *ds, 
  * expanded pair of weight blocks serves the MM input rows and each pair of input blocks the four weight rows, their
  * 4 x MM sums in registers. Each (weight row, input row) takes gemv4's sums, scaled and added in gemv4's order, so a
  * row's result does not depend on how many rows share the step (a verification step's rows are the decode rows
- * they check); a pair's two factors go out to their lanes in one permute. ds[(r * 4 + m) * nb + b] and
- * extra[r * 4 + m]: row_factors' for weight row n + r and input row m0 + m. Where gemm1x4 took one weight row a
- * call, 2 to 4 input rows cost 1.7x to 2x of gemv4's one (SmolLM2-135M's gate_up on Zen 4), not 2.7x to 3.1x. */
+ * they check); a pair's two factors go out to their lanes in one permute. ds[(r * 4 + m) * dstride + b] and
+ * extra[r * 4 + m]: the factors and terms of weight row n + r and input row m0 + m.
+ * WIDE (3 rows and more): the input goes in whole, each value the int16 256 hi + lo (xw, widen_row), against the
+ * weight's bytes widened to int16 once a tile: vpmaddwd and vpdpwssd give each int32 lane the four products gemv4's vpdpbusd sums (lane l:
+ * bytes 4l .. 4l + 3 of the pair; the first takes bytes 4l, 4l + 1, the second 4l + 2, 4l + 3), so the lanes, and
+ * the floats, are gemv4's exactly (|256 hi + lo| < 2^15, a weight byte < 2^8: no lane overflows), in two multiplies
+ * where two vpdpbusd, a shift and a zeroed register took four (for two rows widening the weight cost more than
+ * that saved: they take the two levels as they are, vpdpbusd on each). */
 static inline __attribute__((always_inline)) void gemm4xm(const gemm_args *a, int n, int m0, const int MM,
-                                                           const float *ds, const float *extra) {
+                                                           const int WIDE, const float *ds, int dstride,
+                                                           const float *extra) {
     int K = a->K, nb = K / 32;
     size_t row_bytes = a->bits == 4 ? K / 2 : K, step = a->bits == 4 ? 16 : 32;
     const uint8_t *w0 = a->w + (size_t)n * row_bytes;
     const __m512i pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0), tab = lut_table(a);
+    const __m512i first = _mm512_broadcast_i32x4(_mm_setr_epi8(0, -1, 1, -1, 4, -1, 5, -1, 8, -1, 9, -1, 12, -1, 13, -1));
+    const __m512i second = _mm512_broadcast_i32x4(_mm_setr_epi8(2, -1, 3, -1, 6, -1, 7, -1, 10, -1, 11, -1, 14, -1, 15, -1));
     __m512 acc[4][4];
     for (int r = 0; r < 4; r++)
         for (int m = 0; m < MM; m++) acc[r][m] = _mm512_setzero_ps();
     for (int b = 0; b < nb; b += 2) {
-        __m512i wv[4];
+        __m512i wv[4], wa[4], wb[4];
         for (size_t o = 0; o < 8 * step; o += 64) /* prefetch_run's, written out: called here, gcc 12 built none */
             _mm_prefetch((const char *)(w0 + WEIGHT_AHEAD + b * 4 * step + o), _MM_HINT_T0);
-        for (int r = 0; r < 4; r++) wv[r] = load_pair(a, w0 + r * row_bytes, b, tab);
+        for (int r = 0; r < 4; r++) {
+            wv[r] = load_pair(a, w0 + r * row_bytes, b, tab);
+            if (WIDE) {
+                wa[r] = _mm512_shuffle_epi8(wv[r], first);
+                wb[r] = _mm512_shuffle_epi8(wv[r], second);
+            }
+        }
         for (int m = 0; m < MM; m++) {
-            const int8_t *xm = a->xq + (size_t)(m0 + m) * K + b * 32;
-            __m512i x = _mm512_loadu_si512(xm), xl = _mm512_loadu_si512(xm + a->lo);
-            for (int r = 0; r < 4; r++) { /* (hi sums << 8) + lo sums: vpdpbusd adds the lo ones in place */
-                __m512i p = _mm512_dpbusd_epi32(
-                    _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[r], x), 8), wv[r], xl);
-                __m128 two = _mm_castpd_ps(_mm_load_sd((const double *)(ds + (size_t)(r * 4 + m) * nb + b)));
+            __m512i x, xl; /* WIDE: the pair's values at 4l, 4l + 1 and at 4l + 2, 4l + 3; else its hi and lo levels */
+            if (WIDE) {
+                const int16_t *xm = a->xw + (size_t)(m0 + m) * K + b * 32;
+                x = _mm512_loadu_si512(xm), xl = _mm512_loadu_si512(xm + 32);
+            } else {
+                const int8_t *xm = a->xq + (size_t)(m0 + m) * K + b * 32;
+                x = _mm512_loadu_si512(xm), xl = _mm512_loadu_si512(xm + a->lo);
+            }
+            for (int r = 0; r < 4; r++) { /* else (hi sums << 8) + lo sums: vpdpbusd adds the lo ones in place */
+                __m512i p = WIDE ? _mm512_dpwssd_epi32(_mm512_madd_epi16(wa[r], x), wb[r], xl)
+                                 : _mm512_dpbusd_epi32(_mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(),
+                                                                                             wv[r], x), 8), wv[r], xl);
+                __m128 two = _mm_castpd_ps(_mm_load_sd((const double *)(ds + (size_t)(r * 4 + m) * dstride + b)));
                 __m512 f = _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(two));
                 acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), f, acc[r][m]);
             }
@@ -665,6 +705,34 @@ static inline __attribute__((always_inline)) void gemm4xm(const gemm_args *a, in
     for (int r = 0; r < 4; r++)
         for (int m = 0; m < MM; m++)
             a->y[(size_t)(m0 + m) * a->N + n + r] = _mm512_reduce_add_ps(acc[r][m]) + extra[r * 4 + m];
+}
+
+/* An input row's pairs of blocks as gemm4xm takes them: of each pair's 64 values (256 hi + lo, in xq's order),
+ * those at 4l and 4l + 1 (l = 0 .. 15) first, then those at 4l + 2 and 4l + 3. */
+static void widen_row(const int8_t *hi, const int8_t *lo, int K, int16_t *out) {
+    const __m512i first = _mm512_set_epi16(61, 60, 57, 56, 53, 52, 49, 48, 45, 44, 41, 40, 37, 36, 33, 32,
+                                           29, 28, 25, 24, 21, 20, 17, 16, 13, 12, 9, 8, 5, 4, 1, 0);
+    const __m512i second = _mm512_add_epi16(first, _mm512_set1_epi16(2));
+    for (int k = 0; k < K; k += 64) {
+        __m512i v0 = _mm512_add_epi16(_mm512_slli_epi16(_mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(hi + k))), 8),
+                                      _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(lo + k))));
+        __m512i v1 = _mm512_add_epi16(_mm512_slli_epi16(_mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(hi + k + 32))), 8),
+                                      _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(lo + k + 32))));
+        _mm512_storeu_si512(out + k, _mm512_permutex2var_epi16(v0, first, v1));
+        _mm512_storeu_si512(out + k + 32, _mm512_permutex2var_epi16(v0, second, v1));
+    }
+}
+
+/* gemm4xm for mm input rows: on whole int16 inputs where gemm_task made them (xw), else on the two int8 levels. */
+static void gemm4x(const gemm_args *a, int n, int m0, int mm, const float *ds, int dstride, const float *extra) {
+#define LPD_TILE(MM) (a->xw ? gemm4xm(a, n, m0, MM, 1, ds, dstride, extra) : gemm4xm(a, n, m0, MM, 0, ds, dstride, extra))
+    switch (mm) {
+    case 1: LPD_TILE(1); break;
+    case 2: LPD_TILE(2); break;
+    case 3: LPD_TILE(3); break;
+    default: LPD_TILE(4); break;
+    }
+#undef LPD_TILE
 }
 #endif
 
@@ -741,6 +809,164 @@ static void k_group_scales(k_row r, int nb, float *ws, float *wb) {
         ws[b] = half_to_float(r.d[b / 8]) * (float)r.sc[b], wb[b] = half_to_float(r.dmin[b / 8]) * (float)r.mn[b];
 }
 
+#if defined(LPD_AVX512)
+#define PAD16(n) (((n) + 15) & ~15)
+static inline __mmask8 first_lanes(int n) { return n >= 8 ? 0xff : n > 0 ? (1u << n) - 1 : 0; }
+
+/* Blocks b .. b + 7 (b a multiple of 8) of weight row n: ws, each block's scale (int4-k: d x sc), and wb, what
+ * multiplies the input block's sum (int4's bias, int4-k's dmin x mn; zeros for int8 and codebooks); lanes at or
+ * past the row's nb blocks zero. row_factors (a few input rows) and weight_side (a tile's) both take a row's
+ * factors from here, so that each input row gets the same floats whatever rows share the step. */
+static inline void block_side8(const gemm_args *a, int n, int b, __m256 *ws, __m256 *wb) {
+    int nb = a->K / 32, ng = a->K / a->group, per_group = a->group / 32;
+    __mmask8 k = first_lanes(nb - b);
+    if (a->sub) {
+        k_row r = k_row_at(a->scales, a->biases, a->sub, n, nb);
+        *ws = _mm256_mul_ps(_mm256_set1_ps(half_to_float(r.d[b / 8])),
+                            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, r.sc + b))));
+        *wb = _mm256_mul_ps(_mm256_set1_ps(half_to_float(r.dmin[b / 8])),
+                            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_maskz_loadu_epi8(k, r.mn + b))));
+        return;
+    }
+    const uint16_t *srow = a->scales + (size_t)n * ng;
+    const uint16_t *brow = deinterleaved(a->bits, a->lut) ? a->biases + (size_t)n * ng : NULL; /* int4's biases */
+    if (per_group == 1) {
+        *ws = _mm256_cvtph_ps(_mm_maskz_loadu_epi16(k, srow + b));
+        *wb = brow ? _mm256_cvtph_ps(_mm_maskz_loadu_epi16(k, brow + b)) : _mm256_setzero_ps();
+        return;
+    }
+    float s8[8], t8[8]; /* groups of several blocks: each block's group's values */
+    for (int j = 0; j < 8; j++) {
+        int in = b + j < nb, g = (in ? b + j : 0) / per_group;
+        s8[j] = in ? half_to_float(srow[g]) : 0.f;
+        t8[j] = in && brow ? half_to_float(brow[g]) : 0.f;
+    }
+    *ws = _mm256_loadu_ps(s8);
+    *wb = _mm256_loadu_ps(t8);
+}
+
+/* Weight row n's block_side8, all of it: ws[b] and wb[b], zeros up to PAD16(nb). */
+static void weight_side(const gemm_args *a, int n, float *ws, float *wb) {
+    int nb = a->K / 32, np = PAD16(nb);
+    for (int b = 0; b < np; b += 8) {
+        __m256 w8, b8;
+        block_side8(a, n, b, &w8, &b8);
+        _mm256_storeu_ps(ws + b, w8);
+        _mm256_storeu_ps(wb + b, b8);
+    }
+}
+
+/* AVX512: ds[m * nb + b] = ws[b] x the input block's scale; extra[m] = the sum of wb[b] x the block's sum (int4,
+ * int4-k) or -128 x that of ds[b] x its integer sum over the first xor_blocks blocks (int8 and codebooks, whose
+ * codes go in flipped by 128): block b in lane b % 8, eight blocks a step (the last masked), then hsum8's order;
+ * plus the layer's bias. */
+static void row_factors(const gemm_args *a, int n, int m0, int mm, int xor_blocks, float *ds, float *extra) {
+    int nb = a->K / 32, ng = a->K / a->group, stride = DSTRIDE(nb);
+    float bias = a->bias ? a->bias[n] : 0.f;
+    const float *xd = a->xd + (size_t)m0 * nb, *xsf = a->xsf + (size_t)m0 * nb;
+    const int32_t *xs = a->xsum + (size_t)m0 * nb;
+    if (!a->sub && a->group == 32) { /* Q4_1's, Q8_0's and the codebooks' (block_side8's, written out) */
+        const uint16_t *srow = a->scales + (size_t)n * ng;
+        const uint16_t *brow = deinterleaved(a->bits, a->lut) ? a->biases + (size_t)n * ng : NULL;
+        int full = nb & ~7, xfull = xor_blocks & ~7;
+        __mmask8 k = first_lanes(nb - full), kx = first_lanes(xor_blocks - full);
+#define LPD_SCALES(b, k) _mm256_cvtph_ps(_mm_maskz_loadu_epi16(k, srow + (b)))
+#define LPD_D8(b, k) _mm256_mul_ps(LPD_SCALES(b, k), _mm256_maskz_loadu_ps(k, xd + (b)))
+        if (brow) { /* int4: the biases times the blocks' sums */
+            for (int m = 0; m < mm; m++, xd += nb, xsf += nb) {
+                float *dm = ds + (size_t)m * stride;
+                __m256 acc = _mm256_setzero_ps();
+                int b = 0;
+                for (; b < full; b += 8) {
+                    _mm256_storeu_ps(dm + b, LPD_D8(b, 0xff));
+                    acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(brow + b))),
+                                          _mm256_loadu_ps(xsf + b), acc);
+                }
+                if (k) {
+                    _mm256_storeu_ps(dm + b, LPD_D8(b, k)); /* zeros past nb */
+                    acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_maskz_loadu_epi16(k, brow + b)),
+                                          _mm256_maskz_loadu_ps(k, xsf + b), acc);
+                }
+                extra[m] = hsum8(acc) + bias;
+            }
+        } else { /* int8 and codebooks: -128 x the factors times the blocks' integer sums */
+            for (int m = 0; m < mm; m++, xd += nb, xs += nb) {
+                float *dm = ds + (size_t)m * stride;
+                __m256 acc = _mm256_setzero_ps();
+                int b = 0;
+                for (; b < full; b += 8) {
+                    __m256 d8 = LPD_D8(b, 0xff);
+                    _mm256_storeu_ps(dm + b, d8);
+                    __mmask8 kb = b < xfull ? 0xff : kx;
+                    acc = _mm256_fmadd_ps(d8, _mm256_cvtepi32_ps(_mm256_maskz_loadu_epi32(kb, xs + b)), acc);
+                }
+                if (k) {
+                    __m256 d8 = LPD_D8(b, k);
+                    _mm256_storeu_ps(dm + b, d8);
+                    acc = _mm256_fmadd_ps(d8, _mm256_cvtepi32_ps(_mm256_maskz_loadu_epi32(b < xfull ? 0xff : kx, xs + b)), acc);
+                }
+                extra[m] = -128.f * hsum8(acc) + bias;
+            }
+        }
+#undef LPD_D8
+#undef LPD_SCALES
+        return;
+    }
+    int with_b = a->sub || deinterleaved(a->bits, a->lut), sgn = signed_codes(a);
+    __m256 ev[ROWS_AT_ONCE], cv[ROWS_AT_ONCE];
+    for (int m = 0; m < ROWS_AT_ONCE; m++) ev[m] = cv[m] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b += 8) { /* each chunk's weight factors once for the rows, each row in its own lanes */
+        __mmask8 k = first_lanes(nb - b), kx = first_lanes(xor_blocks - b);
+        __m256 w8, b8;
+        block_side8(a, n, b, &w8, &b8);
+        for (int m = 0; m < mm; m++) {
+            size_t at = (size_t)m * nb + b;
+            __m256 d8 = _mm256_mul_ps(w8, _mm256_maskz_loadu_ps(k, xd + at));
+            _mm256_storeu_ps(ds + (size_t)m * stride + b, d8);
+            if (with_b) ev[m] = _mm256_fmadd_ps(b8, _mm256_maskz_loadu_ps(k, xsf + at), ev[m]);
+            if (sgn) cv[m] = _mm256_fmadd_ps(d8, _mm256_cvtepi32_ps(_mm256_maskz_loadu_epi32(kx, xs + at)), cv[m]);
+        }
+    }
+    for (int m = 0; m < mm; m++) extra[m] = (sgn ? -128.f * hsum8(cv[m]) : hsum8(ev[m])) + bias;
+}
+
+/* row_factors' extra for sixteen input rows at once, m0 .. m0 + 15, one a lane (xt's transposed copies; rows past
+ * M and blocks past nb are zeros): each lane takes the fmas of its row alone in row_factors, in the same order, and
+ * hsum8's sum of the eight lanes as adds of eight registers (add_round: builtins that gcc does not reassociate). A
+ * tile's weight row: ws and wb its weight_side. */
+static __m512 tile_extras(const gemm_args *a, const float *ws, const float *wb, int m0, float bias) {
+    int nb = a->K / 32, mp = a->mp, with_b = a->sub || deinterleaved(a->bits, a->lut), sgn = signed_codes(a);
+    const float *xdT = a->xt, *xsfT = xdT + (size_t)PAD16(nb) * mp, *xsT = xsfT + (size_t)PAD16(nb) * mp;
+    __m512 e[8];
+    for (int j = 0; j < 8; j++) e[j] = _mm512_setzero_ps();
+    if (with_b) {
+        for (int b0 = 0; b0 < nb; b0 += 8) {
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) {
+                size_t at = (size_t)(b0 + j) * mp + m0;
+                e[j] = _mm512_fmadd_ps(_mm512_set1_ps(wb[b0 + j]), _mm512_loadu_ps(xsfT + at), e[j]);
+            }
+        }
+    } else if (sgn) {
+        for (int b0 = 0; b0 < nb; b0 += 8) {
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) {
+                size_t at = (size_t)(b0 + j) * mp + m0;
+                __m512 d = _mm512_mul_round_ps(_mm512_set1_ps(ws[b0 + j]), _mm512_loadu_ps(xdT + at),
+                                               _MM_FROUND_CUR_DIRECTION);
+                e[j] = _mm512_fmadd_ps(d, _mm512_loadu_ps(xsT + at), e[j]);
+            }
+        }
+    }
+#define LPD_ADD(x, y) _mm512_add_round_ps(x, y, _MM_FROUND_CUR_DIRECTION)
+    __m512 t = LPD_ADD(LPD_ADD(LPD_ADD(e[0], e[4]), LPD_ADD(e[2], e[6])),
+                       LPD_ADD(LPD_ADD(e[1], e[5]), LPD_ADD(e[3], e[7])));
+    if (sgn) t = _mm512_mul_round_ps(_mm512_set1_ps(-128.f), t, _MM_FROUND_CUR_DIRECTION);
+    t = LPD_ADD(t, _mm512_set1_ps(bias));
+#undef LPD_ADD
+    return t;
+}
+#else
 static void row_factors(const gemm_args *a, int n, int m0, int mm, int xor_blocks, float *ds, float *extra) {
     int nb = a->K / 32, ng = a->K / a->group, per_group = a->group / 32;
     if (a->sub) { /* int4-k: d x sc and dmin x mn, a super-block (8 groups) a register */
@@ -766,7 +992,7 @@ static void row_factors(const gemm_args *a, int n, int m0, int mm, int xor_block
 #endif
             for (; b < nb; b++) {
                 dm[b] = half_to_float(drow[b / 8]) * (float)sc[b] * xd[b];
-                e += half_to_float(mrow[b / 8]) * (float)mn[b] * xsf[b];
+                e = fmaf(half_to_float(mrow[b / 8]) * (float)mn[b], xsf[b], e);
             }
             extra[m] = e + (a->bias ? a->bias[n] : 0.f);
         }
@@ -793,7 +1019,7 @@ static void row_factors(const gemm_args *a, int n, int m0, int mm, int xor_block
 #endif
         for (; b < nb; b++) {
             dm[b] = half_to_float(srow[b / per_group]) * xd[b];
-            if (brow) e += half_to_float(brow[b / per_group]) * xsf[b];
+            if (brow) e = fmaf(half_to_float(brow[b / per_group]), xsf[b], e);
         }
         if (signed_codes(a)) { /* AVX512's (w + 128) x, less 128 * sum(x): eight blocks a step, where one sum's chain
                              * of adds cost a K = 576 row some 70 cycles beside the 20 or so of its products */
@@ -807,18 +1033,57 @@ static void row_factors(const gemm_args *a, int n, int m0, int mm, int xor_block
                                      _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(xs + b))), cv);
             c = hsum8(cv);
 #endif
-            for (; b < xor_blocks; b++) c += dm[b] * (float)xs[b];
-            e = -128.f * c;
+            for (; b < xor_blocks; b++) c = fmaf(dm[b], (float)xs[b], c);
+            e = -128.f * c; /* exact: what extra adds it to is the same with or without an fma */
         }
         extra[m] = e + (a->bias ? a->bias[n] : 0.f);
     }
 }
 
+#endif
+
+#if defined(LPD_AVX512)
+/* Weight rows n, n + 4, ... (while four fit below n1) against every input row (M >= TILE_FROM, nb even): each group
+ * of four weight rows takes its factors (weight_side) and its terms for sixteen input rows at a time (tile_extras)
+ * once, then 4 x 4 tiles (gemm4xm) over the input rows, each tile's factors ws x xd sixteen blocks a multiply.
+ * Where row_factors worked out each (weight row, input row)'s factors and terms, 16 to 64 rows cost 0.8x to 0.9x
+ * (SmolLM2-135M's four products, Zen 4); each row's floats are row_factors' and gemv4's. Returns the next row. */
+static int tile_rows(const gemm_args *a, int n, int n1) {
+    int nb = a->K / 32, np = PAD16(nb), mp = a->mp;
+    float *side = a->side, *ext = side + 8 * np, *dt = ext + 4 * mp; /* 4 x (ws, wb), 4 x mp terms, 16 x np ds */
+    for (; n + 4 <= n1; n += 4) {
+        for (int r = 0; r < 4; r++) {
+            float *ws = side + 2 * r * np, *wb = ws + np, bias = a->bias ? a->bias[n + r] : 0.f;
+            weight_side(a, n + r, ws, wb);
+            for (int m0 = 0; m0 < a->M; m0 += 16) _mm512_storeu_ps(ext + r * mp + m0, tile_extras(a, ws, wb, m0, bias));
+        }
+        for (int m0 = 0; m0 < a->M; m0 += ROWS_AT_ONCE) {
+            int mm = a->M - m0 < ROWS_AT_ONCE ? a->M - m0 : ROWS_AT_ONCE;
+            float extra[4 * ROWS_AT_ONCE];
+            for (int r = 0; r < 4; r++) {
+                const float *ws = side + 2 * r * np;
+                for (int m = 0; m < mm; m++) {
+                    const float *xd = a->xd + (size_t)(m0 + m) * nb;
+                    float *d = dt + (size_t)(r * ROWS_AT_ONCE + m) * np;
+                    for (int b = 0; b < nb; b += 16) {
+                        __mmask16 k = nb - b >= 16 ? 0xffff : (1u << (nb - b)) - 1;
+                        _mm512_storeu_ps(d + b, _mm512_mul_ps(_mm512_loadu_ps(ws + b), _mm512_maskz_loadu_ps(k, xd + b)));
+                    }
+                    extra[r * ROWS_AT_ONCE + m] = ext[r * mp + m0 + m];
+                }
+            }
+            gemm4x(a, n, m0, mm, dt, np, extra);
+        }
+    }
+    return n;
+}
+#endif
+
 /* Weight rows n0 .. n1 - 1 against every input row. ds: the thread's scratch (gemm_task). */
 static void gemm_rows(const gemm_args *a, int n0, int n1, float *ds) {
     int K = a->K, nb = K / 32, N = a->N;
     size_t row_bytes = a->bits == 4 ? K / 2 : K;
-    int32_t *sums = (int32_t *)(ds + 4 * ROWS_AT_ONCE * nb); /* after four weight rows' factors (gemm4xm's) */
+    int32_t *sums = (int32_t *)(ds + 4 * ROWS_AT_ONCE * DSTRIDE(nb)); /* after four weight rows' factors (gemm4xm's) */
 #if defined(LPD_AVX512)
     int vec_blocks = nb & ~1, xor_blocks = vec_blocks; /* two at a time; an odd last one goes alone */
 #elif defined(LPD_AVX2)
@@ -831,25 +1096,22 @@ static void gemm_rows(const gemm_args *a, int n0, int n1, float *ds) {
     if (a->M == 1 && vec_blocks == nb) {
         for (; n + 4 <= n1; n += 4) {
             float extra[4];
-            for (int r = 0; r < 4; r++) row_factors(a, n + r, 0, 1, xor_blocks, ds + r * nb, extra + r);
+            for (int r = 0; r < 4; r++) row_factors(a, n + r, 0, 1, xor_blocks, ds + r * DSTRIDE(nb), extra + r);
             gemv4(a, n, ds, extra);
         }
     }
 #endif
 #if defined(LPD_AVX512)
+    if (a->M >= TILE_FROM && vec_blocks == nb) n = tile_rows(a, n, n1);
     if (a->M > 1 && vec_blocks == nb) {
         for (; n + 4 <= n1; n += 4) {
             for (int m0 = 0; m0 < a->M; m0 += ROWS_AT_ONCE) {
                 int mm = a->M - m0 < ROWS_AT_ONCE ? a->M - m0 : ROWS_AT_ONCE;
                 float extra[4 * ROWS_AT_ONCE];
                 for (int r = 0; r < 4; r++)
-                    row_factors(a, n + r, m0, mm, xor_blocks, ds + r * ROWS_AT_ONCE * nb, extra + r * ROWS_AT_ONCE);
-                switch (mm) {
-                case 1: gemm4xm(a, n, m0, 1, ds, extra); break;
-                case 2: gemm4xm(a, n, m0, 2, ds, extra); break;
-                case 3: gemm4xm(a, n, m0, 3, ds, extra); break;
-                default: gemm4xm(a, n, m0, 4, ds, extra); break;
-                }
+                    row_factors(a, n + r, m0, mm, xor_blocks, ds + r * ROWS_AT_ONCE * DSTRIDE(nb),
+                                extra + r * ROWS_AT_ONCE);
+                gemm4x(a, n, m0, mm, ds, DSTRIDE(nb), extra);
             }
         }
     }
@@ -878,7 +1140,7 @@ static void gemm_rows(const gemm_args *a, int n0, int n1, float *ds) {
                     __m512i p = _mm512_add_epi32(
                         _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, _mm512_loadu_si512(x)), 8),
                         _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, _mm512_loadu_si512(x + a->lo)));
-                    __m512 f = _mm512_insertf32x8(_mm512_set1_ps(ds[m * nb + b]), _mm256_set1_ps(ds[m * nb + b + 1]), 1);
+                    __m512 f = _mm512_insertf32x8(_mm512_set1_ps(ds[m * DSTRIDE(nb) + b]), _mm256_set1_ps(ds[m * DSTRIDE(nb) + b + 1]), 1);
                     acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), f, acc[m]);
                 }
             }
@@ -903,7 +1165,7 @@ static void gemm_rows(const gemm_args *a, int n0, int n1, float *ds) {
                 for (int m = 0; m < mm; m++) {
                     const int8_t *x = a->xq + (size_t)(m0 + m) * K + vec_blocks * 32;
                     block_sums(&rest, wrow + (a->bits == 4 ? vec_blocks * 16 : vec_blocks * 32), x, 1, sums);
-                    for (int b = vec_blocks; b < nb; b++) y[m] += ds[m * nb + b] * (float)sums[b - vec_blocks];
+                    for (int b = vec_blocks; b < nb; b++) y[m] += ds[m * DSTRIDE(nb) + b] * (float)sums[b - vec_blocks];
                 }
             }
             for (int m = 0; m < mm; m++) a->y[(size_t)(m0 + m) * N + n] = y[m] + extra[m];
@@ -916,18 +1178,44 @@ static void gemm_task(void *ctx, int ith, int nth) {
     int K = a->K, nb = K / 32;
     static __thread void *buf;
     static __thread size_t cap;
-    size_t factors = sizeof(float) * (5 * ROWS_AT_ONCE * nb + (size_t)a->M * nb); /* ds (4 weight rows), sums, xsf */
+    size_t factors = (sizeof(float) * (4 * ROWS_AT_ONCE * DSTRIDE(nb) + ROWS_AT_ONCE * nb + (size_t)a->M * nb) + 63) / 64 * 64; /* ds, sums, xsf */
 #if defined(LPD_AVX2)
     size_t wide = sizeof(int16_t) * (size_t)a->M * K;
+#elif defined(LPD_AVX512)
+    int mp = (a->M + 15) & ~15, np = PAD16(nb);
+    size_t wide = sizeof(float) * (24 * (size_t)np + 4 * (size_t)mp + (a->M >= TILE_FROM ? 3 * (size_t)np * mp : 0))
+                  + (a->M >= WIDE_FROM ? sizeof(int16_t) * (size_t)a->M * K : 0);
 #else
     size_t wide = 0;
 #endif
     float *ds = scratch(&buf, &cap, factors + wide + 64);
     if (!ds) return;
     gemm_args own = *a;
-    float *xsf = ds + 5 * ROWS_AT_ONCE * nb;
+    float *xsf = ds + 4 * ROWS_AT_ONCE * DSTRIDE(nb) + ROWS_AT_ONCE * nb;
     for (size_t i = 0; i < (size_t)a->M * nb; i++) xsf[i] = a->xd[i] * (float)a->xsum[i];
     own.xsf = xsf;
+#if defined(LPD_AVX512)
+    own.side = (float *)((char *)ds + factors);
+    own.mp = mp;
+    if (a->M >= TILE_FROM) { /* xd, xsf and the sums as floats, block by block, a row a lane (tile_extras) */
+        float *xt = own.side + 24 * np + 4 * mp;
+        size_t plane = (size_t)np * mp;
+        memset(xt, 0, sizeof(float) * 3 * plane);
+        for (int m = 0; m < a->M; m++)
+            for (int b = 0; b < nb; b++) {
+                size_t i = (size_t)m * nb + b, at = (size_t)b * mp + m;
+                xt[at] = a->xd[i];
+                xt[plane + at] = xsf[i];
+                xt[2 * plane + at] = (float)a->xsum[i];
+            }
+        own.xt = xt;
+    }
+    if (a->M > WIDE_FROM - 1 && !(nb & 1)) { /* each value whole, for gemm4xm */
+        int16_t *xw = (int16_t *)(own.side + 24 * np + 4 * mp + (a->M >= TILE_FROM ? 3 * (size_t)np * mp : 0));
+        for (int m = 0; m < a->M; m++) widen_row(a->xq + (size_t)m * K, a->xq + a->lo + (size_t)m * K, K, xw + (size_t)m * K);
+        own.xw = xw;
+    }
+#endif
 #if defined(LPD_AVX2)
     int16_t *x16 = (int16_t *)((char *)ds + factors);
     for (size_t i = 0; i < (size_t)a->M * K; i++) x16[i] = (int16_t)(256 * a->xq[i] + a->xq[a->lo + i]);
