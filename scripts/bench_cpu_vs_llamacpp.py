@@ -8,6 +8,10 @@ ratio (localpd / llama.cpp), and localpd's batch-8 decode (tokens/s summed over 
 batch 1. llama.cpp's tg128 decodes from an empty context, localpd's decode follows its 128-token prompt.
 
     python scripts/bench_cpu_vs_llamacpp.py [--model FILE] [--threads 2] [--quant SCHEME] [--repeats 2]
+
+--int-prefill runs localpd a second time each round with the prefill's products (cpu.GEMM_ROWS rows and more) on
+the integer products decode takes (lpd_linear) in place of the float GEMM, and prints its prefill beside the float
+path's: what making the integer products the prefill path would cost or gain.
 """
 
 from __future__ import annotations
@@ -23,6 +27,20 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 TOKENS = 128
+# `localpd` with every product on lpd_linear's integer products, prefill's rows too (cpu._gemm replaced)
+INT_PREFILL = """
+import runpy, sys
+from localpd.kernels import cpu
+
+def _gemm(lib, p, pre, x, res, nw, eps, s, bias, y):
+    if lib.lpd_linear(pre, x.data_ptr(), cpu._ptr(res), cpu._ptr(nw), eps, cpu._ptr(s), x.shape[0], p.k, p.bits, p.data,
+                      p.scales, p.biases, p.sub, p.lut, p.group, p.n, cpu._ptr(bias), y.data_ptr(), cpu.threads()):
+        raise MemoryError("lpd_linear could not allocate its scratch")
+
+cpu._gemm = _gemm
+sys.argv = ["localpd", *sys.argv[1:]]
+runpy.run_module("localpd.cli", run_name="__main__")
+"""
 
 
 def llama_bin() -> str:
@@ -42,11 +60,13 @@ def llama_round(bin_dir: str, model: str, threads: int) -> dict:
     return {"prefill": pick["prefill"], "decode": pick["decode"], "type": rows[0].get("model_type", "?")}
 
 
-def localpd_round(model: str, threads: int, quant: str | None) -> dict:
-    """localpd bench at batch 1 and 8, read from its --json (localpd.bench.Point fields)."""
+def localpd_round(model: str, threads: int, quant: str | None, int_prefill: bool = False) -> dict:
+    """localpd bench at batch 1 and 8, read from its --json (localpd.bench.Point fields); int_prefill: prefill on the
+    integer products (INT_PREFILL)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "bench.json")
-        cmd = [sys.executable, "-m", "localpd.cli", "bench", model, "--device", "cpu", "--threads", str(threads),
+        run = ["-c", INT_PREFILL] if int_prefill else ["-m", "localpd.cli"]
+        cmd = [sys.executable, *run, "bench", model, "--device", "cpu", "--threads", str(threads),
                "--prompt-len", str(TOKENS), "--gen-len", str(TOKENS), "--batch", "1,8", "--json", path]
         out = subprocess.run(cmd + (["--quant", quant] if quant else []), capture_output=True, text=True, cwd=REPO)
         if out.returncode:
@@ -64,6 +84,7 @@ def main() -> int:
     ap.add_argument("--quant", help="localpd's weight scheme (default: localpd's default on the CPU)")
     ap.add_argument("--repeats", type=int, default=2, help="interleaved rounds (default 2)")
     ap.add_argument("--llama-bin", help="folder holding llama-bench (default: ../shared/peers/llama-cpp.sh's output)")
+    ap.add_argument("--int-prefill", action="store_true", help="also localpd with prefill on the integer products")
     args = ap.parse_args()
     if args.model is None:
         sys.path.insert(0, str(REPO))
@@ -79,6 +100,8 @@ def main() -> int:
         print(f"# round {i + 1}: llama.cpp decode {llama['decode']:.1f} tok/s", file=sys.stderr, flush=True)
         ours = localpd_round(args.model, args.threads, args.quant)
         print(f"# round {i + 1}: localpd decode {ours['decode']:.1f} tok/s", file=sys.stderr, flush=True)
+        if args.int_prefill:
+            ours["int"] = localpd_round(args.model, args.threads, args.quant, int_prefill=True)
         rounds.append((llama, ours))
         load.append(os.getloadavg()[0])
 
@@ -112,6 +135,11 @@ def main() -> int:
     widths = [max(len(r[i]) for r in table) for i in range(len(head))]
     for r in table:
         print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
+    if args.int_prefill:
+        ints = [r[1]["int"]["prefill"] for r in rounds]
+        print("# localpd pp128 with prefill on the integer products: " + ", ".join(
+            f"{v:.1f} ({v / r[1]['prefill']:.2f}x the float path's, {v / r[0]['prefill']:.2f}x llama.cpp's)"
+            for v, r in zip(ints, rounds)) + f"; median {statistics.median(ints):.1f}")
     print("# tok/s; dec: batch-1 decode of 128 tokens (llama.cpp's tg128 from an empty context, localpd's after the "
           "128-token prompt); x8: localpd's 8 sequences together, summed")
     return 0

@@ -176,11 +176,13 @@ def main() -> None:
     if args.against:
         libs[Path(args.against).name] = cpu.open_library(cpu.build(out_dir=Path(tempfile.mkdtemp()),
                                                                     source=Path(args.against)))
-    rows, part_rows = [1, 2, 3, 4, 5, 8, 9, 12, 16], [1, 2, 5, 9]
+    rows, part_rows = list(range(1, MAX_DRAFT + 3)), [1, 2, 5, 9, 15]
     with torch.inference_mode():
         costs = step_costs(engine, rows, libs)
         parts = step_parts(engine, part_rows, libs)
     print_costs(libs, costs, parts, rows, part_rows)
+    print("speculate.CPU_STEP_COSTS as measured here: ("
+          + ", ".join(f"{costs['this source', r] / costs['this source', 1]:.2f}" for r in rows) + ")")
     if args.parts:
         return
     spec = SpeculateConfig("ngram", args.draft_tokens)

@@ -29,15 +29,15 @@ MAX_DRAFT = 14  # --draft-tokens' bound: k + 1 rows (15) stay under the CPU kern
 DRAFT_TOKENS = 8  # --draft-tokens' default
 NGRAMS = (3, 2)  # the suffix lengths looked up, longest first
 # A step's time with r rows of one sequence over a one-row decode step's, r = 1, 2, ...: on the CPU's kernels
-# (SmolLM2-135M Q4_1 at 400 tokens of context, the 2-core Zen 4 VM, docs/PERF.md issue 30) each row's int8 dot
-# products are its own work, so a row costs about 0.45 of a one-row step in the products; the attention walks a
-# sequence's keys once for its rows, and the weights' loads and the output head's are shared. (The table of the
-# first measurement, scaled by the rows-sharing attention's gain measured against it in one run.) On a GPU a
-# verification replays the decode graph of its bucket of rows (engine.runner, engine.cuda_graph.BUCKETS), whose time
-# follows the integer GEMV's programs of 4 rows: measured on an H100 (Llama-3-8B shapes, int4-g128, 1k tokens of
+# (SmolLM2-135M Q4_1 at 400 tokens of context, the 2-core Zen 4 VM, one thread under real-time priority: docs/PERF.md,
+# "CPU integer products at many rows", the mean of two runs of `scripts/bench_speculate.py --parts`) each row's
+# integer products are its own work (two multiplies per 64 weights and row), so a row costs about half a one-row
+# step in the products; the attention walks a sequence's keys once for its rows, and the weights' loads and the
+# output head's are shared. On a GPU a verification replays the decode graph of its bucket of rows (engine.runner,
+# engine.cuda_graph.BUCKETS), whose time follows the integer GEMV's programs of 4 rows: measured on an H100 (Llama-3-8B shapes, int4-g128, 1k tokens of
 # context, scripts/gpu_speculate.py, 2026-11-26), exactly r rows over one: 2: 1.10, 3-4: 1.55-1.58, 5-8: 2.00-2.13,
 # 9-12: 2.52-2.68, 13-16: 3.18-3.29; the table holds each r's bucket's time.
-CPU_STEP_COSTS = (1.0, 1.18, 1.66, 2.09, 2.81, 3.23, 3.64, 4.05, 4.77, 5.09, 5.50, 5.96, 6.70, 7.36, 8.1, 9.85)
+CPU_STEP_COSTS = (1.0, 1.58, 1.98, 2.45, 3.39, 3.91, 4.30, 4.76, 5.85, 6.27, 6.67, 7.13, 7.87, 8.30, 8.52, 11.78)
 GPU_STEP_COSTS = (1.0, 1.10, 1.58, 1.58, 2.13, 2.13, 2.13, 2.13, 2.68, 2.68, 2.68, 2.68, 3.29, 3.29, 3.29, 3.29)
 MIN_GAIN = 1.05  # drafting runs where the best k's expected tokens per unit of time passes this (1: plain decode)
 DECAY = 0.85  # weight of the earlier evidence at each update of the acceptance estimate

@@ -1,0 +1,74 @@
+"""The CPU kernels' products at 1 to 256 rows: lpd_linear's integer products on this source's library and on another
+cpu_kernels.c's (--against), and the float GEMM prefill takes from cpu.GEMM_ROWS rows on, on the four product
+shapes of a decoder layer of the default model (SmolLM2-135M: qkv 960 x 576, o 576 x 576, gate_up 3072 x 576,
+down 576 x 1536), random weights of one scheme. The three take turns each repetition, each timed on its second call
+(the first warms the caches after the others' data); the fastest of --reps is kept.
+
+    python scripts/bench_cpu_products.py --against OLD.c [--threads 2] [--kind int4] [--reps 8] [--rows 1,2,4,16]
+
+Prints each one's ms for the layer's four products, its time over its one-row time, this source over the other's,
+and this source's integer products over the float GEMM (from 16 rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from localpd.kernels import cpu
+from localpd.quant.weights import Int4Weight, Int8Weight
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+ROWS = "1,2,3,4,5,8,12,15,16,24,32,48,64,128"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--against", required=True, help="another cpu_kernels.c, e.g. `git show main:kernels/cpu_kernels.c`")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kind", choices=("int4", "int8"), default="int4", help="int4: Q4_1's (groups of 32 with biases)")
+    ap.add_argument("--reps", type=int, default=8)
+    ap.add_argument("--rows", default=ROWS)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    other = cpu.open_library(cpu.build(out_dir=Path(tempfile.mkdtemp()), source=Path(args.against)))
+    g = torch.Generator().manual_seed(0)
+    make = Int4Weight.quantize_rtn if args.kind == "int4" else Int8Weight.quantize
+    weights = [make(torch.randn(n, k, generator=g), 32) for n, k in SHAPES]
+    rows = [int(r) for r in args.rows.split(",")]
+    inputs = {m: [torch.randn(m, k, generator=g) for _, k in SHAPES] for m in rows}
+    # (name, library, GEMM_ROWS): the integer products at every row count, the float GEMM where prefill takes it
+    modes = [("this", cpu.library(), 1 << 30), ("other", other, 1 << 30), ("float", cpu.library(), cpu.GEMM_ROWS)]
+    best: dict = {}
+    kept = cpu.GEMM_ROWS
+    try:
+        for _ in range(args.reps):
+            for m in rows:
+                for name, lib, gemm_rows in modes:
+                    if name == "float" and m < kept:
+                        continue
+                    cpu.GEMM_ROWS = gemm_rows
+                    for timed in (False, True):  # the first call warms the caches after the others' data
+                        t0 = time.perf_counter()
+                        for w, x in zip(weights, inputs[m]):
+                            cpu.linear(x, w, lib=lib)
+                    best[m, name] = min(best.get((m, name), float("inf")), time.perf_counter() - t0)
+    finally:
+        cpu.GEMM_ROWS = kept
+    print(f"# {args.threads} threads, {args.kind}, SmolLM2-135M's four products, fastest of {args.reps}: ms (x one row)")
+    one = {name: best.get((rows[0], name)) for name in ("this", "other")}
+    for m in rows:
+        line = f"{m:4d} rows  this {best[m, 'this'] * 1e3:7.3f} (x{best[m, 'this'] / one['this']:6.2f})  other " \
+               f"{best[m, 'other'] * 1e3:7.3f} (x{best[m, 'other'] / one['other']:6.2f})  this / other " \
+               f"{best[m, 'this'] / best[m, 'other']:.2f}"
+        if (m, "float") in best:
+            line += f"  float {best[m, 'float'] * 1e3:7.3f}  this / float {best[m, 'this'] / best[m, 'float']:.2f}"
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
