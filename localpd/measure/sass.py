@@ -48,11 +48,13 @@ class LoopStats:
 def compile_launch(kernel, args: tuple, kwargs: dict, arch: int = 90):
     """kernel compiled for sm_<arch> as a launch with these arguments would compile it: tensors and integers
     specialised the way Triton's launcher does (16-byte aligned pointers, integers divisible by 16, 1 as a
-    constant), keyword arguments the constexprs plus num_warps and num_stages."""
-    names = list(inspect.signature(kernel.fn).parameters)
+    constant), keyword arguments the constexprs plus num_warps and num_stages (a constexpr left out: its default)."""
+    params = inspect.signature(kernel.fn).parameters
+    names = list(params)
     options = {o: kwargs[o] for o in ("num_warps", "num_stages") if o in kwargs}
     sig, const, attrs = {}, {}, {}
-    for i, (name, value) in enumerate(zip(names, args + tuple(kwargs[n] for n in names[len(args):]))):
+    rest = tuple(kwargs[n] if n in kwargs else params[n].default for n in names[len(args):])  # defaults as launched
+    for i, (name, value) in enumerate(zip(names, args + rest)):
         if kernel.params[i].is_constexpr:
             sig[name], const[name] = "constexpr", value
             continue
