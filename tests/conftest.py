@@ -69,8 +69,12 @@ def pytest_collection_modifyitems(items):
 def pytest_configure(config):
     """Under pytest-xdist (pyproject's addopts run two worker processes), each worker takes its share of torch's
     threads, which localpd's CPU kernels use too, so that two workers running models at once do not fight over
-    the same cores. Files are handed out in the order pytest_collection_modifyitems leaves them, not by xdist's
-    count of their tests."""
+    the same cores. The processes a test starts take the same share (localpd's commands and the scripts through
+    OMP_NUM_THREADS, llama.cpp's tools at -t torch.get_num_threads()): at the machine's thread count their threads
+    wait for a core the other worker holds, and llama.cpp's and OpenMP's waiting threads spin (llama-server's four
+    greedy replies in the fp32 export test: 17-19 s of CPU at -t 2 beside other work, 1.9 s at -t 1; docs/PERF.md).
+    Files are handed out in the order pytest_collection_modifyitems leaves them, not by xdist's count of their
+    tests."""
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
@@ -78,6 +82,7 @@ def pytest_configure(config):
         import torch
 
         torch.set_num_threads(max(1, torch.get_num_threads() // workers))
+        os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))  # localpd's commands read it
 
 
 @pytest.fixture

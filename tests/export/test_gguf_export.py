@@ -80,7 +80,8 @@ def test_int4k_exports_as_q4_k_where_rows_hold_super_blocks_and_imports_back_bit
 
 def llama_perplexity(bin_dir, model, text) -> str:
     out = subprocess.run([str(bin_dir / "llama-perplexity"), "-m", str(model), "-f", str(text), "-c", "128",
-                          "--chunks", "3", "-t", "2"], capture_output=True, text=True, timeout=300)
+                          "--chunks", "3", "-t", str(torch.get_num_threads())],  # as llama_server
+                         capture_output=True, text=True, timeout=300)
     found = re.search(r"Final estimate: PPL = ([0-9.]+ \+/- [0-9.]+)", out.stdout + out.stderr)
     assert found, (out.stdout + out.stderr)[-1500:]
     return found[1]
@@ -106,10 +107,12 @@ def post(url: str, body: dict) -> dict:
 
 @contextmanager
 def llama_server(bin_dir, model, *args: str):
-    """llama.cpp's server on model (its chat template rendered by its own Jinja engine), stopped on the way out."""
+    """llama.cpp's server on model (its chat template rendered by its own Jinja engine), stopped on the way out. It
+    takes this process's threads (tests/conftest.py: a pytest-xdist worker's share of the cores)."""
     port = free_port()
-    server = subprocess.Popen([str(bin_dir / "llama-server"), "-m", str(model), "--port", str(port), "-t", "2",
-                               "-c", "512", "-np", "1", *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen([str(bin_dir / "llama-server"), "-m", str(model), "--port", str(port),
+                               "-t", str(torch.get_num_threads()), "-c", "512", "-np", "1", *args],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
