@@ -72,7 +72,7 @@ def pytest_configure(config):
     the same cores. The processes a test starts take the same share (localpd's commands and the scripts through
     OMP_NUM_THREADS, llama.cpp's tools at -t torch.get_num_threads()): at the machine's thread count their threads
     wait for a core the other worker holds, and llama.cpp's and OpenMP's waiting threads spin (llama-server's four
-    greedy replies in the fp32 export test: 17-19 s of CPU at -t 2 beside other work, 1.9 s at -t 1; docs/PERF.md).
+    greedy replies in the fp32 export test: 16.6-18.9 s of CPU at -t 2 beside other work, 1.9 at -t 1; docs/PERF.md).
     Files are handed out in the order pytest_collection_modifyitems leaves them, not by xdist's count of their
     tests."""
     if hasattr(config.option, "loadscopereorder"):
