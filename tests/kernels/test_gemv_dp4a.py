@@ -58,15 +58,16 @@ def test_gemv_matches_the_reference(fmt, group, n, k, m, split):
     assert not cnt.any()  # the last program of each tile left its counter at zero for the next launch
 
 
-@pytest.mark.parametrize("m,split", [(2, 1), (5, 3), (16, 2)])
-def test_rows_sharing_a_program_are_each_rows_own_product(m, split):
+@pytest.mark.parametrize("m,split,rows,n", [(2, 1, (0, 1), 136), (5, 3, range(5), 136), (16, 2, (3, 12), 72)])
+def test_rows_sharing_a_program_are_each_rows_own_product(m, split, rows, n):
     """Up to 4 rows share a program's words (2 exactly; 5 in a full program and a padded one; 16, MAX_ROWS, in
-    four): each row's output is bit for bit what the row alone gives."""
-    n, k = 136, 256
+    four programs, rows of the first and last checked): each row's output is bit for bit what the row alone
+    gives."""
+    k = 256
     _, kw = weight("int4", n, k, 64, seed=m)
     x = activations(m, k, seed=m + 1)
     y = dp.gemv_dp4a(x, kw.words, kw.factors, 4, 64, split_k=split)
-    for r in range(m):
+    for r in rows:
         assert torch.equal(y[r:r + 1], dp.gemv_dp4a(x[r:r + 1], kw.words, kw.factors, 4, 64, split_k=split)), r
 
 
@@ -92,8 +93,14 @@ def test_the_model_linear_takes_it_for_16_bit_activations_only():
     _, kw = weight("int4", 96, 256, 128, seed=5)
     x = activations(2, 256, seed=6, dtype=torch.bfloat16)
     assert dp.MAX_ROWS > km.MAX_ROWS
-    x16 = activations(dp.MAX_ROWS, 256, seed=7, dtype=torch.bfloat16)
-    assert torch.equal(linear_kmajor(x16, kw), dp.gemv_dp4a(x16, kw.words, kw.factors, 4, 128))
+    launched = []  # the rows each launch of the integer GEMV takes (its product is tested above)
+    real, dp.gemv_rounded = dp.gemv_rounded, lambda q, s, out, *a, **kw: launched.append(out.shape[0]) or out
+    try:
+        for m in (dp.MAX_ROWS, dp.MAX_ROWS + 1):
+            linear_kmajor(activations(m, 256, seed=7, dtype=torch.bfloat16), kw)
+    finally:
+        dp.gemv_rounded = real
+    assert launched == [dp.MAX_ROWS]  # past MAX_ROWS: cuBLAS over the dequantized weight
     assert dp.takes(kw.shape, 4, 128, torch.bfloat16) and not dp.takes(kw.shape, 4, 128, torch.float32)
     assert not dp.takes((96, 80), 4, 80, torch.bfloat16)  # K not whole blocks
     assert torch.equal(linear_kmajor(x, kw), dp.gemv_dp4a(x, kw.words, kw.factors, 4, 128))
