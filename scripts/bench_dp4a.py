@@ -15,9 +15,7 @@ import torch
 from localpd.kernels import gemv_dp4a as dp, gemv_kmajor as km
 from localpd.kernels.act_round import quantize_act
 from localpd.kernels.dispatch import kmajor_matmul_ref
-from localpd.measure.bench_kernels import (SHAPES, copies_for, gpu_script, graph_time, random_int4, random_int8,
-                                           tinygemm, write_rows)
-from localpd.quant.kmajor import to_kmajor
+from localpd.measure.bench_kernels import SHAPES, gpu_script, graph_time, kmajor_copies, tinygemm, write_rows
 
 
 def rel(a, b) -> float:
@@ -31,9 +29,8 @@ def main() -> None:
           f"for the weight bytes")
     out = []
     for (shape, n, k), fmt, m in itertools.product(SHAPES, ("int4-g128", "int8"), map(int, args.rows.split(","))):
-        make = (lambda: random_int4(n, k, 128, dev)) if fmt == "int4-g128" else (lambda: random_int8(n, k, dev))
-        first = to_kmajor(make())
-        ws = [first] + [to_kmajor(make()) for _ in range(copies_for(first.nbytes, dev) - 1)]
+        ws = kmajor_copies(fmt, n, k, dev)
+        first = ws[0]
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
         q, s = quantize_act(x, first.BITS)
         t = {

@@ -13,9 +13,7 @@ import itertools
 import torch
 
 from localpd.kernels import gemv_dp4a as dp, gemv_kmajor as km
-from localpd.measure.bench_kernels import (SHAPES, copies_for, gpu_script, graph_time, random_int4, random_int8,
-                                           write_rows)
-from localpd.quant.kmajor import to_kmajor
+from localpd.measure.bench_kernels import SHAPES, gpu_script, graph_time, kmajor_copies, write_rows
 
 
 @torch.inference_mode()
@@ -25,9 +23,7 @@ def main() -> None:
           f"row")
     out = []
     for (shape, n, k), fmt in itertools.product(SHAPES[:4], ("int4-g128", "int8")):
-        make = (lambda: random_int4(n, k, 128, dev)) if fmt == "int4-g128" else (lambda: random_int8(n, k, dev))
-        first = to_kmajor(make())
-        ws = [first] + [to_kmajor(make()) for _ in range(copies_for(first.nbytes, dev) - 1)]
+        ws = kmajor_copies(fmt, n, k, dev)
         x1 = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
         one = graph_time([lambda w=w: dp.gemv_dp4a(x1, w.words, w.factors, w.BITS, w.group) for w in ws])
         for m in map(int, args.rows.split(",")):

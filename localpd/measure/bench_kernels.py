@@ -40,6 +40,16 @@ def random_int8(n: int, k: int, device) -> Int8Weight:
     return Int8Weight(data, (torch.rand(n, 1, device=device) * 0.001 + 0.0005).half())
 
 
+def kmajor_copies(fmt: str, n: int, k: int, device) -> list[KMajorWeight]:
+    """Random [n, k] weights of fmt ("int4-g128" or "int8") in the GPU's K-major layout, as many copies as keep a
+    launch's weights out of L2 (copies_for)."""
+    def make():
+        return to_kmajor(random_int4(n, k, 128, device) if fmt == "int4-g128" else random_int8(n, k, device))
+
+    first = make()
+    return [first] + [make() for _ in range(copies_for(first.nbytes, device) - 1)]
+
+
 def copies_for(nbytes: int, device: torch.device) -> int:
     """Weight copies to rotate through so that no timed launch finds its weights in L2 (2x the L2 size)."""
     if device.type != "cuda":
