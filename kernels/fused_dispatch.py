@@ -10,7 +10,6 @@ import torch.nn.functional as F
 
 from localpd.errors import LocalpdError
 from localpd.kernels.dispatch import cdiv, use_triton
-from localpd.kernels.pdl import launch_args
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -105,6 +104,7 @@ def _add_rms_norm(x, residual, weight, eps: float, bits: int):
     written (x stands for them as a pointer the kernel does not store through), else q and scales are h."""
     from localpd.kernels.act_round import empty_rounded
     from localpd.kernels.fused import add_rms_norm_kernel
+    from localpd.kernels.pdl import launch_args
 
     T, N = x.shape
     h = x if bits else torch.empty_like(x)
@@ -141,6 +141,7 @@ def _act_mul(gate_up, act: str, bits: int):
     stands for it as a pointer the kernel does not store through), else q and scales are the product."""
     from localpd.kernels.act_round import empty_rounded
     from localpd.kernels.fused import act_mul_kernel
+    from localpd.kernels.pdl import launch_args
 
     T, I = gate_up.shape[0], gate_up.shape[1] // 2
     out = gate_up if bits else torch.empty((T, I), dtype=gate_up.dtype, device=gate_up.device)
@@ -160,6 +161,7 @@ def qk_norm(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, n
     if not use_triton(qkv) or qkv.dim() != 2 or qkv.stride(-1) != 1:
         return qk_norm_ref(qkv, q_weight, k_weight, n_heads, n_kv_heads, eps)
     from localpd.kernels.fused import qk_norm_kernel
+    from localpd.kernels.pdl import launch_args
 
     if qkv.shape[0]:
         block = triton_block(d)

@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from localpd.kernels import cpu
 from localpd.kernels.dispatch import cdiv, sm_count, use_triton
 from localpd.kernels.fused_dispatch import rope, triton_block
-from localpd.kernels.pdl import launch_args
 from localpd.kvcache.formats import PER_PAGE, KVLayer, dequantize_kv, quantize_kv
 
 
@@ -247,6 +246,7 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer
             or "fp8" in (layer.k_format, layer.v_format)):  # fp8 pages are written by torch (see write_kv)
         return rope_write_kv_ref(qkv, cos, sin, layer, slots, n_heads, n_kv_heads, stage_slots)
     from localpd.kernels.paged_attention import rope_write_kv_kernel
+    from localpd.kernels.pdl import launch_args
 
     if T:
         ks, ks_t, ks_h, k_staged = _stage_args(layer.k_stage, stage_slots, layer.k)
@@ -335,6 +335,7 @@ def paged_attention(q: torch.Tensor, layer: KVLayer, page_table: torch.Tensor, s
     if not (use_triton(q) and triton_supports(layer, D)):
         return paged_attention_ref(q, layer, page_table, seq_lens, q_starts, scale, window)
     from localpd.kernels.paged_attention import decode_kernel, decode_reduce_kernel, prefill_kernel
+    from localpd.kernels.pdl import launch_args
 
     B, H = seq_lens.shape[0], layer.k.shape[2]
     group = Hq // H

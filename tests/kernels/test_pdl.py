@@ -50,3 +50,14 @@ def test_the_gemv_loads_its_first_weights_before_it_waits():
     plain, with_pdl = (line.split() for line in done.stdout.splitlines()[-2:])
     assert plain == ["False", "False", "False", "0"]
     assert with_pdl[:3] == ["True", "True", "True"] and int(with_pdl[3]) >= 5, with_pdl  # a trip: 4 words, factors
+
+
+def test_the_cpu_path_does_not_import_triton():
+    """The modules a CPU chat imports leave Triton unimported (it is imported with the first GPU or interpreter
+    launch): importing it costs startup time, and at exit its bindings print leak warnings (5f65cac imported it
+    through this module at the top of fused_dispatch and kvcache.dispatch)."""
+    code = ("import sys, localpd.cli.main, localpd.engine, localpd.model.transformer, localpd.kvcache.dispatch; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'triton'))")
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "LOCALPD_TRITON_INTERPRET")}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr[-1000:]
