@@ -272,9 +272,8 @@ def linear_kmajor(x: torch.Tensor, w: KMajorWeight, bias: torch.Tensor | None = 
                   norm: PreNorm | None = None):
     """linear_int4 for the GPU's K-major int4/int8 layout: a GEMV for a few rows (kernels/gemv_dp4a.py's integer one,
     up to its MAX_ROWS, where it takes the weight and the activations' dtype; else kernels/gemv_kmajor.py's, up to
-    its MAX_ROWS), else
-    dequantize + cuBLAS, each after the input step (RMSNorm, SiLU * up) in a kernel of its own unless
-    gemv_kmajor.FUSE_INPUT_STEP; the torch reference where Triton does not run."""
+    its MAX_ROWS), else dequantize + cuBLAS, each after the input step (RMSNorm, SiLU * up) in a kernel of its own
+    unless gemv_kmajor.FUSE_INPUT_STEP; the torch reference where Triton does not run."""
     if not use_triton(x):
         return _linear(x, w.shape, lambda x2, n: kmajor_matmul_ref(x2, w, bias=bias, gated=gated, norm=n), gated,
                        norm)

@@ -157,11 +157,11 @@ class Engine:
         if graphs:  # a draft model replays its decode steps too, on graphs of its own over its pool
             from localpd.engine.cuda_graph import DecodeGraphs
 
-            max_pages = -(-(self.max_context + 1) // PAGE_SIZE)
-            self.graphs = DecodeGraphs(self.model, self.kv, max_pages, n_pages, max_running, min(max_running, 64))
+            max_pages, max_batch = -(-(self.max_context + 1) // PAGE_SIZE), min(max_running, 64)
+            self.graphs = DecodeGraphs(self.model, self.kv, max_pages, n_pages, max_running, max_batch)
             if self.drafter is not None:
                 self.drafter.graphs = DecodeGraphs(self.drafter.model, self.drafter.kv, max_pages, n_pages, 0,
-                                                   min(max_running, 64))
+                                                   max_batch)
         self.pages = PagePool(n_pages, PAGE_SIZE, salt=f"{self.name}|{self.quant}|{self.kv_dtype}")
         self.scheduler = Scheduler(self.pages, max_step_tokens, max_running)
         self.runner = ModelRunner(self.model, self.kv, self.kv_traffic, self.scheduler, self.graphs, self.device,

@@ -34,9 +34,10 @@ NGRAMS = (3, 2)  # the suffix lengths looked up, longest first
 # integer products are its own work (two multiplies per 64 weights and row), so a row costs about half a one-row
 # step in the products; the attention walks a sequence's keys once for its rows, and the weights' loads and the
 # output head's are shared. On a GPU a verification replays the decode graph of its bucket of rows (engine.runner,
-# engine.cuda_graph.BUCKETS), whose time follows the integer GEMV's programs of 4 rows: measured on an H100 (Llama-3-8B shapes, int4-g128, 1k tokens of
-# context, scripts/gpu_speculate.py, 2026-11-26), exactly r rows over one: 2: 1.10, 3-4: 1.55-1.58, 5-8: 2.00-2.13,
-# 9-12: 2.52-2.68, 13-16: 3.18-3.29; the table holds each r's bucket's time.
+# engine.cuda_graph.BUCKETS), whose time follows the integer GEMV's programs of 4 rows: measured on an H100
+# (Llama-3-8B shapes, int4-g128, 1k tokens of context, scripts/gpu_speculate.py, 2026-11-26), exactly r rows over
+# one: 2: 1.10, 3-4: 1.55-1.58, 5-8: 2.00-2.13, 9-12: 2.52-2.68, 13-16: 3.18-3.29; the table holds each r's
+# bucket's time.
 CPU_STEP_COSTS = (1.0, 1.58, 1.98, 2.45, 3.39, 3.91, 4.30, 4.76, 5.85, 6.27, 6.67, 7.13, 7.87, 8.30, 8.52, 11.78)
 GPU_STEP_COSTS = (1.0, 1.10, 1.58, 1.58, 2.13, 2.13, 2.13, 2.13, 2.68, 2.68, 2.68, 2.68, 3.29, 3.29, 3.29, 3.29)
 MIN_GAIN = 1.05  # drafting runs where the best k's expected tokens per unit of time passes this (1: plain decode)

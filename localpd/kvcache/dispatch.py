@@ -337,6 +337,7 @@ def paged_attention(q: torch.Tensor, layer: KVLayer, page_table: torch.Tensor, s
     from localpd.kernels.paged_attention import decode_kernel, decode_reduce_kernel, prefill_kernel
     from localpd.kernels.pdl import launch_args
 
+    pdl = launch_args(q)  # the decode kernel's and its reduce's
     B, H = seq_lens.shape[0], layer.k.shape[2]
     group = Hq // H
     out = torch.empty_like(q)
@@ -356,9 +357,9 @@ def paged_attention(q: torch.Tensor, layer: KVLayer, page_table: torch.Tensor, s
                                       scale, q.stride(0), q.stride(1), page_table.stride(0), *strides,
                                       splits, window, **kinds, PS=ps, D=D, DP=DP,
                                       GROUP=group, GP=gp, BLOCK_T=block_t, num_warps=DECODE_WARPS,
-                                      INT8_KEYS=int8_key_dots(layer, q.dtype), **launch_args(q))
+                                      INT8_KEYS=int8_key_dots(layer, q.dtype), **pdl)
         decode_reduce_kernel[(B, Hq)](part_acc, part_ml, out, out.stride(0), out.stride(1), splits, D=D, DP=DP,
-                                      SP=1 << (splits - 1).bit_length(), num_warps=4, **launch_args(q))
+                                      SP=1 << (splits - 1).bit_length(), num_warps=4, **pdl)
         return out
     gp = 1 << (group - 1).bit_length()
     block_m = prefill_block_m(D, gp)

@@ -182,8 +182,9 @@ class Transformer:
                                + [self.embed])  # a StackedLinear (int4 beside int8) gathers each of its parts
 
     def _to_gpu_layout(self) -> None:
-        """Every int4/int8 matrix (int4-k's as its int4 groups, a codebook's as its int8 values) moved to the K-major layout the batch-1 GEMV streams
-        (quant/kmajor.py); a tied output head keeps one copy, which the embedding lookup reads too."""
+        """Every int4/int8 matrix (int4-k's as its int4 groups, a codebook's as its int8 values) moved to the K-major
+        layout the batch-1 GEMV streams (quant/kmajor.py); a tied output head keeps one copy, which the embedding
+        lookup reads too."""
         from localpd.kernels.gemv_kmajor import takes  # imports Triton
 
         tied = self.lm_head.weight is self.embed
