@@ -29,28 +29,43 @@ from localpd.kernels.pdl import wait_prior
 
 @triton.jit
 def add_rms_norm_kernel(x, res, w, out_h, out_x, N, eps, s_x, s_r, s_h, s_ox, q, sq, s_q, s_sq, HAS_RES: tl.constexpr,
-                        BLOCK: tl.constexpr, ROUND_BITS: tl.constexpr = 0, PDL: tl.constexpr = False):
-    """Program t: s = x[t] (+ res[t]) rounded to x's dtype; out_x[t] = s; out_h[t] = s * rsqrt(mean(s^2) + eps) * w;
-    with ROUND_BITS (4 or 8) h is rounded for the integer GEMV into q[t], sq[t] instead (kernels/act_round.py: N a
-    multiple of 32), and out_h is not written: nothing reads it then."""
+                        BLOCK: tl.constexpr, SLICE: tl.constexpr, ROUND_BITS: tl.constexpr = 0,
+                        PDL: tl.constexpr = False):
+    """Program (t, p): s = x[t] (+ res[t]) rounded to x's dtype; out_x[t] = s; out_h[t] = s * rsqrt(mean(s^2) + eps)
+    * w; with ROUND_BITS (4 or 8) h is rounded for the integer GEMV into q[t], sq[t] instead (kernels/act_round.py:
+    N a multiple of 32), and out_h is not written: nothing reads it then. Every program sums the whole row's squares
+    (the same sum in the same order) and writes elements [p * SLICE, (p + 1) * SLICE) of it (SLICE a multiple of
+    32, or BLOCK): a decode row's rounding spreads over several SMs instead of one."""
     wait_prior(PDL)  # kernels/pdl.py: what the kernel before wrote is read from here on
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK)
     mask = d < N
-    s = tl.load(x + t * s_x + d, mask=mask, other=0.0)
-    if HAS_RES:
-        s = (s.to(tl.float32) + tl.load(res + t * s_r + d, mask=mask, other=0.0).to(tl.float32))
-        s = s.to(x.dtype.element_ty)
-        tl.store(out_x + t * s_ox + d, s, mask=mask)
+    s = _residual_sum(x + t * s_x, res + t * s_r, d, mask, HAS_RES)
     sf = s.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / N + eps)
-    h = ((sf * inv).to(tl.float32) * tl.load(w + d, mask=mask, other=0.0).to(tl.float32)).to(out_h.dtype.element_ty)
+    if SLICE < BLOCK:  # this program's slice, loaded again (from L1)
+        d = tl.program_id(1) * SLICE + tl.arange(0, SLICE)
+        mask = d < N
+        s = _residual_sum(x + t * s_x, res + t * s_r, d, mask, HAS_RES)
+    if HAS_RES:
+        tl.store(out_x + t * s_ox + d, s, mask=mask)
+    h = ((s.to(tl.float32) * inv).to(tl.float32) * tl.load(w + d, mask=mask, other=0.0).to(tl.float32))
+    h = h.to(out_h.dtype.element_ty)
     if ROUND_BITS:
-        blk = tl.arange(0, BLOCK // 32)
-        round_blocks(tl.reshape(h.to(tl.float32), (BLOCK // 32, 32)), blk, blk < N // 32, q + t * s_q, sq + t * s_sq,
-                     BLOCK // 32, ROUND_BITS)
+        blk = tl.program_id(1) * (SLICE // 32) + tl.arange(0, SLICE // 32)
+        round_blocks(tl.reshape(h.to(tl.float32), (SLICE // 32, 32)), blk, blk < N // 32, q + t * s_q, sq + t * s_sq,
+                     SLICE // 32, ROUND_BITS)
     else:
         tl.store(out_h + t * s_h + d, h, mask=mask)
+
+
+@triton.jit
+def _residual_sum(x, res, d, mask, HAS_RES: tl.constexpr):
+    """x[d] (+ res[d]), the sum rounded to x's dtype."""
+    s = tl.load(x + d, mask=mask, other=0.0)
+    if HAS_RES:
+        s = (s.to(tl.float32) + tl.load(res + d, mask=mask, other=0.0).to(tl.float32)).to(x.dtype.element_ty)
+    return s
 
 
 @triton.jit

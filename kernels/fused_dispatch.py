@@ -113,10 +113,12 @@ def _add_rms_norm(x, residual, weight, eps: float, bits: int):
     q, sq = empty_rounded(T, N, x.device) if bits else (h, h)
     if T:
         block = triton_block(N)
-        add_rms_norm_kernel[(T,)](x, r, weight, h, s, N, eps, x.stride(0), r.stride(0), h.stride(0), s.stride(0),
-                                  q, sq, q.stride(0), sq.stride(0), HAS_RES=residual is not None, BLOCK=block,
-                                  ROUND_BITS=bits, num_warps=_warps(block), enable_fp_fusion=not bits,
-                                  **launch_args(x))
+        piece = norm_slice(T, N)
+        add_rms_norm_kernel[(T, cdiv(N, piece))](x, r, weight, h, s, N, eps, x.stride(0), r.stride(0), h.stride(0),
+                                                 s.stride(0), q, sq, q.stride(0), sq.stride(0),
+                                                 HAS_RES=residual is not None, BLOCK=block, SLICE=piece,
+                                                 ROUND_BITS=bits, num_warps=_warps(block), enable_fp_fusion=not bits,
+                                                 **launch_args(x))
     return h, s, q, sq
 
 
@@ -182,6 +184,20 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rope_kernel[(T, H)](x, cos, sin, x.stride(0), x.stride(1), cos.stride(0), HALF=D // 2,
                             BLOCK=triton_block(D // 2), num_warps=1)
     return x
+
+
+# Rows up to this many (decode batches, a verification's rows) spread each row's add_rms_norm over programs of
+# NORM_SLICE elements: one program a row took 3.0-3.5 us for a 4096-wide row on an H100, 7% of a Llama-3-8B decode
+# step for two launches a layer (scripts/profile_decode_step.py, docs/PERF.md); more rows fill the SMs anyway.
+NORM_SPREAD_ROWS = 16
+NORM_SLICE = 512
+
+
+def norm_slice(rows: int, n: int) -> int:
+    """The elements of a row one add_rms_norm program writes: NORM_SLICE (a multiple of 32) for a few rows wider
+    than it, else the whole (padded) row."""
+    block = triton_block(n)
+    return NORM_SLICE if rows <= NORM_SPREAD_ROWS and block > NORM_SLICE else block
 
 
 def triton_block(n: int) -> int:

@@ -18,6 +18,23 @@ import collections
 import torch
 
 
+def timed(obj, name: str, totals: dict) -> None:
+    """Wrap obj.name so that its host seconds add up in totals[Class.name] (calls in totals[Class.name calls])."""
+    import time
+
+    fn, key = getattr(obj, name), f"{type(obj).__name__}.{name}"
+
+    def wrapper(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            totals[key] += time.perf_counter() - t0
+            totals[key + " calls"] += 1
+
+    setattr(obj, name, wrapper)
+
+
 def short(name: str) -> str:
     return name.split("(")[0].replace("void ", "")[:60]
 
@@ -42,8 +59,17 @@ def main() -> None:
         params = SamplingParams(temperature=0, max_tokens=args.steps, ignore_eos=True)
         vocab = engine.config.vocab_size
         list(engine.submit(torch.randint(0, vocab, (args.context,)).tolist(), params))  # compiles, captures
+        totals = collections.defaultdict(float)
+        for obj, name in ((engine, "_step"), (engine.scheduler, "step"), (engine.runner, "run"),
+                          (engine.graphs, "_fill"), (engine.graphs, "run"), (engine.runner, "_sample"),
+                          (engine.output, "process")):
+            timed(obj, name, totals)
         h = engine.submit(torch.randint(0, vocab, (args.context,)).tolist(), params)
         list(h)
+        n = max(1, totals["ModelRunner.run calls"])
+        print(f"host us a step ({int(n)} steps; ModelRunner.run holds DecodeGraphs.run and _sample, which waits "
+              "for the replay): " + ", ".join(f"{k} {v / n * 1e6:.0f}" for k, v in totals.items()
+                                               if not k.endswith("calls")))
         s = h.stats
         wall = s.decode_seconds / max(1, s.output_tokens - 1)
         dev = s.decode_step_seconds / max(1, s.decode_steps)

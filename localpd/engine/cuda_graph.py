@@ -28,12 +28,23 @@ class DecodeGraphs:
         self.model, self.kv, self.scratch, self.scratch_row = model, kv, scratch_page, scratch_row
         self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
         B = max_batch
-        self.tokens = torch.zeros(B, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(B, dtype=torch.long, device=dev)
-        self.slots = torch.zeros(B, dtype=torch.long, device=dev)
-        self.stage_slots = torch.zeros(B, dtype=torch.long, device=dev)
-        self.page_table = torch.zeros(B, max_pages, dtype=torch.int32, device=dev)
-        self.seq_lens = torch.ones(B, dtype=torch.int32, device=dev)
+        # The graph's step inputs are views of one int32 buffer (the 64-bit ones two words an entry), the page table
+        # last: a step fills its pinned host twin and copies the prefix up to its rows' table in one transfer,
+        # where a tensor copy each cost the host about 0.24 ms a step on an H100 (docs/PERF.md, issue 32).
+        P = -(-B // 4) * 4  # each field starts 16-byte aligned (Triton specializes its pointers on that)
+        self.width, self.table_at, n = max_pages, 9 * P, 9 * P + B * max_pages
+        self.host = torch.zeros(n, dtype=torch.int32, pin_memory=dev.type == "cuda")
+        self.buffer = torch.zeros(n, dtype=torch.int32, device=dev)
+        self.copied = torch.cuda.Event() if dev.type == "cuda" else None  # the host twin is free again once done
+
+        def fields(buf):
+            wide = buf[:8 * P].view(torch.int64)
+            return (wide[:B], wide[P:P + B], wide[2 * P:2 * P + B], wide[3 * P:3 * P + B], buf[8 * P:8 * P + B],
+                    buf[9 * P:].view(B, max_pages))
+
+        self.tokens, self.positions, self.slots, self.stage_slots, self.seq_lens, self.page_table = fields(self.buffer)
+        self.host_fields = [f.numpy() for f in fields(self.host)]
+        self.seq_lens.fill_(1)
         self.q_starts = torch.arange(B + 1, dtype=torch.int32, device=dev)
         self.rows = torch.arange(B, dtype=torch.long, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -47,18 +58,21 @@ class DecodeGraphs:
 
     def _fill(self, b: int, tokens, positions, slots, stage_slots, tables, lens) -> None:
         """Copy one step's inputs into the static buffers, padding rows n .. b - 1 onto the scratch page."""
-        n, ps, width = len(tokens), self.kv.page_size, self.page_table.shape[1]
-        pad = b - n
-        table = torch.full((b, width), self.scratch, dtype=torch.int32)
+        n, ps = len(tokens), self.kv.page_size
+        if self.copied is not None:
+            self.copied.synchronize()  # the last step's transfer has read the host twin
+        tok, pos, slot, stage, lens_, table = self.host_fields
+        tok[:n], pos[:n], slot[:n], lens_[:n] = tokens, positions, slots, lens
+        tok[n:b], pos[n:b], slot[n:b], lens_[n:b] = 0, 0, self.scratch * ps, 1
+        if self.kv.has_stage:
+            stage[:n], stage[n:b] = stage_slots, self.scratch_row * ps
+        table[:b] = self.scratch
         for i, pages in enumerate(tables):
-            table[i, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        self.tokens[:b].copy_(torch.tensor(tokens + [0] * pad))
-        self.positions[:b].copy_(torch.tensor(positions + [0] * pad))
-        self.slots[:b].copy_(torch.tensor(slots + [self.scratch * ps] * pad))
-        if self.kv.has_stage:  # one copy less per step without a stage
-            self.stage_slots[:b].copy_(torch.tensor(stage_slots + [self.scratch_row * ps] * pad))
-        self.seq_lens[:b].copy_(torch.tensor(lens + [1] * pad, dtype=torch.int32))
-        self.page_table[:b].copy_(table)
+            table[i, :len(pages)] = pages
+        end = self.table_at + b * self.width
+        self.buffer[:end].copy_(self.host[:end], non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
 
     def _capture(self, b: int) -> None:
         self._fill(b, [], [], [], [], [], [])  # warm-up and capture write only into the scratch page
