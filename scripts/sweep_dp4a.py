@@ -5,6 +5,7 @@ each one's % of the measured copy bandwidth; checks the best against the torch r
 JSON.
 
     python scripts/sweep_dp4a.py [--json FILE] [--rows 1] [--table kernels/gemv_dp4a_tiles.json]
+                                 [--formats int4-g128,int8] [--shapes qkv,o,gate_up,down,lm_head]
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ def name(tile: dict) -> str:
 def main() -> int:
     def options(p):
         p.add_argument("--rows", type=int, default=1)
+        p.add_argument("--formats", default="int4-g128,int8", help="of int4-g128 and int8")
+        p.add_argument("--shapes", default=",".join(s[0] for s in SHAPES), help="of bench_kernels.SHAPES' names")
         p.add_argument("--table", help="merge each shape's fastest tile into this table (kernels/gemv_dp4a_tiles.json)"
                        " under this card's name; the model's launches read it")
 
@@ -39,7 +42,8 @@ def main() -> int:
     print(f"# {torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.0f} GB/s; {len(TILES)} tiles a shape, "
           f"{args.rows} row(s)")
     out = []
-    for (shape, n, k), fmt in itertools.product(SHAPES, ("int4-g128", "int8")):
+    shapes = [s for s in SHAPES if s[0] in args.shapes.split(",")]
+    for (shape, n, k), fmt in itertools.product(shapes, args.formats.split(",")):
         make = (lambda: random_int4(n, k, 128, dev)) if fmt == "int4-g128" else (lambda: random_int8(n, k, dev))
         first = to_kmajor(make())
         ws = [first] + [to_kmajor(make()) for _ in range(copies_for(first.nbytes, dev) - 1)]
