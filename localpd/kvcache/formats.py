@@ -22,6 +22,7 @@ instead: +1.1% in 7,920 bytes per token where int8/int4 takes 9,540 (docs/PERF.m
 
 from __future__ import annotations
 
+import functools
 import math
 import mmap
 from dataclasses import dataclass
@@ -135,6 +136,7 @@ def has_fp8(device) -> bool:
     return True  # the CPU converts in software
 
 
+@functools.lru_cache(maxsize=None)  # every step's accounting (KVTraffic) asks
 def kv_formats(kv_dtype: str) -> tuple[str, str]:
     """(key format, value format) of a KV dtype: "int8/int4" -> ("int8", "int4"), "bf16" -> ("bf16", "bf16")."""
     parts = tuple(kv_dtype.split("/"))
@@ -169,6 +171,7 @@ def _layout(fmt: str, head_dim: int) -> tuple[torch.dtype, int, int, bool]:
     return torch.uint8, head_dim // 2, head_dim if fmt in PER_PAGE else head_dim // INT4_GROUP, True
 
 
+@functools.lru_cache(maxsize=None)
 def _head_bytes(fmt: str, head_dim: int) -> tuple[int, int]:
     """(code bytes, scale and zero bytes) of one token's head in a format; a per-page format's scales and zeros
     are those of a whole page's head."""

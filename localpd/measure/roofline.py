@@ -32,7 +32,7 @@ def step_cost(model, seqs: list[tuple[int, int]], kv: KVTraffic, logit_rows: int
     c = model.config
     tokens = sum(n for _, n in seqs)
     head = logit_rows > 0
-    weight_bytes = model.body_bytes + (model.lm_head.nbytes if head else 0) + tokens * model.embed_row_bytes
+    weight_bytes = model.body_bytes + (model.head_bytes if head else 0) + tokens * model.embed_row_bytes
     kv_read = sum(kv.read(ctx + n, n) for ctx, n in seqs)  # each sequence reads its keys and values once
     kv_written = sum(kv.written(ctx, n) for ctx, n in seqs)
     pairs = sum(n * ctx + n * (n + 1) // 2 for ctx, n in seqs)  # causal (query, key) pairs

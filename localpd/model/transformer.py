@@ -328,4 +328,8 @@ class Transformer:
     @functools.cached_property  # the weights are fixed once loaded; every step's cost reads it
     def weight_bytes(self) -> int:
         """The bytes of one decode step's weights: the body, the output head and one embedding row."""
-        return self.body_bytes + self.lm_head.nbytes + self.embed_row_bytes
+        return self.body_bytes + self.head_bytes + self.embed_row_bytes
+
+    @functools.cached_property  # the weights are fixed once loaded; every step's cost reads it
+    def head_bytes(self) -> int:
+        return self.lm_head.nbytes
