@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-tool call: install, then the named stages, each under its own time limit, logs under $OUT.
 # Usage (on the GPU machine, repo root): scripts/gpu_session.sh tests kmtests dp4a fused check check3 sweep kmsweep mma ncu kernels kernels1 kvtests kvgraph
-#   bench peers kv kvfull spec kvsweep dp4atests rows pdl graphs profile profilenopdl dp4asweep4
+#   bench peers kv kvfull spec kvsweep dp4atests rows pdl graphs profile profilenopdl dp4asweep4 normtests
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -43,6 +43,8 @@ for s in "$@"; do case $s in
   mma) for m in 1 8; do  # the tensor-core GEMV (kernels/gemv_mma.py) beside the autotuned GEMV, at 1 and 8 rows
          TAIL=40 stage sweep_mma_m$m 240 python3 scripts/sweep_gemv.py --m $m --no-gemv \
            --json "$OUT/sweep_mma_m$m.json"; done ;;
+  normtests) TO="-s INT" stage gpu_norm_tests 120 env LOCALPD_TEST_DEVICE=cuda python3 -m pytest -q -n 8 -W ignore \
+           -p no:cacheprovider -rf --tb=short tests/kernels/test_fused_kernels.py tests/kernels/test_act_round.py ;;
   fused) TO="-s INT" stage gpu_fused_tests 90 env LOCALPD_TEST_DEVICE=cuda python3 -m pytest -q -W ignore \
            -p no:cacheprovider -rf --tb=line tests/kernels/test_fused_kernels.py ;;
   ncu) stage ncu_step 240 ncu --profile-from-start off --metrics dram__bytes_read.sum,dram__bytes_write.sum --csv \
