@@ -26,7 +26,7 @@ TILES = [dict(blocks=b, num_warps=w, PREFETCH=pf, per_sm=ps) for b, w in ((2, 2)
 
 
 def name(tile: dict) -> str:
-    return f"b{tile['blocks']} w{tile['num_warps']} pf{int(tile['PREFETCH'])} x{tile['per_sm']}"
+    return f"b{tile['blocks']} w{tile['num_warps']} pf{int(tile['PREFETCH'])} x{tile['per_sm']} l2:{tile['l2_lines']}"
 
 
 @torch.inference_mode()
@@ -35,29 +35,33 @@ def main() -> int:
         p.add_argument("--rows", type=int, default=1)
         p.add_argument("--formats", default="int4-g128,int8", help="of int4-g128 and int8")
         p.add_argument("--shapes", default=",".join(s[0] for s in SHAPES), help="of bench_kernels.SHAPES' names")
+        p.add_argument("--l2", help="sweep only the lines prefetched into L2 (e.g. 0,64,128,256) over each shape's "
+                       "tile as the table or the default has it")
         p.add_argument("--table", help="merge each shape's fastest tile into this table (kernels/gemv_dp4a_tiles.json)"
                        " under this card's name; the model's launches read it")
 
     args, dev, bw = gpu_script(__doc__, options)
-    print(f"# {torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.0f} GB/s; {len(TILES)} tiles a shape, "
+    shapes = [s for s in SHAPES if s[0] in args.shapes.split(",")]
+    tiles = [dict(l2_lines=int(v)) for v in args.l2.split(",")] if args.l2 else TILES
+    print(f"# {torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.0f} GB/s; {len(tiles)} tiles a shape, "
           f"{args.rows} row(s)")
     out = []
-    shapes = [s for s in SHAPES if s[0] in args.shapes.split(",")]
     for (shape, n, k), fmt in itertools.product(shapes, args.formats.split(",")):
         make = (lambda: random_int4(n, k, 128, dev)) if fmt == "int4-g128" else (lambda: random_int8(n, k, dev))
         first = to_kmajor(make())
+        base = dp.tile_for(dev, first.BITS, n, k, 1)  # the tile the model launches now (table or default)
         ws = [first] + [to_kmajor(make()) for _ in range(copies_for(first.nbytes, dev) - 1)]
         x = torch.randn(args.rows, k, device=dev, dtype=torch.bfloat16)
         q, s = quantize_act(x, first.BITS)
         y = torch.empty(args.rows, n, device=dev, dtype=x.dtype)
         rows = []
-        for tile in [{}] + TILES:
+        for tile in [{}] + tiles:
             try:
                 sec = graph_time([lambda w=w, t=tile: dp.gemv_rounded(q, s, y, w.words, w.factors, w.BITS, w.group,
                                                                        tile=t) for w in ws])
                 rows.append((tile, sec))
             except Exception as e:  # noqa: BLE001 - a tile that does not compile is reported, not fatal
-                print(f"  {shape} {fmt} {name({**dp.DEFAULT_TILE, **tile})}: {type(e).__name__} {str(e)[:80]}")
+                print(f"  {shape} {fmt} {name(base | tile)}: {type(e).__name__} {str(e)[:80]}")
         default = rows[0][1]
         best_tile, best = min(rows, key=lambda r: r[1])
         w = ws[0]
@@ -65,12 +69,11 @@ def main() -> int:
         ref = dp.gemv_dp4a_ref(x, w.words, w.factors, w.BITS, w.group)
         err = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
         ranked = sorted(rows[1:], key=lambda r: r[1])
-        print(f"{shape:>8} {fmt:>9} | default {default * 1e6:6.1f} us {first.nbytes / default / bw:4.0%} | best "
-              f"{name({**dp.DEFAULT_TILE, **best_tile})} {best * 1e6:6.1f} us {first.nbytes / best / bw:4.0%} "
-              f"(err {err:.1e}) | next: " + ", ".join(f"{name({**dp.DEFAULT_TILE, **t})} {first.nbytes / sec / bw:.0%}"
-                                                       for t, sec in ranked[1:4]))
-        out.append({"shape": shape, "n": n, "k": k, "format": fmt, "bytes": first.nbytes,
-                    "timings": [[name({**dp.DEFAULT_TILE, **t}), sec] for t, sec in rows]})
+        print(f"{shape:>8} {fmt:>9} | as set {default * 1e6:6.1f} us {first.nbytes / default / bw:4.0%} | best "
+              f"{name(base | best_tile)} {best * 1e6:6.1f} us {first.nbytes / best / bw:4.0%} (err {err:.1e}) | next: "
+              + ", ".join(f"{name(base | t)} {first.nbytes / sec / bw:.0%}" for t, sec in ranked[1:4]))
+        out.append({"shape": shape, "n": n, "k": k, "format": fmt, "bytes": first.nbytes, "base": base,
+                    "timings": [[name(base | t), sec] for t, sec in rows]})
         del ws
         torch.cuda.empty_cache()
     if args.table and args.rows == 1:
@@ -81,8 +84,9 @@ def main() -> int:
             table = {}
         card = table.setdefault(torch.cuda.get_device_name(), {})
         for row in out:
-            tile = min((t for t in TILES if name({**dp.DEFAULT_TILE, **t}) in dict(row["timings"])),
-                       key=lambda t: dict(row["timings"])[name({**dp.DEFAULT_TILE, **t})])
+            timed = dict(row["timings"])
+            tile = min((row["base"] | t for t in tiles if name(row["base"] | t) in timed),
+                       key=lambda t: timed[name(t)])
             card[f"{8 if row['format'] == 'int8' else 4}:{row['n']}:{row['k']}"] = tile
         with open(args.table, "w") as f:
             json.dump(table, f, indent=1, sort_keys=True)
