@@ -55,14 +55,6 @@ def _dp4a(a, b, c, SIGNED_A: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_l2(ptrs):
-    """A hint that the 128-byte line at each address be brought into L2 (prefetch.global.L2): no register is
-    loaded and no instruction waits for it."""
-    tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
 def _quad(q_ptr, at):
     """Four consecutive activation int32 at q_ptr + at ([NB, 32, 4] addresses, the same for every lane), loaded as
     one 16-byte load a thread and split into four [NB, 32, 1] values that broadcast over a thread's 4 outputs."""
@@ -139,7 +131,7 @@ def _gemv_dp4a_kernel(q_ptr, s_ptr, y_ptr, w_ptr, f_ptr, M, N, K, stride_qm, str
                       stride_fg, ws_ptr, cnt_ptr, SPLIT_K, bias_ptr, BITS: tl.constexpr, GROUP: tl.constexpr,
                       BLOCK_N: tl.constexpr, NB: tl.constexpr, BLOCK_M: tl.constexpr = 1,
                       OUT_BIAS: tl.constexpr = False, ASM: tl.constexpr = True, PREFETCH: tl.constexpr = 1,
-                      PDL: tl.constexpr = False, L2_LINES: tl.constexpr = 0):
+                      PDL: tl.constexpr = False):
     """Program (m, n, s): rows [m * BLOCK_M, (m + 1) * BLOCK_M) (1, 2 or 4), outputs [n * BLOCK_N, (n + 1) *
     BLOCK_N), the s-th slice of K's trips of NB blocks (K a multiple of 32 * NB; a warp takes NB / warps). q_ptr,
     s_ptr: the rows' rounded activations (kernels/act_round.py); ws_ptr, cnt_ptr: gemv_kmajor's split-K workspace
@@ -147,9 +139,6 @@ def _gemv_dp4a_kernel(q_ptr, s_ptr, y_ptr, w_ptr, f_ptr, M, N, K, stride_qm, str
     [NB, BLOCK_N / 4, 4]: a thread holds 4 neighbouring outputs (16-byte word loads) and loads each quarter block's
     4 activation int32 with one 16-byte load. PREFETCH: trips ahead a trip's words and factors are loaded (0-2); with
     PDL those first trips' loads go out before the wait for the kernel that wrote the activations (kernels/pdl.py).
-    L2_LINES (a power of two, 0: none; compiled code only): the first L2_LINES 128-byte lines of the program's words
-    are prefetched into L2 before that wait, all at once, so the slice's bytes are in flight together, and with PDL
-    while the kernel before still runs (l2_lines).
     """
     WPB: tl.constexpr = BITS  # words a block of 32 inputs
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -181,11 +170,6 @@ def _gemv_dp4a_kernel(q_ptr, s_ptr, y_ptr, w_ptr, f_ptr, M, N, K, stride_qm, str
     if PREFETCH > 1:
         p0, p1, p2, p3, p4, p5, p6, p7, pf = _trip_words(wp, fp, tl.minimum(c0 + 1, c1 - 1), nb, trip, stride_wk,
                                                          stride_fg, m3, NB, WPB, GROUP)
-    if L2_LINES > 0:  # the slice's words, row by row (BLOCK_N words, BLOCK_N / 32 lines a row), clamped to it
-        line = tl.arange(0, L2_LINES)
-        row = c0 * NB * WPB + tl.minimum(line // (BLOCK_N // 32), (c1 - c0) * NB * WPB - 1)
-        col = tl.minimum(pid_n * BLOCK_N + (line % (BLOCK_N // 32)) * 32, N - 1)
-        _prefetch_l2(w_ptr + row.to(tl.int64) * stride_wk + col)
     wait_prior(PDL)  # the weights above are never written by a step; the activations below are
     for c in range(c0, c1):
         blk = c * NB + nb  # [NB]: this trip's blocks
@@ -245,12 +229,8 @@ def _asm(device: torch.device) -> bool:
 
 
 # the launch's knobs: blocks (of 32 inputs) a trip, warps, trips ahead their words and factors are loaded (0-2),
-# programs an SM, lines prefetched into L2 (scripts/sweep_dp4a.py times the others)
-DEFAULT_TILE = dict(blocks=2, num_warps=2, PREFETCH=1, per_sm=8,  # best or within 4% on the H200 (PERF)
-                    # and the most 128-byte lines of its words a program prefetches into L2 before it waits for its
-                    # activations: 16 KB, about what Little's law asks in flight of an SM (2.95 TB/s x ~0.7 us / 132
-                    # SMs, issue 32); a few programs an SM then hold tens of MB at most, under an H100's 50 MB of L2
-                    l2_lines=128)
+# programs an SM (scripts/sweep_dp4a.py times the others)
+DEFAULT_TILE = dict(blocks=2, num_warps=2, PREFETCH=1, per_sm=8)  # best or within 4% on the H200 (PERF)
 # The fastest tile measured per card and one-row shape (scripts/sweep_dp4a.py --table): {card name: {"bits:N:K":
 # tile}}. On the H200 (2026-11-26) the best tile of a shape beat DEFAULT_TILE by 5-27% (docs/PERF.md).
 TILE_TABLE = Path(__file__).with_name("gemv_dp4a_tiles.json")
@@ -269,13 +249,6 @@ def tile_for(device: torch.device, bits: int, n: int, k: int, m: int) -> dict:
     if device.type == "cuda" and m == 1:
         return {**DEFAULT_TILE, **_measured_tiles(torch.cuda.get_device_name(device)).get(f"{bits}:{n}:{k}", {})}
     return dict(DEFAULT_TILE)
-
-
-def l2_lines(trips: int, nb: int, bits: int, most: int) -> int:
-    """The L2_LINES of a launch whose programs take at most `trips` trips of nb blocks: the program's word lines
-    (bits word rows a block, km.BLOCK_N // 32 lines a row) up to `most`, as a power of two (0: none)."""
-    lines = min(trips * nb * bits * (km.BLOCK_N // 32), most)
-    return 1 << (lines - 1).bit_length() if lines > 0 else 0
 
 
 def blocks_a_trip(k: int, most: int = DEFAULT_TILE["blocks"]) -> int:
@@ -328,13 +301,12 @@ def gemv_rounded(q: torch.Tensor, s: torch.Tensor, out: torch.Tensor, words: tor
     split = split_k or km.split_for(blocks, n, k, 32 * nb, km.sm_count(out.device), tile["per_sm"])
     split = max(1, min(split, k // (32 * nb)))
     ws, cnt = km.workspace(out.device, blocks * rows * split * n + blocks * tiles * split, blocks * tiles)
-    asm = _asm(out.device)
     _gemv_dp4a_kernel[(blocks, tiles, split)](
         q, s, out, words, factors, m, n, k, q.stride(0), s.stride(0), out.stride(0), words.stride(0),
         factors.stride(0), ws, cnt, split, out if bias is None else bias, BITS=bits,
         GROUP=group if group < k else 1 << 30, BLOCK_N=km.BLOCK_N, NB=nb, BLOCK_M=rows, OUT_BIAS=bias is not None,
-        ASM=asm, PREFETCH=int(tile["PREFETCH"]), num_warps=min(nb, tile["num_warps"]), num_stages=1,
-        L2_LINES=l2_lines(-(-(k // (32 * nb)) // split), nb, bits, tile["l2_lines"]) if asm else 0, **launch_args(out))
+        ASM=_asm(out.device), PREFETCH=int(tile["PREFETCH"]), num_warps=min(nb, tile["num_warps"]), num_stages=1,
+        **launch_args(out))
     return out
 
 

@@ -2,10 +2,9 @@
 
 Peers: a plain torch bf16 decode loop (eager), and a gpt-fast-style loop with torch's int4 tinygemm kernel
 (`aten._weight_int4pack_mm`, group 128), eager and replayed as a CUDA graph. localpd runs its engine on
-`synthetic:llama3-8b` with int4-g128 and int8, each on the K-major GEMV (quant/kmajor.py, what a GPU runs), also
-without the integer GEMV's L2 prefetch, and on bf16; with --all also on the row-major GEMV (Transformer.gpu_layout =
-False), with the fusions off (Transformer.fused = False: the 12 kernels a layer of before them) and eager, all
-measured in the same run.
+`synthetic:llama3-8b` with int4-g128 and int8, each on the K-major GEMV (quant/kmajor.py, what a GPU runs) and on
+bf16; with --all also on the row-major GEMV (Transformer.gpu_layout = False), with the fusions off
+(Transformer.fused = False: the 12 kernels a layer of before them) and eager, all measured in the same run.
 Each line prints tok/s, the weight bytes streamed per second and that as a share of the measured copy bandwidth
 (MBU), and the ratio to localpd int4-g128.
 
@@ -22,10 +21,7 @@ import torch.nn.functional as F
 
 from localpd.measure.bench_kernels import tinygemm
 from localpd.measure.device import measure_copy_bandwidth
-from localpd.kernels import gemv_dp4a
 from localpd.load.synthetic import SYNTHETIC
-
-L2_LINES = gemv_dp4a.DEFAULT_TILE["l2_lines"]
 
 
 class TorchLlama:
@@ -125,7 +121,7 @@ def graphed(model: TorchLlama):
 
 
 def localpd_decode(name: str, quant: str, steps: int, context: int, graphs: bool = True,
-                   fused: bool = True, kmajor: bool = True, dp4a: bool = True, l2: bool = True) -> tuple[float, int]:
+                   fused: bool = True, kmajor: bool = True, dp4a: bool = True) -> tuple[float, int]:
     from localpd.engine import Engine
     from localpd.kernels import gemv_dp4a
     from localpd.engine.sampling import SamplingParams
@@ -133,7 +129,6 @@ def localpd_decode(name: str, quant: str, steps: int, context: int, graphs: bool
 
     Transformer.gpu_layout = kmajor
     gemv_dp4a.ENABLED = dp4a
-    gemv_dp4a.DEFAULT_TILE["l2_lines"] = L2_LINES if l2 else 0  # the integer GEMV's L2 prefetch (a table may set it)
     engine = Engine(f"synthetic:{name}", device="cuda", quant=quant, max_context=context + steps + 16,
                     kv_memory="2GiB", cuda_graphs=graphs)
     engine.model.fused = fused  # before the warm-up, which captures the graphs
@@ -162,16 +157,13 @@ def main() -> None:
           f"context {args.context}, {args.steps} steps")
     rows = []
     runs = [("int4-g128", True, True, True, True), ("int8", True, True, True, True), ("bf16", True, True, True, True),
-            ("int4-g128", True, True, True, False), ("int8", True, True, True, False),
-            ("int4-g128", True, True, True, True, False), ("int8", True, True, True, True, False)]
+            ("int4-g128", True, True, True, False), ("int8", True, True, True, False)]
     if args.all:  # the row-major GEMV autotunes each shape's launch on first use: minutes on a fresh machine
         runs += [("int4-g128", True, True, False, True), ("int8", True, True, False, True),
                  ("int4-g128", True, False, True, True), ("int4-g128", False, True, True, True)]
-    for quant, graphs, fused, kmajor, dp4a, *l2 in runs:
-        l2 = l2[0] if l2 else True
-        sec, nbytes = localpd_decode(args.model, quant, args.steps, args.context, graphs, fused, kmajor, dp4a, l2)
+    for quant, graphs, fused, kmajor, dp4a in runs:
+        sec, nbytes = localpd_decode(args.model, quant, args.steps, args.context, graphs, fused, kmajor, dp4a)
         gemv = "row-major GEMV" if not kmajor else "integer K-major GEMV" if dp4a else "float K-major GEMV"
-        gemv += "" if l2 or not dp4a else " without its L2 prefetch"
         how = ("CUDA graphs" if graphs else "eager") + ("" if fused else ", unfused") + \
             (f", {gemv}" if quant != "bf16" else "")
         rows.append((f"localpd {quant} (engine, {how}, wall clock per token)", sec, nbytes))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-tool call: install, then the named stages, each under its own time limit, logs under $OUT.
 # Usage (on the GPU machine, repo root): scripts/gpu_session.sh tests kmtests dp4a fused check check3 sweep kmsweep mma ncu kernels kernels1 kvtests kvgraph
-#   bench peers kv kvfull spec kvsweep dp4atests rows pdl graphs profile profilenopdl dp4asweep4 normtests l2sweep
+#   bench peers kv kvfull spec kvsweep dp4atests rows pdl graphs profile profilenopdl dp4asweep4 normtests
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -34,8 +34,6 @@ for s in "$@"; do case $s in
   dp4asweep4) TAIL=8 stage sweep_dp4a_int4 200 python3 scripts/sweep_dp4a.py --json "$OUT/sweep_dp4a.json" \
                --formats int4-g128 --shapes qkv,o,gate_up,down --table kernels/gemv_dp4a_tiles.json  # int4 layers (the head is int8)
              cp kernels/gemv_dp4a_tiles.json "$OUT/" ;;
-  l2sweep) TAIL=10 stage sweep_dp4a_l2 200 python3 scripts/sweep_dp4a.py --json "$OUT/sweep_dp4a_l2.json" \
-             --shapes qkv,o,gate_up,down --l2 0,32,64,128,256 ;;  # the GEMV's L2 prefetch by lines, table untouched
   spec) TAIL=12 stage gpu_speculate 200 python3 scripts/gpu_speculate.py ;;  # drafts' replies equal, rows' costs
   check) stage gpu_check 150 python3 scripts/gpu_check.py ;;
   check3) stage gpu_check_qwen3 240 python3 scripts/gpu_check.py --model qwen3-0.6b ;;  # qk_norm, heads of 128

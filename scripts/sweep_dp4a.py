@@ -26,7 +26,7 @@ TILES = [dict(blocks=b, num_warps=w, PREFETCH=pf, per_sm=ps) for b, w in ((2, 2)
 
 
 def name(tile: dict) -> str:
-    return f"b{tile['blocks']} w{tile['num_warps']} pf{int(tile['PREFETCH'])} x{tile['per_sm']} l2:{tile['l2_lines']}"
+    return f"b{tile['blocks']} w{tile['num_warps']} pf{int(tile['PREFETCH'])} x{tile['per_sm']}"
 
 
 @torch.inference_mode()
@@ -35,15 +35,12 @@ def main() -> int:
         p.add_argument("--rows", type=int, default=1)
         p.add_argument("--formats", default="int4-g128,int8", help="of int4-g128 and int8")
         p.add_argument("--shapes", default=",".join(s[0] for s in SHAPES), help="of bench_kernels.SHAPES' names")
-        p.add_argument("--l2", help="sweep only the lines prefetched into L2 (e.g. 0,64,128,256) over each shape's "
-                       "tile as the table or the default has it")
         p.add_argument("--table", help="merge each shape's fastest tile into this table (kernels/gemv_dp4a_tiles.json)"
                        " under this card's name; the model's launches read it")
 
     args, dev, bw = gpu_script(__doc__, options)
     shapes = [s for s in SHAPES if s[0] in args.shapes.split(",")]
-    tiles = [dict(l2_lines=int(v)) for v in args.l2.split(",")] if args.l2 else TILES
-    print(f"# {torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.0f} GB/s; {len(tiles)} tiles a shape, "
+    print(f"# {torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.0f} GB/s; {len(TILES)} tiles a shape, "
           f"{args.rows} row(s)")
     out = []
     for (shape, n, k), fmt in itertools.product(shapes, args.formats.split(",")):
@@ -55,7 +52,7 @@ def main() -> int:
         q, s = quantize_act(x, first.BITS)
         y = torch.empty(args.rows, n, device=dev, dtype=x.dtype)
         rows = []
-        for tile in [{}] + tiles:
+        for tile in [{}] + TILES:
             try:
                 sec = graph_time([lambda w=w, t=tile: dp.gemv_rounded(q, s, y, w.words, w.factors, w.BITS, w.group,
                                                                        tile=t) for w in ws])
@@ -85,7 +82,7 @@ def main() -> int:
         card = table.setdefault(torch.cuda.get_device_name(), {})
         for row in out:
             timed = dict(row["timings"])
-            tile = min((row["base"] | t for t in tiles if name(row["base"] | t) in timed),
+            tile = min((row["base"] | t for t in TILES if name(row["base"] | t) in timed),
                        key=lambda t: timed[name(t)])
             card[f"{8 if row['format'] == 'int8' else 4}:{row['n']}:{row['k']}"] = tile
         with open(args.table, "w") as f:
