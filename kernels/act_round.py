@@ -14,6 +14,8 @@ made rather than in a launch of its own. The torch references follow.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -76,6 +78,20 @@ def _quantize_act_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm
 
 
 QUANT_BLOCKS = 16  # blocks a program of quantize_act rounds
+
+
+@dataclass
+class Rounded:
+    """Rows rounded for the integer GEMV of a bits-wide weight (quantize_act's q and s) by the kernel that made
+    them (the decode attention's reduce: kvcache.dispatch.paged_attention's round_into), handed to the product."""
+
+    q: torch.Tensor
+    s: torch.Tensor
+    bits: int
+
+    @classmethod
+    def empty(cls, m: int, k: int, bits: int, device) -> "Rounded":
+        return cls(*empty_rounded(m, k, device), bits)
 
 
 def empty_rounded(m: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -268,12 +268,23 @@ def kmajor_matmul_ref(x, w: KMajorWeight, bias=None, gated: str | None = None, n
     return _input_matmul_ref(x, w.dequantize(torch.float32), bias, gated, norm)
 
 
+def kmajor_rounding(rows: int, w: KMajorWeight, like: torch.Tensor) -> int:
+    """The bits (4 or 8) linear_kmajor rounds a plain input of this many rows (of like's device and dtype) to for
+    its integer GEMV, so that a kernel before it may round the input instead (linear_kmajor's rounded=); 0 where it
+    does not take the integer GEMV."""
+    from localpd.kernels import gemv_dp4a as dp
+
+    ok = use_triton(like) and rows <= dp.MAX_ROWS and dp.takes(w.shape, w.BITS, w.group, like.dtype)
+    return w.BITS if ok else 0
+
+
 def linear_kmajor(x: torch.Tensor, w: KMajorWeight, bias: torch.Tensor | None = None, gated: str | None = None,
-                  norm: PreNorm | None = None):
+                  norm: PreNorm | None = None, rounded=None):
     """linear_int4 for the GPU's K-major int4/int8 layout: a GEMV for a few rows (kernels/gemv_dp4a.py's integer one,
     up to its MAX_ROWS, where it takes the weight and the activations' dtype; else kernels/gemv_kmajor.py's, up to
     its MAX_ROWS), else dequantize + cuBLAS, each after the input step (RMSNorm, SiLU * up) in a kernel of its own
-    unless gemv_kmajor.FUSE_INPUT_STEP; the torch reference where Triton does not run."""
+    unless gemv_kmajor.FUSE_INPUT_STEP; the torch reference where Triton does not run. rounded (act_round.Rounded,
+    where kmajor_rounding says so): x already rounded for the integer GEMV by the kernel that wrote it."""
     if not use_triton(x):
         return _linear(x, w.shape, lambda x2, n: kmajor_matmul_ref(x2, w, bias=bias, gated=gated, norm=n), gated,
                        norm)
@@ -284,7 +295,10 @@ def linear_kmajor(x: torch.Tensor, w: KMajorWeight, bias: torch.Tensor | None = 
     def run(x2, n):
         gemv = x2.shape[0] <= km.MAX_ROWS
         if x2.shape[0] <= dp.MAX_ROWS and dp.takes(w.shape, w.BITS, w.group, x2.dtype):  # rounded by the input step
-            if n is not None:
+            if rounded is not None:
+                assert rounded.bits == w.BITS and n is None and not gated
+                q, sq = rounded.q, rounded.s
+            elif n is not None:
                 q, sq, s = add_rms_norm_rounded(x2, n.residual, n.weight, n.eps, w.BITS)
             else:
                 q, sq = act_mul_rounded(x2, gated, w.BITS) if gated else quantize_act(x2, w.BITS)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from localpd.kernels.act_round import two_levels
+from localpd.kernels.act_round import round_blocks, two_levels
 from localpd.kernels.pdl import wait_prior
 
 FLOAT, INT8, FP8, INT4 = 0, 1, 2, 3
@@ -433,10 +433,13 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
 
 
 @triton.jit
-def decode_reduce_kernel(part_acc, part_ml, out, s_o_t, s_o_h, SPLITS, D: tl.constexpr, DP: tl.constexpr,
-                         SP: tl.constexpr, PDL: tl.constexpr = False):
+def decode_reduce_kernel(part_acc, part_ml, out, s_o_t, s_o_h, SPLITS, rq, rs, s_rq, s_rs, D: tl.constexpr,
+                         DP: tl.constexpr, SP: tl.constexpr, ROUND_BITS: tl.constexpr = 0, PDL: tl.constexpr = False):
     """Program (b, query head): merge the head's SPLITS partial softmaxes (padded to SP, a power of two) into its
-    output row. They are loaded as one tile: a loop over the splits would wait on a round trip for each."""
+    output row. They are loaded as one tile: a loop over the splits would wait on a round trip for each. With
+    ROUND_BITS (4 or 8; D a multiple of 32) the row is also rounded for the o projection's integer GEMV into rq, rs
+    (kernels/act_round.py: the head's D / 32 blocks of row b of the [T, heads * D] input), as quantize_act would
+    round what it writes, so the GEMV's input needs no launch of its own."""
     wait_prior(PDL)  # kernels/pdl.py: what the kernel before wrote is read from here on
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -448,8 +451,12 @@ def decode_reduce_kernel(part_acc, part_ml, out, s_o_t, s_o_h, SPLITS, D: tl.con
     f = tl.where(ms == float("-inf"), 0.0, tl.exp(ms - tl.max(ms, axis=0)))  # empty splits weigh nothing
     l = tl.sum(f * tl.load(part_ml + row * 2 + 1, mask=live, other=0.0), axis=0)
     acc = tl.load(part_acc + row[:, None] * D + d[None, :], mask=live[:, None] & (d < D)[None, :], other=0.0)
-    o = tl.sum(f[:, None] * acc, axis=0) / tl.where(l > 0, l, 1.0)
-    tl.store(out + b * s_o_t + h * s_o_h + d, o.to(out.dtype.element_ty), mask=d < D)
+    o = (tl.sum(f[:, None] * acc, axis=0) / tl.where(l > 0, l, 1.0)).to(out.dtype.element_ty)
+    tl.store(out + b * s_o_t + h * s_o_h + d, o, mask=d < D)
+    if ROUND_BITS:
+        blk = tl.arange(0, DP // 32)
+        round_blocks(tl.reshape(o.to(tl.float32), (DP // 32, 32)), h * (D // 32) + blk, blk < D // 32,
+                     rq + b.to(tl.int64) * s_rq, rs + b.to(tl.int64) * s_rs, DP // 32, ROUND_BITS)
 
 
 @triton.jit

@@ -323,12 +323,21 @@ def int8_key_dots(layer: KVLayer, dtype: torch.dtype) -> bool:
     return layer.k_format == "int8" and dtype in (torch.float16, torch.bfloat16)
 
 
+def rounds_output(q: torch.Tensor, layer: KVLayer, seq_lens: torch.Tensor) -> bool:
+    """Whether paged_attention takes round_into for these queries: its Triton decode step (every sequence one query
+    row), heads a multiple of 32 wide (whole blocks of the rounding)."""
+    T, _, D = q.shape
+    return use_triton(q) and triton_supports(layer, D) and T == seq_lens.shape[0] and D % 32 == 0
+
+
 def paged_attention(q: torch.Tensor, layer: KVLayer, page_table: torch.Tensor, seq_lens: torch.Tensor,
-                    q_starts: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+                    q_starts: torch.Tensor, scale: float, window: int = 0, round_into=None) -> torch.Tensor:
     """q [T, Hq, D] -> [T, Hq, D] (see the module docstring); window > 0: a sliding-window layer's attention, each
     query over its last `window` keys. Decode kernel when every sequence has one query row (T == B, known without
-    reading the device), else the prefill kernel."""
+    reading the device), else the prefill kernel. round_into (kernels/act_round.Rounded for T rows of Hq * D,
+    where rounds_output): the decode reduce also rounds the output for the o projection's integer GEMV into it."""
     T, Hq, D = q.shape
+    assert round_into is None or rounds_output(q, layer, seq_lens)
     DP = triton_block(D)
     if not use_triton(q) and cpu.takes_attention(q, layer):
         return cpu.attention(q, layer, page_table, seq_lens, q_starts, scale, window)
@@ -358,8 +367,11 @@ def paged_attention(q: torch.Tensor, layer: KVLayer, page_table: torch.Tensor, s
                                       splits, window, **kinds, PS=ps, D=D, DP=DP,
                                       GROUP=group, GP=gp, BLOCK_T=block_t, num_warps=DECODE_WARPS,
                                       INT8_KEYS=int8_key_dots(layer, q.dtype), **pdl)
-        decode_reduce_kernel[(B, Hq)](part_acc, part_ml, out, out.stride(0), out.stride(1), splits, D=D, DP=DP,
-                                      SP=1 << (splits - 1).bit_length(), num_warps=4, **pdl)
+        r = round_into
+        decode_reduce_kernel[(B, Hq)](part_acc, part_ml, out, out.stride(0), out.stride(1), splits,
+                                      *((r.q, r.s, r.q.stride(0), r.s.stride(0)) if r else (out, out, 0, 0)), D=D,
+                                      DP=DP, SP=1 << (splits - 1).bit_length(), ROUND_BITS=r.bits if r else 0,
+                                      num_warps=4, enable_fp_fusion=r is None, **pdl)  # rounded as quantize_act
         return out
     gp = 1 << (group - 1).bit_length()
     block_m = prefill_block_m(D, gp)

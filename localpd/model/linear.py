@@ -10,8 +10,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from localpd.kernels.dispatch import (PreNorm, linear_bnb_int8, linear_bnb_nf4, linear_codebook, linear_int4,
-                                     linear_int4k, linear_int8, linear_kmajor)
+from localpd.kernels.dispatch import (PreNorm, kmajor_rounding, linear_bnb_int8, linear_bnb_nf4, linear_codebook,
+                                     linear_int4, linear_int4k, linear_int8, linear_kmajor)
 from localpd.kernels.fused_dispatch import act_mul, add_rms_norm
 from localpd.quant.bnb import BnbInt8Weight, Nf4Weight
 from localpd.quant.codebook import CODEBOOK_TYPES
@@ -24,6 +24,9 @@ from localpd.quant.weights import Int4Weight, Int8Weight, Weight, cat_rows, weig
 class Kernel:
     linear: Callable  # (x, weight, bias, **fused) -> x @ weight.T + bias
     fuses: bool = False  # linear takes gated= (act(gate) * up computed as it loads its input) and norm= (PreNorm)
+    # (rows, weight, like) -> the bits linear rounds a plain input to, which a kernel before it may do instead and
+    # hand over as rounded= (kernels/act_round.Rounded); None: it never takes rounded=
+    rounding: Callable | None = None
 
 
 DENSE = Kernel(F.linear)
@@ -32,8 +35,8 @@ KERNELS: dict[type, Kernel] = {
     Int8Weight: Kernel(linear_int8, fuses=True),
     Int4KWeight: Kernel(linear_int4k, fuses=True),
     **{cls: Kernel(linear_codebook, fuses=True) for cls in set(CODEBOOK_TYPES.values())},
-    KMajorInt4: Kernel(linear_kmajor, fuses=True),  # the GPU's layout of the two above (to_gpu_layout)
-    KMajorInt8: Kernel(linear_kmajor, fuses=True),
+    KMajorInt4: Kernel(linear_kmajor, fuses=True, rounding=kmajor_rounding),  # the GPU's layout of the two above
+    KMajorInt8: Kernel(linear_kmajor, fuses=True, rounding=kmajor_rounding),  # (to_gpu_layout)
     Nf4Weight: Kernel(linear_bnb_nf4),
     BnbInt8Weight: Kernel(linear_bnb_int8),
 }
@@ -51,8 +54,17 @@ class QuantLinear:
     def kernel(self) -> Kernel:
         return KERNELS.get(type(self.weight), DENSE)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, rounded=None) -> torch.Tensor:
+        """rounded: x already rounded for this product's integer GEMV (input_rounding)."""
+        if rounded is not None:
+            return self.kernel.linear(x, self.weight, self.bias, rounded=rounded)
         return self.kernel.linear(x, self.weight, self.bias)
+
+    def input_rounding(self, rows: int, like: torch.Tensor) -> int:
+        """The bits (4 or 8) this product rounds a plain input of `rows` rows (like's device and dtype) to for its
+        integer GEMV, where the kernel that makes the input may round it instead and pass it as rounded=; else 0."""
+        rounding = self.kernel.rounding
+        return rounding(rows, self.weight, like) if rounding else 0
 
     def gated(self, gate_up: torch.Tensor, act: str = "silu") -> torch.Tensor:
         """self(act(gate) * up) for gate_up = [gate | up]: the int4/int8 GEMVs compute the activation as they

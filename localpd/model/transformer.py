@@ -19,7 +19,7 @@ from localpd.errors import LocalpdError
 from localpd.kernels import cpu
 from localpd.kernels.dispatch import as_int4, as_int8, use_triton
 from localpd.kernels.fused_dispatch import act_mul, add_rms_norm, qk_norm
-from localpd.kvcache.dispatch import paged_attention, rope_write_kv, rope_write_kv_ref
+from localpd.kvcache.dispatch import paged_attention, rope_write_kv, rope_write_kv_ref, rounds_output
 from localpd.model.config import ModelConfig
 from localpd.model.linear import QuantLinear, StackedLinear, fuse, normed_separately
 from localpd.quant.codebook import CodebookWeight
@@ -206,6 +206,18 @@ class Transformer:
         return angles.cos() * scale, angles.sin() * scale
 
     @torch.inference_mode()
+    def _o_input(self, layer, q: torch.Tensor, pages, seq_lens: torch.Tensor):
+        """Where the o projection's integer GEMV would round its input in a launch of its own, the buffers that the
+        decode attention's reduce rounds its output into instead (kvcache.dispatch.rounds_output), else None."""
+        rounding = getattr(layer.o, "input_rounding", None)
+        if not self.fused or self.head_cols is not None or rounding is None or not rounds_output(q, pages, seq_lens):
+            return None
+        from localpd.kernels.act_round import Rounded  # Triton's module: a GPU (or interpreted) step only
+
+        T, heads, D = q.shape
+        bits = rounding(T, q)
+        return Rounded.empty(T, heads * D, bits, q.device) if bits else None
+
     def forward(self, batch: Batch, kv: KVPool, hidden: bool = False, logits: bool = True):
         """Run a step's tokens, writing their keys and values into the paged cache; returns the float32 logits
         of batch.logit_rows ([R, vocab]), and with hidden (logits, their last hidden states with the final norm
@@ -241,12 +253,13 @@ class Transformer:
                 qk_norm(qkv, layer.q_norm, layer.k_norm, c.n_heads, c.n_kv_heads, c.norm_eps)
             rot_cos, rot_sin = still if li in nope else local if li in swa else rope
             q = write(qkv, rot_cos, rot_sin, pages, batch.slots, c.n_heads, c.n_kv_heads, batch.stage_slots)
+            rounded = self._o_input(layer, q, pages, batch.seq_lens)
             attn = paged_attention(q, pages, batch.page_table, batch.seq_lens, batch.q_starts, scale,
-                                   c.sliding_window if li in swa else 0)
+                                   c.sliding_window if li in swa else 0, round_into=rounded)
             attn = attn.reshape(T, c.n_heads * c.head_dim)
             if self.head_cols is not None:
                 attn = attn[:, self.head_cols[:c.n_heads * c.proj_head_dim]]
-            out = layer.o(attn)
+            out = layer.o(attn) if rounded is None else layer.o(attn, rounded=rounded)
             if layer.attn_out_norm is not None:
                 out = add_rms_norm(out, None, layer.attn_out_norm, c.norm_eps)[0]
             gate_up, x = normed(layer.gate_up, out, x, layer.mlp_norm, c.norm_eps)

@@ -141,3 +141,25 @@ def test_drafts_are_verified_where_rows_compute_what_decode_steps_do():
     assert rows_as_decode(kv_formats("int8/int4"), cpu) and rows_as_decode(kv_formats("fp8"), cpu)
     assert not rows_as_decode(kv_formats("int8"), gpu)
     assert not rows_as_decode(kv_formats("int4ch/int4"), cpu) and not rows_as_decode(kv_formats("int4ch"), gpu)
+
+
+@pytest.mark.parametrize("kv_dtype, D, group, bits", [("bf16", 64, 4, 4), ("int8", 128, 2, 8),
+                                                     ("int4ch/int4", 96, 3, 4)])
+def test_the_reduce_rounds_its_output_as_quantize_act_would(kv_dtype, D, group, bits):
+    """round_into: the decode reduce rounds each output row for the o projection's integer GEMV (kernels/act_round)
+    as it writes it, bit for bit what quantize_act makes of the output it writes; heads of 64, 128 and 96 (three
+    blocks of a head padded to four), GQA groups, a sequence beside one of a single token; the prefill path takes
+    none."""
+    from localpd.kernels.act_round import Rounded, quantize_act
+    from localpd.kvcache.dispatch import rounds_output
+
+    q, layer, table, lens, starts = build_case(kv_dtype, 16, 2, group, [40, 1, 17], [1, 1, 1], D=D,
+                                               dtype=torch.bfloat16, seed=11, poison=True)
+    assert rounds_output(q, layer, lens)
+    T, Hq, _ = q.shape
+    into = Rounded.empty(T, Hq * D, bits, q.device)
+    out = paged_attention(q, layer, table, lens, starts, D ** -0.5, round_into=into)
+    q_ref, s_ref = quantize_act(out.reshape(T, Hq * D), bits)
+    assert torch.equal(into.q, q_ref) and torch.equal(into.s, s_ref)
+    prefill = build_case(kv_dtype, 16, 2, group, [40, 17], [3, 17], D=D, dtype=torch.bfloat16, seed=12)
+    assert not rounds_output(prefill[0], prefill[1], prefill[3])

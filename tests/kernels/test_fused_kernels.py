@@ -271,17 +271,20 @@ def test_a_decode_step_launches_seven_kernels_per_layer(monkeypatch):
 
 @pytest.mark.skipif(DEV != "cpu", reason="counts the Triton interpreter's launches")
 def test_a_bfloat16_decode_step_rounds_each_gemv_input_where_it_is_made(monkeypatch):
-    """With 16-bit activations the K-major GEMVs are the integer ones (kernels/gemv_dp4a.py): the RMSNorms and
-    SiLU * up round their outputs for them as they write them, and only the attention's output (o's input) is
-    rounded in a launch of its own: eleven launches a layer; the logits those of the float GEMVs within bfloat16's
-    rounding."""
+    """With 16-bit activations the K-major GEMVs are the integer ones (kernels/gemv_dp4a.py): the RMSNorms, the
+    decode attention's reduce (o's input) and SiLU * up round their outputs for them as they write them: ten
+    launches a layer; the logits bit for bit those of o's input rounded in a launch of its own, and those of the
+    float GEMVs within bfloat16's rounding."""
     from localpd.kernels import gemv_dp4a
 
     launched, logits = count_decode_launches(monkeypatch, fused=True, gpu_layout=True, dtype=torch.bfloat16)
     layer = ["add_rms_norm_kernel", "_gemv_dp4a_kernel", "rope_write_kv_kernel", "decode_kernel",
-             "decode_reduce_kernel", "_quantize_act_kernel", "_gemv_dp4a_kernel", "add_rms_norm_kernel",
-             "_gemv_dp4a_kernel", "act_mul_kernel", "_gemv_dp4a_kernel"]
+             "decode_reduce_kernel", "_gemv_dp4a_kernel", "add_rms_norm_kernel", "_gemv_dp4a_kernel",
+             "act_mul_kernel", "_gemv_dp4a_kernel"]
     assert launched == layer * 2 + ["add_rms_norm_kernel", "_gemv_dp4a_kernel"]
+    monkeypatch.setattr(Transformer, "_o_input", lambda *a: None)  # o's input rounded by quantize_act
+    launched, apart_logits = count_decode_launches(monkeypatch, fused=True, gpu_layout=True, dtype=torch.bfloat16)
+    assert launched.count("_quantize_act_kernel") == 2 and torch.equal(apart_logits, logits)
     monkeypatch.setattr(gemv_dp4a, "ENABLED", False)
     launched, float_logits = count_decode_launches(monkeypatch, fused=True, gpu_layout=True, dtype=torch.bfloat16)
     assert "_gemv_dp4a_kernel" not in launched
