@@ -1,6 +1,6 @@
 """Speculative decoding's payoff on this machine: decode tok/s with n-gram drafts over plain decoding's, greedy,
-measured in the same run on the same engine, for a prompt that asks to lightly edit a given text (300+ tokens) and
-one with nothing to repeat (a story). Each reply must be plain decoding's, token for token.
+measured in the same run on the same engine, for prompts that ask to repeat a given text (300+ tokens) verbatim and
+to lightly edit it, and one with nothing to repeat (a story). Each reply must be plain decoding's, token for token.
 
 Also the cost that decides the payoff: a step with r rows of one sequence (a verification of r - 1 drafted tokens)
 over a one-row decode step, the model's forward alone.
@@ -45,6 +45,7 @@ TEXT = (
     "the harbour wall to watch the beam sweep across the water, and the old fishermen still tell the story of the "
     "keeper and her father to anyone who will listen.")
 PROMPTS = {
+    "repeat": [{"role": "user", "content": f"{TEXT}\n\nRepeat the text above word for word."}],
     "edit": [{"role": "user", "content": f"{TEXT}\n\nRewrite the text above, replacing 'lighthouse' with 'tower'."}],
     "story": [{"role": "user", "content": "Write a long story about a dragon who learns to cook."}],
 }

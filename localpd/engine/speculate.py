@@ -14,7 +14,10 @@ K adapts per sequence (`DraftState`): an estimate of the chance that a drafted t
 verified and, while drafting is off, from the drafts that would have been proposed (checked against the tokens
 the model then wrote, at no cost), picks the k that maximises tokens per unit of step time, with a (k + 1)-row
 step's time over a one-row step's from the device's table (step_costs); where no k gains, the sequence decodes
-plainly.
+plainly. A sequence keeps one estimate for drafts found by a 3-token suffix and one for those found by only 2
+(on the default model's greedy replies a draft's first token held 78-96% of the time after a 3+ token match,
+36-57% after a 2-token one, docs/PERF.md): one estimate for both let the short matches' failures cut the long
+ones' drafts.
 """
 
 from __future__ import annotations
@@ -74,6 +77,10 @@ class NgramIndex:
 
     def draft(self, tokens: list[int], k: int) -> list[int]:
         """Up to k tokens that followed the latest earlier occurrence of the longest suffix found."""
+        return self.lookup(tokens, k)[0]
+
+    def lookup(self, tokens: list[int], k: int) -> tuple[list[int], int]:
+        """draft's tokens and the length of the suffix they were found by (0: none found)."""
         for j in range(max(self.indexed, 1), len(tokens)):  # the n-grams that end before position j
             for n in self.sizes:
                 if j >= n:
@@ -82,20 +89,16 @@ class NgramIndex:
         for n in self.sizes:
             at = self.after.get(tuple(tokens[-n:])) if len(tokens) > n else None
             if at is not None:
-                return tokens[at:at + k]
-        return []
+                return tokens[at:at + k], n
+        return [], 0
 
 
 @dataclass
-class DraftState:
-    """One sequence's drafting: its n-gram index, the estimate of how often a drafted token is kept, and the
-    draft proposed while drafting was off (scored against what the model wrote instead)."""
+class Estimate:
+    """How often a drafted token is kept: decayed counts of drafted tokens kept and checked."""
 
-    index: NgramIndex = field(default_factory=NgramIndex)
-    kept: float = PRIOR[0]  # decayed counts of drafted tokens kept and checked
+    kept: float = PRIOR[0]
     checked: float = PRIOR[1]
-    shadow: list[int] = field(default_factory=list)  # the draft not run last step
-    shadow_at: int = 0  # the output length when it was proposed
 
     @property
     def rate(self) -> float:
@@ -104,6 +107,30 @@ class DraftState:
     def observe(self, kept: int, checked: int) -> None:
         self.kept = DECAY * self.kept + kept
         self.checked = DECAY * self.checked + checked
+
+
+@dataclass
+class DraftState:
+    """One sequence's drafting: its n-gram index, the estimates of how often a drafted token is kept (one for each
+    suffix length a draft is found by; a draft model's drafts have one, 0), which of them the latest draft was
+    found by, and the draft proposed while drafting was off (scored against what the model wrote instead)."""
+
+    index: NgramIndex = field(default_factory=NgramIndex)
+    estimates: dict[int, Estimate] = field(default_factory=dict)
+    match: int = 0  # the suffix length the latest draft was found by: its estimate takes the draft's outcome
+    shadow: list[int] = field(default_factory=list)  # the draft not run last step
+    shadow_at: int = 0  # the output length when it was proposed
+
+    @property
+    def estimate(self) -> Estimate:
+        return self.estimates.setdefault(self.match, Estimate())
+
+    @property
+    def rate(self) -> float:
+        return self.estimate.rate
+
+    def observe(self, kept: int, checked: int) -> None:
+        self.estimate.observe(kept, checked)
 
 
 def expected_kept(rate: float, k: int) -> float:
@@ -149,7 +176,7 @@ class Speculator:
         limit = min(self.config.draft_tokens, room)
         if limit <= 0:
             return []
-        draft = state.index.draft(tokens, limit)
+        draft, state.match = state.index.lookup(tokens, limit)
         if draft and constraint is not None:
             draft = draft[:allowed_prefix(constraint, draft)]
         k = best_k(state.rate, limit, self.costs) if self.config.adaptive else limit

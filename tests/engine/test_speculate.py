@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from localpd.engine.sampling import Sampler, SamplingParams
-from localpd.engine.speculate import (MAX_DRAFT, DraftState, NgramIndex, SpeculateConfig, Speculator, accept, best_k,
-                                      matched)
+from localpd.engine.speculate import (MAX_DRAFT, DraftState, Estimate, NgramIndex, SpeculateConfig, Speculator, accept,
+                                      best_k, matched)
 from localpd.errors import LocalpdError
 
 
@@ -49,6 +49,20 @@ def test_k_follows_the_acceptance_rate_and_drafting_stops_where_it_loses():
     spec.propose(state, text + [7], 11, 100)  # the model wrote the shadow draft's token: it counts as kept
     assert state.rate > before
     assert Speculator(SpeculateConfig("ngram", 8, adaptive=False)).propose(DraftState(), text, 10, 3) == [7, 8, 9]
+
+
+def test_drafts_found_by_a_2_token_suffix_keep_their_own_acceptance_estimate():
+    """Drafts found by only a 2-token suffix failing switch those off, not the drafts of 3-token matches; a
+    verification's outcome goes to the estimate of the suffix length its draft was found by."""
+    spec, state = Speculator(SpeculateConfig("ngram", 8)), DraftState()
+    short, long = [1, 2, 3, 5, 2, 3], [7, 8, 9] * 20  # (5, 2, 3) never occurred before, (2, 3) did; (8, 9, 7) did
+    assert NgramIndex().lookup(short, 4) == ([5, 2, 3], 2) and NgramIndex().lookup(long, 2) == ([7, 8], 3)
+    state.estimates[2], state.estimates[3] = Estimate(0.0, 10.0), Estimate(9.5, 10.0)
+    assert spec.propose(state, short, 0, 100) == []
+    draft = spec.propose(state, long, 0, 100)
+    assert len(draft) >= 2
+    Speculator.verified(state, len(draft), 0)
+    assert state.estimates[3].rate < 0.9 and state.estimates[2].rate == 0.0
 
 
 def test_a_whole_verification_stays_on_the_cpu_kernels_decode_path():
