@@ -216,7 +216,8 @@ def main() -> None:
         prompt = engine.encode_chat(messages)
         adaptive, oracle = bound(prompt, ids, args.draft_tokens), bound(prompt, ids, MAX_DRAFT, True)
         print(f"{'':7} replayed on the step costs (speculate.CPU_STEP_COSTS): adaptive k {adaptive:.2f}x, each draft "
-              f"cut where it fails (a bound for these drafts) {oracle:.2f}x")
+              f"cut where it fails (a bound for these drafts) {oracle:.2f}x, the best copy of the text so far cut "
+              f"where it fails (a bound for any drafter that copies) {copy_bound(prompt, ids, MAX_DRAFT):.2f}x")
     engine.close()
 
 
@@ -241,6 +242,28 @@ def bound(prompt: list[int], ids: list[int], limit: int, oracle: bool = False) -
         time_ += CPU_STEP_COSTS[len(draft)]
         at += 1 + kept
     return len(ids) / time_
+
+
+def copy_bound(prompt: list[int], ids: list[int], limit: int) -> float:
+    """The decode ratio on the cost table if each step drafted the longest run of the text so far (prompt and
+    output, any occurrence) that the greedy reply `ids` goes on with, cut to the best k: a bound for every drafter
+    that copies from the text."""
+    at, time_ = 0, 0.0
+    while at < len(ids):
+        text, want = prompt + ids[:at], ids[at:at + min(limit, len(ids) - at - 1)]
+        held = max((run_length(text, j, want) for j, t in enumerate(text) if want and t == want[0]), default=0)
+        k = max(range(held + 1), key=lambda k: (1 + k) / CPU_STEP_COSTS[k])
+        time_ += CPU_STEP_COSTS[k]
+        at += 1 + k
+    return len(ids) / time_
+
+
+def run_length(text: list[int], j: int, want: list[int]) -> int:
+    """How many of want's tokens text has from position j on."""
+    n = 0
+    while n < len(want) and j + n < len(text) and text[j + n] == want[n]:
+        n += 1
+    return n
 
 
 def bench_draft(args) -> None:
