@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from localpd.errors import LocalpdError
-from localpd.engine.sampling import Sampler, SamplingParams, sample_from
+from localpd.engine.sampling import Sampler, SamplingParams, greedy, greedy_rows, sample_from
 
 
 def draws(logits, n=400, **kw):
@@ -14,6 +14,19 @@ def draws(logits, n=400, **kw):
 def test_greedy_picks_argmax():
     logits = torch.randn(1000)
     assert Sampler(SamplingParams(temperature=0))(logits, [], []) == int(logits.argmax())
+
+
+def test_greedy_takes_torchs_argmax_row_by_row_or_all_rows_at_once():
+    """greedy (numpy's argmax on the CPU) and greedy_rows (a step's plain greedy rows in one operation) pick what
+    torch's argmax picks, the first of tied maxima included, in float32 and bfloat16 rows."""
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = torch.randn(6, 49152, generator=g).to(dtype)
+        logits[2, 77] = logits[2, 30000] = logits[2].max() + 1  # a tie: the first wins
+        want = logits.float().argmax(-1).tolist()
+        assert want[2] == 77 and greedy_rows(logits) == want == [greedy(row) for row in logits]
+    assert not Sampler(SamplingParams(temperature=0, logit_bias={3: 1.0})).plain_greedy
+    assert Sampler(SamplingParams(temperature=0)).plain_greedy
 
 
 def test_top_k_restricts_to_k_best():
