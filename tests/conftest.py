@@ -64,6 +64,10 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.slow)
     rank = {Path(__file__).parent / name: i for i, name in enumerate(LONGEST_FILES)}
     items.sort(key=lambda item: rank.get(item.path, len(rank)))  # stable: the other files keep their order
+    if os.environ.get("TRITON_INTERPRET") == "1" and any(item.path.parent.name == "kernels" for item in items):
+        from triton.runtime import interpreter
+
+        interpret_without_dead_work(interpreter)
 
 
 def pytest_configure(config):
@@ -83,6 +87,50 @@ def pytest_configure(config):
 
         torch.set_num_threads(max(1, torch.get_num_threads() // workers))
         os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))  # localpd's commands read it
+
+
+def interpret_without_dead_work(interpreter) -> None:
+    """Two things Triton's interpreter (3.9) does for nothing, each a fifth to a quarter of a kernel test's time under
+    it (docs/PERF.md, "Test suite time, fifth pass"), left out; what the kernels compute and what is checked stay:
+
+    - It swaps triton.language's functions for its own at each launch (GridExecutor) and again at each call of a
+      @triton.jit helper inside a program (InterpretedFunction.__call__), where the launch's swap already holds: the
+      helper's swap finds nothing left to swap, and its inspect.getmembers walks over the language cost 0.8 ms a
+      call. A helper whose language modules the launch swapped skips it.
+    - Its integer add, sub and mul redo each operation in int64 and compare the result with the type's range
+      (sanitize_overflow), then hand the comparison to device_assert, which asserts nothing unless the interpreter's
+      options say debug, and they do not: the options keep debug off and the overflow work goes."""
+    from dataclasses import replace
+
+    from triton import language as tl
+
+    if getattr(interpreter, "without_dead_work", False):
+        return
+    builder = interpreter.interpreter_builder
+    assert not builder.options.debug  # else the overflow checks assert, and stay
+    builder.options = replace(builder.options, sanitize_overflow=False)
+    swap, launch, launches = interpreter._patch_lang, interpreter.GridExecutor.__call__, []
+
+    def languages(fn) -> set[int]:
+        return {id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}
+
+    def swap_unless_swapped(fn):
+        if launches and launches[-1] is not None and languages(fn) <= launches[-1]:
+            return interpreter._LangPatchScope()  # nothing swapped, nothing to restore
+        scope = swap(fn)
+        if launches and launches[-1] is None:  # the launch's own swap
+            launches[-1] = languages(fn)
+        return scope
+
+    def launch_once(self, *args, **kwargs):
+        launches.append(None)
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            launches.pop()
+
+    interpreter._patch_lang, interpreter.GridExecutor.__call__ = swap_unless_swapped, launch_once
+    interpreter.without_dead_work = True
 
 
 @pytest.fixture
