@@ -118,8 +118,8 @@ def interpret_without_dead_work(interpreter) -> None:
         if launches and launches[-1] is not None and languages(fn) <= launches[-1]:
             return interpreter._LangPatchScope()  # nothing swapped, nothing to restore
         scope = swap(fn)
-        if launches and launches[-1] is None:  # the launch's own swap
-            launches[-1] = languages(fn)
+        if launches:  # the launch's own swap, or a helper's of a module more (standard.py's tl.max: tl.core), which
+            launches[-1] = (launches[-1] or set()) | languages(fn)  # holds to the launch's end: nothing restores it
         return scope
 
     def launch_once(self, *args, **kwargs):
