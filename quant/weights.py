@@ -171,30 +171,44 @@ class Int4Weight:
 
 
 def _quantize_int4_rows(w: torch.Tensor, group: int, ratios=CLIP_RATIOS, h: torch.Tensor | None = None):
-    """Codes, scales and biases of rows w; h: error weights per column as [1, K // group, group], or None."""
+    """Codes, scales and biases of rows w; h: error weights per column as [1, K // group, group], or None (all
+    ones: the same sums, without multiplying by them)."""
     n, k = w.shape
     g = w.reshape(n, k // group, group)
-    h = torch.ones(1, k // group, group, device=w.device) if h is None else h
     wmin, wmax = g.amin(dim=-1), g.amax(dim=-1)
-    best_err = best_q = best_s = best_b = None
+    best_err = best_s = best_b = None
     for r in ratios:
         scales = ((wmax - wmin) * r / 15).half()
         biases = (wmin * r).half()
-        s, b = scales.float()[..., None], biases.float()[..., None]
-        safe = torch.where(s > 0, s, torch.ones_like(s))
-        q = torch.round((g - b) / safe).clamp(0, 15)
-        err = (h * (q * s + b - g) ** 2).sum(dim=-1)
+        err = _int4_error(g, h, _int4_codes(g, scales, biases), scales, biases)
         if best_err is None:
-            best_err, best_q, best_s, best_b = err, q, scales, biases
+            best_err, best_s, best_b = err, scales, biases
             continue
         better = err < best_err
         best_err = torch.where(better, err, best_err)
-        best_q = torch.where(better[..., None], q, best_q)
         best_s = torch.where(better, scales, best_s)
         best_b = torch.where(better, biases, best_b)
+    best_q = _int4_codes(g, best_s, best_b)  # a group's codes follow from its scale and bias: rounded once, here
     if len(ratios) > 1:
         best_q, best_s, best_b = _refit_int4(g, h, best_q, best_s, best_b, best_err)
     return best_q.to(torch.uint8).reshape(n, k), best_s.contiguous(), best_b.contiguous()
+
+
+def _int4_codes(g: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor) -> torch.Tensor:
+    """Float codes 0..15 of groups g [..., group] for float16 scales and biases [...]: round((g - b) / s)."""
+    s, b = scales.float()[..., None], biases.float()[..., None]
+    q = g - b
+    q /= torch.where(s > 0, s, torch.ones_like(s))
+    return q.round_().clamp_(0, 15)
+
+
+def _int4_error(g, h, q, scales, biases) -> torch.Tensor:
+    """Each group's (h-weighted) squared error of codes q with float16 scales and biases."""
+    d = q * scales.float()[..., None]
+    d += biases.float()[..., None]
+    d -= g
+    d.pow_(2)
+    return (d if h is None else d.mul_(h)).sum(dim=-1)
 
 
 def integer_zero_scale(s: torch.Tensor) -> torch.Tensor:
@@ -266,16 +280,19 @@ def _lower_error(best: tuple, candidate: tuple) -> tuple:
 def _refit_int4(g, h, q, scales, biases, err, rounds: int = 8):
     """Alternate: (h-weighted) least-squares scale and bias for the current codes, then re-round the codes. A
     group takes a round's result only where it lowers the (float16-rounded) reconstruction error."""
-    h_sum = h.sum(-1, keepdim=True)
+    weigh = (lambda x: x) if h is None else (lambda x: h * x)
+    h_sum = (torch.ones_like(g[:1]) if h is None else h).sum(-1, keepdim=True)
+    g_mean = weigh(g).sum(-1, keepdim=True) / h_sum
+    g_centred = g - g_mean
     for _ in range(rounds):
-        q_mean, g_mean = (h * q).sum(-1, keepdim=True) / h_sum, (h * g).sum(-1, keepdim=True) / h_sum
-        var = (h * (q - q_mean) ** 2).sum(-1, keepdim=True)
-        s = (h * (q - q_mean) * (g - g_mean)).sum(-1, keepdim=True) / var.clamp_min(1e-12)
+        q_mean = weigh(q).sum(-1, keepdim=True) / h_sum
+        q_centred = q - q_mean
+        var = weigh(q_centred ** 2).sum(-1, keepdim=True)
+        s = (weigh(q_centred) * g_centred).sum(-1, keepdim=True) / var.clamp_min(1e-12)
         s = torch.where(var > 0, s, torch.zeros_like(s))
         new_s, new_b = s[..., 0].half(), (g_mean - s * q_mean)[..., 0].half()
-        sf, bf = new_s.float()[..., None], new_b.float()[..., None]
-        new_q = torch.round((g - bf) / torch.where(sf > 0, sf, torch.ones_like(sf))).clamp(0, 15)
-        new_err = (h * (new_q * sf + bf - g) ** 2).sum(dim=-1)
+        new_q = _int4_codes(g, new_s, new_b)
+        new_err = _int4_error(g, h, new_q, new_s, new_b)
         better = (new_err < err) & (new_s > 0)
         err = torch.where(better, new_err, err)
         q = torch.where(better[..., None], new_q, q)
