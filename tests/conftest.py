@@ -16,21 +16,21 @@ INTERPRETED = {"test_kernels.py", "test_kv_write.py", "test_decode_attention.py"
 COMPILED = {"test_attention_compile.py"}  # kernels compiled for NVIDIA cards (scripts/compile_check.py, sass_table)
 
 
-# The files that take longest, longest first, by their seconds in a whole run (docs/PERF.md, "Test suite time,
-# second pass"). pyproject's addopts hand each file to one of two processes; these go out first and the rest after
-# them in their own order, so that the two processes end together. xdist's own order (most tests first) handed out
-# the files of a few long tests (the schemathesis run, the serve-shutdown signals) last.
-LONGEST_FILES = ("cli/test_cli.py", "api/test_server.py", "api/test_ollama.py", "kernels/test_fused_kernels.py",
-                 "kernels/test_kv_write.py", "engine/test_engine.py", "kernels/test_prefill_attention.py",
-                 "kernels/test_attention_compile.py", "kernels/test_gemv_kmajor.py", "kernels/test_kernels.py",
-                 "quant/test_schemes.py", "kernels/test_decode_attention.py", "api/test_server_fuzz.py",
-                 "engine/test_speculate_engine.py", "quantize/test_calibrate.py", "kernels/test_cpu_kernels.py",
-                 "load/test_loader.py", "api/test_responses.py",
-                 # files added since that pass, by their seconds in CI's --durations of 2026-11-26 (at least 10 each):
-                 # left in collection order they came among the last files handed out (model/test_model.py goes
-                 # with quant/test_schemes.py, TOGETHER)
-                 "engine/test_draft_model.py", "model/test_cpu_fidelity.py", "api/test_models.py", "tui/test_tui.py",
-                 "measure/test_predict.py")
+# The files that take longest, longest first, by their CPU seconds at one thread in a fresh home (no Triton cache:
+# the kernels compiled for NVIDIA cards are compiled anew, as on CI), after the fifth pass's changes (docs/PERF.md,
+# "Test suite time, fifth pass"); files that need llama.cpp's tools (skipped on CI) by what CI runs of them.
+# pyproject's addopts hand each file to one of two processes; these go out first and the rest after them in their
+# own order, so that the two processes end together. xdist's own order (most tests first) handed out the files of a
+# few long tests (the schemathesis run, the serve-shutdown signals) last. quant/test_schemes.py goes with
+# model/test_model.py and load/test_loader.py (TOGETHER).
+LONGEST_FILES = ("kernels/test_attention_compile.py", "api/test_server.py", "quant/test_schemes.py",
+                 "engine/test_engine.py", "kernels/test_kv_write.py", "cli/test_cli.py", "kernels/test_kernels.py",
+                 "api/test_ollama.py", "engine/test_draft_model.py", "kernels/test_fused_kernels.py",
+                 "quantize/test_calibrate.py", "api/test_server_fuzz.py", "engine/test_speculate_engine.py",
+                 "model/test_cpu_fidelity.py", "kernels/test_prefill_attention.py", "kernels/test_gemv_dp4a.py",
+                 "export/test_compressed_tensors.py", "quantize/test_quantize.py", "kernels/test_decode_attention.py",
+                 "api/test_clients.py", "kernels/test_cpu_kernels.py", "kernels/test_gemv_kmajor.py",
+                 "api/test_responses.py", "measure/test_predict.py", "api/test_models.py", "tui/test_tui.py")
 
 # Files that share a costly session fixture go to one process, so that it is built once: transformers' model of the
 # default GGUF (hf_reference, some 13 s of CPU to dequantize). Each is handed out with the first of its group.
