@@ -124,8 +124,8 @@ def interpret_without_dead_work(interpreter) -> None:
         if launches and launches[-1] is not None and languages(fn) <= launches[-1]:
             return interpreter._LangPatchScope()  # nothing swapped, nothing to restore
         scope = swap(fn)
-        if launches:  # the launch's own swap, or a helper's of a module more (standard.py's tl.max: tl.core), which
-            launches[-1] = (launches[-1] or set()) | languages(fn)  # holds to the launch's end: nothing restores it
+        if launches:  # the launch's own swap, or a helper's of a module more (standard.py's tl.max sees tl.core),
+            launches[-1] = (launches[-1] or set()) | languages(fn)  # which Triton never restores: it holds
         return scope
 
     def launch_once(self, *args, **kwargs):
