@@ -8,7 +8,7 @@ bf16; with --all also on the row-major GEMV (Transformer.gpu_layout = False), wi
 Each line prints tok/s, the weight bytes streamed per second and that as a share of the measured copy bandwidth
 (MBU), and the ratio to localpd int4-g128.
 
-    python scripts/bench_decode_peers.py [--model llama3-8b] [--steps 128] [--context 128]
+    python scripts/bench_decode_peers.py [--model llama3-8b] [--steps 128] [--context 128] [--all] [--o-apart]
 """
 
 from __future__ import annotations
@@ -121,7 +121,8 @@ def graphed(model: TorchLlama):
 
 
 def localpd_decode(name: str, quant: str, steps: int, context: int, graphs: bool = True,
-                   fused: bool = True, kmajor: bool = True, dp4a: bool = True) -> tuple[float, int]:
+                   fused: bool = True, kmajor: bool = True, dp4a: bool = True,
+                   o_apart: bool = False) -> tuple[float, int]:
     from localpd.engine import Engine
     from localpd.kernels import gemv_dp4a
     from localpd.engine.sampling import SamplingParams
@@ -132,6 +133,8 @@ def localpd_decode(name: str, quant: str, steps: int, context: int, graphs: bool
     engine = Engine(f"synthetic:{name}", device="cuda", quant=quant, max_context=context + steps + 16,
                     kv_memory="2GiB", cuda_graphs=graphs)
     engine.model.fused = fused  # before the warm-up, which captures the graphs
+    if o_apart:  # o's input rounded in a launch of its own, not by the attention's reduce
+        engine.model._o_input = lambda *a: None
     try:
         params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
         prompt = torch.randint(0, engine.config.vocab_size, (context,)).tolist()
@@ -150,6 +153,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=128)
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--all", action="store_true", help="also the row-major GEMV, the unfused and the eager engine")
+    ap.add_argument("--o-apart", action="store_true", help="also int4-g128 and int8 with o's input rounded in a "
+                    "launch of its own (before 15bd2d4), beside the same engine with it rounded by the reduce")
     args = ap.parse_args()
     c = SYNTHETIC[args.model]
     bw = measure_copy_bandwidth(torch.device("cuda"), 1 << 30)
@@ -161,9 +166,14 @@ def main() -> None:
     if args.all:  # the row-major GEMV autotunes each shape's launch on first use: minutes on a fresh machine
         runs += [("int4-g128", True, True, False, True), ("int8", True, True, False, True),
                  ("int4-g128", True, False, True, True), ("int4-g128", False, True, True, True)]
-    for quant, graphs, fused, kmajor, dp4a in runs:
-        sec, nbytes = localpd_decode(args.model, quant, args.steps, args.context, graphs, fused, kmajor, dp4a)
+    if args.o_apart:
+        runs += [("int4-g128", True, True, True, True, True), ("int8", True, True, True, True, True)]
+    for quant, graphs, fused, kmajor, dp4a, *o_apart in runs:
+        o_apart = bool(o_apart and o_apart[0])
+        sec, nbytes = localpd_decode(args.model, quant, args.steps, args.context, graphs, fused, kmajor, dp4a,
+                                     o_apart)
         gemv = "row-major GEMV" if not kmajor else "integer K-major GEMV" if dp4a else "float K-major GEMV"
+        gemv += ", o's input rounded apart" if o_apart else ""
         how = ("CUDA graphs" if graphs else "eager") + ("" if fused else ", unfused") + \
             (f", {gemv}" if quant != "bf16" else "")
         rows.append((f"localpd {quant} (engine, {how}, wall clock per token)", sec, nbytes))

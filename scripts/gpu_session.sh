@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-tool call: install, then the named stages, each under its own time limit, logs under $OUT.
 # Usage (on the GPU machine, repo root): scripts/gpu_session.sh tests kmtests dp4a fused check check3 sweep kmsweep mma ncu kernels kernels1 kvtests kvgraph
-#   bench peers kv kvfull spec kvsweep dp4atests rows pdl graphs profile profilenopdl dp4asweep4 normtests roundtests
+#   bench peers kv kvfull spec kvsweep dp4atests rows pdl graphs profile profilenopdl dp4asweep4 normtests roundtests peersab
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -59,6 +59,7 @@ for s in "$@"; do case $s in
   peers) TAIL=12 stage bench_peers 150 python3 scripts/bench_decode_peers.py ;;
   profile) TAIL=40 stage profile_decode 150 python3 scripts/profile_decode_step.py ;;  # a token's kernels one by one
   profilenopdl) TAIL=40 stage profile_decode_nopdl 150 env LOCALPD_PDL=0 python3 scripts/profile_decode_step.py ;;
+  peersab) TAIL=14 stage bench_peers_ab 150 python3 scripts/bench_decode_peers.py --o-apart ;;  # o's rounding A/B
   pdl) TAIL=11 stage bench_peers_pdl_off 150 env LOCALPD_PDL=0 python3 scripts/bench_decode_peers.py ;;  # kernels/pdl.py
   graphs) stage gpu_check_graphs 120 python3 scripts/gpu_check.py --graphs-only ;;
   kv) stage bench_kv 50 python3 scripts/bench_kv.py --model llama3-8b --attention-only --batch 1 ;;
