@@ -51,8 +51,13 @@ class Work:
 
     @property
     def ids(self) -> list[int]:
-        """The token ids this step computes."""
-        return self.seq.tokens[self.start:self.start + self.n - len(self.draft)] + self.draft
+        """The token ids this step computes (sliced from the prompt and the output, not from their joined copy:
+        a decode step's one id without copying the whole context, three times a step)."""
+        seq, end = self.seq, self.start + self.n - len(self.draft)
+        p = len(seq.prompt)
+        own = seq.output[self.start - p:end - p] if self.start >= p else \
+            seq.prompt[self.start:end] + seq.output[:max(0, end - p)]
+        return own + self.draft
 
 
 class Scheduler:

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from localpd.kvcache.pages import PagePool
-from localpd.engine.scheduler import Scheduler, Sequence
+from localpd.engine.scheduler import Scheduler, Sequence, Work
 
 
 class Shadow:
@@ -242,3 +242,15 @@ def test_drafts_roll_back_rejected_positions_without_leaks(seed, n_pages, page_s
         sched.remove(seq)
     pool.check()
     assert all(r == 0 for r in pool.refs) and pool.available == n_pages
+
+
+def test_a_works_ids_are_its_span_of_prompt_and_output_then_its_draft():
+    """Work.ids slices the prompt and the output without joining them: every span (in the prompt, across the
+    boundary, in the output), with and without a draft, equals the joined tokens' slice."""
+    seq = Sequence("a", list(range(10)), 100, output=[100, 101, 102, 103])
+    for start in range(14):
+        for n in range(15 - start):
+            for draft in ([], [7, 8]):
+                if n >= len(draft):
+                    got = Work(seq, start, n, True, list(draft)).ids
+                    assert got == seq.tokens[start:start + n - len(draft)] + draft, (start, n, draft)

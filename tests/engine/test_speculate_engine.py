@@ -208,7 +208,7 @@ def test_a_verification_laid_out_as_decode_rows_computes_plain_decodings_logits(
             step = Batch.single([token], n + i, len(pages), ps, "cpu")
             step.stage_slots = None
             want.append(model.forward(step, kv)[0].clone())
-        seq = SimpleNamespace(tokens=prompt, table=SimpleNamespace(pages=pages), stage_row=0)
+        seq = SimpleNamespace(prompt=prompt, output=[], table=SimpleNamespace(pages=pages), stage_row=0)
         work = Work(seq, n, 1 + len(draft), True, draft)
         tokens, positions, slots, _, tables, lens = ModelRunner._decode_inputs(SimpleNamespace(kv=kv), [work])
         assert tokens == [prompt[n]] + draft and lens == list(range(n + 1, n + 2 + len(draft)))
