@@ -830,7 +830,7 @@ def test_a_full_waiting_queue_answers_503(served):
 
 def test_chat_template_kwargs_reach_the_template(served, client, monkeypatch):
     """vLLM's chat_template_kwargs ({"enable_thinking": false} for Qwen3) are the template's variables."""
-    from test_engine import THINKING_TEMPLATE
+    from tests.engine.test_engine import THINKING_TEMPLATE
 
     engine = served[0]
     monkeypatch.setattr(engine.tokenizer, "chat_template", THINKING_TEMPLATE)

@@ -142,7 +142,7 @@ def test_settings_turn_thinking_off_for_a_conversation(default_gguf, tmp_path):
     Qwen3-style template swapped into the real model's tokenizer); a value other than on/off is refused."""
     from textual.widgets import Input
 
-    from test_engine import THINKING_TEMPLATE
+    from tests.engine.test_engine import THINKING_TEMPLATE
 
     async def scenario():
         app = make_app(default_gguf, tmp_path / "c.db")
@@ -175,7 +175,7 @@ def test_a_thinking_models_reasoning_is_quoted_above_its_answer(default_gguf, tm
     shown as a quoted block of reasoning and saved as the model wrote it, shown so again when reloaded though it was
     cut off before </think>; a saved reply with both parts shows the reasoning quoted, and copying it copies the
     answer alone."""
-    from test_engine import THINKING_TEMPLATE
+    from tests.engine.test_engine import THINKING_TEMPLATE
 
     async def scenario():
         app = make_app(default_gguf, tmp_path / "c.db", max_tokens=8)
