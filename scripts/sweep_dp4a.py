@@ -17,9 +17,7 @@ import torch
 
 from localpd.kernels import gemv_dp4a as dp
 from localpd.kernels.act_round import quantize_act
-from localpd.measure.bench_kernels import (SHAPES, copies_for, gpu_script, graph_time, random_int4, random_int8,
-                                           write_rows)
-from localpd.quant.kmajor import to_kmajor
+from localpd.measure.bench_kernels import SHAPES, gpu_script, graph_time, kmajor_copies, write_rows
 
 TILES = [dict(blocks=b, num_warps=w, PREFETCH=pf, per_sm=ps) for b, w in ((2, 2), (4, 4), (8, 4))
          for pf in (0, 1, 2) for ps in (4, 8, 12)]
@@ -44,10 +42,9 @@ def main() -> int:
           f"{args.rows} row(s)")
     out = []
     for (shape, n, k), fmt in itertools.product(shapes, args.formats.split(",")):
-        make = (lambda: random_int4(n, k, 128, dev)) if fmt == "int4-g128" else (lambda: random_int8(n, k, dev))
-        first = to_kmajor(make())
+        ws = kmajor_copies(fmt, n, k, dev)
+        first = ws[0]
         base = dp.tile_for(dev, first.BITS, n, k, 1)  # the tile the model launches now (table or default)
-        ws = [first] + [to_kmajor(make()) for _ in range(copies_for(first.nbytes, dev) - 1)]
         x = torch.randn(args.rows, k, device=dev, dtype=torch.bfloat16)
         q, s = quantize_act(x, first.BITS)
         y = torch.empty(args.rows, n, device=dev, dtype=x.dtype)

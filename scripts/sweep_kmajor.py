@@ -16,9 +16,7 @@ import torch
 
 from localpd.kernels import gemv_kmajor as km
 from localpd.kernels.dispatch import PreNorm, kmajor_matmul_ref
-from localpd.measure.bench_kernels import (SHAPES, copies_for, gpu_script, graph_time, random_int4, random_int8,
-                                           tinygemm, write_rows)
-from localpd.quant.kmajor import to_kmajor
+from localpd.measure.bench_kernels import SHAPES, gpu_script, graph_time, kmajor_copies, tinygemm, write_rows
 
 FUSED = {"qkv": "norm", "o": "", "gate_up": "norm", "down": "gated", "lm_head": "norm"}
 TILES = ([dict(BLOCK_K=128, num_warps=4, PREFETCH=pf, per_sm=ps) for pf in (False, True) for ps in (1, 2, 4, 8)]
@@ -39,9 +37,8 @@ def main() -> int:
         fused = FUSED[shape] if variant == "fused" else ""
         if variant == "fused" and not fused:  # o has no input step
             continue
-        make = (lambda: random_int4(n, k, 128, dev)) if fmt == "int4-g128" else (lambda: random_int8(n, k, dev))
-        first = to_kmajor(make())
-        ws = [first] + [to_kmajor(make()) for _ in range(copies_for(first.nbytes, dev) - 1)]
+        ws = kmajor_copies(fmt, n, k, dev)
+        first = ws[0]
         x = torch.randn(1, 2 * k if fused == "gated" else k, device=dev, dtype=torch.bfloat16)
         norm = PreNorm(torch.randn(1, k, device=dev, dtype=torch.bfloat16),
                        torch.rand(k, device=dev, dtype=torch.bfloat16) + 0.5, 1e-5) if fused == "norm" else None
