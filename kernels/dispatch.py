@@ -294,7 +294,7 @@ def linear_kmajor(x: torch.Tensor, w: KMajorWeight, bias: torch.Tensor | None = 
 
     def run(x2, n):
         gemv = x2.shape[0] <= km.MAX_ROWS
-        if x2.shape[0] <= dp.MAX_ROWS and dp.takes(w.shape, w.BITS, w.group, x2.dtype):  # rounded by the input step
+        if kmajor_rounding(x2.shape[0], w, x2):  # the integer GEMV, its input rounded by the input step
             if rounded is not None:
                 assert rounded.bits == w.BITS and n is None and not gated
                 q, sq = rounded.q, rounded.s

@@ -150,7 +150,7 @@ class ModelRunner:
         rows, row = [], 0
         for w, req in sampled:
             if not (req.embed or w.draft or req.params.logprobs is not None or not req.sampler.plain_greedy
-                    or (req.eos and len(req.seq.output) < req.params.min_tokens)):
+                    or holds_back_eos(req, req.seq.output)):
                 rows.append(row)
             row += 1 + len(w.draft)
         if len(rows) < 2:  # one row: _sample reads it without a copy
@@ -159,7 +159,7 @@ class ModelRunner:
 
     def _sample(self, req: Request, logits: torch.Tensor, output: list[int]):
         """(token, its logprob, the top logprobs) of one row; output: the reply's tokens before this row's."""
-        if len(output) < req.params.min_tokens and req.eos:
+        if holds_back_eos(req, output):
             logits[list(req.eos)] = float("-inf")  # a row of this step's logits, read by nothing after
         token = req.sampler(logits, req.seq.prompt, output)
         k = req.params.logprobs
@@ -199,6 +199,11 @@ class StepTimer:
         if not end.query():
             end.synchronize()
         return start.elapsed_time(end) / 1e3
+
+
+def holds_back_eos(req: Request, output: list[int]) -> bool:
+    """Whether a row after these reply tokens may not end the reply yet (min_tokens): its end tokens are masked."""
+    return bool(req.eos) and len(output) < req.params.min_tokens
 
 
 def prepare_all(masks: list) -> None:

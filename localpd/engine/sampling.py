@@ -155,7 +155,9 @@ class Sampler:
 
 
 def greedy_rows(logits: torch.Tensor) -> list[int]:
-    """greedy of each row of logits [n, vocab], in one operation (one wait for a GPU, not one a row)."""
+    """The index of each row's first largest logit ([n, vocab]), as torch's argmax picks it, in one operation (one
+    wait for a GPU, not one a row); on the CPU through numpy, whose argmax is about ten times faster than torch's
+    (4 against 43 us over 49k float32 logits on the 2-core VM)."""
     logits = logits.float()
     if logits.device.type == "cpu":
         return logits.numpy().argmax(-1).tolist()
@@ -163,11 +165,8 @@ def greedy_rows(logits: torch.Tensor) -> list[int]:
 
 
 def greedy(logits: torch.Tensor) -> int:
-    """The index of the first largest logit, as torch's argmax picks it; on the CPU through numpy, whose argmax is
-    about ten times faster than torch's (4 against 43 us over 49k float32 logits on the 2-core VM)."""
-    if logits.device.type == "cpu":
-        return int(logits.float().numpy().argmax())
-    return int(logits.argmax())
+    """greedy_rows of one row of logits [vocab]."""
+    return greedy_rows(logits[None])[0]
 
 
 def scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
