@@ -122,7 +122,7 @@ def graphed(model: TorchLlama):
 
 def localpd_decode(name: str, quant: str, steps: int, context: int, graphs: bool = True,
                    fused: bool = True, kmajor: bool = True, dp4a: bool = True,
-                   o_apart: bool = False) -> tuple[float, int]:
+                   o_apart: bool = False, chain: int | None = None) -> tuple[float, int]:
     from localpd.engine import Engine
     from localpd.kernels import gemv_dp4a
     from localpd.engine.sampling import SamplingParams
@@ -131,7 +131,7 @@ def localpd_decode(name: str, quant: str, steps: int, context: int, graphs: bool
     Transformer.gpu_layout = kmajor
     gemv_dp4a.ENABLED = dp4a
     engine = Engine(f"synthetic:{name}", device="cuda", quant=quant, max_context=context + steps + 16,
-                    kv_memory="2GiB", cuda_graphs=graphs)
+                    kv_memory="2GiB", cuda_graphs=graphs, decode_chain=chain)
     engine.model.fused = fused  # before the warm-up, which captures the graphs
     if o_apart:  # o's input rounded in a launch of its own, not by the attention's reduce
         engine.model._o_input = lambda *a: None
@@ -162,18 +162,20 @@ def main() -> None:
           f"context {args.context}, {args.steps} steps")
     rows = []
     runs = [("int4-g128", True, True, True, True), ("int8", True, True, True, True), ("bf16", True, True, True, True),
-            ("int4-g128", True, True, True, False), ("int8", True, True, True, False)]
+            ("int4-g128", True, True, True, False), ("int8", True, True, True, False),
+            ("int4-g128", True, True, True, True, False, 1), ("int8", True, True, True, True, False, 1)]
     if args.all:  # the row-major GEMV autotunes each shape's launch on first use: minutes on a fresh machine
         runs += [("int4-g128", True, True, False, True), ("int8", True, True, False, True),
                  ("int4-g128", True, False, True, True), ("int4-g128", False, True, True, True)]
     if args.o_apart:
         runs += [("int4-g128", True, True, True, True, True), ("int8", True, True, True, True, True)]
-    for quant, graphs, fused, kmajor, dp4a, *o_apart in runs:
-        o_apart = bool(o_apart and o_apart[0])
+    for quant, graphs, fused, kmajor, dp4a, *more in runs:
+        o_apart, chain = (more + [False, None])[:2]  # chain None: the engine's default (steps chained on graphs)
         sec, nbytes = localpd_decode(args.model, quant, args.steps, args.context, graphs, fused, kmajor, dp4a,
-                                     o_apart)
+                                     o_apart, chain)
         gemv = "row-major GEMV" if not kmajor else "integer K-major GEMV" if dp4a else "float K-major GEMV"
         gemv += ", o's input rounded apart" if o_apart else ""
+        gemv += ", one decode step a replay" if chain == 1 else ""
         how = ("CUDA graphs" if graphs else "eager") + ("" if fused else ", unfused") + \
             (f", {gemv}" if quant != "bf16" else "")
         rows.append((f"localpd {quant} (engine, {how}, wall clock per token)", sec, nbytes))

@@ -91,26 +91,28 @@ def main() -> int:
 
 
 def graphs_match_eager() -> bool:
-    """Three concurrent greedy requests on the engine: CUDA-graph decode against eager decode, same tokens (with
-    the compute dtype's KV, and with int4ch/int4, whose graphs also take the sequences' stage slots)."""
+    """Three concurrent greedy requests on the engine: CUDA-graph decode (chained steps, the default, and one step
+    a replay) against eager decode, same tokens (with the compute dtype's KV, and with int4ch/int4, whose graphs
+    also take the sequences' stage slots)."""
     from localpd.engine import Engine
     from localpd.engine.sampling import SamplingParams
 
     ok = True
     for kv in (None, "int4ch/int4"):
         outs = []
-        for graphs in (False, True):
+        for graphs, chain in ((False, None), (True, None), (True, 1)):
             e = Engine("synthetic:smollm2-135m", device="cuda", quant="int4-g32", kv=kv, max_context=256,
-                       kv_memory="256MiB", cuda_graphs=graphs)
+                       kv_memory="256MiB", cuda_graphs=graphs, decode_chain=chain)
             params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
             handles = [e.submit(list(range(5 + i, 30 + 7 * i)), params) for i in range(3)]
             outs.append([[ev.token_id for ev in h if ev.token_id is not None] for h in handles])
             e.close()
-        same = sum(a == b for x, y in zip(*outs) for a, b in zip(x, y))
         total = sum(len(x) for x in outs[0])
-        ok &= same == total
-        print(f"{'ok ' if same == total else 'BAD'} engine decode with CUDA graphs vs eager, kv {kv or 'default'}: "
-              f"{same}/{total} tokens equal")
+        for name, out in zip(("chained steps", "one step a replay"), outs[1:]):
+            same = sum(a == b for x, y in zip(outs[0], out) for a, b in zip(x, y))
+            ok &= same == total
+            print(f"{'ok ' if same == total else 'BAD'} engine decode with CUDA graphs ({name}) vs eager, kv "
+                  f"{kv or 'default'}: {same}/{total} tokens equal")
     return ok
 
 

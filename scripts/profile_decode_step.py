@@ -51,17 +51,20 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--chain", type=int, default=None, help="decode steps a step chains (default: the engine's)")
     args = ap.parse_args()
     bw = measure_copy_bandwidth(torch.device("cuda"), 1 << 30)
     engine = Engine(f"synthetic:{args.model}", device="cuda", quant=args.quant,
-                    max_context=args.context + args.steps + 16, kv_memory="2GiB", cuda_graphs=True)
+                    max_context=args.context + args.steps + 16, kv_memory="2GiB", cuda_graphs=True,
+                    decode_chain=args.chain)
     try:
         params = SamplingParams(temperature=0, max_tokens=args.steps, ignore_eos=True)
         vocab = engine.config.vocab_size
         list(engine.submit(torch.randint(0, vocab, (args.context,)).tolist(), params))  # compiles, captures
         totals = collections.defaultdict(float)
         for obj, name in ((engine, "_step"), (engine.scheduler, "step"), (engine.runner, "run"),
-                          (engine.graphs, "_fill"), (engine.graphs, "run"), (engine.runner, "_sample"),
+                          (engine.graphs, "_fill"), (engine.graphs, "run"), (engine.graphs, "run_chain"),
+                          (engine.runner, "_sample"),
                           (engine.output, "process")):
             timed(obj, name, totals)
         h = engine.submit(torch.randint(0, vocab, (args.context,)).tolist(), params)
@@ -82,7 +85,7 @@ def main() -> None:
         print(f"engine wall per token {wall * 1e3:.3f} ms ({1 / wall:.1f} tok/s, MBU {nbytes / wall / bw:.1%}); "
               f"steps' device time {dev * 1e3:.3f} ms ({1 / dev:.1f} tok/s); host share {(wall - dev) / wall:.1%}")
         graphs = engine.graphs
-        graph = graphs.graphs[1]
+        graph = graphs.graphs[1, 1]  # one decode step (the reply's last steps, too few to chain, captured it)
         for _ in range(5):
             graph.replay()
         torch.cuda.synchronize()

@@ -23,7 +23,7 @@ from localpd.constrain.grammar import Vocabulary
 from localpd.constrain.tools import check_tools
 from localpd.engine.output import OutputProcessor
 from localpd.engine.requests import EngineStats, Request, RequestHandle, TokenEvent
-from localpd.engine.runner import ModelRunner
+from localpd.engine.runner import ModelRunner, holds_back_eos
 from localpd.engine.sampling import Sampler, SamplingParams
 from localpd.engine.scheduler import MAX_RUNNING, MAX_STEP_TOKENS, Scheduler, Sequence
 from localpd.engine.draft_model import DraftModel, check_vocabulary, draft_token_bytes, new_draft_pool
@@ -44,6 +44,10 @@ from localpd.text.tokenizer import IncrementalDetokenizer, Tokenizer
 log = logging.getLogger("localpd.engine.engine")
 
 PAGE_SIZE = 16
+# decode steps a step chains on a GPU where every sequence decodes greedily (Engine._chain): the host's 0.2-0.3 ms
+# between steps then comes once in 8 tokens; a reply that ends inside a chain computed up to 7 tokens for nothing
+CHAIN_STEPS = 8
+MAX_CHAIN = 64
 
 _open_engines: weakref.WeakSet = weakref.WeakSet()
 
@@ -94,7 +98,7 @@ class Engine:
                  kv: str | None = None, max_context: int | None = None, kv_memory: str | int | None = None,
                  kv_tokens: int | None = None, progress: bool = False, max_step_tokens: int = MAX_STEP_TOKENS,
                  max_running: int = MAX_RUNNING, cuda_graphs: bool = True, speculate: SpeculateConfig | None = None,
-                 draft: str | None = None):
+                 draft: str | None = None, decode_chain: int | None = None):
         """quant: a weight scheme (localpd.quant.schemes.SCHEMES); by default the file's own format ("native"; on a
         CPU without localpd's CPU kernels, float32: schemes.default_scheme). kv: the KV cache dtype
         (localpd.kvcache.formats.KV_DTYPES); by default kv_default's. kv_memory: bytes for the KV cache, a draft
@@ -102,7 +106,8 @@ class Engine:
         kv_tokens: room for that many tokens. cuda_graphs: replay decode steps as CUDA
         graphs on a GPU (localpd.engine.cuda_graph). speculate: speculative decoding (localpd.engine.speculate; by
         default off). draft: a model of the same vocabulary that drafts for this one (engine.draft_model; speculate's
-        mode "draft")."""
+        mode "draft"). decode_chain: the decode steps one step may chain where every sequence decodes greedily
+        (Engine._chain; by default CHAIN_STEPS on a GPU's graphs, else 1: off)."""
         self.device = torch.device(device or default_device())
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise LocalpdError("--device cuda asked for, but torch sees no CUDA GPU")
@@ -144,28 +149,34 @@ class Engine:
             kv_memory = -(-max(kv_tokens, self.max_context + 1) // PAGE_SIZE) * PAGE_SIZE * self.kv_token_bytes
         n_pages = self._kv_pages(parse_bytes(kv_memory))
         graphs = cuda_graphs and self.device.type == "cuda"
-        # with graphs, one more page than the allocator hands out: the scratch page of padded decode rows
+        self.decode_chain = (CHAIN_STEPS if graphs else 1) if decode_chain is None else decode_chain
+        if not 1 <= self.decode_chain <= MAX_CHAIN:
+            raise LocalpdError(f"decode_chain must be 1 to {MAX_CHAIN} steps, got {self.decode_chain}")
+        padded = graphs or self.decode_chain > 1  # decode steps from DecodeGraphs' static inputs
+        # with those, one more page than the allocator hands out: the scratch page of padded decode rows
         # and one more stage row than running sequences: the scratch row of padded decode rows
-        self.kv = new_kv_pool(self.kv_dtype, c.n_layers, n_pages + graphs, PAGE_SIZE, c.n_kv_heads, c.head_dim,
-                              self.compute_dtype, self.device, stage_rows=max_running + graphs)
+        self.kv = new_kv_pool(self.kv_dtype, c.n_layers, n_pages + padded, PAGE_SIZE, c.n_kv_heads, c.head_dim,
+                              self.compute_dtype, self.device, stage_rows=max_running + padded)
         self.graphs = None
         self.drafter = None
         if drafting is not None:
             name, model, dtype = drafting
             self.drafter = DraftModel(name, model, new_draft_pool(model, self.kv, self.kv_dtype, dtype, self.device),
                                       model.weight_bytes / self.model.weight_bytes)
-        if graphs:  # a draft model replays its decode steps too, on graphs of its own over its pool
+        chain = None
+        if padded:  # a draft model replays its decode steps too, on graphs of its own over its pool
             from localpd.engine.cuda_graph import DecodeGraphs
 
             max_pages, max_batch = -(-(self.max_context + 1) // PAGE_SIZE), min(max_running, 64)
-            self.graphs = DecodeGraphs(self.model, self.kv, max_pages, n_pages, max_running, max_batch)
-            if self.drafter is not None:
+            chain = DecodeGraphs(self.model, self.kv, max_pages, n_pages, max_running, max_batch, self.decode_chain)
+            self.graphs = chain if graphs else None  # on the CPU, only chains run from the static inputs
+            if graphs and self.drafter is not None:
                 self.drafter.graphs = DecodeGraphs(self.drafter.model, self.drafter.kv, max_pages, n_pages, 0,
                                                    max_batch)
         self.pages = PagePool(n_pages, PAGE_SIZE, salt=f"{self.name}|{self.quant}|{self.kv_dtype}")
         self.scheduler = Scheduler(self.pages, max_step_tokens, max_running)
         self.runner = ModelRunner(self.model, self.kv, self.kv_traffic, self.scheduler, self.graphs, self.device,
-                                  self.drafter)
+                                  self.drafter, chain if self.decode_chain > 1 else None)
         self.output = OutputProcessor(self._finish)
         self.speculator = self._speculator(speculate or SpeculateConfig())
         if self.speculator.config.on and not self.drafts_allowed:
@@ -373,11 +384,32 @@ class Engine:
             constraint = req.sampler.constraint
             seq.draft = draft[:allowed_prefix(constraint, draft)] if draft and constraint is not None else draft
 
+    def _chain(self) -> None:
+        """Where every running sequence decodes greedily with nothing to do between its tokens (plain greedy: no
+        sampling, logprobs, constraint or min_tokens; no draft) and no request waits to start, the next step
+        chains decode_chain decode steps in one replay (DecodeGraphs.run_chain), so that the host's time between
+        steps comes once a chain. Each sequence's placeholders are its draft: the scheduler allots their positions
+        as a draft's. A reply that ends inside a chain computed a few tokens past its end, never written."""
+        k, running, chain = self.decode_chain, self.scheduler.running, self.runner.chain
+        if (chain is None or self.drafter is not None or self.scheduler.waiting or not running
+                or not chain.fits(len(running)) or len(running) * k > self.scheduler.max_step_tokens):
+            return
+        for seq in running:
+            req = self._requests[seq]
+            if (seq.pending != 1 or seq.draft or req.embed or not req.sampler.plain_greedy
+                    or req.params.logprobs is not None or holds_back_eos(req, seq.output)
+                    or len(seq.output) + k > seq.max_tokens):
+                return
+        if all(self.pages.allocate(seq.table, seq.computed + k) for seq in running):
+            for seq in running:
+                seq.draft, seq.chain = [0] * (k - 1), True
+
     def _step(self) -> None:
         """One step: the scheduler picks the work, the model runner computes it and samples, the output processor
         turns the samples into events."""
         if self.speculator.config.on and self.drafts_allowed:
             self._draft()
+        self._chain()
         work = self.scheduler.step()
         if not work:
             if self.scheduler.waiting and not self.scheduler.running:  # the head cannot fit even alone

@@ -17,15 +17,15 @@ class OutputProcessor:
     def process(self, out: StepOutput, requests: dict) -> None:
         """requests: the engine's running requests by sequence (each of the step's adds the step's bytes)."""
         step, now = out.stats, out.now
+        for w in out.work:  # before the events: a request's last step counts too
+            if w.seq in requests:
+                requests[w.seq].handle.stats.bytes_moved += step.bytes
         sampled = [w for w in out.work if w.sample]
         for w, req, outcome in zip(sampled, out.requests, out.outcomes):
             if req.embed:
                 self._embedded(req, outcome, step, now)
             else:
-                self._emit(req, outcome, len(w.draft), step, now)
-        for w in out.work:
-            if w.seq in requests:
-                requests[w.seq].handle.stats.bytes_moved += step.bytes
+                self._emit(req, outcome, 0 if w.chain else len(w.draft), step, now)
 
     def _embedded(self, req: Request, vector: list[float], step: StepStats, now: float) -> None:
         s = req.handle.stats
@@ -37,7 +37,7 @@ class OutputProcessor:
 
     def _emit(self, req: Request, outcome: list, drafted: int, step: StepStats, now: float) -> None:
         """outcome: the step's (token, logprob, top logprobs) for this request, several where its draft (drafted
-        tokens) held; the request may end at any of them."""
+        tokens) held or the step chained decode steps; the request may end at any of them."""
         s = req.handle.stats
         if req.first_token_at is None:
             req.first_token_at = now
@@ -47,10 +47,10 @@ class OutputProcessor:
             s.decode_seconds = now - req.first_token_at
             s.decode_step_seconds += step.seconds
             s.decode_bytes += step.bytes
-            s.decode_steps += 1
+            s.decode_steps += step.passes
             s.decode_written += len(outcome)
             s.drafted_tokens += drafted
-            s.accepted_tokens += len(outcome) - 1
+            s.accepted_tokens += len(outcome) - 1 if drafted else 0
         for token, lp, top in outcome:
             if not self._token(req, token, lp, top, step):
                 return

@@ -28,6 +28,7 @@ class StepStats:
     wall_seconds: float = 0.0  # the step on the host's clock, Python and sampling included
     drafted: int = 0  # drafted tokens the step verified (engine.speculate), all sequences together
     accepted: int = 0  # of those, the ones the model confirmed
+    passes: int = 1  # passes over the weights: a chain's decode steps (engine.cuda_graph.DecodeGraphs.run_chain)
 
     @property
     def written(self) -> int:

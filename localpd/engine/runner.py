@@ -39,10 +39,11 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(self, model: Transformer, kv: KVPool, kv_traffic: KVTraffic, scheduler: Scheduler, graphs,
-                 device: torch.device, drafter=None):
+                 device: torch.device, drafter=None, chain=None):
         self.model, self.kv, self.kv_traffic, self.scheduler = model, kv, kv_traffic, scheduler
         self.drafter = drafter  # engine.draft_model.DraftModel, which follows every step's batch; or None
         self.graphs = graphs  # localpd.engine.cuda_graph.DecodeGraphs, or None
+        self.chain = chain  # the DecodeGraphs that run chained steps (the graphs on a GPU), or None
         self.device = device
         # a CPU forward's masks: in a thread where a core is left over from the forward's threads; else after it (a
         # thread would take a core from the forward's, whose regions wait for their slowest: docs/PERF.md, issue 35)
@@ -54,6 +55,8 @@ class ModelRunner:
         sampled in turn while they confirm its draft (engine.speculate.accept); its outcome lists them all."""
         t0 = time.perf_counter()
         timer = StepTimer(self.device)
+        if work[0].chain:
+            return self._run_chain(work, requests, t0, timer)
         embeds = [r.embed for r in requests]  # rows that end in a vector, not a token
         masks = [prepare for r in requests if not r.embed
                  and (prepare := getattr(r.sampler.constraint, "prepare", None)) is not None]
@@ -106,6 +109,29 @@ class ModelRunner:
                           cost.flops, now - t0, drafted, accepted)
         return StepOutput(work, requests, outcomes, stats, now)
 
+    def _run_chain(self, work: list[Work], requests: list[Request], t0: float, timer: StepTimer) -> StepOutput:
+        """A step in which every sequence decodes 1 + len(draft) tokens greedily, one after another, in one replay
+        (DecodeGraphs.run_chain; Engine._chain decides): each sequence's outcome is all of them, its draft then
+        the tokens computed after its own, all kept."""
+        steps = 1 + len(work[0].draft)
+        if not all(w.chain and w.n == steps for w in work):
+            raise RuntimeError("a chained step's sequences must all chain the same number of steps")
+        inputs = self._decode_inputs(work)
+        timer.start()
+        tokens = self.chain.run_chain(steps, *inputs)
+        timer.stop()
+        outcomes = []
+        for i, w in enumerate(work):
+            w.draft = [tokens[s][i] for s in range(steps - 1)]
+            self.scheduler.finish_draft(w, steps - 1)
+            outcomes.append([(tokens[s][i], None, None) for s in range(steps)])
+        now = time.perf_counter()
+        costs = [step_cost(self.model, [(w.start + s, 1) for w in work], self.kv_traffic, len(work))
+                 for s in range(steps)]
+        stats = StepStats("decode", steps * len(work), timer.seconds(now - t0), len(work), sum(c.bytes for c in costs),
+                          sum(c.flops for c in costs), now - t0, passes=steps)
+        return StepOutput(work, requests, outcomes, stats, now)
+
     def _batch(self, work: list[Work]) -> Batch:
         ps = self.kv.page_size
         ids, positions, slots, stage_slots, starts, lens, rows = [], [], [], [], [0], [], []
@@ -128,12 +154,13 @@ class ModelRunner:
         one token, or verifies a draft: each of its rows then decodes as a sequence of its own over the same pages,
         its length its position + 1 (the step writes every row's key and value before any row attends, so a row
         sees the drafted tokens before it). A verification thus replays a decode graph, as plain decoding's steps do:
-        an eager step launches each kernel from Python, about 9x a replayed step's time on an H100 (docs/PERF.md)."""
+        an eager step launches each kernel from Python, about 9x a replayed step's time on an H100 (docs/PERF.md).
+        A chained step's (Work.chain): its first step's, its own token."""
         ps = self.kv.page_size
         tokens, positions, slots, stage_slots, tables, lens = [], [], [], [], [], []
         for w in work:
             pages = w.seq.table.pages
-            for p, token in enumerate(w.ids, w.start):
+            for p, token in enumerate(w.ids[:1] if w.chain else w.ids, w.start):  # a chain's first step
                 tokens.append(token)
                 positions.append(p)
                 slots.append(slot_of(pages, p, ps))

@@ -30,6 +30,7 @@ class Sequence:
     preemptions: int = 0
     stage_row: int = -1  # while running: its row in the KV pool's stage (kvcache/formats.py), one of 0 .. max_running - 1
     draft: list[int] = field(default_factory=list)  # tokens guessed to follow (engine.speculate), verified next step
+    chain: bool = False  # the draft holds placeholders: the next step chains decode steps greedily (Engine._chain)
 
     @property
     def tokens(self) -> list[int]:
@@ -48,6 +49,7 @@ class Work:
     n: int  # tokens computed this step, the draft's included
     sample: bool  # whether this chunk reaches the end, so the step samples a token for it
     draft: list[int] = field(default_factory=list)  # drafted tokens after the sequence's own, checked this step
+    chain: bool = False  # the draft's tokens are the model's own argmaxes, each computed in the step before it reads it
 
     @property
     def ids(self) -> list[int]:
@@ -91,7 +93,7 @@ class Scheduler:
         self._stop(seq)
         self.pool.release(seq.table)
         seq.computed = 0
-        seq.draft = []
+        seq.draft, seq.chain = [], False
         seq.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(seq)
@@ -104,6 +106,7 @@ class Scheduler:
             if seq not in self.running:  # preempted below to make room for an earlier one
                 continue
             draft, seq.draft = self._fit_draft(seq, budget), []
+            chain, seq.chain = seq.chain and bool(draft), False
             n = min(seq.pending + len(draft), budget)
             if n <= 0:
                 break
@@ -114,7 +117,7 @@ class Scheduler:
                     break
             if seq not in self.running:
                 continue
-            work.append(Work(seq, seq.computed, n, seq.computed + n - len(draft) == len(seq.tokens), draft))
+            work.append(Work(seq, seq.computed, n, seq.computed + n - len(draft) == len(seq.tokens), draft, chain))
             budget -= n
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_running:
