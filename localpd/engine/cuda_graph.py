@@ -152,10 +152,10 @@ class DecodeGraphs:
         return self._run(1, tokens, positions, slots, stage_slots, tables, lens)[:len(tokens)]
 
     def run_chain(self, steps: int, tokens: list[int], positions: list[int], slots: list[int],
-                  stage_slots: list[int], tables: list[list[int]], lens: list[int]) -> list[list[int]]:
+                  stage_slots: list[int], tables: list[list[int]], lens: list[int]) -> torch.Tensor:
         """Each row's greedy tokens over `steps` (2 .. self.chain) chained decode steps from these first-step
-        inputs, [steps][n], read with one wait; n must fit (fits)."""
+        inputs, [steps, n] (valid until the next run); n must fit (fits)."""
         if not (2 <= steps <= self.chain and self.fits(len(tokens))):
             raise ValueError(f"a chain of {steps} steps over {len(tokens)} rows: at most {self.chain} steps and "
                              f"{self.buckets[-1]} rows")
-        return self._run(steps, tokens, positions, slots, stage_slots, tables, lens)[:, :len(tokens)].tolist()
+        return self._run(steps, tokens, positions, slots, stage_slots, tables, lens)[:, :len(tokens)]

@@ -118,8 +118,9 @@ class ModelRunner:
             raise RuntimeError("a chained step's sequences must all chain the same number of steps")
         inputs = self._decode_inputs(work)
         timer.start()
-        tokens = self.chain.run_chain(steps, *inputs)
+        out = self.chain.run_chain(steps, *inputs)
         timer.stop()
+        tokens = out.tolist()  # one wait for the whole chain
         outcomes = []
         for i, w in enumerate(work):
             w.draft = [tokens[s][i] for s in range(steps - 1)]

@@ -108,7 +108,7 @@ def test_a_chains_inputs_step_through_the_pages_and_stage_rows(engine):
     pos = torch.arange(20)
     for pages, row in (([0, 1], 0), ([3, 4], 1)):
         model.forward(batch_of_prompt(ids, pos, pages, row, ps), pool)
-    out = graphs.run_chain(3, [11, 12], [14, 7], [14, 3 * ps + 7], [14, ps + 7], [[0, 1], [3, 4]], [15, 8])
+    out = graphs.run_chain(3, [11, 12], [14, 7], [14, 3 * ps + 7], [14, ps + 7], [[0, 1], [3, 4]], [15, 8]).tolist()
     assert np.array(out).shape == (3, 2) and graphs.tokens[1:4, :2].tolist() == out
 
 
