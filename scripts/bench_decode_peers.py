@@ -155,6 +155,8 @@ def main() -> None:
     ap.add_argument("--all", action="store_true", help="also the row-major GEMV, the unfused and the eager engine")
     ap.add_argument("--o-apart", action="store_true", help="also int4-g128 and int8 with o's input rounded in a "
                     "launch of its own (before 15bd2d4), beside the same engine with it rounded by the reduce")
+    ap.add_argument("--chains", default="", help="also int4-g128 with these decode steps a step (Engine's "
+                    "decode_chain; comma-separated), beside the default (engine.CHAIN_STEPS) and 1")
     args = ap.parse_args()
     c = SYNTHETIC[args.model]
     bw = measure_copy_bandwidth(torch.device("cuda"), 1 << 30)
@@ -167,6 +169,7 @@ def main() -> None:
     if args.all:  # the row-major GEMV autotunes each shape's launch on first use: minutes on a fresh machine
         runs += [("int4-g128", True, True, False, True), ("int8", True, True, False, True),
                  ("int4-g128", True, False, True, True), ("int4-g128", False, True, True, True)]
+    runs += [("int4-g128", True, True, True, True, False, int(k)) for k in args.chains.split(",") if k]
     if args.o_apart:
         runs += [("int4-g128", True, True, True, True, True), ("int8", True, True, True, True, True)]
     for quant, graphs, fused, kmajor, dp4a, *more in runs:
@@ -175,7 +178,7 @@ def main() -> None:
                                      o_apart, chain)
         gemv = "row-major GEMV" if not kmajor else "integer K-major GEMV" if dp4a else "float K-major GEMV"
         gemv += ", o's input rounded apart" if o_apart else ""
-        gemv += ", one decode step a replay" if chain == 1 else ""
+        gemv += ", one decode step a replay" if chain == 1 else f", {chain} decode steps a replay" if chain else ""
         how = ("CUDA graphs" if graphs else "eager") + ("" if fused else ", unfused") + \
             (f", {gemv}" if quant != "bf16" else "")
         rows.append((f"localpd {quant} (engine, {how}, wall clock per token)", sec, nbytes))

@@ -4,6 +4,7 @@ timings; an embedding request ends with its vector."""
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable
 
 from localpd.engine.requests import Request, StepStats, TokenEvent
@@ -12,7 +13,13 @@ from localpd.engine.runner import StepOutput
 
 class OutputProcessor:
     def __init__(self, finish: Callable[[Request, TokenEvent], None]):
-        self.finish = finish  # the engine's: the request leaves the scheduler, its last event goes out
+        # the engine's: the request leaves the scheduler, its last event goes out. Held weakly: the engine holds
+        # this processor, and without a cycle between them an engine nobody holds frees its memory (GPU memory:
+        # weights, pages) at once, not at some later cyclic garbage collection
+        self._finish = weakref.WeakMethod(finish)
+
+    def finish(self, req: Request, event: TokenEvent) -> None:
+        self._finish()(req, event)
 
     def process(self, out: StepOutput, requests: dict) -> None:
         """requests: the engine's running requests by sequence (each of the step's adds the step's bytes)."""
