@@ -44,10 +44,14 @@ from localpd.text.tokenizer import IncrementalDetokenizer, Tokenizer
 log = logging.getLogger("localpd.engine.engine")
 
 PAGE_SIZE = 16
-# decode steps a step chains on a GPU where every sequence decodes greedily (Engine._chain): the host's 0.2-0.3 ms
-# between steps then comes once in 8 tokens; a reply that ends inside a chain computed up to 7 tokens for nothing
+# decode steps a step chains on a GPU where every sequence decodes greedily (Engine._chain): the host's 0.1-0.3 ms
+# between steps then comes once in 8 tokens (Llama-3-8B int4 on an H100: 363 -> 381 tok/s, docs/PERF.md); a reply
+# that ends inside a chain computed up to 7 tokens for nothing. Not where a chain would take longer than
+# CHAIN_SECONDS: a request that arrives meanwhile waits for the chain's end to start (a slow card's steps are long
+# enough that the host's share is small anyway).
 CHAIN_STEPS = 8
 MAX_CHAIN = 64
+CHAIN_SECONDS = 0.04
 
 _open_engines: weakref.WeakSet = weakref.WeakSet()
 
@@ -183,6 +187,7 @@ class Engine:
             self.notes.append(f"speculative decoding is off under the {self.kv_dtype} KV cache: its rounded pages "
                               f"would let drafted rows change the reply")
         self._requests: dict[Sequence, Request] = {}
+        self._pass_seconds = 0.0  # the last decode step's device time a pass over the weights (Engine._chain)
         self._inbox: deque[Request] = deque()
         self._cancels: set[RequestHandle] = set()
         self._wake = threading.Condition()
@@ -389,10 +394,12 @@ class Engine:
         sampling, logprobs, constraint or min_tokens; no draft) and no request waits to start, the next step
         chains decode_chain decode steps in one replay (DecodeGraphs.run_chain), so that the host's time between
         steps comes once a chain. Each sequence's placeholders are its draft: the scheduler allots their positions
-        as a draft's. A reply that ends inside a chain computed a few tokens past its end, never written."""
+        as a draft's. A reply that ends inside a chain computed a few tokens past its end, never written. Not where
+        the chain would take over CHAIN_SECONDS by the last decode step's time."""
         k, running, chain = self.decode_chain, self.scheduler.running, self.runner.chain
         if (chain is None or self.drafter is not None or self.scheduler.waiting or not running
-                or not chain.fits(len(running)) or len(running) * k > self.scheduler.max_step_tokens):
+                or not chain.fits(len(running)) or len(running) * k > self.scheduler.max_step_tokens
+                or k * self._pass_seconds > CHAIN_SECONDS):
             return
         for seq in running:
             req = self._requests[seq]
@@ -427,6 +434,8 @@ class Engine:
                 if w.seq in self._requests:
                     self._finish(self._requests[w.seq], TokenEvent(None, "", "error", error=f"{type(e).__name__}: {e}"))
             return
+        if out.stats.phase == "decode":
+            self._pass_seconds = out.stats.seconds / out.stats.passes
         self.output.process(out, self._requests)
 
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+import localpd.engine.engine as engine_module
 from localpd.engine import Engine
 from localpd.engine.sampling import SamplingParams
 from localpd.errors import LocalpdError
@@ -19,12 +20,15 @@ CHAIN = 4
 @pytest.fixture(scope="module", params=["fp16", "int8", "int4ch/int4"])
 def engines(request, default_gguf):
     """A plain engine and a chaining one over the same pages' format: float16 (the CPU's default), per-token int8,
-    and int4ch, whose open page is staged (a chain's later steps take stage slots of their own)."""
+    and int4ch, whose open page is staged (a chain's later steps take stage slots of their own). Chains of any
+    length in time: a CPU step of this model takes about 10 ms, more on a busy machine."""
+    bound, engine_module.CHAIN_SECONDS = engine_module.CHAIN_SECONDS, float("inf")
     plain = Engine(default_gguf, device="cpu", max_context=1024, kv=request.param)
     chained = Engine(default_gguf, device="cpu", max_context=1024, kv=request.param, decode_chain=CHAIN)
     yield plain, chained
     plain.close()
     chained.close()
+    engine_module.CHAIN_SECONDS = bound
 
 
 def run_all(engine, requests):
@@ -41,10 +45,10 @@ def test_chained_replies_are_plain_decodings(engines):
     """Four requests at once, of budgets that end inside a chain, by an end token, and by a stop string: the same
     tokens and texts, and chains were taken (a chain's events carry its CHAIN passes)."""
     plain, chained = engines
-    budgets = [70, 37, 50, 23]
+    budgets = [45, 37, 30, 23]
     requests = [(m, SamplingParams(temperature=0, max_tokens=n)) for m, n in zip(PROMPTS, budgets)]
     requests.append(([{"role": "user", "content": "What is the capital of France?"}],
-                     SamplingParams(temperature=0, max_tokens=60, stop=["."])))
+                     SamplingParams(temperature=0, max_tokens=40, stop=["."])))
     want, got = run_all(plain, requests), run_all(chained, requests)
     for (w_events, _), (g_events, g_stats) in zip(want, got):
         assert tokens(g_events) == tokens(w_events)
@@ -81,6 +85,18 @@ def test_a_row_that_needs_its_logits_keeps_the_steps_plain(engines):
         assert tokens(g_events) == tokens(w_events)
         assert all(e.stats.passes == 1 for e in g_events if e.stats)
     assert idle(chained)
+
+
+def test_no_chain_takes_longer_than_chain_seconds(engines, monkeypatch):
+    """By the last decode step's time, a chain that would take over CHAIN_SECONDS (here 0) is not run: a request
+    arriving meanwhile would wait for it to start."""
+    plain, chained = engines
+    monkeypatch.setattr(engine_module, "CHAIN_SECONDS", 0.0)
+    params = SamplingParams(temperature=0, max_tokens=20)
+    (w_events, _), = run_all(plain, [(PROMPTS[3], params)])
+    (g_events, _), = run_all(chained, [(PROMPTS[3], params)])
+    assert tokens(g_events) == tokens(w_events)
+    assert all(e.stats.passes == 1 for e in g_events if e.stats)
 
 
 def test_a_chains_inputs_step_through_the_pages_and_stage_rows(engine):
