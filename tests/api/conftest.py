@@ -1,4 +1,16 @@
+import functools
+
+import httpx
 import pytest
+
+
+@pytest.fixture(autouse=True)
+def patient_requests(monkeypatch):
+    """The API tests' plain httpx calls wait up to 60 s for an answer where they name no timeout: httpx's default of
+    5 s timed out once on the 2-core VM while other suites loaded it (a request queued behind a busy engine), a
+    failure of the machine's load, not of the server. A call that names its own timeout keeps it."""
+    for name in ("get", "post", "options", "put", "delete", "stream"):
+        monkeypatch.setattr(httpx, name, functools.partial(getattr(httpx, name), timeout=60))
 
 
 @pytest.fixture(scope="session")
