@@ -24,8 +24,6 @@ rows 25 SASS instructions a word and row on sm_90, against 45.6 for a row alone)
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -205,7 +203,10 @@ def _finish_rows(y0, y1, y2, y3, row_sq, y_ptr, bias_ptr, ws_ptr, cnt_ptr, SPLIT
                 for s in range(0, SPLIT_K):
                     total_sq += tl.load(sq_ptr + s, cache_modifier=".cg")
             for r in tl.static_range(BLOCK_M):
-                y = _sum_partials(part_ptr + (r * SPLIT_K - pid_k) * N, SPLIT_K, N, offs_n, n_mask)  # row r's
+                y = tl.zeros((offs_n.shape[0],), tl.float32)
+                for s in range(0, SPLIT_K):
+                    y += tl.load(part_ptr + (r * SPLIT_K + s - pid_k) * N, mask=n_mask, other=0.0,
+                                 cache_modifier=".cg")
                 live = n_mask & (offs_n * 0 + m0 + r < M)
                 _epilogue(y, total_sq, y_ptr, bias_ptr, m0 + r, offs_n, live, stride_ym, K, eps, NORM, OUT_BIAS)
             tl.atomic_xchg(cnt_ptr + block, 0, sem="relaxed", scope="gpu")
@@ -213,26 +214,6 @@ def _finish_rows(y0, y1, y2, y3, row_sq, y_ptr, bias_ptr, ws_ptr, cnt_ptr, SPLIT
         for r in tl.static_range(BLOCK_M):
             live = n_mask & (offs_n * 0 + m0 + r < M)
             _epilogue(ys[r], row_sq, y_ptr, bias_ptr, m0 + r, offs_n, live, stride_ym, K, eps, NORM, OUT_BIAS)
-
-
-# split-K partials the reducing program loads in one go (_sum_partials); LOCALPD_PARTIALS=1: one at a time, as
-# before (benchmarks' A/B)
-PARTIALS_AT_ONCE = int(os.environ.get("LOCALPD_PARTIALS", "16"))
-
-
-@triton.jit
-def _sum_partials(ptrs, SPLIT_K, N, offs_n, n_mask, CHUNK: tl.constexpr = PARTIALS_AT_ONCE):
-    """The sum of SPLIT_K partial rows, the first at ptrs ([BLOCK_N] pointers, at offs_n), the next N further
-    each, added in order (the sum is the same as one at a time): CHUNK rows' loads written out one after another,
-    so that they are in flight together. A loop of one load a row, which ptxas unrolled by 4, made ceil(SPLIT_K / 4)
-    round trips to L2 (9 for down's 33 slices on an H100) on the launch's critical path: the last program's
-    reduction ends the kernel. By chunks of 16, ceil(SPLIT_K / 16)."""
-    y = tl.zeros((offs_n.shape[0],), tl.float32)
-    for s0 in range(0, SPLIT_K, CHUNK):
-        for i in tl.static_range(CHUNK):
-            y += tl.load(ptrs + (s0 + i) * N, mask=n_mask & (offs_n * 0 + s0 + i < SPLIT_K), other=0.0,
-                         cache_modifier=".cg")
-    return y
 
 
 @triton.jit
