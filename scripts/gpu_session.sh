@@ -2,7 +2,6 @@
 # One device-tool call: install, then the named stages, each under its own time limit, logs under $OUT.
 # Usage (on the GPU machine, repo root): scripts/gpu_session.sh tests kmtests dp4a fused check check3 sweep kmsweep mma ncu kernels kernels1 kvtests kvgraph
 #   bench peers kv kvfull spec kvsweep dp4atests rows pdl graphs profile profilenopdl dp4asweep4 normtests roundtests peersab
-#   partials
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -61,13 +60,6 @@ for s in "$@"; do case $s in
   profile) TAIL=40 stage profile_decode 150 python3 scripts/profile_decode_step.py ;;  # a token's kernels one by one
   profilenopdl) TAIL=40 stage profile_decode_nopdl 150 env LOCALPD_PDL=0 python3 scripts/profile_decode_step.py ;;
   peersab) TAIL=14 stage bench_peers_ab 150 python3 scripts/bench_decode_peers.py --o-apart ;;  # o's rounding A/B
-  partials) TAIL=16 stage bench_peers_one_partial 150 env LOCALPD_PARTIALS=1 python3 scripts/bench_decode_peers.py
-            TAIL=16 stage bench_peers_partials 150 python3 scripts/bench_decode_peers.py  # the same call's A/B
-            TAIL=10 stage sweep_dp4a_one_partial 200 env LOCALPD_PARTIALS=1 python3 scripts/sweep_dp4a.py \
-              --json "$OUT/sweep_dp4a_p1.json" --shapes qkv,o,gate_up,down
-            TAIL=10 stage sweep_dp4a_partials 200 python3 scripts/sweep_dp4a.py --json "$OUT/sweep_dp4a.json" \
-              --shapes qkv,o,gate_up,down --table kernels/gemv_dp4a_tiles.json  # split-K's reduction 16 at once
-            cp kernels/gemv_dp4a_tiles.json "$OUT/" ;;
   pdl) TAIL=11 stage bench_peers_pdl_off 150 env LOCALPD_PDL=0 python3 scripts/bench_decode_peers.py ;;  # kernels/pdl.py
   graphs) stage gpu_check_graphs 120 python3 scripts/gpu_check.py --graphs-only ;;
   kv) stage bench_kv 50 python3 scripts/bench_kv.py --model llama3-8b --attention-only --batch 1 ;;
