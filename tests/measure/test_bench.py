@@ -65,3 +65,21 @@ def test_bench_kernels_without_a_gpu_runs_the_cpu_path_and_says_so(tmp_path, cap
     # localpd's CPU kernels round each block of 32 inputs to two int8 levels: ~1e-5 from the fp32 reference
     assert all(r["rel_err"]["int8"] < 1e-4 and r["cells"]["int4-g128"][0] > 0 for r in rows)
     assert "CPU path: localpd kernels" in text
+
+
+def test_a_chained_benchmark_counts_one_token_a_pass(default_gguf, monkeypatch):
+    """A decode step that chains 4 steps (Engine._chain) writes 4 tokens in 4 passes over the weights: the bench
+    point's tokens a pass stay 1 at batch 1 and 2, not the tokens a step."""
+    import localpd.engine.engine as engine_module
+    from localpd.measure.bench import run_point
+    from localpd.measure.device import DeviceInfo
+
+    monkeypatch.setattr(engine_module, "CHAIN_SECONDS", float("inf"))  # chains whatever a CPU step takes
+    info = DeviceInfo("cpu", "cpu", 50e9, "table", 20e9, "measured", None, "unknown")
+    engine = Engine(default_gguf, device="cpu", max_context=256, decode_chain=4)
+    try:
+        for batch in (1, 2):
+            point = run_point(engine, info, 16, batch, 13, seed=batch)  # 12 decode tokens a reply: three chains
+            assert point.tokens_per_pass == 1.0 and point.decode_tps > 0
+    finally:
+        engine.close()
