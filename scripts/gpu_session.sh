@@ -2,6 +2,7 @@
 # One device-tool call: install, then the named stages, each under its own time limit, logs under $OUT.
 # Usage (on the GPU machine, repo root): scripts/gpu_session.sh tests kmtests dp4a fused check check3 sweep kmsweep mma ncu kernels kernels1 kvtests kvgraph
 #   bench peers kv kvfull spec kvsweep dp4atests rows pdl graphs profile profilenopdl dp4asweep4 normtests roundtests peersab
+#   ncugemv
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -50,6 +51,8 @@ for s in "$@"; do case $s in
   ncu) stage ncu_step 240 ncu --profile-from-start off --metrics dram__bytes_read.sum,dram__bytes_write.sum --csv \
          --log-file "$OUT/ncu.csv" python3 scripts/ncu_step_bytes.py run --json "$OUT/step.json"
        stage ncu_compare 20 python3 scripts/ncu_step_bytes.py compare "$OUT/ncu.csv" "$OUT/step.json" ;;
+  ncugemv) TAIL=200 stage ncu_gemv 200 ncu --profile-from-start off --section SpeedOfLight --section Occupancy \
+             --section LaunchStats --section WarpStateStats python3 scripts/ncu_gemv.py --formats int4-g128,int8 ;;
   kernels) stage bench_kernels 200 localpd bench kernels --json "$OUT/bench_kernels.json" ;;
   kmsweep) TAIL=14 stage sweep_kmajor 300 python3 scripts/sweep_kmajor.py --json "$OUT/sweep_kmajor.json" ;;
   kernels1) TAIL=12 stage bench_kernels_m1 200 localpd bench kernels --m 1,4 --formats "int4-g128 K-major,int8 K-major" \
