@@ -422,7 +422,7 @@ typedef struct {
     float *side;     /* AVX512: the thread's weight_side scratch (gemm_task) */
     const float *xt; /* AVX512, several rows: xd, xsf and the sums in float by block, then row (mp a block) */
     int mp;          /* the rows rounded up to 16 */
-    const int16_t *xw; /* AVX512, several rows: each value as the int16 256 hi + lo, as gemm4xm takes them
+    const int16_t *xw; /* AVX512, several rows: each value as the int16 256 hi + lo, as gemm_tile takes them
                         * (widen_row; gemm_task fills it) */
 } gemm_args;
 
@@ -557,20 +557,22 @@ static inline __m512i lut_table(const gemm_args *a) {
 #else
 #define DSTRIDE(nb) (nb)
 #endif
-/* From this many input rows on, AVX512 takes the products in tiles (tile_rows); fewer rows work out each (weight
- * row, input row)'s factors in row_factors (the tiles took 1.07x to 1.16x of that at 5 to 8 rows, 0.96x at 9 to
- * 15: SmolLM2-135M's four products on the Zen 4 EPYC, one thread). */
-#define TILE_FROM 9
-#ifndef WIDE_FROM
-#define WIDE_FROM 3
-#endif
+/* From this many input rows on, AVX512 takes the products in tiles of four weight rows and four input rows
+ * (tile_rows); 2 to 15 rows take each weight row against all of them in one tile (gemm1x), its factors from
+ * row_factors. In tiles of four input rows a fifth row and a ninth each started a tile of one input row, its
+ * weights widened again and its factors a call of their own: 5 rows cost 1.41x 4 rows' products, 9 rows 1.26x 8
+ * rows', where each other row added 1.10x to 1.25x (SmolLM2-135M's four products, Q4_1, the Zen 4 EPYC, one
+ * thread). One tile of all the rows costs each row about the same (docs/PERF.md, issue 30's "rows of a
+ * verification step"); at 16 rows its sums no longer fit in the registers. */
+#define TILE_FROM 16
+#define ROW_CHUNK 8 /* the most input rows row_factors takes in one call */
 
 #if defined(LPD_AVX512) || defined(LPD_AVX2)
 /* The products take four weight rows at a time, a block or two of each in turn: four streams of a few hundred bytes
  * each, which the processor's own prefetcher does not follow (4 x 576-byte rows so read: 10 GB/s on one thread of
  * the Zen 4 EPYC, where one stream reads at 22). The four rows are one run of bytes, so each step requests the
- * `bytes` it reads WEIGHT_AHEAD further along that run (18 GB/s so; 4 to 16 KiB ahead alike, 32 less). gemm4xm
- * (2 to 4 input rows) does the same: with a prefetch a row 8 rows ahead it read the output head (28 MB of int8,
+ * `bytes` it reads WEIGHT_AHEAD further along that run (18 GB/s so; 4 to 16 KiB ahead alike, 32 less). gemm_tile
+ * (several input rows) does the same: with a prefetch a row 8 rows ahead it read the output head (28 MB of int8,
  * out of the caches) at a third of gemv4's rate, even for one input row, so that a 2-row step's head cost 2.9x a
  * 1-row step's; with the run's prefetch 1.6x to 2x (one thread, Zen 4). */
 #define WEIGHT_AHEAD 8192
@@ -648,66 +650,57 @@ static void gemm1x4(const gemm_args *a, int n, int m0, int mm, const float *ds, 
 #endif
 
 #if defined(LPD_AVX512)
-/* Weight rows n .. n + 3 against input rows m0 .. m0 + MM - 1 (MM <= 4, a constant where it is inlined): each
- * expanded pair of weight blocks serves the MM input rows and each pair of input blocks the four weight rows, their
- * 4 x MM sums in registers. Each (weight row, input row) takes gemv4's sums, scaled and added in gemv4's order, so a
- * row's result does not depend on how many rows share the step (a verification step's rows are the decode rows
- * they check); a pair's two factors go out to their lanes in one permute. ds[(r * 4 + m) * dstride + b] and
- * extra[r * 4 + m]: the factors and terms of weight row n + r and input row m0 + m.
- * WIDE (3 rows and more): the input goes in whole, each value the int16 256 hi + lo (xw, widen_row), against the
- * weight's bytes widened to int16 once a tile: vpmaddwd and vpdpwssd give each int32 lane the four products gemv4's vpdpbusd sums (lane l:
+/* Weight rows n .. n + R - 1 against input rows m0 .. m0 + MM - 1 (R and MM constants where it is inlined: 4 x 1..4
+ * or 1 x 2..15, the R x MM sums in registers): each expanded pair of weight blocks serves the MM input rows and each
+ * pair of input blocks the R weight rows. Each (weight row, input row) takes gemv4's sums, scaled and added in
+ * gemv4's order, so a row's result does not depend on how many rows share the step, nor on the tile it falls in (a
+ * verification step's rows are the decode rows they check); a pair's two factors go out to their lanes in one
+ * permute. ds[(r * rstride + m) * dstride + b] and extra[r * rstride + m]: the factors and terms of weight row n + r
+ * and input row m0 + m.
+ * The input goes in whole, each value the int16 256 hi + lo (xw, widen_row), against the weight's bytes widened to
+ * int16 once a tile: vpmaddwd and vpdpwssd give each int32 lane the four products gemv4's vpdpbusd sums (lane l:
  * bytes 4l .. 4l + 3 of the pair; the first takes bytes 4l, 4l + 1, the second 4l + 2, 4l + 3), so the lanes, and
  * the floats, are gemv4's exactly (|256 hi + lo| < 2^15, a weight byte < 2^8: no lane overflows), in two multiplies
- * where two vpdpbusd, a shift and a zeroed register took four (for two rows widening the weight cost more than
- * that saved: they take the two levels as they are, vpdpbusd on each). */
-static inline __attribute__((always_inline)) void gemm4xm(const gemm_args *a, int n, int m0, const int MM,
-                                                           const int WIDE, const float *ds, int dstride,
-                                                           const float *extra) {
+ * where two vpdpbusd, a shift and a zeroed register took four. */
+static inline __attribute__((always_inline)) void gemm_tile(const gemm_args *a, int n, int m0, const int R, const int MM,
+                                                             const float *ds, int dstride, int rstride,
+                                                             const float *extra) {
     int K = a->K, nb = K / 32;
     size_t row_bytes = a->bits == 4 ? K / 2 : K, step = a->bits == 4 ? 16 : 32;
     const uint8_t *w0 = a->w + (size_t)n * row_bytes;
     const __m512i pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0), tab = lut_table(a);
     const __m512i first = _mm512_broadcast_i32x4(_mm_setr_epi8(0, -1, 1, -1, 4, -1, 5, -1, 8, -1, 9, -1, 12, -1, 13, -1));
     const __m512i second = _mm512_broadcast_i32x4(_mm_setr_epi8(2, -1, 3, -1, 6, -1, 7, -1, 10, -1, 11, -1, 14, -1, 15, -1));
-    __m512 acc[4][4];
-    for (int r = 0; r < 4; r++)
+    __m512 acc[4][TILE_FROM - 1]; /* R x MM of them: 4 x 4 or 1 x 15 at most */
+    for (int r = 0; r < R; r++)
         for (int m = 0; m < MM; m++) acc[r][m] = _mm512_setzero_ps();
     for (int b = 0; b < nb; b += 2) {
-        __m512i wv[4], wa[4], wb[4];
-        for (size_t o = 0; o < 8 * step; o += 64) /* prefetch_run's, written out: called here, gcc 12 built none */
-            _mm_prefetch((const char *)(w0 + WEIGHT_AHEAD + b * 4 * step + o), _MM_HINT_T0);
-        for (int r = 0; r < 4; r++) {
-            wv[r] = load_pair(a, w0 + r * row_bytes, b, tab);
-            if (WIDE) {
-                wa[r] = _mm512_shuffle_epi8(wv[r], first);
-                wb[r] = _mm512_shuffle_epi8(wv[r], second);
-            }
+        __m512i wa[4], wb[4];
+        for (size_t o = 0; o < 2 * R * step; o += 64) /* prefetch_run's, written out: called here, gcc 12 built none */
+            _mm_prefetch((const char *)(w0 + WEIGHT_AHEAD + b * R * step + o), _MM_HINT_T0);
+        for (int r = 0; r < R; r++) {
+            __m512i wv = load_pair(a, w0 + r * row_bytes, b, tab);
+            wa[r] = _mm512_shuffle_epi8(wv, first);
+            wb[r] = _mm512_shuffle_epi8(wv, second);
         }
         for (int m = 0; m < MM; m++) {
-            __m512i x, xl; /* WIDE: the pair's values at 4l, 4l + 1 and at 4l + 2, 4l + 3; else its hi and lo levels */
-            if (WIDE) {
-                const int16_t *xm = a->xw + (size_t)(m0 + m) * K + b * 32;
-                x = _mm512_loadu_si512(xm), xl = _mm512_loadu_si512(xm + 32);
-            } else {
-                const int8_t *xm = a->xq + (size_t)(m0 + m) * K + b * 32;
-                x = _mm512_loadu_si512(xm), xl = _mm512_loadu_si512(xm + a->lo);
-            }
-            for (int r = 0; r < 4; r++) { /* else (hi sums << 8) + lo sums: vpdpbusd adds the lo ones in place */
-                __m512i p = WIDE ? _mm512_dpwssd_epi32(_mm512_madd_epi16(wa[r], x), wb[r], xl)
-                                 : _mm512_dpbusd_epi32(_mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(),
-                                                                                             wv[r], x), 8), wv[r], xl);
-                __m128 two = _mm_castpd_ps(_mm_load_sd((const double *)(ds + (size_t)(r * 4 + m) * dstride + b)));
+            const int16_t *xm = a->xw + (size_t)(m0 + m) * K + b * 32; /* the pair's values at 4l, 4l + 1, then at
+                                                                       * 4l + 2, 4l + 3 */
+            __m512i x = _mm512_loadu_si512(xm), xl = _mm512_loadu_si512(xm + 32);
+            for (int r = 0; r < R; r++) {
+                __m512i p = _mm512_dpwssd_epi32(_mm512_madd_epi16(wa[r], x), wb[r], xl);
+                __m128 two = _mm_castpd_ps(_mm_load_sd((const double *)(ds + (size_t)(r * rstride + m) * dstride + b)));
                 __m512 f = _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(two));
                 acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), f, acc[r][m]);
             }
         }
     }
-    for (int r = 0; r < 4; r++)
+    for (int r = 0; r < R; r++)
         for (int m = 0; m < MM; m++)
-            a->y[(size_t)(m0 + m) * a->N + n + r] = _mm512_reduce_add_ps(acc[r][m]) + extra[r * 4 + m];
+            a->y[(size_t)(m0 + m) * a->N + n + r] = _mm512_reduce_add_ps(acc[r][m]) + extra[r * rstride + m];
 }
 
-/* An input row's pairs of blocks as gemm4xm takes them: of each pair's 64 values (256 hi + lo, in xq's order),
+/* An input row's pairs of blocks as gemm_tile takes them: of each pair's 64 values (256 hi + lo, in xq's order),
  * those at 4l and 4l + 1 (l = 0 .. 15) first, then those at 4l + 2 and 4l + 3. */
 static void widen_row(const int8_t *hi, const int8_t *lo, int K, int16_t *out) {
     const __m512i first = _mm512_set_epi16(61, 60, 57, 56, 53, 52, 49, 48, 45, 44, 41, 40, 37, 36, 33, 32,
@@ -723,14 +716,36 @@ static void widen_row(const int8_t *hi, const int8_t *lo, int K, int16_t *out) {
     }
 }
 
-/* gemm4xm for mm input rows: on whole int16 inputs where gemm_task made them (xw), else on the two int8 levels. */
+/* gemm_tile of four weight rows and mm input rows (1 to 4). */
 static void gemm4x(const gemm_args *a, int n, int m0, int mm, const float *ds, int dstride, const float *extra) {
-#define LPD_TILE(MM) (a->xw ? gemm4xm(a, n, m0, MM, 1, ds, dstride, extra) : gemm4xm(a, n, m0, MM, 0, ds, dstride, extra))
     switch (mm) {
-    case 1: LPD_TILE(1); break;
-    case 2: LPD_TILE(2); break;
-    case 3: LPD_TILE(3); break;
-    default: LPD_TILE(4); break;
+    case 1: gemm_tile(a, n, m0, 4, 1, ds, dstride, 4, extra); break;
+    case 2: gemm_tile(a, n, m0, 4, 2, ds, dstride, 4, extra); break;
+    case 3: gemm_tile(a, n, m0, 4, 3, ds, dstride, 4, extra); break;
+    default: gemm_tile(a, n, m0, 4, 4, ds, dstride, 4, extra); break;
+    }
+}
+
+/* Weight rows n .. n1 - 1, each in a gemm_tile of one weight row and all M input rows (2 to 15), on whole int16
+ * inputs (xw), its factors and terms from row_factors in ds (the thread's scratch). The loop over the weight rows
+ * is inside each tile's case, so that what does not change from one weight row to the next (the inputs' addresses,
+ * the constants) is set up once, not once a row (a call a row cost 5 to 8 rows 5% to 8% more). */
+static void row_factors(const gemm_args *a, int n, int m0, int mm, int xor_blocks, float *ds, float *extra);
+static void gemm1x(const gemm_args *a, int n, int n1, int xor_blocks, float *ds) {
+    int dstride = DSTRIDE(a->K / 32);
+    float extra[TILE_FROM - 1];
+#define LPD_TILE(MM)                                                                                               \
+    case MM:                                                                                                       \
+        for (; n < n1; n++) {                                                                                      \
+            for (int m0 = 0; m0 < MM; m0 += ROW_CHUNK)                                                             \
+                row_factors(a, n, m0, MM - m0 < ROW_CHUNK ? MM - m0 : ROW_CHUNK, xor_blocks,                        \
+                            ds + (size_t)m0 * dstride, extra + m0);                                                \
+            gemm_tile(a, n, 0, 1, MM, ds, dstride, 0, extra);                                                      \
+        }                                                                                                          \
+        break;
+    switch (a->M) {
+        LPD_TILE(2) LPD_TILE(3) LPD_TILE(4) LPD_TILE(5) LPD_TILE(6) LPD_TILE(7) LPD_TILE(8) LPD_TILE(9) LPD_TILE(10) LPD_TILE(11) LPD_TILE(12)
+        LPD_TILE(13) LPD_TILE(14) LPD_TILE(15)
     }
 #undef LPD_TILE
 }
@@ -913,8 +928,8 @@ static void row_factors(const gemm_args *a, int n, int m0, int mm, int xor_block
         return;
     }
     int with_b = a->sub || deinterleaved(a->bits, a->lut), sgn = signed_codes(a);
-    __m256 ev[ROWS_AT_ONCE], cv[ROWS_AT_ONCE];
-    for (int m = 0; m < ROWS_AT_ONCE; m++) ev[m] = cv[m] = _mm256_setzero_ps();
+    __m256 ev[ROW_CHUNK], cv[ROW_CHUNK]; /* mm <= ROW_CHUNK */
+    for (int m = 0; m < mm; m++) ev[m] = cv[m] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b += 8) { /* each chunk's weight factors once for the rows, each row in its own lanes */
         __mmask8 k = first_lanes(nb - b), kx = first_lanes(xor_blocks - b);
         __m256 w8, b8;
@@ -1045,7 +1060,7 @@ static void row_factors(const gemm_args *a, int n, int m0, int mm, int xor_block
 #if defined(LPD_AVX512)
 /* Weight rows n, n + 4, ... (while four fit below n1) against every input row (M >= TILE_FROM, nb even): each group
  * of four weight rows takes its factors (weight_side) and its terms for sixteen input rows at a time (tile_extras)
- * once, then 4 x 4 tiles (gemm4xm) over the input rows, each tile's factors ws x xd sixteen blocks a multiply.
+ * once, then 4 x 4 tiles (gemm4x) over the input rows, each tile's factors ws x xd sixteen blocks a multiply.
  * Where row_factors worked out each (weight row, input row)'s factors and terms, 16 to 64 rows cost 0.8x to 0.9x
  * (SmolLM2-135M's four products, Zen 4); each row's floats are row_factors' and gemv4's. Returns the next row. */
 static int tile_rows(const gemm_args *a, int n, int n1) {
@@ -1083,7 +1098,7 @@ static int tile_rows(const gemm_args *a, int n, int n1) {
 static void gemm_rows(const gemm_args *a, int n0, int n1, float *ds) {
     int K = a->K, nb = K / 32, N = a->N;
     size_t row_bytes = a->bits == 4 ? K / 2 : K;
-    int32_t *sums = (int32_t *)(ds + 4 * ROWS_AT_ONCE * DSTRIDE(nb)); /* after four weight rows' factors (gemm4xm's) */
+    int32_t *sums = (int32_t *)(ds + 4 * ROWS_AT_ONCE * DSTRIDE(nb)); /* after 16 rows of factors (gemm1x's, gemm4x's) */
 #if defined(LPD_AVX512)
     int vec_blocks = nb & ~1, xor_blocks = vec_blocks; /* two at a time; an odd last one goes alone */
 #elif defined(LPD_AVX2)
@@ -1103,17 +1118,9 @@ static void gemm_rows(const gemm_args *a, int n0, int n1, float *ds) {
 #endif
 #if defined(LPD_AVX512)
     if (a->M >= TILE_FROM && vec_blocks == nb) n = tile_rows(a, n, n1);
-    if (a->M > 1 && vec_blocks == nb) {
-        for (; n + 4 <= n1; n += 4) {
-            for (int m0 = 0; m0 < a->M; m0 += ROWS_AT_ONCE) {
-                int mm = a->M - m0 < ROWS_AT_ONCE ? a->M - m0 : ROWS_AT_ONCE;
-                float extra[4 * ROWS_AT_ONCE];
-                for (int r = 0; r < 4; r++)
-                    row_factors(a, n + r, m0, mm, xor_blocks, ds + r * ROWS_AT_ONCE * DSTRIDE(nb),
-                                extra + r * ROWS_AT_ONCE);
-                gemm4x(a, n, m0, mm, ds, DSTRIDE(nb), extra);
-            }
-        }
+    if (a->M > 1 && a->M < TILE_FROM && a->xw) { /* 2 to 15 rows: each weight row against all at once */
+        gemm1x(a, n, n1, xor_blocks, ds);
+        n = n1;
     }
 #endif
     for (; n < n1; n++) {
@@ -1184,7 +1191,7 @@ static void gemm_task(void *ctx, int ith, int nth) {
 #elif defined(LPD_AVX512)
     int mp = (a->M + 15) & ~15, np = PAD16(nb);
     size_t wide = sizeof(float) * (24 * (size_t)np + 4 * (size_t)mp + (a->M >= TILE_FROM ? 3 * (size_t)np * mp : 0))
-                  + (a->M >= WIDE_FROM ? sizeof(int16_t) * (size_t)a->M * K : 0);
+                  + (a->M > 1 ? sizeof(int16_t) * (size_t)a->M * K : 0);
 #else
     size_t wide = 0;
 #endif
@@ -1210,7 +1217,7 @@ static void gemm_task(void *ctx, int ith, int nth) {
             }
         own.xt = xt;
     }
-    if (a->M > WIDE_FROM - 1 && !(nb & 1)) { /* each value whole, for gemm4xm */
+    if (a->M > 1 && !(nb & 1)) { /* each value whole, for gemm_tile */
         int16_t *xw = (int16_t *)(own.side + 24 * np + 4 * mp + (a->M >= TILE_FROM ? 3 * (size_t)np * mp : 0));
         for (int m = 0; m < a->M; m++) widen_row(a->xq + (size_t)m * K, a->xq + a->lo + (size_t)m * K, K, xw + (size_t)m * K);
         own.xw = xw;

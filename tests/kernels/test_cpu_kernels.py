@@ -453,8 +453,8 @@ def test_gathered_weights_view_one_buffer_and_multiply_the_same():
                                         ("iq4", 32), ("mxfp4", 32)])
 @pytest.mark.parametrize("n,k", [(70, 576), (64, 1536), (33, 96), (33, 192)])
 def test_each_of_a_few_rows_is_its_one_row_product_bit_for_bit(lib, kind, group, n, k):
-    """2 to 15 rows (a verification step's: a decode row and the drafted tokens after it; from 9 rows on AVX-512's
-    tiles) give each row exactly what that row alone gives (the decode step's one-row product), so speculative
+    """2 to 15 rows (a verification step's: a decode row and the drafted tokens after it; on AVX-512 one tile of all
+    the rows a weight row) give each row exactly what that row alone gives (the decode step's one-row product), so speculative
     decoding's rows are the plain decode rows they check. (AVX2's int4-k differs in the last bits between one row
     and several: not held there.)"""
     if kind == "int4k" and lib.lpd_isa().decode() == "avx2":
@@ -490,6 +490,32 @@ def test_the_integer_products_at_prefill_rows_are_each_its_one_row_product(lib, 
         y = cpu.linear(x[:m], w, bias, lib=lib)
         assert torch.equal(y, alone[:m]), m
         assert rel_err(y, ref(w, rounded_rows(x[:m]), bias)) < 2e-5
+
+
+@pytest.mark.parametrize("kind,group", [("int4", 32), ("int4", 64), ("int8", None), ("int8", 32), ("int4k", 32),
+                                        ("iq4", 32)])
+@pytest.mark.parametrize("n,k", [(61, 576), (33, 96), (23, 1536)])
+def test_every_row_count_to_17_is_each_rows_one_row_product_and_the_references(lib, kind, group, n, k, monkeypatch):
+    """Every row count from 1 to 17 through the integer products (a verification step's 1 to 15 rows, and past
+    them: 16 and 17 take AVX-512's tiles of four weight rows and four input rows, 2 to 15 one tile of all the rows
+    a weight row), fresh random inputs for each count: each row bit for bit its one-row product, and all of them
+    within float summation of the torch reference on the rounded input. Odd weight-row counts, an odd block count
+    (K = 96: AVX-512's plain loops) and groups of several blocks (int4 g64: row_factors' general path, its rows in
+    two calls past eight). (AVX2's int4-k: as above.)"""
+    if kind == "int4k" and lib.lpd_isa().decode() == "avx2":
+        pytest.skip("AVX2's int4-k factors are not gemv4's for one row")
+    if group and k % group:
+        pytest.skip(f"groups of {group} do not divide {k}")
+    monkeypatch.setattr(cpu, "GEMM_ROWS", 1 << 20)
+    group = k if group is None else group
+    g = torch.Generator().manual_seed(n * k + group)
+    w = weights(kind, n, k, group, g)
+    bias = torch.randn(n, generator=g)
+    for m in range(1, 18):
+        x = torch.randn(m, k, generator=g) * 3
+        y = cpu.linear(x, w, bias, lib=lib)
+        assert torch.equal(y, torch.cat([cpu.linear(x[i:i + 1], w, bias, lib=lib) for i in range(m)])), m
+        assert rel_err(y, ref(w, rounded_rows(x), bias)) < 2e-5, m
 
 
 @pytest.mark.parametrize("kind", list(CODEBOOKS))
