@@ -565,7 +565,6 @@ static inline __m512i lut_table(const gemm_args *a) {
  * thread). One tile of all the rows costs each row about the same (docs/PERF.md, issue 30's "rows of a
  * verification step"); at 16 rows its sums no longer fit in the registers. */
 #define TILE_FROM 16
-#define ROW_CHUNK 8 /* the most input rows row_factors takes in one call */
 
 #if defined(LPD_AVX512) || defined(LPD_AVX2)
 /* The products take four weight rows at a time, a block or two of each in turn: four streams of a few hundred bytes
@@ -737,15 +736,13 @@ static void gemm1x(const gemm_args *a, int n, int n1, int xor_blocks, float *ds)
 #define LPD_TILE(MM)                                                                                               \
     case MM:                                                                                                       \
         for (; n < n1; n++) {                                                                                      \
-            for (int m0 = 0; m0 < MM; m0 += ROW_CHUNK)                                                             \
-                row_factors(a, n, m0, MM - m0 < ROW_CHUNK ? MM - m0 : ROW_CHUNK, xor_blocks,                        \
-                            ds + (size_t)m0 * dstride, extra + m0);                                                \
+            row_factors(a, n, 0, MM, xor_blocks, ds, extra);                                                       \
             gemm_tile(a, n, 0, 1, MM, ds, dstride, 0, extra);                                                      \
         }                                                                                                          \
         break;
     switch (a->M) {
-        LPD_TILE(2) LPD_TILE(3) LPD_TILE(4) LPD_TILE(5) LPD_TILE(6) LPD_TILE(7) LPD_TILE(8) LPD_TILE(9) LPD_TILE(10) LPD_TILE(11) LPD_TILE(12)
-        LPD_TILE(13) LPD_TILE(14) LPD_TILE(15)
+        LPD_TILE(2) LPD_TILE(3) LPD_TILE(4) LPD_TILE(5) LPD_TILE(6) LPD_TILE(7) LPD_TILE(8)
+        LPD_TILE(9) LPD_TILE(10) LPD_TILE(11) LPD_TILE(12) LPD_TILE(13) LPD_TILE(14) LPD_TILE(15)
     }
 #undef LPD_TILE
 }
@@ -875,6 +872,8 @@ static void weight_side(const gemm_args *a, int n, float *ws, float *wb) {
  * int4-k) or -128 x that of ds[b] x its integer sum over the first xor_blocks blocks (int8 and codebooks, whose
  * codes go in flipped by 128): block b in lane b % 8, eight blocks a step (the last masked), then hsum8's order;
  * plus the layer's bias. */
+static void row_factors_grouped(const gemm_args *a, int n, int mm, int xor_blocks, float bias, const float *xd,
+                                const float *xsf, const int32_t *xs, float *ds, float *extra);
 static void row_factors(const gemm_args *a, int n, int m0, int mm, int xor_blocks, float *ds, float *extra) {
     int nb = a->K / 32, ng = a->K / a->group, stride = DSTRIDE(nb);
     float bias = a->bias ? a->bias[n] : 0.f;
@@ -927,8 +926,17 @@ static void row_factors(const gemm_args *a, int n, int m0, int mm, int xor_block
 #undef LPD_SCALES
         return;
     }
+    row_factors_grouped(a, n, mm, xor_blocks, bias, xd, xsf, xs, ds, extra);
+}
+
+/* row_factors' general path (int4-k, groups of several blocks), a function of its own: its registers for up to
+ * 15 rows made the Q4_1 path's calls (four a group of weight rows at decode) 1.1x slower where they shared a frame. */
+static __attribute__((noinline)) void row_factors_grouped(const gemm_args *a, int n, int mm, int xor_blocks,
+                                                          float bias, const float *xd, const float *xsf,
+                                                          const int32_t *xs, float *ds, float *extra) {
+    int nb = a->K / 32, stride = DSTRIDE(nb);
     int with_b = a->sub || deinterleaved(a->bits, a->lut), sgn = signed_codes(a);
-    __m256 ev[ROW_CHUNK], cv[ROW_CHUNK]; /* mm <= ROW_CHUNK */
+    __m256 ev[TILE_FROM - 1], cv[TILE_FROM - 1]; /* mm < TILE_FROM (gemm1x's rows) */
     for (int m = 0; m < mm; m++) ev[m] = cv[m] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b += 8) { /* each chunk's weight factors once for the rows, each row in its own lanes */
         __mmask8 k = first_lanes(nb - b), kx = first_lanes(xor_blocks - b);
