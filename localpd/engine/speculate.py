@@ -32,16 +32,18 @@ MAX_DRAFT = 14  # --draft-tokens' bound: k + 1 rows (15) stay under the CPU kern
 DRAFT_TOKENS = 8  # --draft-tokens' default
 NGRAMS = (3, 2)  # the suffix lengths looked up, longest first
 # A step's time with r rows of one sequence over a one-row decode step's, r = 1, 2, ...: on the CPU's kernels
-# (SmolLM2-135M Q4_1 at 400 tokens of context, the 2-core Zen 4 VM, one thread under real-time priority: docs/PERF.md,
-# "CPU integer products at many rows", the mean of two runs of `scripts/bench_speculate.py --parts`) each row's
-# integer products are its own work (two multiplies per 64 weights and row), so a row costs about half a one-row
-# step in the products; the attention walks a sequence's keys once for its rows, and the weights' loads and the
-# output head's are shared. On a GPU a verification replays the decode graph of its bucket of rows (engine.runner,
+# (SmolLM2-135M Q4_1 at 400 tokens of context, the 2-core Zen 4 VM, one thread: docs/PERF.md, "a verification
+# step's rows in one tile", the mean of two runs of `scripts/bench_speculate.py --parts`) each row's integer
+# products are its own work (two multiplies per 64 weights and row), so a row costs about half a one-row step in
+# the products; the attention walks a sequence's keys once for its rows, and the weights' loads and the output
+# head's are shared. 2 to 15 rows take one tile of all the rows a weight row, so every row from the second adds
+# 0.43 to 0.60 (the tiles of four rows made the 5th and the 9th add 0.94 and 1.09); 16 rows take prefill's float
+# products and attention tiles. On a GPU a verification replays the decode graph of its bucket of rows (engine.runner,
 # engine.cuda_graph.BUCKETS), whose time follows the integer GEMV's programs of 4 rows: measured on an H100
 # (Llama-3-8B shapes, int4-g128, 1k tokens of context, scripts/gpu_speculate.py, 2026-11-26), exactly r rows over
 # one: 2: 1.10, 3-4: 1.55-1.58, 5-8: 2.00-2.13, 9-12: 2.52-2.68, 13-16: 3.18-3.29; the table holds each r's
 # bucket's time.
-CPU_STEP_COSTS = (1.0, 1.58, 1.98, 2.45, 3.39, 3.91, 4.30, 4.76, 5.85, 6.27, 6.67, 7.13, 7.87, 8.30, 8.52, 11.78)
+CPU_STEP_COSTS = (1.0, 1.53, 2.04, 2.61, 3.01, 3.51, 4.11, 4.54, 5.05, 5.60, 6.03, 6.55, 7.09, 7.62, 7.90, 12.79)
 GPU_STEP_COSTS = (1.0, 1.10, 1.58, 1.58, 2.13, 2.13, 2.13, 2.13, 2.68, 2.68, 2.68, 2.68, 3.29, 3.29, 3.29, 3.29)
 MIN_GAIN = 1.05  # drafting runs where the best k's expected tokens per unit of time passes this (1: plain decode)
 DECAY = 0.85  # weight of the earlier evidence at each update of the acceptance estimate
