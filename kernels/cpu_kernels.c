@@ -560,10 +560,10 @@ static inline __m512i lut_table(const gemm_args *a) {
 /* From this many input rows on, AVX512 takes the products in tiles of four weight rows and four input rows
  * (tile_rows); 2 to 15 rows take each weight row against all of them in one tile (gemm1x), its factors from
  * row_factors. In tiles of four input rows a fifth row and a ninth each started a tile of one input row, its
- * weights widened again and its factors a call of their own: 5 rows cost 1.41x 4 rows' products, 9 rows 1.26x 8
- * rows', where each other row added 1.10x to 1.25x (SmolLM2-135M's four products, Q4_1, the Zen 4 EPYC, one
- * thread). One tile of all the rows costs each row about the same (docs/PERF.md, issue 30's "rows of a
- * verification step"); at 16 rows its sums no longer fit in the registers. */
+ * weights widened again and its factors a call of their own: 4 -> 5 rows added 0.175 ms and 8 -> 9 rows 0.210 to
+ * SmolLM2-135M's four Q4_1 products, where each other row added 0.04 to 0.08 (the Zen 4 EPYC, one thread); in one
+ * tile every row from the second adds 0.06 to 0.09 (docs/PERF.md, "a verification step's rows in one tile"). At 16
+ * rows the tile's sums no longer fit in the registers. */
 #define TILE_FROM 16
 
 #if defined(LPD_AVX512) || defined(LPD_AVX2)
