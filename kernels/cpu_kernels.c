@@ -565,6 +565,8 @@ static inline __m512i lut_table(const gemm_args *a) {
  * tile every row from the second adds 0.06 to 0.09 (docs/PERF.md, "a verification step's rows in one tile"). At 16
  * rows the tile's sums no longer fit in the registers. */
 #define TILE_FROM 16
+/* Row n's factors and terms for input rows m0 .. m0 + mm - 1 (defined below with the int4-k helpers). */
+static void row_factors(const gemm_args *a, int n, int m0, int mm, int xor_blocks, float *ds, float *extra);
 
 #if defined(LPD_AVX512) || defined(LPD_AVX2)
 /* The products take four weight rows at a time, a block or two of each in turn: four streams of a few hundred bytes
@@ -729,7 +731,6 @@ static void gemm4x(const gemm_args *a, int n, int m0, int mm, const float *ds, i
  * inputs (xw), its factors and terms from row_factors in ds (the thread's scratch). The loop over the weight rows
  * is inside each tile's case, so that what does not change from one weight row to the next (the inputs' addresses,
  * the constants) is set up once, not once a row (a call a row cost 5 to 8 rows 5% to 8% more). */
-static void row_factors(const gemm_args *a, int n, int m0, int mm, int xor_blocks, float *ds, float *extra);
 static void gemm1x(const gemm_args *a, int n, int n1, int xor_blocks, float *ds) {
     int dstride = DSTRIDE(a->K / 32);
     float extra[TILE_FROM - 1];
@@ -753,21 +754,24 @@ static void gemm1x(const gemm_args *a, int n, int n1, int xor_blocks, float *ds)
  * the weight's codes widened to int16: vpmaddwd sums a pair of products into each int32 lane, two multiplies a
  * block where pmaddubsw on each int8 level took four (and four more instructions to join the levels). A lane's sum
  * is at most 4 x 128 x 32639 < 2^24: exact in float too. */
-static inline __m256i dot16(const gemm_args *a, const uint8_t *wrow, int b, __m256i x0, __m256i x1, __m128i tab) {
-    __m256i w0, w1;
+static inline void widen16(const gemm_args *a, const uint8_t *wrow, int b, __m128i tab, __m256i *w0, __m256i *w1) {
     if (a->lut) { /* the block's 32 values in column order, as an int8 block's bytes */
         __m256i v = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(tab), codebook_block(wrow, a->K / 32, b));
-        w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v));
-        w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1));
+        *w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v));
+        *w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1));
     } else if (a->bits == 4) { /* low nibbles: the block's even columns (x0), high: its odd ones (x1) */
         __m128i raw = _mm_loadu_si128((const __m128i *)(wrow + b * 16)), m = _mm_set1_epi8(15);
-        w0 = _mm256_cvtepu8_epi16(_mm_and_si128(raw, m));
-        w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), m));
+        *w0 = _mm256_cvtepu8_epi16(_mm_and_si128(raw, m));
+        *w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), m));
     } else {
         __m256i raw = _mm256_loadu_si256((const __m256i *)(wrow + b * 32));
-        w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(raw));
-        w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(raw, 1));
+        *w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(raw));
+        *w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(raw, 1));
     }
+}
+static inline __m256i dot16(const gemm_args *a, const uint8_t *wrow, int b, __m256i x0, __m256i x1, __m128i tab) {
+    __m256i w0, w1;
+    widen16(a, wrow, b, tab, &w0, &w1);
     return _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
 }
 
@@ -795,6 +799,60 @@ static void gemv4(const gemm_args *a, int n, const float *ds, const float *extra
         }
     }
     for (int r = 0; r < 4; r++) a->y[n + r] = hsum8(acc[r]) + extra[r];
+}
+
+/* Weight row n against input rows m0 .. m0 + MM - 1 (MM a constant where it is inlined, up to AVX2_ROWS): the
+ * weight's block widened once for the MM rows, their sums in registers, each row's the ops of its gemv4 in the same
+ * order (so each row is its one-row product). ds[m * nb + b], extra[m]: row_factors' for input row m0 + m. */
+#define AVX2_ROWS 8
+static inline __attribute__((always_inline)) void gemm_tile16(const gemm_args *a, int n, int m0, const int MM,
+                                                               const float *ds, const float *extra) {
+    int K = a->K, nb = K / 32;
+    size_t row_bytes = a->bits == 4 ? K / 2 : K, step = a->bits == 4 ? 16 : 32;
+    const uint8_t *wrow = a->w + (size_t)n * row_bytes;
+    const __m128i tab = lut_table(a);
+    __m256 acc[AVX2_ROWS];
+    for (int m = 0; m < MM; m++) acc[m] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        __m256i w0, w1;
+        prefetch_run(wrow, b * step, step);
+        widen16(a, wrow, b, tab, &w0, &w1);
+        for (int m = 0; m < MM; m++) {
+            const int16_t *x = a->x16 + (size_t)(m0 + m) * K + b * 32;
+            __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)x)),
+                                         _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(x + 16))));
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(ds[m * nb + b]), acc[m]);
+        }
+    }
+    for (int m = 0; m < MM; m++) a->y[(size_t)(m0 + m) * a->N + n] = hsum8(acc[m]) + extra[m];
+}
+
+/* AVX2's weight rows n .. n1 - 1 against 2 to 15 input rows: each weight row's factors for them all in one call,
+ * then tiles of up to AVX2_ROWS input rows (sums in registers; its 16 registers hold 8 and the weight's block).
+ * The loop this replaced took at most four input rows a pass, its sums in memory: 2 rows cost 3.0x one row's
+ * products and each row after about 0.23 ms, where now 2 rows cost 1.7x and each row after 0.07 to 0.11 ms
+ * (SmolLM2-135M's four Q4_1 products, a haswell build on the Zen 4 EPYC, one thread; docs/PERF.md, "a verification
+ * step's rows in one tile"). */
+static __attribute__((noinline)) void gemm16x(const gemm_args *a, int n, int n1, int xor_blocks, float *ds) {
+    float extra[TILE_FROM - 1];
+    int chunks = (a->M + AVX2_ROWS - 1) / AVX2_ROWS;
+    for (; n < n1; n++) {
+        row_factors(a, n, 0, a->M, xor_blocks, ds, extra);
+        for (int c = 0; c < chunks; c++) {
+            int m0 = a->M * c / chunks, mm = a->M * (c + 1) / chunks - m0;
+            const float *d = ds + (size_t)m0 * (a->K / 32), *e = extra + m0;
+            switch (mm) {
+            case 1: gemm_tile16(a, n, m0, 1, d, e); break;
+            case 2: gemm_tile16(a, n, m0, 2, d, e); break;
+            case 3: gemm_tile16(a, n, m0, 3, d, e); break;
+            case 4: gemm_tile16(a, n, m0, 4, d, e); break;
+            case 5: gemm_tile16(a, n, m0, 5, d, e); break;
+            case 6: gemm_tile16(a, n, m0, 6, d, e); break;
+            case 7: gemm_tile16(a, n, m0, 7, d, e); break;
+            default: gemm_tile16(a, n, m0, 8, d, e); break;
+            }
+        }
+    }
 }
 #endif
 
@@ -990,7 +1048,10 @@ static __m512 tile_extras(const gemm_args *a, const float *ws, const float *wb, 
     return t;
 }
 #else
-static void row_factors(const gemm_args *a, int n, int m0, int mm, int xor_blocks, float *ds, float *extra) {
+/* (Inlined: called from gemm16x too, gcc no longer inlined it into the one-row loop, whose products then took 1.1x
+ * as long, a haswell build on the Zen 4.) */
+static inline __attribute__((always_inline)) void row_factors(const gemm_args *a, int n, int m0, int mm,
+                                                              int xor_blocks, float *ds, float *extra) {
     int nb = a->K / 32, ng = a->K / a->group, per_group = a->group / 32;
     if (a->sub) { /* int4-k: d x sc and dmin x mn, a super-block (8 groups) a register */
         k_row r = k_row_at(a->scales, a->biases, a->sub, n, nb);
@@ -1128,6 +1189,11 @@ static void gemm_rows(const gemm_args *a, int n0, int n1, float *ds) {
     if (a->M >= TILE_FROM && vec_blocks == nb) n = tile_rows(a, n, n1);
     if (a->M > 1 && a->M < TILE_FROM && a->xw) { /* 2 to 15 rows: each weight row against all at once */
         gemm1x(a, n, n1, xor_blocks, ds);
+        n = n1;
+    }
+#elif defined(LPD_AVX2)
+    if (a->M > 1 && a->M < TILE_FROM) {
+        gemm16x(a, n, n1, xor_blocks, ds);
         n = n1;
     }
 #endif

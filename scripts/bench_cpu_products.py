@@ -5,6 +5,10 @@ down 576 x 1536), random weights of one scheme. The three take turns each repeti
 (the first warms the caches after the others' data); the fastest of --reps is kept.
 
     python scripts/bench_cpu_products.py --against OLD.c [--threads 2] [--kind int4] [--reps 8] [--rows 1,2,4,16]
+                                         [--march haswell]
+
+--march builds both sources for that processor (e.g. haswell: the AVX2 products, on a machine that also has
+AVX-512) instead of this one's.
 
 Prints each one's ms for the layer's four products, its time over its one-row time, this source over the other's,
 and this source's integer products over the float GEMM (from 16 rows).
@@ -33,16 +37,18 @@ def main() -> None:
     ap.add_argument("--kind", choices=("int4", "int8"), default="int4", help="int4: Q4_1's (groups of 32 with biases)")
     ap.add_argument("--reps", type=int, default=8)
     ap.add_argument("--rows", default=ROWS)
+    ap.add_argument("--march", default="native", help="the processor both sources are built for")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    other = cpu.open_library(cpu.build(out_dir=Path(tempfile.mkdtemp()), source=Path(args.against)))
+    other = cpu.open_library(cpu.build(args.march, Path(tempfile.mkdtemp()), source=Path(args.against)))
+    this = cpu.library() if args.march == "native" else cpu.open_library(cpu.build(args.march, Path(tempfile.mkdtemp())))
     g = torch.Generator().manual_seed(0)
     make = Int4Weight.quantize_rtn if args.kind == "int4" else Int8Weight.quantize
     weights = [make(torch.randn(n, k, generator=g), 32) for n, k in SHAPES]
     rows = [int(r) for r in args.rows.split(",")]
     inputs = {m: [torch.randn(m, k, generator=g) for _, k in SHAPES] for m in rows}
     # (name, library, GEMM_ROWS): the integer products at every row count, the float GEMM where prefill takes it
-    modes = [("this", cpu.library(), 1 << 30), ("other", other, 1 << 30), ("float", cpu.library(), cpu.GEMM_ROWS)]
+    modes = [("this", this, 1 << 30), ("other", other, 1 << 30), ("float", this, cpu.GEMM_ROWS)]
     best: dict = {}
     kept = cpu.GEMM_ROWS
     try:
@@ -59,7 +65,8 @@ def main() -> None:
                     best[m, name] = min(best.get((m, name), float("inf")), time.perf_counter() - t0)
     finally:
         cpu.GEMM_ROWS = kept
-    print(f"# {args.threads} threads, {args.kind}, SmolLM2-135M's four products, fastest of {args.reps}: ms (x one row)")
+    print(f"# {args.threads} threads, {args.kind}, {this.lpd_isa().decode()}, SmolLM2-135M's four products, fastest of "
+          f"{args.reps}: ms (x one row)")
     one = {name: best.get((rows[0], name)) for name in ("this", "other")}
     for m in rows:
         line = f"{m:4d} rows  this {best[m, 'this'] * 1e3:7.3f} (x{best[m, 'this'] / one['this']:6.2f})  other " \
