@@ -407,9 +407,12 @@ class Engine:
                     or req.params.logprobs is not None or holds_back_eos(req, seq.output)
                     or len(seq.output) + k > seq.max_tokens):
                 return
-        if all(self.pages.allocate(seq.table, seq.computed + k) for seq in running):
-            for seq in running:
-                seq.draft, seq.chain = [0] * (k - 1), True
+        # the chain's pages for every sequence, or none: a partial allocation could make the scheduler preempt
+        if sum(self.pages.lacking(seq.table, seq.computed + k) for seq in running) > self.pages.available:
+            return
+        for seq in running:
+            self.pages.allocate(seq.table, seq.computed + k)
+            seq.draft, seq.chain = [0] * (k - 1), True
 
     def _step(self) -> None:
         """One step: the scheduler picks the work, the model runner computes it and samples, the output processor

@@ -104,9 +104,13 @@ class PagePool:
             self.evictable.pop(page, None)
         self.refs[page] += 1
 
+    def lacking(self, table: PageTable, n_tokens: int) -> int:
+        """Pages the table lacks to hold n_tokens (0 where it holds them)."""
+        return max(0, -(-n_tokens // self.page_size) - len(table.pages))
+
     def allocate(self, table: PageTable, n_tokens: int) -> bool:
         """Grow the table to hold n_tokens. False (and nothing allocated) when not enough pages are available."""
-        need = -(-n_tokens // self.page_size) - len(table.pages)
+        need = self.lacking(table, n_tokens)
         if need <= 0:
             return True
         if need > self.available:
