@@ -101,7 +101,8 @@ def run_point(engine: Engine, info: DeviceInfo, prompt_len: int, batch: int, gen
         decode_mbu=utilisation(db, ds, bw), decode_mbu_peak=utilisation(db, ds, info.peak_bandwidth),
         decode_flops_per_byte=df / db if db else 0.0, decode_flops_per_s=df / ds if ds else 0.0,
         ceiling_tps=batch * bw / one_step if bw else None, peak_memory_mb=peak_mem,
-        tokens_per_pass=dt / sum(s.passes for s in decode) / batch if decode else 1.0,  # a chain: its passes
+        # a sequence's tokens a pass over the weights: a chain's passes each, steps of fewer sequences as they are
+        tokens_per_pass=dt / sum(s.passes * s.batch for s in decode) if decode else 1.0,
         acceptance=sum(s.accepted for s in decode) / drafted if (drafted := sum(s.drafted for s in decode)) else None)
 
 
