@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -233,7 +234,8 @@ def _asm(device: torch.device) -> bool:
 DEFAULT_TILE = dict(blocks=2, num_warps=2, PREFETCH=1, per_sm=8)  # best or within 4% on the H200 (PERF)
 # The fastest tile measured per card and one-row shape (scripts/sweep_dp4a.py --table): {card name: {"bits:N:K":
 # tile}}. On the H200 (2026-11-26) the best tile of a shape beat DEFAULT_TILE by 5-27% (docs/PERF.md).
-TILE_TABLE = Path(__file__).with_name("gemv_dp4a_tiles.json")
+# LOCALPD_DP4A_TILES names another table (a benchmark's A/B of a table before it ships; a missing file: DEFAULT_TILE).
+TILE_TABLE = Path(os.environ.get("LOCALPD_DP4A_TILES") or Path(__file__).with_name("gemv_dp4a_tiles.json"))
 
 
 @functools.lru_cache(maxsize=None)
