@@ -23,7 +23,7 @@ from localpd.constrain.grammar import Vocabulary
 from localpd.constrain.tools import check_tools
 from localpd.engine.output import OutputProcessor
 from localpd.engine.requests import EngineStats, Request, RequestHandle, TokenEvent
-from localpd.engine.runner import ModelRunner, holds_back_eos
+from localpd.engine.runner import ModelRunner, argmax_only
 from localpd.engine.sampling import Sampler, SamplingParams
 from localpd.engine.scheduler import MAX_RUNNING, MAX_STEP_TOKENS, Scheduler, Sequence
 from localpd.engine.draft_model import DraftModel, check_vocabulary, draft_token_bytes, new_draft_pool
@@ -403,9 +403,7 @@ class Engine:
             return
         for seq in running:
             req = self._requests[seq]
-            if (seq.pending != 1 or seq.draft or req.embed or not req.sampler.plain_greedy
-                    or req.params.logprobs is not None or holds_back_eos(req, seq.output)
-                    or len(seq.output) + k > seq.max_tokens):
+            if seq.pending != 1 or seq.draft or not argmax_only(req) or len(seq.output) + k > seq.max_tokens:
                 return
         # the chain's pages for every sequence, or none: a partial allocation could make the scheduler preempt
         if sum(self.pages.lacking(seq.table, seq.computed + k) for seq in running) > self.pages.available:

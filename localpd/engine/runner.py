@@ -172,13 +172,12 @@ class ModelRunner:
 
     @staticmethod
     def _plain_greedy(sampled: list, logits: torch.Tensor | None) -> dict[int, int]:
-        """{row: token} of the step's rows that sample plainly greedy (Sampler.plain_greedy, no logprobs, no
-        min_tokens masking), a drafted sequence's excepted: their argmaxes in one operation. Each such row's
+        """{row: token} of the step's rows whose token is their argmax alone (argmax_only), a drafted sequence's
+        excepted: their argmaxes in one operation. Each such row's
         _sample would take the same argmax, but in a wait of its own on a GPU."""
         rows, row = [], 0
         for w, req in sampled:
-            if not (req.embed or w.draft or req.params.logprobs is not None or not req.sampler.plain_greedy
-                    or holds_back_eos(req, req.seq.output)):
+            if not w.draft and argmax_only(req):
                 rows.append(row)
             row += 1 + len(w.draft)
         if len(rows) < 2:  # one row: _sample reads it without a copy
@@ -232,6 +231,13 @@ class StepTimer:
 def holds_back_eos(req: Request, output: list[int]) -> bool:
     """Whether a row after these reply tokens may not end the reply yet (min_tokens): its end tokens are masked."""
     return bool(req.eos) and len(output) < req.params.min_tokens
+
+
+def argmax_only(req: Request) -> bool:
+    """Whether the request's next token is the argmax of its logits as they are and nothing else is read of them:
+    a token, not an embedding; plainly greedy (Sampler.plain_greedy); no logprobs; no end tokens held back."""
+    return not (req.embed or not req.sampler.plain_greedy or req.params.logprobs is not None
+                or holds_back_eos(req, req.seq.output))
 
 
 def prepare_all(masks: list) -> None:
