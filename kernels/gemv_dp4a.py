@@ -132,7 +132,7 @@ def _gemv_dp4a_kernel(q_ptr, s_ptr, y_ptr, w_ptr, f_ptr, M, N, K, stride_qm, str
                       stride_fg, ws_ptr, cnt_ptr, SPLIT_K, bias_ptr, BITS: tl.constexpr, GROUP: tl.constexpr,
                       BLOCK_N: tl.constexpr, NB: tl.constexpr, BLOCK_M: tl.constexpr = 1,
                       OUT_BIAS: tl.constexpr = False, ASM: tl.constexpr = True, PREFETCH: tl.constexpr = 1,
-                      PDL: tl.constexpr = False):
+                      PDL: tl.constexpr = False, STAGES: tl.constexpr = 1):
     """Program (m, n, s): rows [m * BLOCK_M, (m + 1) * BLOCK_M) (1, 2 or 4), outputs [n * BLOCK_N, (n + 1) *
     BLOCK_N), the s-th slice of K's trips of NB blocks (K a multiple of 32 * NB; a warp takes NB / warps). q_ptr,
     s_ptr: the rows' rounded activations (kernels/act_round.py); ws_ptr, cnt_ptr: gemv_kmajor's split-K workspace
@@ -140,6 +140,10 @@ def _gemv_dp4a_kernel(q_ptr, s_ptr, y_ptr, w_ptr, f_ptr, M, N, K, stride_qm, str
     [NB, BLOCK_N / 4, 4]: a thread holds 4 neighbouring outputs (16-byte word loads) and loads each quarter block's
     4 activation int32 with one 16-byte load. PREFETCH: trips ahead a trip's words and factors are loaded (0-2); with
     PDL those first trips' loads go out before the wait for the kernel that wrote the activations (kernels/pdl.py).
+    STAGES > 1 (with PREFETCH 0): Triton's pipeliner stages each trip's loads through shared memory by asynchronous
+    copies (cp.async: LDGSTS on sm_80 and later), STAGES - 1 trips ahead, where PREFETCH's registers held one or two
+    trips whose loads ptxas issues late in the loop (docs/PERF.md, Nsight Compute: the GEMVs wait on memory with
+    DRAM at 22-75% of its peak); tests/kernels/test_gemv_dp4a.py checks the copies in the compiled loop.
     """
     WPB: tl.constexpr = BITS  # words a block of 32 inputs
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -172,7 +176,7 @@ def _gemv_dp4a_kernel(q_ptr, s_ptr, y_ptr, w_ptr, f_ptr, M, N, K, stride_qm, str
         p0, p1, p2, p3, p4, p5, p6, p7, pf = _trip_words(wp, fp, tl.minimum(c0 + 1, c1 - 1), nb, trip, stride_wk,
                                                          stride_fg, m3, NB, WPB, GROUP)
     wait_prior(PDL)  # the weights above are never written by a step; the activations below are
-    for c in range(c0, c1):
+    for c in tl.range(c0, c1, num_stages=STAGES):
         blk = c * NB + nb  # [NB]: this trip's blocks
         if PREFETCH > 0:
             w0, w1, w2, w3, w4, w5, w6, w7, fac = n0, n1, n2, n3_, n4, n5, n6, n7, nf
@@ -230,8 +234,8 @@ def _asm(device: torch.device) -> bool:
 
 
 # the launch's knobs: blocks (of 32 inputs) a trip, warps, trips ahead their words and factors are loaded (0-2),
-# programs an SM (scripts/sweep_dp4a.py times the others)
-DEFAULT_TILE = dict(blocks=2, num_warps=2, PREFETCH=1, per_sm=8)  # best or within 4% on the H200 (PERF)
+# programs an SM, the pipeliner's stages (1: none; scripts/sweep_dp4a.py times the others)
+DEFAULT_TILE = dict(blocks=2, num_warps=2, PREFETCH=1, per_sm=8, stages=1)  # best or within 4% on the H200 (PERF)
 # The fastest tile measured per card and one-row shape (scripts/sweep_dp4a.py --table): {card name: {"bits:N:K":
 # tile}}. On the H200 (2026-11-26) the best tile of a shape beat DEFAULT_TILE by 5-27% (docs/PERF.md).
 # LOCALPD_DP4A_TILES names another table (a benchmark's A/B of a table before it ships; a missing file: DEFAULT_TILE).
@@ -307,7 +311,8 @@ def gemv_rounded(q: torch.Tensor, s: torch.Tensor, out: torch.Tensor, words: tor
         q, s, out, words, factors, m, n, k, q.stride(0), s.stride(0), out.stride(0), words.stride(0),
         factors.stride(0), ws, cnt, split, out if bias is None else bias, BITS=bits,
         GROUP=group if group < k else 1 << 30, BLOCK_N=km.BLOCK_N, NB=nb, BLOCK_M=rows, OUT_BIAS=bias is not None,
-        ASM=_asm(out.device), PREFETCH=int(tile["PREFETCH"]), num_warps=min(nb, tile["num_warps"]), num_stages=1,
+        ASM=_asm(out.device), PREFETCH=int(tile["PREFETCH"]), STAGES=int(tile["stages"]),
+        num_warps=min(nb, tile["num_warps"]), num_stages=int(tile["stages"]),
         **launch_args(out))
     return out
 

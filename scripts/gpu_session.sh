@@ -2,7 +2,7 @@
 # One device-tool call: install, then the named stages, each under its own time limit, logs under $OUT.
 # Usage (on the GPU machine, repo root): scripts/gpu_session.sh tests kmtests dp4a fused check check3 sweep kmsweep mma ncu kernels kernels1 kvtests kvgraph
 #   bench peers kv kvfull spec kvsweep dp4atests rows pdl graphs profile profilenopdl dp4asweep4 normtests roundtests peersab
-#   ncugemv tilesab
+#   ncugemv tilesab stagedab
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -58,6 +58,13 @@ for s in "$@"; do case $s in
            TAIL=16 stage bench_peers_shipped_tiles 150 python3 scripts/bench_decode_peers.py
            TAIL=16 stage bench_peers_int8_tiles 150 env LOCALPD_DP4A_TILES=/tmp/tiles_int8.json \
              python3 scripts/bench_decode_peers.py ;;  # the same call's A/B of the int8 tiles end to end
+  stagedab) cp kernels/gemv_dp4a_tiles.json /tmp/tiles_staged.json  # the integer GEMV's cp.async stages (STAGES)
+           TAIL=10 stage sweep_dp4a_staged 240 python3 scripts/sweep_dp4a.py --tiles staged --formats int4-g128,int8 \
+             --shapes qkv,o,gate_up,down --json "$OUT/sweep_dp4a_staged.json" --table /tmp/tiles_staged.json
+           cp /tmp/tiles_staged.json "$OUT/"
+           TAIL=16 stage bench_peers_shipped_tiles 150 python3 scripts/bench_decode_peers.py
+           TAIL=16 stage bench_peers_staged_tiles 150 env LOCALPD_DP4A_TILES=/tmp/tiles_staged.json \
+             python3 scripts/bench_decode_peers.py ;;  # the same call's A/B: shipped tiles, then each shape's best
   ncugemv) TAIL=200 stage ncu_gemv 200 ncu --profile-from-start off --section SpeedOfLight --section Occupancy \
              --section LaunchStats --section WarpStateStats python3 scripts/ncu_gemv.py --formats int4-g128,int8 ;;
   kernels) stage bench_kernels 200 localpd bench kernels --json "$OUT/bench_kernels.json" ;;

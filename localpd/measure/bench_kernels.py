@@ -248,6 +248,8 @@ def main(argv: list[str]) -> int:
                    "of copy bandwidth from the compiled code (no GPU needed; measure/predict.py)")
     p.add_argument("--model", help="with --predict: the synthetic model's shapes (default llama3-8b)")
     p.add_argument("--cards", help="with --predict: comma-separated card names (default: H100 SXM, H200, RTX 4090)")
+    p.add_argument("--kernels", help="with --predict: comma-separated of dp4a, kmajor, dp4a-staged (the integer GEMV "
+                   "with its loads staged through shared memory, STAGES 3; default: dp4a,kmajor)")
     args = p.parse_args(argv)
     if args.predict:
         from localpd.measure import predict

@@ -30,6 +30,7 @@ from localpd.load.synthetic import SYNTHETIC
 FLOOR_US = 5.0
 LATENCY_US = 0.7  # DRAM latency a load waits, for Little's law (issue 32: 2.95 TB/s x 0.7 us / 132 = 16 KB an SM)
 REGISTERS_PER_SM = 65536
+STAGED = 3  # dp4a-staged's pipeliner stages (kernels/gemv_dp4a.py STAGES): 2 trips ahead in shared memory
 MAX_PROGRAMS_PER_SM = 32
 
 
@@ -41,22 +42,23 @@ class Card:
     ghz: float  # boost clock
     gbs: float  # copy bandwidth
     source: str
+    shared_kb: int  # shared memory an SM gives its programs (CUDA's occupancy tables)
 
     def budget(self) -> float:
         """Instruction slots per 4-byte word at full bandwidth."""
         return self.sms * 128 * self.ghz * 1e9 / (self.gbs * 1e9 / 4)
 
 
-CARDS = [Card("H100 SXM", 90, 132, 1.98, 2950, "copy measured on the device tool, 2026-11-23"),
-         Card("H200", 90, 132, 1.98, 4200, "copy measured on the device tool, 2026-11-26"),
-         Card("RTX 4090", 89, 128, 2.52, 1008, "datasheet")]
+CARDS = [Card("H100 SXM", 90, 132, 1.98, 2950, "copy measured on the device tool, 2026-11-23", 227),
+         Card("H200", 90, 132, 1.98, 4200, "copy measured on the device tool, 2026-11-26", 227),
+         Card("RTX 4090", 89, 128, 2.52, 1008, "datasheet", 99)]
 FORMATS = {"int4-g128": (4, 128), "int8": (8, 0)}  # bits, group (0: per output row)
 
 
 @dataclass
 class Prediction:
     card: str
-    kernel: str  # dp4a (kernels/gemv_dp4a.py) or kmajor (kernels/gemv_kmajor.py)
+    kernel: str  # dp4a (kernels/gemv_dp4a.py), dp4a-staged (the same, STAGES = STAGED) or kmajor (gemv_kmajor.py)
     format: str
     linear: str
     n: int
@@ -88,7 +90,7 @@ class Launch:
     words_per_thread: float  # weight words a thread loads a trip
     threads: int
     trip_inputs: int  # inputs (K) a trip covers: split-K slices are whole trips
-    prefetch: int  # trips ahead a trip's words are loaded
+    prefetch: int  # trips ahead a trip's words are loaded: in registers (PREFETCH), or staged in shared memory
     act_bytes: float  # activation bytes a column tile reads, per input
     per_sm: int  # programs an SM the split-K is sized for
 
@@ -106,16 +108,17 @@ def compile_gemv(bits: int, group: int, n: int, k: int, arch: int, kernel: str =
     out, ws, cnt = torch.empty(1, n, dtype=torch.bfloat16), torch.empty(1), torch.empty(1, dtype=torch.int32)
     words = torch.empty(k * bits // 32, n, dtype=torch.int32)
     factors = torch.empty(k // g, n, dtype=torch.int32)
-    if kernel == "dp4a":
+    if kernel in ("dp4a", "dp4a-staged"):
         nb = dp.blocks_a_trip(k)
         warps = min(nb, dp.DEFAULT_TILE["num_warps"])
+        stages, prefetch = (STAGED, 0) if kernel == "dp4a-staged" else (1, dp.DEFAULT_TILE["PREFETCH"])
         q, s = torch.empty(1, k // 2, dtype=torch.int32), torch.empty(1, k // 16)
         args = (q, s, out, words, factors, 1, n, k, q.stride(0), s.stride(0), out.stride(0), words.stride(0),
                 factors.stride(0), ws, cnt, 2, out)
         kwargs = dict(BITS=bits, GROUP=gk, BLOCK_N=km.BLOCK_N, NB=nb, BLOCK_M=1, OUT_BIAS=False, ASM=True,
-                      PREFETCH=dp.DEFAULT_TILE["PREFETCH"], num_warps=warps, num_stages=1)
+                      PREFETCH=prefetch, STAGES=stages, num_warps=warps, num_stages=stages)
         return Launch(compile_launch(dp._gemv_dp4a_kernel, args, kwargs, arch), bits * 4 * nb / warps, 32 * warps,
-                      32 * nb, dp.DEFAULT_TILE["PREFETCH"], 2.25, dp.DEFAULT_TILE["per_sm"])
+                      32 * nb, prefetch + stages - 1, 2.25, dp.DEFAULT_TILE["per_sm"])
     bk = km.launch_block_k(k, bits, g, tile["BLOCK_K"])
     x = torch.empty(1, k, dtype=torch.bfloat16)
     args = (x, out, words, factors, 1, n, k, x.stride(0), out.stride(0), words.stride(0), factors.stride(0), ws, cnt,
@@ -143,7 +146,7 @@ def predict(model: str = "llama3-8b", cards=CARDS, formats=FORMATS, kernels=("dp
                         compiled[key] = launch, loop_stats(launch.kernel, launch.words_per_thread), \
                             main_loop(cuobjdump(launch.kernel.asm["cubin"]))
                     launch, stats, body = compiled[key]
-                    wide = sum(op.startswith("LDG.E.128") for op in body)
+                    wide = sum(op.startswith(("LDG.E.128", "LDGSTS")) and op.endswith(".128") for op in body)
                     weight_wide = int(launch.words_per_thread // 4)  # 4 words a 16-byte load
                     split = km.split_for(1, n, k, launch.trip_inputs, card.sms, launch.per_sm)
                     tiles = -(-n // km.BLOCK_N)
@@ -151,7 +154,8 @@ def predict(model: str = "llama3-8b", cards=CARDS, formats=FORMATS, kernels=("dp
                     g = group or k
                     nbytes = int(n * k * bits // 8 + 4 * n * (k // g) + launch.act_bytes * k * tiles + 2 * n)
                     resident = min(-(-programs // card.sms), MAX_PROGRAMS_PER_SM,
-                                   REGISTERS_PER_SM // max(1, stats.registers * launch.threads))
+                                   REGISTERS_PER_SM // max(1, stats.registers * launch.threads),
+                                   card.shared_kb * 1024 // max(1, launch.kernel.metadata.shared))
                     trip_bytes = launch.words_per_thread * 4 * launch.threads * (1 + int(launch.prefetch))
                     in_flight = int(resident * trip_bytes)
                     need = card.gbs * 1e9 * LATENCY_US * 1e-6 / card.sms
@@ -166,7 +170,10 @@ def predict(model: str = "llama3-8b", cards=CARDS, formats=FORMATS, kernels=("dp
 
 def run(args) -> int:
     cards = [c for c in CARDS if not args.cards or any(w.lower() in c.name.lower() for w in args.cards.split(","))]
-    rows = predict(args.model or "llama3-8b", cards, kernels=("dp4a", "kmajor"))
+    kernels = tuple((args.kernels or "dp4a,kmajor").split(","))
+    if not set(kernels) <= {"dp4a", "kmajor", "dp4a-staged"}:
+        raise SystemExit(f"--kernels takes dp4a, kmajor and dp4a-staged, not {args.kernels}")
+    rows = predict(args.model or "llama3-8b", cards, kernels=kernels)
     print(f"# {args.model or 'llama3-8b'}: batch-1 decode GEMVs compiled per card, no GPU used: dp4a (kernels/gemv_"
           f"dp4a.py, the model's for 16-bit activations, DEFAULT_TILE) and kmajor "
           f"(kernels/gemv_kmajor.py, float products); model: time = {FLOOR_US} us + bytes / (efficiency x "
@@ -175,10 +182,10 @@ def run(args) -> int:
     for card in cards:
         print(f"#   {card.name} sm_{card.arch}: {card.sms} SMs, {card.gbs} GB/s ({card.source}), "
               f"{card.budget():.0f} instruction slots a word")
-    print(f"{'card':>9} {'kernel':>6} {'format':>9} {'linear':>8} {'N':>6} {'K':>6} {'programs':>8} {'KB/prog':>7} {'16B ld':>6} "
+    print(f"{'card':>9} {'kernel':>11} {'format':>9} {'linear':>8} {'N':>6} {'K':>6} {'programs':>8} {'KB/prog':>7} {'16B ld':>6} "
           f"{'KB flight/SM':>12} {'instr/word':>10} {'regs':>4} {'spill':>5} {'bar':>3} {'predicted':>9}")
     for r in rows:
-        print(f"{r.card:>9} {r.kernel:>6} {r.format:>9} {r.linear:>8} {r.n:>6} {r.k:>6} {r.programs:>8} "
+        print(f"{r.card:>9} {r.kernel:>11} {r.format:>9} {r.linear:>8} {r.n:>6} {r.k:>6} {r.programs:>8} "
               f"{r.bytes_per_program / 1024:>7.1f} {r.wide_loads:>6} {r.in_flight_per_sm / 1024:>12.1f} "
               f"{r.per_word:>10} {r.registers:>4} {r.spilled:>5} {r.barriers:>3} "
               f"{r.predicted:>5.0%} {r.predicted_us:5.1f}us")

@@ -72,10 +72,11 @@ def test_rows_sharing_a_program_are_each_rows_own_product(m, split, rows, n):
 
 
 @pytest.mark.parametrize("tile", [dict(PREFETCH=0), dict(PREFETCH=2, blocks=2, num_warps=2, per_sm=12),
-                                  dict(PREFETCH=2, blocks=8, num_warps=4, per_sm=4)])
+                                  dict(PREFETCH=2, blocks=8, num_warps=4, per_sm=4), dict(PREFETCH=0, stages=3)])
 def test_every_launch_tile_computes_the_same_product(tile):
     """The knobs scripts/sweep_dp4a.py times (trips loaded ahead: 0-2, including slices of one or two trips, where
-    the loads ahead repeat the last trip's; blocks a trip; warps; programs an SM) change the speed, not the product
+    the loads ahead repeat the last trip's; blocks a trip; warps; programs an SM; the pipeliner's stages, which the
+    interpreter does not pipeline: their copies are checked in tests/measure/test_predict.py) change the speed, not the product
     (bit for bit where the blocks a trip are the same: they set the order of the float sums)."""
     for fmt, group, n, k in (("int4", 128, 72, 768), ("int8", None, 40, 512)):
         _, kw = weight(fmt, n, k, group, seed=k)
@@ -115,7 +116,7 @@ def test_the_model_linear_takes_it_for_16_bit_activations_only():
 
 def test_the_measured_tile_table_holds_launchable_tiles():
     """kernels/gemv_dp4a_tiles.json (scripts/sweep_dp4a.py --table): per card, shapes "bits:N:K" to tiles with the
-    launch's four knobs; a tile that does not divide K's blocks still launches (blocks_a_trip halves it)."""
+    launch's five knobs; a tile that does not divide K's blocks still launches (blocks_a_trip halves it)."""
     import json
 
     table = json.loads(dp.TILE_TABLE.read_text())
@@ -125,5 +126,5 @@ def test_the_measured_tile_table_holds_launchable_tiles():
             bits, n, k = map(int, shape.split(":"))
             assert bits in (4, 8) and n > 0 and k % 32 == 0
             assert set(tile) == set(dp.DEFAULT_TILE) and tile["blocks"] in (1, 2, 4, 8, 16)
-            assert tile["num_warps"] <= tile["blocks"] and tile["per_sm"] >= 1
+            assert tile["num_warps"] <= tile["blocks"] and tile["per_sm"] >= 1 and tile["stages"] >= 1
     assert dp.blocks_a_trip(18 * 32, 8) == 2 and dp.tile_for(torch.device("cpu"), 4, 64, 64, 1) == dp.DEFAULT_TILE

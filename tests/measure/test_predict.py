@@ -62,3 +62,30 @@ def test_instructions_per_weight_word_stay_where_they_are(rows):
         else:
             assert r["per_word"] <= (52 if int4 else 28), r
         assert 0 < r["predicted"] <= 1
+
+
+@pytest.fixture(scope="module")
+def staged(tmp_path_factory):
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "LOCALPD_TRITON_INTERPRET")}
+    path = tmp_path_factory.mktemp("predict") / "staged.json"
+    done = subprocess.run([sys.executable, "-m", "localpd.cli.main", "bench", "kernels", "--predict", "--cards", "H100",
+                           "--kernels", "dp4a,dp4a-staged", "--json", str(path)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(path.read_text())["rows"]
+
+
+def test_the_staged_gemv_copies_its_weights_through_shared_memory(staged):
+    """kernels/gemv_dp4a.py with STAGES 3 (a tile scripts/sweep_dp4a.py times): Triton's pipeliner turns every weight
+    load of the loop into a 16-byte asynchronous copy (LDGSTS), two trips ahead, with fewer registers than
+    PREFETCH's (its trips ahead held in shared memory instead), nothing spilled and the same instructions a word
+    within 3; its ring of buffers brings barriers into the loop, which the shipped tile (stages 1) has none of."""
+    plain = {(r["format"], r["linear"]): r for r in staged if r["kernel"] == "dp4a"}
+    rows = [r for r in staged if r["kernel"] == "dp4a-staged"]
+    assert len(rows) == 10 and len(plain) == 10
+    for r in rows:
+        p = plain[r["format"], r["linear"]]
+        wide, weights = map(int, r["wide_loads"].split("/"))
+        assert wide >= weights >= 1 and r["spilled"] == 0 and r["barriers"] >= 1, r
+        assert r["registers"] < p["registers"] and r["per_word"] <= p["per_word"] + 3, (r, p)
+        assert p["barriers"] == 0
