@@ -51,15 +51,23 @@ PROMPTS = {
 }
 
 
+def step_clock() -> float:
+    """The clock the step costs are read on: the process's CPU seconds with one torch thread (what else a shared
+    machine runs weighs little on them), the wall clock with more (CPU seconds would count every thread's, and a
+    user waits on the wall clock: at two threads a one-row step waits on memory while extra rows split over both
+    cores, docs/PERF.md)."""
+    return time.process_time() if torch.get_num_threads() == 1 else time.perf_counter()
+
+
 def fastest(calls: dict, reps: int) -> dict:
-    """The fewest CPU seconds of the process each call took over reps, the calls taken in turn each rep, so that
-    what else the machine runs weighs on all of them alike."""
+    """The fewest seconds (step_clock) each call took over reps, the calls taken in turn each rep, so that what
+    else the machine runs weighs on all of them alike."""
     best = dict.fromkeys(calls, float("inf"))
     for _ in range(reps):
         for key, call in calls.items():
-            t0 = time.process_time()
+            t0 = step_clock()
             call()
-            best[key] = min(best[key], time.process_time() - t0)
+            best[key] = min(best[key], step_clock() - t0)
     return best
 
 
@@ -78,8 +86,8 @@ def on_library(lib, call):
 
 
 def step_costs(engine: Engine, rows: list[int], libs: dict, reps: int = 30, context: int = 400) -> dict:
-    """CPU seconds of the forward of one sequence's r rows after `context` cached positions, on each library of
-    libs (name -> library, None: this source's): {(name, r): seconds}."""
+    """Seconds (step_clock) of the forward of one sequence's r rows after `context` cached positions, on each
+    library of libs (name -> library, None: this source's): {(name, r): seconds}."""
     kv, ps = engine.kv, engine.kv.page_size
     calls = {}
     for r in rows:
@@ -93,7 +101,7 @@ def step_costs(engine: Engine, rows: list[int], libs: dict, reps: int = 30, cont
 
 
 def step_parts(engine: Engine, rows: list[int], libs: dict, reps: int = 15, context: int = 400) -> dict:
-    """CPU seconds of each part of a step of r rows of one sequence after `context` cached positions, each part alone
+    """Seconds (step_clock) of each part of a step of r rows of one sequence after `context` cached positions, each part alone
     on localpd's CPU kernels, on each library of libs: every layer's four products, every layer's attention over the
     sequence's pages, the output head: {(name, part, r): seconds}."""
     model, kv, ps = engine.model, engine.kv, engine.kv.page_size
@@ -136,7 +144,7 @@ def print_costs(libs: dict, costs: dict, parts: dict, rows: list[int], part_rows
                   + ", ".join(f"{r}: {parts[name, part, r] / one:.2f}" for r in part_rows))
     if len(libs) == 2:
         new, old = libs
-        print(f"{new} over {old}, CPU seconds of a step: "
+        print(f"{new} over {old}, seconds of a step: "
               + ", ".join(f"{r} rows {costs[new, r] / costs[old, r]:.2f}" for r in rows))
         for part in ("linears", "attention", "head"):
             print(f"{new} over {old}, {part}: "
