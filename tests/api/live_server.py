@@ -56,4 +56,5 @@ def idle(engine) -> bool:
         if s.running == 0 and s.waiting == 0 and s.kv_pages_used == 0:
             return True
         time.sleep(0.01)
+    print(f"not idle after 15 s: {s}")  # shown with the failure: what was still running, waiting or held
     return False
