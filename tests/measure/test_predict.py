@@ -14,19 +14,20 @@ from localpd.measure.predict import decode_linears
 pytestmark = pytest.mark.slow  # compiles kernels for a GPU
 
 
+def predict_rows(tmp_path_factory, *args: str) -> list[dict]:
+    """The JSON rows of `localpd bench kernels --predict --cards H100` with these arguments, run as a command."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "LOCALPD_TRITON_INTERPRET")}
+    path = tmp_path_factory.mktemp("predict") / "rows.json"
+    done = subprocess.run([sys.executable, "-m", "localpd.cli.main", "bench", "kernels", "--predict", "--cards",
+                           "H100", *args, "--json", str(path)], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "instr/word" in done.stdout
+    return json.loads(path.read_text())["rows"]
+
+
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory):
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "LOCALPD_TRITON_INTERPRET")}
-    out = []
-    for model in ("llama3-8b", "qwen2.5-7b"):
-        path = tmp_path_factory.mktemp("predict") / f"{model}.json"
-        done = subprocess.run([sys.executable, "-m", "localpd.cli.main", "bench", "kernels", "--predict", "--model",
-                               model, "--cards", "H100", "--json", str(path)], env=env, capture_output=True,
-                              text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-2000:]
-        assert "instr/word" in done.stdout
-        out += json.loads(path.read_text())["rows"]
-    return out
+    return [r for model in ("llama3-8b", "qwen2.5-7b") for r in predict_rows(tmp_path_factory, "--model", model)]
 
 
 def test_the_shapes_are_the_models_fused_linears():
@@ -64,27 +65,16 @@ def test_instructions_per_weight_word_stay_where_they_are(rows):
         assert 0 < r["predicted"] <= 1
 
 
-@pytest.fixture(scope="module")
-def staged(tmp_path_factory):
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "LOCALPD_TRITON_INTERPRET")}
-    path = tmp_path_factory.mktemp("predict") / "staged.json"
-    done = subprocess.run([sys.executable, "-m", "localpd.cli.main", "bench", "kernels", "--predict", "--cards", "H100",
-                           "--kernels", "dp4a,dp4a-staged", "--json", str(path)], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads(path.read_text())["rows"]
-
-
-def test_the_staged_gemv_copies_its_weights_through_shared_memory(staged):
+def test_the_staged_gemv_copies_its_weights_through_shared_memory(rows, tmp_path_factory):
     """kernels/gemv_dp4a.py with STAGES 3 (a tile scripts/sweep_dp4a.py times): Triton's pipeliner turns every weight
     load of the loop into a 16-byte asynchronous copy (LDGSTS), two trips ahead, with fewer registers than
     PREFETCH's (its trips ahead held in shared memory instead), nothing spilled and the same instructions a word
     within 3; its ring of buffers brings barriers into the loop, which the shipped tile (stages 1) has none of."""
-    plain = {(r["format"], r["linear"]): r for r in staged if r["kernel"] == "dp4a"}
-    rows = [r for r in staged if r["kernel"] == "dp4a-staged"]
-    assert len(rows) == 10 and len(plain) == 10
-    for r in rows:
-        p = plain[r["format"], r["linear"]]
+    staged = predict_rows(tmp_path_factory, "--kernels", "dp4a-staged")  # Llama-3-8B's shapes
+    plain = {(r["format"], r["n"], r["k"]): r for r in rows if r["kernel"] == "dp4a"}  # the shipped tile's
+    assert len(staged) == 10 and {r["kernel"] for r in staged} == {"dp4a-staged"}
+    for r in staged:
+        p = plain[r["format"], r["n"], r["k"]]
         wide, weights = map(int, r["wide_loads"].split("/"))
         assert wide >= weights >= 1 and r["spilled"] == 0 and r["barriers"] >= 1, r
         assert r["registers"] < p["registers"] and r["per_word"] <= p["per_word"] + 3, (r, p)
