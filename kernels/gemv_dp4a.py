@@ -143,7 +143,7 @@ def _gemv_dp4a_kernel(q_ptr, s_ptr, y_ptr, w_ptr, f_ptr, M, N, K, stride_qm, str
     STAGES > 1 (with PREFETCH 0): Triton's pipeliner stages each trip's loads through shared memory by asynchronous
     copies (cp.async: LDGSTS on sm_80 and later), STAGES - 1 trips ahead, where PREFETCH's registers held one or two
     trips whose loads ptxas issues late in the loop (docs/PERF.md, Nsight Compute: the GEMVs wait on memory with
-    DRAM at 22-75% of its peak); tests/kernels/test_gemv_dp4a.py checks the copies in the compiled loop.
+    DRAM at 22-75% of its peak); tests/measure/test_predict.py checks the copies in the compiled loop.
     """
     WPB: tl.constexpr = BITS  # words a block of 32 inputs
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)

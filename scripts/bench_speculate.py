@@ -101,9 +101,9 @@ def step_costs(engine: Engine, rows: list[int], libs: dict, reps: int = 30, cont
 
 
 def step_parts(engine: Engine, rows: list[int], libs: dict, reps: int = 15, context: int = 400) -> dict:
-    """Seconds (step_clock) of each part of a step of r rows of one sequence after `context` cached positions, each part alone
-    on localpd's CPU kernels, on each library of libs: every layer's four products, every layer's attention over the
-    sequence's pages, the output head: {(name, part, r): seconds}."""
+    """Seconds (step_clock) of each part of a step of r rows of one sequence after `context` cached positions, each
+    part alone on localpd's CPU kernels, on each library of libs: every layer's four products, every layer's
+    attention over the sequence's pages, the output head: {(name, part, r): seconds}."""
     model, kv, ps = engine.model, engine.kv, engine.kv.page_size
     c = model.config
     gen = torch.Generator().manual_seed(0)

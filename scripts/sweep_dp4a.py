@@ -1,6 +1,6 @@
 """Sweep the integer GEMV's launch (kernels/gemv_dp4a.py's tile: blocks a trip, warps, the next trip loaded ahead,
-programs an SM, the pipeliner's stages) on a GPU, for Llama-3-8B's decode linears at one row (activations already rounded), int4-g128 and
-int8, as CUDA-graph replays over weight copies larger than L2. Prints per shape the default tile, the best one and
+programs an SM, the pipeliner's stages) on a GPU, for Llama-3-8B's decode linears at one row (activations already
+rounded), int4-g128 and int8, as CUDA-graph replays over weight copies larger than L2. Prints per shape the default tile, the best one and
 each one's % of the measured copy bandwidth; checks the best against the torch reference; writes every timing as
 JSON.
 

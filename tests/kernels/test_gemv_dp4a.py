@@ -76,8 +76,8 @@ def test_rows_sharing_a_program_are_each_rows_own_product(m, split, rows, n):
 def test_every_launch_tile_computes_the_same_product(tile):
     """The knobs scripts/sweep_dp4a.py times (trips loaded ahead: 0-2, including slices of one or two trips, where
     the loads ahead repeat the last trip's; blocks a trip; warps; programs an SM; the pipeliner's stages, which the
-    interpreter does not pipeline: their copies are checked in tests/measure/test_predict.py) change the speed, not the product
-    (bit for bit where the blocks a trip are the same: they set the order of the float sums)."""
+    interpreter does not pipeline: their copies are checked in tests/measure/test_predict.py) change the speed, not
+    the product (bit for bit where the blocks a trip are the same: they set the order of the float sums)."""
     for fmt, group, n, k in (("int4", 128, 72, 768), ("int8", None, 40, 512)):
         _, kw = weight(fmt, n, k, group, seed=k)
         x = activations(2, k, seed=n)
