@@ -10,6 +10,8 @@ kv head h // (Hq // H).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -273,8 +275,28 @@ DECODE_TILE_ELEMS = 8192
 DECODE_WIDE_TILE_KEYS = ("int8", "fp8", "int4")
 DECODE_WARPS = 4
 DECODE_PROGRAMS_PER_SM = 2  # what the splits aim at when batch x kv heads alone leave SMs idle
-DECODE_MAX_SPLITS = 64  # the reduce holds all of a head's splits in one [splits, head_dim] tile
+DECODE_MAX_SPLITS = 64  # the merge holds all of a head's splits in one [splits, head_dim] tile
+# The decode's splits are merged by the last of them to finish, in the decode kernel's launch (paged_attention's
+# MERGE); LOCALPD_ATTENTION_REDUCE=launch merges them in a launch of their own instead, as before, to measure one
+# against the other on a GPU (scripts/gpu_session.sh).
+ATTENTION_REDUCE = os.environ.get("LOCALPD_ATTENTION_REDUCE", "merge")
 INTERPRETER_DECODE_PROGRAMS = 4  # the splits' target under Triton's interpreter (no SMs to fill)
+
+
+_counters: dict = {}
+_retired: list = []  # counters a larger set replaced: a captured CUDA graph may still use them
+
+
+def split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """n zeroed int32 counters of finished splits for the decode kernel's merge, one a (sequence, kv head), kept
+    per device (launches on one stream run in turn, and each leaves its counters at zero). A larger need replaces
+    them; the old ones are kept, since a captured CUDA graph may still use them."""
+    cnt = _counters.get(device)
+    if cnt is None or cnt.numel() < n:
+        if cnt is not None:
+            _retired.append(cnt)
+        cnt = _counters[device] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    return cnt
 
 
 def decode_block_t(page_size: int, head_dim: int, k_format: str = "bf16") -> int:
@@ -335,7 +357,7 @@ def paged_attention(q: torch.Tensor, layer: KVLayer, page_table: torch.Tensor, s
     """q [T, Hq, D] -> [T, Hq, D] (see the module docstring); window > 0: a sliding-window layer's attention, each
     query over its last `window` keys. Decode kernel when every sequence has one query row (T == B, known without
     reading the device), else the prefill kernel. round_into (kernels/act_round.Rounded for T rows of Hq * D,
-    where rounds_output): the decode reduce also rounds the output for the o projection's integer GEMV into it."""
+    where rounds_output): the decode attention also rounds the output for the o projection's integer GEMV into it."""
     T, Hq, D = q.shape
     assert round_into is None or rounds_output(q, layer, seq_lens)
     DP = triton_block(D)
@@ -346,7 +368,7 @@ def paged_attention(q: torch.Tensor, layer: KVLayer, page_table: torch.Tensor, s
     from localpd.kernels.paged_attention import decode_kernel, decode_reduce_kernel, prefill_kernel
     from localpd.kernels.pdl import launch_args
 
-    pdl = launch_args(q)  # the decode kernel's and its reduce's
+    pdl = launch_args(q)  # the decode kernel's (and a reduce launch's)
     B, H = seq_lens.shape[0], layer.k.shape[2]
     group = Hq // H
     out = torch.empty_like(q)
@@ -362,16 +384,19 @@ def paged_attention(q: torch.Tensor, layer: KVLayer, page_table: torch.Tensor, s
         gp = max(16, 1 << (group - 1).bit_length())  # the group padded for tl.dot
         part_acc = torch.empty(B * Hq * splits, D, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(B * Hq * splits, 2, dtype=torch.float32, device=q.device)
-        decode_kernel[(B, H, splits)](q, layer.k, layer.v, ks, vs, kz, vz, page_table, seq_lens, part_acc, part_ml,
-                                      scale, q.stride(0), q.stride(1), page_table.stride(0), *strides,
-                                      splits, window, **kinds, PS=ps, D=D, DP=DP,
-                                      GROUP=group, GP=gp, BLOCK_T=block_t, num_warps=DECODE_WARPS,
-                                      INT8_KEYS=int8_key_dots(layer, q.dtype), **pdl)
         r = round_into
-        decode_reduce_kernel[(B, Hq)](part_acc, part_ml, out, out.stride(0), out.stride(1), splits,
-                                      *((r.q, r.s, r.q.stride(0), r.s.stride(0)) if r else (out, out, 0, 0)), D=D,
-                                      DP=DP, SP=1 << (splits - 1).bit_length(), ROUND_BITS=r.bits if r else 0,
-                                      num_warps=4, enable_fp_fusion=r is None, **pdl)  # rounded as quantize_act
+        rounding = (r.q, r.s, r.q.stride(0), r.s.stride(0)) if r else (out, out, 0, 0)
+        finish = dict(SP=DECODE_MAX_SPLITS, ROUND_BITS=r.bits if r else 0)
+        merge = ATTENTION_REDUCE != "launch"
+        decode_kernel[(B, H, splits)](q, layer.k, layer.v, ks, vs, kz, vz, page_table, seq_lens, part_acc, part_ml,
+                                      split_counters(q.device, B * H), out, out.stride(0), out.stride(1), *rounding,
+                                      scale, q.stride(0), q.stride(1), page_table.stride(0), *strides, splits, window,
+                                      **kinds, PS=ps, D=D, DP=DP, GROUP=group, GP=gp, BLOCK_T=block_t,
+                                      INT8_KEYS=int8_key_dots(layer, q.dtype), MERGE=merge, num_warps=DECODE_WARPS,
+                                      enable_fp_fusion=not (merge and r), **finish, **pdl)  # rounded as quantize_act
+        if not merge:
+            decode_reduce_kernel[(B, Hq)](part_acc, part_ml, out, out.stride(0), out.stride(1), splits, *rounding,
+                                          D=D, DP=DP, num_warps=4, enable_fp_fusion=r is None, **finish, **pdl)
         return out
     gp = 1 << (group - 1).bit_length()
     block_m = prefill_block_m(D, gp)
