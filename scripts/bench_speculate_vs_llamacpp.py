@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cpu_vs_llamacpp import llama_bin  # noqa: E402
+from bench_startup import free_port  # noqa: E402
 from bench_speculate import PROMPTS, reply  # noqa: E402
 
 from localpd.engine import Engine  # noqa: E402
@@ -41,15 +42,15 @@ LLAMA_MODES = {
                          "--spec-ngram-simple-size-m", "8"],
     "ngram-cache": ["--spec-type", "ngram-cache"],
 }
-PORT = 18555
 
 
 def llama_mode(bin_dir: str, model: str, threads: int, args: list[str], max_tokens: int) -> dict:
     """One llama-server with these arguments: each prompt's decode tok/s (a first request fills its prompt cache)."""
+    port = free_port()
     server = subprocess.Popen([str(Path(bin_dir) / "llama-server"), "-m", model, "-t", str(threads), "-c", "2048",
-                               "-np", "1", "--port", str(PORT), "--no-webui", *args],
+                               "-np", "1", "--port", str(port), "--no-webui", *args],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{PORT}"
+    url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(300):
             try:

@@ -18,6 +18,7 @@ import logging
 import numpy as np
 import torch
 
+from localpd.engine.runner import slots_of
 from localpd.model.transformer import Batch, Transformer
 from localpd.kvcache.formats import KVPool
 
@@ -88,7 +89,7 @@ class DecodeGraphs:
         if steps > 1:
             later = pos[0, :n] + np.arange(1, steps)[:, None]  # [steps - 1, n]
             pos[1:steps, :n], lens_[1:steps, :n] = later, later + 1
-            slot[1:steps, :n] = table[np.arange(n), later // ps] * ps + later % ps  # runner.slot_of, by row
+            slot[1:steps, :n] = slots_of(table[:n], later, ps)
             if self.kv.has_stage:
                 stage[1:steps, :n] = stage[0, :n] - pos[0, :n] % ps + later % ps
         pos[:steps, n:b], slot[:steps, n:b], lens_[:steps, n:b] = 0, self.scratch * ps, 1

@@ -281,6 +281,12 @@ def slot_of(pages: list[int], pos: int, page_size: int) -> int:
     return pages[pos // page_size] * page_size + pos % page_size
 
 
+def slots_of(table, pos, page_size: int):
+    """slot_of for many sequences at once, in numpy: table [n, width] (row i sequence i's pages), pos [..., n]
+    (each sequence's positions in column i) -> their slots [..., n]."""
+    return table[np.arange(table.shape[0]), pos // page_size] * page_size + pos % page_size
+
+
 def phase_of(work: list[Work]) -> str:
     decode = [w.n == 1 + len(w.draft) and w.start >= len(w.seq.prompt) for w in work]
     return "decode" if all(decode) else "prefill" if not any(decode) else "mixed"

@@ -174,9 +174,11 @@ def run(args) -> int:
     if not set(kernels) <= {"dp4a", "kmajor", "dp4a-staged"}:
         raise SystemExit(f"--kernels takes dp4a, kmajor and dp4a-staged, not {args.kernels}")
     rows = predict(args.model or "llama3-8b", cards, kernels=kernels)
-    print(f"# {args.model or 'llama3-8b'}: batch-1 decode GEMVs compiled per card, no GPU used: dp4a (kernels/gemv_"
-          f"dp4a.py, the model's for 16-bit activations, DEFAULT_TILE) and kmajor "
-          f"(kernels/gemv_kmajor.py, float products); model: time = {FLOOR_US} us + bytes / (efficiency x "
+    named = {"dp4a": "dp4a (kernels/gemv_dp4a.py, the model's for 16-bit activations, DEFAULT_TILE)",
+             "dp4a-staged": f"dp4a-staged (the same, PREFETCH 0 and STAGES {STAGED}: weights through shared memory)",
+             "kmajor": "kmajor (kernels/gemv_kmajor.py, float products)"}
+    print(f"# {args.model or 'llama3-8b'}: batch-1 decode GEMVs compiled per card, no GPU used: "
+          f"{'; '.join(named[k] for k in kernels)}; model: time = {FLOOR_US} us + bytes / (efficiency x "
           f"bandwidth), efficiency = min(1, budget / instructions a word, in flight / (bandwidth x {LATENCY_US} us / "
           f"SMs))")
     for card in cards:
