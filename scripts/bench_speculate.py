@@ -1,11 +1,13 @@
 """Speculative decoding's payoff on this machine: decode tok/s with n-gram drafts over plain decoding's, greedy,
-measured in the same run on the same engine, for prompts that ask to repeat a given text (300+ tokens) verbatim and
-to lightly edit it, and one with nothing to repeat (a story). Each reply must be plain decoding's, token for token.
+measured in the same run on the same engine, for prompts that ask to repeat a given text (300+ tokens) verbatim
+(five texts: speculate_texts.py) and to lightly edit one, and one with nothing to repeat (a story). Each reply must
+be plain decoding's, token for token.
 
 Also the cost that decides the payoff: a step with r rows of one sequence (a verification of r - 1 drafted tokens)
 over a one-row decode step, the model's forward alone.
 
-    python scripts/bench_speculate.py [--model smollm2-135m] [--runs 3] [--max-tokens 300] [--threads 1]
+    python scripts/bench_speculate.py [--model smollm2-135m] [--runs 3] [--max-tokens 300] [--threads 2]
+                                      [--prompts repeat,repeat:bees]
 
 With --draft MODEL, a draft model's drafting instead: the target (--model, in --quant) with and without the draft,
 two engines, the replies alternating; tokens per target pass and the decode ratio.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,24 +33,16 @@ from localpd.engine.speculate import (CPU_STEP_COSTS, DRAFT_TOKENS, MAX_DRAFT, D
 from localpd.kernels import cpu
 from localpd.model.transformer import Batch
 
-TEXT = (
-    "The old lighthouse stood at the edge of the harbour for more than two hundred years. Every evening the keeper "
-    "climbed the narrow stairs, trimmed the wick and polished the great lens until it shone. Ships coming home from "
-    "the north sea looked for its light long before they could see the coast, and the fishermen of the village said "
-    "that as long as the lamp burned, no boat would be lost on the rocks below. In the winter storms the waves rose "
-    "higher than the houses, and the wind tore the slates from the roofs, but the light never failed. When the "
-    "keeper grew old, his daughter took his place. She learned to read the weather from the colour of the clouds "
-    "and the smell of the air, and she kept a careful log of every ship that passed. Years later, when an electric "
-    "lamp replaced the flame and the keepers were sent away, the villagers gathered on the quay to thank her. She "
-    "told them that the light had never belonged to her or to her father, but to everyone who had ever been out at "
-    "sea on a dark night and wished to find the way home. The lighthouse still stands today. Its lamp turns by "
-    "itself now, and nobody climbs the stairs in the evening, but children from the village still walk out along "
-    "the harbour wall to watch the beam sweep across the water, and the old fishermen still tell the story of the "
-    "keeper and her father to anyone who will listen.")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from speculate_texts import LIGHTHOUSE, TEXTS  # noqa: E402
+
+TEXT = LIGHTHOUSE
 PROMPTS = {
     "repeat": [{"role": "user", "content": f"{TEXT}\n\nRepeat the text above word for word."}],
     "edit": [{"role": "user", "content": f"{TEXT}\n\nRewrite the text above, replacing 'lighthouse' with 'tower'."}],
     "story": [{"role": "user", "content": "Write a long story about a dragon who learns to cook."}],
+    **{f"repeat:{name}": [{"role": "user", "content": f"{text}\n\nRepeat the text above word for word."}]
+       for name, text in TEXTS.items() if text is not TEXT},
 }
 
 
@@ -171,13 +166,17 @@ def main() -> None:
     ap.add_argument("--draft", help="a draft model of the target's vocabulary: its drafting measured instead")
     ap.add_argument("--quant", help="the target's weight scheme (default: its file's own)")
     ap.add_argument("--parts", action="store_true", help="the step costs and each part's alone, no replies")
+    ap.add_argument("--prompts", help=f"comma-separated, of {', '.join(PROMPTS)} (default: all)")
     ap.add_argument("--against", help="another cpu_kernels.c (e.g. `git show main:kernels/cpu_kernels.c`): its "
                                       "step costs measured in the same run, alternating")
     args = ap.parse_args()
+    prompts = args.prompts.split(",") if args.prompts else list(PROMPTS)
+    if not set(prompts) <= set(PROMPTS):
+        ap.error(f"--prompts takes {', '.join(PROMPTS)}")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.draft:
-        return bench_draft(args)
+        return bench_draft(args, prompts)
     engine = Engine(args.model, device="cpu", max_context=2048, quant=args.quant)
     print(f"# {engine.name} | weights {engine.quant} | kv {engine.kv_dtype} | {torch.get_num_threads()} threads")
     print(f"# {engine.path}")
@@ -195,7 +194,8 @@ def main() -> None:
     if args.parts:
         return
     spec = SpeculateConfig("ngram", args.draft_tokens)
-    for name, messages in PROMPTS.items():
+    for name in prompts:
+        messages = PROMPTS[name]
         reply(engine, messages, args.max_tokens, SpeculateConfig())  # warm: the prompt's pages in the prefix cache
         runs = {lib: {"plain": [], "ngram": [], "plain_cpu": [], "ngram_cpu": [], "same": True} for lib in libs}
         for _ in range(args.runs):
@@ -213,17 +213,17 @@ def main() -> None:
             p, q, pc, qc = (statistics.median(r[k]) for k in ("plain", "ngram", "plain_cpu", "ngram_cpu"))
             r["medians"], ss = (p, q, pc, qc), r["stats"]
             acc = f"{ss.acceptance:.0%}" if ss.acceptance is not None else "-"
-            print(f"{name:7} [{lib}] prompt {ss.prompt_tokens} tokens, reply {r['tokens']} tokens | decode: plain "
+            print(f"{name:14} [{lib}] prompt {ss.prompt_tokens} tokens, reply {r['tokens']} tokens | decode: plain "
                   f"{p:.1f} tok/s, ngram {q:.1f} tok/s, ratio {q / p:.2f}x | per CPU second: plain {pc:.1f}, ngram "
                   f"{qc:.1f}, ratio {qc / pc:.2f}x | drafted {ss.drafted_tokens}, accepted {acc}, "
                   f"{ss.tokens_per_pass:.2f} tokens/pass | identical: {r['same']}")
         if len(libs) == 2:
             (new, a), (old, b) = ((lib, r["medians"]) for lib, r in runs.items())
-            print(f"{'':7} {new} over {old}, per CPU second: plain {a[2] / b[2]:.2f}x, ngram {a[3] / b[3]:.2f}x; "
+            print(f"{'':14} {new} over {old}, per CPU second: plain {a[2] / b[2]:.2f}x, ngram {a[3] / b[3]:.2f}x; "
                   f"{new}'s ngram over {old}'s plain {a[3] / b[2]:.2f}x")
         prompt = engine.encode_chat(messages)
         adaptive, oracle = bound(prompt, ids, args.draft_tokens), bound(prompt, ids, MAX_DRAFT, True)
-        print(f"{'':7} replayed on the step costs (speculate.CPU_STEP_COSTS): adaptive k {adaptive:.2f}x, each draft "
+        print(f"{'':14} replayed on the step costs (speculate.CPU_STEP_COSTS): adaptive k {adaptive:.2f}x, each draft "
               f"cut where it fails (a bound for these drafts) {oracle:.2f}x, the best copy of the text so far cut "
               f"where it fails (a bound for any drafter that copies) {copy_bound(prompt, ids, MAX_DRAFT):.2f}x")
     engine.close()
@@ -274,7 +274,7 @@ def run_length(text: list[int], j: int, want: list[int]) -> int:
     return n
 
 
-def bench_draft(args) -> None:
+def bench_draft(args, prompts: list[str]) -> None:
     """Plain decoding on the target alone against the target with the draft (which also runs every step's rows),
     the replies alternating; both engines' prompt pages warm in their prefix caches."""
     plain_engine = Engine(args.model, device="cpu", max_context=2048, quant=args.quant)
@@ -282,7 +282,8 @@ def bench_draft(args) -> None:
     engine = Engine(args.model, device="cpu", max_context=2048, quant=args.quant, draft=args.draft, speculate=spec)
     print(f"# target {engine.name} | weights {engine.quant} | kv {engine.kv_dtype} | draft {engine.drafter.name}, "
           f"{engine.drafter.cost:.2f}x the target's weight bytes | {torch.get_num_threads()} threads")
-    for name, messages in PROMPTS.items():
+    for name in prompts:
+        messages = PROMPTS[name]
         reply(plain_engine, messages, args.max_tokens, SpeculateConfig())
         reply(engine, messages, args.max_tokens, spec)
         plain_tps, spec_tps, same = [], [], True
@@ -294,7 +295,7 @@ def bench_draft(args) -> None:
             same &= sids == ids
         p, q = statistics.median(plain_tps), statistics.median(spec_tps)
         acc = f"{ss.acceptance:.0%}" if ss.acceptance is not None else "-"
-        print(f"{name:7} reply {len(ids)} tokens | decode: plain {p:.1f} tok/s, draft model {q:.1f} tok/s, ratio "
+        print(f"{name:14} reply {len(ids)} tokens | decode: plain {p:.1f} tok/s, draft model {q:.1f} tok/s, ratio "
               f"{q / p:.2f}x | drafted {ss.drafted_tokens}, accepted {acc}, {ss.tokens_per_pass:.2f} tokens/target "
               f"pass | identical: {same}")
     engine.close()
