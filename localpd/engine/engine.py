@@ -29,7 +29,7 @@ from localpd.engine.scheduler import MAX_RUNNING, MAX_STEP_TOKENS, Scheduler, Se
 from localpd.engine.draft_model import DraftModel, check_vocabulary, draft_token_bytes, new_draft_pool
 from localpd.engine.speculate import SpeculateConfig, Speculator, allowed_prefix
 from localpd.errors import LocalpdError
-from localpd.kvcache.dispatch import rows_as_decode
+from localpd.kvcache.dispatch import rows_as_decode, verification_room
 from localpd.kvcache.pages import PagePool
 from localpd.load.loader import load_model
 from localpd.load.registry import resolve_model
@@ -140,12 +140,15 @@ class Engine:
         c = self.config
         self.kv_traffic = KVTraffic(self.kv_dtype, c.n_layers, c.n_kv_heads, c.head_dim, PAGE_SIZE,
                                     self.compute_dtype.itemsize, len(c.swa_layers), c.sliding_window)
-        # drafts only where a verification step's rows compute what plain decoding's steps would (not int4ch, not
-        # rounded pages on a GPU): else the reply would no longer be plain decoding's
+        # drafts only where a verification step's rows compute what plain decoding's steps would (not rounded pages
+        # on a GPU): else the reply would no longer be plain decoding's
         self.drafts_allowed = rows_as_decode(kv_formats(self.kv_dtype), self.device)
         if draft and not self.drafts_allowed:
             raise LocalpdError(f"a draft model cannot draft under the {self.kv_dtype} KV cache on {self.device.type}: "
                                f"its rounded pages would let drafted rows change the reply")
+        if draft and verification_room(0, PAGE_SIZE, kv_formats(self.kv_dtype)) is not None:
+            raise LocalpdError(f"a draft model cannot draft under the {self.kv_dtype} KV cache: the draft's own pages "
+                               f"keep no stage for their open page (--speculate ngram can)")
         # the draft model before the pool is sized: its pages (one for each of the target's) share the budget
         drafting = self._load_draft(draft) if draft else None
         self.draft_token_bytes = 0 if drafting is None else draft_token_bytes(drafting[1], self.kv_dtype, PAGE_SIZE)
@@ -378,16 +381,22 @@ class Engine:
                     if seq.pending == 1 and not self._requests[seq].embed]
         if self.speculator.config.mode != "draft":
             for seq, req in decoding:
-                seq.draft = self.speculator.propose(req.draft, seq.tokens, len(seq.output), draft_room(seq, req),
+                seq.draft = self.speculator.propose(req.draft, seq.tokens, len(seq.output), self._draft_room(seq, req),
                                                     req.sampler.constraint)
             return
-        ks = [self.speculator.draft_length(req.draft, draft_room(seq, req), self.drafter.cost) for seq, req in decoding]
+        ks = [self.speculator.draft_length(req.draft, self._draft_room(seq, req), self.drafter.cost)
+              for seq, req in decoding]
         # the drafting steps' positions: computed .. computed + k - 1 (a draft that does not fit is not run)
         ks = [k if k and self.pages.allocate(seq.table, seq.computed + k) else 0 for (seq, _), k in zip(decoding, ks)]
         drafts = self.drafter.propose([seq for seq, _ in decoding], ks, self.device)
         for (seq, req), draft in zip(decoding, drafts):
             constraint = req.sampler.constraint
             seq.draft = draft[:allowed_prefix(constraint, draft)] if draft and constraint is not None else draft
+
+    def _draft_room(self, seq: Sequence, req: Request) -> int:
+        """draft_room, and what the KV pages' format allows past the sequence's own token (verification_room)."""
+        pages = verification_room(seq.computed + 1, PAGE_SIZE, kv_formats(self.kv_dtype))
+        return draft_room(seq, req) if pages is None else min(draft_room(seq, req), pages)
 
     def _chain(self) -> None:
         """Where every running sequence decodes greedily with nothing to do between its tokens (plain greedy: no

@@ -51,15 +51,23 @@ def _write_pages_ref(x, data, scale, zero, slots, page_size, stage=None, stage_s
     vals[which, offs] = x.float()
     # a page belongs to one sequence, which fills it in order: every offset up to the last new one holds a token
     valid = (torch.arange(page_size, device=offs.device)[None] <= last[:, None])[:, :, None, None]
-    lo = torch.where(valid, vals, torch.inf).amin(1)
-    hi = torch.where(valid, vals, -torch.inf).amax(1)
-    s = ((hi - lo) / 15).to(scale.dtype)
-    z = lo.to(zero.dtype)
-    sf = s.float()[:, None]
-    q = ((vals - z.float()[:, None]) / torch.where(sf > 0, sf, torch.ones_like(sf))).round().clamp(0, 15)
+    q, s, z = _round_pages(vals, valid, scale.dtype, zero.dtype)
     q = torch.where(valid, q, 0).to(torch.uint8)
     data[touched] = torch.where(valid, q[..., 0::2] | (q[..., 1::2] << 4), data[touched])
     scale[touched], zero[touched] = s, z
+
+
+def _round_pages(vals: torch.Tensor, valid: torch.Tensor, scale_dtype, zero_dtype):
+    """int4ch's rounding of pages [pages, page_size, H, D] (float32) over their valid tokens (valid: [pages,
+    page_size, 1, 1]): codes 0..15 as floats [pages, page_size, H, D], and each channel's scale and zero [pages, H,
+    D] in their storage dtypes. The values read back are codes * scale + zero (formats.dequantize_kv)."""
+    lo = torch.where(valid, vals, torch.inf).amin(1)
+    hi = torch.where(valid, vals, -torch.inf).amax(1)
+    s = ((hi - lo) / 15).to(scale_dtype)
+    z = lo.to(zero_dtype)
+    sf = s.float()[:, None]
+    q = ((vals - z.float()[:, None]) / torch.where(sf > 0, sf, torch.ones_like(sf))).round().clamp(0, 15)
+    return q, s, z
 
 
 def _write_side_ref(x, data, scale, zero, fmt, slots, page_size, stage=None, stage_slots=None) -> None:
@@ -103,9 +111,12 @@ ROWS_AS_DECODE = 16
 
 
 def paged_attention_ref(q: torch.Tensor, layer: KVLayer, page_table: torch.Tensor, seq_lens: torch.Tensor,
-                        q_starts: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+                        q_starts: torch.Tensor, scale: float, window: int = 0,
+                        stage_slots: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, Hq, D] -> out [T, Hq, D]; softmax in float32 for half-precision inputs (SDPA's own). window > 0: each
-    query sees its last `window` keys (itself included) only."""
+    query sees its last `window` keys (itself included) only. stage_slots [T]: the step's tokens' places in the
+    layer's stage (per-page formats), so that a sequence's few rows see its open page as their decode steps did
+    (_as_decode_page)."""
     out = torch.empty_like(q)
     ps = layer.page_size
     lens, starts = seq_lens.tolist(), q_starts.tolist()
@@ -115,7 +126,10 @@ def paged_attention_ref(q: torch.Tensor, layer: KVLayer, page_table: torch.Tenso
         k, v = gather_kv(layer, page_table[b, :-(-n // ps)].long(), n, q.dtype)
         if t <= ROWS_AS_DECODE:
             for i in range(t):
-                out[s + i] = decode_row(q[s + i], k[:n - t + i + 1], v[:n - t + i + 1], scale, window)
+                ki, vi = k[:n - t + i + 1], v[:n - t + i + 1]
+                if i < t - 1 and stage_slots is not None and _per_page(layer):
+                    ki, vi = _as_decode_page(layer, ki, vi, int(stage_slots[s + i]), n)
+                out[s + i] = decode_row(q[s + i], ki, vi, scale, window)
             continue
         # 4-D inputs (a batch of one) let the CPU take SDPA's fused kernel, where 3-D ones took its general path:
         # 3-4x slower
@@ -126,6 +140,43 @@ def paged_attention_ref(q: torch.Tensor, layer: KVLayer, page_table: torch.Tenso
                                            v[None].transpose(1, 2), attn_mask=mask, scale=scale, enable_gqa=True)
         out[s:e] = o[0].transpose(0, 1)
     return out
+
+
+def _as_decode_page(layer: KVLayer, k: torch.Tensor, v: torch.Tensor, slot: int, n: int):
+    """A verification row's keys and values k, v [m, H, D] (its own the last; not the step's last row, which sees
+    what the write made) with its page's per-page sides as its decode step saw them: rounded over the page's tokens
+    up to its own, from their staged values (slot: its own stage slot), where the step's write rounded them over
+    the later rows' too. n: the sequence's tokens after the write. A page the step filled is final and was not
+    staged, so its rows see it as the write made it: a verification's first row may have filled it, as its decode
+    step did, but no drafted row does (verification_room); the rows of a short prefill chunk may."""
+    ps, m = layer.page_size, k.shape[0]
+    off = (m - 1) % ps
+    if n >= m - 1 - off + ps:  # this row's page is full
+        return k, v
+    sides = []
+    for x, stage, scale, zero, fmt in ((k, layer.k_stage, layer.k_scale, layer.k_zero, layer.k_format),
+                                       (v, layer.v_stage, layer.v_scale, layer.v_zero, layer.v_format)):
+        if fmt in PER_PAGE:
+            vals = stage[slot - off:slot + 1].float()[None]  # the page's tokens up to this row's, as computed
+            codes, s, z = _round_pages(vals, torch.ones(1, off + 1, 1, 1, dtype=torch.bool, device=vals.device),
+                                       scale.dtype, zero.dtype)
+            x = torch.cat([x[:m - off - 1], (codes[0] * s.float() + z.float()).to(x.dtype)])
+        sides.append(x)
+    return sides
+
+
+def _per_page(layer: KVLayer) -> bool:
+    """Whether a side of the layer's pages is in a per-page format."""
+    return layer.k_format in PER_PAGE or layer.v_format in PER_PAGE
+
+
+def verification_room(position: int, page_size: int, kv_dtype_formats: tuple[str, str]) -> int | None:
+    """The most drafted rows a step may verify from position on (its first drafted token's), None for no bound:
+    under a per-page format (int4ch) no drafted row may fill a page, which would round the whole page over the
+    rows' keys where their decode steps saw it open (_as_decode_page rounds an open page again for each row)."""
+    if not any(f in PER_PAGE for f in kv_dtype_formats):
+        return None
+    return (page_size - 1 - position % page_size) % page_size
 
 
 def decode_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
@@ -141,12 +192,10 @@ def decode_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, 
 def rows_as_decode(kv_dtype_formats: tuple[str, str], device: torch.device) -> bool:
     """Whether a step's few rows of one sequence (a verification of drafted tokens) compute over pages of these
     formats what plain decoding computes, so that speculative decoding keeps its reply: float pages anywhere (the
-    CPU's kernels bit for bit, a GPU's within float rounding); per-token int8/int4/fp8 ones on the CPU, where
-    paged_attention_ref takes such rows one at a time (ROWS_AS_DECODE; the GPU's prefill kernel sums in another
-    order than its decode kernel, which over rounded pages flips codes); never a per-page format (int4ch), whose
-    page would be rounded over the rejected rows' keys too."""
-    if any(f in PER_PAGE for f in kv_dtype_formats):
-        return False
+    CPU's kernels bit for bit, a GPU's within float rounding); rounded ones on the CPU, where paged_attention_ref
+    takes such rows one at a time (ROWS_AS_DECODE; the GPU's prefill kernel sums in another order than its decode
+    kernel, which over rounded pages flips codes), a per-page format's (int4ch) open page rounded again for each
+    row as its decode step rounded it (_as_decode_page; its drafts bounded by verification_room)."""
     return all(f in ("fp32", "fp16", "bf16") for f in kv_dtype_formats) or device.type == "cpu"
 
 
@@ -353,18 +402,20 @@ def rounds_output(q: torch.Tensor, layer: KVLayer, seq_lens: torch.Tensor) -> bo
 
 
 def paged_attention(q: torch.Tensor, layer: KVLayer, page_table: torch.Tensor, seq_lens: torch.Tensor,
-                    q_starts: torch.Tensor, scale: float, window: int = 0, round_into=None) -> torch.Tensor:
+                    q_starts: torch.Tensor, scale: float, window: int = 0, round_into=None,
+                    stage_slots: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, Hq, D] -> [T, Hq, D] (see the module docstring); window > 0: a sliding-window layer's attention, each
     query over its last `window` keys. Decode kernel when every sequence has one query row (T == B, known without
     reading the device), else the prefill kernel. round_into (kernels/act_round.Rounded for T rows of Hq * D,
-    where rounds_output): the decode attention also rounds the output for the o projection's integer GEMV into it."""
+    where rounds_output): the decode attention also rounds the output for the o projection's integer GEMV into it.
+    stage_slots: the step's tokens' stage slots (per-page formats), for paged_attention_ref's verification rows."""
     T, Hq, D = q.shape
     assert round_into is None or rounds_output(q, layer, seq_lens)
     DP = triton_block(D)
     if not use_triton(q) and cpu.takes_attention(q, layer):
         return cpu.attention(q, layer, page_table, seq_lens, q_starts, scale, window)
     if not (use_triton(q) and triton_supports(layer, D)):
-        return paged_attention_ref(q, layer, page_table, seq_lens, q_starts, scale, window)
+        return paged_attention_ref(q, layer, page_table, seq_lens, q_starts, scale, window, stage_slots)
     from localpd.kernels.paged_attention import decode_kernel, decode_reduce_kernel, prefill_kernel
     from localpd.kernels.pdl import launch_args
 

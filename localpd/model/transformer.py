@@ -255,7 +255,8 @@ class Transformer:
             q = write(qkv, rot_cos, rot_sin, pages, batch.slots, c.n_heads, c.n_kv_heads, batch.stage_slots)
             rounded = self._o_input(layer, q, pages, batch.seq_lens)
             attn = paged_attention(q, pages, batch.page_table, batch.seq_lens, batch.q_starts, scale,
-                                   c.sliding_window if li in swa else 0, round_into=rounded)
+                                   c.sliding_window if li in swa else 0, round_into=rounded,
+                                   stage_slots=batch.stage_slots)
             attn = attn.reshape(T, c.n_heads * c.head_dim)
             if self.head_cols is not None:
                 attn = attn[:, self.head_cols[:c.n_heads * c.proj_head_dim]]

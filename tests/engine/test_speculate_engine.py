@@ -35,9 +35,10 @@ def kv_engine(default_gguf):
     engine.close()
 
 
-@pytest.fixture(scope="module", params=["fp32", "int8/int4", "int8"])
+@pytest.fixture(scope="module", params=["fp32", "int8/int4", "int8", "int4ch/int4"])
 def other_engine(request, default_gguf):
-    """Float32 pages, and quantized formats of per-token scales (a token's codes never change once written)."""
+    """Float32 pages, quantized formats of per-token scales (a token's codes never change once written), and int4ch
+    keys (a page's codes rounded again at each write while it is open, from its staged values)."""
     engine = Engine(default_gguf, device="cpu", max_context=2048, kv=request.param)
     yield engine
     engine.close()
@@ -66,8 +67,9 @@ def test_greedy_replies_are_plain_decodings_token_for_token(kv_engine):
 
 
 def test_greedy_replies_over_other_pages_are_plain_decodings(other_engine):
-    """Over float32 pages and per-token int8/int4 ones (each verification row's attention computed as a decode
-    row's: kvcache.dispatch.ROWS_AS_DECODE) every prompt, drafting wherever the text has a match."""
+    """Over float32 pages, per-token int8/int4 ones (each verification row's attention computed as a decode row's:
+    kvcache.dispatch.ROWS_AS_DECODE) and int4ch keys (each row's open page rounded as its decode step rounded it,
+    no draft filling a page) every prompt, drafting wherever the text has a match."""
     assert other_engine.drafts_allowed
     greedy_equality(other_engine)
 

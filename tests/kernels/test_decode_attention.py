@@ -141,7 +141,7 @@ def test_drafts_are_verified_where_rows_compute_what_decode_steps_do():
     assert rows_as_decode(kv_formats("fp16"), cpu) and rows_as_decode(kv_formats("bf16"), gpu)
     assert rows_as_decode(kv_formats("int8/int4"), cpu) and rows_as_decode(kv_formats("fp8"), cpu)
     assert not rows_as_decode(kv_formats("int8"), gpu)
-    assert not rows_as_decode(kv_formats("int4ch/int4"), cpu) and not rows_as_decode(kv_formats("int4ch"), gpu)
+    assert rows_as_decode(kv_formats("int4ch/int4"), cpu) and not rows_as_decode(kv_formats("int4ch"), gpu)
 
 
 @pytest.mark.parametrize("kv_dtype, D, group, bits", [("bf16", 64, 4, 4), ("int8", 128, 2, 8),
@@ -216,3 +216,52 @@ class Spy:
     def __getitem__(self, grid):
         self.launched.append(self.name)
         return self.kernel[grid]
+
+
+@pytest.mark.parametrize("start", [3, 15])
+def test_a_verifications_rows_see_an_int4ch_page_as_their_decode_steps_did(start):
+    """int4ch keys: a page's codes are rounded again over its tokens at each write while it is open, so a
+    verification's rows, written together, would see their page rounded over the later rows' keys; the reference
+    rounds it again for each row from the staged values, and each row is its decode step's bit for bit: 9 rows
+    from offset 3 of a page, or the first row closing one (offset 15) and 8 in the next. A draft never fills a page
+    (verification_room)."""
+    from localpd.kvcache.dispatch import verification_room
+
+    g = torch.Generator().manual_seed(7)
+    ps, H, group, D, t = 16, 2, 3, 64, 9
+    n0 = ps + start  # tokens before the step: one whole page and `start` of the next
+    k, v = torch.randn(2, n0 + t, H, D, generator=g)
+    q = torch.randn(t, H * group, D, generator=g)
+    pages = torch.tensor([[4, 1, 6]], dtype=torch.int32)
+
+    def slots(pos):
+        return pages[0, pos // ps].long() * ps + pos % ps
+
+    def staged(pos):
+        return 2 * ps + pos % ps  # the sequence's stage row: 2
+
+    def pool_before():
+        layer = new_kv_pool("int4ch/int4", 1, 8, ps, H, D, torch.float32, "cpu", stage_rows=3).layer(0)
+        for p in range(n0):  # written a token a step, as a sequence decodes
+            write_kv_ref(layer, k[p:p + 1], v[p:p + 1], slots(torch.tensor([p])), torch.tensor([staged(p)]))
+        return layer
+
+    decode, layer = [], pool_before()
+    for i in range(t):
+        p = torch.tensor([n0 + i])
+        write_kv_ref(layer, k[n0 + i:n0 + i + 1], v[n0 + i:n0 + i + 1], slots(p), torch.tensor([staged(n0 + i)]))
+        decode.append(paged_attention_ref(q[i:i + 1], layer, pages, torch.tensor([n0 + i + 1], dtype=torch.int32),
+                                          torch.tensor([0, 1], dtype=torch.int32), D ** -0.5)[0])
+    layer = pool_before()
+    pos = torch.arange(n0, n0 + t)
+    stage_slots = torch.tensor([staged(p) for p in pos.tolist()])
+    write_kv_ref(layer, k[n0:], v[n0:], slots(pos), stage_slots)
+    lens, starts = torch.tensor([n0 + t], dtype=torch.int32), torch.tensor([0, t], dtype=torch.int32)
+    rows = paged_attention_ref(q, layer, pages, lens, starts, D ** -0.5, stage_slots=stage_slots)
+    assert all(torch.equal(rows[i], decode[i]) for i in range(t))
+    unstaged = paged_attention_ref(q, layer, pages, lens, starts, D ** -0.5)  # the page as the write left it
+    assert not all(torch.equal(unstaged[i], decode[i]) for i in range(t - 1))
+    assert verification_room(n0 + 1, ps, ("int4ch", "int4")) >= t - 1  # these drafts fit the rule
+    # a first drafted token at offset 14 may be verified alone, at 15 (it would fill the page) not at all
+    assert [verification_room(p, ps, ("int4ch", "int4")) for p in (ps - 2, ps - 1, ps, 2 * ps + 5)] == [1, 0, 15, 10]
+    assert verification_room(7, ps, ("fp16", "fp16")) is None and verification_room(7, ps, ("int8", "int4")) is None
