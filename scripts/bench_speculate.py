@@ -165,6 +165,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, help="torch's threads (default: torch's)")
     ap.add_argument("--draft", help="a draft model of the target's vocabulary: its drafting measured instead")
     ap.add_argument("--quant", help="the target's weight scheme (default: its file's own)")
+    ap.add_argument("--kv", help="the KV pages' format (default: the engine's, fp16 on the CPU)")
     ap.add_argument("--parts", action="store_true", help="the step costs and each part's alone, no replies")
     ap.add_argument("--prompts", help=f"comma-separated, of {', '.join(PROMPTS)} (default: all)")
     ap.add_argument("--against", help="another cpu_kernels.c (e.g. `git show main:kernels/cpu_kernels.c`): its "
@@ -177,7 +178,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     if args.draft:
         return bench_draft(args, prompts)
-    engine = Engine(args.model, device="cpu", max_context=2048, quant=args.quant)
+    engine = Engine(args.model, device="cpu", max_context=2048, quant=args.quant, kv=args.kv)
     print(f"# {engine.name} | weights {engine.quant} | kv {engine.kv_dtype} | {torch.get_num_threads()} threads")
     print(f"# {engine.path}")
     libs = {"this source": None}
@@ -277,9 +278,10 @@ def run_length(text: list[int], j: int, want: list[int]) -> int:
 def bench_draft(args, prompts: list[str]) -> None:
     """Plain decoding on the target alone against the target with the draft (which also runs every step's rows),
     the replies alternating; both engines' prompt pages warm in their prefix caches."""
-    plain_engine = Engine(args.model, device="cpu", max_context=2048, quant=args.quant)
+    plain_engine = Engine(args.model, device="cpu", max_context=2048, quant=args.quant, kv=args.kv)
     spec = SpeculateConfig("draft", args.draft_tokens)
-    engine = Engine(args.model, device="cpu", max_context=2048, quant=args.quant, draft=args.draft, speculate=spec)
+    engine = Engine(args.model, device="cpu", max_context=2048, quant=args.quant, kv=args.kv, draft=args.draft,
+                    speculate=spec)
     print(f"# target {engine.name} | weights {engine.quant} | kv {engine.kv_dtype} | draft {engine.drafter.name}, "
           f"{engine.drafter.cost:.2f}x the target's weight bytes | {torch.get_num_threads()} threads")
     for name in prompts:
