@@ -7,9 +7,9 @@ load, and dequantized in registers, so quantized KV moves fewer bytes (int4 as t
 high nibbles; see decode_kernel). Decode (every sequence one query) splits each sequence's pages over several
 programs (flash-decoding), each walking its tokens a tile of several pages at a time (scores and weighted sums as
 tl.dot, the query group padded to 16 rows), and the last split of a sequence's KV head to finish merges their
-partial softmaxes, in the same launch; the dots take half-precision queries' own type (kvcache.dispatch.attention_dot), and decode scores int8
-keys by integer dots (int8_key_dots); prefill chunks tile queries by BLOCK_M and walk the key pages with an
-online softmax and a causal mask. All
+partial softmaxes, in the same launch; the dots take half-precision queries' own type
+(kvcache.dispatch.attention_dot), and decode scores int8 keys by integer dots (int8_key_dots); prefill chunks tile
+queries by BLOCK_M and walk the key pages with an online softmax and a causal mask. All
 query heads that share a KV head are one program (GQA), in both: its keys and values are loaded once for the
 group. Loads are masked at the sequence's end, so whatever lies past it (stale or never-written slots, padding in
 the page table) is not read. rope_write_kv_kernel is a layer's whole step between its qkv projection and
@@ -356,9 +356,9 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
 
     The result, with MERGE (one launch): where one split holds all of the sequence's tiles, it writes the group's
     output rows itself; else each split with work writes its partial softmax results, and the last of them to
-    finish (counted on the (b, kv head) counter, left at zero for the next launch) merges them into the output
-    rows (_merge_head, _finish_rows: with ROUND_BITS also rounded for the o projection's integer GEMV, as
-    decode_reduce_kernel does). Without MERGE every split writes its partials, empty ones included, for
+    finish (counted on the (b, kv head) counter of gemv_kmajor.workspace, left at zero for the next launch as the
+    GEMV's split-K leaves its own) merges them into the output rows (_merge_head, _finish_rows: with ROUND_BITS
+    also rounded for the o projection's integer GEMV, as decode_reduce_kernel does). Without MERGE every split writes its partials, empty ones included, for
     decode_reduce_kernel's launch (kvcache.dispatch.ATTENTION_REDUCE).
 
     The tiles go into the dots as stored, in DOT (the queries' type where it is bf16/fp16: tensor-core dots at

@@ -29,7 +29,7 @@ from localpd.engine.scheduler import MAX_RUNNING, MAX_STEP_TOKENS, Scheduler, Se
 from localpd.engine.draft_model import DraftModel, check_vocabulary, draft_token_bytes, new_draft_pool
 from localpd.engine.speculate import SpeculateConfig, Speculator, allowed_prefix
 from localpd.errors import LocalpdError
-from localpd.kvcache.dispatch import rows_as_decode, verification_room
+from localpd.kvcache.dispatch import per_page, rows_as_decode, verification_room
 from localpd.kvcache.pages import PagePool
 from localpd.load.loader import load_model
 from localpd.load.registry import resolve_model
@@ -146,7 +146,7 @@ class Engine:
         if draft and not self.drafts_allowed:
             raise LocalpdError(f"a draft model cannot draft under the {self.kv_dtype} KV cache on {self.device.type}: "
                                f"its rounded pages would let drafted rows change the reply")
-        if draft and verification_room(0, PAGE_SIZE, kv_formats(self.kv_dtype)) is not None:
+        if draft and per_page(kv_formats(self.kv_dtype)):
             raise LocalpdError(f"a draft model cannot draft under the {self.kv_dtype} KV cache: the draft's own pages "
                                f"keep no stage for their open page (--speculate ngram can)")
         # the draft model before the pool is sized: its pages (one for each of the target's) share the budget

@@ -127,7 +127,7 @@ def paged_attention_ref(q: torch.Tensor, layer: KVLayer, page_table: torch.Tenso
         if t <= ROWS_AS_DECODE:
             for i in range(t):
                 ki, vi = k[:n - t + i + 1], v[:n - t + i + 1]
-                if i < t - 1 and stage_slots is not None and _per_page(layer):
+                if i < t - 1 and stage_slots is not None and per_page((layer.k_format, layer.v_format)):
                     ki, vi = _as_decode_page(layer, ki, vi, int(stage_slots[s + i]), n)
                 out[s + i] = decode_row(q[s + i], ki, vi, scale, window)
             continue
@@ -165,16 +165,16 @@ def _as_decode_page(layer: KVLayer, k: torch.Tensor, v: torch.Tensor, slot: int,
     return sides
 
 
-def _per_page(layer: KVLayer) -> bool:
-    """Whether a side of the layer's pages is in a per-page format."""
-    return layer.k_format in PER_PAGE or layer.v_format in PER_PAGE
+def per_page(kv_dtype_formats: tuple[str, str]) -> bool:
+    """Whether the keys or the values are in a per-page format (int4ch), whose open page is staged."""
+    return any(f in PER_PAGE for f in kv_dtype_formats)
 
 
 def verification_room(position: int, page_size: int, kv_dtype_formats: tuple[str, str]) -> int | None:
     """The most drafted rows a step may verify from position on (its first drafted token's), None for no bound:
     under a per-page format (int4ch) no drafted row may fill a page, which would round the whole page over the
     rows' keys where their decode steps saw it open (_as_decode_page rounds an open page again for each row)."""
-    if not any(f in PER_PAGE for f in kv_dtype_formats):
+    if not per_page(kv_dtype_formats):
         return None
     return (page_size - 1 - position % page_size) % page_size
 
@@ -332,22 +332,6 @@ ATTENTION_REDUCE = os.environ.get("LOCALPD_ATTENTION_REDUCE", "merge")
 INTERPRETER_DECODE_PROGRAMS = 4  # the splits' target under Triton's interpreter (no SMs to fill)
 
 
-_counters: dict = {}
-_retired: list = []  # counters a larger set replaced: a captured CUDA graph may still use them
-
-
-def split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """n zeroed int32 counters of finished splits for the decode kernel's merge, one a (sequence, kv head), kept
-    per device (launches on one stream run in turn, and each leaves its counters at zero). A larger need replaces
-    them; the old ones are kept, since a captured CUDA graph may still use them."""
-    cnt = _counters.get(device)
-    if cnt is None or cnt.numel() < n:
-        if cnt is not None:
-            _retired.append(cnt)
-        cnt = _counters[device] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-    return cnt
-
-
 def decode_block_t(page_size: int, head_dim: int, k_format: str = "bf16") -> int:
     """Tokens per decode tile over keys of k_format: DECODE_TILE_ELEMS elements of the head's tile width (twice as
     many for DECODE_WIDE_TILE_KEYS), and at least one page."""
@@ -416,6 +400,7 @@ def paged_attention(q: torch.Tensor, layer: KVLayer, page_table: torch.Tensor, s
         return cpu.attention(q, layer, page_table, seq_lens, q_starts, scale, window)
     if not (use_triton(q) and triton_supports(layer, D)):
         return paged_attention_ref(q, layer, page_table, seq_lens, q_starts, scale, window, stage_slots)
+    from localpd.kernels.gemv_kmajor import workspace
     from localpd.kernels.paged_attention import decode_kernel, decode_reduce_kernel, prefill_kernel
     from localpd.kernels.pdl import launch_args
 
@@ -440,7 +425,7 @@ def paged_attention(q: torch.Tensor, layer: KVLayer, page_table: torch.Tensor, s
         finish = dict(SP=DECODE_MAX_SPLITS, ROUND_BITS=r.bits if r else 0)
         merge = ATTENTION_REDUCE != "launch"
         decode_kernel[(B, H, splits)](q, layer.k, layer.v, ks, vs, kz, vz, page_table, seq_lens, part_acc, part_ml,
-                                      split_counters(q.device, B * H), out, out.stride(0), out.stride(1), *rounding,
+                                      workspace(q.device, 0, B * H)[1], out, out.stride(0), out.stride(1), *rounding,
                                       scale, q.stride(0), q.stride(1), page_table.stride(0), *strides, splits, window,
                                       **kinds, PS=ps, D=D, DP=DP, GROUP=group, GP=gp, BLOCK_T=block_t,
                                       INT8_KEYS=int8_key_dots(layer, q.dtype), MERGE=merge, num_warps=DECODE_WARPS,

@@ -174,11 +174,13 @@ def test_the_splits_merge_in_the_decode_launch_as_the_reduce_launch_merges_them(
     """The last split of a (sequence, kv head) to finish merges the splits' partial results in the decode kernel's
     launch (and rounds the output rows for the o projection's GEMV): one launch where the reduce took a second,
     the outputs and rounded rows bit for bit the reduce launch's. A graph-width page table (16 tiles wide) in four
-    splits: the sequences of one token and of a tile less 3 have work for one split, which
-    writes their rows directly; the others' 4 and 2 splits merge; the splits past a sequence's tiles end at once. Every counter is back at zero after the launch."""
+    splits: the sequences of one token and of a tile less 3 have work for one split, which writes their rows
+    directly; the others' 4 and 2 splits merge; the splits past a sequence's tiles end at once. Every counter
+    (gemv_kmajor.workspace's, which the GEMV's split-K shares) is back at zero after the launch."""
     import localpd.kernels.paged_attention as pa
     import localpd.kvcache.dispatch as kd
     from localpd.kernels.act_round import Rounded
+    from localpd.kernels.gemv_kmajor import workspace
 
     bt = decode_block_t(16, D, kv_formats(kv_dtype)[0])
     q, layer, table, lens, starts = build_case(kv_dtype, 16, 2, group, [3 * bt + 5, 1, bt - 3, 2 * bt], [1] * 4, D=D,
@@ -202,7 +204,7 @@ def test_the_splits_merge_in_the_decode_launch_as_the_reduce_launch_merges_them(
     assert torch.equal(merged, reduced) and not torch.equal(merged, torch.zeros_like(merged))
     if bits:
         assert torch.equal(merged_into.q, reduced_into.q) and torch.equal(merged_into.s, reduced_into.s)
-    assert not kd.split_counters(q.device, 8)[:8].any()
+    assert not workspace(q.device, 0, 8)[1][:8].any()
     ref = paged_attention_ref(q, layer, table, lens, starts, D ** -0.5)
     assert (merged.float() - ref.float()).abs().max().item() < (2e-2 if bits else 1e-4)
 
