@@ -9,6 +9,7 @@ Each line prints tok/s, the weight bytes streamed per second and that as a share
 (MBU), and the ratio to localpd int4-g128.
 
     python scripts/bench_decode_peers.py [--model llama3-8b] [--steps 128] [--context 128] [--all] [--o-apart]
+                                         [--short] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ def graphed(model: TorchLlama):
 
 def localpd_decode(name: str, quant: str, steps: int, context: int, graphs: bool = True,
                    fused: bool = True, kmajor: bool = True, dp4a: bool = True,
-                   o_apart: bool = False, chain: int | None = None) -> tuple[float, int]:
+                   o_apart: bool = False, chain: int | None = None, repeats: int = 1) -> tuple[float, int]:
     from localpd.engine import Engine
     from localpd.kernels import gemv_dp4a
     from localpd.engine.sampling import SamplingParams
@@ -139,9 +140,12 @@ def localpd_decode(name: str, quant: str, steps: int, context: int, graphs: bool
         params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
         prompt = torch.randint(0, engine.config.vocab_size, (context,)).tolist()
         list(engine.submit(prompt, params))  # warm-up: compiles, autotunes, captures
-        h = engine.submit(torch.randint(0, engine.config.vocab_size, (context,)).tolist(), params)
-        list(h)
-        return h.stats.decode_seconds / max(1, h.stats.output_tokens - 1), engine.model.weight_bytes
+        per_token = []
+        for _ in range(repeats):  # a fresh prompt each time (no prefix-cache hit), the median of their tokens' time
+            h = engine.submit(torch.randint(0, engine.config.vocab_size, (context,)).tolist(), params)
+            list(h)
+            per_token.append(h.stats.decode_seconds / max(1, h.stats.output_tokens - 1))
+        return sorted(per_token)[len(per_token) // 2], engine.model.weight_bytes
     finally:
         engine.close()
 
@@ -157,6 +161,9 @@ def main() -> None:
                     "launch of its own (before 15bd2d4), beside the same engine with it rounded by the reduce")
     ap.add_argument("--chains", default="", help="also int4-g128 with these decode steps a step (Engine's "
                     "decode_chain; comma-separated), beside the default (engine.CHAIN_STEPS) and 1")
+    ap.add_argument("--short", action="store_true", help="only localpd int4-g128 and int8 (chained, integer GEMV) "
+                    "and the tinygemm CUDA-graph loop: an A/B's quick run")
+    ap.add_argument("--repeats", type=int, default=3, help="requests timed an engine (their median)")
     args = ap.parse_args()
     c = SYNTHETIC[args.model]
     bw = measure_copy_bandwidth(torch.device("cuda"), 1 << 30)
@@ -166,6 +173,8 @@ def main() -> None:
     runs = [("int4-g128", True, True, True, True), ("int8", True, True, True, True), ("bf16", True, True, True, True),
             ("int4-g128", True, True, True, False), ("int8", True, True, True, False),
             ("int4-g128", True, True, True, True, False, 1), ("int8", True, True, True, True, False, 1)]
+    if args.short:
+        runs = runs[:2]
     if args.all:  # the row-major GEMV autotunes each shape's launch on first use: minutes on a fresh machine
         runs += [("int4-g128", True, True, False, True), ("int8", True, True, False, True),
                  ("int4-g128", True, False, True, True), ("int4-g128", False, True, True, True)]
@@ -175,7 +184,7 @@ def main() -> None:
     for quant, graphs, fused, kmajor, dp4a, *more in runs:
         o_apart, chain = (more + [False, None])[:2]  # chain None: the engine's default (steps chained on graphs)
         sec, nbytes = localpd_decode(args.model, quant, args.steps, args.context, graphs, fused, kmajor, dp4a,
-                                     o_apart, chain)
+                                     o_apart, chain, args.repeats)
         gemv = "row-major GEMV" if not kmajor else "integer K-major GEMV" if dp4a else "float K-major GEMV"
         gemv += ", o's input rounded apart" if o_apart else ""
         gemv += ", one decode step a replay" if chain == 1 else f", {chain} decode steps a replay" if chain else ""
@@ -183,10 +192,11 @@ def main() -> None:
             (f", {gemv}" if quant != "bf16" else "")
         rows.append((f"localpd {quant} (engine, {how}, wall clock per token)", sec, nbytes))
         torch.cuda.empty_cache()
-    for int4 in (False, True):
+    for int4 in (True,) if args.short else (False, True):
         model = TorchLlama(c, int4, ctx=math.ceil((args.context + args.steps + 8) / 256) * 256)
         label = "torch int4 tinygemm g128" if int4 else "torch bf16"
-        rows.append((f"{label} eager", time_loop(model.step, args.steps, args.context), model.nbytes))
+        if not args.short:
+            rows.append((f"{label} eager", time_loop(model.step, args.steps, args.context), model.nbytes))
         try:
             rows.append((f"{label} CUDA graph", time_loop(graphed(model), args.steps, args.context), model.nbytes))
         except Exception as e:  # noqa: BLE001 - reported, not fatal

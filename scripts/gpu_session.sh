@@ -2,7 +2,7 @@
 # One device-tool call: install, then the named stages, each under its own time limit, logs under $OUT.
 # Usage (on the GPU machine, repo root): scripts/gpu_session.sh tests kmtests dp4a fused check check3 sweep kmsweep mma ncu kernels kernels1 kvtests kvgraph
 #   bench peers kv kvfull spec kvsweep dp4atests rows pdl graphs profile profilenopdl dp4asweep4 normtests roundtests peersab
-#   ncugemv tilesab stagedab mergeab
+#   ncugemv tilesab stagedab mergeab kvsplits (all of test_decode_attention.py)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -62,9 +62,9 @@ for s in "$@"; do case $s in
            TAIL=10 stage sweep_dp4a_staged 240 python3 scripts/sweep_dp4a.py --tiles staged --formats int4-g128,int8 \
              --shapes qkv,o,gate_up,down --json "$OUT/sweep_dp4a_staged.json" --table /tmp/tiles_staged.json
            cp /tmp/tiles_staged.json "$OUT/"
-           TAIL=16 stage bench_peers_shipped_tiles 150 python3 scripts/bench_decode_peers.py
-           TAIL=16 stage bench_peers_staged_tiles 150 env LOCALPD_DP4A_TILES=/tmp/tiles_staged.json \
-             python3 scripts/bench_decode_peers.py ;;  # the same call's A/B: shipped tiles, then each shape's best
+           TAIL=6 stage bench_peers_shipped_tiles 120 python3 scripts/bench_decode_peers.py --short --repeats 5
+           TAIL=6 stage bench_peers_staged_tiles 120 env LOCALPD_DP4A_TILES=/tmp/tiles_staged.json \
+             python3 scripts/bench_decode_peers.py --short --repeats 5 ;;  # the same call's A/B: shipped, each shape's best
   ncugemv) TAIL=200 stage ncu_gemv 200 ncu --profile-from-start off --section SpeedOfLight --section Occupancy \
              --section LaunchStats --section WarpStateStats python3 scripts/ncu_gemv.py --formats int4-g128,int8 ;;
   kernels) stage bench_kernels 200 localpd bench kernels --json "$OUT/bench_kernels.json" ;;
@@ -85,12 +85,15 @@ for s in "$@"; do case $s in
   mergeab) for mode in merge launch; do  # decode attention's splits merged in its launch, or by a reduce launch
              TAIL=8 stage bench_kv_graph_$mode 90 env LOCALPD_ATTENTION_REDUCE=$mode python3 scripts/bench_kv.py \
                --model llama3-8b --attention-only --batch 1 --contexts 4096,32768 --table-tokens 131072
-             TAIL=11 stage bench_peers_$mode 150 env LOCALPD_ATTENTION_REDUCE=$mode python3 scripts/bench_decode_peers.py
+             TAIL=6 stage bench_peers_$mode 120 env LOCALPD_ATTENTION_REDUCE=$mode python3 scripts/bench_decode_peers.py \
+               --short --repeats 5
            done ;;
   kvsweep) TAIL=10 stage sweep_decode_attention 150 python3 scripts/sweep_decode_attention.py ;;
   kvtests) TO="-s INT" stage gpu_kv_split_tests 120 env LOCALPD_TEST_DEVICE=cuda python3 -m pytest -q -n 12 -W ignore \
              -p no:cacheprovider -rf --tb=short tests/kernels/test_decode_attention.py \
              tests/kernels/test_prefill_attention.py -k "long_contexts or splits or window or half" ;;
+  kvsplits) TO="-s INT" stage gpu_decode_attention_tests 180 env LOCALPD_TEST_DEVICE=cuda python3 -m pytest -q -n 12 \
+             -W ignore -p no:cacheprovider -rf --tb=short tests/kernels/test_decode_attention.py ;;  # every decode test
   roundtests) TO="-s INT" stage gpu_round_tests 120 env LOCALPD_TEST_DEVICE=cuda python3 -m pytest -q -n 8 -W ignore \
              -p no:cacheprovider -rf --tb=short tests/kernels/test_decode_attention.py -k "reduce_rounds or long_contexts" ;;
   kvfull) TAIL=30 stage bench_kv_full 400 python3 scripts/bench_kv.py --model synthetic:llama3-8b --contexts 4096 --streams 2 ;;
