@@ -83,7 +83,7 @@ QUANT_BLOCKS = 16  # blocks a program of quantize_act rounds
 @dataclass
 class Rounded:
     """Rows rounded for the integer GEMV of a bits-wide weight (quantize_act's q and s) by the kernel that made
-    them (the decode attention: kvcache.dispatch.paged_attention's round_into), handed to the product."""
+    them (the decode attention's reduce: kvcache.dispatch.paged_attention's round_into), handed to the product."""
 
     q: torch.Tensor
     s: torch.Tensor

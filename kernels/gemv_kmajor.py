@@ -301,8 +301,7 @@ _retired: list = []  # workspaces a larger one replaced: graphs captured with th
 
 def workspace(device: torch.device, values: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The split-K partials' fp32 workspace and the zeroed tile counters, kept per device (launches on one stream
-    run in turn, and each leaves its counters at zero; the decode attention counts its finished splits on them
-    too, kvcache.dispatch.paged_attention). Sized at first use for any launch up to MAX_ROWS rows
+    run in turn, and each leaves its counters at zero). Sized at first use for any launch up to MAX_ROWS rows
     (split_for keeps a launch's partials near PROGRAMS_PER_SM * SMs * BLOCK_N values); a larger need replaces
     them, and the old ones are kept, since a captured CUDA graph may still use them."""
     ws, cnt = _workspaces.get(device, (None, None))

@@ -6,10 +6,10 @@ and one for the values (V_KIND), each with its own strides. Packed values are re
 load, and dequantized in registers, so quantized KV moves fewer bytes (int4 as two half-width tiles, its low and
 high nibbles; see decode_kernel). Decode (every sequence one query) splits each sequence's pages over several
 programs (flash-decoding), each walking its tokens a tile of several pages at a time (scores and weighted sums as
-tl.dot, the query group padded to 16 rows), and the last split of a sequence's KV head to finish merges their
-partial softmaxes, in the same launch; the dots take half-precision queries' own type
-(kvcache.dispatch.attention_dot), and decode scores int8 keys by integer dots (int8_key_dots); prefill chunks tile
-queries by BLOCK_M and walk the key pages with an online softmax and a causal mask. All
+tl.dot, the query group padded to 16 rows), and a reduce kernel merges each query head's partial softmaxes in one
+step; the dots take half-precision queries' own type (kvcache.dispatch.attention_dot), and decode scores int8
+keys by integer dots (int8_key_dots); prefill chunks tile queries by BLOCK_M and walk the key pages with an
+online softmax and a causal mask. All
 query heads that share a KV head are one program (GQA), in both: its keys and values are loaded once for the
 group. Loads are masked at the sequence's end, so whatever lies past it (stale or never-written slots, padding in
 the page table) is not read. rope_write_kv_kernel is a layer's whole step between its qkv projection and
@@ -340,26 +340,16 @@ def _store_rows(rows, acc, acc_even, acc_odd, mask, HALVES: tl.constexpr, D: tl.
 
 
 @triton.jit
-def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_lens, part_acc, part_ml, counters,
-                  out, s_o_t, s_o_h, rq, rs, s_rq, s_rs, sm_scale,
+def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_lens, part_acc, part_ml, sm_scale,
                   s_q_t, s_q_h, s_pt_b, sk_page, sk_tok, sk_head, ck_page, ck_tok, ck_head,
                   sv_page, sv_tok, sv_head, cv_page, cv_tok, cv_head, SPLITS, window,
                   K_KIND: tl.constexpr, V_KIND: tl.constexpr, PS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                   GROUP: tl.constexpr, GP: tl.constexpr, BLOCK_T: tl.constexpr, DOT: tl.constexpr,
-                  INT8_KEYS: tl.constexpr, SP: tl.constexpr, MERGE: tl.constexpr, ROUND_BITS: tl.constexpr = 0,
-                  PDL: tl.constexpr = False):
+                  INT8_KEYS: tl.constexpr, PDL: tl.constexpr = False):
     """Program (b, kv head, split): the group's queries (padded to GP >= 16 rows for tl.dot) against this split's
-    tokens, BLOCK_T at a time across several pages. The splits share out the sequence's own tokens in whole tiles
-    (its length read here, not the page table's width: a CUDA graph's table spans the whole context, and a 4k
-    sequence in a 128k table would otherwise keep one split of SPLITS busy); the splits past its last tile have
-    no work and end at once.
-
-    The result, with MERGE (one launch): where one split holds all of the sequence's tiles, it writes the group's
-    output rows itself; else each split with work writes its partial softmax results, and the last of them to
-    finish (counted on the (b, kv head) counter of gemv_kmajor.workspace, left at zero for the next launch as the
-    GEMV's split-K leaves its own) merges them into the output rows (_merge_head, _finish_rows: with ROUND_BITS
-    also rounded for the o projection's integer GEMV, as decode_reduce_kernel does). Without MERGE every split writes its partials, empty ones included, for
-    decode_reduce_kernel's launch (kvcache.dispatch.ATTENTION_REDUCE).
+    tokens, BLOCK_T at a time across several pages; partial softmax results out. The splits share out the
+    sequence's own tokens in whole tiles (its length read here, not the page table's width: a CUDA graph's table
+    spans the whole context, and a 4k sequence in a 128k table would otherwise keep one split of SPLITS busy).
 
     The tiles go into the dots as stored, in DOT (the queries' type where it is bf16/fp16: tensor-core dots at
     twice tf32's rate, the softmax weights rounded to it), and each format's scales are applied where they cost
@@ -378,9 +368,6 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
     lo = tl.where(window > 0, tl.maximum(n - window, 0), 0)  # the first key the query sees
     start = lo // PS * PS  # whole pages
     per_split = tl.cdiv(tl.cdiv(n - start, BLOCK_T), SPLITS) * BLOCK_T  # tokens a split, in whole tiles
-    used = tl.cdiv(n - start, per_split)  # the splits with work
-    if MERGE and sp >= used:
-        return
     first = start + sp * per_split
     last = tl.minimum(first + per_split, n)
     g = tl.arange(0, GP)
@@ -438,81 +425,38 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
             acc_odd = acc_odd * alpha[:, None] + tl.dot(w, v_odd)
         else:
             acc = acc * alpha[:, None] + tl.dot(w, vt)
-    # the splits with work, from the length read again (kept in a register through the loop, int8 keys' sm_90
-    # code spilled 8 bytes more)
-    used = tl.cdiv(tl.load(seq_lens + b, volatile=True) - start, per_split)
-    if MERGE and used == 1:  # the whole sequence in this program: its output rows
-        if V_INT4:
-            acc = tl.reshape(tl.join(acc_even, acc_odd), (GP, DP))  # even and odd elements interleaved
-        _finish_rows(acc / tl.where(l > 0, l, 1.0)[:, None], b, kh * GROUP, GROUP, out, s_o_t, s_o_h, rq, rs, s_rq,
-                     s_rs, D, DP, GP, ROUND_BITS)
-    else:
-        # [B, query heads, SPLITS]: the group's real rows only, each head's splits side by side
-        first_row = ((b * tl.num_programs(1) + kh) * GROUP + g) * SPLITS
-        row = first_row + sp
-        _store_rows(part_acc + row[:, None] * D, acc, acc_even, acc_odd, gmask, V_INT4, D, DP)
-        tl.store(part_ml + row * 2, m, mask=gmask)
-        tl.store(part_ml + row * 2 + 1, l, mask=gmask)
-        if MERGE:
-            tl.debug_barrier()  # every thread's partials are written before the count says so
-            counter = counters + b * tl.num_programs(1) + kh
-            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == used - 1:  # the last split to finish
-                for i in range(GROUP):  # a head at a time: its [SP, DP] tile alone in registers
-                    o = _merge_head(part_acc, part_ml, ((b * tl.num_programs(1) + kh) * GROUP + i) * SPLITS, used,
-                                    D, DP, SP)
-                    _finish_rows(o[None, :], b, kh * GROUP + i, 1, out, s_o_t, s_o_h, rq, rs, s_rq, s_rs, D, DP, 1,
-                                 ROUND_BITS)
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def _merge_head(part_acc, part_ml, first_row, splits, D: tl.constexpr, DP: tl.constexpr, SP: tl.constexpr):
-    """One query head's output row [DP] fp32 from its first `splits` partial softmax results (rows first_row ..,
-    padded to SP, a power of two), loaded as one tile: a loop over the splits would wait on a round trip for each.
-    Read past the L1 cache (.cg): other programs of the same launch may have written them."""
-    sp = tl.arange(0, SP)
-    d = tl.arange(0, DP)
-    live = sp < splits
-    row = first_row + sp
-    ms = tl.load(part_ml + row * 2, mask=live, other=float("-inf"), cache_modifier=".cg")
-    f = tl.where(ms == float("-inf"), 0.0, tl.exp(ms - tl.max(ms, axis=0)))  # empty splits weigh nothing
-    l = tl.sum(f * tl.load(part_ml + row * 2 + 1, mask=live, other=0.0, cache_modifier=".cg"), axis=0)
-    acc = tl.load(part_acc + row[:, None] * D + d[None, :], mask=live[:, None] & (d < D)[None, :], other=0.0,
-                  cache_modifier=".cg")
-    return tl.sum(f[:, None] * acc, axis=0) / tl.where(l > 0, l, 1.0)
-
-
-@triton.jit
-def _finish_rows(o, b, head0, heads, out, s_o_t, s_o_h, rq, rs, s_rq, s_rs, D: tl.constexpr, DP: tl.constexpr,
-                 ROWS: tl.constexpr, ROUND_BITS: tl.constexpr):
-    """Output rows o [ROWS, DP] fp32 of query heads head0 .. head0 + heads - 1 (rows past them are padding) of
-    token b, in out's dtype; with ROUND_BITS (4 or 8; D a multiple of 32) also rounded for the o projection's
-    integer GEMV into rq, rs (kernels/act_round.py: each head's D / 32 blocks of row b of the [T, heads * D]
-    input), as quantize_act would round what is written, so the GEMV's input needs no launch of its own."""
-    r = tl.arange(0, ROWS)
-    d = tl.arange(0, DP)
-    o = o.to(out.dtype.element_ty)
-    tl.store(out + b * s_o_t + (head0 + r)[:, None] * s_o_h + d[None, :], o,
-             mask=(r < heads)[:, None] & (d < D)[None, :])
-    if ROUND_BITS:
-        NB: tl.constexpr = DP // 32  # blocks in a row of the tile
-        i = tl.arange(0, ROWS * NB)
-        round_blocks(tl.reshape(o.to(tl.float32), (ROWS * NB, 32)), (head0 + i // NB) * (D // 32) + i % NB,
-                     (i // NB < heads) & (i % NB < D // 32), rq + b.to(tl.int64) * s_rq, rs + b.to(tl.int64) * s_rs,
-                     ROWS * NB, ROUND_BITS)
+    # [B, query heads, SPLITS]: the group's real rows only, each head's splits side by side for the reduce
+    row = ((b * tl.num_programs(1) + kh) * GROUP + g) * SPLITS + sp
+    _store_rows(part_acc + row[:, None] * D, acc, acc_even, acc_odd, gmask, V_INT4, D, DP)
+    tl.store(part_ml + row * 2, m, mask=gmask)
+    tl.store(part_ml + row * 2 + 1, l, mask=gmask)
 
 
 @triton.jit
 def decode_reduce_kernel(part_acc, part_ml, out, s_o_t, s_o_h, SPLITS, rq, rs, s_rq, s_rs, D: tl.constexpr,
                          DP: tl.constexpr, SP: tl.constexpr, ROUND_BITS: tl.constexpr = 0, PDL: tl.constexpr = False):
     """Program (b, query head): merge the head's SPLITS partial softmaxes (padded to SP, a power of two) into its
-    output row, rounded as decode_kernel's own merge does (_merge_head, _finish_rows): the launch the decode
-    kernel's MERGE saves, kept to measure one against the other (kvcache.dispatch.ATTENTION_REDUCE)."""
+    output row. They are loaded as one tile: a loop over the splits would wait on a round trip for each. With
+    ROUND_BITS (4 or 8; D a multiple of 32) the row is also rounded for the o projection's integer GEMV into rq, rs
+    (kernels/act_round.py: the head's D / 32 blocks of row b of the [T, heads * D] input), as quantize_act would
+    round what it writes, so the GEMV's input needs no launch of its own."""
     wait_prior(PDL)  # kernels/pdl.py: what the kernel before wrote is read from here on
     b = tl.program_id(0)
     h = tl.program_id(1)
-    o = _merge_head(part_acc, part_ml, (b * tl.num_programs(1) + h) * SPLITS, SPLITS, D, DP, SP)
-    _finish_rows(o[None, :], b, h, 1, out, s_o_t, s_o_h, rq, rs, s_rq, s_rs, D, DP, 1, ROUND_BITS)
+    sp = tl.arange(0, SP)
+    d = tl.arange(0, DP)
+    live = sp < SPLITS
+    row = (b * tl.num_programs(1) + h) * SPLITS + sp
+    ms = tl.load(part_ml + row * 2, mask=live, other=float("-inf"))
+    f = tl.where(ms == float("-inf"), 0.0, tl.exp(ms - tl.max(ms, axis=0)))  # empty splits weigh nothing
+    l = tl.sum(f * tl.load(part_ml + row * 2 + 1, mask=live, other=0.0), axis=0)
+    acc = tl.load(part_acc + row[:, None] * D + d[None, :], mask=live[:, None] & (d < D)[None, :], other=0.0)
+    o = (tl.sum(f[:, None] * acc, axis=0) / tl.where(l > 0, l, 1.0)).to(out.dtype.element_ty)
+    tl.store(out + b * s_o_t + h * s_o_h + d, o, mask=d < D)
+    if ROUND_BITS:
+        blk = tl.arange(0, DP // 32)
+        round_blocks(tl.reshape(o.to(tl.float32), (DP // 32, 32)), h * (D // 32) + blk, blk < D // 32,
+                     rq + b.to(tl.int64) * s_rq, rs + b.to(tl.int64) * s_rs, DP // 32, ROUND_BITS)
 
 
 @triton.jit

@@ -3,8 +3,7 @@ shaped like a real model's cache, its decode_kernel (or prefill_kernel) launch i
 launch is compiled for an NVIDIA architecture (scripts/sass.py). Per KV dtype it reports the main loop's SASS
 instructions per 4-byte word of keys, values, scales and zeros a thread streams, barriers, shared-memory
 instructions, global load instructions, the widest load, registers and spilled bytes, beside each card's
-instruction budget; and the kernel's global atomics (decode: its splits' count, added once a program after a
-memory fence and reset by the last, which merges them).
+instruction budget.
 
     python scripts/attention_sass.py                          # sm_90, Llama-3-8B heads (8 KV x 128, GQA 4)
     python scripts/attention_sass.py --arch 89 --heads 32,4,64 --kv bf16,int8
@@ -23,7 +22,7 @@ import localpd.kernels.paged_attention as kernels
 import localpd.kvcache.dispatch as kv_dispatch
 from localpd.kvcache.dispatch import decode_block_t, paged_attention
 from localpd.kvcache.formats import KV_DTYPES, kv_bytes_per_token, kv_formats, new_kv_pool
-from sass import compile_launch, cuobjdump, loop_stats, print_budgets  # this script's folder
+from sass import compile_launch, loop_stats, print_budgets  # this script's folder
 
 PAGE_SIZE = 16
 
@@ -78,16 +77,15 @@ def main() -> int:
           f"loop trip ({trip('bf16')} tokens over 16-bit keys, {trip('int8')} over rounded ones): SASS instructions "
           f"per 4-byte word of KV a thread streams, barriers, shared-memory and global load instructions, widest load")
     print(f"{'arch':>5} {'kv':>12} {'instr':>6} {'instr/word':>10} {'bar':>4} {'smem':>5} {'loads':>5} "
-          f"{'widest':>20} {'regs':>4} {'spill':>5} {'atomics':>7}")
+          f"{'widest':>20} {'regs':>4} {'spill':>5}")
     for arch in map(int, args.arch.split(",")):
         for kv_dtype in args.kv.split(","):
             launch_args, kwargs = attention_launch(kernel_name, kv_dtype, n_heads, n_kv_heads, head_dim)
             kernel = compile_launch(getattr(kernels, kernel_name), launch_args, kwargs, arch)
             tile_bytes = trip(kv_dtype) * kv_bytes_per_token(kv_dtype, 1, 1, head_dim, PAGE_SIZE)
             s = loop_stats(kernel, tile_bytes / 4 / (32 * kwargs["num_warps"]))
-            atomics = cuobjdump(kernel.asm["cubin"]).count("ATOMG.")
             print(f"{arch:>5} {kv_dtype:>12} {s.instructions:>6} {s.per_word:>10} {s.barriers:>4} {s.shared:>5} "
-                  f"{s.global_loads:>5} {s.widest_load:>20} {s.registers:>4} {s.spilled:>5} {atomics:>7}")
+                  f"{s.global_loads:>5} {s.widest_load:>20} {s.registers:>4} {s.spilled:>5}")
     print_budgets()
     return 0
 

@@ -134,7 +134,7 @@ def localpd_decode(name: str, quant: str, steps: int, context: int, graphs: bool
     engine = Engine(f"synthetic:{name}", device="cuda", quant=quant, max_context=context + steps + 16,
                     kv_memory="2GiB", cuda_graphs=graphs, decode_chain=chain)
     engine.model.fused = fused  # before the warm-up, which captures the graphs
-    if o_apart:  # o's input rounded in a launch of its own, not by the attention's merge
+    if o_apart:  # o's input rounded in a launch of its own, not by the attention's reduce
         engine.model._o_input = lambda *a: None
     try:
         params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)

@@ -2,7 +2,7 @@
 # One device-tool call: install, then the named stages, each under its own time limit, logs under $OUT.
 # Usage (on the GPU machine, repo root): scripts/gpu_session.sh tests kmtests dp4a fused check check3 sweep kmsweep mma ncu kernels kernels1 kvtests kvgraph
 #   bench peers kv kvfull spec kvsweep dp4atests rows pdl graphs profile profilenopdl dp4asweep4 normtests roundtests peersab
-#   ncugemv tilesab stagedab mergeab kvsplits (all of test_decode_attention.py)
+#   ncugemv tilesab stagedab kvsplits (all of test_decode_attention.py) floor
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -82,12 +82,7 @@ for s in "$@"; do case $s in
   kv) stage bench_kv 50 python3 scripts/bench_kv.py --model llama3-8b --attention-only --batch 1 ;;
   kvgraph) TAIL=8 stage bench_kv_graph 90 python3 scripts/bench_kv.py --model llama3-8b --attention-only --batch 1 \
              --contexts 4096,32768 --table-tokens 131072 ;;
-  mergeab) for mode in merge launch; do  # decode attention's splits merged in its launch, or by a reduce launch
-             TAIL=8 stage bench_kv_graph_$mode 90 env LOCALPD_ATTENTION_REDUCE=$mode python3 scripts/bench_kv.py \
-               --model llama3-8b --attention-only --batch 1 --contexts 4096,32768 --table-tokens 131072
-             TAIL=6 stage bench_peers_$mode 120 env LOCALPD_ATTENTION_REDUCE=$mode python3 scripts/bench_decode_peers.py \
-               --short --repeats 5
-           done ;;
+  floor) TAIL=12 stage gpu_floor 120 python3 scripts/gpu_floor.py --json "$OUT/gpu_floor.json" ;;  # a launch's cost
   kvsweep) TAIL=10 stage sweep_decode_attention 150 python3 scripts/sweep_decode_attention.py ;;
   kvtests) TO="-s INT" stage gpu_kv_split_tests 120 env LOCALPD_TEST_DEVICE=cuda python3 -m pytest -q -n 12 -W ignore \
              -p no:cacheprovider -rf --tb=short tests/kernels/test_decode_attention.py \

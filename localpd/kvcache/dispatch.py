@@ -10,8 +10,6 @@ kv head h // (Hq // H).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
@@ -324,11 +322,7 @@ DECODE_TILE_ELEMS = 8192
 DECODE_WIDE_TILE_KEYS = ("int8", "fp8", "int4")
 DECODE_WARPS = 4
 DECODE_PROGRAMS_PER_SM = 2  # what the splits aim at when batch x kv heads alone leave SMs idle
-DECODE_MAX_SPLITS = 64  # the merge holds all of a head's splits in one [splits, head_dim] tile
-# The decode's splits are merged by the last of them to finish, in the decode kernel's launch (paged_attention's
-# MERGE); LOCALPD_ATTENTION_REDUCE=launch merges them in a launch of their own instead, as before, to measure one
-# against the other on a GPU (scripts/gpu_session.sh).
-ATTENTION_REDUCE = os.environ.get("LOCALPD_ATTENTION_REDUCE", "merge")
+DECODE_MAX_SPLITS = 64  # the reduce holds all of a head's splits in one [splits, head_dim] tile
 INTERPRETER_DECODE_PROGRAMS = 4  # the splits' target under Triton's interpreter (no SMs to fill)
 
 
@@ -391,7 +385,7 @@ def paged_attention(q: torch.Tensor, layer: KVLayer, page_table: torch.Tensor, s
     """q [T, Hq, D] -> [T, Hq, D] (see the module docstring); window > 0: a sliding-window layer's attention, each
     query over its last `window` keys. Decode kernel when every sequence has one query row (T == B, known without
     reading the device), else the prefill kernel. round_into (kernels/act_round.Rounded for T rows of Hq * D,
-    where rounds_output): the decode attention also rounds the output for the o projection's integer GEMV into it.
+    where rounds_output): the decode reduce also rounds the output for the o projection's integer GEMV into it.
     stage_slots: the step's tokens' stage slots (per-page formats), for paged_attention_ref's verification rows."""
     T, Hq, D = q.shape
     assert round_into is None or rounds_output(q, layer, seq_lens)
@@ -400,11 +394,10 @@ def paged_attention(q: torch.Tensor, layer: KVLayer, page_table: torch.Tensor, s
         return cpu.attention(q, layer, page_table, seq_lens, q_starts, scale, window)
     if not (use_triton(q) and triton_supports(layer, D)):
         return paged_attention_ref(q, layer, page_table, seq_lens, q_starts, scale, window, stage_slots)
-    from localpd.kernels.gemv_kmajor import workspace
     from localpd.kernels.paged_attention import decode_kernel, decode_reduce_kernel, prefill_kernel
     from localpd.kernels.pdl import launch_args
 
-    pdl = launch_args(q)  # the decode kernel's (and a reduce launch's)
+    pdl = launch_args(q)  # the decode kernel's and its reduce's
     B, H = seq_lens.shape[0], layer.k.shape[2]
     group = Hq // H
     out = torch.empty_like(q)
@@ -420,19 +413,16 @@ def paged_attention(q: torch.Tensor, layer: KVLayer, page_table: torch.Tensor, s
         gp = max(16, 1 << (group - 1).bit_length())  # the group padded for tl.dot
         part_acc = torch.empty(B * Hq * splits, D, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(B * Hq * splits, 2, dtype=torch.float32, device=q.device)
-        r = round_into
-        rounding = (r.q, r.s, r.q.stride(0), r.s.stride(0)) if r else (out, out, 0, 0)
-        finish = dict(SP=DECODE_MAX_SPLITS, ROUND_BITS=r.bits if r else 0)
-        merge = ATTENTION_REDUCE != "launch"
         decode_kernel[(B, H, splits)](q, layer.k, layer.v, ks, vs, kz, vz, page_table, seq_lens, part_acc, part_ml,
-                                      workspace(q.device, 0, B * H)[1], out, out.stride(0), out.stride(1), *rounding,
-                                      scale, q.stride(0), q.stride(1), page_table.stride(0), *strides, splits, window,
-                                      **kinds, PS=ps, D=D, DP=DP, GROUP=group, GP=gp, BLOCK_T=block_t,
-                                      INT8_KEYS=int8_key_dots(layer, q.dtype), MERGE=merge, num_warps=DECODE_WARPS,
-                                      enable_fp_fusion=not (merge and r), **finish, **pdl)  # rounded as quantize_act
-        if not merge:
-            decode_reduce_kernel[(B, Hq)](part_acc, part_ml, out, out.stride(0), out.stride(1), splits, *rounding,
-                                          D=D, DP=DP, num_warps=4, enable_fp_fusion=r is None, **finish, **pdl)
+                                      scale, q.stride(0), q.stride(1), page_table.stride(0), *strides,
+                                      splits, window, **kinds, PS=ps, D=D, DP=DP,
+                                      GROUP=group, GP=gp, BLOCK_T=block_t, num_warps=DECODE_WARPS,
+                                      INT8_KEYS=int8_key_dots(layer, q.dtype), **pdl)
+        r = round_into
+        decode_reduce_kernel[(B, Hq)](part_acc, part_ml, out, out.stride(0), out.stride(1), splits,
+                                      *((r.q, r.s, r.q.stride(0), r.s.stride(0)) if r else (out, out, 0, 0)), D=D,
+                                      DP=DP, SP=1 << (splits - 1).bit_length(), ROUND_BITS=r.bits if r else 0,
+                                      num_warps=4, enable_fp_fusion=r is None, **pdl)  # rounded as quantize_act
         return out
     gp = 1 << (group - 1).bit_length()
     block_m = prefill_block_m(D, gp)

@@ -208,7 +208,7 @@ class Transformer:
     @torch.inference_mode()
     def _o_input(self, layer, q: torch.Tensor, pages, seq_lens: torch.Tensor):
         """Where the o projection's integer GEMV would round its input in a launch of its own, the buffers that the
-        decode attention rounds its output into instead (kvcache.dispatch.rounds_output), else None."""
+        decode attention's reduce rounds its output into instead (kvcache.dispatch.rounds_output), else None."""
         rounding = getattr(layer.o, "input_rounding", None)
         if not self.fused or self.head_cols is not None or rounding is None or not rounds_output(q, pages, seq_lens):
             return None

@@ -13,15 +13,12 @@ def test_decode_attention_compiles_to_whole_tile_loads(sass_table):
     loads per 64-token tile, registers spilled; int4ch keys: 99), and per-token scales cost no multiply per
     element, so int8 stays under the H100's budget of 45 instructions per 4-byte word. int8's 128-token tiles spill
     64 bytes (Triton 3.9), kept: they measured 1.25x faster than 64-token tiles on an H100 (docs/PERF.md)."""
-    rows = {r[1]: r for r in sass_table("attention_sass.py", "--kv", "int4,int4ch/int4,int8,bf16")}
+    rows = {r[1]: r for r in sass_table("attention_sass.py", "--kv", "int4,int4ch/int4,int8")}
     for kv in ("int4", "int4ch/int4"):
-        _, _, _, per_word, _, _, loads, widest, _, spilled, _ = rows[kv]
+        _, _, _, per_word, _, _, loads, widest, _, spilled = rows[kv]
         assert int(loads) < 32 and widest.endswith(".128") and spilled == "0", rows
         assert float(per_word) < 100, rows
     assert float(rows["int8"][3]) < 45 and int(rows["int8"][9]) <= 64, rows
-    # the splits merge in the one launch: a program counts itself done with one atomic add, the last resets the
-    # count with one exchange
-    assert all(r[10] == "2" for r in rows.values()), rows
 
 
 def test_prefill_attention_compiles_without_spills_for_every_model_and_kv_format():

@@ -78,7 +78,6 @@ def test_decode_splits_follow_the_sequence_not_the_graph_width_table(monkeypatch
     import localpd.kernels.paged_attention as pa
 
     monkeypatch.setattr(kd, "INTERPRETER_DECODE_PROGRAMS", kd.DECODE_PROGRAMS_PER_SM * 132)
-    monkeypatch.setattr(kd, "ATTENTION_REDUCE", "launch")  # every split's partials, empty ones too, to a reduce
     ps, group, D = 16, 4, 64
     g = torch.Generator().manual_seed(n)
     pool = new_kv_pool("bf16", 1, n // ps + 1, ps, H, D, torch.float32, DEV)
@@ -164,60 +163,6 @@ def test_the_reduce_rounds_its_output_as_quantize_act_would(kv_dtype, D, group, 
     assert torch.equal(into.q, q_ref) and torch.equal(into.s, s_ref)
     prefill = build_case(kv_dtype, 16, 2, group, [40, 17], [3, 17], D=D, dtype=torch.bfloat16, seed=12)
     assert not rounds_output(prefill[0], prefill[1], prefill[3])
-
-
-@pytest.mark.skipif(DEV != "cpu", reason="counts the Triton interpreter's launches")
-@pytest.mark.parametrize("kv_dtype, D, group, bits", [("bf16", 64, 4, 0), ("int8", 128, 2, 8), ("int4", 64, 3, 4),
-                                                     ("int4ch/int4", 96, 3, 0)])
-def test_the_splits_merge_in_the_decode_launch_as_the_reduce_launch_merges_them(monkeypatch, kv_dtype, D, group,
-                                                                                bits):
-    """The last split of a (sequence, kv head) to finish merges the splits' partial results in the decode kernel's
-    launch (and rounds the output rows for the o projection's GEMV): one launch where the reduce took a second,
-    the outputs and rounded rows bit for bit the reduce launch's. A graph-width page table (16 tiles wide) in four
-    splits: the sequences of one token and of a tile less 3 have work for one split, which writes their rows
-    directly; the others' 4 and 2 splits merge; the splits past a sequence's tiles end at once. Every counter
-    (gemv_kmajor.workspace's, which the GEMV's split-K shares) is back at zero after the launch."""
-    import localpd.kernels.paged_attention as pa
-    import localpd.kvcache.dispatch as kd
-    from localpd.kernels.act_round import Rounded
-    from localpd.kernels.gemv_kmajor import workspace
-
-    bt = decode_block_t(16, D, kv_formats(kv_dtype)[0])
-    q, layer, table, lens, starts = build_case(kv_dtype, 16, 2, group, [3 * bt + 5, 1, bt - 3, 2 * bt], [1] * 4, D=D,
-                                               dtype=torch.bfloat16 if bits else torch.float32, seed=13, poison=True)
-    table = torch.cat([table, torch.zeros(4, bt - table.shape[1], dtype=torch.int32)], 1)  # 16 tiles wide
-    T, Hq, _ = q.shape
-    launched = []
-
-    def run(mode):
-        with monkeypatch.context() as m:
-            m.setattr(kd, "INTERPRETER_DECODE_PROGRAMS", 32)  # 4 splits of 8 (sequence, kv head)s
-            assert decode_splits(4 * 2, -(-table.shape[1] * 16 // bt), q.device)[0] == 4
-            m.setattr(kd, "ATTENTION_REDUCE", mode)
-            for name in ("decode_kernel", "decode_reduce_kernel"):
-                m.setattr(pa, name, Spy(getattr(pa, name), name, launched))
-            into = Rounded.empty(T, Hq * D, bits, q.device) if bits else None
-            return paged_attention(q, layer, table, lens, starts, D ** -0.5, round_into=into), into
-
-    (merged, merged_into), (reduced, reduced_into) = run("merge"), run("launch")
-    assert launched == ["decode_kernel", "decode_kernel", "decode_reduce_kernel"]
-    assert torch.equal(merged, reduced) and not torch.equal(merged, torch.zeros_like(merged))
-    if bits:
-        assert torch.equal(merged_into.q, reduced_into.q) and torch.equal(merged_into.s, reduced_into.s)
-    assert not workspace(q.device, 0, 8)[1][:8].any()
-    ref = paged_attention_ref(q, layer, table, lens, starts, D ** -0.5)
-    assert (merged.float() - ref.float()).abs().max().item() < (2e-2 if bits else 1e-4)
-
-
-class Spy:
-    """A kernel whose launches are recorded by name, then run."""
-
-    def __init__(self, kernel, name, launched):
-        self.kernel, self.name, self.launched = kernel, name, launched
-
-    def __getitem__(self, grid):
-        self.launched.append(self.name)
-        return self.kernel[grid]
 
 
 @pytest.mark.parametrize("start", [3, 15])

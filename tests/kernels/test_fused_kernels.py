@@ -243,27 +243,27 @@ def count_decode_launches(monkeypatch, fused: bool, gpu_layout: bool = False,
 
 
 @pytest.mark.skipif(DEV != "cpu", reason="counts the Triton interpreter's launches")
-def test_a_decode_step_launches_six_kernels_per_layer(monkeypatch):
+def test_a_decode_step_launches_seven_kernels_per_layer(monkeypatch):
     """The fusions hold: per layer one GEMV each for qkv, o, gate_up and down (the residual add and RMSNorm inside
     qkv's and gate_up's, SiLU * mul inside down's), one kernel for RoPE and the KV write, and the decode attention
-    (its splits merged in its own launch); the final norm runs inside the output head's GEMV. Unfused
-    (Transformer.fused = False, for measuring the fusions) the same step launches the eleven kernels a layer it
-    did before them (twelve with the attention's reduce apart), with the same logits."""
+    and its reduce; the final norm runs inside the output head's GEMV. Unfused (Transformer.fused = False, for
+    measuring the fusions) the same step launches the twelve kernels a layer it did before them, with the same
+    logits."""
     launched, logits = count_decode_launches(monkeypatch, fused=True)
-    layer = ["_gemv_kernel", "rope_write_kv_kernel", "decode_kernel", "_gemv_kernel",
+    layer = ["_gemv_kernel", "rope_write_kv_kernel", "decode_kernel", "decode_reduce_kernel", "_gemv_kernel",
              "_gemv_kernel", "_gemv_kernel"]
     assert launched == layer * 2 + ["_gemv_kernel"]
     launched, unfused_logits = count_decode_launches(monkeypatch, fused=False)
     layer = ["add_rms_norm_kernel", "_gemv_kernel", "rope_kernel", "write_kv_kernel", "write_kv_kernel",
-             "decode_kernel", "_gemv_kernel", "add_rms_norm_kernel", "_gemv_kernel",
+             "decode_kernel", "decode_reduce_kernel", "_gemv_kernel", "add_rms_norm_kernel", "_gemv_kernel",
              "act_mul_kernel", "_gemv_kernel"]
     assert launched == layer * 2 + ["add_rms_norm_kernel", "_gemv_kernel"]
     assert rel_err(unfused_logits, logits) < 1e-5
-    # in the GPU's K-major layout the norms and SiLU * up run apart (gemv_kmajor.FUSE_INPUT_STEP), nine a layer,
+    # in the GPU's K-major layout the norms and SiLU * up run apart (gemv_kmajor.FUSE_INPUT_STEP), ten a layer,
     # split-K reduced inside each GEMV's own launch
     launched, km_logits = count_decode_launches(monkeypatch, fused=True, gpu_layout=True)
     layer = ["add_rms_norm_kernel", "_gemv_kmajor_kernel", "rope_write_kv_kernel", "decode_kernel",
-             "_gemv_kmajor_kernel", "add_rms_norm_kernel", "_gemv_kmajor_kernel",
+             "decode_reduce_kernel", "_gemv_kmajor_kernel", "add_rms_norm_kernel", "_gemv_kmajor_kernel",
              "act_mul_kernel", "_gemv_kmajor_kernel"]
     assert launched == layer * 2 + ["add_rms_norm_kernel", "_gemv_kmajor_kernel"]
     assert rel_err(km_logits, logits) < 1e-5
@@ -272,14 +272,14 @@ def test_a_decode_step_launches_six_kernels_per_layer(monkeypatch):
 @pytest.mark.skipif(DEV != "cpu", reason="counts the Triton interpreter's launches")
 def test_a_bfloat16_decode_step_rounds_each_gemv_input_where_it_is_made(monkeypatch):
     """With 16-bit activations the K-major GEMVs are the integer ones (kernels/gemv_dp4a.py): the RMSNorms, the
-    decode attention (o's input) and SiLU * up round their outputs for them as they write them: nine launches a
-    layer; the logits bit for bit those of o's input rounded in a launch of its own, and those of the
+    decode attention's reduce (o's input) and SiLU * up round their outputs for them as they write them: ten
+    launches a layer; the logits bit for bit those of o's input rounded in a launch of its own, and those of the
     float GEMVs within bfloat16's rounding."""
     from localpd.kernels import gemv_dp4a
 
     launched, logits = count_decode_launches(monkeypatch, fused=True, gpu_layout=True, dtype=torch.bfloat16)
     layer = ["add_rms_norm_kernel", "_gemv_dp4a_kernel", "rope_write_kv_kernel", "decode_kernel",
-             "_gemv_dp4a_kernel", "add_rms_norm_kernel", "_gemv_dp4a_kernel",
+             "decode_reduce_kernel", "_gemv_dp4a_kernel", "add_rms_norm_kernel", "_gemv_dp4a_kernel",
              "act_mul_kernel", "_gemv_dp4a_kernel"]
     assert launched == layer * 2 + ["add_rms_norm_kernel", "_gemv_dp4a_kernel"]
     monkeypatch.setattr(Transformer, "_o_input", lambda *a: None)  # o's input rounded by quantize_act

@@ -1,0 +1,72 @@
+"""What a launch costs in a CUDA graph beyond its bytes, on a GPU: the floor in `localpd bench kernels --predict`'s
+model (measure/predict.py FLOOR_US, 5 us from an H200's cuBLAS GEMV) measured directly.
+
+Times, as CUDA-graph replays of back-to-back launches (measure/bench_kernels.graph_time): an empty Triton kernel of
+one program and of 8 programs an SM, and the integer GEMV (kernels/gemv_dp4a.py, its activations already rounded,
+the tile the model launches) at one row over shapes from a few hundred KB of weights to Llama-3-8B's o, qkv and
+down, weights rotated through copies larger than L2; each with programmatic dependent launch on and off
+(kernels/pdl.py). Prints us a launch, the weights' time at the measured copy bandwidth, and the rest: what a
+launch costs that its bytes do not explain.
+
+    python scripts/gpu_floor.py [--json FILE]
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from localpd.kernels import gemv_dp4a as dp
+from localpd.kernels import pdl
+from localpd.kernels.act_round import quantize_act
+from localpd.measure.bench_kernels import gpu_script, graph_time, kmajor_copies, write_rows
+
+GEMVS = [("int4-g128", 128, 4096), ("int4-g128", 1024, 4096), ("int4-g128", 4096, 4096), ("int4-g128", 6144, 4096),
+         ("int4-g128", 4096, 14336), ("int8", 4096, 4096)]
+
+
+@triton.jit
+def _empty_kernel(x, PDL: tl.constexpr):
+    pdl.wait_prior(PDL)
+    if tl.program_id(0) < 0:  # never: the kernel touches nothing
+        tl.store(x, 0.0)
+
+
+@torch.inference_mode()
+def main() -> int:
+    args, dev, bw = gpu_script(__doc__)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    x = torch.empty(1, device=dev)
+    print(f"# {torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.0f} GB/s, {sms} SMs; us a launch in a "
+          f"CUDA graph of back-to-back launches")
+    print("| launch | weight bytes | bytes' time at copy bw | PDL off: us (rest) | PDL on: us (rest) |")
+    print("|---|---|---|---|---|")
+    out = []
+    launches = [(f"empty kernel, {g} program(s)", 0, [lambda g=g, on=on: _empty_kernel[(g,)](x, PDL=on, launch_pdl=on)
+                                                    for on in (False, True)]) for g in (1, 8 * sms)]
+    for fmt, n, k in GEMVS:
+        ws = kmajor_copies(fmt, n, k, dev)
+        q, s = quantize_act(torch.randn(1, k, device=dev, dtype=torch.bfloat16), ws[0].BITS)
+        y = torch.empty(1, n, device=dev, dtype=torch.bfloat16)
+        fns = [lambda w=w: dp.gemv_rounded(q, s, y, w.words, w.factors, w.BITS, w.group) for w in ws]
+        launches.append((f"GEMV {fmt} {n}x{k}", ws[0].nbytes, fns))
+    for label, nbytes, fns in launches:
+        times = []
+        for on in (False, True):
+            pdl.ENABLED = on
+            if label.startswith("empty"):
+                times.append(graph_time([fns[int(on)]], reps=400))
+            else:
+                times.append(graph_time(fns, reps=200))
+        pdl.ENABLED = True
+        ideal = nbytes / bw
+        print(f"| {label} | {nbytes / 1e6:.2f} MB | {ideal * 1e6:.2f} us | " +
+              " | ".join(f"{t * 1e6:.2f} ({(t - ideal) * 1e6:.2f})" for t in times) + " |")
+        out.append(dict(launch=label, bytes=nbytes, seconds_pdl_off=times[0], seconds_pdl_on=times[1]))
+    write_rows(args.json, bw, out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
