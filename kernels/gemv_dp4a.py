@@ -59,7 +59,12 @@ def _dp4a(a, b, c, SIGNED_A: tl.constexpr, ASM: tl.constexpr):
 def _quad(q_ptr, at):
     """Four consecutive activation int32 at q_ptr + at ([NB, 32, 4] addresses, the same for every lane), loaded as
     one 16-byte load a thread and split into four [NB, 32, 1] values that broadcast over a thread's 4 outputs."""
-    v = tl.load(q_ptr + at)
+    return _split_quad(tl.load(q_ptr + at))
+
+
+@triton.jit
+def _split_quad(v):
+    """A loaded quad [NB, 32, 4] as its four [NB, 32, 1] values (_quad)."""
     x02, x13 = tl.split(tl.reshape(v, (v.shape[0], v.shape[1], 2, 2)))
     e0, e2 = tl.split(x02)
     e1, e3 = tl.split(x13)
@@ -72,6 +77,12 @@ def _row_unit(q_ptr, at, wa, wb, ih, il, BITS: tl.constexpr, ASM: tl.constexpr):
     high nibbles against the quad's hi even, hi odd, lo even, lo odd inputs) or two int8 words wa, wb (against hi,
     lo of the first and hi, lo of the second)."""
     e0, e1, e2, e3 = _quad(q_ptr, at)
+    return _quad_unit(e0, e1, e2, e3, wa, wb, ih, il, BITS, ASM)
+
+
+@triton.jit
+def _quad_unit(e0, e1, e2, e3, wa, wb, ih, il, BITS: tl.constexpr, ASM: tl.constexpr):
+    """_row_unit of a quad already loaded and split (_split_quad)."""
     if BITS == 4:
         wl = wa & 0x0F0F0F0F
         wh = (wa >> 4) & 0x0F0F0F0F
@@ -121,10 +132,32 @@ def _trip_words(wp, fp, c, nb, trip, stride_wk, stride_fg, mask, NB: tl.constexp
 def _row_block(s_ptr, at, ih, il, scale, bias, BITS: tl.constexpr):
     """A block's float contribution from its integer sums: (256 ih + il) d scale (+ d sum(256 hi + lo) bias)."""
     at = s_ptr + at
-    part = (ih * 256 + il).to(tl.float32) * (tl.load(at) * scale)
+    d = tl.load(at)
     if BITS == 4:
-        part += tl.load(at + 1) * bias
+        return _block_part(d, tl.load(at + 1), ih, il, scale, bias, BITS)
+    return _block_part(d, d, ih, il, scale, bias, BITS)
+
+
+@triton.jit
+def _block_part(d, dsum, ih, il, scale, bias, BITS: tl.constexpr):
+    """_row_block of the block's activation factors already loaded: d, and d sum(256 hi + lo) (int4's bias term)."""
+    part = (ih * 256 + il).to(tl.float32) * (d * scale)
+    if BITS == 4:
+        part += dsum * bias
     return part
+
+
+@triton.jit
+def _trip_acts(q_row, s_row, c, nb, four, NB: tl.constexpr, BITS: tl.constexpr):
+    """One row's activations for trip c (q_row, s_row: the row's rounded inputs and factors): its blocks' four
+    quads as loaded (_split_quad splits them) and their factors d and d sum (int4's only; int8 gets d again)."""
+    qa = ((c * NB + nb) * 16)[:, None, None] + four
+    sa = s_row + ((c * NB + nb) * 2)[:, None, None] + four * 0
+    d = tl.load(sa)
+    dsum = d
+    if BITS == 4:
+        dsum = tl.load(sa + 1)
+    return tl.load(q_row + qa), tl.load(q_row + qa + 4), tl.load(q_row + qa + 8), tl.load(q_row + qa + 12), d, dsum
 
 
 @triton.jit
@@ -132,7 +165,7 @@ def _gemv_dp4a_kernel(q_ptr, s_ptr, y_ptr, w_ptr, f_ptr, M, N, K, stride_qm, str
                       stride_fg, ws_ptr, cnt_ptr, SPLIT_K, bias_ptr, BITS: tl.constexpr, GROUP: tl.constexpr,
                       BLOCK_N: tl.constexpr, NB: tl.constexpr, BLOCK_M: tl.constexpr = 1,
                       OUT_BIAS: tl.constexpr = False, ASM: tl.constexpr = True, PREFETCH: tl.constexpr = 1,
-                      PDL: tl.constexpr = False, STAGES: tl.constexpr = 1):
+                      PDL: tl.constexpr = False, STAGES: tl.constexpr = 1, ACTS: tl.constexpr = 0):
     """Program (m, n, s): rows [m * BLOCK_M, (m + 1) * BLOCK_M) (1, 2 or 4), outputs [n * BLOCK_N, (n + 1) *
     BLOCK_N), the s-th slice of K's trips of NB blocks (K a multiple of 32 * NB; a warp takes NB / warps). q_ptr,
     s_ptr: the rows' rounded activations (kernels/act_round.py); ws_ptr, cnt_ptr: gemv_kmajor's split-K workspace
@@ -144,6 +177,9 @@ def _gemv_dp4a_kernel(q_ptr, s_ptr, y_ptr, w_ptr, f_ptr, M, N, K, stride_qm, str
     copies (cp.async: LDGSTS on sm_80 and later), STAGES - 1 trips ahead, where PREFETCH's registers held one or two
     trips whose loads ptxas issues late in the loop (docs/PERF.md, Nsight Compute: the GEMVs wait on memory with
     DRAM at 22-75% of its peak); tests/measure/test_predict.py checks the copies in the compiled loop.
+    ACTS 1 (one row): the next trip's activations and their factors are loaded before this trip's arithmetic, as
+    PREFETCH does for the words, where each trip waited for its own (an L2 round trip a trip, in turn: a program
+    of a few trips spends most of its time on them; docs/PERF.md, scripts/gpu_floor.py).
     """
     WPB: tl.constexpr = BITS  # words a block of 32 inputs
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -176,6 +212,8 @@ def _gemv_dp4a_kernel(q_ptr, s_ptr, y_ptr, w_ptr, f_ptr, M, N, K, stride_qm, str
         p0, p1, p2, p3, p4, p5, p6, p7, pf = _trip_words(wp, fp, tl.minimum(c0 + 1, c1 - 1), nb, trip, stride_wk,
                                                          stride_fg, m3, NB, WPB, GROUP)
     wait_prior(PDL)  # the weights above are never written by a step; the activations below are
+    if ACTS:  # BLOCK_M 1: the first trip's activations, the next ones a trip ahead in the loop
+        v0, v1, v2, v3, d, dsum = _trip_acts(q_ptr + rq0, s_ptr + rs0, c0, nb, four, NB, BITS)
     for c in tl.range(c0, c1, num_stages=STAGES):
         blk = c * NB + nb  # [NB]: this trip's blocks
         if PREFETCH > 0:
@@ -196,26 +234,40 @@ def _gemv_dp4a_kernel(q_ptr, s_ptr, y_ptr, w_ptr, f_ptr, M, N, K, stride_qm, str
         bias = (fac >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         ih0 = tl.zeros((NB, BLOCK_N // 4, 4), tl.int32)
         il0, ih1, il1, ih2, il2, ih3, il3 = ih0, ih0, ih0, ih0, ih0, ih0, ih0
-        qa = (blk * 16)[:, None, None] + four  # [NB, BLOCK_N / 4, 4]: the block's first quad
         if BITS == 4:  # a quarter block: one word
             a0, b0, a1, b1, a2, b2, a3, b3 = w0, w0, w1, w1, w2, w2, w3, w3
         else:  # two words
             a0, b0, a1, b1, a2, b2, a3, b3 = w0, w1, w2, w3, w4, w5, w6, w7
-        ih0, il0, ih1, il1, ih2, il2, ih3, il3 = _unit(q_ptr, rq0, rq1, rq2, rq3, qa, a0, b0, ih0, il0, ih1, il1, ih2,
-                                                       il2, ih3, il3, BITS, BLOCK_M, ASM)
-        ih0, il0, ih1, il1, ih2, il2, ih3, il3 = _unit(q_ptr, rq0, rq1, rq2, rq3, qa + 4, a1, b1, ih0, il0, ih1, il1,
-                                                       ih2, il2, ih3, il3, BITS, BLOCK_M, ASM)
-        ih0, il0, ih1, il1, ih2, il2, ih3, il3 = _unit(q_ptr, rq0, rq1, rq2, rq3, qa + 8, a2, b2, ih0, il0, ih1, il1,
-                                                       ih2, il2, ih3, il3, BITS, BLOCK_M, ASM)
-        ih0, il0, ih1, il1, ih2, il2, ih3, il3 = _unit(q_ptr, rq0, rq1, rq2, rq3, qa + 12, a3, b3, ih0, il0, ih1, il1,
-                                                       ih2, il2, ih3, il3, BITS, BLOCK_M, ASM)
-        sa = (blk * 2)[:, None, None] + four * 0
-        acc0 += _row_block(s_ptr + rs0, sa, ih0, il0, scale, bias, BITS)
-        if BLOCK_M > 1:
-            acc1 += _row_block(s_ptr + rs1, sa, ih1, il1, scale, bias, BITS)
-        if BLOCK_M > 2:
-            acc2 += _row_block(s_ptr + rs2, sa, ih2, il2, scale, bias, BITS)
-            acc3 += _row_block(s_ptr + rs3, sa, ih3, il3, scale, bias, BITS)
+        if ACTS:
+            u0, u1, u2, u3, ud, uds = v0, v1, v2, v3, d, dsum
+            v0, v1, v2, v3, d, dsum = _trip_acts(q_ptr + rq0, s_ptr + rs0, tl.minimum(c + 1, c1 - 1), nb, four, NB,
+                                                 BITS)
+            e0, e1, e2, e3 = _split_quad(u0)
+            ih0, il0 = _quad_unit(e0, e1, e2, e3, a0, b0, ih0, il0, BITS, ASM)
+            e0, e1, e2, e3 = _split_quad(u1)
+            ih0, il0 = _quad_unit(e0, e1, e2, e3, a1, b1, ih0, il0, BITS, ASM)
+            e0, e1, e2, e3 = _split_quad(u2)
+            ih0, il0 = _quad_unit(e0, e1, e2, e3, a2, b2, ih0, il0, BITS, ASM)
+            e0, e1, e2, e3 = _split_quad(u3)
+            ih0, il0 = _quad_unit(e0, e1, e2, e3, a3, b3, ih0, il0, BITS, ASM)
+            acc0 += _block_part(ud, uds, ih0, il0, scale, bias, BITS)
+        else:
+            qa = (blk * 16)[:, None, None] + four  # [NB, BLOCK_N / 4, 4]: the block's first quad
+            ih0, il0, ih1, il1, ih2, il2, ih3, il3 = _unit(q_ptr, rq0, rq1, rq2, rq3, qa, a0, b0, ih0, il0, ih1, il1,
+                                                           ih2, il2, ih3, il3, BITS, BLOCK_M, ASM)
+            ih0, il0, ih1, il1, ih2, il2, ih3, il3 = _unit(q_ptr, rq0, rq1, rq2, rq3, qa + 4, a1, b1, ih0, il0, ih1,
+                                                           il1, ih2, il2, ih3, il3, BITS, BLOCK_M, ASM)
+            ih0, il0, ih1, il1, ih2, il2, ih3, il3 = _unit(q_ptr, rq0, rq1, rq2, rq3, qa + 8, a2, b2, ih0, il0, ih1,
+                                                           il1, ih2, il2, ih3, il3, BITS, BLOCK_M, ASM)
+            ih0, il0, ih1, il1, ih2, il2, ih3, il3 = _unit(q_ptr, rq0, rq1, rq2, rq3, qa + 12, a3, b3, ih0, il0, ih1,
+                                                           il1, ih2, il2, ih3, il3, BITS, BLOCK_M, ASM)
+            sa = (blk * 2)[:, None, None] + four * 0
+            acc0 += _row_block(s_ptr + rs0, sa, ih0, il0, scale, bias, BITS)
+            if BLOCK_M > 1:
+                acc1 += _row_block(s_ptr + rs1, sa, ih1, il1, scale, bias, BITS)
+            if BLOCK_M > 2:
+                acc2 += _row_block(s_ptr + rs2, sa, ih2, il2, scale, bias, BITS)
+                acc3 += _row_block(s_ptr + rs3, sa, ih3, il3, scale, bias, BITS)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     km._finish_rows(_outputs(acc0, BLOCK_N), _outputs(acc1, BLOCK_N), _outputs(acc2, BLOCK_N),
                     _outputs(acc3, BLOCK_N), 0.0, y_ptr, bias_ptr, ws_ptr, cnt_ptr, SPLIT_K, M, N, K, m0, offs_n,
@@ -234,8 +286,9 @@ def _asm(device: torch.device) -> bool:
 
 
 # the launch's knobs: blocks (of 32 inputs) a trip, warps, trips ahead their words and factors are loaded (0-2),
-# programs an SM, the pipeliner's stages (1: none; scripts/sweep_dp4a.py times the others)
-DEFAULT_TILE = dict(blocks=2, num_warps=2, PREFETCH=1, per_sm=8, stages=1)  # best or within 4% on the H200 (PERF)
+# programs an SM, the pipeliner's stages (1: none; scripts/sweep_dp4a.py times the others), the next trip's
+# activations loaded a trip ahead (1) at one row, or each trip's its own (0)
+DEFAULT_TILE = dict(blocks=2, num_warps=2, PREFETCH=1, per_sm=8, stages=1, acts=0)  # best or within 4% on the H200 (PERF)
 # The fastest tile measured per card and one-row shape (scripts/sweep_dp4a.py --table): {card name: {"bits:N:K":
 # tile}}. On the H200 (2026-11-26) the best tile of a shape beat DEFAULT_TILE by 5-27% (docs/PERF.md).
 # LOCALPD_DP4A_TILES names another table (a benchmark's A/B of a table before it ships; a missing file: DEFAULT_TILE).
@@ -312,6 +365,7 @@ def gemv_rounded(q: torch.Tensor, s: torch.Tensor, out: torch.Tensor, words: tor
         factors.stride(0), ws, cnt, split, out if bias is None else bias, BITS=bits,
         GROUP=group if group < k else 1 << 30, BLOCK_N=km.BLOCK_N, NB=nb, BLOCK_M=rows, OUT_BIAS=bias is not None,
         ASM=_asm(out.device), PREFETCH=int(tile["PREFETCH"]), STAGES=int(tile["stages"]),
+        ACTS=int(tile["acts"]) if rows == 1 else 0,
         num_warps=min(nb, tile["num_warps"]), num_stages=int(tile["stages"]),
         **launch_args(out))
     return out

@@ -4,7 +4,8 @@ model (measure/predict.py FLOOR_US, 5 us from an H200's cuBLAS GEMV) measured di
 Times, as CUDA-graph replays of back-to-back launches (measure/bench_kernels.graph_time): an empty Triton kernel of
 one program and of 8 programs an SM, and the integer GEMV (kernels/gemv_dp4a.py, its activations already rounded,
 the tile the model launches) at one row over shapes from a few hundred KB of weights to Llama-3-8B's o, qkv and
-down, weights rotated through copies larger than L2; each with programmatic dependent launch on and off
+down, then one column tile and o's shape at 1-32 slices of K (split-K) on one tile; weights rotated through copies
+larger than L2; each with programmatic dependent launch on and off
 (kernels/pdl.py). Prints us a launch, the weights' time at the measured copy bandwidth, and the rest: what a
 launch costs that its bytes do not explain.
 
@@ -24,6 +25,11 @@ from localpd.measure.bench_kernels import gpu_script, graph_time, kmajor_copies,
 
 GEMVS = [("int4-g128", 128, 4096), ("int4-g128", 1024, 4096), ("int4-g128", 4096, 4096), ("int4-g128", 6144, 4096),
          ("int4-g128", 4096, 14336), ("int8", 4096, 4096)]
+# one column tile (128 outputs) of 4096 inputs, 32 trips of 4 blocks, cut into 1-32 slices of K: one slice walks
+# the 32 trips in turn, 32 slices take one trip each and the last of them sums 32 partials (the chain of trips
+# against the chain of the split-K reduction); o's shape at 1-32 slices too
+SPLITS = [("int4-g128", 128, 4096, k) for k in (1, 2, 4, 8, 16, 32)] + \
+         [("int4-g128", 4096, 4096, k) for k in (1, 4, 8, 32)]
 
 
 @triton.jit
@@ -51,6 +57,14 @@ def main() -> int:
         y = torch.empty(1, n, device=dev, dtype=torch.bfloat16)
         fns = [lambda w=w: dp.gemv_rounded(q, s, y, w.words, w.factors, w.BITS, w.group) for w in ws]
         launches.append((f"GEMV {fmt} {n}x{k}", ws[0].nbytes, fns))
+    for fmt, n, k, split in SPLITS:
+        ws = kmajor_copies(fmt, n, k, dev)
+        q, s = quantize_act(torch.randn(1, k, device=dev, dtype=torch.bfloat16), ws[0].BITS)
+        y = torch.empty(1, n, device=dev, dtype=torch.bfloat16)
+        tile = dict(blocks=4, num_warps=4, PREFETCH=1)
+        fns = [lambda w=w, sk=split: dp.gemv_rounded(q, s, y, w.words, w.factors, w.BITS, w.group, split_k=sk,
+                                                     tile=tile) for w in ws]
+        launches.append((f"GEMV {fmt} {n}x{k}, {split} slice(s) of K, b4 w4 pf1", ws[0].nbytes, fns))
     for label, nbytes, fns in launches:
         times = []
         for on in (False, True):

@@ -2,7 +2,7 @@
 # One device-tool call: install, then the named stages, each under its own time limit, logs under $OUT.
 # Usage (on the GPU machine, repo root): scripts/gpu_session.sh tests kmtests dp4a fused check check3 sweep kmsweep mma ncu kernels kernels1 kvtests kvgraph
 #   bench peers kv kvfull spec kvsweep dp4atests rows pdl graphs profile profilenopdl dp4asweep4 normtests roundtests peersab
-#   ncugemv tilesab stagedab kvsplits (all of test_decode_attention.py) floor
+#   ncugemv tilesab stagedab kvsplits (all of test_decode_attention.py) floor actsab
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -65,6 +65,13 @@ for s in "$@"; do case $s in
            TAIL=6 stage bench_peers_shipped_tiles 120 python3 scripts/bench_decode_peers.py --short --repeats 5
            TAIL=6 stage bench_peers_staged_tiles 120 env LOCALPD_DP4A_TILES=/tmp/tiles_staged.json \
              python3 scripts/bench_decode_peers.py --short --repeats 5 ;;  # the same call's A/B: shipped, each shape's best
+  actsab) cp kernels/gemv_dp4a_tiles.json /tmp/tiles_acts.json  # the next trip's activations loaded ahead (acts)
+           TAIL=10 stage sweep_dp4a_acts 240 python3 scripts/sweep_dp4a.py --tiles acts --formats int4-g128,int8 \
+             --shapes qkv,o,gate_up,down --json "$OUT/sweep_dp4a_acts.json" --table /tmp/tiles_acts.json
+           cp /tmp/tiles_acts.json "$OUT/"
+           i=0; for t in shipped acts shipped acts; do  # the same call's A/B, twice: shipped table, each shape's best
+             i=$((i + 1)); TAIL=6 stage bench_peers_${t}_tiles_$i 120 env LOCALPD_DP4A_TILES=$([ $t = acts ] && echo /tmp/tiles_acts.json \
+               || echo kernels/gemv_dp4a_tiles.json) python3 scripts/bench_decode_peers.py --short --repeats 5; done ;;
   ncugemv) TAIL=200 stage ncu_gemv 200 ncu --profile-from-start off --section SpeedOfLight --section Occupancy \
              --section LaunchStats --section WarpStateStats python3 scripts/ncu_gemv.py --formats int4-g128,int8 ;;
   kernels) stage bench_kernels 200 localpd bench kernels --json "$OUT/bench_kernels.json" ;;

@@ -1,5 +1,5 @@
 """Sweep the integer GEMV's launch (kernels/gemv_dp4a.py's tile: blocks a trip, warps, the next trip loaded ahead,
-programs an SM, the pipeliner's stages) on a GPU, for Llama-3-8B's decode linears at one row (activations already
+programs an SM, the pipeliner's stages, the next trip's activations loaded ahead) on a GPU, for Llama-3-8B's decode linears at one row (activations already
 rounded), int4-g128 and int8, as CUDA-graph replays over weight copies larger than L2. Prints per shape the default tile, the best one and
 each one's % of the measured copy bandwidth; checks the best against the torch reference; writes every timing as
 JSON.
@@ -19,14 +19,17 @@ from localpd.kernels import gemv_dp4a as dp
 from localpd.kernels.act_round import quantize_act
 from localpd.measure.bench_kernels import SHAPES, gpu_script, graph_time, kmajor_copies, write_rows
 
-TILES = [dict(blocks=b, num_warps=w, PREFETCH=pf, per_sm=ps, stages=1) for b, w in ((2, 2), (4, 4), (8, 4))
+TILES = [dict(blocks=b, num_warps=w, PREFETCH=pf, per_sm=ps, stages=1, acts=0) for b, w in ((2, 2), (4, 4), (8, 4))
          for pf in (0, 1, 2) for ps in (4, 8, 12)] + \
-        [dict(blocks=b, num_warps=w, PREFETCH=0, per_sm=ps, stages=st) for b, w in ((2, 2), (4, 4))  # cp.async
-         for st in (3, 4) for ps in (4, 8, 12)]
+        [dict(blocks=b, num_warps=w, PREFETCH=0, per_sm=ps, stages=st, acts=0) for b, w in ((2, 2), (4, 4))  # cp.async
+         for st in (3, 4) for ps in (4, 8, 12)] + \
+        [dict(blocks=b, num_warps=w, PREFETCH=pf, per_sm=ps, stages=1, acts=1) for b, w in ((2, 2), (4, 4))  # acts
+         for pf in (1, 2) for ps in (4, 8, 12)]
 
 
 def name(tile: dict) -> str:
-    return f"b{tile['blocks']} w{tile['num_warps']} pf{int(tile['PREFETCH'])} x{tile['per_sm']} s{tile['stages']}"
+    return (f"b{tile['blocks']} w{tile['num_warps']} pf{int(tile['PREFETCH'])} x{tile['per_sm']} s{tile['stages']}"
+            f"{' acts' if tile.get('acts') else ''}")
 
 
 @torch.inference_mode()
@@ -37,11 +40,12 @@ def main() -> int:
         p.add_argument("--shapes", default=",".join(s[0] for s in SHAPES), help="of bench_kernels.SHAPES' names")
         p.add_argument("--table", help="merge each shape's fastest tile into this table (kernels/gemv_dp4a_tiles.json)"
                        " under this card's name; the model's launches read it")
-        p.add_argument("--tiles", choices=["all", "staged"], default="all",
-                       help="staged: only the tiles with the pipeliner's stages (cp.async), beside the tile as set")
+        p.add_argument("--tiles", choices=["all", "staged", "acts"], default="all",
+                       help="staged: only the tiles with the pipeliner's stages (cp.async); acts: only those loading "
+                       "the next trip's activations ahead; each beside the tile as set")
 
     args, dev, bw = gpu_script(__doc__, options)
-    tiles = [t for t in TILES if args.tiles == "all" or t["stages"] > 1]
+    tiles = [t for t in TILES if args.tiles == "all" or (t["stages"] > 1 if args.tiles == "staged" else t["acts"])]
     shapes = [s for s in SHAPES if s[0] in args.shapes.split(",")]
     print(f"# {torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.0f} GB/s; {len(tiles)} tiles a shape, "
           f"{args.rows} row(s)")

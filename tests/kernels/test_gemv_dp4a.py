@@ -87,6 +87,24 @@ def test_every_launch_tile_computes_the_same_product(tile):
             assert torch.equal(y, dp.gemv_dp4a(x, kw.words, kw.factors, kw.BITS, kw.group, split_k=3))
 
 
+@pytest.mark.parametrize("split", [1, 3, 8])
+def test_the_next_trips_activations_loaded_ahead_leave_the_product_bit_for_bit(split):
+    """The acts knob (one row): each trip's activations and factors loaded a trip ahead, the last trip loading its
+    own again, change when they are loaded, not a sum: the same product bit for bit, at slices of several trips, of
+    two and of one (8 slices of 8 trips), int4 groups and int8, and rows past one ignore it."""
+    for fmt, group, n, k in (("int4", 128, 72, 1024), ("int8", None, 40, 1024)):
+        _, kw = weight(fmt, n, k, group, seed=k + split)
+        x = activations(2, k, seed=n + split)
+        for tile in (dict(acts=1), dict(acts=1, PREFETCH=2, blocks=4, num_warps=4)):
+            plain = {**tile, "acts": 0}
+            y = dp.gemv_dp4a(x[:1], kw.words, kw.factors, kw.BITS, kw.group, split_k=split, tile=tile)
+            assert torch.equal(y, dp.gemv_dp4a(x[:1], kw.words, kw.factors, kw.BITS, kw.group, split_k=split,
+                                               tile=plain))
+            assert rel_err(y, dp.gemv_dp4a_ref(x[:1], kw.words, kw.factors, kw.BITS, kw.group)) < 1e-6
+            assert torch.equal(dp.gemv_dp4a(x, kw.words, kw.factors, kw.BITS, kw.group, split_k=split, tile=tile),
+                               dp.gemv_dp4a(x, kw.words, kw.factors, kw.BITS, kw.group, split_k=split, tile=plain))
+
+
 def test_the_model_linear_takes_it_for_16_bit_activations_only():
     """linear_kmajor: bfloat16 activations go through this GEMV (its product equals gemv_dp4a's), up to MAX_ROWS
     rows (past gemv_kmajor's), float32 ones through gemv_kmajor's float product; ENABLED = False sends bfloat16
@@ -116,7 +134,7 @@ def test_the_model_linear_takes_it_for_16_bit_activations_only():
 
 def test_the_measured_tile_table_holds_launchable_tiles():
     """kernels/gemv_dp4a_tiles.json (scripts/sweep_dp4a.py --table): per card, shapes "bits:N:K" to tiles with the
-    launch's five knobs; a tile that does not divide K's blocks still launches (blocks_a_trip halves it)."""
+    launch's six knobs; a tile that does not divide K's blocks still launches (blocks_a_trip halves it)."""
     import json
 
     table = json.loads(dp.TILE_TABLE.read_text())
