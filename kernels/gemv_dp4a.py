@@ -290,7 +290,9 @@ def _asm(device: torch.device) -> bool:
 # activations loaded a trip ahead (1) at one row, or each trip's its own (0)
 DEFAULT_TILE = dict(blocks=2, num_warps=2, PREFETCH=1, per_sm=8, stages=1, acts=0)  # best or within 4% on the H200 (PERF)
 # The fastest tile measured per card and one-row shape (scripts/sweep_dp4a.py --table): {card name: {"bits:N:K":
-# tile}}. On the H200 (2026-11-26) the best tile of a shape beat DEFAULT_TILE by 5-27% (docs/PERF.md).
+# tile}}. On the H200 (2026-11-26) the best tile of a shape beat DEFAULT_TILE by 5-27% (docs/PERF.md). The H100's
+# int4 tiles load the activations ahead (acts): its batch-1 int4-g128 decode 396.4-397.7 against 382.5-384.9 tok/s
+# in the same call; its int8 shapes keep DEFAULT_TILE, their swept tiles faster alone but slower end to end.
 # LOCALPD_DP4A_TILES names another table (a benchmark's A/B of a table before it ships; a missing file: DEFAULT_TILE).
 TILE_TABLE = Path(os.environ.get("LOCALPD_DP4A_TILES") or Path(__file__).with_name("gemv_dp4a_tiles.json"))
 

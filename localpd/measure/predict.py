@@ -26,7 +26,9 @@ import torch
 from localpd.load.synthetic import SYNTHETIC
 
 # the floor one small kernel costs in a CUDA graph, launch and first bytes: H200, 2026-11-26 (docs/PERF.md), cuBLAS
-# bf16 o 4096x4096 took 13.4 us for 33.6 MB, 8.0 us of it at the copy bandwidth
+# bf16 o 4096x4096 took 13.4 us for 33.6 MB, 8.0 us of it at the copy bandwidth; H100, 2026-11-26
+# (scripts/gpu_floor.py): the integer GEMV over 0.28 MB took 5.4-5.6 us as launched (4.1 at 16-32 slices of K),
+# an empty kernel of 1056 programs 1.1-1.8 us
 FLOOR_US = 5.0
 LATENCY_US = 0.7  # DRAM latency a load waits, for Little's law (issue 32: 2.95 TB/s x 0.7 us / 132 = 16 KB an SM)
 REGISTERS_PER_SM = 65536
