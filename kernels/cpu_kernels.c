@@ -5,10 +5,10 @@
  *   quant/weights.py stores it, with the input step fused in front (residual add + RMSNorm, or act(gate) * up).
  *   The input rows are rounded to int8 in blocks of 32 (one float scale a block, as llama.cpp's Q8 blocks), and
  *   each block's products are summed in int32 (AVX512-VNNI vpdpbusd, AVX2 vpmaddwd, or plain C), then scaled.
- * - lpd_attention: paged attention over fp32 keys and values (decode rows and causal prefill chunks, GQA, sliding
- *   windows), softmax in float.
+ * - lpd_attention: paged attention over fp32, float16 or int8 keys and values (decode rows and causal prefill
+ *   chunks, GQA, sliding windows), softmax in float.
  * - lpd_rope_write: RoPE on the query and key heads of a qkv row, in place, and the key and value heads written
- *   into their fp32 KV slots.
+ *   into their KV slots (fp32, float16, or int8 with a scale a head).
  * Each has a torch reference with the same arguments (kernels/dispatch.py, localpd/kvcache/dispatch.py), which the tests
  * compare it with. Work is shared by a small pool of threads that spin between calls, then sleep. */
 #include <math.h>
@@ -227,9 +227,14 @@ static inline uint16_t float_to_half(float f) {
 }
 #endif
 
-/* n floats to float16 (dst) or copied as they are (half 0). */
-static void store_row(void *dst, const float *src, int n, int half) {
-    if (!half) {
+/* KV page formats (kvcache/formats.py): float, float16, and int8 codes with one float16 scale per token and head
+ * (amax / 127; the codes x / scale rounded to nearest even), whose scales lie beside the pages, [n_pages, PS, H]. */
+enum { KV_F32 = 0, KV_F16 = 1, KV_I8 = 2 };
+static inline size_t kv_size(int fmt) { return fmt == KV_F32 ? 4 : fmt == KV_F16 ? 2 : 1; }
+
+/* n floats to float16 (fmt KV_F16) or copied as they are (KV_F32). */
+static void store_row(void *dst, const float *src, int n, int fmt) {
+    if (fmt == KV_F32) {
         memcpy(dst, src, sizeof(float) * n);
         return;
     }
@@ -244,10 +249,54 @@ static void store_row(void *dst, const float *src, int n, int half) {
 #endif
 }
 
-/* n floats from a float16 row (half 1) or a float row. */
-static inline void load_row(float *dst, const void *src, int n, int half) {
-    if (!half) {
+/* heads rows of D floats (a token's keys or values) into a page slot of format fmt; int8 rounds each head to its
+ * own scale, written to scales[0 .. heads - 1], as formats.quantize_kv does: the same codes and scales, so its
+ * divisions stay divisions (this file's -freciprocal-math would multiply by a rounded reciprocal instead). */
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("no-reciprocal-math")))
+#endif
+static void store_heads(void *dst, const float *src, int heads, int D, int fmt, uint16_t *scales) {
+#if defined(__clang__)
+#pragma float_control(precise, on)
+#endif
+    if (fmt != KV_I8) {
+        store_row(dst, src, heads * D, fmt);
+        return;
+    }
+#if defined(LPD_HALF_PAGES)
+    int8_t *codes = dst;
+    for (int h = 0; h < heads; h++) {
+        const float *x = src + (size_t)h * D;
+        float amax = 0.f;
+        for (int d = 0; d < D; d++) amax = fabsf(x[d]) > amax ? fabsf(x[d]) : amax;
+        uint16_t sh = float_to_half(amax / 127.0f);
+        float sc = half_to_float(sh), safe = sc > 0.f ? sc : 1.f;
+        for (int d = 0; d < D; d++) {
+            float y = nearbyintf(x[d] / safe); /* round half to even, as torch.round */
+            codes[(size_t)h * D + d] = (int8_t)(y > 127.f ? 127.f : y < -127.f ? -127.f : y);
+        }
+        scales[h] = sh;
+    }
+#endif
+}
+
+/* n floats from a row of format fmt: float, float16, or int8 codes times their scale (*scale, float16) */
+static inline void load_row(float *dst, const void *src, int n, int fmt, const uint16_t *scale) {
+    if (fmt == KV_F32) {
         memcpy(dst, src, sizeof(float) * n);
+        return;
+    }
+    if (fmt == KV_I8) {
+        const int8_t *c = src;
+        float sc = half_to_float(*scale);
+        int i = 0;
+#if defined(LPD_AVX2) || defined(LPD_AVX512)
+        __m256 vs = _mm256_set1_ps(sc);
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                        _mm_loadl_epi64((const __m128i *)(c + i)))), vs));
+#endif
+        for (; i < n; i++) dst[i] = (float)c[i] * sc;
         return;
     }
     const uint16_t *h = src;
@@ -1367,8 +1416,9 @@ typedef struct {
     const float *q;
     long q_t, q_h;
     int T, Hq, D, H, PS, B, window;
-    const void *k, *v; /* float pages, or float16 ones (half) */
-    int half;
+    const void *k, *v; /* float, float16 or int8 pages (fmt) */
+    int fmt;
+    const uint16_t *ks, *vs; /* int8's scales, [n_pages, PS, H] */
     const int32_t *page_table, *seq_lens, *q_starts;
     long pt_stride;
     float scale;
@@ -1420,16 +1470,19 @@ static inline void prefetch_row(const char *row, int bytes) { /* a prefetch neve
 #endif
 }
 
-/* The rows of positions c0 .. c0 + kc - 1 of one key head (base: the head's first row in the pool) in float, kc
- * rows of D into dst, page by page, the row PREFETCH ahead requested early. */
-static void load_chunk(float *dst, const char *base, const int32_t *pages, int c0, int kc, int PS, long tok, int half,
-                       int D) {
-    size_t esz = half ? 2 : 4, tok_bytes = tok * esz;
+/* The rows of positions c0 .. c0 + kc - 1 of one key head (base: the head's first row in the pool; sc: its first
+ * scale, int8's) in float, kc rows of D into dst, page by page, the row PREFETCH ahead requested early. */
+static void load_chunk(float *dst, const char *base, const uint16_t *sc, const int32_t *pages, int c0, int kc, int PS,
+                       long tok, int fmt, int D) {
+    size_t esz = kv_size(fmt), tok_bytes = tok * esz;
+    int H = (int)(tok / D);
     for (int j = 0, run; j < kc;) {
-        const char *p = base + page_run(pages, c0 + j, PS, kc - j, tok, &run) * esz;
-        for (int k = 0; k < run; k++, j++, p += tok_bytes) {
+        long at = page_run(pages, c0 + j, PS, kc - j, tok, &run);
+        const char *p = base + at * esz;
+        const uint16_t *ps = sc + at / D; /* the token's scale of this head: [slot, H] */
+        for (int k = 0; k < run; k++, j++, p += tok_bytes, ps += H) {
             prefetch_row(p + PREFETCH * tok_bytes, D * esz);
-            load_row(dst + (size_t)j * D, p, D, half);
+            load_row(dst + (size_t)j * D, p, D, fmt, ps);
         }
     }
 }
@@ -1588,12 +1641,13 @@ static void attention_task(void *ctx, int ith, int nth) {
         float mx[GROUP_ROWS][MAX_GROUP];
         for (int r = 0; r < nr; r++)
             for (int h = 0; h < per; h++) mx[r][h] = -INFINITY;
-        size_t esz = a->half ? 2 : 4, tok_bytes = tok * esz;
+        size_t esz = kv_size(a->fmt), tok_bytes = tok * esz;
         const char *kbase = (const char *)a->k + kvh * D * esz, *vbase = (const char *)a->v + kvh * D * esz;
+        const uint16_t *ksc = a->ks + kvh, *vsc = a->vs + kvh; /* int8's (else never read) */
 #if defined(LPD_AVX2) || defined(LPD_AVX512)
         for (int c0 = walk0; D % 8 == 0 && c0 < walk1; c0 += VALUE_CHUNK) { /* keys a chunk at a time, transposed */
             int kc = walk1 - c0 < VALUE_CHUNK ? walk1 - c0 : VALUE_CHUNK;
-            load_chunk(vc, kbase, pages, c0, kc, PS, tok, a->half, D);
+            load_chunk(vc, kbase, ksc, pages, c0, kc, PS, tok, a->fmt, D);
             if (kc < VALUE_CHUNK) /* past the last key: zeros (its block of 8 goes whole); the scores past it, and
                                    * past the keys transposed, are never read */
                 memset(vc + (size_t)kc * D, 0, sizeof(float) * (VALUE_CHUNK - kc) * D);
@@ -1620,11 +1674,13 @@ static void attention_task(void *ctx, int ith, int nth) {
         (void)S;
 #endif
         for (int j = walk0, run; one_by_one && j < walk1;) {
-            const char *kp = kbase + page_run(pages, j, PS, walk1 - j, tok, &run) * esz;
-            for (int k = 0; k < run; k++, j++, kp += tok_bytes) {
+            long first = page_run(pages, j, PS, walk1 - j, tok, &run);
+            const char *kp = kbase + first * esz;
+            const uint16_t *kps = ksc + first / D;
+            for (int k = 0; k < run; k++, j++, kp += tok_bytes, kps += H) {
                 prefetch_row(kp + PREFETCH * tok_bytes, D * esz);
                 const float *kr = (const float *)kp;
-                if (a->half) load_row(row, kp, D, 1), kr = row;
+                if (a->fmt != KV_F32) load_row(row, kp, D, a->fmt, kps), kr = row;
                 for (int r = 0; r < nr; r++) {
                     if (j < from[r] || j >= from[r] + len[r]) continue;
                     const float *q = a->q + (t0 + r) * a->q_t + hq0 * a->q_h;
@@ -1644,7 +1700,7 @@ static void attention_task(void *ctx, int ith, int nth) {
         for (size_t d = 0; d < (size_t)nr * per * D; d++) acc[d] = 0.f;
         for (int c0 = walk0; c0 < walk1; c0 += VALUE_CHUNK) { /* the value rows a chunk at a time, in float */
             int kc = walk1 - c0 < VALUE_CHUNK ? walk1 - c0 : VALUE_CHUNK;
-            load_chunk(vc, vbase, pages, c0, kc, PS, tok, a->half, D);
+            load_chunk(vc, vbase, vsc, pages, c0, kc, PS, tok, a->fmt, D);
             for (int r = 0; r < nr; r++) {
                 int j0 = from[r] > c0 ? from[r] : c0, j1 = from[r] + len[r] < c0 + kc ? from[r] + len[r] : c0 + kc;
                 for (int h = 0; j0 < j1 && h < per; h++)
@@ -1766,7 +1822,7 @@ static void tile_task(void *ctx, int ith, int nth) {
     int D = a->D, H = a->H, PS = a->PS, group = a->Hq / a->H, qb = ta->qb, B = a->B;
     int n_blocks = ta->first[B], tasks = n_blocks * H, rmax = (qb * group + 3) / 4 * 4;
     long tok = (long)H * D;
-    size_t esz = a->half ? 2 : 4;
+    size_t esz = kv_size(a->fmt);
     static __thread void *buf;
     static __thread size_t cap;
     size_t need = (size_t)TILE_KC * D * 2 + (size_t)rmax * (TILE_KC + D + 2) + D;
@@ -1798,11 +1854,11 @@ static void tile_task(void *ctx, int ith, int nth) {
         for (int j0 = lo; j0 < hi; j0 += TILE_KC) {
             int kc = hi - j0 < TILE_KC ? hi - j0 : TILE_KC;
             for (int j = 0, run; j < kc;) { /* the chunk's keys transposed into kt, its values into vc */
-                long at = page_run(pages, j0 + j, PS, kc - j, tok, &run) * esz;
-                for (int r = 0; r < run; r++, j++, at += tok * esz) {
-                    load_row(row, kbase + at, D, a->half);
+                long first = page_run(pages, j0 + j, PS, kc - j, tok, &run), at = first * esz, si = first / D + kvh;
+                for (int r = 0; r < run; r++, j++, at += tok * esz, si += H) {
+                    load_row(row, kbase + at, D, a->fmt, a->ks + si);
                     for (int d = 0; d < D; d++) kt[d * TILE_KC + j] = row[d];
-                    load_row(vc + (size_t)j * D, vbase + at, D, a->half);
+                    load_row(vc + (size_t)j * D, vbase + at, D, a->fmt, a->vs + si);
                 }
             }
             for (int j = kc; j < (kc + 15) / 16 * 16; j++) /* the last tile's keys past the chunk: zeros */
@@ -1911,8 +1967,8 @@ static int shortest_row(int B, const int32_t *seq_lens, const int32_t *q_starts,
 /* out [T, Hq, D] (contiguous) = attention of q (row stride q_t, head stride q_h, in floats) over the pages; the page
  * table is [B, pt_width] (row stride pt_stride) into a pool of n_pages pages. Returns 0, -1 without memory, or -2
  * where the tables leave the pool (check_tables). */
-int lpd_attention(const float *q, long q_t, long q_h, int T, int Hq, int D, const void *k, const void *v, int half,
-                  int PS, int H, const int32_t *page_table, long pt_stride, int pt_width, int n_pages,
+int lpd_attention(const float *q, long q_t, long q_h, int T, int Hq, int D, const void *k, const void *v, int fmt,
+                  const uint16_t *ks, const uint16_t *vs, int PS, int H, const int32_t *page_table, long pt_stride, int pt_width, int n_pages,
                   const int32_t *seq_lens, const int32_t *q_starts, int B, float scale, int window, float *out,
                   int nth) {
     if (check_tables(T, B, seq_lens, q_starts, page_table, pt_stride, pt_width, n_pages, PS, NULL)) return -2;
@@ -1927,7 +1983,7 @@ int lpd_attention(const float *q, long q_t, long q_h, int T, int Hq, int D, cons
     size_t parts = shape.splits > 1 ? (size_t)T * Hq * shape.splits * (D + 2) : 0;
     float *part = parts ? scratch(&part_buf, &part_cap, sizeof(float) * parts) : NULL;
     if (parts && !part) return -1;
-    attn_args a = {q, q_t, q_h, T, Hq, D, H, PS, B, window, k, v, half, page_table, seq_lens, q_starts, pt_stride,
+    attn_args a = {q, q_t, q_h, T, Hq, D, H, PS, B, window, k, v, fmt, ks, vs, page_table, seq_lens, q_starts, pt_stride,
                    scale, out, rows, rows + T, groups, shape.per, shape.splits, part, NULL};
 #if defined(LPD_AVX512) || defined(LPD_AVX2)
     int tiled = tile_attention(&a, nth);
@@ -1940,11 +1996,13 @@ int lpd_attention(const float *q, long q_t, long q_h, int T, int Hq, int D, cons
 
 /* RoPE (HF's half-rotated layout) on the n_heads query and n_kv key heads of each row of qkv [T, (n_heads + 2 n_kv)
  * * D] (row stride qkv_t), in place; cos, sin [T, D/2] (row stride cs_t); then each row's key and value heads into
- * float or float16 (half) pages at slots[t] (slot = page * PS + offset; a page [PS, n_kv, D]), of n_slots in the
+ * pages of format fmt at slots[t] (slot = page * PS + offset; a page [PS, n_kv, D]; int8's scales ks, vs [slot,
+ * n_kv]), of n_slots in the
  * pool: -2 (nothing written) where a slot is outside it. */
 /* rope_write's rows t0 .. t1 - 1 (slots already checked); rotate 0: the heads as they are (a layer without RoPE). */
 static void rope_rows(float *qkv, long qkv_t, int t0, int t1, int n_heads, int n_kv, int D, const float *cos,
-                      const float *sin, long cs_t, int rotate, const int64_t *slots, void *k, void *v, int half) {
+                      const float *sin, long cs_t, int rotate, const int64_t *slots, void *k, void *v, int fmt,
+                      uint16_t *ks, uint16_t *vs) {
     int hd = D / 2;
     long tok = (long)n_kv * D;
     for (int t = t0; t < t1; t++) {
@@ -1958,17 +2016,18 @@ static void rope_rows(float *qkv, long qkv_t, int t0, int t1, int n_heads, int n
                 x[hd + i] = x2 * c[i] + x1 * s[i];
             }
         }
-        size_t at = slots[t] * tok * (half ? 2 : 4);
-        store_row((char *)k + at, row + (long)n_heads * D, tok, half);
-        store_row((char *)v + at, row + (long)(n_heads + n_kv) * D, tok, half);
+        size_t at = slots[t] * tok * kv_size(fmt), si = (size_t)slots[t] * n_kv;
+        store_heads((char *)k + at, row + (long)n_heads * D, n_kv, D, fmt, ks + si);
+        store_heads((char *)v + at, row + (long)(n_heads + n_kv) * D, n_kv, D, fmt, vs + si);
     }
 }
 
 int lpd_rope_write(float *qkv, long qkv_t, int T, int n_heads, int n_kv, int D, const float *cos, const float *sin,
-                   long cs_t, const int64_t *slots, void *k, void *v, int half, long n_slots) {
+                   long cs_t, const int64_t *slots, void *k, void *v, int fmt, uint16_t *ks, uint16_t *vs,
+                   long n_slots) {
     for (int t = 0; t < T; t++)
         if (slots[t] < 0 || slots[t] >= n_slots) return -2;
-    rope_rows(qkv, qkv_t, 0, T, n_heads, n_kv, D, cos, sin, cs_t, 1, slots, k, v, half);
+    rope_rows(qkv, qkv_t, 0, T, n_heads, n_kv, D, cos, sin, cs_t, 1, slots, k, v, fmt, ks, vs);
     return 0;
 }
 
@@ -2138,8 +2197,9 @@ typedef struct {
 } layer_plan;
 
 typedef struct {
-    void *k, *v;  /* the layer's pages: float, or float16 (half) */
-    int half;
+    void *k, *v;  /* the layer's pages: float, float16 or int8 (fmt) */
+    uint16_t *ks, *vs; /* int8's scales */
+    int fmt;
     int window;   /* sliding window (0: none) */
     int rope;     /* 0: the step's cos/sin, 1: the local ones (sliding-window layers), 2: no rotation */
 } layer_cache;
@@ -2245,11 +2305,12 @@ static void layers_task(void *ctx, int ith, int nth) {
         int t0, t1;
         share(T, ith, nth, &t0, &t1);
         rope_rows(s->qkv, row, t0, t1, Hq, H, D, s->cos[r], s->sin[r], s->cs_t, c->rope != 2, s->slots, c->k, c->v,
-                  c->half);
+                  c->fmt, c->ks, c->vs);
         barrier_wait(&s->barrier, nth);
         attn_shape shape = attention_shape(s->groups, Hq, H, nth,
                                            shortest_row(s->B, s->seq_lens, s->q_starts, c->window));
-        attn_args a = {s->qkv, row, D, T, Hq, D, H, s->PS, s->B, c->window, c->k, c->v, c->half, s->page_table,
+        attn_args a = {s->qkv, row, D, T, Hq, D, H, s->PS, s->B, c->window, c->k, c->v, c->fmt, c->ks, c->vs,
+                       s->page_table,
                        s->seq_lens, s->q_starts, s->pt_stride, s->scale, s->attn, s->row_seq, s->row_seq + T,
                        s->groups, shape.per, shape.splits, s->part, &s->barrier.work};
         attention_task(&a, ith, nth);

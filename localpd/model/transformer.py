@@ -275,11 +275,11 @@ class Transformer:
 
     def _cpu_layer_plans(self, kv: KVPool, T: int):
         """Every layer's cpu.LayerPlan (a ctypes array) where one call of the CPU kernels can run the layers of this
-        step (fp32 rows on the CPU, few enough for their int8 dot products, float32 or float16 pages, the plain
-        Llama layer with int4/int8 weights); else None, and the layers run op by op."""
+        step (fp32 rows on the CPU, few enough for their int8 dot products, float32, float16 or int8 pages, the
+        plain Llama layer with int4/int8 weights); else None, and the layers run op by op."""
         c = self.config
         if (self.device.type != "cpu" or self.dtype != torch.float32 or T >= cpu.GEMM_ROWS or use_triton(kv.k)
-                or kv.has_stage or not cpu.float_pages(kv.k, kv.v)):
+                or kv.has_stage or cpu.page_format(kv.k, kv.v, kv.k_scale, kv.v_scale) is None):
             return None
         if not hasattr(self, "_cpu_plans"):
             plain = self.head_cols is None and not c.qk_norm and not c.sandwich_norms
@@ -298,7 +298,8 @@ class Transformer:
             nope, swa = set(c.nope_layers), set(c.swa_layers)
             windows = [c.sliding_window if li in swa else 0 for li in range(c.n_layers)]
             ropes = [2 if li in nope else 1 if li in swa else 0 for li in range(c.n_layers)]
-            kept = self._cpu_kept = (weakref.ref(kv), key, cpu.layer_caches(list(kv.k), list(kv.v), windows, ropes))
+            layers = [kv.layer(i) for i in range(c.n_layers)]
+            kept = self._cpu_kept = (weakref.ref(kv), key, cpu.layer_caches(layers, windows, ropes))
         return kept[2]
 
     def _cpu_layers(self, plans, batch: Batch, kv: KVPool, out: torch.Tensor, rope, local,

@@ -208,19 +208,23 @@ def test_the_input_rounding_is_the_references(lib):
     assert (levels[0] == levels[1]).float().mean() > 0.999
 
 
-def _pool(D, H, ps, n_pages, g, kv="fp32"):
-    pool = new_kv_pool(kv, 1, n_pages, ps, H, D, torch.float32, "cpu")
-    pool.k.copy_(torch.randn(pool.k.shape, generator=g))
-    pool.v.copy_(torch.randn(pool.v.shape, generator=g))
-    return pool.layer(0)
+def _pool(D, H, ps, n_pages, g, kv="fp32", layers=1):
+    """A pool of random pages: float values, or int8 codes and scales (never zeros)."""
+    pool = new_kv_pool(kv, layers, n_pages, ps, H, D, torch.float32, "cpu")
+    for t in (pool.k, pool.v):
+        t.copy_(torch.randint(-127, 128, t.shape, generator=g) if kv == "int8" else torch.randn(t.shape, generator=g))
+    for t in (pool.k_scale, pool.v_scale) if kv == "int8" else ():
+        t.copy_(torch.rand(t.shape, generator=g) * 0.02 + 0.001)
+    return pool.layer(0) if layers == 1 else pool
 
 
 @pytest.mark.parametrize("D,Hq,H,ps", [(64, 9, 3, 16), (96, 4, 4, 32), (32, 8, 2, 16), (128, 2, 1, 16)])
 @pytest.mark.parametrize("window", [0, 5])
-@pytest.mark.parametrize("kv", ["fp32", "fp16"])
+@pytest.mark.parametrize("kv", ["fp32", "fp16", "int8"])
 def test_attention_decode_and_prefill_chunks(lib, D, Hq, H, ps, window, kv):
     """A step of a decode row (long context), a prefill chunk after a cached prefix and a whole prompt, pages out
-    of order, over pages full of other sequences' values; float32 or float16 pages."""
+    of order, over pages full of other sequences' values; float32, float16 or int8 pages (codes times their scale
+    per token and head)."""
     g = torch.Generator().manual_seed(D + Hq + window)
     layer = _pool(D, H, ps, 24, g, kv)
     lens, rows = [37, 20, 7], [1, 6, 7]
@@ -238,7 +242,7 @@ def test_attention_decode_and_prefill_chunks(lib, D, Hq, H, ps, window, kv):
 # group of one; an odd group (an odd query count a block); a width that is not a multiple of 8 (the per-row tasks)
 @pytest.mark.parametrize("D,Hq,H", [(64, 9, 3), (40, 4, 4), (32, 5, 1), (36, 2, 1)])
 @pytest.mark.parametrize("window", [0, 37])
-@pytest.mark.parametrize("kv", ["fp32", "fp16"])
+@pytest.mark.parametrize("kv", ["fp32", "fp16", "int8"])
 def test_prefill_steps_take_the_tiles_and_match(lib, D, Hq, H, window, kv):
     """From cpu_kernels.c's TILE_ROWS rows on, blocks of rows and chunks of positions: a decode row beside a
     prefill chunk after a cached prefix (blocks of rows past the first) and a whole prompt, pages out of order."""
@@ -258,7 +262,7 @@ def test_prefill_steps_take_the_tiles_and_match(lib, D, Hq, H, window, kv):
 
 
 @pytest.mark.parametrize("window", [0, 40])
-@pytest.mark.parametrize("kv", ["fp32", "fp16"])
+@pytest.mark.parametrize("kv", ["fp32", "fp16", "int8"])
 def test_a_decode_row_cut_into_parts_and_merged(lib, window, kv):
     """A decode row of one key head over a long context leaves the threads too few tasks, so its positions are cut
     into parts (a part's max, sum and outputs, merged after): the same attention as the reference."""
@@ -278,7 +282,7 @@ def test_a_decode_row_cut_into_parts_and_merged(lib, window, kv):
 
 @pytest.mark.parametrize("D,Hq,H", [(64, 9, 3), (40, 4, 1)])
 @pytest.mark.parametrize("window", [0, 23])
-@pytest.mark.parametrize("kv", ["fp32", "fp16"])
+@pytest.mark.parametrize("kv", ["fp32", "fp16", "int8"])
 @pytest.mark.parametrize("threads", [1, 4])
 def test_a_sequences_rows_are_each_its_decode_row_bit_for_bit(lib, D, Hq, H, window, kv, threads):
     """1 to 14 rows of one sequence (a verification step: the decode row and the drafted tokens after it; 15 rows
@@ -324,9 +328,11 @@ def test_attention_of_strided_queries(lib):
 
 
 @pytest.mark.parametrize("D,Hq,H,T", [(64, 9, 3, 5), (96, 4, 2, 1), (32, 2, 2, 17)])
-@pytest.mark.parametrize("kv", ["fp32", "fp16"])
+@pytest.mark.parametrize("kv", ["fp32", "fp16", "int8"])
 def test_rope_write_matches_the_reference(lib, D, Hq, H, T, kv):
-    """The rotated keys and the values written into float32 pages, or rounded to float16 as torch rounds them."""
+    """The rotated keys and the values written into float32 pages, or rounded to float16 or to int8 codes and
+    their scale a head as torch rounds them (the values bit for bit; the keys, rotated in another order of float
+    operations, within a code where a rotated value lies near a rounding boundary)."""
     g = torch.Generator().manual_seed(T)
     ps = 16
     want_layer, got_layer = _pool(D, H, ps, 4, g, kv), _pool(D, H, ps, 4, g, kv)
@@ -335,11 +341,37 @@ def test_rope_write_matches_the_reference(lib, D, Hq, H, T, kv):
     angles = torch.rand(T, D // 2, generator=g) * 6
     cos, sin = angles.cos(), angles.sin()
     slots = torch.randperm(4 * ps, generator=g)[:T]
+    if kv == "int8":
+        got_layer.k_scale.copy_(want_layer.k_scale), got_layer.v_scale.copy_(want_layer.v_scale)
     want_q = rope_write_kv_ref(qkv.clone(), cos, sin, want_layer, slots, Hq, H)
     got_q = cpu.rope_write(qkv, cos, sin, got_layer, slots, Hq, H, lib=lib)
     assert (got_q - want_q).abs().max().item() < 1e-5
-    assert (got_layer.k - want_layer.k).abs().max().item() < 1e-5
+    if kv == "int8":
+        assert (got_layer.k.int() - want_layer.k.int()).abs().max().item() <= 1
+        assert (got_layer.k_scale.float() - want_layer.k_scale.float()).abs().max().item() < 1e-5
+        assert torch.equal(got_layer.v_scale, want_layer.v_scale)
+    else:
+        assert (got_layer.k - want_layer.k).abs().max().item() < 1e-5
     assert torch.equal(got_layer.v, want_layer.v)
+
+
+def test_int8_pages_round_by_division_as_torch_does(lib):
+    """The int8 write divides by the scale, as formats.quantize_kv does, where the file's -freciprocal-math would
+    multiply by its rounded reciprocal: a value whose quotient by a head's scale (0.005001068, its amax 127 times
+    that) lies just under 1.5 takes code 1, where the product with the reciprocal rounds to 2."""
+    scale, x = 0.005001068115234375, 0.007501601707190275
+    g = torch.Generator().manual_seed(4)
+    ps, D = 16, 64
+    want_layer, got_layer = _pool(D, 1, ps, 2, g, "int8"), _pool(D, 1, ps, 2, g, "int8")
+    qkv = torch.randn(1, 3 * D, generator=g)
+    qkv[0, 2 * D:] = (torch.rand(D, generator=g) - 0.5) * 0.5
+    qkv[0, 2 * D], qkv[0, 2 * D + 1] = 127 * scale, x
+    cos, sin, slots = torch.ones(1, D // 2), torch.zeros(1, D // 2), torch.tensor([5])
+    rope_write_kv_ref(qkv.clone(), cos, sin, want_layer, slots, 1, 1)
+    cpu.rope_write(qkv, cos, sin, got_layer, slots, 1, 1, lib=lib)
+    assert want_layer.v_scale[0, 5, 0, 0].item() == scale and int(want_layer.v[0, 5, 0, 1]) == 1
+    assert torch.equal(got_layer.v[0, 5], want_layer.v[0, 5])
+    assert torch.equal(got_layer.v_scale[0, 5], want_layer.v_scale[0, 5])
 
 
 def test_the_app_takes_the_kernels_on_the_cpu_and_says_which():
@@ -379,7 +411,7 @@ def test_tables_outside_the_pool_are_an_error_not_a_crash(lib):
     assert torch.equal(layer.k, before)
 
 
-@pytest.mark.parametrize("kv", ["fp32", "fp16"])
+@pytest.mark.parametrize("kv", ["fp32", "fp16", "int8"])
 def test_decode_layers_in_one_call_equal_the_kernels_op_by_op(lib, kv):
     """lpd_decode_layers runs three layers (int4, int8 and per-row int8 weights, an odd block count in down, RoPE
     of the step, the local one with a sliding window, none) over two sequences (a decode row and a two-row chunk,
@@ -398,11 +430,11 @@ def test_decode_layers_in_one_call_equal_the_kernels_op_by_op(lib, kv):
         lin = [SimpleNamespace(weight=weights(kind, n, k, group or k, g), bias=None)
                for n, k in [((Hq + 2 * H) * D, dim), (dim, Hq * D), (2 * ffn, dim), (dim, ffn)]]
         layers.append((lin, torch.rand(dim, generator=g) + 0.5, torch.rand(dim, generator=g) + 0.5))
-    pool = new_kv_pool(kv, len(kinds), 8, ps, H, D, torch.float32, "cpu")
-    pool.k.copy_(torch.randn(pool.k.shape, generator=g))
-    pool.v.copy_(torch.randn(pool.v.shape, generator=g))
+    pool = _pool(D, H, ps, 8, g, kv, layers=len(kinds))
     other = new_kv_pool(kv, len(kinds), 8, ps, H, D, torch.float32, "cpu")
     other.k.copy_(pool.k), other.v.copy_(pool.v)
+    if kv == "int8":
+        other.k_scale.copy_(pool.k_scale), other.v_scale.copy_(pool.v_scale)
     page_table = torch.tensor([[5, 2, 7], [0, 3, 0]], dtype=torch.int32)
     seq_lens, q_starts = torch.tensor([20, 9], dtype=torch.int32), torch.tensor([0, 1, 3], dtype=torch.int32)
     positions = [19, 7, 8]
@@ -423,13 +455,15 @@ def test_decode_layers_in_one_call_equal_the_kernels_op_by_op(lib, kv):
 
     plans = (cpu.LayerPlan * len(layers))(*[cpu.layer_plan(lin, an, mn, Hq, H, D, "silu", eps)
                                             for lin, an, mn in layers])
-    caches = cpu.layer_caches(list(other.k), list(other.v), windows, ropes)
+    caches = cpu.layer_caches([other.layer(i) for i in range(len(kinds))], windows, ropes)
     got, got_x = emb.clone(), torch.empty(3, dim)
     scratch = (torch.empty(3, (Hq + 2 * H) * D), torch.empty(3, Hq * D), torch.empty(3, 2 * ffn))
     cpu.decode_layers(plans, caches, got, got_x, False, scratch, rotations, ps, 8, slots, page_table, seq_lens,
                       q_starts, 0.25, lib=lib)
     assert torch.equal(got, out) and torch.equal(got_x, x)
     assert torch.equal(other.k, pool.k) and torch.equal(other.v, pool.v)
+    if kv == "int8":
+        assert torch.equal(other.k_scale, pool.k_scale) and torch.equal(other.v_scale, pool.v_scale)
 
 
 def test_gathered_weights_view_one_buffer_and_multiply_the_same():
