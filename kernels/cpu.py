@@ -46,9 +46,8 @@ SIGNATURES = {
     "lpd_trim": ([], None),
     "lpd_threads": ([], ctypes.c_char_p),
     "lpd_linear": ([_I, _P, _P, _P, _F, _P, _I, _I, _I, _P, _P, _P, _P, _P, _I, _I, _P, _P, _I], _I),
-    "lpd_attention": ([_P, _L, _L, _I, _I, _I, _P, _P, _I, _P, _P, _I, _I, _P, _L, _I, _I, _P, _P, _I, _F, _I, _P, _I],
-                      _I),
-    "lpd_rope_write": ([_P, _L, _I, _I, _I, _I, _P, _P, _L, _P, _P, _P, _I, _P, _P, _L], _I),
+    "lpd_attention": ([_P, _L, _L, _I, _I, _I, _P, _P, _I, _I, _P, _L, _I, _I, _P, _P, _I, _F, _I, _P, _I], _I),
+    "lpd_rope_write": ([_P, _L, _I, _I, _I, _I, _P, _P, _L, _P, _P, _P, _L], _I),
     "lpd_half_pages": ([], _I),
     "lpd_dequantize": ([_I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _I], None),
     "lpd_round_input": ([_I, _P, _P, _P, _F, _P, _I, _I, _P, _I], None),
@@ -346,40 +345,40 @@ def _fp32_rows(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.dtype == torch.float32 and t.stride(-1) == 1
 
 
-KV_F32, KV_F16, KV_I8 = 0, 1, 2  # the page formats the library reads and writes (cpu_kernels.c)
+# the KV formats the library reads and writes, each side (keys, values) its own (cpu_kernels.c's kv_side)
+SIDE_FORMATS = {"fp32": 0, "fp16": 1, "int8": 2, "int4": 3}
 
 
-def page_format(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor | None = None,
-                v_scale: torch.Tensor | None = None) -> int | None:
-    """The library's format of keys and values in contiguous pages: float32 (KV_F32), float16 (KV_F16) or int8
-    codes with their float16 scale per token and head (KV_I8: both sides int8, kvcache/formats.py), where it
-    converts float16 (every x86 and ARM build); None where its kernels do not read them."""
+class KVSide(ctypes.Structure):
+    """kv_side in cpu_kernels.c: one side's pages (keys or values), their float16 scales and zeros, the format."""
+
+    _fields_ = [("data", _P), ("scale", _P), ("zero", _P), ("fmt", _I)]
+
+
+def kv_sides(layer) -> tuple[KVSide, KVSide] | None:
+    """A KVLayer's keys and values as the library's sides: fp32, fp16, int8 (a scale a token and head) or int4
+    (a scale and zero a group of 32) pages, each side its own (SIDE_FORMATS, kvcache/formats.py), contiguous with
+    their scales and zeros, where the library converts float16 (every x86 and ARM build); None where its kernels
+    do not read them (bf16, fp8, int4ch). The tensors must outlive the sides (the KV pool holds them)."""
     lib = library()
-    if lib is None or k.dtype != v.dtype or k.device.type != "cpu" or not (k.is_contiguous() and v.is_contiguous()):
+    if lib is None or layer.k.device.type != "cpu":
         return None
-    if k.dtype == torch.float32:
-        return KV_F32
-    if not lib.lpd_half_pages():
-        return None
-    if k.dtype == torch.float16:
-        return KV_F16
-    scales = (k_scale, v_scale)
-    if k.dtype == torch.int8 and all(s is not None and s.dtype == torch.float16 and s.is_contiguous()
-                                     and s.shape[-1] == 1 and s.numel() * k.shape[-1] == k.numel() for s in scales):
-        return KV_I8
-    return None
-
-
-def _pages(layer) -> tuple:
-    """A KVLayer's pages as the library's arguments: format, keys, values, and int8's scales (else null)."""
-    fmt = page_format(layer.k, layer.v, layer.k_scale, layer.v_scale)
-    scales = (_ptr(layer.k_scale), _ptr(layer.v_scale)) if fmt == KV_I8 else (None, None)
-    return fmt, _ptr(layer.k), _ptr(layer.v), *scales
+    sides = []
+    for data, scale, zero, fmt in ((layer.k, layer.k_scale, layer.k_zero, layer.k_format),
+                                   (layer.v, layer.v_scale, layer.v_zero, layer.v_format)):
+        code = SIDE_FORMATS.get(fmt)
+        extra = (scale,) if fmt == "int8" else (scale, zero) if fmt == "int4" else ()
+        if code is None or not data.is_contiguous() or (code and not lib.lpd_half_pages()) or not all(
+                t is not None and t.dtype == torch.float16 and t.is_contiguous() for t in extra):
+            return None
+        sides.append(KVSide(data.data_ptr(), _ptr(scale) if extra else None, _ptr(zero) if fmt == "int4" else None,
+                            code))
+    return sides[0], sides[1]
 
 
 def takes_attention(q: torch.Tensor, layer) -> bool:
-    """fp32 queries (unit stride along head_dim) over float32, float16 or int8 keys and values (page_format)."""
-    return _fp32_rows(q) and page_format(layer.k, layer.v, layer.k_scale, layer.v_scale) is not None
+    """fp32 queries (unit stride along head_dim) over keys and values the library reads (kv_sides)."""
+    return _fp32_rows(q) and kv_sides(layer) is not None
 
 
 def attention(q, layer, page_table, seq_lens, q_starts, scale: float, window: int = 0, lib=None) -> torch.Tensor:
@@ -389,18 +388,18 @@ def attention(q, layer, page_table, seq_lens, q_starts, scale: float, window: in
     out = torch.empty(T, Hq, D, dtype=torch.float32)
     pt, lens, starts = (t.to(torch.int32).contiguous() for t in (page_table, seq_lens, q_starts))
     if T:
-        fmt, k, v, ks, vs = _pages(layer)
-        _check(lib.lpd_attention(_ptr(q), q.stride(0), q.stride(1), T, Hq, D, k, v, fmt, ks, vs, layer.page_size, layer.k.shape[2], _ptr(pt), pt.stride(0), pt.shape[1],
+        k, v = kv_sides(layer)
+        _check(lib.lpd_attention(_ptr(q), q.stride(0), q.stride(1), T, Hq, D, ctypes.byref(k), ctypes.byref(v),
+                                 layer.page_size, layer.k.shape[2], _ptr(pt), pt.stride(0), pt.shape[1],
                                  layer.k.shape[0], _ptr(lens), _ptr(starts), lens.shape[0], scale, window, _ptr(out),
                                  threads()), "lpd_attention")
     return out
 
 
 def takes_rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer) -> bool:
-    """fp32 rows, float32, float16 or int8 pages (page_format; no per-page format, so no stage to write)."""
+    """fp32 rows, pages the library writes (kv_sides; no per-page format, so no stage to write)."""
     return (_fp32_rows(qkv) and _fp32_rows(cos) and sin.stride() == cos.stride() and sin.dtype == torch.float32
-            and layer.k_stage is None and layer.v_stage is None
-            and page_format(layer.k, layer.v, layer.k_scale, layer.v_scale) is not None)
+            and layer.k_stage is None and layer.v_stage is None and kv_sides(layer) is not None)
 
 
 def rope_write(qkv, cos, sin, layer, slots, n_heads: int, n_kv_heads: int, lib=None) -> torch.Tensor:
@@ -410,10 +409,10 @@ def rope_write(qkv, cos, sin, layer, slots, n_heads: int, n_kv_heads: int, lib=N
     D = qkv.shape[1] // (n_heads + 2 * n_kv_heads)
     slots = slots.to(torch.int64).contiguous()
     if T:
-        fmt, k, v, ks, vs = _pages(layer)
+        k, v = kv_sides(layer)
         _check(lib.lpd_rope_write(_ptr(qkv), qkv.stride(0), T, n_heads, n_kv_heads, D, _ptr(cos), _ptr(sin),
-                                  cos.stride(0), _ptr(slots), k, v, fmt, ks, vs, layer.k.shape[0] * layer.page_size),
-               "lpd_rope_write")
+                                  cos.stride(0), _ptr(slots), ctypes.byref(k), ctypes.byref(v),
+                                  layer.k.shape[0] * layer.page_size), "lpd_rope_write")
     return qkv.view(T, -1, D)[:, :n_heads]
 
 
@@ -448,16 +447,15 @@ def layer_plan(linears: list, attn_norm: torch.Tensor, mlp_norm: torch.Tensor, n
 
 
 class LayerCache(ctypes.Structure):
-    """layer_cache in cpu_kernels.c: a layer's pages (page_format's fmt; int8's scales ks, vs), its sliding window,
-    and which rotation it takes (0 the step's, 1 the local one of sliding-window layers, 2 none)."""
+    """layer_cache in cpu_kernels.c: a layer's keys and values (kv_sides), its sliding window, and which rotation
+    it takes (0 the step's, 1 the local one of sliding-window layers, 2 none)."""
 
-    _fields_ = [("k", _P), ("v", _P), ("ks", _P), ("vs", _P), ("fmt", _I), ("window", _I), ("rope", _I)]
+    _fields_ = [("k", KVSide), ("v", KVSide), ("window", _I), ("rope", _I)]
 
 
 def layer_caches(layers: list, windows: list[int], ropes: list[int]):
     """The layers' LayerCache array from their KVLayers (the pages must outlive it: the KV pool holds them)."""
-    return (LayerCache * len(layers))(*(LayerCache(*_pages(kl)[1:], _pages(kl)[0], w, r)
-                                        for kl, w, r in zip(layers, windows, ropes)))
+    return (LayerCache * len(layers))(*(LayerCache(*kv_sides(kl), w, r) for kl, w, r in zip(layers, windows, ropes)))
 
 
 def decode_layers(plans, caches, out: torch.Tensor, x: torch.Tensor, has_residual: bool, scratch: tuple,

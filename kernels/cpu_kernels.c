@@ -227,10 +227,23 @@ static inline uint16_t float_to_half(float f) {
 }
 #endif
 
-/* KV page formats (kvcache/formats.py): float, float16, and int8 codes with one float16 scale per token and head
- * (amax / 127; the codes x / scale rounded to nearest even), whose scales lie beside the pages, [n_pages, PS, H]. */
-enum { KV_F32 = 0, KV_F16 = 1, KV_I8 = 2 };
-static inline size_t kv_size(int fmt) { return fmt == KV_F32 ? 4 : fmt == KV_F16 ? 2 : 1; }
+/* KV page formats (kvcache/formats.py), each side (keys, values) its own: float, float16, int8 codes with one
+ * float16 scale a token and head (amax / 127), and int4 codes in groups of 32 with a float16 scale and zero each
+ * ((max - min) / 15 and min; two codes a byte, the even element in the low nibble). A side's rows are its pages'
+ * [n_pages * PS * H] heads, in row order; its scales and zeros [rows, groups] beside them. */
+enum { KV_F32 = 0, KV_F16 = 1, KV_I8 = 2, KV_I4 = 3 };
+typedef struct {
+    void *data;
+    uint16_t *scale, *zero; /* int8's scales, int4's scales and zeros (else unused) */
+    int fmt;
+} kv_side;
+static inline size_t kv_row_bytes(int fmt, int D) {
+    return fmt == KV_F32 ? 4 * (size_t)D : fmt == KV_F16 ? 2 * (size_t)D : fmt == KV_I8 ? (size_t)D : (size_t)D / 2;
+}
+static inline int kv_groups(int fmt, int D) { return fmt == KV_I8 ? 1 : fmt == KV_I4 ? D / 32 : 0; }
+static inline const char *kv_row(const kv_side *s, long row, int D) {
+    return (const char *)s->data + row * kv_row_bytes(s->fmt, D);
+}
 
 /* n floats to float16 (fmt KV_F16) or copied as they are (KV_F32). */
 static void store_row(void *dst, const float *src, int n, int fmt) {
@@ -249,62 +262,89 @@ static void store_row(void *dst, const float *src, int n, int fmt) {
 #endif
 }
 
-/* heads rows of D floats (a token's keys or values) into a page slot of format fmt; int8 rounds each head to its
- * own scale, written to scales[0 .. heads - 1], as formats.quantize_kv does: the same codes and scales, so its
- * divisions stay divisions (this file's -freciprocal-math would multiply by a rounded reciprocal instead). */
+/* One head's D floats into row `row` of a side, rounded as formats.quantize_kv rounds (int8 and int4: the same
+ * codes, scales and zeros, round half to even as torch.round), so its divisions stay divisions: this file's
+ * -freciprocal-math would multiply by a rounded reciprocal instead. */
 #if defined(__GNUC__) && !defined(__clang__)
 __attribute__((optimize("no-reciprocal-math")))
 #endif
-static void store_heads(void *dst, const float *src, int heads, int D, int fmt, uint16_t *scales) {
+static void store_head(kv_side *s, long row, const float *x, int D) {
 #if defined(__clang__)
 #pragma float_control(precise, on)
 #endif
-    if (fmt != KV_I8) {
-        store_row(dst, src, heads * D, fmt);
+    char *dst = (char *)kv_row(s, row, D);
+    if (s->fmt == KV_F32 || s->fmt == KV_F16) {
+        store_row(dst, x, D, s->fmt);
         return;
     }
 #if defined(LPD_HALF_PAGES)
-    int8_t *codes = dst;
-    for (int h = 0; h < heads; h++) {
-        const float *x = src + (size_t)h * D;
+    if (s->fmt == KV_I8) {
         float amax = 0.f;
         for (int d = 0; d < D; d++) amax = fabsf(x[d]) > amax ? fabsf(x[d]) : amax;
         uint16_t sh = float_to_half(amax / 127.0f);
         float sc = half_to_float(sh), safe = sc > 0.f ? sc : 1.f;
         for (int d = 0; d < D; d++) {
-            float y = nearbyintf(x[d] / safe); /* round half to even, as torch.round */
-            codes[(size_t)h * D + d] = (int8_t)(y > 127.f ? 127.f : y < -127.f ? -127.f : y);
+            float y = nearbyintf(x[d] / safe);
+            ((int8_t *)dst)[d] = (int8_t)(y > 127.f ? 127.f : y < -127.f ? -127.f : y);
         }
-        scales[h] = sh;
+        s->scale[row] = sh;
+        return;
+    }
+    for (int g = 0; g < D / 32; g++) { /* KV_I4 */
+        const float *xg = x + 32 * g;
+        float lo = xg[0], hi = xg[0];
+        for (int j = 1; j < 32; j++) lo = xg[j] < lo ? xg[j] : lo, hi = xg[j] > hi ? xg[j] : hi;
+        uint16_t sh = float_to_half((hi - lo) / 15.0f), zh = float_to_half(lo);
+        float sc = half_to_float(sh), z = half_to_float(zh), safe = sc > 0.f ? sc : 1.f;
+        uint8_t *b = (uint8_t *)dst + 16 * g;
+        for (int j = 0; j < 32; j += 2) {
+            float e = nearbyintf((xg[j] - z) / safe), o = nearbyintf((xg[j + 1] - z) / safe);
+            int qe = e < 0.f ? 0 : e > 15.f ? 15 : (int)e, qo = o < 0.f ? 0 : o > 15.f ? 15 : (int)o;
+            b[j / 2] = (uint8_t)(qe | qo << 4);
+        }
+        s->scale[row * (D / 32) + g] = sh, s->zero[row * (D / 32) + g] = zh;
     }
 #endif
 }
 
-/* n floats from a row of format fmt: float, float16, or int8 codes times their scale (*scale, float16) */
-static inline void load_row(float *dst, const void *src, int n, int fmt, const uint16_t *scale) {
-    if (fmt == KV_F32) {
-        memcpy(dst, src, sizeof(float) * n);
-        return;
-    }
-    if (fmt == KV_I8) {
-        const int8_t *c = src;
-        float sc = half_to_float(*scale);
-        int i = 0;
+/* Row `row` of a side (one head of one token) in D floats: as stored, from float16, or codes times their scale
+ * (int8), codes times their group's scale plus its zero (int4: a product, then a sum, as formats.dequantize_kv
+ * computes them; not one fused multiply-add). */
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
+static void load_row(float *dst, const kv_side *s, long row, int D) {
+    const char *src = kv_row(s, row, D);
+    int i = 0;
+    if (s->fmt == KV_F32) {
+        memcpy(dst, src, sizeof(float) * D);
+    } else if (s->fmt == KV_F16) {
+        const uint16_t *h = (const uint16_t *)src;
+#if defined(__F16C__) && defined(__AVX__)
+        for (; i + 8 <= D; i += 8)
+            _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+#endif
+        for (; i < D; i++) dst[i] = half_to_float(h[i]);
+    } else if (s->fmt == KV_I8) {
+        const int8_t *c = (const int8_t *)src;
+        float sc = half_to_float(s->scale[row]);
 #if defined(LPD_AVX2) || defined(LPD_AVX512)
         __m256 vs = _mm256_set1_ps(sc);
-        for (; i + 8 <= n; i += 8)
+        for (; i + 8 <= D; i += 8)
             _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
                                                         _mm_loadl_epi64((const __m128i *)(c + i)))), vs));
 #endif
-        for (; i < n; i++) dst[i] = (float)c[i] * sc;
-        return;
+        for (; i < D; i++) dst[i] = (float)c[i] * sc;
+    } else { /* KV_I4 */
+        const uint8_t *b = (const uint8_t *)src;
+        for (int g = 0; g < D / 32; g++) {
+            float sc = half_to_float(s->scale[row * (D / 32) + g]), z = half_to_float(s->zero[row * (D / 32) + g]);
+            for (int j = 0; j < 16; j++) {
+                float e = (float)(b[16 * g + j] & 15) * sc, o = (float)(b[16 * g + j] >> 4) * sc;
+                dst[32 * g + 2 * j] = e + z, dst[32 * g + 2 * j + 1] = o + z;
+            }
+        }
     }
-    const uint16_t *h = src;
-    int i = 0;
-#if defined(__F16C__) && defined(__AVX__)
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
-#endif
-    for (; i < n; i++) dst[i] = half_to_float(h[i]);
 }
 
 /* ------------------------------------------------------------------------------------------------------------
@@ -1416,9 +1456,7 @@ typedef struct {
     const float *q;
     long q_t, q_h;
     int T, Hq, D, H, PS, B, window;
-    const void *k, *v; /* float, float16 or int8 pages (fmt) */
-    int fmt;
-    const uint16_t *ks, *vs; /* int8's scales, [n_pages, PS, H] */
+    const kv_side *k, *v; /* the keys' and the values' pages */
     const int32_t *page_table, *seq_lens, *q_starts;
     long pt_stride;
     float scale;
@@ -1470,19 +1508,16 @@ static inline void prefetch_row(const char *row, int bytes) { /* a prefetch neve
 #endif
 }
 
-/* The rows of positions c0 .. c0 + kc - 1 of one key head (base: the head's first row in the pool; sc: its first
- * scale, int8's) in float, kc rows of D into dst, page by page, the row PREFETCH ahead requested early. */
-static void load_chunk(float *dst, const char *base, const uint16_t *sc, const int32_t *pages, int c0, int kc, int PS,
-                       long tok, int fmt, int D) {
-    size_t esz = kv_size(fmt), tok_bytes = tok * esz;
-    int H = (int)(tok / D);
+/* The rows of positions c0 .. c0 + kc - 1 of key head kvh (of H) of a side in float, kc rows of D into dst, page
+ * by page, the row PREFETCH ahead requested early. */
+static void load_chunk(float *dst, const kv_side *side, int kvh, int H, const int32_t *pages, int c0, int kc, int PS,
+                       int D) {
+    size_t rb = kv_row_bytes(side->fmt, D);
     for (int j = 0, run; j < kc;) {
-        long at = page_run(pages, c0 + j, PS, kc - j, tok, &run);
-        const char *p = base + at * esz;
-        const uint16_t *ps = sc + at / D; /* the token's scale of this head: [slot, H] */
-        for (int k = 0; k < run; k++, j++, p += tok_bytes, ps += H) {
-            prefetch_row(p + PREFETCH * tok_bytes, D * esz);
-            load_row(dst + (size_t)j * D, p, D, fmt, ps);
+        long row = page_run(pages, c0 + j, PS, kc - j, H, &run) + kvh;
+        for (int k = 0; k < run; k++, j++, row += H) {
+            prefetch_row(kv_row(side, row + (long)PREFETCH * H, D), (int)rb);
+            load_row(dst + (size_t)j * D, side, row, D);
         }
     }
 }
@@ -1602,7 +1637,6 @@ static int row_groups(int B, const int32_t *q_starts, int *row_seq, int *group_r
 static void attention_task(void *ctx, int ith, int nth) {
     const attn_args *a = ctx;
     int D = a->D, H = a->H, PS = a->PS, group = a->Hq / a->H, per = a->per, parts = group / per, splits = a->splits;
-    long tok = (long)H * D;
     int lo = 0, hi, tasks = a->groups * H * parts * splits;
     if (a->next) hi = tasks; /* a task at a time from the counter, for as long as it has any */
     else share(tasks, ith, nth, &lo, &hi);
@@ -1641,13 +1675,11 @@ static void attention_task(void *ctx, int ith, int nth) {
         float mx[GROUP_ROWS][MAX_GROUP];
         for (int r = 0; r < nr; r++)
             for (int h = 0; h < per; h++) mx[r][h] = -INFINITY;
-        size_t esz = kv_size(a->fmt), tok_bytes = tok * esz;
-        const char *kbase = (const char *)a->k + kvh * D * esz, *vbase = (const char *)a->v + kvh * D * esz;
-        const uint16_t *ksc = a->ks + kvh, *vsc = a->vs + kvh; /* int8's (else never read) */
+        int krb = (int)kv_row_bytes(a->k->fmt, D);
 #if defined(LPD_AVX2) || defined(LPD_AVX512)
         for (int c0 = walk0; D % 8 == 0 && c0 < walk1; c0 += VALUE_CHUNK) { /* keys a chunk at a time, transposed */
             int kc = walk1 - c0 < VALUE_CHUNK ? walk1 - c0 : VALUE_CHUNK;
-            load_chunk(vc, kbase, ksc, pages, c0, kc, PS, tok, a->fmt, D);
+            load_chunk(vc, a->k, kvh, H, pages, c0, kc, PS, D);
             if (kc < VALUE_CHUNK) /* past the last key: zeros (its block of 8 goes whole); the scores past it, and
                                    * past the keys transposed, are never read */
                 memset(vc + (size_t)kc * D, 0, sizeof(float) * (VALUE_CHUNK - kc) * D);
@@ -1674,13 +1706,11 @@ static void attention_task(void *ctx, int ith, int nth) {
         (void)S;
 #endif
         for (int j = walk0, run; one_by_one && j < walk1;) {
-            long first = page_run(pages, j, PS, walk1 - j, tok, &run);
-            const char *kp = kbase + first * esz;
-            const uint16_t *kps = ksc + first / D;
-            for (int k = 0; k < run; k++, j++, kp += tok_bytes, kps += H) {
-                prefetch_row(kp + PREFETCH * tok_bytes, D * esz);
-                const float *kr = (const float *)kp;
-                if (a->fmt != KV_F32) load_row(row, kp, D, a->fmt, kps), kr = row;
+            long kr0 = page_run(pages, j, PS, walk1 - j, H, &run) + kvh;
+            for (int k = 0; k < run; k++, j++, kr0 += H) {
+                prefetch_row(kv_row(a->k, kr0 + (long)PREFETCH * H, D), krb);
+                const float *kr = (const float *)kv_row(a->k, kr0, D);
+                if (a->k->fmt != KV_F32) load_row(row, a->k, kr0, D), kr = row;
                 for (int r = 0; r < nr; r++) {
                     if (j < from[r] || j >= from[r] + len[r]) continue;
                     const float *q = a->q + (t0 + r) * a->q_t + hq0 * a->q_h;
@@ -1700,7 +1730,7 @@ static void attention_task(void *ctx, int ith, int nth) {
         for (size_t d = 0; d < (size_t)nr * per * D; d++) acc[d] = 0.f;
         for (int c0 = walk0; c0 < walk1; c0 += VALUE_CHUNK) { /* the value rows a chunk at a time, in float */
             int kc = walk1 - c0 < VALUE_CHUNK ? walk1 - c0 : VALUE_CHUNK;
-            load_chunk(vc, vbase, vsc, pages, c0, kc, PS, tok, a->fmt, D);
+            load_chunk(vc, a->v, kvh, H, pages, c0, kc, PS, D);
             for (int r = 0; r < nr; r++) {
                 int j0 = from[r] > c0 ? from[r] : c0, j1 = from[r] + len[r] < c0 + kc ? from[r] + len[r] : c0 + kc;
                 for (int h = 0; j0 < j1 && h < per; h++)
@@ -1821,8 +1851,6 @@ static void tile_task(void *ctx, int ith, int nth) {
     const attn_args *a = ta->a;
     int D = a->D, H = a->H, PS = a->PS, group = a->Hq / a->H, qb = ta->qb, B = a->B;
     int n_blocks = ta->first[B], tasks = n_blocks * H, rmax = (qb * group + 3) / 4 * 4;
-    long tok = (long)H * D;
-    size_t esz = kv_size(a->fmt);
     static __thread void *buf;
     static __thread size_t cap;
     size_t need = (size_t)TILE_KC * D * 2 + (size_t)rmax * (TILE_KC + D + 2) + D;
@@ -1850,15 +1878,14 @@ static void tile_task(void *ctx, int ith, int nth) {
         }
         memset(O, 0, sizeof(float) * (size_t)rmax * D);
         const int32_t *pages = a->page_table + b * a->pt_stride;
-        const char *kbase = (const char *)a->k + kvh * D * esz, *vbase = (const char *)a->v + kvh * D * esz;
         for (int j0 = lo; j0 < hi; j0 += TILE_KC) {
             int kc = hi - j0 < TILE_KC ? hi - j0 : TILE_KC;
             for (int j = 0, run; j < kc;) { /* the chunk's keys transposed into kt, its values into vc */
-                long first = page_run(pages, j0 + j, PS, kc - j, tok, &run), at = first * esz, si = first / D + kvh;
-                for (int r = 0; r < run; r++, j++, at += tok * esz, si += H) {
-                    load_row(row, kbase + at, D, a->fmt, a->ks + si);
+                long r0 = page_run(pages, j0 + j, PS, kc - j, H, &run) + kvh;
+                for (int r = 0; r < run; r++, j++, r0 += H) {
+                    load_row(row, a->k, r0, D);
                     for (int d = 0; d < D; d++) kt[d * TILE_KC + j] = row[d];
-                    load_row(vc + (size_t)j * D, vbase + at, D, a->fmt, a->vs + si);
+                    load_row(vc + (size_t)j * D, a->v, r0, D);
                 }
             }
             for (int j = kc; j < (kc + 15) / 16 * 16; j++) /* the last tile's keys past the chunk: zeros */
@@ -1967,8 +1994,7 @@ static int shortest_row(int B, const int32_t *seq_lens, const int32_t *q_starts,
 /* out [T, Hq, D] (contiguous) = attention of q (row stride q_t, head stride q_h, in floats) over the pages; the page
  * table is [B, pt_width] (row stride pt_stride) into a pool of n_pages pages. Returns 0, -1 without memory, or -2
  * where the tables leave the pool (check_tables). */
-int lpd_attention(const float *q, long q_t, long q_h, int T, int Hq, int D, const void *k, const void *v, int fmt,
-                  const uint16_t *ks, const uint16_t *vs, int PS, int H, const int32_t *page_table, long pt_stride, int pt_width, int n_pages,
+int lpd_attention(const float *q, long q_t, long q_h, int T, int Hq, int D, const kv_side *k, const kv_side *v, int PS, int H, const int32_t *page_table, long pt_stride, int pt_width, int n_pages,
                   const int32_t *seq_lens, const int32_t *q_starts, int B, float scale, int window, float *out,
                   int nth) {
     if (check_tables(T, B, seq_lens, q_starts, page_table, pt_stride, pt_width, n_pages, PS, NULL)) return -2;
@@ -1983,7 +2009,7 @@ int lpd_attention(const float *q, long q_t, long q_h, int T, int Hq, int D, cons
     size_t parts = shape.splits > 1 ? (size_t)T * Hq * shape.splits * (D + 2) : 0;
     float *part = parts ? scratch(&part_buf, &part_cap, sizeof(float) * parts) : NULL;
     if (parts && !part) return -1;
-    attn_args a = {q, q_t, q_h, T, Hq, D, H, PS, B, window, k, v, fmt, ks, vs, page_table, seq_lens, q_starts, pt_stride,
+    attn_args a = {q, q_t, q_h, T, Hq, D, H, PS, B, window, k, v, page_table, seq_lens, q_starts, pt_stride,
                    scale, out, rows, rows + T, groups, shape.per, shape.splits, part, NULL};
 #if defined(LPD_AVX512) || defined(LPD_AVX2)
     int tiled = tile_attention(&a, nth);
@@ -1996,15 +2022,12 @@ int lpd_attention(const float *q, long q_t, long q_h, int T, int Hq, int D, cons
 
 /* RoPE (HF's half-rotated layout) on the n_heads query and n_kv key heads of each row of qkv [T, (n_heads + 2 n_kv)
  * * D] (row stride qkv_t), in place; cos, sin [T, D/2] (row stride cs_t); then each row's key and value heads into
- * pages of format fmt at slots[t] (slot = page * PS + offset; a page [PS, n_kv, D]; int8's scales ks, vs [slot,
- * n_kv]), of n_slots in the
+ * pages of the sides k, v at slots[t] (slot = page * PS + offset; a page [PS, n_kv, D]), of n_slots in the
  * pool: -2 (nothing written) where a slot is outside it. */
 /* rope_write's rows t0 .. t1 - 1 (slots already checked); rotate 0: the heads as they are (a layer without RoPE). */
 static void rope_rows(float *qkv, long qkv_t, int t0, int t1, int n_heads, int n_kv, int D, const float *cos,
-                      const float *sin, long cs_t, int rotate, const int64_t *slots, void *k, void *v, int fmt,
-                      uint16_t *ks, uint16_t *vs) {
+                      const float *sin, long cs_t, int rotate, const int64_t *slots, kv_side *k, kv_side *v) {
     int hd = D / 2;
-    long tok = (long)n_kv * D;
     for (int t = t0; t < t1; t++) {
         float *row = qkv + t * qkv_t;
         const float *c = cos + t * cs_t, *s = sin + t * cs_t;
@@ -2016,18 +2039,18 @@ static void rope_rows(float *qkv, long qkv_t, int t0, int t1, int n_heads, int n
                 x[hd + i] = x2 * c[i] + x1 * s[i];
             }
         }
-        size_t at = slots[t] * tok * kv_size(fmt), si = (size_t)slots[t] * n_kv;
-        store_heads((char *)k + at, row + (long)n_heads * D, n_kv, D, fmt, ks + si);
-        store_heads((char *)v + at, row + (long)(n_heads + n_kv) * D, n_kv, D, fmt, vs + si);
+        for (int h = 0; h < n_kv; h++) {
+            store_head(k, slots[t] * n_kv + h, row + (long)(n_heads + h) * D, D);
+            store_head(v, slots[t] * n_kv + h, row + (long)(n_heads + n_kv + h) * D, D);
+        }
     }
 }
 
 int lpd_rope_write(float *qkv, long qkv_t, int T, int n_heads, int n_kv, int D, const float *cos, const float *sin,
-                   long cs_t, const int64_t *slots, void *k, void *v, int fmt, uint16_t *ks, uint16_t *vs,
-                   long n_slots) {
+                   long cs_t, const int64_t *slots, kv_side *k, kv_side *v, long n_slots) {
     for (int t = 0; t < T; t++)
         if (slots[t] < 0 || slots[t] >= n_slots) return -2;
-    rope_rows(qkv, qkv_t, 0, T, n_heads, n_kv, D, cos, sin, cs_t, 1, slots, k, v, fmt, ks, vs);
+    rope_rows(qkv, qkv_t, 0, T, n_heads, n_kv, D, cos, sin, cs_t, 1, slots, k, v);
     return 0;
 }
 
@@ -2197,9 +2220,7 @@ typedef struct {
 } layer_plan;
 
 typedef struct {
-    void *k, *v;  /* the layer's pages: float, float16 or int8 (fmt) */
-    uint16_t *ks, *vs; /* int8's scales */
-    int fmt;
+    kv_side k, v; /* the layer's keys and values */
     int window;   /* sliding window (0: none) */
     int rope;     /* 0: the step's cos/sin, 1: the local ones (sliding-window layers), 2: no rotation */
 } layer_cache;
@@ -2304,13 +2325,12 @@ static void layers_task(void *ctx, int ith, int nth) {
         linear_phase(s, ith, nth, PRE_NORM, &L->qkv, s->out, residual, L->attn_norm, L->eps, s->x2, s->qkv);
         int t0, t1;
         share(T, ith, nth, &t0, &t1);
-        rope_rows(s->qkv, row, t0, t1, Hq, H, D, s->cos[r], s->sin[r], s->cs_t, c->rope != 2, s->slots, c->k, c->v,
-                  c->fmt, c->ks, c->vs);
+        rope_rows(s->qkv, row, t0, t1, Hq, H, D, s->cos[r], s->sin[r], s->cs_t, c->rope != 2, s->slots,
+                  (kv_side *)&c->k, (kv_side *)&c->v); /* the pages are written: the plan only holds them const */
         barrier_wait(&s->barrier, nth);
         attn_shape shape = attention_shape(s->groups, Hq, H, nth,
                                            shortest_row(s->B, s->seq_lens, s->q_starts, c->window));
-        attn_args a = {s->qkv, row, D, T, Hq, D, H, s->PS, s->B, c->window, c->k, c->v, c->fmt, c->ks, c->vs,
-                       s->page_table,
+        attn_args a = {s->qkv, row, D, T, Hq, D, H, s->PS, s->B, c->window, &c->k, &c->v, s->page_table,
                        s->seq_lens, s->q_starts, s->pt_stride, s->scale, s->attn, s->row_seq, s->row_seq + T,
                        s->groups, shape.per, shape.splits, s->part, &s->barrier.work};
         attention_task(&a, ith, nth);

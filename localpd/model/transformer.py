@@ -275,11 +275,11 @@ class Transformer:
 
     def _cpu_layer_plans(self, kv: KVPool, T: int):
         """Every layer's cpu.LayerPlan (a ctypes array) where one call of the CPU kernels can run the layers of this
-        step (fp32 rows on the CPU, few enough for their int8 dot products, float32, float16 or int8 pages, the
+        step (fp32 rows on the CPU, few enough for their int8 dot products, pages it reads: cpu.kv_sides, the
         plain Llama layer with int4/int8 weights); else None, and the layers run op by op."""
         c = self.config
         if (self.device.type != "cpu" or self.dtype != torch.float32 or T >= cpu.GEMM_ROWS or use_triton(kv.k)
-                or kv.has_stage or cpu.page_format(kv.k, kv.v, kv.k_scale, kv.v_scale) is None):
+                or kv.has_stage or cpu.kv_sides(kv.layer(0)) is None):
             return None
         if not hasattr(self, "_cpu_plans"):
             plain = self.head_cols is None and not c.qk_norm and not c.sandwich_norms

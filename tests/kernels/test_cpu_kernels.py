@@ -14,7 +14,7 @@ from localpd.kernels import cpu
 from localpd.kernels.dispatch import PreNorm, as_int8, codebook_matmul_ref, int4_matmul_ref, int4k_matmul_ref, int8_matmul_ref
 from localpd.kernels.fused_dispatch import act_mul_ref, add_rms_norm_ref
 from localpd.kvcache.dispatch import paged_attention_ref, rope_write_kv_ref
-from localpd.kvcache.formats import new_kv_pool
+from localpd.kvcache.formats import dequantize_kv, kv_formats, new_kv_pool
 from localpd.quant.codebook import CodebookWeight, IQ4Weight, MXFP4Weight
 from localpd.quant.int4k import Int4KWeight
 from localpd.quant.weights import Int4Weight, Int8Weight
@@ -208,23 +208,32 @@ def test_the_input_rounding_is_the_references(lib):
     assert (levels[0] == levels[1]).float().mean() > 0.999
 
 
+KV = ["fp32", "fp16", "int8", "int4", "int8/int4"]  # the page formats the library reads and writes (cpu.kv_sides)
+
+
 def _pool(D, H, ps, n_pages, g, kv="fp32", layers=1):
-    """A pool of random pages: float values, or int8 codes and scales (never zeros)."""
+    """A pool of random pages: float values, or codes with their scales and zeros (never zeros)."""
+    if "int4" in kv and D % 32:
+        pytest.skip("int4 pages hold heads of whole groups of 32")
     pool = new_kv_pool(kv, layers, n_pages, ps, H, D, torch.float32, "cpu")
-    for t in (pool.k, pool.v):
-        t.copy_(torch.randint(-127, 128, t.shape, generator=g) if kv == "int8" else torch.randn(t.shape, generator=g))
-    for t in (pool.k_scale, pool.v_scale) if kv == "int8" else ():
-        t.copy_(torch.rand(t.shape, generator=g) * 0.02 + 0.001)
+    for data, scale, zero, fmt in zip((pool.k, pool.v), (pool.k_scale, pool.v_scale), (pool.k_zero, pool.v_zero),
+                                      kv_formats(kv)):
+        codes = {"int8": (-127, 128), "int4": (0, 256)}.get(fmt)
+        data.copy_(torch.randint(*codes, data.shape, generator=g) if codes else torch.randn(data.shape, generator=g))
+        if scale is not None:
+            scale.copy_(torch.rand(scale.shape, generator=g) * 0.02 + 0.001)
+        if zero is not None:
+            zero.copy_((torch.rand(zero.shape, generator=g) - 0.5) * 0.2)
     return pool.layer(0) if layers == 1 else pool
 
 
 @pytest.mark.parametrize("D,Hq,H,ps", [(64, 9, 3, 16), (96, 4, 4, 32), (32, 8, 2, 16), (128, 2, 1, 16)])
 @pytest.mark.parametrize("window", [0, 5])
-@pytest.mark.parametrize("kv", ["fp32", "fp16", "int8"])
+@pytest.mark.parametrize("kv", KV)
 def test_attention_decode_and_prefill_chunks(lib, D, Hq, H, ps, window, kv):
     """A step of a decode row (long context), a prefill chunk after a cached prefix and a whole prompt, pages out
-    of order, over pages full of other sequences' values; float32, float16 or int8 pages (codes times their scale
-    per token and head)."""
+    of order, over pages full of other sequences' values; float32, float16, int8 (codes times their scale a token
+    and head) or int4 pages (codes times their group's scale, plus its zero), keys and values each their own."""
     g = torch.Generator().manual_seed(D + Hq + window)
     layer = _pool(D, H, ps, 24, g, kv)
     lens, rows = [37, 20, 7], [1, 6, 7]
@@ -242,7 +251,7 @@ def test_attention_decode_and_prefill_chunks(lib, D, Hq, H, ps, window, kv):
 # group of one; an odd group (an odd query count a block); a width that is not a multiple of 8 (the per-row tasks)
 @pytest.mark.parametrize("D,Hq,H", [(64, 9, 3), (40, 4, 4), (32, 5, 1), (36, 2, 1)])
 @pytest.mark.parametrize("window", [0, 37])
-@pytest.mark.parametrize("kv", ["fp32", "fp16", "int8"])
+@pytest.mark.parametrize("kv", KV)
 def test_prefill_steps_take_the_tiles_and_match(lib, D, Hq, H, window, kv):
     """From cpu_kernels.c's TILE_ROWS rows on, blocks of rows and chunks of positions: a decode row beside a
     prefill chunk after a cached prefix (blocks of rows past the first) and a whole prompt, pages out of order."""
@@ -262,7 +271,7 @@ def test_prefill_steps_take_the_tiles_and_match(lib, D, Hq, H, window, kv):
 
 
 @pytest.mark.parametrize("window", [0, 40])
-@pytest.mark.parametrize("kv", ["fp32", "fp16", "int8"])
+@pytest.mark.parametrize("kv", KV)
 def test_a_decode_row_cut_into_parts_and_merged(lib, window, kv):
     """A decode row of one key head over a long context leaves the threads too few tasks, so its positions are cut
     into parts (a part's max, sum and outputs, merged after): the same attention as the reference."""
@@ -282,7 +291,7 @@ def test_a_decode_row_cut_into_parts_and_merged(lib, window, kv):
 
 @pytest.mark.parametrize("D,Hq,H", [(64, 9, 3), (40, 4, 1)])
 @pytest.mark.parametrize("window", [0, 23])
-@pytest.mark.parametrize("kv", ["fp32", "fp16", "int8"])
+@pytest.mark.parametrize("kv", KV)
 @pytest.mark.parametrize("threads", [1, 4])
 def test_a_sequences_rows_are_each_its_decode_row_bit_for_bit(lib, D, Hq, H, window, kv, threads):
     """1 to 14 rows of one sequence (a verification step: the decode row and the drafted tokens after it; 15 rows
@@ -316,6 +325,26 @@ def test_a_sequences_rows_are_each_its_decode_row_bit_for_bit(lib, D, Hq, H, win
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("kv", ["int8", "int4", "int8/int4"])
+def test_attention_over_codes_is_attention_over_their_values_bit_for_bit(lib, kv):
+    """Codes are turned into floats exactly as formats.dequantize_kv turns them (int4: a product, then a sum, not
+    one fused multiply-add), so attention over int8/int4 pages is attention over float32 pages holding their values,
+    bit for bit: decode rows, and a prefill chunk past cpu_kernels.c's TILE_ROWS (the tiles)."""
+    g = torch.Generator().manual_seed(29)
+    layer = _pool(64, 3, 16, 24, g, kv)
+    floats = new_kv_pool("fp32", 1, 24, 16, 3, 64, torch.float32, "cpu").layer(0)
+    for side, (data, scale, zero, fmt) in zip((floats.k, floats.v), (
+            (layer.k, layer.k_scale, layer.k_zero, layer.k_format), (layer.v, layer.v_scale, layer.v_zero,
+                                                                     layer.v_format))):
+        side.copy_(dequantize_kv(data, scale, zero, fmt, torch.float32))
+    page_table = torch.randperm(24, generator=g).to(torch.int32).view(3, 8)
+    seq_lens = torch.tensor([101, 60, 40], dtype=torch.int32)
+    q_starts = torch.tensor([0, 1, 2, 42], dtype=torch.int32)
+    q = torch.randn(42, 9, 64, generator=g)
+    args = (page_table, seq_lens, q_starts, 0.125)
+    assert torch.equal(cpu.attention(q, layer, *args, lib=lib), cpu.attention(q, floats, *args, lib=lib))
+
+
 def test_attention_of_strided_queries(lib):
     """Queries as a view of the qkv rows (row stride past the query heads), as the model passes them."""
     g = torch.Generator().manual_seed(2)
@@ -328,11 +357,12 @@ def test_attention_of_strided_queries(lib):
 
 
 @pytest.mark.parametrize("D,Hq,H,T", [(64, 9, 3, 5), (96, 4, 2, 1), (32, 2, 2, 17)])
-@pytest.mark.parametrize("kv", ["fp32", "fp16", "int8"])
+@pytest.mark.parametrize("kv", KV)
 def test_rope_write_matches_the_reference(lib, D, Hq, H, T, kv):
-    """The rotated keys and the values written into float32 pages, or rounded to float16 or to int8 codes and
-    their scale a head as torch rounds them (the values bit for bit; the keys, rotated in another order of float
-    operations, within a code where a rotated value lies near a rounding boundary)."""
+    """The rotated keys and the values written into float32 pages, or rounded to float16, to int8 codes and their
+    scale a head, or to int4 codes and their scale and zero a group, as torch rounds them (the values bit for bit;
+    the keys, rotated in another order of float operations, within a code where a rotated value lies near a
+    rounding boundary)."""
     g = torch.Generator().manual_seed(T)
     ps = 16
     want_layer, got_layer = _pool(D, H, ps, 4, g, kv), _pool(D, H, ps, 4, g, kv)
@@ -341,18 +371,20 @@ def test_rope_write_matches_the_reference(lib, D, Hq, H, T, kv):
     angles = torch.rand(T, D // 2, generator=g) * 6
     cos, sin = angles.cos(), angles.sin()
     slots = torch.randperm(4 * ps, generator=g)[:T]
-    if kv == "int8":
-        got_layer.k_scale.copy_(want_layer.k_scale), got_layer.v_scale.copy_(want_layer.v_scale)
+    for name in ("k_scale", "v_scale", "k_zero", "v_zero"):
+        if getattr(want_layer, name) is not None:
+            getattr(got_layer, name).copy_(getattr(want_layer, name))
     want_q = rope_write_kv_ref(qkv.clone(), cos, sin, want_layer, slots, Hq, H)
     got_q = cpu.rope_write(qkv, cos, sin, got_layer, slots, Hq, H, lib=lib)
     assert (got_q - want_q).abs().max().item() < 1e-5
-    if kv == "int8":
-        assert (got_layer.k.int() - want_layer.k.int()).abs().max().item() <= 1
-        assert (got_layer.k_scale.float() - want_layer.k_scale.float()).abs().max().item() < 1e-5
-        assert torch.equal(got_layer.v_scale, want_layer.v_scale)
-    else:
-        assert (got_layer.k - want_layer.k).abs().max().item() < 1e-5
-    assert torch.equal(got_layer.v, want_layer.v)
+    k_fmt, v_fmt = kv_formats(kv)
+    keys = [dequantize_kv(layer.k, layer.k_scale, layer.k_zero, k_fmt, torch.float32) for layer in (got_layer,
+                                                                                                   want_layer)]
+    one_code = 1e-5 if k_fmt in ("fp32", "fp16") else 1.01 * want_layer.k_scale.float().max().item()
+    assert (keys[0] - keys[1]).abs().max().item() <= one_code
+    for name in ("v", "v_scale", "v_zero"):
+        if getattr(want_layer, name) is not None:
+            assert torch.equal(getattr(got_layer, name), getattr(want_layer, name)), name
 
 
 def test_int8_pages_round_by_division_as_torch_does(lib):
@@ -411,7 +443,7 @@ def test_tables_outside_the_pool_are_an_error_not_a_crash(lib):
     assert torch.equal(layer.k, before)
 
 
-@pytest.mark.parametrize("kv", ["fp32", "fp16", "int8"])
+@pytest.mark.parametrize("kv", KV)
 def test_decode_layers_in_one_call_equal_the_kernels_op_by_op(lib, kv):
     """lpd_decode_layers runs three layers (int4, int8 and per-row int8 weights, an odd block count in down, RoPE
     of the step, the local one with a sliding window, none) over two sequences (a decode row and a two-row chunk,
@@ -432,9 +464,10 @@ def test_decode_layers_in_one_call_equal_the_kernels_op_by_op(lib, kv):
         layers.append((lin, torch.rand(dim, generator=g) + 0.5, torch.rand(dim, generator=g) + 0.5))
     pool = _pool(D, H, ps, 8, g, kv, layers=len(kinds))
     other = new_kv_pool(kv, len(kinds), 8, ps, H, D, torch.float32, "cpu")
-    other.k.copy_(pool.k), other.v.copy_(pool.v)
-    if kv == "int8":
-        other.k_scale.copy_(pool.k_scale), other.v_scale.copy_(pool.v_scale)
+    sides = ("k", "v", "k_scale", "v_scale", "k_zero", "v_zero")
+    for name in sides:
+        if getattr(pool, name) is not None:
+            getattr(other, name).copy_(getattr(pool, name))
     page_table = torch.tensor([[5, 2, 7], [0, 3, 0]], dtype=torch.int32)
     seq_lens, q_starts = torch.tensor([20, 9], dtype=torch.int32), torch.tensor([0, 1, 3], dtype=torch.int32)
     positions = [19, 7, 8]
@@ -461,9 +494,7 @@ def test_decode_layers_in_one_call_equal_the_kernels_op_by_op(lib, kv):
     cpu.decode_layers(plans, caches, got, got_x, False, scratch, rotations, ps, 8, slots, page_table, seq_lens,
                       q_starts, 0.25, lib=lib)
     assert torch.equal(got, out) and torch.equal(got_x, x)
-    assert torch.equal(other.k, pool.k) and torch.equal(other.v, pool.v)
-    if kv == "int8":
-        assert torch.equal(other.k_scale, pool.k_scale) and torch.equal(other.v_scale, pool.v_scale)
+    assert all(getattr(pool, n) is None or torch.equal(getattr(other, n), getattr(pool, n)) for n in sides)
 
 
 def test_gathered_weights_view_one_buffer_and_multiply_the_same():

@@ -83,29 +83,32 @@ def test_the_layers_in_one_call_equal_the_layers_op_by_op(native, monkeypatch):
     assert torch.equal(decode_logits(model, ids, 20), one_call)
 
 
-def test_int8_pages_take_the_layers_in_one_call_as_near_to_float_pages_as_torch(native, monkeypatch):
-    """Over int8 KV pages (a scale per token and head) decode steps run the layers in one call too, where they ran
-    op by op with the KV write and the attention in torch (5.6x slower). Their logits equal the kernels' op by op
-    bit for bit, and stay as near to those over float32 pages as the torch write and attention's: int8 pages move
-    logits of ~25 by up to about 1.2 either way (seen: 1.14 here, 1.22 in torch), and two valid orders of float
-    operations differ from each other by as much, since a key rotated in another order may round to the next
-    code."""
+@pytest.mark.parametrize("kv", ["int8", "int4", "int8/int4"])
+def test_quantized_pages_take_the_layers_in_one_call_as_near_to_float_pages_as_torch(native, monkeypatch, kv):
+    """Over int8 (a scale a token and head) and int4 KV pages (a scale and zero a group of 32), keys and values
+    each their own, decode steps run the layers in one call too, where they ran op by op with the KV write and the
+    attention in torch (5-6x slower). Their logits equal the kernels' op by op bit for bit, and stay as near to
+    those over float32 pages as the torch write and attention's: int8 pages move logits of ~25 by up to about 1.2
+    either way (seen: 1.14 here, 1.22 in torch; int4 10.7 and 10.0, int8/int4 2.5 and 3.1), and two valid orders
+    of float operations differ from each other by as much, since a key rotated in another order may round to the
+    next code."""
     model = native.model
     ids = native.encode_chat(CONVERSATIONS[3])
     calls = []
     real = cpu.decode_layers
     monkeypatch.setattr(cpu, "decode_layers", lambda *a, **k: calls.append(1) or real(*a, **k))
-    one_call = decode_logits(model, ids, 20, "int8")
+    one_call = decode_logits(model, ids, 20, kv)
     assert len(calls) == len(ids) - 21
     with monkeypatch.context() as m:
         m.setattr(type(model), "_cpu_layer_plans", lambda self, kv, T: None)
-        assert torch.equal(decode_logits(model, ids, 20, "int8"), one_call)
-        m.setattr(cpu, "page_format", lambda *a: None)  # the torch references' KV write and attention
-        torch_pages = decode_logits(model, ids, 20, "int8")
+        assert torch.equal(decode_logits(model, ids, 20, kv), one_call)
+        m.setattr(cpu, "kv_sides", lambda *a: None)  # the torch references' KV write and attention
+        torch_pages = decode_logits(model, ids, 20, kv)
     float_pages = decode_logits(model, ids, 20)
     ours, theirs = ((x - float_pages).abs().amax(-1) for x in (one_call, torch_pages))
     assert 0 < ours.max().item() < 1.5 * theirs.max().item() and ours.mean().item() < 1.25 * theirs.mean().item()
-    assert (one_call.argmax(-1) == float_pages.argmax(-1)).float().mean().item() >= 0.9
+    agree = [(x.argmax(-1) == float_pages.argmax(-1)).float().mean().item() for x in (one_call, torch_pages)]
+    assert agree[0] >= agree[1] - 0.1  # seen: int8 1.0 and 1.0, int4 0.86 and 0.89, int8/int4 0.95 and 0.95
 
 
 def test_a_prompt_in_chunks_stays_near_the_prompt_whole(native):
