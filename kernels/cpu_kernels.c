@@ -307,13 +307,37 @@ static void store_head(kv_side *s, long row, const float *x, int D) {
 #endif
 }
 
-/* Row `row` of a side (one head of one token) in D floats: as stored, from float16, or codes times their scale
- * (int8), codes times their group's scale plus its zero (int4: a product, then a sum, as formats.dequantize_kv
- * computes them; not one fused multiply-add). */
+/* D int4 codes (two a byte, the even element low) in floats: code times its group's scale, plus its zero, a
+ * product and then a sum as formats.dequantize_kv computes them, not one fused multiply-add (this function alone
+ * compiled without contraction: an attribute on load_row would keep it from being inlined). */
 #if defined(__GNUC__) && !defined(__clang__)
 __attribute__((optimize("fp-contract=off")))
 #endif
-static void load_row(float *dst, const kv_side *s, long row, int D) {
+static void load_int4_row(float *dst, const uint8_t *b, const uint16_t *scale, const uint16_t *zero, int D) {
+    for (int g = 0; g < D / 32; g++) {
+        float sc = half_to_float(scale[g]), z = half_to_float(zero[g]);
+#if defined(LPD_AVX2) || defined(LPD_AVX512)
+        __m128i v = _mm_loadu_si128((const __m128i *)(b + 16 * g)), m = _mm_set1_epi8(15);
+        __m128i lo = _mm_and_si128(v, m), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m);
+        __m128i e0 = _mm_unpacklo_epi8(lo, hi), e1 = _mm_unpackhi_epi8(lo, hi); /* elements 0-15, 16-31 */
+        __m128i part[4] = {e0, _mm_srli_si128(e0, 8), e1, _mm_srli_si128(e1, 8)};
+        __m256 vs = _mm256_set1_ps(sc), vz = _mm256_set1_ps(z);
+        for (int k = 0; k < 4; k++) {
+            __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(part[k])), vs);
+            _mm256_storeu_ps(dst + 32 * g + 8 * k, _mm256_add_ps(p, vz));
+        }
+#else
+        for (int j = 0; j < 16; j++) {
+            float e = (float)(b[16 * g + j] & 15) * sc, o = (float)(b[16 * g + j] >> 4) * sc;
+            dst[32 * g + 2 * j] = e + z, dst[32 * g + 2 * j + 1] = o + z;
+        }
+#endif
+    }
+}
+
+/* Row `row` of a side (one head of one token) in D floats: as stored, from float16, codes times their scale
+ * (int8), or load_int4_row's. */
+static inline void load_row(float *dst, const kv_side *s, long row, int D) {
     const char *src = kv_row(s, row, D);
     int i = 0;
     if (s->fmt == KV_F32) {
@@ -335,15 +359,8 @@ static void load_row(float *dst, const kv_side *s, long row, int D) {
                                                         _mm_loadl_epi64((const __m128i *)(c + i)))), vs));
 #endif
         for (; i < D; i++) dst[i] = (float)c[i] * sc;
-    } else { /* KV_I4 */
-        const uint8_t *b = (const uint8_t *)src;
-        for (int g = 0; g < D / 32; g++) {
-            float sc = half_to_float(s->scale[row * (D / 32) + g]), z = half_to_float(s->zero[row * (D / 32) + g]);
-            for (int j = 0; j < 16; j++) {
-                float e = (float)(b[16 * g + j] & 15) * sc, o = (float)(b[16 * g + j] >> 4) * sc;
-                dst[32 * g + 2 * j] = e + z, dst[32 * g + 2 * j + 1] = o + z;
-            }
-        }
+    } else {
+        load_int4_row(dst, (const uint8_t *)src, s->scale + row * (D / 32), s->zero + row * (D / 32), D);
     }
 }
 
