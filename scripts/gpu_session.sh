@@ -3,6 +3,7 @@
 # Usage (on the GPU machine, repo root): scripts/gpu_session.sh tests kmtests dp4a fused check check3 sweep kmsweep mma ncu kernels kernels1 kvtests kvgraph
 #   bench peers kv kvfull spec kvsweep dp4atests rows pdl graphs profile profilenopdl dp4asweep4 normtests roundtests peersab
 #   ncugemv tilesab stagedab kvsplits (all of test_decode_attention.py) floor actsab
+#   int8actsab
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -72,6 +73,15 @@ for s in "$@"; do case $s in
            i=0; for t in shipped acts shipped acts; do  # the same call's A/B, twice: shipped table, each shape's best
              i=$((i + 1)); TAIL=6 stage bench_peers_${t}_tiles_$i 120 env LOCALPD_DP4A_TILES=$([ $t = acts ] && echo /tmp/tiles_acts.json \
                || echo kernels/gemv_dp4a_tiles.json) python3 scripts/bench_decode_peers.py --short --repeats 5; done ;;
+  int8actsab) python3 -c "import json, torch; from localpd.kernels import gemv_dp4a as dp
+t = json.load(open('kernels/gemv_dp4a_tiles.json')); card = t.setdefault(torch.cuda.get_device_name(), {})
+for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)):
+    card[f'8:{n}:{k}'] = {**dp.DEFAULT_TILE, 'acts': 1}  # int8: the tile as set, activations a trip ahead
+json.dump(t, open('/tmp/tiles_int8acts.json', 'w'), indent=1)"
+           i=0; for t in shipped acts shipped acts; do  # int8 with acts alone (its swept tiles read slower end to end)
+             i=$((i + 1)); TAIL=6 stage bench_peers_int8_${t}_$i 120 env LOCALPD_DP4A_TILES=$([ $t = acts ] \
+               && echo /tmp/tiles_int8acts.json || echo kernels/gemv_dp4a_tiles.json) python3 scripts/bench_decode_peers.py \
+               --short --repeats 5; done ;;
   ncugemv) TAIL=200 stage ncu_gemv 200 ncu --profile-from-start off --section SpeedOfLight --section Occupancy \
              --section LaunchStats --section WarpStateStats python3 scripts/ncu_gemv.py --formats int4-g128,int8 ;;
   kernels) stage bench_kernels 200 localpd bench kernels --json "$OUT/bench_kernels.json" ;;
