@@ -454,8 +454,12 @@ class LayerCache(ctypes.Structure):
 
 
 def layer_caches(layers: list, windows: list[int], ropes: list[int]):
-    """The layers' LayerCache array from their KVLayers (the pages must outlive it: the KV pool holds them)."""
-    return (LayerCache * len(layers))(*(LayerCache(*kv_sides(kl), w, r) for kl, w, r in zip(layers, windows, ropes)))
+    """The layers' LayerCache array from their KVLayers (the pages must outlive it: the KV pool holds them); None
+    where the library does not read a layer's pages (kv_sides)."""
+    sides = [kv_sides(layer) for layer in layers]
+    if None in sides:
+        return None
+    return (LayerCache * len(layers))(*(LayerCache(*s, w, r) for s, w, r in zip(sides, windows, ropes)))
 
 
 def decode_layers(plans, caches, out: torch.Tensor, x: torch.Tensor, has_residual: bool, scratch: tuple,

@@ -5,10 +5,10 @@
  *   quant/weights.py stores it, with the input step fused in front (residual add + RMSNorm, or act(gate) * up).
  *   The input rows are rounded to int8 in blocks of 32 (one float scale a block, as llama.cpp's Q8 blocks), and
  *   each block's products are summed in int32 (AVX512-VNNI vpdpbusd, AVX2 vpmaddwd, or plain C), then scaled.
- * - lpd_attention: paged attention over fp32, float16 or int8 keys and values (decode rows and causal prefill
- *   chunks, GQA, sliding windows), softmax in float.
+ * - lpd_attention: paged attention over fp32, float16, int8 or int4 keys and values, each side its own format
+ *   (decode rows and causal prefill chunks, GQA, sliding windows), softmax in float.
  * - lpd_rope_write: RoPE on the query and key heads of a qkv row, in place, and the key and value heads written
- *   into their KV slots (fp32, float16, or int8 with a scale a head).
+ *   into their KV slots (fp32, float16, int8 with a scale a head, int4 with a scale and zero a group of 32).
  * Each has a torch reference with the same arguments (kernels/dispatch.py, localpd/kvcache/dispatch.py), which the tests
  * compare it with. Work is shared by a small pool of threads that spin between calls, then sleep. */
 #include <math.h>
@@ -240,7 +240,6 @@ typedef struct {
 static inline size_t kv_row_bytes(int fmt, int D) {
     return fmt == KV_F32 ? 4 * (size_t)D : fmt == KV_F16 ? 2 * (size_t)D : fmt == KV_I8 ? (size_t)D : (size_t)D / 2;
 }
-static inline int kv_groups(int fmt, int D) { return fmt == KV_I8 ? 1 : fmt == KV_I4 ? D / 32 : 0; }
 static inline const char *kv_row(const kv_side *s, long row, int D) {
     return (const char *)s->data + row * kv_row_bytes(s->fmt, D);
 }
@@ -2011,7 +2010,8 @@ static int shortest_row(int B, const int32_t *seq_lens, const int32_t *q_starts,
 /* out [T, Hq, D] (contiguous) = attention of q (row stride q_t, head stride q_h, in floats) over the pages; the page
  * table is [B, pt_width] (row stride pt_stride) into a pool of n_pages pages. Returns 0, -1 without memory, or -2
  * where the tables leave the pool (check_tables). */
-int lpd_attention(const float *q, long q_t, long q_h, int T, int Hq, int D, const kv_side *k, const kv_side *v, int PS, int H, const int32_t *page_table, long pt_stride, int pt_width, int n_pages,
+int lpd_attention(const float *q, long q_t, long q_h, int T, int Hq, int D, const kv_side *k, const kv_side *v,
+                  int PS, int H, const int32_t *page_table, long pt_stride, int pt_width, int n_pages,
                   const int32_t *seq_lens, const int32_t *q_starts, int B, float scale, int window, float *out,
                   int nth) {
     if (check_tables(T, B, seq_lens, q_starts, page_table, pt_stride, pt_width, n_pages, PS, NULL)) return -2;

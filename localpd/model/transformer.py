@@ -275,11 +275,11 @@ class Transformer:
 
     def _cpu_layer_plans(self, kv: KVPool, T: int):
         """Every layer's cpu.LayerPlan (a ctypes array) where one call of the CPU kernels can run the layers of this
-        step (fp32 rows on the CPU, few enough for their int8 dot products, pages it reads: cpu.kv_sides, the
+        step (fp32 rows on the CPU, few enough for their int8 dot products, pages it reads: _cpu_caches, the
         plain Llama layer with int4/int8 weights); else None, and the layers run op by op."""
         c = self.config
         if (self.device.type != "cpu" or self.dtype != torch.float32 or T >= cpu.GEMM_ROWS or use_triton(kv.k)
-                or kv.has_stage or cpu.kv_sides(kv.layer(0)) is None):
+                or kv.has_stage or self._cpu_caches(kv) is None):
             return None
         if not hasattr(self, "_cpu_plans"):
             plain = self.head_cols is None and not c.qk_norm and not c.sandwich_norms
@@ -291,7 +291,7 @@ class Transformer:
 
     def _cpu_caches(self, kv: KVPool):
         """The layers' cpu.LayerCache array for this pool (its pages, each layer's window and rotation), kept while
-        the same pool comes back."""
+        the same pool comes back; None where the CPU kernels do not read its pages (cpu.layer_caches)."""
         kept, key = getattr(self, "_cpu_kept", None), (kv.k.data_ptr(), kv.v.data_ptr())
         if kept is None or kept[0]() is not kv or kept[1] != key:
             c = self.config
