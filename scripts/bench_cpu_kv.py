@@ -11,10 +11,8 @@ import argparse
 
 import torch
 
+from bench_cpu_decode import MESSAGES, bench_localpd  # this script's folder
 from localpd.engine import Engine
-from localpd.engine.sampling import SamplingParams
-
-MESSAGES = [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]
 
 
 def main() -> int:
@@ -31,11 +29,8 @@ def main() -> int:
     runs: dict[str, list] = {kv: [] for kv in kvs}
     for _ in range(args.rounds):
         for kv, engine in engines.items():
-            ids = engine.encode_chat(MESSAGES)
-            list(engine.generate(ids, SamplingParams(temperature=0, max_tokens=4)))  # warm-up
-            handle = engine.submit(ids, SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True))
-            tokens = [e.token_id for e in handle if e.token_id is not None]
-            runs[kv].append((handle.stats.decode_tps, tokens))
+            _, decode_tps, _, tokens = bench_localpd(engine, engine.encode_chat(MESSAGES), args.tokens)
+            runs[kv].append((decode_tps, tokens))
     first = runs[kvs[0]][0][1]
     print(f"# {args.model}, {args.threads} threads, {args.tokens} tokens, {args.rounds} rounds")
     print("| KV pages | decode tok/s (median) | runs | tokens equal to " + kvs[0] + "'s |")

@@ -30,6 +30,7 @@ GEMVS = [("int4-g128", 128, 4096), ("int4-g128", 1024, 4096), ("int4-g128", 4096
 # against the chain of the split-K reduction); o's shape at 1-32 slices too
 SPLITS = [("int4-g128", 128, 4096, k) for k in (1, 2, 4, 8, 16, 32)] + \
          [("int4-g128", 4096, 4096, k) for k in (1, 4, 8, 32)]
+SPLIT_TILE = dict(blocks=4, num_warps=4, PREFETCH=1)
 
 
 @triton.jit
@@ -49,30 +50,24 @@ def main() -> int:
     print("| launch | weight bytes | bytes' time at copy bw | PDL off: us (rest) | PDL on: us (rest) |")
     print("|---|---|---|---|---|")
     out = []
-    launches = [(f"empty kernel, {g} program(s)", 0, [lambda g=g, on=on: _empty_kernel[(g,)](x, PDL=on, launch_pdl=on)
-                                                    for on in (False, True)]) for g in (1, 8 * sms)]
-    for fmt, n, k in GEMVS:
+
+    def gemv(fmt, n, k, split=None, tile=None):  # (weight bytes, a launch over each copy of the weights)
         ws = kmajor_copies(fmt, n, k, dev)
         q, s = quantize_act(torch.randn(1, k, device=dev, dtype=torch.bfloat16), ws[0].BITS)
         y = torch.empty(1, n, device=dev, dtype=torch.bfloat16)
-        fns = [lambda w=w: dp.gemv_rounded(q, s, y, w.words, w.factors, w.BITS, w.group) for w in ws]
-        launches.append((f"GEMV {fmt} {n}x{k}", ws[0].nbytes, fns))
-    for fmt, n, k, split in SPLITS:
-        ws = kmajor_copies(fmt, n, k, dev)
-        q, s = quantize_act(torch.randn(1, k, device=dev, dtype=torch.bfloat16), ws[0].BITS)
-        y = torch.empty(1, n, device=dev, dtype=torch.bfloat16)
-        tile = dict(blocks=4, num_warps=4, PREFETCH=1)
-        fns = [lambda w=w, sk=split: dp.gemv_rounded(q, s, y, w.words, w.factors, w.BITS, w.group, split_k=sk,
-                                                     tile=tile) for w in ws]
-        launches.append((f"GEMV {fmt} {n}x{k}, {split} slice(s) of K, b4 w4 pf1", ws[0].nbytes, fns))
-    for label, nbytes, fns in launches:
+        return ws[0].nbytes, [lambda w=w: dp.gemv_rounded(q, s, y, w.words, w.factors, w.BITS, w.group, split_k=split,
+                                                           tile=tile) for w in ws]
+
+    launches = [(f"empty kernel, {g} program(s)", 0, [lambda g=g: _empty_kernel[(g,)](x, **pdl.launch_args(x))], 400)
+                for g in (1, 8 * sms)]
+    launches += [(f"GEMV {fmt} {n}x{k}", *gemv(fmt, n, k), 200) for fmt, n, k in GEMVS]
+    launches += [(f"GEMV {fmt} {n}x{k}, {split} slice(s) of K, b4 w4 pf1", *gemv(fmt, n, k, split, SPLIT_TILE), 200)
+                 for fmt, n, k, split in SPLITS]
+    for label, nbytes, fns, reps in launches:
         times = []
-        for on in (False, True):
+        for on in (False, True):  # every launch reads pdl.ENABLED (kernels/pdl.py's launch_args)
             pdl.ENABLED = on
-            if label.startswith("empty"):
-                times.append(graph_time([fns[int(on)]], reps=400))
-            else:
-                times.append(graph_time(fns, reps=200))
+            times.append(graph_time(fns, reps=reps))
         pdl.ENABLED = True
         ideal = nbytes / bw
         print(f"| {label} | {nbytes / 1e6:.2f} MB | {ideal * 1e6:.2f} us | " +
