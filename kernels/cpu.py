@@ -46,15 +46,15 @@ SIGNATURES = {
     "lpd_trim": ([], None),
     "lpd_threads": ([], ctypes.c_char_p),
     "lpd_linear": ([_I, _P, _P, _P, _F, _P, _I, _I, _I, _P, _P, _P, _P, _P, _I, _I, _P, _P, _I], _I),
-    "lpd_attention": ([_P, _L, _L, _I, _I, _I, _P, _P, _I, _I, _P, _L, _I, _I, _P, _P, _I, _F, _I, _P, _I], _I),
-    "lpd_rope_write": ([_P, _L, _I, _I, _I, _I, _P, _P, _L, _P, _P, _P, _L], _I),
+    "lpd_attention": ([_P, _L, _L, _I, _I, _I, _P, _P, _I, _I, _P, _L, _I, _I, _P, _P, _I, _F, _I, _P, _P, _I], _I),
+    "lpd_rope_write": ([_P, _L, _I, _I, _I, _I, _P, _P, _L, _P, _P, _I, _P, _P, _L], _I),
     "lpd_half_pages": ([], _I),
     "lpd_dequantize": ([_I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _I], None),
     "lpd_round_input": ([_I, _P, _P, _P, _F, _P, _I, _I, _P, _I], None),
     "lpd_set_sgemm": ([_P], None),
     "lpd_dequant_gemm": ([_I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _I, _I], _I),
-    "lpd_decode_layers": ([_P, _P, _I, _P, _P, _I, _I, _P, _P, _P, _P, _P, _L, _P, _I, _P, _L, _I, _I, _P, _P, _I, _F,
-                           _I], _I),
+    "lpd_decode_layers": ([_P, _P, _I, _P, _P, _I, _I, _P, _P, _P, _P, _P, _L, _P, _P, _I, _P, _L, _I, _I, _P, _P, _I,
+                           _F, _I], _I),
 }
 # From this many rows on, a product dequantizes its weight a slice at a time and multiplies in float32 with
 # torch's GEMM (compute-bound prefill), where fewer rows (decode) take lpd_linear's int8 dot products.
@@ -185,11 +185,12 @@ def describe() -> str:
 
 
 def _check(rc: int, name: str) -> None:
-    """A kernel's return code: -1 out of memory, -2 a page table, slot or query row outside the KV pool."""
+    """A kernel's return code: -1 out of memory, -2 a page table, slot, stage slot or query row outside the KV pool
+    (or an int4ch write without stage slots)."""
     if rc == -1:
         raise MemoryError(f"{name} could not allocate its scratch")
     if rc:
-        raise LocalpdError(f"{name}: the step's page table, slots or rows lie outside the KV pool")
+        raise LocalpdError(f"{name}: the step's page table, slots or rows lie outside the KV pool or its stage")
 
 
 def threads() -> int:
@@ -346,33 +347,43 @@ def _fp32_rows(t: torch.Tensor) -> bool:
 
 
 # the KV formats the library reads and writes, each side (keys, values) its own (cpu_kernels.c's kv_side)
-SIDE_FORMATS = {"fp32": 0, "fp16": 1, "int8": 2, "int4": 3}
+SIDE_FORMATS = {"fp32": 0, "fp16": 1, "int8": 2, "int4": 3, "int4ch": 4}
 
 
 class KVSide(ctypes.Structure):
-    """kv_side in cpu_kernels.c: one side's pages (keys or values), their float16 scales and zeros, the format."""
+    """kv_side in cpu_kernels.c: one side's pages (keys or values), their float16 scales and zeros, the format;
+    int4ch's tokens a page, heads and stage (its rows and their count)."""
 
-    _fields_ = [("data", _P), ("scale", _P), ("zero", _P), ("fmt", _I)]
+    _fields_ = [("data", _P), ("scale", _P), ("zero", _P), ("fmt", _I), ("ps", _I), ("heads", _I), ("stage", _P),
+                ("n_stage", _L)]
 
 
 def kv_sides(layer) -> tuple[KVSide, KVSide] | None:
-    """A KVLayer's keys and values as the library's sides: fp32, fp16, int8 (a scale a token and head) or int4
-    (a scale and zero a group of 32) pages, each side its own (SIDE_FORMATS, kvcache/formats.py), contiguous with
-    their scales and zeros, where the library converts float16 (every x86 and ARM build); None where its kernels
-    do not read them (bf16, fp8, int4ch). The tensors must outlive the sides (the KV pool holds them)."""
+    """A KVLayer's keys and values as the library's sides: fp32, fp16, int8 (a scale a token and head), int4 (a
+    scale and zero a group of 32) or int4ch pages (a scale and zero a page, head and channel, with a float32 stage
+    of the open pages; heads up to 256 wide), each side its own (SIDE_FORMATS, kvcache/formats.py), contiguous
+    with their scales and zeros, where the library converts float16 (every x86 and ARM build); None where its
+    kernels do not read them (bf16, fp8). The tensors must outlive the sides (the KV pool holds them)."""
     lib = library()
     if lib is None or layer.k.device.type != "cpu":
         return None
     sides = []
-    for data, scale, zero, fmt in ((layer.k, layer.k_scale, layer.k_zero, layer.k_format),
-                                   (layer.v, layer.v_scale, layer.v_zero, layer.v_format)):
+    for data, scale, zero, stage, fmt in ((layer.k, layer.k_scale, layer.k_zero, layer.k_stage, layer.k_format),
+                                          (layer.v, layer.v_scale, layer.v_zero, layer.v_stage, layer.v_format)):
         code = SIDE_FORMATS.get(fmt)
-        extra = (scale,) if fmt == "int8" else (scale, zero) if fmt == "int4" else ()
+        per_page = fmt == "int4ch"
+        if per_page:  # the storage behind the per-token view: [n_pages, heads, head_dim]
+            scale, zero = (None if t is None else t[:, 0] for t in (scale, zero))
+        extra = (scale,) if fmt == "int8" else (scale, zero) if fmt in ("int4", "int4ch") else ()
         if code is None or not data.is_contiguous() or (code and not lib.lpd_half_pages()) or not all(
                 t is not None and t.dtype == torch.float16 and t.is_contiguous() for t in extra):
             return None
-        sides.append(KVSide(data.data_ptr(), _ptr(scale) if extra else None, _ptr(zero) if fmt == "int4" else None,
-                            code))
+        if per_page and (stage is None or stage.dtype != torch.float32 or not stage.is_contiguous()
+                         or stage.shape[-1] > 256):
+            return None
+        sides.append(KVSide(data.data_ptr(), _ptr(scale) if extra else None, _ptr(zero) if len(extra) > 1 else None,
+                            code, layer.page_size, data.shape[2], _ptr(stage) if per_page else None,
+                            stage.shape[0] if per_page else 0))
     return sides[0], sides[1]
 
 
@@ -381,37 +392,51 @@ def takes_attention(q: torch.Tensor, layer) -> bool:
     return _fp32_rows(q) and kv_sides(layer) is not None
 
 
-def attention(q, layer, page_table, seq_lens, q_starts, scale: float, window: int = 0, lib=None) -> torch.Tensor:
-    """paged_attention_ref (localpd/kvcache/dispatch.py) with the same arguments."""
+def attention(q, layer, page_table, seq_lens, q_starts, scale: float, window: int = 0, stage_slots=None,
+              lib=None) -> torch.Tensor:
+    """paged_attention_ref (localpd/kvcache/dispatch.py) with the same arguments: over int4ch pages with
+    stage_slots, a sequence's few rows each see their own open page as their decode steps did."""
     lib = lib or library()
     T, Hq, D = q.shape
     out = torch.empty(T, Hq, D, dtype=torch.float32)
     pt, lens, starts = (t.to(torch.int32).contiguous() for t in (page_table, seq_lens, q_starts))
     if T:
         k, v = kv_sides(layer)
+        stage = _stage_slots(layer, stage_slots)
         _check(lib.lpd_attention(_ptr(q), q.stride(0), q.stride(1), T, Hq, D, ctypes.byref(k), ctypes.byref(v),
                                  layer.page_size, layer.k.shape[2], _ptr(pt), pt.stride(0), pt.shape[1],
-                                 layer.k.shape[0], _ptr(lens), _ptr(starts), lens.shape[0], scale, window, _ptr(out),
-                                 threads()), "lpd_attention")
+                                 layer.k.shape[0], _ptr(lens), _ptr(starts), lens.shape[0], scale, window,
+                                 _ptr(stage), _ptr(out), threads()), "lpd_attention")
     return out
 
 
-def takes_rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer) -> bool:
-    """fp32 rows, pages the library writes (kv_sides; no per-page format, so no stage to write)."""
+def _stage_slots(layer, stage_slots):
+    """stage_slots as the library takes them (int64, contiguous) where a side is in a per-page format, else None."""
+    if stage_slots is None or (layer.k_stage is None and layer.v_stage is None):
+        return None
+    return stage_slots.to(torch.int64).contiguous()
+
+
+def takes_rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer, stage_slots=None) -> bool:
+    """fp32 rows, pages the library writes (kv_sides; a per-page format's with the tokens' stage slots)."""
     return (_fp32_rows(qkv) and _fp32_rows(cos) and sin.stride() == cos.stride() and sin.dtype == torch.float32
-            and layer.k_stage is None and layer.v_stage is None and kv_sides(layer) is not None)
+            and (stage_slots is not None or (layer.k_stage is None and layer.v_stage is None))
+            and kv_sides(layer) is not None)
 
 
-def rope_write(qkv, cos, sin, layer, slots, n_heads: int, n_kv_heads: int, lib=None) -> torch.Tensor:
-    """rope_write_kv_ref (localpd/kvcache/dispatch.py) with the same arguments (stage_slots aside: no stage here)."""
+def rope_write(qkv, cos, sin, layer, slots, n_heads: int, n_kv_heads: int, stage_slots=None,
+               lib=None) -> torch.Tensor:
+    """rope_write_kv_ref (localpd/kvcache/dispatch.py) with the same arguments."""
     lib = lib or library()
     T = qkv.shape[0]
     D = qkv.shape[1] // (n_heads + 2 * n_kv_heads)
     slots = slots.to(torch.int64).contiguous()
     if T:
         k, v = kv_sides(layer)
+        stage = _stage_slots(layer, stage_slots)
         _check(lib.lpd_rope_write(_ptr(qkv), qkv.stride(0), T, n_heads, n_kv_heads, D, _ptr(cos), _ptr(sin),
-                                  cos.stride(0), _ptr(slots), ctypes.byref(k), ctypes.byref(v),
+                                  cos.stride(0), _ptr(slots), _ptr(stage),
+                                  layer.page_size, ctypes.byref(k), ctypes.byref(v),
                                   layer.k.shape[0] * layer.page_size), "lpd_rope_write")
     return qkv.view(T, -1, D)[:, :n_heads]
 
@@ -464,17 +489,18 @@ def layer_caches(layers: list, windows: list[int], ropes: list[int]):
 
 def decode_layers(plans, caches, out: torch.Tensor, x: torch.Tensor, has_residual: bool, scratch: tuple,
                   rotations: tuple, page_size: int, n_pages: int, slots, page_table, seq_lens, q_starts, scale: float,
-                  lib=None) -> None:
+                  stage_slots=None, lib=None) -> None:
     """The decoder layers of plans (a LayerPlan array) in one call (lpd_decode_layers), in place on out and x: the
     model's op-by-op forward for those layers, with the same kernels in the same order, in one parallel region.
     caches: their layer_caches; scratch: (qkv, attn, gate_up) rows; rotations: ((cos, sin), (local cos, local sin)),
-    fp32 [T, head_dim / 2] with one row stride; slots int64, page_table/seq_lens/q_starts int32, all contiguous."""
+    fp32 [T, head_dim / 2] with one row stride; slots int64, page_table/seq_lens/q_starts int32, all contiguous;
+    stage_slots (int64, contiguous): the rows' stage slots where a layer's pages are int4ch, else None."""
     lib = lib or library()
     qkv, attn, gate_up = scratch
     (cos, sin), (lcos, lsin) = rotations
     _check(lib.lpd_decode_layers(ctypes.byref(plans), ctypes.byref(caches), len(plans), out.data_ptr(), x.data_ptr(),
                                  int(has_residual), out.shape[0], qkv.data_ptr(), attn.data_ptr(), gate_up.data_ptr(),
                                  (_P * 2)(cos.data_ptr(), lcos.data_ptr()), (_P * 2)(sin.data_ptr(), lsin.data_ptr()),
-                                 cos.stride(0), slots.data_ptr(), page_size, page_table.data_ptr(),
+                                 cos.stride(0), slots.data_ptr(), _ptr(stage_slots), page_size, page_table.data_ptr(),
                                  page_table.stride(0), page_table.shape[1], n_pages, seq_lens.data_ptr(),
                                  q_starts.data_ptr(), seq_lens.shape[0], scale, threads()), "lpd_decode_layers")

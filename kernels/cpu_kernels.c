@@ -228,14 +228,20 @@ static inline uint16_t float_to_half(float f) {
 #endif
 
 /* KV page formats (kvcache/formats.py), each side (keys, values) its own: float, float16, int8 codes with one
- * float16 scale a token and head (amax / 127), and int4 codes in groups of 32 with a float16 scale and zero each
- * ((max - min) / 15 and min; two codes a byte, the even element in the low nibble). A side's rows are its pages'
- * [n_pages * PS * H] heads, in row order; its scales and zeros [rows, groups] beside them. */
-enum { KV_F32 = 0, KV_F16 = 1, KV_I8 = 2, KV_I4 = 3 };
+ * float16 scale a token and head (amax / 127), int4 codes in groups of 32 with a float16 scale and zero each
+ * ((max - min) / 15 and min; two codes a byte, the even element in the low nibble), and int4ch: int4 codes with a
+ * float16 scale and zero a page, head and channel, over the page's tokens (KIVI), the open page's values as
+ * computed kept in a stage (a page of rows a running sequence) from which each write rounds the page again. A
+ * side's rows are its pages' [n_pages * PS * H] heads, in row order; its scales and zeros [rows, groups] beside
+ * them, int4ch's [n_pages * H, D]. */
+enum { KV_F32 = 0, KV_F16 = 1, KV_I8 = 2, KV_I4 = 3, KV_I4CH = 4 };
 typedef struct {
     void *data;
-    uint16_t *scale, *zero; /* int8's scales, int4's scales and zeros (else unused) */
+    uint16_t *scale, *zero; /* int8's scales, int4's and int4ch's scales and zeros (else unused) */
     int fmt;
+    int ps, heads;  /* int4ch: tokens a page, heads a token (its scales' rows are a page's heads) */
+    float *stage;   /* int4ch: the stage, [n_stage, heads, D] float rows (slot r * ps + offset: row r's page) */
+    long n_stage;
 } kv_side;
 static inline size_t kv_row_bytes(int fmt, int D) {
     return fmt == KV_F32 ? 4 * (size_t)D : fmt == KV_F16 ? 2 * (size_t)D : fmt == KV_I8 ? (size_t)D : (size_t)D / 2;
@@ -334,6 +340,79 @@ static void load_int4_row(float *dst, const uint8_t *b, const uint16_t *scale, c
     }
 }
 
+/* D int4ch codes in floats: code times its channel's scale, plus its zero (a product, then a sum, as
+ * formats.dequantize_kv computes them). */
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
+static void load_int4ch_row(float *dst, const uint8_t *b, const uint16_t *scale, const uint16_t *zero, int D) {
+    int d = 0;
+#if (defined(LPD_AVX2) || defined(LPD_AVX512)) && defined(__F16C__)
+    __m128i m = _mm_set1_epi8(15);
+    for (; d + 16 <= D; d += 16) {
+        __m128i v = _mm_loadl_epi64((const __m128i *)(b + d / 2));
+        __m128i e = _mm_unpacklo_epi8(_mm_and_si128(v, m), _mm_and_si128(_mm_srli_epi16(v, 4), m)); /* 16 codes */
+        for (int k = 0; k < 2; k++) {
+            __m256 c = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(k ? _mm_srli_si128(e, 8) : e));
+            __m256 sc = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scale + d + 8 * k)));
+            __m256 z = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(zero + d + 8 * k)));
+            _mm256_storeu_ps(dst + d + 8 * k, _mm256_add_ps(_mm256_mul_ps(c, sc), z));
+        }
+    }
+#endif
+    for (; d < D; d++) {
+        float c = (float)((b[d / 2] >> (4 * (d & 1))) & 15) * half_to_float(scale[d]);
+        dst[d] = c + half_to_float(zero[d]);
+    }
+}
+
+/* int4ch's rounding of one head of a page's first n tokens (dispatch._round_pages): each channel's scale (max -
+ * min) / 15 and zero min over them, in float16, and each value's code round((x - zero) / scale) (half to even,
+ * a division as torch divides: see store_head) in 0 .. 15. The tokens' values are rows 0 .. n - 2 of `stage`
+ * (row stride `stride` floats), then `last`; codes go to n rows of D / 2 bytes, `cstride` bytes apart. */
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("no-reciprocal-math")))
+#endif
+static void round_channels(const float *stage, long stride, const float *last, int n, int D, uint8_t *codes,
+                           long cstride, uint16_t *scale, uint16_t *zero) {
+#if defined(__clang__)
+#pragma float_control(precise, on)
+#endif
+    float lo[256], hi[256], z[256], safe[256]; /* head_dim <= 256 (kvcache.dispatch.kernel_head_dim) */
+    for (int d = 0; d < D; d++) lo[d] = hi[d] = last[d];
+    for (int o = 0; o < n - 1; o++) {
+        const float *x = stage + o * stride;
+        for (int d = 0; d < D; d++) lo[d] = x[d] < lo[d] ? x[d] : lo[d], hi[d] = x[d] > hi[d] ? x[d] : hi[d];
+    }
+    for (int d = 0; d < D; d++) {
+        uint16_t sh = float_to_half((hi[d] - lo[d]) / 15.0f), zh = float_to_half(lo[d]);
+        float sc = half_to_float(sh);
+        z[d] = half_to_float(zh), safe[d] = sc > 0.f ? sc : 1.f;
+        scale[d] = sh, zero[d] = zh;
+    }
+    for (int o = 0; o < n; o++) {
+        const float *x = o == n - 1 ? last : stage + o * stride;
+        uint8_t *c = codes + o * cstride;
+        for (int d = 0; d < D; d += 2) {
+            float e = nearbyintf((x[d] - z[d]) / safe[d]), f = nearbyintf((x[d + 1] - z[d + 1]) / safe[d + 1]);
+            int qe = e < 0.f ? 0 : e > 15.f ? 15 : (int)e, qf = f < 0.f ? 0 : f > 15.f ? 15 : (int)f;
+            c[d / 2] = (uint8_t)(qe | qf << 4);
+        }
+    }
+}
+
+/* One head (h) of a token at `slot` of an int4ch side, staged at `sslot` (its page's offset 0 at sslot - offset):
+ * staged unless it fills its page (a full page is final), then the page's tokens up to it rounded again
+ * (dispatch._write_pages_ref: a sequence fills its page in order, so its earlier tokens are all staged). */
+static void store_page_head(kv_side *s, long slot, long sslot, int h, const float *x, int D) {
+    int PS = s->ps, H = s->heads, off = (int)(slot % PS);
+    long page = slot / PS, first = sslot - off;
+    if (off < PS - 1) memcpy(s->stage + (sslot * H + h) * D, x, sizeof(float) * D);
+    round_channels(s->stage + (first * H + h) * D, (long)H * D, x, off + 1, D,
+                   (uint8_t *)s->data + ((page * PS) * H + h) * (D / 2), (long)H * (D / 2),
+                   s->scale + (page * H + h) * D, s->zero + (page * H + h) * D);
+}
+
 /* Row `row` of a side (one head of one token) in D floats: as stored, from float16, codes times their scale
  * (int8), or load_int4_row's. */
 static inline void load_row(float *dst, const kv_side *s, long row, int D) {
@@ -358,8 +437,11 @@ static inline void load_row(float *dst, const kv_side *s, long row, int D) {
                                                         _mm_loadl_epi64((const __m128i *)(c + i)))), vs));
 #endif
         for (; i < D; i++) dst[i] = (float)c[i] * sc;
-    } else {
+    } else if (s->fmt == KV_I4) {
         load_int4_row(dst, (const uint8_t *)src, s->scale + row * (D / 32), s->zero + row * (D / 32), D);
+    } else { /* KV_I4CH: the page's (row / (ps heads)) scales and zeros of the row's head (row % heads) */
+        long ch = row / ((long)s->ps * s->heads) * s->heads + row % s->heads;
+        load_int4ch_row(dst, (const uint8_t *)src, s->scale + ch * D, s->zero + ch * D, D);
     }
 }
 
@@ -1485,6 +1567,7 @@ typedef struct {
     float *part;  /* splits > 1: each (row, query head, part)'s max score, sum of exponentials and D unscaled
                    * outputs, [T, Hq, splits, D + 2], which merge_task joins */
     atomic_int *next; /* where given (zero at the start), threads take a task at a time from it */
+    const int64_t *stage_slots; /* the rows' stage slots where a side is int4ch (else NULL): see own_page */
 } attn_args;
 
 /* q . k over a head: four independent sums, where one sum's chain of adds set the pace */
@@ -1525,11 +1608,17 @@ static inline void prefetch_row(const char *row, int bytes) { /* a prefetch neve
 }
 
 /* The rows of positions c0 .. c0 + kc - 1 of key head kvh (of H) of a side in float, kc rows of D into dst, page
- * by page, the row PREFETCH ahead requested early. */
+ * by page, the row PREFETCH ahead requested early; positions from own_from on (a page's first) from `own` where
+ * given (own_page). */
 static void load_chunk(float *dst, const kv_side *side, int kvh, int H, const int32_t *pages, int c0, int kc, int PS,
-                       int D) {
+                       int D, const kv_side *own, int own_from) {
     size_t rb = kv_row_bytes(side->fmt, D);
     for (int j = 0, run; j < kc;) {
+        if (own && c0 + j >= own_from) { /* the row's own page as its decode step saw it (own_page) */
+            load_row(dst + (size_t)j * D, own, c0 + j - own_from, D);
+            j++;
+            continue;
+        }
         long row = page_run(pages, c0 + j, PS, kc - j, H, &run) + kvh;
         for (int k = 0; k < run; k++, j++, row += H) {
             prefetch_row(kv_row(side, row + (long)PREFETCH * H, D), (int)rb);
@@ -1634,15 +1723,37 @@ static void add_values(float *o, const float *e, const float *vc, int kc, int D)
 
 /* A sequence's rows cut into groups of consecutive rows, at most GROUP_ROWS each: row_seq[t] = t's sequence,
  * group_row[g] = group g's first row (group_row[groups] = T). Returns the number of groups. */
-static int row_groups(int B, const int32_t *q_starts, int *row_seq, int *group_row) {
+static int row_groups(int B, const int32_t *q_starts, int *row_seq, int *group_row, int most) {
     int g = 0;
     for (int b = 0; b < B; b++)
         for (int t = q_starts[b]; t < q_starts[b + 1]; t++) {
             row_seq[t] = b;
-            if ((t - q_starts[b]) % GROUP_ROWS == 0) group_row[g++] = t;
+            if ((t - q_starts[b]) % most == 0) group_row[g++] = t;
         }
     group_row[g] = q_starts[B];
     return g;
+}
+
+/* Where row t of a step over int4ch pages (a sequence's few rows, as paged_attention_ref's _as_decode_page) sees its
+ * own page otherwise than the step's write left it: a row before its sequence's last, of a sequence of at most
+ * GROUP_ROWS rows (a verification step's, a short chunk's), whose page the write left open, saw it in its decode
+ * step rounded over the page's tokens up to its own. Returns the page's first position (-1: the page as written)
+ * and rounds that view of head kvh into `own` (a page of one head: codes, scales and zeros in its buffers) for each
+ * int4ch side of a->k, a->v. */
+static int own_page(const attn_args *a, int t, int kvh, kv_side own[2]) {
+    int b = a->row_seq[t], n = a->seq_lens[b], rows = a->q_starts[b + 1] - a->q_starts[b], i = t - a->q_starts[b];
+    if (!a->stage_slots || rows < 2 || rows > GROUP_ROWS || i == rows - 1) return -1;
+    int pos = n - rows + i, PS = a->PS, off = pos % PS, D = a->D, H = a->H;
+    if (n >= pos - off + PS) return -1; /* its page is full: final, as the write made it */
+    const kv_side *sides[2] = {a->k, a->v};
+    long ss = a->stage_slots[t];
+    for (int j = 0; j < 2; j++) {
+        if (sides[j]->fmt != KV_I4CH) continue;
+        const float *st = sides[j]->stage;
+        round_channels(st + ((ss - off) * H + kvh) * D, (long)H * D, st + (ss * H + kvh) * D, off + 1, D,
+                       own[j].data, D / 2, own[j].scale, own[j].zero);
+    }
+    return pos - off;
 }
 
 /* A task: query heads hq0 .. hq0 + per - 1 of one key head, for a group of rows of one sequence, each over one
@@ -1685,6 +1796,23 @@ static void attention_task(void *ctx, int ith, int nth) {
         /* a chunk's value rows (or key rows) in float, its keys transposed, scores */
         float *vc = row + D, *kt = vc + (size_t)VALUE_CHUNK * D, *S = kt + (size_t)VALUE_CHUNK * D;
         const int32_t *pages = a->page_table + b * a->pt_stride;
+        /* int4ch rows: one a group (lpd_attention), the row's own page rounded as its decode step saw it */
+        static __thread void *own_buf;
+        static __thread size_t own_cap;
+        kv_side own[2];
+        int own_from = -1;
+        if (a->stage_slots) {
+            char *ob = scratch(&own_buf, &own_cap, 2 * ((size_t)PS * (D / 2) + 4 * (size_t)D));
+            if (!ob) return;
+            for (int j = 0; j < 2; j++) {
+                char *o = ob + j * ((size_t)PS * (D / 2) + 4 * (size_t)D);
+                own[j] = (kv_side){o, (uint16_t *)(o + (size_t)PS * (D / 2)),
+                                   (uint16_t *)(o + (size_t)PS * (D / 2) + 2 * (size_t)D), KV_I4CH, PS, 1, NULL, 0};
+            }
+            own_from = own_page(a, t0, kvh, own);
+        }
+        const kv_side *own_k = own_from >= 0 && a->k->fmt == KV_I4CH ? &own[0] : NULL;
+        const kv_side *own_v = own_from >= 0 && a->v->fmt == KV_I4CH ? &own[1] : NULL;
         /* the per query heads sharing a key head take each key and value row from memory once; the rows go page by
          * page (no division a row), the row PREFETCH ahead requested early: a layer's pages have left the caches
          * by the next step, and the page table hides the stride from the hardware */
@@ -1695,7 +1823,7 @@ static void attention_task(void *ctx, int ith, int nth) {
 #if defined(LPD_AVX2) || defined(LPD_AVX512)
         for (int c0 = walk0; D % 8 == 0 && c0 < walk1; c0 += VALUE_CHUNK) { /* keys a chunk at a time, transposed */
             int kc = walk1 - c0 < VALUE_CHUNK ? walk1 - c0 : VALUE_CHUNK;
-            load_chunk(vc, a->k, kvh, H, pages, c0, kc, PS, D);
+            load_chunk(vc, a->k, kvh, H, pages, c0, kc, PS, D, own_k, own_from);
             if (kc < VALUE_CHUNK) /* past the last key: zeros (its block of 8 goes whole); the scores past it, and
                                    * past the keys transposed, are never read */
                 memset(vc + (size_t)kc * D, 0, sizeof(float) * (VALUE_CHUNK - kc) * D);
@@ -1726,7 +1854,8 @@ static void attention_task(void *ctx, int ith, int nth) {
             for (int k = 0; k < run; k++, j++, kr0 += H) {
                 prefetch_row(kv_row(a->k, kr0 + (long)PREFETCH * H, D), krb);
                 const float *kr = (const float *)kv_row(a->k, kr0, D);
-                if (a->k->fmt != KV_F32) load_row(row, a->k, kr0, D), kr = row;
+                if (own_k && j >= own_from) load_row(row, own_k, j - own_from, D), kr = row;
+                else if (a->k->fmt != KV_F32) load_row(row, a->k, kr0, D), kr = row;
                 for (int r = 0; r < nr; r++) {
                     if (j < from[r] || j >= from[r] + len[r]) continue;
                     const float *q = a->q + (t0 + r) * a->q_t + hq0 * a->q_h;
@@ -1746,7 +1875,7 @@ static void attention_task(void *ctx, int ith, int nth) {
         for (size_t d = 0; d < (size_t)nr * per * D; d++) acc[d] = 0.f;
         for (int c0 = walk0; c0 < walk1; c0 += VALUE_CHUNK) { /* the value rows a chunk at a time, in float */
             int kc = walk1 - c0 < VALUE_CHUNK ? walk1 - c0 : VALUE_CHUNK;
-            load_chunk(vc, a->v, kvh, H, pages, c0, kc, PS, D);
+            load_chunk(vc, a->v, kvh, H, pages, c0, kc, PS, D, own_v, own_from);
             for (int r = 0; r < nr; r++) {
                 int j0 = from[r] > c0 ? from[r] : c0, j1 = from[r] + len[r] < c0 + kc ? from[r] + len[r] : c0 + kc;
                 for (int h = 0; j0 < j1 && h < per; h++)
@@ -2007,29 +2136,48 @@ static int shortest_row(int B, const int32_t *seq_lens, const int32_t *q_starts,
     return window > 0 && window < least ? window : least;
 }
 
+/* Whether a step's rows over int4ch pages must see their own pages as their decode steps did (own_page): some
+ * sequence has 2 to GROUP_ROWS rows. */
+static int own_pages(const kv_side *k, const kv_side *v, const int64_t *stage_slots, int B, const int32_t *q_starts) {
+    if (!stage_slots || (k->fmt != KV_I4CH && v->fmt != KV_I4CH)) return 0;
+    for (int b = 0; b < B; b++)
+        if (q_starts[b + 1] - q_starts[b] >= 2 && q_starts[b + 1] - q_starts[b] <= GROUP_ROWS) return 1;
+    return 0;
+}
+
 /* out [T, Hq, D] (contiguous) = attention of q (row stride q_t, head stride q_h, in floats) over the pages; the page
- * table is [B, pt_width] (row stride pt_stride) into a pool of n_pages pages. Returns 0, -1 without memory, or -2
- * where the tables leave the pool (check_tables). */
+ * table is [B, pt_width] (row stride pt_stride) into a pool of n_pages pages; stage_slots: the rows' stage slots
+ * over int4ch pages (own_page; else NULL). Returns 0, -1 without memory, or -2 where the tables leave the pool
+ * (check_tables). */
 int lpd_attention(const float *q, long q_t, long q_h, int T, int Hq, int D, const kv_side *k, const kv_side *v,
                   int PS, int H, const int32_t *page_table, long pt_stride, int pt_width, int n_pages,
-                  const int32_t *seq_lens, const int32_t *q_starts, int B, float scale, int window, float *out,
-                  int nth) {
+                  const int32_t *seq_lens, const int32_t *q_starts, int B, float scale, int window,
+                  const int64_t *stage_slots, float *out, int nth) {
     if (check_tables(T, B, seq_lens, q_starts, page_table, pt_stride, pt_width, n_pages, PS, NULL)) return -2;
     static __thread void *buf;
     static __thread size_t cap;
     int *rows = scratch(&buf, &cap, sizeof(int) * (2 * (size_t)T + 1)); /* row_seq, then group_row */
     if (!rows) return -1;
-    int groups = row_groups(B, q_starts, rows, rows + T);
+    int groups = row_groups(B, q_starts, rows, rows + T, GROUP_ROWS), own = own_pages(k, v, stage_slots, B, q_starts);
     attn_shape shape = attention_shape(groups, Hq, H, nth, shortest_row(B, seq_lens, q_starts, window));
+    if (own) groups = row_groups(B, q_starts, rows, rows + T, 1); /* each row its own page: a row a group */
+    for (int t = 0; own && t < T; t++) { /* a row's stage slot at its position's offset, inside the stages */
+        int b = rows[t], pos = seq_lens[b] - (q_starts[b + 1] - t);
+        if (stage_slots[t] < 0 || stage_slots[t] % PS != pos % PS ||
+            (k->fmt == KV_I4CH && (stage_slots[t] >= k->n_stage || !k->stage)) ||
+            (v->fmt == KV_I4CH && (stage_slots[t] >= v->n_stage || !v->stage)))
+            return -2;
+    }
     static __thread void *part_buf;
     static __thread size_t part_cap;
     size_t parts = shape.splits > 1 ? (size_t)T * Hq * shape.splits * (D + 2) : 0;
     float *part = parts ? scratch(&part_buf, &part_cap, sizeof(float) * parts) : NULL;
     if (parts && !part) return -1;
     attn_args a = {q, q_t, q_h, T, Hq, D, H, PS, B, window, k, v, page_table, seq_lens, q_starts, pt_stride,
-                   scale, out, rows, rows + T, groups, shape.per, shape.splits, part, NULL};
+                   scale, out, rows, rows + T, groups, shape.per, shape.splits, part, NULL,
+                   own ? stage_slots : NULL};
 #if defined(LPD_AVX512) || defined(LPD_AVX2)
-    int tiled = tile_attention(&a, nth);
+    int tiled = own ? 0 : tile_attention(&a, nth); /* the tiles take a step's rows in blocks */
     if (tiled) return tiled > 0 ? 0 : -1;
 #endif
     parallel(attention_task, &a, nth);
@@ -2043,7 +2191,8 @@ int lpd_attention(const float *q, long q_t, long q_h, int T, int Hq, int D, cons
  * pool: -2 (nothing written) where a slot is outside it. */
 /* rope_write's rows t0 .. t1 - 1 (slots already checked); rotate 0: the heads as they are (a layer without RoPE). */
 static void rope_rows(float *qkv, long qkv_t, int t0, int t1, int n_heads, int n_kv, int D, const float *cos,
-                      const float *sin, long cs_t, int rotate, const int64_t *slots, kv_side *k, kv_side *v) {
+                      const float *sin, long cs_t, int rotate, const int64_t *slots, const int64_t *stage_slots,
+                      kv_side *k, kv_side *v) {
     int hd = D / 2;
     for (int t = t0; t < t1; t++) {
         float *row = qkv + t * qkv_t;
@@ -2057,17 +2206,41 @@ static void rope_rows(float *qkv, long qkv_t, int t0, int t1, int n_heads, int n
             }
         }
         for (int h = 0; h < n_kv; h++) {
-            store_head(k, slots[t] * n_kv + h, row + (long)(n_heads + h) * D, D);
-            store_head(v, slots[t] * n_kv + h, row + (long)(n_heads + n_kv + h) * D, D);
+            kv_side *sides[2] = {k, v};
+            for (int i = 0; i < 2; i++) {
+                const float *x = row + (long)(n_heads + i * n_kv + h) * D;
+                if (sides[i]->fmt == KV_I4CH) store_page_head(sides[i], slots[t], stage_slots[t], h, x, D);
+                else store_head(sides[i], slots[t] * n_kv + h, x, D);
+            }
         }
     }
 }
 
+/* Whether every token's stage slot lies in its int4ch sides' stages, at its page's offset (-2 where not, or where
+ * an int4ch side has no stage slots). */
+static int check_stage(int T, int PS, const int64_t *slots, const int64_t *stage_slots, const kv_side *k,
+                       const kv_side *v) {
+    const kv_side *sides[2] = {k, v};
+    for (int i = 0; i < 2; i++) {
+        if (sides[i]->fmt != KV_I4CH) continue;
+        if (!stage_slots || !sides[i]->stage || sides[i]->ps != PS) return -2;
+        for (int t = 0; t < T; t++)
+            if (stage_slots[t] < 0 || stage_slots[t] >= sides[i]->n_stage || stage_slots[t] % PS != slots[t] % PS)
+                return -2;
+    }
+    return 0;
+}
+
+/* stage_slots: each token's place in the int4ch sides' stages (NULL where neither side is int4ch); PS: tokens a
+ * page. The tokens are written in turn, so a sequence's rows of one page (a prefill chunk) leave it rounded over
+ * all of them. */
 int lpd_rope_write(float *qkv, long qkv_t, int T, int n_heads, int n_kv, int D, const float *cos, const float *sin,
-                   long cs_t, const int64_t *slots, kv_side *k, kv_side *v, long n_slots) {
+                   long cs_t, const int64_t *slots, const int64_t *stage_slots, int PS, kv_side *k, kv_side *v,
+                   long n_slots) {
     for (int t = 0; t < T; t++)
         if (slots[t] < 0 || slots[t] >= n_slots) return -2;
-    rope_rows(qkv, qkv_t, 0, T, n_heads, n_kv, D, cos, sin, cs_t, 1, slots, k, v);
+    if (check_stage(T, PS, slots, stage_slots, k, v)) return -2;
+    rope_rows(qkv, qkv_t, 0, T, n_heads, n_kv, D, cos, sin, cs_t, 1, slots, stage_slots, k, v);
     return 0;
 }
 
@@ -2301,7 +2474,7 @@ typedef struct {
     float *x2; /* the residual stream between a layer's two norms */
     const float *cos[2], *sin[2];
     long cs_t, pt_stride;
-    const int64_t *slots;
+    const int64_t *slots, *stage_slots;
     const int32_t *page_table, *seq_lens, *q_starts;
     int *row_seq;
     float *part; /* attention's partial results (attn_args.part), sized for the most parts any layer takes */
@@ -2311,6 +2484,7 @@ typedef struct {
     int32_t *xsum;
     spin_barrier barrier;
     int groups; /* the rows' groups (row_groups: their first rows follow row_seq) */
+    int *one_row; /* each row its own group (own_pages' steps over int4ch pages): their first rows */
 } layers_args;
 
 /* One product inside the layers' region: the input step (rows shared), everyone meets, the rows of the weight
@@ -2340,16 +2514,19 @@ static void layers_task(void *ctx, int ith, int nth) {
         /* the residual stream goes x -> x2 in the first norm and back in the second (input_cols' sum_out) */
         const float *residual = li > 0 || s->has_residual ? s->x : NULL;
         linear_phase(s, ith, nth, PRE_NORM, &L->qkv, s->out, residual, L->attn_norm, L->eps, s->x2, s->qkv);
-        int t0, t1;
+        int t0, t1, per_page = c->k.fmt == KV_I4CH || c->v.fmt == KV_I4CH;
         share(T, ith, nth, &t0, &t1);
+        if (per_page) t0 = 0, t1 = ith ? 0 : T; /* a page's rows rounded in turn: one thread writes them all */
         rope_rows(s->qkv, row, t0, t1, Hq, H, D, s->cos[r], s->sin[r], s->cs_t, c->rope != 2, s->slots,
-                  (kv_side *)&c->k, (kv_side *)&c->v); /* the pages are written: the plan only holds them const */
+                  s->stage_slots, (kv_side *)&c->k, (kv_side *)&c->v); /* the plan holds the pages const */
         barrier_wait(&s->barrier, nth);
         attn_shape shape = attention_shape(s->groups, Hq, H, nth,
                                            shortest_row(s->B, s->seq_lens, s->q_starts, c->window));
+        int own = own_pages(&c->k, &c->v, s->stage_slots, s->B, s->q_starts);
         attn_args a = {s->qkv, row, D, T, Hq, D, H, s->PS, s->B, c->window, &c->k, &c->v, s->page_table,
-                       s->seq_lens, s->q_starts, s->pt_stride, s->scale, s->attn, s->row_seq, s->row_seq + T,
-                       s->groups, shape.per, shape.splits, s->part, &s->barrier.work};
+                       s->seq_lens, s->q_starts, s->pt_stride, s->scale, s->attn, s->row_seq,
+                       own ? s->one_row : s->row_seq + T, own ? T : s->groups, shape.per, shape.splits, s->part,
+                       &s->barrier.work, own ? s->stage_slots : NULL};
         attention_task(&a, ith, nth);
         barrier_wait(&s->barrier, nth);
         if (shape.splits > 1) {
@@ -2367,15 +2544,18 @@ static void layers_task(void *ctx, int ith, int nth) {
  * down, the residual adds in the norms; the same kernels in the same order, so the same floats. out [T, dim]: the
  * last sublayer's output, in and out; x [T, dim]: the residual stream (in only when has_residual, else it starts
  * as out); qkv, attn, gate_up: scratch rows of the projections' widths (every layer's the same); cos, sin [2]: the
- * step's rotations [T, D/2] (row stride cs_t) and the sliding-window layers' (layer_cache.rope). Returns 0, -1
- * without memory, -2 where the tables leave the pool. */
+ * step's rotations [T, D/2] (row stride cs_t) and the sliding-window layers' (layer_cache.rope); stage_slots: the
+ * rows' stage slots over int4ch pages (else NULL). Returns 0, -1 without memory, -2 where the tables leave the
+ * pool. */
 int lpd_decode_layers(const layer_plan *plans, const layer_cache *caches, int n_layers, float *out, float *x,
                       int has_residual, int T, float *qkv, float *attn, float *gate_up, const float *const *cos,
-                      const float *const *sin, long cs_t, const int64_t *slots, int PS, const int32_t *page_table,
-                      long pt_stride, int pt_width, int n_pages, const int32_t *seq_lens, const int32_t *q_starts,
-                      int B, float scale, int nth) {
+                      const float *const *sin, long cs_t, const int64_t *slots, const int64_t *stage_slots, int PS,
+                      const int32_t *page_table, long pt_stride, int pt_width, int n_pages, const int32_t *seq_lens,
+                      const int32_t *q_starts, int B, float scale, int nth) {
     if (T <= 0 || n_layers <= 0) return 0;
     if (check_tables(T, B, seq_lens, q_starts, page_table, pt_stride, pt_width, n_pages, PS, slots)) return -2;
+    for (int li = 0; li < n_layers; li++)
+        if (check_stage(T, PS, slots, stage_slots, &caches[li].k, &caches[li].v)) return -2;
     int kmax = 0, heads = 0; /* the widest product input, and the most floats a row's attention outputs take */
     for (int li = 0; li < n_layers; li++) {
         const lin_plan *ls[4] = {&plans[li].qkv, &plans[li].o, &plans[li].gate_up, &plans[li].down};
@@ -2384,10 +2564,11 @@ int lpd_decode_layers(const layer_plan *plans, const layer_cache *caches, int n_
         heads = h > heads ? h : heads;
     }
     /* scratch, each piece 64-byte aligned: the residual stream's second buffer, the rounded input (two int8 levels,
-     * block scales, block sums), attention's parts (at most 2 nth a row: attention_shape), each row's sequence and each group's first row */
+     * block scales, block sums), attention's parts (at most 2 nth a row: attention_shape), each row's sequence, each
+     * group's first row, and each row's as a group of its own (own_pages) */
     size_t sizes[6] = {sizeof(float) * T * plans[0].qkv.K, 2 * (size_t)T * kmax, sizeof(float) * T * (kmax / 32),
                        sizeof(int32_t) * T * (kmax / 32), sizeof(float) * T * heads * 2 * (nth > 1 ? nth : 1),
-                       sizeof(int) * (2 * (size_t)T + 1)};
+                       sizeof(int) * (3 * (size_t)T + 2)};
     size_t at[6], total = 0;
     for (int i = 0; i < 6; i++) {
         at[i] = total;
@@ -2398,14 +2579,17 @@ int lpd_decode_layers(const layer_plan *plans, const layer_cache *caches, int n_
     char *mem = scratch(&buf, &cap, total);
     if (!mem) return -1;
     layers_args s = {plans, caches, n_layers, has_residual, T, B, PS, out, x, qkv, attn, gate_up, (float *)mem,
-                     {cos[0], cos[1]}, {sin[0], sin[1]}, cs_t, pt_stride, slots, page_table, seq_lens, q_starts,
+                     {cos[0], cos[1]}, {sin[0], sin[1]}, cs_t, pt_stride, slots, stage_slots, page_table, seq_lens,
+                     q_starts,
                      (int *)(mem + at[5]), (float *)(mem + at[4]), scale, (int8_t *)(mem + at[1]),
                      (float *)(mem + at[2]), (int32_t *)(mem + at[3])};
     atomic_init(&s.barrier.arrived, 0);
     atomic_init(&s.barrier.generation, 0);
     atomic_init(&s.barrier.sleeping, 0);
     atomic_init(&s.barrier.work, 0);
-    s.groups = row_groups(B, q_starts, s.row_seq, s.row_seq + T);
+    s.one_row = s.row_seq + 2 * T + 1;
+    row_groups(B, q_starts, s.row_seq, s.one_row, 1);
+    s.groups = row_groups(B, q_starts, s.row_seq, s.row_seq + T, GROUP_ROWS);
     parallel(layers_task, &s, nth);
     return 0;
 }

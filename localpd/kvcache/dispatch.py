@@ -289,8 +289,8 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer
     """rope_write_kv_ref in one kernel launch (where three would run: RoPE, the key write, the value write)."""
     T = qkv.shape[0]
     D = qkv.shape[1] // (n_heads + 2 * n_kv_heads)
-    if not use_triton(qkv) and cpu.takes_rope_write(qkv, cos, sin, layer):
-        return cpu.rope_write(qkv, cos, sin, layer, slots, n_heads, n_kv_heads)
+    if not use_triton(qkv) and cpu.takes_rope_write(qkv, cos, sin, layer, stage_slots):
+        return cpu.rope_write(qkv, cos, sin, layer, slots, n_heads, n_kv_heads, stage_slots)
     if (not (use_triton(qkv) and triton_supports(layer, D)) or qkv.stride(-1) != 1 or cos.stride(-1) != 1
             or "fp8" in (layer.k_format, layer.v_format)):  # fp8 pages are written by torch (see write_kv)
         return rope_write_kv_ref(qkv, cos, sin, layer, slots, n_heads, n_kv_heads, stage_slots)
@@ -391,7 +391,7 @@ def paged_attention(q: torch.Tensor, layer: KVLayer, page_table: torch.Tensor, s
     assert round_into is None or rounds_output(q, layer, seq_lens)
     DP = triton_block(D)
     if not use_triton(q) and cpu.takes_attention(q, layer):
-        return cpu.attention(q, layer, page_table, seq_lens, q_starts, scale, window)
+        return cpu.attention(q, layer, page_table, seq_lens, q_starts, scale, window, stage_slots)
     if not (use_triton(q) and triton_supports(layer, D)):
         return paged_attention_ref(q, layer, page_table, seq_lens, q_starts, scale, window, stage_slots)
     from localpd.kernels.paged_attention import decode_kernel, decode_reduce_kernel, prefill_kernel

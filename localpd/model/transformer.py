@@ -241,7 +241,9 @@ class Transformer:
         out, x = take_rows(self.embed, batch.tokens, self.dtype), None
         if c.embed_scale != 1.0:
             out = out * c.embed_scale
-        plans = self._cpu_layer_plans(kv, T) if self.fused else None
+        # int4ch pages round their open page from the stage: a step without stage slots goes op by op (the reference)
+        staged = batch.stage_slots is not None or not kv.has_stage
+        plans = self._cpu_layer_plans(kv, T) if self.fused and staged else None
         if plans is not None:  # each layer in one call of localpd's CPU kernels
             out, x = self._cpu_layers(plans, batch, kv, out, rope, local, scale)
         for li, layer in enumerate(self.layers if plans is None else []):
@@ -279,7 +281,7 @@ class Transformer:
         plain Llama layer with int4/int8 weights); else None, and the layers run op by op."""
         c = self.config
         if (self.device.type != "cpu" or self.dtype != torch.float32 or T >= cpu.GEMM_ROWS or use_triton(kv.k)
-                or kv.has_stage or self._cpu_caches(kv) is None):
+                or self._cpu_caches(kv) is None):
             return None
         if not hasattr(self, "_cpu_plans"):
             plain = self.head_cols is None and not c.qk_norm and not c.sandwich_norms
@@ -315,7 +317,8 @@ class Transformer:
         rotations = tuple((cos.contiguous(), sin.contiguous()) for cos, sin in (rope, local))
         cpu.decode_layers(plans, self._cpu_caches(kv), out, x, False, scratch, rotations, kv.page_size, kv.k.shape[1],
                           batch.slots.contiguous(), batch.page_table.contiguous(), batch.seq_lens.contiguous(),
-                          batch.q_starts.contiguous(), scale)
+                          batch.q_starts.contiguous(), scale,
+                          None if batch.stage_slots is None else batch.stage_slots.contiguous())
         return out, x
 
     def _body(self):

@@ -208,22 +208,28 @@ def test_the_input_rounding_is_the_references(lib):
     assert (levels[0] == levels[1]).float().mean() > 0.999
 
 
-KV = ["fp32", "fp16", "int8", "int4", "int8/int4"]  # the page formats the library reads and writes (cpu.kv_sides)
+# the page formats the library reads and writes (cpu.kv_sides); int4ch's writes take stage slots (STAGED)
+KV = ["fp32", "fp16", "int8", "int4", "int8/int4", "int4ch", "int4ch/int4"]
+STAGED = ["int4ch", "int4ch/int4"]
 
 
-def _pool(D, H, ps, n_pages, g, kv="fp32", layers=1):
-    """A pool of random pages: float values, or codes with their scales and zeros (never zeros)."""
+def _pool(D, H, ps, n_pages, g, kv="fp32", layers=1, stage_rows=1):
+    """A pool of random pages: float values, or codes with their scales and zeros (never zeros); int4ch's stage of
+    open pages random values too."""
     if "int4" in kv and D % 32:
-        pytest.skip("int4 pages hold heads of whole groups of 32")
-    pool = new_kv_pool(kv, layers, n_pages, ps, H, D, torch.float32, "cpu")
-    for data, scale, zero, fmt in zip((pool.k, pool.v), (pool.k_scale, pool.v_scale), (pool.k_zero, pool.v_zero),
-                                      kv_formats(kv)):
-        codes = {"int8": (-127, 128), "int4": (0, 256)}.get(fmt)
+        pytest.skip("int4 and int4ch pages hold heads of whole groups of 32")
+    pool = new_kv_pool(kv, layers, n_pages, ps, H, D, torch.float32, "cpu", stage_rows=stage_rows)
+    for data, scale, zero, stage, fmt in zip((pool.k, pool.v), (pool.k_scale, pool.v_scale),
+                                             (pool.k_zero, pool.v_zero), (pool.k_stage, pool.v_stage),
+                                             kv_formats(kv)):
+        codes = {"int8": (-127, 128), "int4": (0, 256), "int4ch": (0, 256)}.get(fmt)
         data.copy_(torch.randint(*codes, data.shape, generator=g) if codes else torch.randn(data.shape, generator=g))
         if scale is not None:
             scale.copy_(torch.rand(scale.shape, generator=g) * 0.02 + 0.001)
         if zero is not None:
             zero.copy_((torch.rand(zero.shape, generator=g) - 0.5) * 0.2)
+        if stage is not None:
+            stage.copy_(torch.randn(stage.shape, generator=g))
     return pool.layer(0) if layers == 1 else pool
 
 
@@ -325,11 +331,12 @@ def test_a_sequences_rows_are_each_its_decode_row_bit_for_bit(lib, D, Hq, H, win
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("kv", ["int8", "int4", "int8/int4"])
+@pytest.mark.parametrize("kv", ["int8", "int4", "int8/int4", "int4ch", "int4ch/int4"])
 def test_attention_over_codes_is_attention_over_their_values_bit_for_bit(lib, kv):
-    """Codes are turned into floats exactly as formats.dequantize_kv turns them (int4: a product, then a sum, not
-    one fused multiply-add), so attention over int8/int4 pages is attention over float32 pages holding their values,
-    bit for bit: decode rows, and a prefill chunk past cpu_kernels.c's TILE_ROWS (the tiles)."""
+    """Codes are turned into floats exactly as formats.dequantize_kv turns them (int4 and int4ch: a product, then a
+    sum, not one fused multiply-add; int4ch's scale and zero its page's, head's and channel's), so attention over
+    int8/int4/int4ch pages is attention over float32 pages holding their values, bit for bit: decode rows, and a
+    prefill chunk past cpu_kernels.c's TILE_ROWS (the tiles)."""
     g = torch.Generator().manual_seed(29)
     layer = _pool(64, 3, 16, 24, g, kv)
     floats = new_kv_pool("fp32", 1, 24, 16, 3, 64, torch.float32, "cpu").layer(0)
@@ -357,7 +364,7 @@ def test_attention_of_strided_queries(lib):
 
 
 @pytest.mark.parametrize("D,Hq,H,T", [(64, 9, 3, 5), (96, 4, 2, 1), (32, 2, 2, 17)])
-@pytest.mark.parametrize("kv", KV)
+@pytest.mark.parametrize("kv", [f for f in KV if f not in STAGED])
 def test_rope_write_matches_the_reference(lib, D, Hq, H, T, kv):
     """The rotated keys and the values written into float32 pages, or rounded to float16, to int8 codes and their
     scale a head, or to int4 codes and their scale and zero a group, as torch rounds them (the values bit for bit;
@@ -385,6 +392,117 @@ def test_rope_write_matches_the_reference(lib, D, Hq, H, T, kv):
     for name in ("v", "v_scale", "v_zero"):
         if getattr(want_layer, name) is not None:
             assert torch.equal(getattr(got_layer, name), getattr(want_layer, name)), name
+
+
+def _qkv_step(g, T, Hq, H, D):
+    """T rows of qkv and their rotations."""
+    angles = torch.rand(T, D // 2, generator=g) * 6
+    return torch.randn(T, (Hq + 2 * H) * D, generator=g), angles.cos(), angles.sin()
+
+
+@pytest.mark.parametrize("D,Hq,H", [(64, 9, 3), (32, 4, 2)])
+@pytest.mark.parametrize("kv", STAGED)
+def test_int4ch_writes_round_each_open_page_as_the_reference(lib, D, Hq, H, kv):
+    """int4ch pages written as dispatch._write_pages_ref writes them: each write stages the token (unless it fills
+    its page, which is then final) and rounds its page again over its tokens so far, from their staged values, to a
+    scale and zero a channel; decode writes a token at a time for two sequences, then a chunk of one sequence that
+    fills a page and opens the next. Codes, scales and zeros bit for bit the reference's (the keys as rotated by the
+    same code: both sides are given the reference's rotated rows), the stage too."""
+    g = torch.Generator().manual_seed(D + H)
+    ps = 16
+    want, got = (new_kv_pool(kv, 1, 6, ps, H, D, torch.float32, "cpu", stage_rows=2) for _ in range(2))
+    tables = [[4, 1, 5], [2, 0]]
+
+    def write(seq, positions):
+        qkv, cos, sin = _qkv_step(g, len(positions), Hq, H, D)
+        slots = torch.tensor([tables[seq][p // ps] * ps + p % ps for p in positions])
+        stage = torch.tensor([seq * ps + p % ps for p in positions])
+        flat = torch.ones(len(positions), D // 2), torch.zeros(len(positions), D // 2)  # rows rotated already
+        rotated = qkv.clone()
+        rope_write_kv_ref(rotated, cos, sin, want.layer(0), slots, Hq, H, stage)
+        cpu.rope_write(rotated.clone(), *flat, got.layer(0), slots, Hq, H, stage, lib=lib)
+
+    for p in range(20):  # two sequences decoding, a token a step each
+        write(0, [p])
+        if p < 11:
+            write(1, [p])
+    write(1, list(range(11, 21)))  # a chunk: offsets 11-15 (the last fills page 2), then 0-4 of page 0
+    write(0, list(range(20, 36)))  # past two page boundaries
+    for name in ("k", "v", "k_scale", "v_scale", "k_zero", "v_zero"):
+        if getattr(want, name) is not None:
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+    # the stage of each open page (sequence b's in its row b; rows past them are never read: a page filled in a
+    # step is final, and a page's earlier tokens are staged before a later one is read)
+    for stage in ("k_stage", "v_stage"):
+        if getattr(want, stage) is not None:
+            for b, n in enumerate((36, 21)):
+                rows = slice(b * ps, b * ps + n % ps)
+                assert torch.equal(getattr(got, stage)[0, rows], getattr(want, stage)[0, rows]), (stage, b)
+
+
+@pytest.mark.parametrize("kv", STAGED)
+@pytest.mark.parametrize("threads", [1, 4])
+def test_int4ch_rows_see_their_open_page_as_their_decode_steps_did(lib, kv, threads):
+    """A sequence's few rows over int4ch pages (a verification step: the decode row and the drafted tokens after
+    it, beside another sequence's decode row): the step's write rounds the open page over all its rows' keys, but
+    each row before the last is attended to over its page rounded up to its own token, from the stage, as its
+    decode step saw it (own_page in cpu_kernels.c, kvcache.dispatch._as_decode_page): each row's output is bit for
+    bit what the same tokens written and attended a step at a time give, near the reference's, and the pages end
+    the same. Rows from offsets 9 (all in one page) and 15 (the first row fills its page, the rest open the next:
+    as written, then their own)."""
+    g = torch.Generator().manual_seed(5 + threads)
+    D, Hq, H, ps = 64, 9, 3, 16
+    perm = torch.randperm(30, generator=g).to(torch.int32)
+    page_table = torch.stack([perm[0:15], perm[15:30]])
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for start, r in ((9 + 16 * 9, 6), (15 + 16 * 9, 5)):
+            steps, batch = (_pool(D, H, ps, 30, torch.Generator().manual_seed(start), kv, stage_rows=2)
+                            for _ in range(2))
+            qkv, cos, sin = _qkv_step(g, r, Hq, H, D)
+            other_q = torch.randn(1, Hq, D, generator=g)
+            pos = list(range(start, start + r))
+            slots = torch.tensor([int(page_table[1, p // ps]) * ps + p % ps for p in pos])
+            stage = torch.tensor([ps + p % ps for p in pos])  # stage row 1
+            other_stage = torch.tensor([70 % ps])
+
+            alone = []
+            for i in range(r):  # a decode step a token
+                q = cpu.rope_write(qkv[i:i + 1].clone(), cos[i:i + 1], sin[i:i + 1], steps, slots[i:i + 1], Hq, H,
+                                   stage[i:i + 1], lib=lib)
+                out = cpu.attention(torch.cat([other_q, q]), steps, page_table,
+                                    torch.tensor([71, start + i + 1], dtype=torch.int32),
+                                    torch.tensor([0, 1, 2], dtype=torch.int32), D ** -0.5, 0,
+                                    torch.cat([other_stage, stage[i:i + 1]]), lib=lib)
+                alone.append(out[1])
+            q = cpu.rope_write(qkv.clone(), cos, sin, batch, slots, Hq, H, stage, lib=lib)  # the verification
+            args = (batch, page_table, torch.tensor([71, start + r], dtype=torch.int32),
+                    torch.tensor([0, 1, 1 + r], dtype=torch.int32), D ** -0.5, 0, torch.cat([other_stage, stage]))
+            out = cpu.attention(torch.cat([other_q, q]), *args, lib=lib)
+            for i in range(r):
+                assert torch.equal(out[1 + i], alone[i]), (start, i)
+            assert (out - paged_attention_ref(torch.cat([other_q, q]), *args)).abs().max().item() < 1e-5
+            for name in ("k", "k_scale", "k_zero", "v", "v_scale", "v_zero", "k_stage", "v_stage"):
+                if getattr(steps, name) is not None:
+                    assert torch.equal(getattr(batch, name), getattr(steps, name)), name
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_int4ch_writes_without_stage_slots_are_an_error(lib):
+    """An int4ch side rounds its open page from the stage: a write without the tokens' stage slots, or with one
+    outside the stage or at another offset than its slot's, is a LocalpdError and writes nothing."""
+    from localpd.errors import LocalpdError
+
+    g = torch.Generator().manual_seed(8)
+    layer = _pool(64, 3, 16, 4, g, "int4ch/int4")
+    before = layer.k.clone()
+    qkv, cos, sin = _qkv_step(g, 1, 9, 3, 64)
+    for stage in (None, torch.tensor([16]), torch.tensor([4])):
+        with pytest.raises(LocalpdError, match="outside the KV pool"):
+            cpu.rope_write(qkv.clone(), cos, sin, layer, torch.tensor([5]), 9, 3, stage, lib=lib)
+    assert torch.equal(layer.k, before)
 
 
 def test_int8_pages_round_by_division_as_torch_does(lib):
@@ -445,10 +563,11 @@ def test_tables_outside_the_pool_are_an_error_not_a_crash(lib):
 
 @pytest.mark.parametrize("kv", KV)
 def test_decode_layers_in_one_call_equal_the_kernels_op_by_op(lib, kv):
-    """lpd_decode_layers runs three layers (int4, int8 and per-row int8 weights, an odd block count in down, RoPE
-    of the step, the local one with a sliding window, none) over two sequences (a decode row and a two-row chunk,
-    pages out of order) in one parallel region: the same floats, KV writes and residual stream as the kernels
-    called one by one."""
+    """lpd_decode_layers runs five layers (int4, int8 and per-row int8 weights, int4-k, a codebook; an odd block
+    count in down, RoPE of the step, the local one with a sliding window, none) over two sequences (a decode row and
+    a three-row chunk whose first row fills a page and whose second opens the next, pages out of order) in one
+    parallel region: the same floats, KV writes (int4ch's stage too) and residual stream as the kernels called one
+    by one."""
     from types import SimpleNamespace
 
     from localpd.kernels.dispatch import PreNorm
@@ -462,37 +581,38 @@ def test_decode_layers_in_one_call_equal_the_kernels_op_by_op(lib, kv):
         lin = [SimpleNamespace(weight=weights(kind, n, k, group or k, g), bias=None)
                for n, k in [((Hq + 2 * H) * D, dim), (dim, Hq * D), (2 * ffn, dim), (dim, ffn)]]
         layers.append((lin, torch.rand(dim, generator=g) + 0.5, torch.rand(dim, generator=g) + 0.5))
-    pool = _pool(D, H, ps, 8, g, kv, layers=len(kinds))
-    other = new_kv_pool(kv, len(kinds), 8, ps, H, D, torch.float32, "cpu")
-    sides = ("k", "v", "k_scale", "v_scale", "k_zero", "v_zero")
+    pool = _pool(D, H, ps, 8, g, kv, layers=len(kinds), stage_rows=2)
+    other = new_kv_pool(kv, len(kinds), 8, ps, H, D, torch.float32, "cpu", stage_rows=2)
+    sides = ("k", "v", "k_scale", "v_scale", "k_zero", "v_zero", "k_stage", "v_stage")
     for name in sides:
         if getattr(pool, name) is not None:
             getattr(other, name).copy_(getattr(pool, name))
     page_table = torch.tensor([[5, 2, 7], [0, 3, 0]], dtype=torch.int32)
-    seq_lens, q_starts = torch.tensor([20, 9], dtype=torch.int32), torch.tensor([0, 1, 3], dtype=torch.int32)
-    positions = [19, 7, 8]
-    slots = torch.tensor([int(page_table[b, p // ps]) * ps + p % ps for b, p in zip([0, 1, 1], positions)])
-    rotations = [((a := torch.rand(3, D // 2, generator=g) * 6).cos(), a.sin()) for _ in range(2)]
-    emb = torch.randn(3, dim, generator=g)
+    seq_lens, q_starts = torch.tensor([20, 10], dtype=torch.int32), torch.tensor([0, 1, 4], dtype=torch.int32)
+    seqs, positions, T = [0, 1, 1, 1], [19, 7, 8, 9], 4
+    slots = torch.tensor([int(page_table[b, p // ps]) * ps + p % ps for b, p in zip(seqs, positions)])
+    stage_slots = torch.tensor([b * ps + p % ps for b, p in zip(seqs, positions)])  # stage row b: sequence b's
+    rotations = [((a := torch.rand(T, D // 2, generator=g) * 6).cos(), a.sin()) for _ in range(2)]
+    emb = torch.randn(T, dim, generator=g)
 
     out, x = emb.clone(), None  # op by op
     for li, ((qkv_l, o_l, gu_l, down_l), attn_norm, mlp_norm) in enumerate(layers):
         layer = pool.layer(li)
         qkv, x = cpu.linear(out, qkv_l.weight, None, None, PreNorm(x, attn_norm, eps), lib=lib)
-        cos, sin = rotations[ropes[li]] if ropes[li] < 2 else (torch.ones(3, D // 2), torch.zeros(3, D // 2))
-        q = cpu.rope_write(qkv, cos, sin, layer, slots, Hq, H, lib=lib)
-        attn = cpu.attention(q, layer, page_table, seq_lens, q_starts, 0.25, windows[li], lib=lib)
-        out = cpu.linear(attn.reshape(3, Hq * D), o_l.weight, lib=lib)
+        cos, sin = rotations[ropes[li]] if ropes[li] < 2 else (torch.ones(T, D // 2), torch.zeros(T, D // 2))
+        q = cpu.rope_write(qkv, cos, sin, layer, slots, Hq, H, stage_slots, lib=lib)
+        attn = cpu.attention(q, layer, page_table, seq_lens, q_starts, 0.25, windows[li], stage_slots, lib=lib)
+        out = cpu.linear(attn.reshape(T, Hq * D), o_l.weight, lib=lib)
         gate_up, x = cpu.linear(out, gu_l.weight, None, None, PreNorm(x, mlp_norm, eps), lib=lib)
         out = cpu.linear(gate_up, down_l.weight, None, "silu", lib=lib)
 
     plans = (cpu.LayerPlan * len(layers))(*[cpu.layer_plan(lin, an, mn, Hq, H, D, "silu", eps)
                                             for lin, an, mn in layers])
     caches = cpu.layer_caches([other.layer(i) for i in range(len(kinds))], windows, ropes)
-    got, got_x = emb.clone(), torch.empty(3, dim)
-    scratch = (torch.empty(3, (Hq + 2 * H) * D), torch.empty(3, Hq * D), torch.empty(3, 2 * ffn))
+    got, got_x = emb.clone(), torch.empty(T, dim)
+    scratch = (torch.empty(T, (Hq + 2 * H) * D), torch.empty(T, Hq * D), torch.empty(T, 2 * ffn))
     cpu.decode_layers(plans, caches, got, got_x, False, scratch, rotations, ps, 8, slots, page_table, seq_lens,
-                      q_starts, 0.25, lib=lib)
+                      q_starts, 0.25, stage_slots, lib=lib)
     assert torch.equal(got, out) and torch.equal(got_x, x)
     assert all(getattr(pool, n) is None or torch.equal(getattr(other, n), getattr(pool, n)) for n in sides)
 

@@ -83,11 +83,12 @@ def test_the_layers_in_one_call_equal_the_layers_op_by_op(native, monkeypatch):
     assert torch.equal(decode_logits(model, ids, 20), one_call)
 
 
-@pytest.mark.parametrize("kv", ["int8", "int4", "int8/int4"])
+@pytest.mark.parametrize("kv", ["int8", "int4", "int8/int4", "int4ch/int4"])
 def test_quantized_pages_take_the_layers_in_one_call_as_near_to_float_pages_as_torch(native, monkeypatch, kv):
-    """Over int8 (a scale a token and head) and int4 KV pages (a scale and zero a group of 32), keys and values
-    each their own, decode steps run the layers in one call too, where they ran op by op with the KV write and the
-    attention in torch (5-6x slower). Their logits equal the kernels' op by op bit for bit, and stay as near to
+    """Over int8 (a scale a token and head), int4 (a scale and zero a group of 32) and int4ch KV pages (a scale and
+    zero a page, head and channel, the open page rounded again from its stage at each write), keys and values each
+    their own, decode steps run the layers in one call too, where they ran op by op with the KV write and the
+    attention in torch (5-12x slower). Their logits equal the kernels' op by op bit for bit, and stay as near to
     those over float32 pages as the torch write and attention's: int8 pages move logits of ~25 by up to about 1.2
     either way (seen: 1.14 here, 1.22 in torch; int4 10.7 and 10.0, int8/int4 2.5 and 3.1), and two valid orders
     of float operations differ from each other by as much, since a key rotated in another order may round to the
