@@ -48,6 +48,21 @@ def _load_tokens(data, pages, offs, mask, head, s_page, s_tok, s_head, D: tl.con
 
 
 @triton.jit
+def _codes_as_half(c):
+    """int8 codes [..] as float16, exactly and without an int-to-float conversion (I2F, a quarter of the FMA rate):
+    each code's byte + 128 (its sign bit flipped) in the low mantissa bits of 1024.0 (0x6400) is 1152 + code."""
+    u = (c.to(tl.uint8, bitcast=True).to(tl.int16) ^ 0x80) | 0x6400
+    return u.to(tl.float16, bitcast=True) - 1152.0
+
+
+@triton.jit
+def _nibbles_as_half(c):
+    """int4 codes (0..15, any integer type) as float16, exactly and without an int-to-float conversion: the code in
+    the low mantissa bits of 1024.0 (0x6400) is 1024 + code."""
+    return (c.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+
+
+@triton.jit
 def _rint(y):
     """Round half to even, as torch.round does (libdevice's rint is not available in the interpreter)."""
     r = tl.floor(y + 0.5)
@@ -243,11 +258,12 @@ def rope_write_kv_kernel(qkv, cos, sin, slots, k, v, k_scale, v_scale, k_zero, v
 
 @triton.jit
 def _int4_halves(data, scale, zero, pages, offs, mask, head, s_page, s_tok, s_head, c_page, c_tok, c_head,
-                 D: tl.constexpr, DP: tl.constexpr):
+                 D: tl.constexpr, DP: tl.constexpr, HALF: tl.constexpr = False):
     """Grouped int4 tokens of one KV head as two float32 tiles [len(pages), DP / 2]: the even elements (each
     byte's low nibble) and the odd ones (its high nibble), 0 past the head's D elements. The bytes, scales and
     zeros are each loaded as one contiguous tile per token (a group's scale is broadcast over its 16 bytes in
-    registers), where loading per element issued a load for every element's byte, scale and zero."""
+    registers), where loading per element issued a load for every element's byte, scale and zero. HALF: float16
+    tiles, code * scale + zero computed in float16 from codes made float16 without a conversion (_nibbles_as_half)."""
     T: tl.constexpr = pages.shape[0]
     G: tl.constexpr = DP // 32
     j = tl.arange(0, DP // 2)
@@ -256,16 +272,20 @@ def _int4_halves(data, scale, zero, pages, offs, mask, head, s_page, s_tok, s_he
                 mask=mask[:, None] & (j < D // 2)[None, :], other=0).to(tl.int32)
     off = pages[:, None] * c_page + offs[:, None] * c_tok + head * c_head + g[None, :]
     m = mask[:, None] & (g < D // 32)[None, :]
-    sc = tl.load(scale + off, mask=m, other=0.0).to(tl.float32)[:, :, None]  # [T, G, 1]
-    zr = tl.load(zero + off, mask=m, other=0.0).to(tl.float32)[:, :, None]
-    even = tl.reshape(tl.reshape((p & 15).to(tl.float32), (T, G, 16)) * sc + zr, (T, DP // 2))
-    odd = tl.reshape(tl.reshape((p >> 4).to(tl.float32), (T, G, 16)) * sc + zr, (T, DP // 2))
+    OUT: tl.constexpr = tl.float16 if HALF else tl.float32
+    sc = tl.load(scale + off, mask=m, other=0.0).to(OUT)[:, :, None]  # [T, G, 1]
+    zr = tl.load(zero + off, mask=m, other=0.0).to(OUT)[:, :, None]
+    lo, hi = p & 15, p >> 4
+    if HALF:
+        lo, hi = _nibbles_as_half(lo), _nibbles_as_half(hi)
+    even = tl.reshape(tl.reshape(lo.to(OUT), (T, G, 16)) * sc + zr, (T, DP // 2))
+    odd = tl.reshape(tl.reshape(hi.to(OUT), (T, G, 16)) * sc + zr, (T, DP // 2))
     return even, odd
 
 
 @triton.jit
 def _int4ch_halves(data, scale, zero, pages, offs, mask, head, s_page, s_tok, s_head, c_page, c_head,
-                   D: tl.constexpr, DP: tl.constexpr, PS: tl.constexpr):
+                   D: tl.constexpr, DP: tl.constexpr, PS: tl.constexpr, HALF: tl.constexpr = False):
     """int4ch tokens of one KV head as _int4_halves returns them, for tiles of whole pages (len(pages) a multiple
     of PS, starting on a page): each page's per-channel scales and zeros are loaded once, as int32 words holding
     an even and an odd channel's float16 each, and broadcast over the page's tokens in registers."""
@@ -280,18 +300,20 @@ def _int4ch_halves(data, scale, zero, pages, offs, mask, head, s_page, s_tok, s_
     word = ((pg * c_page + head * c_head) // 2)[:, None] + j[None, :]  # [NP, D / 2]: channels 2j and 2j + 1
     sw = tl.load(scale.to(tl.pointer_type(tl.int32)) + word, mask=live, other=0)
     zw = tl.load(zero.to(tl.pointer_type(tl.int32)) + word, mask=live, other=0)
-    return _page_channels(p & 15, sw, zw, PS), _page_channels(p >> 4, sw >> 16, zw >> 16, PS)
+    return _page_channels(p & 15, sw, zw, PS, HALF), _page_channels(p >> 4, sw >> 16, zw >> 16, PS, HALF)
 
 
 @triton.jit
-def _page_channels(q, scale_bits, zero_bits, PS: tl.constexpr):
+def _page_channels(q, scale_bits, zero_bits, PS: tl.constexpr, HALF: tl.constexpr = False):
     """q [T, C] (int4 codes) * scale + zero, the scale and zero [T / PS, C] given as float16 bits (the low 16 bits
-    of each int32), one row a page."""
+    of each int32), one row a page; in float32, or float16 with HALF (_int4_halves)."""
     T: tl.constexpr = q.shape[0]
     C: tl.constexpr = q.shape[1]
-    sc = (scale_bits & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    zr = (zero_bits & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    x = tl.reshape(q.to(tl.float32), (T // PS, PS, C)) * sc[:, None, :] + zr[:, None, :]
+    OUT: tl.constexpr = tl.float16 if HALF else tl.float32
+    sc = (scale_bits & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(OUT)
+    zr = (zero_bits & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(OUT)
+    codes = _nibbles_as_half(q) if HALF else q.to(tl.float32)
+    x = tl.reshape(codes, (T // PS, PS, C)) * sc[:, None, :] + zr[:, None, :]
     return tl.reshape(x, (T, C))
 
 
@@ -299,13 +321,14 @@ def _page_channels(q, scale_bits, zero_bits, PS: tl.constexpr):
 def _halves(data, scale, zero, pages, offs, mask, head, s_page, s_tok, s_head, c_page, c_tok, c_head,
             KIND: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, PS: tl.constexpr, DOT: tl.constexpr):
     """The even and odd elements of int4 tokens (KIND 3 grouped, 4 per channel) as DOT [len(pages), DP / 2],
-    dequantized in float32."""
+    dequantized in float32, or in float16 where DOT is float16 (_int4_halves' HALF)."""
+    HALF: tl.constexpr = DOT == tl.float16
     if KIND == 3:
         even, odd = _int4_halves(data, scale, zero, pages, offs, mask, head, s_page, s_tok, s_head, c_page, c_tok,
-                                 c_head, D, DP)
+                                 c_head, D, DP, HALF)
     else:
         even, odd = _int4ch_halves(data, scale, zero, pages, offs, mask, head, s_page, s_tok, s_head, c_page,
-                                   c_head, D, DP, PS)
+                                   c_head, D, DP, PS, HALF)
     return even.to(DOT), odd.to(DOT)
 
 
@@ -345,7 +368,7 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
                   sv_page, sv_tok, sv_head, cv_page, cv_tok, cv_head, SPLITS, window,
                   K_KIND: tl.constexpr, V_KIND: tl.constexpr, PS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                   GROUP: tl.constexpr, GP: tl.constexpr, BLOCK_T: tl.constexpr, DOT: tl.constexpr,
-                  INT8_KEYS: tl.constexpr, PDL: tl.constexpr = False):
+                  INT8_KEYS: tl.constexpr, PDL: tl.constexpr = False, HALF_VALUES: tl.constexpr = True):
     """Program (b, kv head, split): the group's queries (padded to GP >= 16 rows for tl.dot) against this split's
     tokens, BLOCK_T at a time across several pages; partial softmax results out. The splits share out the
     sequence's own tokens in whole tiles (its length read here, not the page table's width: a CUDA graph's table
@@ -357,6 +380,9 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
     element; grouped int4 is taken as its low and high nibbles, two half-width tiles (even and odd elements), with
     the query split the same way (keys) or two half-width accumulators (values). INT8_KEYS: int8 keys meet each
     query head rounded to two int8 levels in two integer dots, so the codes need no conversion at all.
+    HALF_VALUES (where DOT is 16-bit): int8 and int4 values go into their dot in float16 with the softmax weights,
+    their codes made float16 by their bits (_codes_as_half, _nibbles_as_half) as loaded, int4's scale and zero
+    applied in float16; as exact as bf16 for int8 codes, int4's values and the weights rounded 3 bits finer.
     window > 0: the query sees its last `window` keys only (a sliding-window layer), and the splits share out those
     keys from the start of the page the first of them is in (kvcache.dispatch.decode_span), not the whole
     sequence."""
@@ -374,6 +400,10 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
     gmask = g < GROUP
     K_INT4: tl.constexpr = K_KIND == 3 or K_KIND == 4
     V_INT4: tl.constexpr = V_KIND == 3 or V_KIND == 4
+    # int8 and int4 values meet float16 softmax weights where DOT is 16-bit (int8 codes exact either way, int4's
+    # code * scale + zero and the weights 3 bits finer than bf16's), their codes made float16 without a conversion
+    V_HALF: tl.constexpr = (V_KIND == 1 or V_INT4) and DOT != tl.float32 and HALF_VALUES
+    VDOT: tl.constexpr = tl.float16 if V_HALF else DOT
     q_rows = q + b * s_q_t + (kh * GROUP + g)[:, None] * s_q_h
     if INT8_KEYS:  # each query head rounded to two int8 levels (act_round.two_levels), ~15 bits
         q_hi, q_lo, q_step = two_levels(_query_tiles(q_rows, gmask, sm_scale, D, DP, tl.float32)[0])
@@ -400,7 +430,9 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
                               tl.int8 if INT8_KEYS else DOT)
         if V_INT4:
             v_even, v_odd = _halves(v, v_scale, v_zero, pages, offs, tmask, kh, sv_page, sv_tok, sv_head, cv_page,
-                                    cv_tok, cv_head, V_KIND, D, DP, PS, DOT)
+                                    cv_tok, cv_head, V_KIND, D, DP, PS, VDOT)
+        elif V_HALF:  # int8 codes as float16 in the load's registers, before the dot's layout
+            vt = _codes_as_half(_load_tokens(v, pages, offs, tmask, kh, sv_page, sv_tok, sv_head, D, DP, tl.int8))
         else:
             vt = _load_tokens(v, pages, offs, tmask, kh, sv_page, sv_tok, sv_head, D, DP, DOT)
         if INT8_KEYS:  # integer dots of the codes: the keys go in as stored, no conversion
@@ -419,7 +451,7 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
         m = m_new
         if V_KIND == 1 or V_KIND == 2:
             w = w * _token_scales(v_scale, pages, offs, tmask, kh, cv_page, cv_tok, cv_head)[None, :]
-        w = w.to(DOT)
+        w = w.to(VDOT)
         if V_INT4:
             acc_even = acc_even * alpha[:, None] + tl.dot(w, v_even)
             acc_odd = acc_odd * alpha[:, None] + tl.dot(w, v_odd)

@@ -3,7 +3,7 @@
 # Usage (on the GPU machine, repo root): scripts/gpu_session.sh tests kmtests dp4a fused check check3 sweep kmsweep mma ncu kernels kernels1 kvtests kvgraph
 #   bench peers kv kvfull spec kvsweep dp4atests rows pdl graphs profile profilenopdl dp4asweep4 normtests roundtests peersab
 #   ncugemv tilesab stagedab kvsplits (all of test_decode_attention.py) floor actsab
-#   int8actsab
+#   int8actsab halfab (the decode attention's float16 values, A/B)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -99,6 +99,9 @@ json.dump(t, open('/tmp/tiles_int8acts.json', 'w'), indent=1)"
   kv) stage bench_kv 50 python3 scripts/bench_kv.py --model llama3-8b --attention-only --batch 1 ;;
   kvgraph) TAIL=8 stage bench_kv_graph 90 python3 scripts/bench_kv.py --model llama3-8b --attention-only --batch 1 \
              --contexts 4096,32768 --table-tokens 131072 ;;
+  halfab) for h in 1 0 1 0; do  # int8/int4 values in float16 (HALF_VALUES) against the dots' type, alternating
+            TAIL=10 stage bench_kv_graph_half$h 90 env LOCALPD_HALF_VALUES=$h python3 scripts/bench_kv.py \
+              --model llama3-8b --attention-only --batch 1 --contexts 4096,32768 --table-tokens 131072; done ;;
   floor) TAIL=12 stage gpu_floor 120 python3 scripts/gpu_floor.py --json "$OUT/gpu_floor.json" ;;  # a launch's cost
   kvsweep) TAIL=10 stage sweep_decode_attention 150 python3 scripts/sweep_decode_attention.py ;;
   kvtests) TO="-s INT" stage gpu_kv_split_tests 120 env LOCALPD_TEST_DEVICE=cuda python3 -m pytest -q -n 12 -W ignore \

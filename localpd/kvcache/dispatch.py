@@ -10,6 +10,8 @@ kv head h // (Hq // H).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -197,6 +199,10 @@ def rows_as_decode(kv_dtype_formats: tuple[str, str], device: torch.device) -> b
     return all(f in ("fp32", "fp16", "bf16") for f in kv_dtype_formats) or device.type == "cpu"
 
 
+# The decode kernel's int8 and int4 values meet float16 softmax weights where its dots are 16-bit (decode_kernel's
+# HALF_VALUES): sm_90, Llama-3-8B heads, int8 pages 1466 -> 1252 loop instructions, 255 -> 175 registers, 64 -> 0
+# bytes spilled (docs/PERF.md). LOCALPD_HALF_VALUES=0 keeps the values in the dots' type (a GPU's A/B).
+HALF_VALUES = os.environ.get("LOCALPD_HALF_VALUES", "1") != "0"
 KINDS = {"fp32": 0, "fp16": 0, "bf16": 0, "int8": 1, "fp8": 2, "int4": 3, "int4ch": 4}
 BLOCK_M = 16  # query rows of each query head in a prefill program (GP x 16 rows with the group; tl.dot needs 16)
 # A prefill program's warps: 4, and one more per 2048 elements of its [rows, head_dim] tiles past 8192. Its
@@ -417,7 +423,7 @@ def paged_attention(q: torch.Tensor, layer: KVLayer, page_table: torch.Tensor, s
                                       scale, q.stride(0), q.stride(1), page_table.stride(0), *strides,
                                       splits, window, **kinds, PS=ps, D=D, DP=DP,
                                       GROUP=group, GP=gp, BLOCK_T=block_t, num_warps=DECODE_WARPS,
-                                      INT8_KEYS=int8_key_dots(layer, q.dtype), **pdl)
+                                      INT8_KEYS=int8_key_dots(layer, q.dtype), HALF_VALUES=HALF_VALUES, **pdl)
         r = round_into
         decode_reduce_kernel[(B, Hq)](part_acc, part_ml, out, out.stride(0), out.stride(1), splits,
                                       *((r.q, r.s, r.q.stride(0), r.s.stride(0)) if r else (out, out, 0, 0)), D=D,

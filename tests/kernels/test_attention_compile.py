@@ -11,14 +11,18 @@ def test_decode_attention_compiles_to_whole_tile_loads(sass_table):
     (scripts/attention_sass.py): int4 pages are read as whole tiles of bytes, scales and zeros (16-byte loads, a
     few load instructions per tile) where every element loaded its byte, scale and zero alone (grouped int4: 385-433
     loads per 64-token tile, registers spilled; int4ch keys: 99), and per-token scales cost no multiply per
-    element, so int8 stays under the H100's budget of 45 instructions per 4-byte word. int8's 128-token tiles spill
-    64 bytes (Triton 3.9), kept: they measured 1.25x faster than 64-token tiles on an H100 (docs/PERF.md)."""
-    rows = {r[1]: r for r in sass_table("attention_sass.py", "--kv", "int4,int4ch/int4,int8")}
+    element, so int8 stays under the H100's budget of 45 instructions per 4-byte word. int8 and int4 values go into
+    their dot as float16 made from their codes' bits (decode_kernel's HALF_VALUES): int8's 128-token tiles, which
+    spilled 64 bytes in 255 registers with the values converted to bfloat16 (Triton 3.9), take 175 and spill
+    nothing (1466 -> 1252 loop instructions); int4 255 -> 180, int8/int4 253 -> 168 registers (docs/PERF.md)."""
+    rows = {r[1]: r for r in sass_table("attention_sass.py", "--kv", "int4,int4ch/int4,int8,int8/int4")}
     for kv in ("int4", "int4ch/int4"):
         _, _, _, per_word, _, _, loads, widest, _, spilled = rows[kv]
         assert int(loads) < 32 and widest.endswith(".128") and spilled == "0", rows
         assert float(per_word) < 100, rows
-    assert float(rows["int8"][3]) < 45 and int(rows["int8"][9]) <= 64, rows
+    assert float(rows["int8"][3]) < 45, rows
+    for kv in ("int8", "int4", "int8/int4"):
+        assert int(rows[kv][8]) <= 192 and rows[kv][9] == "0", rows
 
 
 def test_prefill_attention_compiles_without_spills_for_every_model_and_kv_format():

@@ -6,11 +6,14 @@ from kv_cases import DTYPES, build_case, check
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from localpd.engine.speculate import MAX_DRAFT
 from localpd.kvcache.dispatch import (ROWS_AS_DECODE, decode_block_t, decode_span, decode_splits, paged_attention,
                                      paged_attention_ref, rows_as_decode, write_kv_ref)
 from localpd.kvcache.formats import kv_formats, new_kv_pool
+from localpd.kernels.paged_attention import _codes_as_half, _nibbles_as_half
 
 
 @pytest.mark.parametrize("kv_dtype", DTYPES)
@@ -212,3 +215,32 @@ def test_a_verifications_rows_see_an_int4ch_page_as_their_decode_steps_did(start
     # a first drafted token at offset 14 may be verified alone, at 15 (it would fill the page) not at all
     assert [verification_room(p, ps, ("int4ch", "int4")) for p in (ps - 2, ps - 1, ps, 2 * ps + 5)] == [1, 0, 15, 10]
     assert verification_room(7, ps, ("fp16", "fp16")) is None and verification_room(7, ps, ("int8", "int4")) is None
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4", "int8/int4", "int4ch/int4", "int4ch", "bf16/int8"])
+def test_quantized_values_meet_half_precision_weights(kv_dtype):
+    """Where the dots take a 16-bit type, int8 and int4 values go into the softmax weights' dot in float16, their
+    codes made float16 in the load's registers without an int-to-float conversion (int4: code * scale + zero in
+    float16; paged_attention.decode_kernel's V_HALF): float16 queries here, as bfloat16 ones on a GPU. Within
+    float16's rounding of the reference (the tests above hold float32 to 1e-4)."""
+    if "bf16" in kv_dtype and DEV == "cpu":
+        pytest.skip("bfloat16 pages beside float16 queries: the interpreter's dots")
+    check(build_case(kv_dtype, 16, 2, 4, [300, 37, 1], [1, 1, 1], D=64, dtype=torch.float16, seed=12, poison=True),
+          3e-3)
+
+
+def test_codes_become_half_precision_exactly():
+    """Every int8 code -128..127 and int4 code 0..15 as float16 by its bits alone (the magic number 1024.0 with the
+    code in its low mantissa bits), exactly the codes."""
+    c8 = torch.arange(-128, 128, dtype=torch.int8, device=DEV)
+    c4 = (torch.arange(256, device=DEV) % 16).to(torch.uint8)
+    o8, o4 = (torch.empty(256, dtype=torch.float16, device=DEV) for _ in range(2))
+    _codes_kernel[(1,)](c8, c4, o8, o4, N=256)
+    assert torch.equal(o8, c8.half()) and torch.equal(o4, c4.half())
+
+
+@triton.jit
+def _codes_kernel(c8, c4, o8, o4, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(o8 + i, _codes_as_half(tl.load(c8 + i)))
+    tl.store(o4 + i, _nibbles_as_half(tl.load(c4 + i)))
