@@ -402,12 +402,14 @@ static void round_channels(const float *stage, long stride, const float *last, i
 }
 
 /* One head (h) of a token at `slot` of an int4ch side, staged at `sslot` (its page's offset 0 at sslot - offset):
- * staged unless it fills its page (a full page is final), then the page's tokens up to it rounded again
- * (dispatch._write_pages_ref: a sequence fills its page in order, so its earlier tokens are all staged). */
-static void store_page_head(kv_side *s, long slot, long sslot, int h, const float *x, int D) {
+ * staged unless it fills its page (a full page is final), then, where it is the last of the step's tokens in its
+ * page (`last`), the page's tokens up to it rounded again (dispatch._write_pages_ref: a sequence fills its page in
+ * order, so its earlier tokens are all staged; rounding at each of a chunk's tokens would end the same). */
+static void store_page_head(kv_side *s, long slot, long sslot, int h, const float *x, int D, int last) {
     int PS = s->ps, H = s->heads, off = (int)(slot % PS);
     long page = slot / PS, first = sslot - off;
     if (off < PS - 1) memcpy(s->stage + (sslot * H + h) * D, x, sizeof(float) * D);
+    if (!last) return;
     round_channels(s->stage + (first * H + h) * D, (long)H * D, x, off + 1, D,
                    (uint8_t *)s->data + ((page * PS) * H + h) * (D / 2), (long)H * (D / 2),
                    s->scale + (page * H + h) * D, s->zero + (page * H + h) * D);
@@ -2205,11 +2207,14 @@ static void rope_rows(float *qkv, long qkv_t, int t0, int t1, int n_heads, int n
                 x[hd + i] = x2 * c[i] + x1 * s[i];
             }
         }
+        /* the step's last token in its page (a sequence's rows are consecutive, in order): int4ch rounds it then */
+        int ps = k->fmt == KV_I4CH ? k->ps : v->fmt == KV_I4CH ? v->ps : 0;
+        int last = !ps || t == t1 - 1 || slots[t + 1] / ps != slots[t] / ps;
         for (int h = 0; h < n_kv; h++) {
             kv_side *sides[2] = {k, v};
             for (int i = 0; i < 2; i++) {
                 const float *x = row + (long)(n_heads + i * n_kv + h) * D;
-                if (sides[i]->fmt == KV_I4CH) store_page_head(sides[i], slots[t], stage_slots[t], h, x, D);
+                if (sides[i]->fmt == KV_I4CH) store_page_head(sides[i], slots[t], stage_slots[t], h, x, D, last);
                 else store_head(sides[i], slots[t] * n_kv + h, x, D);
             }
         }
