@@ -381,8 +381,9 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
     the query split the same way (keys) or two half-width accumulators (values). INT8_KEYS: int8 keys meet each
     query head rounded to two int8 levels in two integer dots, so the codes need no conversion at all.
     HALF_VALUES (where DOT is 16-bit): int8 and int4 values go into their dot in float16 with the softmax weights,
-    their codes made float16 by their bits (_codes_as_half, _nibbles_as_half) as loaded, int4's scale and zero
-    applied in float16; as exact as bf16 for int8 codes, int4's values and the weights rounded 3 bits finer.
+    and int4 keys into theirs with float16 query halves, the codes made float16 by their bits (_codes_as_half,
+    _nibbles_as_half) as loaded, int4's scale and zero applied in float16; as exact as bf16 for int8 codes, int4's
+    values, the weights and the queries rounded 3 bits finer.
     window > 0: the query sees its last `window` keys only (a sliding-window layer), and the splits share out those
     keys from the start of the page the first of them is in (kvcache.dispatch.decode_span), not the whole
     sequence."""
@@ -404,12 +405,14 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
     # code * scale + zero and the weights 3 bits finer than bf16's), their codes made float16 without a conversion
     V_HALF: tl.constexpr = (V_KIND == 1 or V_INT4) and DOT != tl.float32 and HALF_VALUES
     VDOT: tl.constexpr = tl.float16 if V_HALF else DOT
+    # int4 keys likewise, with the queries' halves in float16 (scaled queries of a model stay far inside its range)
+    KDOT: tl.constexpr = tl.float16 if K_INT4 and DOT != tl.float32 and HALF_VALUES else DOT
     q_rows = q + b * s_q_t + (kh * GROUP + g)[:, None] * s_q_h
     if INT8_KEYS:  # each query head rounded to two int8 levels (act_round.two_levels), ~15 bits
         q_hi, q_lo, q_step = two_levels(_query_tiles(q_rows, gmask, sm_scale, D, DP, tl.float32)[0])
         q_hi, q_lo = q_hi.to(tl.int8), q_lo.to(tl.int8)
     else:
-        qv, q_even, q_odd = _query_tiles(q_rows, gmask, sm_scale, D, DP, DOT)
+        qv, q_even, q_odd = _query_tiles(q_rows, gmask, sm_scale, D, DP, KDOT)
     m = tl.full((GP,), float("-inf"), tl.float32)
     l = tl.zeros((GP,), tl.float32)
     acc = tl.zeros((GP, DP), tl.float32)
@@ -424,7 +427,7 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
         # V is requested with K, before the math, so both tiles are in flight together
         if K_INT4:
             k_even, k_odd = _halves(k, k_scale, k_zero, pages, offs, tmask, kh, sk_page, sk_tok, sk_head, ck_page,
-                                    ck_tok, ck_head, K_KIND, D, DP, PS, DOT)
+                                    ck_tok, ck_head, K_KIND, D, DP, PS, KDOT)
         else:
             kt = _load_tokens(k, pages, offs, tmask, kh, sk_page, sk_tok, sk_head, D, DP,
                               tl.int8 if INT8_KEYS else DOT)

@@ -199,9 +199,10 @@ def rows_as_decode(kv_dtype_formats: tuple[str, str], device: torch.device) -> b
     return all(f in ("fp32", "fp16", "bf16") for f in kv_dtype_formats) or device.type == "cpu"
 
 
-# The decode kernel's int8 and int4 values meet float16 softmax weights where its dots are 16-bit (decode_kernel's
-# HALF_VALUES): sm_90, Llama-3-8B heads, int8 pages 1466 -> 1252 loop instructions, 255 -> 175 registers, 64 -> 0
-# bytes spilled (docs/PERF.md). LOCALPD_HALF_VALUES=0 keeps the values in the dots' type (a GPU's A/B).
+# The decode kernel's int8 and int4 values meet float16 softmax weights, and int4 keys float16 queries, where its
+# dots are 16-bit (decode_kernel's HALF_VALUES): sm_90, Llama-3-8B heads, int8 pages 1466 -> 1252 loop
+# instructions, 255 -> 175 registers, 64 -> 0 bytes spilled; int4 2146 -> 1864 (docs/PERF.md).
+# LOCALPD_HALF_VALUES=0 keeps them in the dots' type (a GPU's A/B).
 HALF_VALUES = os.environ.get("LOCALPD_HALF_VALUES", "1") != "0"
 KINDS = {"fp32": 0, "fp16": 0, "bf16": 0, "int8": 1, "fp8": 2, "int4": 3, "int4ch": 4}
 BLOCK_M = 16  # query rows of each query head in a prefill program (GP x 16 rows with the group; tl.dot needs 16)
