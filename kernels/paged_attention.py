@@ -499,10 +499,12 @@ def prefill_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_le
                    s_q_t, s_q_h, s_o_t, s_o_h, s_pt_b, sk_page, sk_tok, sk_head, ck_page, ck_tok, ck_head,
                    sv_page, sv_tok, sv_head, cv_page, cv_tok, cv_head, window,
                    K_KIND: tl.constexpr, V_KIND: tl.constexpr, PS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                   GROUP: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr, DOT: tl.constexpr):
+                   GROUP: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr, DOT: tl.constexpr,
+                   HALF_VALUES: tl.constexpr = True):
     """Program (b, query block, kv head): BLOCK_M query rows of one sequence for each of the GROUP query heads that
     share the kv head (GP * BLOCK_M rows, the group padded to GP, a power of two), against its pages, causal: each
-    page is read once for the group, not once per query head. Scales and int4 halves as in decode_kernel.
+    page is read once for the group, not once per query head. Scales, int4 halves and HALF_VALUES (for int4 keys
+    and values) as in decode_kernel.
     window > 0: each query sees its last `window` keys only; pages before the block's first query's are skipped."""
     b = tl.program_id(0)
     mb = tl.program_id(1)
@@ -519,8 +521,13 @@ def prefill_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_le
     pos = n - q_len + rows  # absolute positions of the query rows
     K_INT4: tl.constexpr = K_KIND == 3 or K_KIND == 4
     V_INT4: tl.constexpr = V_KIND == 3 or V_KIND == 4
+    # int4 only: int8 values' bits-made float16 compiled to more instructions here than Triton's conversion (480
+    # against 462 a page on sm_90), where the decode kernel's 128-token tiles took fewer
+    V_HALF: tl.constexpr = V_INT4 and DOT != tl.float32 and HALF_VALUES
+    VDOT: tl.constexpr = tl.float16 if V_HALF else DOT
+    KDOT: tl.constexpr = tl.float16 if K_INT4 and DOT != tl.float32 and HALF_VALUES else DOT
     q_rows = q + (q0 + rows)[:, None] * s_q_t + h[:, None] * s_q_h
-    qv, q_even, q_odd = _query_tiles(q_rows, rmask, sm_scale, D, DP, DOT)
+    qv, q_even, q_odd = _query_tiles(q_rows, rmask, sm_scale, D, DP, KDOT)
     m = tl.full((GP * BLOCK_M,), float("-inf"), tl.float32)
     l = tl.zeros((GP * BLOCK_M,), tl.float32)
     acc = tl.zeros((GP * BLOCK_M, DP), tl.float32)
@@ -535,7 +542,7 @@ def prefill_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_le
         kmask = p * PS + t < n
         if K_INT4:
             k_even, k_odd = _halves(k, k_scale, k_zero, pages, t, kmask, kh, sk_page, sk_tok, sk_head, ck_page,
-                                    ck_tok, ck_head, K_KIND, D, DP, PS, DOT)
+                                    ck_tok, ck_head, K_KIND, D, DP, PS, KDOT)
             s = tl.dot(q_even, tl.trans(k_even)) + tl.dot(q_odd, tl.trans(k_odd))  # [BLOCK_M, PS]
         else:
             kt = _load_tokens(k, pages, t, kmask, kh, sk_page, sk_tok, sk_head, D, DP, DOT)
@@ -553,10 +560,10 @@ def prefill_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_le
         m = m_new
         if V_KIND == 1 or V_KIND == 2:
             w = w * _token_scales(v_scale, pages, t, kmask, kh, cv_page, cv_tok, cv_head)[None, :]
-        w = w.to(DOT)
+        w = w.to(VDOT)
         if V_INT4:
             v_even, v_odd = _halves(v, v_scale, v_zero, pages, t, kmask, kh, sv_page, sv_tok, sv_head, cv_page,
-                                    cv_tok, cv_head, V_KIND, D, DP, PS, DOT)
+                                    cv_tok, cv_head, V_KIND, D, DP, PS, VDOT)
             acc_even = acc_even * alpha[:, None] + tl.dot(w, v_even)
             acc_odd = acc_odd * alpha[:, None] + tl.dot(w, v_odd)
         else:

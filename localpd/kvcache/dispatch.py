@@ -436,6 +436,6 @@ def paged_attention(q: torch.Tensor, layer: KVLayer, page_table: torch.Tensor, s
     prefill_kernel[(B, cdiv(T, block_m), H)](q, layer.k, layer.v, ks, vs, kz, vz, page_table, seq_lens, q_starts,
                                              out, scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                                              page_table.stride(0), *strides, window, **kinds, PS=layer.page_size, D=D,
-                                             DP=DP, GROUP=group, GP=gp, BLOCK_M=block_m,
+                                             DP=DP, GROUP=group, GP=gp, BLOCK_M=block_m, HALF_VALUES=HALF_VALUES,
                                              num_warps=max(4, gp * block_m * DP // PREFILL_TILE_ELEMS_PER_WARP))
     return out
