@@ -52,7 +52,8 @@ SIGNATURES = {
     "lpd_dequantize": ([_I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _I], None),
     "lpd_round_input": ([_I, _P, _P, _P, _F, _P, _I, _I, _P, _I], None),
     "lpd_set_sgemm": ([_P], None),
-    "lpd_dequant_gemm": ([_I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _I, _I], _I),
+    "lpd_set_bf16gemm": ([_P], None),
+    "lpd_dequant_gemm": ([_I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _I, _I], _I),
     "lpd_decode_layers": ([_P, _P, _I, _P, _P, _I, _I, _P, _P, _P, _P, _P, _L, _P, _P, _I, _P, _L, _I, _I, _P, _P, _I,
                            _F, _I], _I),
 }
@@ -136,6 +137,7 @@ def open_library(path: Path) -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, res
     lib.lpd_set_sgemm(torch_sgemm())
+    lib.lpd_set_bf16gemm(torch_blas("cblas_gemm_bf16bf16f32"))
     return lib
 
 
@@ -156,18 +158,34 @@ def library() -> ctypes.CDLL | None:
         return None
 
 
-@functools.cache
 def torch_sgemm() -> int | None:
     """The address of the BLAS sgemm_ (Fortran interface) in torch's own library (MKL's on x86-64 builds), or None
     where it exports none: prefill then multiplies with torch.mm over a dequantized slice."""
+    return torch_blas("sgemm_")
+
+
+@functools.cache
+def torch_blas(symbol: str) -> int | None:
+    """The address of a BLAS function in torch's own library (MKL's on x86-64 builds), or None where it exports
+    none."""
     for name in ("libtorch_cpu.so", "libtorch_cpu.dylib"):
         path = Path(torch.__file__).parent / "lib" / name
         if path.exists():
             try:
-                return ctypes.cast(getattr(ctypes.CDLL(str(path)), "sgemm_"), ctypes.c_void_p).value
+                return ctypes.cast(getattr(ctypes.CDLL(str(path)), symbol), ctypes.c_void_p).value
             except (OSError, AttributeError):
                 return None
     return None
+
+
+@functools.cache
+def prefill_bf16() -> bool:
+    """Whether prefill's GEMMs take bfloat16 operands (MKL's cblas_gemm_bf16bf16f32: the weight's slice and the
+    rounded input rounded to bfloat16, as a GPU's prefill multiplies; float32 sums): LOCALPD_PREFILL_BF16=1, where
+    torch's MKL has it. On an AMX Xeon (amx_bf16) it took a 1.7B model's 128-token prefill from 49 to 112 tok/s
+    (llama.cpp's 68) at +0.05% perplexity, but moved the default model's logits from the float32 reference's by up
+    to 0.19 where the float32 GEMM's move 0.01 (tests/model/test_cpu_fidelity.py): off by default (docs/PERF.md)."""
+    return os.environ.get("LOCALPD_PREFILL_BF16", "") == "1" and torch_blas("cblas_gemm_bf16bf16f32") is not None
 
 
 def unavailable() -> str | None:
@@ -317,9 +335,10 @@ def _gemm(lib, p: Plan, pre: int, x, res, nw, eps: float, s, bias, y) -> None:
     h = torch.empty(m, p.k, dtype=torch.float32)
     nth = threads()
     lib.lpd_round_input(pre, x.data_ptr(), _ptr(res), _ptr(nw), eps, _ptr(s), m, p.k, h.data_ptr(), nth)
-    rows = gemm_slice(p.n, p.k, nth)
+    h16 = h.to(torch.bfloat16) if prefill_bf16() else None
+    rows = gemm_slice(p.n, p.k, nth, 2 if h16 is not None else 1)
     rc = lib.lpd_dequant_gemm(p.bits, p.data, p.scales, p.biases, p.sub, p.lut, p.group, p.k, p.n, m, h.data_ptr(),
-                              y.data_ptr(), rows, nth)
+                              _ptr(h16), y.data_ptr(), rows, nth)
     if rc == -3:  # no BLAS in torch's library
         rows = max(1, min(p.n, GEMM_SLICE // p.k))
         part = torch.empty(rows, p.k, dtype=torch.float32)
@@ -334,10 +353,11 @@ def _gemm(lib, p: Plan, pre: int, x, res, nw, eps: float, s, bias, y) -> None:
         y += bias
 
 
-def gemm_slice(n: int, k: int, nth: int) -> int:
-    """Weight rows a thread dequantizes and multiplies at a time: what fits SLICE_BYTES, and at most a quarter of a
-    thread's share so that the threads end together; a multiple of 8 (the BLAS's register tile)."""
-    rows = min(SLICE_BYTES // (4 * k), -(-n // (4 * nth)))
+def gemm_slice(n: int, k: int, nth: int, times: int = 1) -> int:
+    """Weight rows a thread dequantizes and multiplies at a time: what fits `times` SLICE_BYTES (bfloat16 GEMMs:
+    twice, measured 1.15x faster on an AMX Xeon), and at most a quarter of a thread's share so that the threads end
+    together; a multiple of 8 (the BLAS's register tile)."""
+    rows = min(times * SLICE_BYTES // (4 * k), -(-n // (4 * nth)))
     return max(8, rows // 8 * 8)
 
 

@@ -2350,6 +2350,21 @@ typedef void (*sgemm_fn)(const char *, const char *, const int *, const int *, c
                          const float *, const int *, const float *, const int *, const float *, float *, const int *);
 static sgemm_fn blas_sgemm;
 void lpd_set_sgemm(void *fn) { blas_sgemm = (sgemm_fn)fn; }
+/* MKL's cblas_gemm_bf16bf16f32 (bfloat16 operands, float32 sums and output; AMX or AVX512-BF16 where the
+ * processor has them), handed in by kernels/cpu.py where it takes it; NULL: float32 GEMMs only. */
+typedef void (*bf16gemm_fn)(int, int, int, int, int, int, float, const uint16_t *, int, const uint16_t *, int, float,
+                            float *, int);
+static bf16gemm_fn blas_bf16gemm;
+void lpd_set_bf16gemm(void *fn) { blas_bf16gemm = (bf16gemm_fn)fn; }
+
+/* n floats to bfloat16, rounded to nearest even (finite values: dequantized weights). */
+static void to_bf16(const float *x, uint16_t *out, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, x + i, 4);
+        out[i] = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    }
+}
 
 /* y [M, N] = h [M, K] @ weight^T: each thread takes `slice` weight rows at a time from a counter, dequantizes them
  * into a buffer of its own that stays in its core's L2 cache, and multiplies them by all M rows with a
@@ -2359,6 +2374,7 @@ typedef struct {
     dequant_args w;
     int M, slice;
     const float *h;
+    const uint16_t *h16; /* where given: h in bfloat16, [M, K] */
     float *y;
     atomic_int next, failed;
 } dq_gemm_args;
@@ -2369,26 +2385,36 @@ static void dq_gemm_task(void *ctx, int ith, int nth) {
     int K = a->w.K, N = a->w.n1;
     static __thread void *buf;
     static __thread size_t cap;
-    float *b = scratch(&buf, &cap, sizeof(float) * (size_t)a->slice * K);
+    size_t slice = (size_t)a->slice * K;
+    float *b = scratch(&buf, &cap, (sizeof(float) + (a->h16 ? 2 : 0)) * slice);
     if (!b) {
         atomic_store(&a->failed, 1);
         return;
     }
+    uint16_t *b16 = (uint16_t *)(b + slice);
     const float one = 1.f, zero = 0.f;
     for (;;) {
         int n0 = atomic_fetch_add_explicit(&a->next, a->slice, memory_order_relaxed);
         if (n0 >= N) break;
         int rows = N - n0 < a->slice ? N - n0 : a->slice;
         dequant_rows(&a->w, n0, n0 + rows, b);
-        blas_sgemm("T", "N", &rows, &a->M, &K, &one, b, &K, a->h, &K, &zero, a->y + n0, &N);
+        if (a->h16) { /* y = h16 @ w16^T (row-major, B transposed), float32 sums */
+            to_bf16(b, b16, (size_t)rows * K);
+            blas_bf16gemm(101, 111, 112, a->M, rows, K, 1.f, a->h16, K, b16, K, 0.f, a->y + n0, N);
+        } else {
+            blas_sgemm("T", "N", &rows, &a->M, &K, &one, b, &K, a->h, &K, &zero, a->y + n0, &N);
+        }
     }
 }
 
-/* Returns 0, -1 without memory, -3 without a BLAS (lpd_set_sgemm). */
+/* h16: where given, h in bfloat16 ([M, K]), multiplied by the weight rounded to bfloat16 with lpd_set_bf16gemm's
+ * GEMM. Returns 0, -1 without memory, -3 without a BLAS (lpd_set_sgemm, lpd_set_bf16gemm). */
 int lpd_dequant_gemm(int bits, const void *w, const uint16_t *scales, const uint16_t *biases, const uint8_t *sub,
-                     const int8_t *lut, int group, int K, int N, int M, const float *h, float *y, int slice, int nth) {
-    if (!blas_sgemm) return -3;
-    dq_gemm_args a = {{bits, group, K, 0, N, w, scales, biases, sub, lut, NULL}, M, slice > 0 ? slice : 1, h, y, 0, 0};
+                     const int8_t *lut, int group, int K, int N, int M, const float *h, const uint16_t *h16, float *y,
+                     int slice, int nth) {
+    if (!blas_sgemm || (h16 && !blas_bf16gemm)) return -3;
+    dq_gemm_args a = {{bits, group, K, 0, N, w, scales, biases, sub, lut, NULL}, M, slice > 0 ? slice : 1, h, h16, y,
+                      0, 0};
     parallel(dq_gemm_task, &a, nth);
     return atomic_load(&a.failed) ? -1 : 0;
 }

@@ -123,6 +123,27 @@ def test_linear_matches_the_reference_on_its_rounded_input(lib, kind, group, m, 
 
 
 @pytest.mark.parametrize("kind", ["int4", "int8", "int4k", "iq4"])
+@pytest.mark.parametrize("m", [16, 37, 128])
+def test_prefill_rows_in_bfloat16_multiply_the_rounded_operands(lib, kind, m, monkeypatch):
+    """LOCALPD_PREFILL_BF16's GEMM (cpu.prefill_bf16): the rounded input and each dequantized weight slice rounded to
+    bfloat16, float32 sums: the product of those bfloat16 operands (within float32's summation), near the float32
+    path's."""
+    if cpu.torch_blas("cblas_gemm_bf16bf16f32") is None:
+        pytest.skip("torch's library has no MKL bfloat16 GEMM")
+    g = torch.Generator().manual_seed(m)
+    w = weights(kind, 300, 576, 32, g)
+    x, bias = torch.randn(m, 576, generator=g), torch.randn(300, generator=g)
+    exact = cpu.linear(x, w, bias, lib=lib)
+    monkeypatch.setattr(cpu, "prefill_bf16", lambda: True)
+    got = cpu.linear(x, w, bias, lib=lib)
+    dense = ref(w, torch.eye(576)).T  # the dequantized weight [300, 576]
+    bf = lambda t: t.to(torch.bfloat16).double()  # noqa: E731
+    want = (bf(rounded_rows(x)) @ bf(dense).T + bias.double()).float()
+    assert rel_err(got, want) < 1e-4  # seen: 3e-5 at 128 rows (the BLAS's order of sums)
+    assert 0 < rel_err(got, exact) < 1e-2
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8", "int4k", "iq4"])
 def test_prefill_rows_without_a_blas_take_torch_mm_and_match(lib, kind):
     """Where torch's library exports no sgemm, lpd_dequant_gemm says so and the rows go through torch.mm over the
     dequantized weight: the same products."""
