@@ -181,11 +181,15 @@ def torch_blas(symbol: str) -> int | None:
 @functools.cache
 def prefill_bf16() -> bool:
     """Whether prefill's GEMMs take bfloat16 operands (MKL's cblas_gemm_bf16bf16f32: the weight's slice and the
-    rounded input rounded to bfloat16, as a GPU's prefill multiplies; float32 sums): LOCALPD_PREFILL_BF16=1, where
-    torch's MKL has it. On an AMX Xeon (amx_bf16) it took a 1.7B model's 128-token prefill from 49 to 112 tok/s
-    (llama.cpp's 68) at +0.05% perplexity, but moved the default model's logits from the float32 reference's by up
-    to 0.19 where the float32 GEMM's move 0.01 (tests/model/test_cpu_fidelity.py): off by default (docs/PERF.md)."""
-    return os.environ.get("LOCALPD_PREFILL_BF16", "") == "1" and torch_blas("cblas_gemm_bf16bf16f32") is not None
+    rounded input rounded to bfloat16, as a GPU's prefill multiplies; float32 sums): where the processor multiplies
+    bfloat16 on AMX tiles (amx_bf16) and torch's MKL has the GEMM. On the 2-core AMX Xeon it took a 1.7B model's
+    128-token prefill from 49 to 112 tok/s (llama.cpp's 68) at +0.05% perplexity, moving the default model's
+    logits from the float32 reference's by up to 0.19 where the float32 GEMM's move 0.01 (docs/PERF.md).
+    LOCALPD_PREFILL_BF16=0 keeps float32, =1 takes bfloat16 on any processor MKL runs it on."""
+    env = os.environ.get("LOCALPD_PREFILL_BF16", "")
+    if torch_blas("cblas_gemm_bf16bf16f32") is None or env == "0":
+        return False
+    return env == "1" or "amx_bf16" in _processor().split()
 
 
 def unavailable() -> str | None:

@@ -22,6 +22,13 @@ from localpd.quant.weights import Int4Weight, Int8Weight
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 
 
+@pytest.fixture(autouse=True)
+def float32_prefill(monkeypatch):
+    """Prefill's float32 GEMMs, whose products these tests hold to the references on the rounded input; an AMX
+    processor's bfloat16 GEMMs (cpu.prefill_bf16) have a test of their own."""
+    monkeypatch.setattr(cpu, "prefill_bf16", lambda: False)
+
+
 def _cpu_flags() -> set[str]:
     try:
         text = Path("/proc/cpuinfo").read_text()

@@ -14,6 +14,13 @@ from test_model import CONVERSATIONS, new_pool, run_chunk
 TEXT = Path(__file__).parents[1] / "data" / "apache-2.0.txt"
 
 
+@pytest.fixture(autouse=True)
+def float32_prefill(monkeypatch):
+    """Prefill's float32 GEMMs, which these tests hold to the int32 products' errors; an AMX processor's bfloat16
+    GEMMs (cpu.prefill_bf16, the default there) are held to their own bounds below."""
+    monkeypatch.setattr(cpu, "prefill_bf16", lambda: False)
+
+
 @pytest.fixture(scope="module")
 def native(default_gguf):
     from localpd.engine import Engine
@@ -126,3 +133,35 @@ def test_a_prompt_in_chunks_stays_near_the_prompt_whole(native):
 
     whole = last(len(ids))
     assert (last(7) - whole).abs().max().item() < 0.01  # seen: 0.002
+
+
+@pytest.mark.slow
+def test_bfloat16_prefill_stays_near_the_float32_reference(engine, native, monkeypatch):
+    """With prefill's GEMMs on bfloat16 operands (cpu.prefill_bf16: an AMX processor's default), a prompt's logits
+    stay within a few tenths of the float32 reference's on logits of ~25 (seen: up to 0.19; float32's GEMM 0.01), the
+    greedy reply flips only where the reference's top two are closer than that, and a text's perplexity computed
+    by prefills is within 0.2% of the float32 GEMM's (seen: +0.06%)."""
+    from localpd.measure.perplexity import perplexity
+
+    if cpu.torch_blas("cblas_gemm_bf16bf16f32") is None:
+        pytest.skip("torch's library has no MKL bfloat16 GEMM")
+    from localpd.engine.sampling import SamplingParams
+
+    prompt = engine.encode_chat(CONVERSATIONS[0])
+    reply = [ev.token_id for ev in engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=24))
+             if ev.token_id is not None]
+    ids = prompt + reply
+    text = native.tokenizer.encode(TEXT.read_text())[:640]
+    f32 = perplexity(native.model, text, window=640, chunk=320)
+    monkeypatch.setattr(cpu, "prefill_bf16", lambda: True)
+    ref = torch.stack([run_chunk(engine.model, new_pool(engine.model, len(ids)), ids[:n], 0)[0]
+                       for n in range(len(prompt), len(ids))])
+    fast = torch.stack([run_chunk(native.model, new_pool(native.model, len(ids)), ids[:n], 0)[0]
+                        for n in range(len(prompt), len(ids))])
+    err = (fast - ref).abs().amax(dim=-1)
+    top2 = ref.topk(2, dim=-1).values
+    flips = fast.argmax(-1) != ref.argmax(-1)
+    assert 0 < err.max().item() < 0.4
+    assert bool((top2[flips, 0] - top2[flips, 1] < err[flips]).all())
+    bf16 = perplexity(native.model, text, window=640, chunk=320)
+    assert abs(bf16.perplexity / f32.perplexity - 1) < 0.002, (bf16, f32)
