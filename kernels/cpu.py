@@ -333,8 +333,8 @@ def _gemm(lib, p: Plan, pre: int, x, res, nw, eps: float, s, bias, y) -> None:
     """lpd_linear's arguments for many rows, into y: its input step and rounding (lpd_round_input: the same code,
     so the rows multiplied are bit for bit those a decode step multiplies, whatever else shares the step), then
     float32 GEMMs against the weight dequantized a slice of rows at a time: lpd_dequant_gemm's slices, a thread's
-    own in its L2 cache, with torch's BLAS; without one, torch.mm over larger slices (the slice is all the extra
-    memory)."""
+    own in its L2 cache, with torch's BLAS (bfloat16 operands where prefill_bf16: the rows and slices rounded to
+    it); without one, torch.mm over larger slices (the slice is all the extra memory)."""
     m = x.shape[0]
     h = torch.empty(m, p.k, dtype=torch.float32)
     nth = threads()
