@@ -472,27 +472,39 @@ class LinPlan(ctypes.Structure):
                 ("K", _I), ("bias", _P), ("lut", _P)]
 
 
+QKV_PARTS = 3  # cpu_kernels.c's: qkv in up to three weights of different formats (model.linear.StackedLinear)
+
+
 class LayerPlan(ctypes.Structure):
     """layer_plan in cpu_kernels.c: what lpd_decode_layer needs of a decoder layer, built once (layer_plan)."""
 
     _fields_ = [("n_heads", _I), ("n_kv", _I), ("head_dim", _I), ("act", _I), ("eps", _F), ("attn_norm", _P),
-                ("mlp_norm", _P), ("qkv", LinPlan), ("o", LinPlan), ("gate_up", LinPlan), ("down", LinPlan)]
+                ("mlp_norm", _P), ("qkv", LinPlan), ("o", LinPlan), ("gate_up", LinPlan), ("down", LinPlan),
+                ("parts", _I), ("more", LinPlan * (QKV_PARTS - 1))]
+
+
+def _lin_plan(lin) -> LinPlan | None:
+    plan = weight_plan(getattr(lin, "weight", None))
+    if plan is None or not _f32(lin.bias):
+        return None
+    return LinPlan(plan.bits, plan.data, plan.scales, plan.biases, plan.sub, plan.group, plan.n, plan.k,
+                   _ptr(lin.bias), plan.lut)
 
 
 def layer_plan(linears: list, attn_norm: torch.Tensor, mlp_norm: torch.Tensor, n_heads: int, n_kv_heads: int,
                head_dim: int, act: str, eps: float) -> LayerPlan | None:
     """The plan of a layer whose qkv, o, gate_up and down (QuantLinear-like: .weight, .bias) lpd_linear takes, with
-    fp32 norms; None otherwise. The tensors must outlive the plan (the model holds them)."""
-    parts = []
-    for lin in linears:
-        plan = weight_plan(getattr(lin, "weight", None))
-        if plan is None or not _f32(lin.bias):
-            return None
-        parts.append(LinPlan(plan.bits, plan.data, plan.scales, plan.biases, plan.sub, plan.group, plan.n, plan.k,
-                             _ptr(lin.bias), plan.lut))
-    if not (_f32(attn_norm) and _f32(mlp_norm)) or act not in PRE:
+    fp32 norms; qkv may be up to QKV_PARTS such parts of different formats (.parts: a GGUF's Q4_K q and k beside a
+    Q6_K v), their outputs side by side. None otherwise. The tensors must outlive the plan (the model holds
+    them)."""
+    qkv = getattr(linears[0], "parts", [linears[0]])
+    plans = [_lin_plan(lin) for lin in [*qkv, *linears[1:]]]
+    if None in plans or len(qkv) > QKV_PARTS or not (_f32(attn_norm) and _f32(mlp_norm)) or act not in PRE:
         return None
-    return LayerPlan(n_heads, n_kv_heads, head_dim, PRE[act], eps, attn_norm.data_ptr(), mlp_norm.data_ptr(), *parts)
+    first, more, rest = plans[0], plans[1:len(qkv)], plans[len(qkv):]
+    more += [LinPlan()] * (QKV_PARTS - 1 - len(more))
+    return LayerPlan(n_heads, n_kv_heads, head_dim, PRE[act], eps, attn_norm.data_ptr(), mlp_norm.data_ptr(), first,
+                     *rest, len(qkv), (LinPlan * (QKV_PARTS - 1))(*more))
 
 
 class LayerCache(ctypes.Structure):

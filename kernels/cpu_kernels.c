@@ -1173,6 +1173,22 @@ static void row_factors(const gemm_args *a, int n, int m0, int mm, int xor_block
 #undef LPD_SCALES
         return;
     }
+    if (a->sub && mm == 1) { /* int4-k at one row (decode): block_side8's and row_factors_grouped's floats */
+        k_row r = k_row_at(a->scales, a->biases, a->sub, n, nb);
+        __m256 acc = _mm256_setzero_ps();
+        for (int b = 0; b < nb; b += 8) {
+            __mmask8 k = first_lanes(nb - b);
+            __m256 w8 = _mm256_mul_ps(_mm256_set1_ps(half_to_float(r.d[b / 8])),
+                                      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, r.sc + b))));
+            __m256 b8 = _mm256_mul_ps(_mm256_set1_ps(half_to_float(r.dmin[b / 8])),
+                                      _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_maskz_loadu_epi8(k, r.mn + b))));
+            __asm__("" : "+x"(w8), "+x"(b8)); /* rounded as block_side8 returns them: no reassociation across */
+            _mm256_storeu_ps(ds + b, _mm256_mul_ps(w8, _mm256_maskz_loadu_ps(k, xd + b)));
+            acc = _mm256_fmadd_ps(b8, _mm256_maskz_loadu_ps(k, xsf + b), acc);
+        }
+        extra[0] = hsum8(acc) + bias;
+        return;
+    }
     row_factors_grouped(a, n, mm, xor_blocks, bias, xd, xsf, xs, ds, extra);
 }
 
@@ -2433,11 +2449,16 @@ typedef struct {
     const int8_t *lut; /* a codebook weight (gemm_args) */
 } lin_plan;
 
+#define QKV_PARTS 3
 typedef struct {
     int n_heads, n_kv, head_dim, act;
     float eps;
     const float *attn_norm, *mlp_norm;
     lin_plan qkv, o, gate_up, down;
+    /* qkv in up to QKV_PARTS weights of different formats (a GGUF's Q4_K q and k beside a Q6_K v), their outputs
+     * side by side in qkv's columns: qkv is the first, more[i] the (i + 2)-th, `parts` in all */
+    int parts;
+    lin_plan more[QKV_PARTS - 1];
 } layer_plan;
 
 typedef struct {
@@ -2516,6 +2537,7 @@ typedef struct {
     spin_barrier barrier;
     int groups; /* the rows' groups (row_groups: their first rows follow row_seq) */
     int *one_row; /* each row its own group (own_pages' steps over int4ch pages): their first rows */
+    float *piece; /* a qkv part's output rows (layer_plan.parts > 1), copied into qkv's columns */
 } layers_args;
 
 /* One product inside the layers' region: the input step (rows shared), everyone meets, the rows of the weight
@@ -2544,7 +2566,22 @@ static void layers_task(void *ctx, int ith, int nth) {
         long row = (long)(Hq + 2 * H) * D;
         /* the residual stream goes x -> x2 in the first norm and back in the second (input_cols' sum_out) */
         const float *residual = li > 0 || s->has_residual ? s->x : NULL;
-        linear_phase(s, ith, nth, PRE_NORM, &L->qkv, s->out, residual, L->attn_norm, L->eps, s->x2, s->qkv);
+        if (L->parts == 1) {
+            linear_phase(s, ith, nth, PRE_NORM, &L->qkv, s->out, residual, L->attn_norm, L->eps, s->x2, s->qkv);
+        } else { /* each part its own product (its own input layout), its rows then copied into qkv's columns */
+            long width = (long)(Hq + 2 * H) * D;
+            int col = 0;
+            for (int p = 0; p < L->parts; p++) {
+                const lin_plan *l = p ? &L->more[p - 1] : &L->qkv;
+                linear_phase(s, ith, nth, PRE_NORM, l, s->out, residual, L->attn_norm, L->eps, s->x2, s->piece);
+                int t0, t1;
+                share(T, ith, nth, &t0, &t1);
+                for (int t = t0; t < t1; t++)
+                    memcpy(s->qkv + t * width + col, s->piece + (size_t)t * l->N, sizeof(float) * l->N);
+                col += l->N;
+                barrier_wait(&s->barrier, nth);
+            }
+        }
         int t0, t1, per_page = c->k.fmt == KV_I4CH || c->v.fmt == KV_I4CH;
         share(T, ith, nth, &t0, &t1);
         if (per_page) t0 = 0, t1 = ith ? 0 : T; /* a page's rows rounded in turn: one thread writes them all */
@@ -2588,20 +2625,25 @@ int lpd_decode_layers(const layer_plan *plans, const layer_cache *caches, int n_
     for (int li = 0; li < n_layers; li++)
         if (check_stage(T, PS, slots, stage_slots, &caches[li].k, &caches[li].v)) return -2;
     int kmax = 0, heads = 0; /* the widest product input, and the most floats a row's attention outputs take */
+    size_t piece = 0; /* the widest qkv part's outputs */
     for (int li = 0; li < n_layers; li++) {
         const lin_plan *ls[4] = {&plans[li].qkv, &plans[li].o, &plans[li].gate_up, &plans[li].down};
         for (int j = 0; j < 4; j++) kmax = ls[j]->K > kmax ? ls[j]->K : kmax;
+        for (int p = 0; plans[li].parts > 1 && p < plans[li].parts; p++) {
+            size_t w = (size_t)(p ? plans[li].more[p - 1].N : plans[li].qkv.N);
+            piece = w > piece ? w : piece;
+        }
         int h = plans[li].n_heads * (plans[li].head_dim + 2);
         heads = h > heads ? h : heads;
     }
     /* scratch, each piece 64-byte aligned: the residual stream's second buffer, the rounded input (two int8 levels,
      * block scales, block sums), attention's parts (at most 2 nth a row: attention_shape), each row's sequence, each
-     * group's first row, and each row's as a group of its own (own_pages) */
-    size_t sizes[6] = {sizeof(float) * T * plans[0].qkv.K, 2 * (size_t)T * kmax, sizeof(float) * T * (kmax / 32),
+     * group's first row, each row's as a group of its own (own_pages), and a qkv part's outputs */
+    size_t sizes[7] = {sizeof(float) * T * plans[0].qkv.K, 2 * (size_t)T * kmax, sizeof(float) * T * (kmax / 32),
                        sizeof(int32_t) * T * (kmax / 32), sizeof(float) * T * heads * 2 * (nth > 1 ? nth : 1),
-                       sizeof(int) * (3 * (size_t)T + 2)};
-    size_t at[6], total = 0;
-    for (int i = 0; i < 6; i++) {
+                       sizeof(int) * (3 * (size_t)T + 2), sizeof(float) * T * piece};
+    size_t at[7], total = 0;
+    for (int i = 0; i < 7; i++) {
         at[i] = total;
         total += (sizes[i] + 63) / 64 * 64;
     }
@@ -2619,6 +2661,7 @@ int lpd_decode_layers(const layer_plan *plans, const layer_cache *caches, int n_
     atomic_init(&s.barrier.sleeping, 0);
     atomic_init(&s.barrier.work, 0);
     s.one_row = s.row_seq + 2 * T + 1;
+    s.piece = (float *)(mem + at[6]);
     row_groups(B, q_starts, s.row_seq, s.one_row, 1);
     s.groups = row_groups(B, q_starts, s.row_seq, s.row_seq + T, GROUP_ROWS);
     parallel(layers_task, &s, nth);

@@ -591,24 +591,32 @@ def test_tables_outside_the_pool_are_an_error_not_a_crash(lib):
 
 @pytest.mark.parametrize("kv", KV)
 def test_decode_layers_in_one_call_equal_the_kernels_op_by_op(lib, kv):
-    """lpd_decode_layers runs five layers (int4, int8 and per-row int8 weights, int4-k, a codebook; an odd block
-    count in down, RoPE of the step, the local one with a sliding window, none) over two sequences (a decode row and
-    a three-row chunk whose first row fills a page and whose second opens the next, pages out of order) in one
-    parallel region: the same floats, KV writes (int4ch's stage too) and residual stream as the kernels called one
-    by one."""
+    """lpd_decode_layers runs six layers (int4, int8 and per-row int8 weights, int4-k, a codebook, and qkv in three
+    parts of different formats, as a GGUF's Q4_K q and k beside a Q6_K v; an odd block count in down, RoPE of the
+    step, the local one with a sliding window, none) over two sequences (a decode row and a three-row chunk whose
+    first row fills a page and whose second opens the next, pages out of order) in one parallel region: the same
+    floats, KV writes (int4ch's stage too) and residual stream as the kernels called one by one."""
     from types import SimpleNamespace
 
     from localpd.kernels.dispatch import PreNorm
 
     g = torch.Generator().manual_seed(11)
     Hq, H, D, dim, ffn, ps, eps = 4, 2, 16, 64, 96, 8, 1e-5
-    kinds = [("int4", 32), ("int8", 32), ("int8", None), ("int4k", 32), ("iq4", 32)]
-    ropes, windows = [0, 1, 2, 0, 0], [0, 5, 0, 0, 3]
+    kinds = [("int4", 32), ("int8", 32), ("int8", None), ("int4k", 32), ("iq4", 32), ("int4", 32)]
+    ropes, windows = [0, 1, 2, 0, 0, 0], [0, 5, 0, 0, 3, 0]
     layers = []
     for kind, group in kinds:
         lin = [SimpleNamespace(weight=weights(kind, n, k, group or k, g), bias=None)
                for n, k in [((Hq + 2 * H) * D, dim), (dim, Hq * D), (2 * ffn, dim), (dim, ffn)]]
         layers.append((lin, torch.rand(dim, generator=g) + 0.5, torch.rand(dim, generator=g) + 0.5))
+    lin[0] = SimpleNamespace(parts=[SimpleNamespace(weight=weights(kind, n, dim, 32, g), bias=b)  # the last layer's
+                                    for kind, n, b in (("int4k", Hq * D, None), ("iq4", H * D, None),
+                                                       ("int8", H * D, torch.randn(H * D, generator=g)))])
+
+    def qkv_of(lin, x, residual, norm):
+        parts = [cpu.linear(x, p.weight, p.bias, None, PreNorm(residual, norm, eps), lib=lib)
+                 for p in getattr(lin, "parts", [lin])]
+        return torch.cat([y for y, _ in parts], dim=-1), parts[0][1]
     pool = _pool(D, H, ps, 8, g, kv, layers=len(kinds), stage_rows=2)
     other = new_kv_pool(kv, len(kinds), 8, ps, H, D, torch.float32, "cpu", stage_rows=2)
     sides = ("k", "v", "k_scale", "v_scale", "k_zero", "v_zero", "k_stage", "v_stage")
@@ -626,7 +634,7 @@ def test_decode_layers_in_one_call_equal_the_kernels_op_by_op(lib, kv):
     out, x = emb.clone(), None  # op by op
     for li, ((qkv_l, o_l, gu_l, down_l), attn_norm, mlp_norm) in enumerate(layers):
         layer = pool.layer(li)
-        qkv, x = cpu.linear(out, qkv_l.weight, None, None, PreNorm(x, attn_norm, eps), lib=lib)
+        qkv, x = qkv_of(qkv_l, out, x, attn_norm)
         cos, sin = rotations[ropes[li]] if ropes[li] < 2 else (torch.ones(T, D // 2), torch.zeros(T, D // 2))
         q = cpu.rope_write(qkv, cos, sin, layer, slots, Hq, H, stage_slots, lib=lib)
         attn = cpu.attention(q, layer, page_table, seq_lens, q_starts, 0.25, windows[li], stage_slots, lib=lib)
