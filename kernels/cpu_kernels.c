@@ -1072,6 +1072,18 @@ static void k_group_scales(k_row r, int nb, float *ws, float *wb) {
 #define PAD16(n) (((n) + 15) & ~15)
 static inline __mmask8 first_lanes(int n) { return n >= 8 ? 0xff : n > 0 ? (1u << n) - 1 : 0; }
 
+/* int4-k's blocks b .. b + 7 of row r (lanes past k zero): ws = d x sc, wb = dmin x mn, as rounded here (an empty
+ * asm keeps gcc's -fassociative-math from regrouping them with the caller's products, so that every path gets the
+ * same floats). */
+static inline void k_side8(k_row r, int b, __mmask8 k, __m256 *ws, __m256 *wb) {
+    __m256 w = _mm256_mul_ps(_mm256_set1_ps(half_to_float(r.d[b / 8])),
+                             _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, r.sc + b))));
+    __m256 c = _mm256_mul_ps(_mm256_set1_ps(half_to_float(r.dmin[b / 8])),
+                             _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_maskz_loadu_epi8(k, r.mn + b))));
+    __asm__("" : "+x"(w), "+x"(c));
+    *ws = w, *wb = c;
+}
+
 /* Blocks b .. b + 7 (b a multiple of 8) of weight row n: ws, each block's scale (int4-k: d x sc), and wb, what
  * multiplies the input block's sum (int4's bias, int4-k's dmin x mn; zeros for int8 and codebooks); lanes at or
  * past the row's nb blocks zero. row_factors (a few input rows) and weight_side (a tile's) both take a row's
@@ -1080,11 +1092,7 @@ static inline void block_side8(const gemm_args *a, int n, int b, __m256 *ws, __m
     int nb = a->K / 32, ng = a->K / a->group, per_group = a->group / 32;
     __mmask8 k = first_lanes(nb - b);
     if (a->sub) {
-        k_row r = k_row_at(a->scales, a->biases, a->sub, n, nb);
-        *ws = _mm256_mul_ps(_mm256_set1_ps(half_to_float(r.d[b / 8])),
-                            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, r.sc + b))));
-        *wb = _mm256_mul_ps(_mm256_set1_ps(half_to_float(r.dmin[b / 8])),
-                            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_maskz_loadu_epi8(k, r.mn + b))));
+        k_side8(k_row_at(a->scales, a->biases, a->sub, n, nb), b, k, ws, wb);
         return;
     }
     const uint16_t *srow = a->scales + (size_t)n * ng;
@@ -1173,16 +1181,13 @@ static void row_factors(const gemm_args *a, int n, int m0, int mm, int xor_block
 #undef LPD_SCALES
         return;
     }
-    if (a->sub && mm == 1) { /* int4-k at one row (decode): block_side8's and row_factors_grouped's floats */
+    if (a->sub && mm == 1) { /* int4-k at one row (decode): row_factors_grouped's floats, the row looked up once */
         k_row r = k_row_at(a->scales, a->biases, a->sub, n, nb);
         __m256 acc = _mm256_setzero_ps();
         for (int b = 0; b < nb; b += 8) {
             __mmask8 k = first_lanes(nb - b);
-            __m256 w8 = _mm256_mul_ps(_mm256_set1_ps(half_to_float(r.d[b / 8])),
-                                      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, r.sc + b))));
-            __m256 b8 = _mm256_mul_ps(_mm256_set1_ps(half_to_float(r.dmin[b / 8])),
-                                      _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_maskz_loadu_epi8(k, r.mn + b))));
-            __asm__("" : "+x"(w8), "+x"(b8)); /* rounded as block_side8 returns them: no reassociation across */
+            __m256 w8, b8;
+            k_side8(r, b, k, &w8, &b8);
             _mm256_storeu_ps(ds + b, _mm256_mul_ps(w8, _mm256_maskz_loadu_ps(k, xd + b)));
             acc = _mm256_fmadd_ps(b8, _mm256_maskz_loadu_ps(k, xsf + b), acc);
         }
@@ -1739,7 +1744,7 @@ static void add_values(float *o, const float *e, const float *vc, int kc, int D)
 #endif
 }
 
-/* A sequence's rows cut into groups of consecutive rows, at most GROUP_ROWS each: row_seq[t] = t's sequence,
+/* A sequence's rows cut into groups of consecutive rows, at most `most` each (GROUP_ROWS; 1 for own_pages' steps): row_seq[t] = t's sequence,
  * group_row[g] = group g's first row (group_row[groups] = T). Returns the number of groups. */
 static int row_groups(int B, const int32_t *q_starts, int *row_seq, int *group_row, int most) {
     int g = 0;
