@@ -613,7 +613,20 @@ typedef struct {
     int mp;          /* the rows rounded up to 16 */
     const int16_t *xw; /* AVX512, several rows: each value as the int16 256 hi + lo, as gemm_tile takes them
                         * (widen_row; gemm_task fills it) */
+    const uint8_t *high; /* a 5-bit weight (bits 4, its low four bits int4's): each code's fifth bit; else NULL */
 } gemm_args;
+
+/* A 5-bit weight (quant/int5.py: GGUF's Q5_0, Q5_1, Q5_K) is an int4 weight, its scales, biases and int4-k
+ * factors as they are, whose codes have a fifth bit: codes 0 .. 31. Row n's fifth bits are K / 8 bytes, 4 a block
+ * (a little-endian uint32): bit e is the fifth bit of the block's byte e as the products expand the nibbles, e < 16
+ * column 2e (a low nibble), e >= 16 column 2 (e - 16) + 1 (a high one); so a pair of blocks is one uint64 whose bit
+ * e goes to expand_int4_pair's byte e. A code row's bytes (K / 2) are 4x its bit row's: a row's bits are found from
+ * its codes' address. */
+static inline uint32_t fifth32(const gemm_args *a, const uint8_t *wrow, int b) {
+    uint32_t v;
+    memcpy(&v, a->high + ((size_t)(wrow - (const uint8_t *)a->w) >> 2) + 4 * (size_t)b, 4);
+    return v;
+}
 
 /* A codebook weight (quant/codebook.py: IQ4_NL, IQ4_XS, MXFP4) holds 4-bit codes whose values are a 16-entry int8
  * table's, times a float16 scale a block of 32 (bits 4, lut set). The products look each code up in registers
@@ -639,6 +652,17 @@ static inline __m256i codebook_block(const uint8_t *wrow, int nb, int b) {
     __m256i raw = _mm256_loadu_si256((const __m256i *)(wrow + b / 2 * 32));
     return _mm256_and_si256(_mm256_srl_epi16(raw, _mm_cvtsi32_si128(4 * (b & 1))), _mm256_set1_epi8(15));
 }
+/* Sixteen fifth bits as bytes: byte i 16 where bit i of `bits` is set, else 0. */
+static inline __m128i fifth_bytes(uint32_t bits) {
+#if defined(LPD_AVX512)
+    return _mm_maskz_mov_epi8((__mmask16)bits, _mm_set1_epi8(16));
+#else
+    const __m128i pick = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m128i bit = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
+    __m128i v = _mm_and_si128(_mm_shuffle_epi8(_mm_cvtsi32_si128((int)bits), pick), bit);
+    return _mm_and_si128(_mm_cmpeq_epi8(v, bit), _mm_set1_epi8(16));
+#endif
+}
 #endif
 
 /* Integer sums of weight row `wrow` against activation rows xq[0..mm) (row stride K), all nb blocks: out[m * nb + b]. */
@@ -654,6 +678,11 @@ static void block_sums(const gemm_args *a, const uint8_t *wrow, const int8_t *xq
             __m128i raw = _mm_loadu_si128((const __m128i *)(wrow + b * 16));
             __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(15));
             __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(15));
+            if (a->high) {
+                uint32_t f = fifth32(a, wrow, b);
+                lo = _mm_or_si128(lo, fifth_bytes(f & 0xffff));
+                hi = _mm_or_si128(hi, fifth_bytes(f >> 16));
+            }
             wv = _mm256_set_m128i(hi, lo);
         } else {
             wv = _mm256_loadu_si256((const __m256i *)(wrow + b * 32));
@@ -683,8 +712,10 @@ static void block_sums(const gemm_args *a, const uint8_t *wrow, const int8_t *xq
                 for (int j = 0; j < 32; j++) s += a->lut[codebook_code(wrow, nb, b, j)] * (256 * x[j] + xl[j]);
             } else if (a->bits == 4) {
                 const uint8_t *wb = wrow + b * 16;
+                uint32_t f = a->high ? fifth32(a, wrow, b) : 0;
                 for (int j = 0; j < 16; j++)
-                    s += (wb[j] & 15) * (256 * x[j] + xl[j]) + (wb[j] >> 4) * (256 * x[16 + j] + xl[16 + j]);
+                    s += ((wb[j] & 15) | (f >> j & 1) << 4) * (256 * x[j] + xl[j])
+                         + ((wb[j] >> 4) | (f >> (16 + j) & 1) << 4) * (256 * x[16 + j] + xl[16 + j]);
             } else {
                 const int8_t *wb = (const int8_t *)wrow + b * 32;
                 for (int j = 0; j < 32; j++) s += wb[j] * (256 * x[j] + xl[j]);
@@ -728,7 +759,13 @@ static inline __m512i load_pair(const gemm_args *a, const uint8_t *wrow, int b, 
         return _mm512_shuffle_epi8(tab, _mm512_and_si512(idx, _mm512_set1_epi8(15)));
 #endif
     }
-    if (a->bits == 4) return expand_int4_pair(wrow + b * 16);
+    if (a->bits == 4) {
+        __m512i v = expand_int4_pair(wrow + b * 16);
+        if (!a->high) return v;
+        uint64_t f; /* the pair's fifth bits, bit e for byte e */
+        memcpy(&f, a->high + ((size_t)(wrow - (const uint8_t *)a->w) >> 2) + 4 * (size_t)b, 8);
+        return _mm512_mask_add_epi8(v, _cvtu64_mask64(f), v, _mm512_set1_epi8(16)); /* a nibble + 16 */
+    }
     return _mm512_xor_si512(_mm512_loadu_si512(wrow + b * 32), _mm512_set1_epi8((char)0x80));
 }
 /* A codebook's values flipped by 128 (as int8 weights are), in each 128-bit lane; zeros without one. */
@@ -769,6 +806,14 @@ static void row_factors(const gemm_args *a, int n, int m0, int mm, int xor_block
 static inline void prefetch_run(const uint8_t *run, size_t at, size_t bytes) {
     for (size_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)(run + WEIGHT_AHEAD + at + o), _MM_HINT_T0);
 }
+/* A 5-bit weight's fifth bits for prefetch_run's bytes of a code run (rows one after another): a quarter of their
+ * bytes, as many blocks ahead; each line once, by the call whose bytes reach its start. */
+static inline void prefetch_fifth(const gemm_args *a, const uint8_t *run, size_t at, size_t bytes) {
+    if (!a->high) return;
+    const uint8_t *h = a->high + ((size_t)(run - (const uint8_t *)a->w) >> 2);
+    size_t from = (WEIGHT_AHEAD + at) / 4, to = (WEIGHT_AHEAD + at + bytes) / 4;
+    for (size_t o = (from + 63) & ~(size_t)63; o < to; o += 64) _mm_prefetch((const char *)(h + o), _MM_HINT_T0);
+}
 #endif
 
 #if defined(LPD_AVX512)
@@ -794,6 +839,7 @@ static void gemv4(const gemm_args *a, int n, const float *ds, const float *extra
     for (int b = 0; b < nb; b += 2) {
         __m512i x = _mm512_loadu_si512(a->xq + b * 32), xl = _mm512_loadu_si512(a->xq + a->lo + b * 32);
         prefetch_run(w0, b * step, 2 * step);
+        prefetch_fifth(a, w0, b * step, 2 * step);
         LPD_ROW(0, load_pair(a, w0, b, tab));
         LPD_ROW(1, load_pair(a, w1, b, tab));
         LPD_ROW(2, load_pair(a, w2, b, tab));
@@ -868,6 +914,7 @@ static inline __attribute__((always_inline)) void gemm_tile(const gemm_args *a, 
         __m512i wa[4], wb[4];
         for (size_t o = 0; o < 2 * R * step; o += 64) /* prefetch_run's, written out: called here, gcc 12 built none */
             _mm_prefetch((const char *)(w0 + WEIGHT_AHEAD + b * R * step + o), _MM_HINT_T0);
+        prefetch_fifth(a, w0, b * R * step, 2 * R * step);
         for (int r = 0; r < R; r++) {
             __m512i wv = load_pair(a, w0 + r * row_bytes, b, tab);
             wa[r] = _mm512_shuffle_epi8(wv, first);
@@ -950,8 +997,14 @@ static inline void widen16(const gemm_args *a, const uint8_t *wrow, int b, __m12
         *w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1));
     } else if (a->bits == 4) { /* low nibbles: the block's even columns (x0), high: its odd ones (x1) */
         __m128i raw = _mm_loadu_si128((const __m128i *)(wrow + b * 16)), m = _mm_set1_epi8(15);
-        *w0 = _mm256_cvtepu8_epi16(_mm_and_si128(raw, m));
-        *w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), m));
+        __m128i lo = _mm_and_si128(raw, m), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m);
+        if (a->high) {
+            uint32_t f = fifth32(a, wrow, b);
+            lo = _mm_or_si128(lo, fifth_bytes(f & 0xffff));
+            hi = _mm_or_si128(hi, fifth_bytes(f >> 16));
+        }
+        *w0 = _mm256_cvtepu8_epi16(lo);
+        *w1 = _mm256_cvtepu8_epi16(hi);
     } else {
         __m256i raw = _mm256_loadu_si256((const __m256i *)(wrow + b * 32));
         *w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(raw));
@@ -981,6 +1034,7 @@ static void gemv4(const gemm_args *a, int n, const float *ds, const float *extra
         __m256i x0 = _mm256_loadu_si256((const __m256i *)(a->x16 + b * 32));
         __m256i x1 = _mm256_loadu_si256((const __m256i *)(a->x16 + b * 32 + 16));
         prefetch_run(w[0], b * step, step);
+        prefetch_fifth(a, w[0], b * step, step);
 #pragma GCC unroll 4
         for (int r = 0; r < 4; r++) {
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot16(a, w[r], b, x0, x1, tab)), _mm256_set1_ps(ds[r * nb + b]),
@@ -1005,6 +1059,7 @@ static inline __attribute__((always_inline)) void gemm_tile16(const gemm_args *a
     for (int b = 0; b < nb; b++) {
         __m256i w0, w1;
         prefetch_run(wrow, b * step, step);
+        prefetch_fifth(a, wrow, b * step, step);
         widen16(a, wrow, b, tab, &w0, &w1);
         for (int m = 0; m < MM; m++) {
             const int16_t *x = a->x16 + (size_t)(m0 + m) * K + b * 32;
@@ -1547,14 +1602,14 @@ static void input_task(void *ctx, int ith, int nth) { /* each thread its share o
 }
 
 /* y [M, N] = input step of x, then @ W.T (+ bias). bits 4: w = packed int4 [N, K/2] with scales and biases [N,
- * K/group] float16 (int4-k: sub set; a codebook's: lut set, biases NULL); bits 8: w = int8 [N, K] with scales [N,
+ * K/group] float16 (int4-k: sub set; a codebook's: lut set, biases NULL; a 5-bit weight's: high set, group 32); bits 8: w = int8 [N, K] with scales [N,
  * K/group], biases NULL. pre: PRE_NONE (x [M, K]),
  * PRE_NORM (x, residual or NULL, norm_w [K], eps; x + residual stored in sum_out [M, K], apart from both), or an
  * activation (x =
  * [gate | up], [M, 2K]). K a multiple of 32, group a multiple of 32 dividing K. Returns 0, or -1 without memory. */
 int lpd_linear(int pre, const float *x, const float *residual, const float *norm_w, float eps, float *sum_out, int M,
                int K, int bits, const void *w, const uint16_t *scales, const uint16_t *biases, const uint8_t *sub,
-               const int8_t *lut, int group, int N, const float *bias, float *y, int nth) {
+               const int8_t *lut, const uint8_t *high, int group, int N, const float *bias, float *y, int nth) {
     static __thread void *buf;
     static __thread size_t cap;
     int nb = K / 32;
@@ -1566,6 +1621,7 @@ int lpd_linear(int pre, const float *x, const float *residual, const float *norm
     parallel(input_task, &in, M >= 8 ? nth : 1);
     gemm_args g = {M, N, K, group, bits, in.xq, (size_t)M * K, in.xd, in.xsum, NULL, NULL, w, scales, biases,
                    sub, lut, bias, y};
+    g.high = high;
     parallel(gemm_task, &g, nth);
     return 0;
 }
@@ -2280,7 +2336,15 @@ typedef struct {
     const uint8_t *sub; /* int4-k (gemm_args) */
     const int8_t *lut;  /* a codebook weight (gemm_args) */
     float *out;
+    const uint8_t *high; /* a 5-bit weight's fifth bits (gemm_args; its groups are blocks) */
 } dequant_args;
+
+/* The fifth bits of block b of row n (gemm_args' fifth32). */
+static inline uint32_t dequant_fifth(const dequant_args *a, int n, int b) {
+    uint32_t v;
+    memcpy(&v, a->high + (size_t)n * (a->K / 8) + 4 * (size_t)b, 4);
+    return v;
+}
 
 #if defined(LPD_AVX512) || defined(LPD_AVX2)
 /* Group g of weight row n (scale s, int4 bias m) into o, 16 values a step (AVX2); 0 where the group is not a
@@ -2302,9 +2366,15 @@ static inline int dequant_group8(const dequant_args *a, int n, int g, float s, f
         __m256 vm = _mm256_set1_ps(m);
         const uint8_t *p = a->w + (size_t)n * (K / 2) + g * (G / 2);
         __m128i mask = _mm_set1_epi8(15);
+        uint32_t f = a->high ? dequant_fifth(a, n, g) : 0; /* a 5-bit weight's groups are its blocks */
         for (int j = 0; j < G / 2; j += 8) {
             __m128i b = _mm_loadl_epi64((const __m128i *)(p + j));
-            __m128i both = _mm_unpacklo_epi8(_mm_and_si128(b, mask), _mm_and_si128(_mm_srli_epi16(b, 4), mask));
+            __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+            if (a->high) { /* bytes j .. j + 7: fifth bits j .. j + 7 (low nibbles), 16 + j .. 23 + j (high) */
+                lo = _mm_or_si128(lo, fifth_bytes(f >> j & 0xff));
+                hi = _mm_or_si128(hi, fifth_bytes(f >> (16 + j) & 0xff));
+            }
+            __m128i both = _mm_unpacklo_epi8(lo, hi);
             __m256 v0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(both));
             __m256 v1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(both, 8)));
             _mm256_storeu_ps(o + 2 * j, _mm256_fmadd_ps(v0, vs, vm));
@@ -2341,9 +2411,10 @@ static void dequant_rows(const dequant_args *a, int r0, int r1, float *out) {
                     o[g * 32 + j] = (float)a->lut[codebook_code(a->w + (size_t)n * (K / 2), ng, g, j)] * s;
             } else if (a->bits == 4) {
                 const uint8_t *p = a->w + (size_t)n * (K / 2) + g * (a->group / 2);
+                uint32_t f = a->high ? dequant_fifth(a, n, g) : 0;
                 for (int j = 0; j < a->group / 2; j++) {
-                    o[g * a->group + 2 * j] = (float)(p[j] & 15) * s + m;
-                    o[g * a->group + 2 * j + 1] = (float)(p[j] >> 4) * s + m;
+                    o[g * a->group + 2 * j] = (float)((p[j] & 15) | (f >> j & 1) << 4) * s + m;
+                    o[g * a->group + 2 * j + 1] = (float)((p[j] >> 4) | (f >> (16 + j) & 1) << 4) * s + m;
                 }
             } else {
                 const int8_t *p = (const int8_t *)a->w + (size_t)n * K + g * a->group;
@@ -2361,8 +2432,8 @@ static void dequant_task(void *ctx, int ith, int nth) {
 }
 
 void lpd_dequantize(int bits, const void *w, const uint16_t *scales, const uint16_t *biases, const uint8_t *sub,
-                    const int8_t *lut, int group, int K, int n0, int n1, float *out, int nth) {
-    dequant_args a = {bits, group, K, n0, n1, w, scales, biases, sub, lut, out};
+                    const int8_t *lut, const uint8_t *high, int group, int K, int n0, int n1, float *out, int nth) {
+    dequant_args a = {bits, group, K, n0, n1, w, scales, biases, sub, lut, out, high};
     parallel(dequant_task, &a, nth);
 }
 
@@ -2431,10 +2502,10 @@ static void dq_gemm_task(void *ctx, int ith, int nth) {
 /* h16: where given, h in bfloat16 ([M, K]), multiplied by the weight rounded to bfloat16 with lpd_set_bf16gemm's
  * GEMM. Returns 0, -1 without memory, -3 without a BLAS (lpd_set_sgemm, lpd_set_bf16gemm). */
 int lpd_dequant_gemm(int bits, const void *w, const uint16_t *scales, const uint16_t *biases, const uint8_t *sub,
-                     const int8_t *lut, int group, int K, int N, int M, const float *h, const uint16_t *h16, float *y,
-                     int slice, int nth) {
+                     const int8_t *lut, const uint8_t *high, int group, int K, int N, int M, const float *h,
+                     const uint16_t *h16, float *y, int slice, int nth) {
     if (!blas_sgemm || (h16 && !blas_bf16gemm)) return -3;
-    dq_gemm_args a = {{bits, group, K, 0, N, w, scales, biases, sub, lut, NULL}, M, slice > 0 ? slice : 1, h, h16, y,
+    dq_gemm_args a = {{bits, group, K, 0, N, w, scales, biases, sub, lut, NULL, high}, M, slice > 0 ? slice : 1, h, h16, y,
                       0, 0};
     parallel(dq_gemm_task, &a, nth);
     return atomic_load(&a.failed) ? -1 : 0;
@@ -2452,6 +2523,7 @@ typedef struct {
     int group, N, K;
     const float *bias;
     const int8_t *lut; /* a codebook weight (gemm_args) */
+    const uint8_t *high; /* a 5-bit weight's fifth bits (gemm_args) */
 } lin_plan;
 
 #define QKV_PARTS 3
@@ -2557,6 +2629,7 @@ static void linear_phase(layers_args *s, int ith, int nth, int pre, const lin_pl
     gemm_args g = {M, l->N, l->K, l->group, l->bits, s->xq, (size_t)M * l->K, s->xd, s->xsum, NULL, NULL, l->w,
                    l->scales, l->biases, l->sub, l->lut, l->bias, y}; /* equal shares: measured faster than
                                                                           * taking chunks from a counter */
+    g.high = l->high;
     gemm_task(&g, ith, nth);
     barrier_wait(&s->barrier, nth);
 }

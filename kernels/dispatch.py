@@ -24,6 +24,7 @@ from localpd.kernels import cpu
 from localpd.quant.bnb import LLM_INT8_THRESHOLD, BnbInt8Weight, Nf4Weight, bitsandbytes, nf4_code
 from localpd.quant.codebook import CodebookWeight
 from localpd.quant.int4k import Int4KWeight
+from localpd.quant.int5 import Int5KWeight, Int5Weight
 from localpd.quant.kmajor import KMajorWeight
 from localpd.quant.weights import Int4Weight, Int8Weight
 
@@ -174,6 +175,11 @@ def codebook_matmul_ref(x, w: CodebookWeight, bias=None, gated: str | None = Non
     return _input_matmul_ref(x, w.dequantize(torch.float32), bias, gated, norm)
 
 
+def int5_matmul_ref(x, w: Int5Weight | Int5KWeight, bias=None, gated: str | None = None, norm: PreNorm | None = None):
+    """int4_matmul_ref for a 5-bit weight (quant/int5.py), dequantized in fp32."""
+    return _input_matmul_ref(x, w.dequantize(torch.float32), bias, gated, norm)
+
+
 def int8_matmul_ref(x, data, scales, group: int, bias=None, gated: str | None = None,
                     norm: PreNorm | None = None):
     w = Int8Weight(data, scales)
@@ -263,6 +269,14 @@ def linear_codebook(x: torch.Tensor, w: CodebookWeight, bias: torch.Tensor | Non
     return _linear_held(x, w, as_int8, codebook_matmul_ref, bias, gated, norm)
 
 
+def linear_int5(x: torch.Tensor, w: Int5Weight | Int5KWeight, bias: torch.Tensor | None = None,
+                gated: str | None = None, norm: PreNorm | None = None):
+    """linear_int4 for a 5-bit weight (GGUF's Q5_0, Q5_1, Q5_K): localpd's CPU kernels read its fifth bits beside its
+    int4 codes and factors; Triton's int8 kernels take its nearest int8 (as_int8: 8.5 bits a weight read on the GPU,
+    not 5.5); elsewhere the torch reference."""
+    return _linear_held(x, w, as_int8, int5_matmul_ref, bias, gated, norm)
+
+
 def kmajor_matmul_ref(x, w: KMajorWeight, bias=None, gated: str | None = None, norm: PreNorm | None = None):
     """int4_matmul_ref for a K-major weight (quant/kmajor.py), dequantized in fp32."""
     return _input_matmul_ref(x, w.dequantize(torch.float32), bias, gated, norm)
@@ -327,9 +341,9 @@ def as_int4(w: Int4KWeight) -> Int4Weight:
     return int4
 
 
-def as_int8(w: CodebookWeight) -> Int8Weight:
-    """The int8 weight holding w's values (exactly: the codebook's entries times the same scales), made once and kept
-    on w."""
+def as_int8(w: CodebookWeight | Int5Weight | Int5KWeight) -> Int8Weight:
+    """The int8 weight holding w's values (a codebook's exactly: its entries times the same scales; a 5-bit weight's
+    nearest, quant/int5.py), made once and kept on w."""
     int8 = w.__dict__.get("_as_int8")
     if int8 is None:
         int8 = w.__dict__["_as_int8"] = w.to_int8()

@@ -1,11 +1,11 @@
 """GGUF block types whose every group of 32 values is codes * scale (+ bias): decoded into that form.
 
 In this form a block type maps onto localpd's own formats with group 32: codes 0..15 with a scale and a bias are
-an Int4Weight, 4-bit codes into a table of int8 values (IQ4_NL, IQ4_XS, MXFP4) a CodebookWeight (quant/codebook.py),
-other signed codes with a scale alone an Int8Weight. Scales computed from several stored fields (IQ4_XS's
-d * (ls - 32)) are rounded to float16 there; the other types import bit for bit, but Q5_1 and Q5_K (5-bit codes and
-a bias), which become int8 with the least error (quant.weights.int8_near). Q4_K keeps its fields apart, as int4-k
-(quant/int4k.py); its decoder here serves the exact float dequantization.
+an Int4Weight, 5-bit codes (Q5_0, Q5_1) an Int5Weight (quant/int5.py), 4-bit codes into a table of int8 values
+(IQ4_NL, IQ4_XS, MXFP4) a CodebookWeight (quant/codebook.py), other signed codes with a scale alone an Int8Weight.
+Scales computed from several stored fields (IQ4_XS's d * (ls - 32)) are rounded to float16 there; the other types
+import bit for bit. Q4_K and Q5_K keep their fields apart, as int4-k (quant/int4k.py) and Int5KWeight; their
+decoders here serve the exact float dequantization.
 
 Each decoder takes the stored blocks as uint8 [n_blocks, bytes per block] and returns Groups, one row per group of
 32 values, in file order. `dequantize(groups)` computes in float32 exactly as ggml (and the gguf package) do.
@@ -129,7 +129,7 @@ DECODERS = {"Q8_0": q8_0, "Q4_0": q4_0, "Q4_1": q4_1, "Q5_0": q5_0, "Q5_1": q5_1
             "IQ4_NL": iq4_nl, "IQ4_XS": iq4_xs, "MXFP4": mxfp4}
 INT4_TYPES = {"Q4_0", "Q4_1"}  # codes 0..15 with a bias: Int4Weight (Q4_K: Int4KWeight); IQ4 and MXFP4: a
 # CodebookWeight (quant/codebook.py's CODEBOOK_TYPES); the rest are Int8Weight
-INT8_NEAR = {"Q5_1", "Q5_K"}  # 5-bit codes with a bias: Int8Weight has no bias, so these are not exact there
+INT5_TYPES = {"Q5_0", "Q5_1", "Q5_K"}  # 5-bit codes: Int5Weight, Int5KWeight (quant/int5.py)
 
 
 def dequantize(g: Groups) -> torch.Tensor:

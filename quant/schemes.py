@@ -74,8 +74,8 @@ def is_int4(scheme: str) -> bool:
 
 
 def imports_exactly(gguf_type: str, scheme: str) -> bool:
-    """Whether a GGUF block type is imported from its blocks (quant.weights.from_gguf: as stored, or for Q5_1/Q5_K the
-    nearest int8), not re-quantized from its float values."""
+    """Whether a GGUF block type is imported from its blocks as stored (quant.weights.from_gguf), not re-quantized
+    from its float values."""
     return gguf_type in GGUF_NATIVE and (scheme == "native" or (scheme == "int8" and gguf_type == "Q8_0")
                                          or (scheme == "int4-g32" and gguf_type in ("Q4_0", "Q4_1"))
                                          or (scheme == "int4-zp-g32" and gguf_type == "Q4_0")  # zero point 8

@@ -319,9 +319,9 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 def from_gguf(type_name: str, raw_blocks_uint8: torch.Tensor, shape: tuple[int, int]):
     """Import of a GGUF block type whose groups of 32 are codes * scale (+ bias) (quant.gguf_blocks): Q4_0 and Q4_1
-    -> Int4Weight, Q4_K -> Int4KWeight (quant/int4k.py), IQ4_NL, IQ4_XS and MXFP4 -> CodebookWeight
-    (quant/codebook.py), Q8_0 and Q5_0 -> Int8Weight, group 32. Bit for bit, but for IQ4_XS's scales (products of
-    two stored fields), which are rounded to float16.
+    -> Int4Weight, Q4_K -> Int4KWeight (quant/int4k.py), Q5_0 and Q5_1 -> Int5Weight, Q5_K -> Int5KWeight
+    (quant/int5.py), IQ4_NL, IQ4_XS and MXFP4 -> CodebookWeight (quant/codebook.py), Q8_0 -> Int8Weight, group 32.
+    Bit for bit, but for IQ4_XS's scales (products of two stored fields), which are rounded to float16.
 
     `raw_blocks_uint8` holds the tensor's blocks as stored (any shape); `shape` is (N rows, K columns) with blocks
     running along K.
@@ -342,10 +342,12 @@ def from_gguf(type_name: str, raw_blocks_uint8: torch.Tensor, shape: tuple[int, 
         from localpd.quant.int4k import Int4KWeight  # it imports this module
 
         return Int4KWeight.from_q4_k(raw.reshape(-1, size), shape)
+    if type_name in gguf_blocks.INT5_TYPES:
+        from localpd.quant.int5 import Int5KWeight, from_q5  # it imports this module
+
+        blocks = raw.reshape(-1, size)
+        return Int5KWeight.from_q5_k(blocks, shape) if type_name == "Q5_K" else from_q5(type_name, blocks, shape)
     g = gguf_blocks.DECODERS[type_name](raw.reshape(-1, size))
-    if type_name in gguf_blocks.INT8_NEAR:
-        codes, scales = int8_near(g)
-        return Int8Weight(codes.reshape(n, k), _half_scales(scales, type_name).reshape(n, k // 32))
     scales = _half_scales(g.scale, type_name).reshape(n, k // 32)
     if type_name in gguf_blocks.INT4_TYPES:
         biases = _half_scales(g.bias, type_name).reshape(n, k // 32)

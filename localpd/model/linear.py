@@ -11,11 +11,12 @@ import torch
 import torch.nn.functional as F
 
 from localpd.kernels.dispatch import (PreNorm, kmajor_rounding, linear_bnb_int8, linear_bnb_nf4, linear_codebook,
-                                     linear_int4, linear_int4k, linear_int8, linear_kmajor)
+                                     linear_int4, linear_int4k, linear_int5, linear_int8, linear_kmajor)
 from localpd.kernels.fused_dispatch import act_mul, add_rms_norm
 from localpd.quant.bnb import BnbInt8Weight, Nf4Weight
 from localpd.quant.codebook import CODEBOOK_TYPES
 from localpd.quant.int4k import Int4KWeight
+from localpd.quant.int5 import Int5KWeight, Int5Weight
 from localpd.quant.kmajor import KMajorInt4, KMajorInt8
 from localpd.quant.weights import Int4Weight, Int8Weight, Weight, cat_rows, weight_nbytes
 
@@ -34,6 +35,8 @@ KERNELS: dict[type, Kernel] = {
     Int4Weight: Kernel(linear_int4, fuses=True),
     Int8Weight: Kernel(linear_int8, fuses=True),
     Int4KWeight: Kernel(linear_int4k, fuses=True),
+    Int5Weight: Kernel(linear_int5, fuses=True),
+    Int5KWeight: Kernel(linear_int5, fuses=True),
     **{cls: Kernel(linear_codebook, fuses=True) for cls in set(CODEBOOK_TYPES.values())},
     KMajorInt4: Kernel(linear_kmajor, fuses=True, rounding=kmajor_rounding),  # the GPU's layout of the two above
     KMajorInt8: Kernel(linear_kmajor, fuses=True, rounding=kmajor_rounding),  # (to_gpu_layout)

@@ -11,12 +11,14 @@ import pytest
 import torch
 
 from localpd.kernels import cpu
-from localpd.kernels.dispatch import PreNorm, as_int8, codebook_matmul_ref, int4_matmul_ref, int4k_matmul_ref, int8_matmul_ref
+from localpd.kernels.dispatch import (PreNorm, as_int8, codebook_matmul_ref, int4_matmul_ref, int4k_matmul_ref,
+                                     int5_matmul_ref, int8_matmul_ref)
 from localpd.kernels.fused_dispatch import act_mul_ref, add_rms_norm_ref
 from localpd.kvcache.dispatch import paged_attention_ref, rope_write_kv_ref
 from localpd.kvcache.formats import dequantize_kv, kv_formats, new_kv_pool
 from localpd.quant.codebook import CodebookWeight, IQ4Weight, MXFP4Weight
 from localpd.quant.int4k import Int4KWeight
+from localpd.quant.int5 import Int5KWeight, Int5Weight, split_codes
 from localpd.quant.weights import Int4Weight, Int8Weight
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
@@ -82,6 +84,12 @@ def weights(kind: str, n: int, k: int, group: int, g: torch.Generator):
         values = cls.table[torch.randint(0, 16, (n, k), generator=g)]
         scales = (torch.rand(n, k // 32, generator=g) * torch.rand(n, 1, generator=g) * 0.05).half()
         return cls.from_values(values, scales)
+    if kind in ("int5", "int5k"):  # every code 0..31; int4-g32's or int4-k's factors from a random matrix's
+        codes = torch.randint(0, 32, (n, k), generator=g, dtype=torch.uint8)
+        low = weights("int4" if kind == "int5" else "int4k", n, k, 32, g)
+        if kind == "int5":
+            return Int5Weight.from_codes(codes, low.scales, low.biases)
+        return Int5KWeight(*split_codes(codes), low.d, low.dmin, low.sub)
     dense = torch.randn(n, k, generator=g)
     if kind == "int4k":
         return Int4KWeight.from_int4(Int4Weight.quantize_rtn(dense, 32))
@@ -93,6 +101,8 @@ def weights(kind: str, n: int, k: int, group: int, g: torch.Generator):
 def ref(w, x, bias=None, gated=None, norm=None):
     if isinstance(w, CodebookWeight):
         return codebook_matmul_ref(x, w, bias=bias, gated=gated, norm=norm)
+    if isinstance(w, (Int5Weight, Int5KWeight)):
+        return int5_matmul_ref(x, w, bias=bias, gated=gated, norm=norm)
     if isinstance(w, Int4KWeight):
         return int4k_matmul_ref(x, w, bias=bias, gated=gated, norm=norm)
     if isinstance(w, Int4Weight):
@@ -110,7 +120,7 @@ def rel_err(a, b):
 SHAPES = [(1, 61, 96), (1, 70, 576), (1, 64, 1536), (3, 128, 576), (5, 17, 32), (9, 33, 1536), (1, 1, 4096),
           (16, 61, 96), (37, 200, 576), (128, 1000, 1536)]
 GROUPS = [("int4", 32), ("int4", 64), ("int4", 128), ("int8", 32), ("int8", None),  # None: one scale per row
-          ("int4k", 32), ("iq4", 32), ("mxfp4", 32)]
+          ("int4k", 32), ("int5", 32), ("int5k", 32), ("iq4", 32), ("mxfp4", 32)]
 
 
 @pytest.mark.parametrize("kind,group,m,n,k", [(kind, group, *shape) for kind, group in GROUPS for shape in SHAPES
@@ -129,7 +139,7 @@ def test_linear_matches_the_reference_on_its_rounded_input(lib, kind, group, m, 
     assert rel_err(y, ref(w, x, bias)) < 1e-4
 
 
-@pytest.mark.parametrize("kind", ["int4", "int8", "int4k", "iq4"])
+@pytest.mark.parametrize("kind", ["int4", "int8", "int4k", "int5k", "iq4"])
 @pytest.mark.parametrize("m", [16, 37, 128])
 def test_prefill_rows_in_bfloat16_multiply_the_rounded_operands(lib, kind, m, monkeypatch):
     """LOCALPD_PREFILL_BF16's GEMM (cpu.prefill_bf16): the rounded input and each dequantized weight slice rounded to
@@ -150,7 +160,7 @@ def test_prefill_rows_in_bfloat16_multiply_the_rounded_operands(lib, kind, m, mo
     assert 0 < rel_err(got, exact) < 1e-2
 
 
-@pytest.mark.parametrize("kind", ["int4", "int8", "int4k", "iq4"])
+@pytest.mark.parametrize("kind", ["int4", "int8", "int4k", "int5k", "iq4"])
 def test_prefill_rows_without_a_blas_take_torch_mm_and_match(lib, kind):
     """Where torch's library exports no sgemm, lpd_dequant_gemm says so and the rows go through torch.mm over the
     dequantized weight: the same products."""
@@ -175,7 +185,7 @@ def test_a_prefill_slice_fits_the_l2_and_leaves_every_thread_work(n, k, nth):
     assert rows == 8 or rows <= -(-n // (4 * nth))  # each thread takes four slices or more
 
 
-@pytest.mark.parametrize("kind", ["int4", "int8", "int4k", "iq4"])
+@pytest.mark.parametrize("kind", ["int4", "int8", "int4k", "int5k", "iq4"])
 @pytest.mark.parametrize("residual", [False, True])
 def test_linear_with_rms_norm_in_front(lib, kind, residual):
     g = torch.Generator().manual_seed(5 + residual)
@@ -191,7 +201,7 @@ def test_linear_with_rms_norm_in_front(lib, kind, residual):
     assert rel_err(y, y_ref) < 1e-4
 
 
-@pytest.mark.parametrize("kind", ["int4", "int8", "int4k", "iq4"])
+@pytest.mark.parametrize("kind", ["int4", "int8", "int4k", "int5k", "iq4"])
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 def test_linear_with_the_gate_in_front(lib, kind, act):
     g = torch.Generator().manual_seed(9)
@@ -591,8 +601,8 @@ def test_tables_outside_the_pool_are_an_error_not_a_crash(lib):
 
 @pytest.mark.parametrize("kv", KV)
 def test_decode_layers_in_one_call_equal_the_kernels_op_by_op(lib, kv):
-    """lpd_decode_layers runs six layers (int4, int8 and per-row int8 weights, int4-k, a codebook, and qkv in three
-    parts of different formats, as a GGUF's Q4_K q and k beside a Q6_K v; an odd block count in down, RoPE of the
+    """lpd_decode_layers runs six layers (int4, int8 and per-row int8 weights, int4-k, a codebook, and 5-bit int4-k
+    (Q5_K) with qkv in three parts of different formats, as a GGUF's Q4_K q and k beside a Q5_0 or Q6_K v; an odd block count in down, RoPE of the
     step, the local one with a sliding window, none) over two sequences (a decode row and a three-row chunk whose
     first row fills a page and whose second opens the next, pages out of order) in one parallel region: the same
     floats, KV writes (int4ch's stage too) and residual stream as the kernels called one by one."""
@@ -602,7 +612,7 @@ def test_decode_layers_in_one_call_equal_the_kernels_op_by_op(lib, kv):
 
     g = torch.Generator().manual_seed(11)
     Hq, H, D, dim, ffn, ps, eps = 4, 2, 16, 64, 96, 8, 1e-5
-    kinds = [("int4", 32), ("int8", 32), ("int8", None), ("int4k", 32), ("iq4", 32), ("int4", 32)]
+    kinds = [("int4", 32), ("int8", 32), ("int8", None), ("int4k", 32), ("iq4", 32), ("int5k", 32)]
     ropes, windows = [0, 1, 2, 0, 0, 0], [0, 5, 0, 0, 3, 0]
     layers = []
     for kind, group in kinds:
@@ -610,7 +620,7 @@ def test_decode_layers_in_one_call_equal_the_kernels_op_by_op(lib, kv):
                for n, k in [((Hq + 2 * H) * D, dim), (dim, Hq * D), (2 * ffn, dim), (dim, ffn)]]
         layers.append((lin, torch.rand(dim, generator=g) + 0.5, torch.rand(dim, generator=g) + 0.5))
     lin[0] = SimpleNamespace(parts=[SimpleNamespace(weight=weights(kind, n, dim, 32, g), bias=b)  # the last layer's
-                                    for kind, n, b in (("int4k", Hq * D, None), ("iq4", H * D, None),
+                                    for kind, n, b in (("int4k", Hq * D, None), ("int5", H * D, None),
                                                        ("int8", H * D, torch.randn(H * D, generator=g)))])
 
     def qkv_of(lin, x, residual, norm):
@@ -658,27 +668,27 @@ def test_gathered_weights_view_one_buffer_and_multiply_the_same():
     after the move (whose plans were made before it) equal those before, bit for bit."""
     g = torch.Generator().manual_seed(8)
     ws = [weights("int4", 96, 576, 32, g), weights("int8", 64, 160, 32, g), weights("int4k", 40, 320, 32, g),
-          weights("iq4", 24, 96, 32, g)]
+          weights("iq4", 24, 96, 32, g), weights("int5k", 16, 256, 32, g)]
     x = [torch.randn(1, w.shape[1], generator=g) for w in ws]
     before = [cpu.linear(xi, w) for xi, w in zip(x, ws)]
     moved = cpu.gather_weights(ws + ws[:1])
     assert moved >= sum(w.nbytes for w in ws)
     tensors = [ws[0].packed, ws[0].scales, ws[0].biases, ws[1].data, ws[1].scales, ws[2].packed, ws[2].d,
-               ws[2].dmin, ws[2].sub, ws[3].packed, ws[3].scales]
+               ws[2].dmin, ws[2].sub, ws[3].packed, ws[3].scales, ws[4].packed, ws[4].high, ws[4].sub]
     assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
     assert ws[0].packed.data_ptr() % cpu.HUGE_PAGE == 0
     assert all(torch.equal(cpu.linear(xi, w), b) for xi, w, b in zip(x, ws, before))
 
 
 @pytest.mark.parametrize("kind,group", [("int4", 32), ("int4", 64), ("int8", 32), ("int8", None), ("int4k", 32),
-                                        ("iq4", 32), ("mxfp4", 32)])
+                                        ("int5", 32), ("int5k", 32), ("iq4", 32), ("mxfp4", 32)])
 @pytest.mark.parametrize("n,k", [(70, 576), (64, 1536), (33, 96), (33, 192)])
 def test_each_of_a_few_rows_is_its_one_row_product_bit_for_bit(lib, kind, group, n, k):
     """2 to 15 rows (a verification step's: a decode row and the drafted tokens after it; on AVX-512 one tile of all
     the rows a weight row) give each row exactly what that row alone gives (the decode step's one-row product), so speculative
     decoding's rows are the plain decode rows they check. (AVX2's int4-k differs in the last bits between one row
     and several: not held there.)"""
-    if kind == "int4k" and lib.lpd_isa().decode() == "avx2":
+    if kind in ("int4k", "int5k") and lib.lpd_isa().decode() == "avx2":
         pytest.skip("AVX2's int4-k factors are not gemv4's for one row")
     if group and k % group:
         pytest.skip(f"groups of {group} do not divide {k}")
@@ -693,12 +703,12 @@ def test_each_of_a_few_rows_is_its_one_row_product_bit_for_bit(lib, kind, group,
 
 
 @pytest.mark.parametrize("kind,group", [("int4", 32), ("int4", 64), ("int8", 32), ("int8", None), ("int4k", 32),
-                                        ("iq4", 32), ("mxfp4", 32)])
+                                        ("int5", 32), ("int5k", 32), ("iq4", 32), ("mxfp4", 32)])
 def test_the_integer_products_at_prefill_rows_are_each_its_one_row_product(lib, kind, group, monkeypatch):
     """Past GEMM_ROWS too (the float products' range: 16, 37 and 64 rows through lpd_linear), each row's integer
     product is its decode row's bit for bit and the torch reference's on the rounded input: the tiles could take
     prefill without changing any row. (AVX2's int4-k: as above.)"""
-    if kind == "int4k" and lib.lpd_isa().decode() == "avx2":
+    if kind in ("int4k", "int5k") and lib.lpd_isa().decode() == "avx2":
         pytest.skip("AVX2's int4-k factors are not gemv4's for one row")
     monkeypatch.setattr(cpu, "GEMM_ROWS", 1 << 20)
     n, k = 61, 576
@@ -714,7 +724,7 @@ def test_the_integer_products_at_prefill_rows_are_each_its_one_row_product(lib, 
 
 
 @pytest.mark.parametrize("kind,group", [("int4", 32), ("int4", 64), ("int8", None), ("int8", 32), ("int4k", 32),
-                                        ("iq4", 32)])
+                                        ("int5", 32), ("int5k", 32), ("iq4", 32)])
 @pytest.mark.parametrize("n,k", [(61, 576), (33, 96), (23, 1536)])
 def test_every_row_count_to_17_is_each_rows_one_row_product_and_the_references(lib, kind, group, n, k, monkeypatch):
     """Every row count from 1 to 17 through the integer products (a verification step's 1 to 15 rows, and past
@@ -723,7 +733,7 @@ def test_every_row_count_to_17_is_each_rows_one_row_product_and_the_references(l
     within float summation of the torch reference on the rounded input. Odd weight-row counts, an odd block count
     (K = 96: AVX-512's plain loops) and groups of several blocks (int4 g64: row_factors' general path, its rows in
     two calls past eight). (AVX2's int4-k: as above.)"""
-    if kind == "int4k" and lib.lpd_isa().decode() == "avx2":
+    if kind in ("int4k", "int5k") and lib.lpd_isa().decode() == "avx2":
         pytest.skip("AVX2's int4-k factors are not gemv4's for one row")
     if group and k % group:
         pytest.skip(f"groups of {group} do not divide {k}")
@@ -750,3 +760,19 @@ def test_a_codebook_weight_multiplies_as_its_values_held_as_int8_bit_for_bit(lib
     x, bias = torch.randn(m, k, generator=g) * 3, torch.randn(n, generator=g)
     assert torch.equal(cpu.linear(x, w, bias, lib=lib), cpu.linear(x, as_int8(w), bias, lib=lib))
     assert w.nbytes * 8 / (n * k) == 4.5
+
+
+@pytest.mark.parametrize("kind", ["int5", "int5k"])
+@pytest.mark.parametrize("m,n,k", [(1, 70, 576), (1, 33, 96), (3, 61, 1536), (40, 200, 576)])
+def test_a_5_bit_weight_without_fifth_bits_multiplies_as_its_int4_weight_bit_for_bit(lib, kind, m, n, k):
+    """The fifth bits are all that a 5-bit weight adds to its int4 weight (int4-g32's, int4-k's): with every one of
+    them clear, decode and prefill rows give that int4 weight's floats exactly; with them set, the products move
+    (each row by the weight's 16 x scale x input sums) and hold to the reference."""
+    g = torch.Generator().manual_seed(m + n + k)
+    w = weights(kind, n, k, 32, g)
+    x, bias = torch.randn(m, k, generator=g) * 3, torch.randn(n, generator=g)
+    clear = type(w)(**{**w.__dict__, "high": torch.zeros_like(w.high)})
+    low = Int4Weight(w.packed, w.scales, w.biases) if kind == "int5" else w.low()
+    assert torch.equal(cpu.linear(x, clear, bias, lib=lib), cpu.linear(x, low, bias, lib=lib))
+    y = cpu.linear(x, w, bias, lib=lib)
+    assert rel_err(y, ref(w, rounded_rows(x), bias)) < 2e-5 and rel_err(y, ref(low, rounded_rows(x), bias)) > 1e-2

@@ -10,6 +10,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from localpd.errors import LocalpdError
 from localpd.quant.codebook import IQ4Weight, MXFP4Weight
 from localpd.quant.int4k import Int4KWeight
+from localpd.quant.int5 import Int5KWeight, Int5Weight
 from localpd.quant.weights import Int4Weight, Int8Weight, from_gguf, integer_zeros, pack_int4, unpack_int4
 
 
@@ -158,7 +159,7 @@ def _random_blocks(type_name, n_blocks, rng):
     return np.concatenate(parts + [rng.integers(0, 256, (n_blocks, rest), dtype=np.uint8)], axis=1)
 
 
-@pytest.mark.parametrize("type_name", [t for t in F16_FIELDS if t not in ("Q5_1", "Q5_K")])
+@pytest.mark.parametrize("type_name", list(F16_FIELDS))
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_gguf_import_is_exact(type_name, seed):
     rng = np.random.default_rng(seed)
@@ -168,7 +169,8 @@ def test_gguf_import_is_exact(type_name, seed):
     expected = torch.from_numpy(gguf_dequantize(blocks.reshape(-1), GGMLQuantizationType[type_name]).reshape(n, k))
     w = from_gguf(type_name, torch.from_numpy(blocks.reshape(-1).copy()), (n, k))
     assert isinstance(w, {"Q4_0": Int4Weight, "Q4_1": Int4Weight, "Q4_K": Int4KWeight, "IQ4_NL": IQ4Weight,
-                          "IQ4_XS": IQ4Weight, "MXFP4": MXFP4Weight}.get(type_name, Int8Weight))
+                          "IQ4_XS": IQ4Weight, "MXFP4": MXFP4Weight, "Q5_0": Int5Weight, "Q5_1": Int5Weight,
+                          "Q5_K": Int5KWeight}.get(type_name, Int8Weight))
     assert w.group == 32 and w.shape == (n, k)
     got = w.dequantize(torch.float32)
     if type_name in ROUNDED:  # each value off by at most float16's rounding of its scale (and bias)
@@ -181,15 +183,15 @@ def test_gguf_import_is_exact(type_name, seed):
 
 
 @pytest.mark.parametrize("type_name", ["Q5_1", "Q5_K"])
-def test_gguf_5bit_import_beats_round_to_nearest(type_name):
-    """5-bit codes with a bias have no exact int8 form: each group's error is at most plain round-to-nearest's
-    (int8, absmax / 127 per 32), and over all groups well below it."""
+def test_the_gpus_int8_form_of_5_bit_codes_beats_round_to_nearest(type_name):
+    """5-bit codes with a bias have no exact int8 form (the GPU's, as_int8): each group's error is at most plain
+    round-to-nearest's (int8, absmax / 127 per 32), and over all groups well below it."""
     rng = np.random.default_rng(3)
     n, k = 32, 512
     block = gguf.GGML_QUANT_SIZES[GGMLQuantizationType[type_name]][0]
     blocks = _random_blocks(type_name, n * k // block, rng)
     exact = torch.from_numpy(gguf_dequantize(blocks.reshape(-1), GGMLQuantizationType[type_name]).reshape(n, k))
-    w = from_gguf(type_name, torch.from_numpy(blocks.reshape(-1).copy()), (n, k))
+    w = from_gguf(type_name, torch.from_numpy(blocks.reshape(-1).copy()), (n, k)).to_int8()
     assert isinstance(w, Int8Weight) and w.group == 32
     rtn = Int8Weight.quantize(exact, 32)
     err = ((w.dequantize() - exact) ** 2).reshape(-1, 32).sum(1)

@@ -1,0 +1,179 @@
+"""5-bit codes in groups of 32: GGUF's Q5_0 and Q5_1 (Int5Weight: a float16 scale and bias a group, as int4-g32's)
+and Q5_K (Int5KWeight: int4-k's super-block scales and biases), each imported bit for bit.
+
+Each is an int4 weight of its kind (Int4Weight, Int4KWeight: the same fields, the same kernels' factors) whose
+codes have a fifth bit, held apart in `high`: value = (q + 16 h) * scale + bias, q the four low bits (in `packed`,
+Int4Weight's layout) and h the fifth. Q5_0's value (q5 - 16) * d is the case bias = -16 d (exact in float16, as
+Q4_0's -8 d is). 5.5 bits a weight for Q5_0/Q5_1 (5.6 for Q5_K), where the nearest int8 weight that the CPU held
+them as before took 8.5.
+
+`high` is uint8 [N, K // 8]: each block of 32 columns takes 4 bytes, a little-endian uint32 whose bit e is the
+fifth bit of column 2e for e < 16 (the block's low nibbles) and of column 2(e - 16) + 1 for e >= 16 (its high
+ones): the order in which the CPU kernels expand a block's nibbles (kernels/cpu_kernels.c), so a pair of blocks'
+bits is one 64-bit mask there. The GPU takes these weights as their nearest int8 (to_int8, kernels/dispatch.py's
+as_int8), as localpd held them everywhere before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from localpd.errors import LocalpdError
+from localpd.quant import gguf_blocks
+from localpd.quant.int4k import Int4KWeight
+from localpd.quant.weights import Int4Weight, Int8Weight, int8_near, pack_int4, unpack_int4
+
+GROUP = 32
+
+
+def split_codes(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 codes [N, K] (0..31, K a multiple of 32) -> (packed low four bits, Int4Weight's int32 layout; the
+    fifth bits, uint8 [N, K // 8] in the module docstring's order)."""
+    n, k = codes.shape
+    if k % GROUP:
+        raise LocalpdError(f"5-bit weights need the input dimension ({k}) to be a multiple of {GROUP}")
+    codes = codes.to(torch.uint8)
+    fifth = (codes >> 4) & 1
+    ordered = fifth.reshape(n, k // GROUP, GROUP // 2, 2).transpose(2, 3).reshape(n, k // 8, 8)  # even columns first
+    weights = 1 << torch.arange(8, dtype=torch.int32, device=codes.device)
+    high = (ordered.to(torch.int32) * weights).sum(-1).to(torch.uint8)
+    return pack_int4(codes & 15), high.contiguous()
+
+
+def join_codes(packed: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    """split_codes' inverse: uint8 codes [N, K], 0..31."""
+    n = packed.shape[0]
+    bits = (high[..., None] >> torch.arange(8, dtype=torch.uint8, device=high.device)) & 1  # [N, K // 8, 8]
+    k = bits.shape[1] * 8
+    fifth = bits.reshape(n, k // GROUP, 2, GROUP // 2).transpose(2, 3).reshape(n, k)
+    return unpack_int4(packed) | (fifth << 4)
+
+
+def _check_high(high: torch.Tensor, n: int, k: int) -> None:
+    if high.dtype != torch.uint8 or tuple(high.shape) != (n, k // 8):
+        raise LocalpdError(f"5-bit weights' fifth bits must be uint8 {(n, k // 8)} for a {n}x{k} weight, got "
+                           f"{high.dtype} {tuple(high.shape)}")
+    if k % GROUP:
+        raise LocalpdError(f"5-bit weights need the input dimension ({k}) to be a multiple of {GROUP}")
+
+
+def _dequantize(codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    n, k = codes.shape
+    q = codes.float().reshape(n, k // GROUP, GROUP)
+    return (q * scale[..., None] + bias[..., None]).reshape(n, k).to(dtype)
+
+
+def _to_int8(codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor) -> Int8Weight:
+    n, k = codes.shape
+    g = gguf_blocks.Groups(codes.reshape(-1, GROUP), scale.reshape(-1, 1), bias.reshape(-1, 1))
+    q, s = int8_near(g)
+    return Int8Weight(q.reshape(n, k), s.half().reshape(n, k // GROUP))
+
+
+@dataclass
+class Int5Weight:
+    """Q5_0 / Q5_1: value = q5 * scales[n, b] + biases[n, b] per block b of 32 columns, q5 in 0..31."""
+
+    packed: torch.Tensor  # int32 [N, K // 8]: the codes' low four bits, Int4Weight's layout
+    high: torch.Tensor    # uint8 [N, K // 8]: their fifth bits (module docstring)
+    scales: torch.Tensor  # float16 [N, K // 32]
+    biases: torch.Tensor  # float16 [N, K // 32]
+
+    def __post_init__(self):
+        low = Int4Weight(self.packed, self.scales, self.biases)  # its checks
+        if low.group != GROUP:
+            raise LocalpdError(f"5-bit weights take a scale a group of {GROUP} columns, not {low.group}")
+        _check_high(self.high, *self.shape)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.packed.shape[0], self.packed.shape[1] * 8
+
+    @property
+    def group(self) -> int:
+        return GROUP
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.high, self.scales, self.biases))
+
+    def codes(self) -> torch.Tensor:
+        return join_codes(self.packed, self.high)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return _dequantize(self.codes(), self.scales.float(), self.biases.float(), dtype)
+
+    def to_int8(self) -> Int8Weight:
+        """The nearest int8 weight (quant.weights.int8_near; Q5_0's exactly): what the GPU's kernels take."""
+        return _to_int8(self.codes(), self.scales.float(), self.biases.float())
+
+    @classmethod
+    def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor) -> Int5Weight:
+        """codes [N, K] (0..31) with a float16 scale and bias [N, K // 32] a block."""
+        return cls(*split_codes(codes), scales.contiguous(), biases.contiguous())
+
+
+@dataclass
+class Int5KWeight:
+    """Q5_K: value = q5 * d[n, j] * sc[n, b] + dmin[n, j] * mn[n, b], as int4-k (quant/int4k.py) with 5-bit codes."""
+
+    packed: torch.Tensor  # int32 [N, K // 8]: the codes' low four bits, Int4Weight's layout
+    high: torch.Tensor    # uint8 [N, K // 8]: their fifth bits (module docstring)
+    d: torch.Tensor       # float16 [N, super-blocks]
+    dmin: torch.Tensor    # float16 [N, super-blocks]
+    sub: torch.Tensor     # uint8 [N, 2 * nb]: sc (uint8), then mn (int8), a group each
+
+    def __post_init__(self):
+        self.low()  # its checks
+        _check_high(self.high, *self.shape)
+
+    def low(self) -> Int4KWeight:
+        return Int4KWeight(self.packed, self.d, self.dmin, self.sub)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.packed.shape[0], self.packed.shape[1] * 8
+
+    @property
+    def group(self) -> int:
+        return GROUP
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.high, self.d, self.dmin, self.sub))
+
+    def codes(self) -> torch.Tensor:
+        return join_codes(self.packed, self.high)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return _dequantize(self.codes(), *self.low().group_scales(), dtype)
+
+    def to_int8(self) -> Int8Weight:
+        return _to_int8(self.codes(), *self.low().group_scales())
+
+    @classmethod
+    def from_q5_k(cls, blocks: torch.Tensor, shape: tuple[int, int]) -> Int5KWeight:
+        """A GGUF Q5_K tensor's blocks (uint8 [n_blocks, 176]: d, dmin, 12 bytes of six-bit scales and mins, 32 of
+        fifth bits, 128 of low nibbles), bit for bit: sc = the six-bit scale, mn = minus the six-bit min."""
+        n, k = shape
+        sc, m = gguf_blocks.k_scales(blocks[:, 4:16])
+        codes = gguf_blocks.q5_k(blocks).codes.reshape(n, k)
+        sub = torch.cat([sc.to(torch.uint8).reshape(n, -1), (-m).to(torch.int8).view(torch.uint8).reshape(n, -1)], 1)
+        half = lambda t: t.contiguous().view(torch.float16).reshape(n, -1).clone()  # noqa: E731
+        return cls(*split_codes(codes), half(blocks[:, 0:2]), half(blocks[:, 2:4]), sub.contiguous())
+
+
+def from_q5(type_name: str, blocks: torch.Tensor, shape: tuple[int, int]) -> Int5Weight:
+    """A GGUF Q5_0 or Q5_1 tensor's blocks, bit for bit: Q5_0's codes q5 - 16 as q5 with the bias -16 d."""
+    n, k = shape
+    g = gguf_blocks.DECODERS[type_name](blocks)
+    scale = g.scale.half()
+    if type_name == "Q5_0":
+        codes, bias = (g.codes.to(torch.int16) + 16).to(torch.uint8), (-16 * g.scale).half()
+    else:
+        codes, bias = g.codes, g.bias.half()
+    if not (torch.isfinite(scale).all() and torch.isfinite(bias).all()):
+        raise LocalpdError(f"GGUF {type_name}: a block scale or bias does not fit float16 (largest 65504)")
+    return Int5Weight.from_codes(codes.reshape(n, k), scale.reshape(n, k // GROUP), bias.reshape(n, k // GROUP))
