@@ -1,12 +1,13 @@
 """A model as localpd holds it -> one GGUF file that llama.cpp loads: each matrix in the block type that holds its
-format (int4 groups as Q4_1, int8 as Q8_0, int4-k as Q4_K), the tokenizer (a GGUF source's own, or built from a
+format (int4 groups as Q4_1, int8 as Q8_0, int4-k as Q4_K, 5-bit codes as Q5_1 and Q5_K), the tokenizer (a GGUF source's own, or built from a
 Hugging Face directory's tokenizer.json: gguf_vocab), chat template and hyper-parameters.
 
 Exact where the format fits: an int4 group of 32, 64 or 128 is one, two or four Q4_1 blocks with its float16 scale
 (d) and bias (m); an int8 row's or group's float16 scale is each of its Q8_0 blocks' d. int4-k is Q4_K where its
 scales fit Q4_K's six bits and its biases are minus six-bit mins over whole super-blocks of 256 (a Q4_K import);
 otherwise its groups are fitted to Q4_K (rows of whole super-blocks) or written as Q4_1 with their scales and
-biases rounded to float16, and the error is reported. Other formats (bitsandbytes') are re-quantized to Q8_0.
+biases rounded to float16, and the error is reported; 5-bit int4-k (a Q5_K import) likewise as Q5_K or Q5_1, and
+5-bit groups (Q5_0, Q5_1 imports) as Q5_1, exactly (Q5_0's bias -16 d is a float16 m). Other formats (bitsandbytes') are re-quantized to Q8_0.
 """
 
 from __future__ import annotations
@@ -23,12 +24,14 @@ from localpd.export.source import Source, tokenizer_meta
 from localpd.load.loader import GGUF_NAMES, GGUF_TOP, qk_order, rows
 from localpd.model.config import ModelConfig
 from localpd.quant.int4k import GROUP, PER_SUPER, Int4KWeight, super_blocks
+from localpd.quant.int5 import Int5KWeight, Int5Weight
 from localpd.quant.weights import Int4Weight, Int8Weight, Weight, pack_int4, unpack_int4
 
 BLOCK = 32
 SUPER = GROUP * PER_SUPER  # 256: a Q4_K block
 DENSE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
-FILE_TYPES = {"Q4_1": "MOSTLY_Q4_1", "Q8_0": "MOSTLY_Q8_0", "Q4_K": "MOSTLY_Q4_K_S", "F16": "MOSTLY_F16",
+FILE_TYPES = {"Q4_1": "MOSTLY_Q4_1", "Q8_0": "MOSTLY_Q8_0", "Q4_K": "MOSTLY_Q4_K_S", "Q5_1": "MOSTLY_Q5_1",
+              "Q5_K": "MOSTLY_Q5_K_S", "F16": "MOSTLY_F16",
               "BF16": "MOSTLY_BF16", "F32": "ALL_F32"}  # gguf.LlamaFileType, by the matrices' most common type
 GGUF_PART = {hf: g for g, hf in GGUF_NAMES.items() if hf != "qkv_proj"}
 GGUF_TOP_NAME = {hf: g for g, hf in GGUF_TOP.items()}
@@ -55,6 +58,32 @@ def q4_1_blocks(codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor) ->
     q = codes.reshape(n, k // BLOCK, BLOCK)
     qs = q[..., :16] | (q[..., 16:] << 4)
     return torch.cat([_half_bytes(scale), _half_bytes(bias), qs], dim=-1).reshape(n, -1)
+
+
+def _fifth_word(fifth: torch.Tensor) -> torch.Tensor:
+    """[..., 32] bits (0/1) -> their little-endian uint32 as 4 bytes [..., 4]: bit j the j-th."""
+    weights = 1 << torch.arange(8, dtype=torch.int32)
+    return (fifth.reshape(*fifth.shape[:-1], 4, 8).int() * weights).sum(-1).to(torch.uint8)
+
+
+def q5_1_blocks(codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """codes uint8 [N, K] (0..31), float16 scale and bias per 32 columns -> Q5_1 blocks [N, K // 32 * 24]: d, m, the
+    fifth bits (bit j: value j's), then byte j holding values j and j + 16's low four bits."""
+    n, k = codes.shape
+    q = codes.reshape(n, k // BLOCK, BLOCK)
+    qs = (q[..., :16] & 15) | ((q[..., 16:] & 15) << 4)
+    return torch.cat([_half_bytes(scale), _half_bytes(bias), _fifth_word(q >> 4), qs], dim=-1).reshape(n, -1)
+
+
+def q5_k_blocks(w: Int5KWeight) -> torch.Tensor:
+    """q4_k_blocks' for 5-bit int4-k (fits_q4_k of its int4-k part) -> Q5_K blocks [N, K // 256 * 176]: d, dmin,
+    the packed scales, then qh (byte l: bit 2c the fifth bit of value 64c + l, bit 2c + 1 of 64c + 32 + l) and
+    Q4_K's nibbles (the inverse of Int5KWeight.from_q5_k)."""
+    n, _ = w.shape
+    head = q4_k_blocks(Int4KWeight(w.packed, w.d, w.dmin, w.sub)).reshape(-1, 144)
+    fifth = (w.codes().reshape(-1, 8, 32) >> 4).int()  # per super-block: 8 groups (2c, 2c + 1) of 32 values
+    qh = (fifth << torch.arange(8, dtype=torch.int32)[None, :, None]).sum(1).to(torch.uint8)
+    return torch.cat([head[:, :16], qh, head[:, 16:]], 1).reshape(n, -1)
 
 
 def q8_0_blocks(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -119,6 +148,14 @@ def encode(w: Weight) -> tuple[str, np.ndarray, Weight]:
         return DENSE[w.dtype], raw, w
     if w.shape[1] % BLOCK:
         raise LocalpdError(f"a {w.shape[0]}x{w.shape[1]} matrix is not whole blocks of {BLOCK} along its input")
+    if isinstance(w, Int5KWeight):
+        low = w.low()
+        if w.shape[1] % SUPER == 0 and fits_q4_k(low):
+            return "Q5_K", q5_k_blocks(w).numpy(), w
+        scale, bias = (t.half() for t in low.group_scales())  # Q5_1 in float16 (a refit to Q5_K's ranges: not made)
+        w = Int5Weight(w.packed, w.high, scale, bias)
+    if isinstance(w, Int5Weight):
+        return "Q5_1", q5_1_blocks(w.codes(), w.scales, w.biases).numpy(), w
     if isinstance(w, Int4KWeight):
         if w.shape[1] % SUPER == 0:
             w = w if fits_q4_k(w) else fit_q4_k(w)

@@ -375,3 +375,29 @@ def test_llama_cpp_tokenizes_the_sentencepiece_export_as_the_tokenizer_json_does
         for text in TEXTS:
             got = post(url + "/tokenize", {"content": text, "add_special": True})["tokens"]
             assert got == hf_tok.encode(text).ids, text
+
+
+def test_5_bit_weights_are_q5_1_and_q5_k_blocks_without_loss():
+    """A Q5_0 or Q5_1 import (5-bit codes, a float16 scale and bias a block) is Q5_1; a Q5_K import (5-bit int4-k with
+    six-bit scales) is Q5_K: each read back by localpd's import as the same fields, bit for bit. 5-bit int4-k with
+    eight-bit scales is Q5_1, its group scales in float16, the loss measured."""
+    import numpy as np
+
+    from localpd.quant.int5 import Int5KWeight, Int5Weight
+    from localpd.quant.weights import from_gguf
+
+    rng = np.random.default_rng(5)
+    for type_name, size, per in (("Q5_0", 22, 32), ("Q5_1", 24, 32), ("Q5_K", 176, 256)):
+        raw = rng.integers(0, 256, (8 * 512 // per, size), dtype=np.uint8)
+        halves = 1 if type_name == "Q5_0" else 2
+        raw[:, :2 * halves] = rng.uniform(-2, 2, (raw.shape[0], halves)).astype(np.float16).view(np.uint8)
+        w = from_gguf(type_name, torch.from_numpy(raw), (8, 512))
+        kind, back, decoded = blocks_round_trip(w)
+        assert kind == ("Q5_K" if type_name == "Q5_K" else "Q5_1") and type(back) is type(w), type_name
+        assert same_weight(back, w) and torch.equal(decoded, w.dequantize()), type_name
+    g = torch.Generator().manual_seed(6)
+    own = Int5KWeight(w.packed, w.high, w.d, w.dmin, torch.randint(0, 256, w.sub.shape, generator=g, dtype=torch.uint8))
+    kind, back, decoded = blocks_round_trip(own)
+    assert kind == "Q5_1" and isinstance(back, Int5Weight) and torch.equal(back.dequantize(), decoded)
+    err = ((decoded - own.dequantize()).norm() / own.dequantize().norm()).item()
+    assert 0 < err < 1e-3, err
