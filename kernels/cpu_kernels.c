@@ -614,6 +614,10 @@ typedef struct {
     const int16_t *xw; /* AVX512, several rows: each value as the int16 256 hi + lo, as gemm_tile takes them
                         * (widen_row; gemm_task fills it) */
     const uint8_t *high; /* a 5-bit weight (bits 4, its low four bits int4's): each code's fifth bit; else NULL */
+    const uint8_t *top;  /* a 6-bit weight (Q6_K, with high): each code's sixth bit, in high's order; else NULL */
+    const int32_t *xs16; /* Q6_K: each input sub-block's integer sum (gemm_task fills it) */
+    const int8_t *sc16;  /* Q6_K: an int8 scale a sub-block of 16 columns (two a block), `scales` its float16 d a
+                          * super-block of 256, no biases: value = d x sc x (q - 32); else NULL */
 } gemm_args;
 
 /* A 5-bit weight (quant/int5.py: GGUF's Q5_0, Q5_1, Q5_K) is an int4 weight, its scales, biases and int4-k
@@ -622,11 +626,16 @@ typedef struct {
  * column 2e (a low nibble), e >= 16 column 2 (e - 16) + 1 (a high one); so a pair of blocks is one uint64 whose bit
  * e goes to expand_int4_pair's byte e. A code row's bytes (K / 2) are 4x its bit row's: a row's bits are found from
  * its codes' address. */
-static inline uint32_t fifth32(const gemm_args *a, const uint8_t *wrow, int b) {
+static inline uint32_t plane32(const gemm_args *a, const uint8_t *plane, const uint8_t *wrow, int b) {
     uint32_t v;
-    memcpy(&v, a->high + ((size_t)(wrow - (const uint8_t *)a->w) >> 2) + 4 * (size_t)b, 4);
+    memcpy(&v, plane + ((size_t)(wrow - (const uint8_t *)a->w) >> 2) + 4 * (size_t)b, 4);
     return v;
 }
+static inline uint32_t fifth32(const gemm_args *a, const uint8_t *wrow, int b) { return plane32(a, a->high, wrow, b); }
+/* Q6_K (sc16 set): factors a row, two a block (a scale a sub-block of 16 columns). In a block's expanded bytes
+ * (low nibbles: its even columns, then high: its odd ones) the columns 0 .. 15 of sub-block 0 are bytes 0 .. 7 and
+ * 16 .. 23, so int32 lanes 0, 1, 4, 5 of the block's eight (and AVX2's madd lanes 0 .. 3 of both halves). */
+static inline int factor_count(const gemm_args *a) { return a->sc16 ? a->K / 16 : a->K / 32; }
 
 /* A codebook weight (quant/codebook.py: IQ4_NL, IQ4_XS, MXFP4) holds 4-bit codes whose values are a 16-entry int8
  * table's, times a float16 scale a block of 32 (bits 4, lut set). The products look each code up in registers
@@ -683,6 +692,11 @@ static void block_sums(const gemm_args *a, const uint8_t *wrow, const int8_t *xq
                 lo = _mm_or_si128(lo, fifth_bytes(f & 0xffff));
                 hi = _mm_or_si128(hi, fifth_bytes(f >> 16));
             }
+            if (a->top) {
+                uint32_t t = plane32(a, a->top, wrow, b);
+                lo = _mm_or_si128(lo, _mm_add_epi8(fifth_bytes(t & 0xffff), fifth_bytes(t & 0xffff)));
+                hi = _mm_or_si128(hi, _mm_add_epi8(fifth_bytes(t >> 16), fifth_bytes(t >> 16)));
+            }
             wv = _mm256_set_m128i(hi, lo);
         } else {
             wv = _mm256_loadu_si256((const __m256i *)(wrow + b * 32));
@@ -712,10 +726,17 @@ static void block_sums(const gemm_args *a, const uint8_t *wrow, const int8_t *xq
                 for (int j = 0; j < 32; j++) s += a->lut[codebook_code(wrow, nb, b, j)] * (256 * x[j] + xl[j]);
             } else if (a->bits == 4) {
                 const uint8_t *wb = wrow + b * 16;
-                uint32_t f = a->high ? fifth32(a, wrow, b) : 0;
+                uint32_t f = a->high ? fifth32(a, wrow, b) : 0, t = a->top ? plane32(a, a->top, wrow, b) : 0;
+                int32_t half[2] = {0, 0}; /* Q6_K: sub-block 0 (columns 0 .. 15: bytes 0 .. 7), then 1 */
                 for (int j = 0; j < 16; j++)
-                    s += ((wb[j] & 15) | (f >> j & 1) << 4) * (256 * x[j] + xl[j])
-                         + ((wb[j] >> 4) | (f >> (16 + j) & 1) << 4) * (256 * x[16 + j] + xl[16 + j]);
+                    half[j >> 3] += ((wb[j] & 15) | (f >> j & 1) << 4 | (t >> j & 1) << 5) * (256 * x[j] + xl[j])
+                                    + ((wb[j] >> 4) | (f >> (16 + j) & 1) << 4 | (t >> (16 + j) & 1) << 5)
+                                      * (256 * x[16 + j] + xl[16 + j]);
+                if (a->sc16) { /* two sums a block */
+                    out[m * 2 * nb + 2 * b] = half[0], out[m * 2 * nb + 2 * b + 1] = half[1];
+                    continue;
+                }
+                s = half[0] + half[1];
             } else {
                 const int8_t *wb = (const int8_t *)wrow + b * 32;
                 for (int j = 0; j < 32; j++) s += wb[j] * (256 * x[j] + xl[j]);
@@ -762,9 +783,13 @@ static inline __m512i load_pair(const gemm_args *a, const uint8_t *wrow, int b, 
     if (a->bits == 4) {
         __m512i v = expand_int4_pair(wrow + b * 16);
         if (!a->high) return v;
+        size_t at = ((size_t)(wrow - (const uint8_t *)a->w) >> 2) + 4 * (size_t)b;
         uint64_t f; /* the pair's fifth bits, bit e for byte e */
-        memcpy(&f, a->high + ((size_t)(wrow - (const uint8_t *)a->w) >> 2) + 4 * (size_t)b, 8);
-        return _mm512_mask_add_epi8(v, _cvtu64_mask64(f), v, _mm512_set1_epi8(16)); /* a nibble + 16 */
+        memcpy(&f, a->high + at, 8);
+        v = _mm512_mask_add_epi8(v, _cvtu64_mask64(f), v, _mm512_set1_epi8(16)); /* a nibble + 16 */
+        if (!a->top) return v;
+        memcpy(&f, a->top + at, 8);
+        return _mm512_mask_add_epi8(v, _cvtu64_mask64(f), v, _mm512_set1_epi8(32));
     }
     return _mm512_xor_si512(_mm512_loadu_si512(wrow + b * 32), _mm512_set1_epi8((char)0x80));
 }
@@ -810,30 +835,41 @@ static inline void prefetch_run(const uint8_t *run, size_t at, size_t bytes) {
  * bytes, as many blocks ahead; each line once, by the call whose bytes reach its start. */
 static inline void prefetch_fifth(const gemm_args *a, const uint8_t *run, size_t at, size_t bytes) {
     if (!a->high) return;
-    const uint8_t *h = a->high + ((size_t)(run - (const uint8_t *)a->w) >> 2);
+    size_t row = (size_t)(run - (const uint8_t *)a->w) >> 2;
     size_t from = (WEIGHT_AHEAD + at) / 4, to = (WEIGHT_AHEAD + at + bytes) / 4;
-    for (size_t o = (from + 63) & ~(size_t)63; o < to; o += 64) _mm_prefetch((const char *)(h + o), _MM_HINT_T0);
+    for (size_t o = (from + 63) & ~(size_t)63; o < to; o += 64) {
+        _mm_prefetch((const char *)(a->high + row + o), _MM_HINT_T0);
+        if (a->top) _mm_prefetch((const char *)(a->top + row + o), _MM_HINT_T0);
+    }
 }
 #endif
 
 #if defined(LPD_AVX512)
 /* One input row (decode) against weight rows n .. n + 3, every block in a pair (nb even): the four rows' sums stay
  * in registers and share each load of the input. ds: 4 x nb factors, extra: 4 per-row terms (as gemm_task's). */
-static void gemv4(const gemm_args *a, int n, const float *ds, const float *extra) {
-    int K = a->K, nb = K / 32;
+/* A pair's factors (blocks b, b + 1 of a row's, at f) out to their lanes (pair_pick): two, or Q6_K's four. */
+static inline __m512i pair_pick(int sub16) {
+    return sub16 ? _mm512_set_epi32(3, 3, 2, 2, 3, 3, 2, 2, 1, 1, 0, 0, 1, 1, 0, 0)
+                 : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+}
+static inline __m512 pair_factors(const float *f, int b, int sub16, __m512i pick) {
+    __m128 v = sub16 ? _mm_loadu_ps(f + 2 * b) : _mm_castpd_ps(_mm_load_sd((const double *)(f + b)));
+    return _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(v));
+}
+static inline __attribute__((always_inline)) void gemv4_rows(const gemm_args *a, int n, const float *ds,
+                                                              const float *extra, const int SUB16) {
+    int K = a->K, nb = K / 32, stride = DSTRIDE(SUB16 ? 2 * nb : nb);
     size_t row_bytes = a->bits == 4 ? K / 2 : K;
     const uint8_t *w0 = a->w + (size_t)n * row_bytes, *w1 = w0 + row_bytes, *w2 = w1 + row_bytes, *w3 = w2 + row_bytes;
     __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
     const __m512i tab = lut_table(a);
-    const __m512i pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0); /* a pair's factors */
+    const __m512i pick = pair_pick(SUB16);
 #define LPD_ROW(r, wexpr)                                                                                          \
     {                                                                                                              \
         __m512i wv = wexpr;                                                                                        \
         __m512i p = _mm512_add_epi32(_mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, x), 8),    \
                                      _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xl));                        \
-        __m128 two = _mm_castpd_ps(_mm_load_sd((const double *)(ds + r * DSTRIDE(nb) + b)));                      \
-        acc##r = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(two)),   \
-                                 acc##r);                                                                          \
+        acc##r = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), pair_factors(ds + r * stride, b, SUB16, pick), acc##r);  \
     }
     size_t step = a->bits == 4 ? 64 : 128; /* the four rows' bytes a block */
     for (int b = 0; b < nb; b += 2) {
@@ -852,6 +888,10 @@ static void gemv4(const gemm_args *a, int n, const float *ds, const float *extra
     y[2] = _mm512_reduce_add_ps(acc2) + extra[2];
     y[3] = _mm512_reduce_add_ps(acc3) + extra[3];
 }
+static void gemv4(const gemm_args *a, int n, const float *ds, const float *extra) {
+    if (a->sc16) gemv4_rows(a, n, ds, extra, 1);
+    else gemv4_rows(a, n, ds, extra, 0);
+}
 #endif
 
 #if defined(LPD_AVX512)
@@ -866,7 +906,7 @@ static void gemm1x4(const gemm_args *a, int n, int m0, int mm, const float *ds, 
     for (int m = 0; m < 4; m++) {
         int r = m < mm ? m : 0;
         x[m] = a->xq + (size_t)(m0 + r) * K;
-        d[m] = ds + r * DSTRIDE(nb);
+        d[m] = ds + r * DSTRIDE(factor_count(a));
     }
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     const __m512i tab = lut_table(a);
@@ -877,7 +917,8 @@ static void gemm1x4(const gemm_args *a, int n, int m0, int mm, const float *ds, 
             __m512i p = _mm512_add_epi32(
                 _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, _mm512_loadu_si512(x[m] + b * 32)), 8),
                 _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, _mm512_loadu_si512(x[m] + a->lo + b * 32)));
-            __m512 f = _mm512_insertf32x8(_mm512_set1_ps(d[m][b]), _mm256_set1_ps(d[m][b + 1]), 1);
+            __m512 f = a->sc16 ? pair_factors(d[m], b, 1, pair_pick(1))
+                               : _mm512_insertf32x8(_mm512_set1_ps(d[m][b]), _mm256_set1_ps(d[m][b + 1]), 1);
             acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), f, acc[m]);
         }
     }
@@ -900,11 +941,11 @@ static void gemm1x4(const gemm_args *a, int n, int m0, int mm, const float *ds, 
  * where two vpdpbusd, a shift and a zeroed register took four. */
 static inline __attribute__((always_inline)) void gemm_tile(const gemm_args *a, int n, int m0, const int R, const int MM,
                                                              const float *ds, int dstride, int rstride,
-                                                             const float *extra) {
+                                                             const float *extra, const int SUB16) {
     int K = a->K, nb = K / 32;
     size_t row_bytes = a->bits == 4 ? K / 2 : K, step = a->bits == 4 ? 16 : 32;
     const uint8_t *w0 = a->w + (size_t)n * row_bytes;
-    const __m512i pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0), tab = lut_table(a);
+    const __m512i pick = pair_pick(SUB16), tab = lut_table(a);
     const __m512i first = _mm512_broadcast_i32x4(_mm_setr_epi8(0, -1, 1, -1, 4, -1, 5, -1, 8, -1, 9, -1, 12, -1, 13, -1));
     const __m512i second = _mm512_broadcast_i32x4(_mm_setr_epi8(2, -1, 3, -1, 6, -1, 7, -1, 10, -1, 11, -1, 14, -1, 15, -1));
     __m512 acc[4][TILE_FROM - 1]; /* R x MM of them: 4 x 4 or 1 x 15 at most */
@@ -926,8 +967,7 @@ static inline __attribute__((always_inline)) void gemm_tile(const gemm_args *a, 
             __m512i x = _mm512_loadu_si512(xm), xl = _mm512_loadu_si512(xm + 32);
             for (int r = 0; r < R; r++) {
                 __m512i p = _mm512_dpwssd_epi32(_mm512_madd_epi16(wa[r], x), wb[r], xl);
-                __m128 two = _mm_castpd_ps(_mm_load_sd((const double *)(ds + (size_t)(r * rstride + m) * dstride + b)));
-                __m512 f = _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(two));
+                __m512 f = pair_factors(ds + (size_t)(r * rstride + m) * dstride, b, SUB16, pick);
                 acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), f, acc[r][m]);
             }
         }
@@ -956,10 +996,10 @@ static void widen_row(const int8_t *hi, const int8_t *lo, int K, int16_t *out) {
 /* gemm_tile of four weight rows and mm input rows (1 to 4). */
 static void gemm4x(const gemm_args *a, int n, int m0, int mm, const float *ds, int dstride, const float *extra) {
     switch (mm) {
-    case 1: gemm_tile(a, n, m0, 4, 1, ds, dstride, 4, extra); break;
-    case 2: gemm_tile(a, n, m0, 4, 2, ds, dstride, 4, extra); break;
-    case 3: gemm_tile(a, n, m0, 4, 3, ds, dstride, 4, extra); break;
-    default: gemm_tile(a, n, m0, 4, 4, ds, dstride, 4, extra); break;
+    case 1: gemm_tile(a, n, m0, 4, 1, ds, dstride, 4, extra, 0); break;
+    case 2: gemm_tile(a, n, m0, 4, 2, ds, dstride, 4, extra, 0); break;
+    case 3: gemm_tile(a, n, m0, 4, 3, ds, dstride, 4, extra, 0); break;
+    default: gemm_tile(a, n, m0, 4, 4, ds, dstride, 4, extra, 0); break;
     }
 }
 
@@ -967,14 +1007,15 @@ static void gemm4x(const gemm_args *a, int n, int m0, int mm, const float *ds, i
  * inputs (xw), its factors and terms from row_factors in ds (the thread's scratch). The loop over the weight rows
  * is inside each tile's case, so that what does not change from one weight row to the next (the inputs' addresses,
  * the constants) is set up once, not once a row (a call a row cost 5 to 8 rows 5% to 8% more). */
-static void gemm1x(const gemm_args *a, int n, int n1, int xor_blocks, float *ds) {
-    int dstride = DSTRIDE(a->K / 32);
+static inline __attribute__((always_inline)) void gemm1x_rows(const gemm_args *a, int n, int n1, int xor_blocks,
+                                                               float *ds, const int SUB16) {
+    int dstride = DSTRIDE(factor_count(a));
     float extra[TILE_FROM - 1];
 #define LPD_TILE(MM)                                                                                               \
     case MM:                                                                                                       \
         for (; n < n1; n++) {                                                                                      \
             row_factors(a, n, 0, MM, xor_blocks, ds, extra);                                                       \
-            gemm_tile(a, n, 0, 1, MM, ds, dstride, 0, extra);                                                      \
+            gemm_tile(a, n, 0, 1, MM, ds, dstride, 0, extra, SUB16);                                               \
         }                                                                                                          \
         break;
     switch (a->M) {
@@ -982,6 +1023,10 @@ static void gemm1x(const gemm_args *a, int n, int n1, int xor_blocks, float *ds)
         LPD_TILE(9) LPD_TILE(10) LPD_TILE(11) LPD_TILE(12) LPD_TILE(13) LPD_TILE(14) LPD_TILE(15)
     }
 #undef LPD_TILE
+}
+static void gemm1x(const gemm_args *a, int n, int n1, int xor_blocks, float *ds) {
+    if (a->sc16) gemm1x_rows(a, n, n1, xor_blocks, ds, 1);
+    else gemm1x_rows(a, n, n1, xor_blocks, ds, 0);
 }
 #endif
 
@@ -1003,6 +1048,11 @@ static inline void widen16(const gemm_args *a, const uint8_t *wrow, int b, __m12
             lo = _mm_or_si128(lo, fifth_bytes(f & 0xffff));
             hi = _mm_or_si128(hi, fifth_bytes(f >> 16));
         }
+        if (a->top) {
+            uint32_t t = plane32(a, a->top, wrow, b);
+            lo = _mm_or_si128(lo, _mm_slli_epi16(fifth_bytes(t & 0xffff), 1));
+            hi = _mm_or_si128(hi, _mm_slli_epi16(fifth_bytes(t >> 16), 1));
+        }
         *w0 = _mm256_cvtepu8_epi16(lo);
         *w1 = _mm256_cvtepu8_epi16(hi);
     } else {
@@ -1015,6 +1065,12 @@ static inline __m256i dot16(const gemm_args *a, const uint8_t *wrow, int b, __m2
     __m256i w0, w1;
     widen16(a, wrow, b, tab, &w0, &w1);
     return _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
+}
+
+/* Block b's factor in the eight lanes of its products (dot16's): its one factor, or Q6_K's two (dm: a row's). */
+static inline __m256 block_factor(const gemm_args *a, const float *dm, int b) {
+    if (!a->sc16) return _mm256_set1_ps(dm[b]);
+    return _mm256_set_m128(_mm_set1_ps(dm[2 * b + 1]), _mm_set1_ps(dm[2 * b]));
 }
 
 /* A codebook's 16 values for vpshufb (zeros without one). */
@@ -1037,8 +1093,8 @@ static void gemv4(const gemm_args *a, int n, const float *ds, const float *extra
         prefetch_fifth(a, w[0], b * step, step);
 #pragma GCC unroll 4
         for (int r = 0; r < 4; r++) {
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot16(a, w[r], b, x0, x1, tab)), _mm256_set1_ps(ds[r * nb + b]),
-                                     acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot16(a, w[r], b, x0, x1, tab)),
+                                     block_factor(a, ds + r * factor_count(a), b), acc[r]);
         }
     }
     for (int r = 0; r < 4; r++) a->y[n + r] = hsum8(acc[r]) + extra[r];
@@ -1065,7 +1121,7 @@ static inline __attribute__((always_inline)) void gemm_tile16(const gemm_args *a
             const int16_t *x = a->x16 + (size_t)(m0 + m) * K + b * 32;
             __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)x)),
                                          _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(x + 16))));
-            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(ds[m * nb + b]), acc[m]);
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), block_factor(a, ds + m * factor_count(a), b), acc[m]);
         }
     }
     for (int m = 0; m < MM; m++) a->y[(size_t)(m0 + m) * a->N + n] = hsum8(acc[m]) + extra[m];
@@ -1084,7 +1140,7 @@ static __attribute__((noinline)) void gemm16x(const gemm_args *a, int n, int n1,
         row_factors(a, n, 0, a->M, xor_blocks, ds, extra);
         for (int c = 0; c < chunks; c++) {
             int m0 = a->M * c / chunks, mm = a->M * (c + 1) / chunks - m0;
-            const float *d = ds + (size_t)m0 * (a->K / 32), *e = extra + m0;
+            const float *d = ds + (size_t)m0 * factor_count(a), *e = extra + m0;
             switch (mm) {
             case 1: gemm_tile16(a, n, m0, 1, d, e); break;
             case 2: gemm_tile16(a, n, m0, 2, d, e); break;
@@ -1121,6 +1177,31 @@ static inline k_row k_row_at(const uint16_t *d, const uint16_t *dmin, const uint
 static void k_group_scales(k_row r, int nb, float *ws, float *wb) {
     for (int b = 0; b < nb; b++)
         ws[b] = half_to_float(r.d[b / 8]) * (float)r.sc[b], wb[b] = half_to_float(r.dmin[b / 8]) * (float)r.mn[b];
+}
+
+/* Q6_K's row n (sc16): each sub-block's scale d x sc, as ggml multiplies them. */
+static inline float q6k_scale(const gemm_args *a, int n, int s) {
+    return half_to_float(a->scales[(size_t)n * (a->K / 256) + s / 16]) * (float)a->sc16[(size_t)n * (a->K / 16) + s];
+}
+
+/* Q6_K's row_factors, for every path (one function, so every row count gets the same floats): ds[m * stride + s] =
+ * (d x sc of sub-block s) x the input block's scale, two a block; extra[m] = -32 x the sum of those times each
+ * sub-block's integer input sum (the codes q go in as they are, 0 .. 63, for q - 32), plus the layer's bias. */
+static __attribute__((noinline)) void q6k_factors(const gemm_args *a, int n, int m0, int mm, int stride, float *ds,
+                                                  float *extra) {
+    int nb = a->K / 32, ns = 2 * nb;
+    float ws[ns];
+    for (int s = 0; s < ns; s++) ws[s] = q6k_scale(a, n, s);
+    for (int m = 0; m < mm; m++) {
+        const float *xd = a->xd + (size_t)(m0 + m) * nb;
+        const int32_t *xs = a->xs16 + (size_t)(m0 + m) * ns;
+        float *dm = ds + (size_t)m * stride, e = 0.f;
+        for (int s = 0; s < ns; s++) {
+            dm[s] = ws[s] * xd[s >> 1];
+            e += dm[s] * (float)xs[s];
+        }
+        extra[m] = -32.f * e + (a->bias ? a->bias[n] : 0.f);
+    }
 }
 
 #if defined(LPD_AVX512)
@@ -1185,6 +1266,10 @@ static void weight_side(const gemm_args *a, int n, float *ws, float *wb) {
 static void row_factors_grouped(const gemm_args *a, int n, int mm, int xor_blocks, float bias, const float *xd,
                                 const float *xsf, const int32_t *xs, float *ds, float *extra);
 static void row_factors(const gemm_args *a, int n, int m0, int mm, int xor_blocks, float *ds, float *extra) {
+    if (a->sc16) {
+        q6k_factors(a, n, m0, mm, DSTRIDE(factor_count(a)), ds, extra);
+        return;
+    }
     int nb = a->K / 32, ng = a->K / a->group, stride = DSTRIDE(nb);
     float bias = a->bias ? a->bias[n] : 0.f;
     const float *xd = a->xd + (size_t)m0 * nb, *xsf = a->xsf + (size_t)m0 * nb;
@@ -1336,6 +1421,10 @@ static __m512 tile_extras(const gemm_args *a, const float *ws, const float *wb, 
  * as long, a haswell build on the Zen 4.) */
 static inline __attribute__((always_inline)) void row_factors(const gemm_args *a, int n, int m0, int mm,
                                                               int xor_blocks, float *ds, float *extra) {
+    if (a->sc16) {
+        q6k_factors(a, n, m0, mm, factor_count(a), ds, extra);
+        return;
+    }
     int nb = a->K / 32, ng = a->K / a->group, per_group = a->group / 32;
     if (a->sub) { /* int4-k: d x sc and dmin x mn, a super-block (8 groups) a register */
         k_row r = k_row_at(a->scales, a->biases, a->sub, n, nb);
@@ -1451,7 +1540,8 @@ static int tile_rows(const gemm_args *a, int n, int n1) {
 static void gemm_rows(const gemm_args *a, int n0, int n1, float *ds) {
     int K = a->K, nb = K / 32, N = a->N;
     size_t row_bytes = a->bits == 4 ? K / 2 : K;
-    int32_t *sums = (int32_t *)(ds + 4 * ROWS_AT_ONCE * DSTRIDE(nb)); /* after 16 rows of factors (gemm1x's, gemm4x's) */
+    int fc = factor_count(a);
+    int32_t *sums = (int32_t *)(ds + 4 * ROWS_AT_ONCE * DSTRIDE(fc)); /* after 16 rows of factors (gemm1x's, gemm4x's) */
 #if defined(LPD_AVX512)
     int vec_blocks = nb & ~1, xor_blocks = vec_blocks; /* two at a time; an odd last one goes alone */
 #elif defined(LPD_AVX2)
@@ -1464,13 +1554,13 @@ static void gemm_rows(const gemm_args *a, int n0, int n1, float *ds) {
     if (a->M == 1 && vec_blocks == nb) {
         for (; n + 4 <= n1; n += 4) {
             float extra[4];
-            for (int r = 0; r < 4; r++) row_factors(a, n + r, 0, 1, xor_blocks, ds + r * DSTRIDE(nb), extra + r);
+            for (int r = 0; r < 4; r++) row_factors(a, n + r, 0, 1, xor_blocks, ds + r * DSTRIDE(fc), extra + r);
             gemv4(a, n, ds, extra);
         }
     }
 #endif
 #if defined(LPD_AVX512)
-    if (a->M >= TILE_FROM && vec_blocks == nb) n = tile_rows(a, n, n1);
+    if (a->M >= TILE_FROM && vec_blocks == nb && !a->sc16) n = tile_rows(a, n, n1); /* (Q6_K: gemm1x4's) */
     if (a->M > 1 && a->M < TILE_FROM && a->xw) { /* 2 to 15 rows: each weight row against all at once */
         gemm1x(a, n, n1, xor_blocks, ds);
         n = n1;
@@ -1519,7 +1609,7 @@ static void gemm_rows(const gemm_args *a, int n0, int n1, float *ds) {
                     const int16_t *x = a->x16 + (size_t)(m0 + m) * K + b * 32;
                     __m256i p = dot16(a, wrow, b, _mm256_loadu_si256((const __m256i *)x),
                                       _mm256_loadu_si256((const __m256i *)(x + 16)), tab);
-                    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(ds[m * nb + b]), acc[m]);
+                    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), block_factor(a, ds + m * fc, b), acc[m]);
                 }
             }
             for (int m = 0; m < mm; m++) y[m] = hsum8(acc[m]);
@@ -1530,7 +1620,14 @@ static void gemm_rows(const gemm_args *a, int n0, int n1, float *ds) {
                 for (int m = 0; m < mm; m++) {
                     const int8_t *x = a->xq + (size_t)(m0 + m) * K + vec_blocks * 32;
                     block_sums(&rest, wrow + (a->bits == 4 ? vec_blocks * 16 : vec_blocks * 32), x, 1, sums);
-                    for (int b = vec_blocks; b < nb; b++) y[m] += ds[m * DSTRIDE(nb) + b] * (float)sums[b - vec_blocks];
+                    const float *dm = ds + m * DSTRIDE(fc);
+                    for (int b = vec_blocks; b < nb; b++) {
+                        if (a->sc16) /* (vec_blocks 0: a build without SIMD) */
+                            y[m] += dm[2 * b] * (float)sums[2 * (b - vec_blocks)]
+                                    + dm[2 * b + 1] * (float)sums[2 * (b - vec_blocks) + 1];
+                        else
+                            y[m] += dm[b] * (float)sums[b - vec_blocks];
+                    }
                 }
             }
             for (int m = 0; m < mm; m++) a->y[(size_t)(m0 + m) * N + n] = y[m] + extra[m];
@@ -1543,7 +1640,9 @@ static void gemm_task(void *ctx, int ith, int nth) {
     int K = a->K, nb = K / 32;
     static __thread void *buf;
     static __thread size_t cap;
-    size_t factors = (sizeof(float) * (4 * ROWS_AT_ONCE * DSTRIDE(nb) + ROWS_AT_ONCE * nb + (size_t)a->M * nb) + 63) / 64 * 64; /* ds, sums, xsf */
+    int fc = factor_count(a);
+    size_t factors = (sizeof(float) * (4 * ROWS_AT_ONCE * DSTRIDE(fc) + ROWS_AT_ONCE * fc + (size_t)a->M * nb
+                                       + (a->sc16 ? (size_t)a->M * fc : 0)) + 63) / 64 * 64; /* ds, sums, xsf, xs16 */
 #if defined(LPD_AVX2)
     size_t wide = sizeof(int16_t) * (size_t)a->M * K;
 #elif defined(LPD_AVX512)
@@ -1556,9 +1655,23 @@ static void gemm_task(void *ctx, int ith, int nth) {
     float *ds = scratch(&buf, &cap, factors + wide + 64);
     if (!ds) return;
     gemm_args own = *a;
-    float *xsf = ds + 4 * ROWS_AT_ONCE * DSTRIDE(nb) + ROWS_AT_ONCE * nb;
+    float *xsf = ds + 4 * ROWS_AT_ONCE * DSTRIDE(fc) + ROWS_AT_ONCE * fc;
     for (size_t i = 0; i < (size_t)a->M * nb; i++) xsf[i] = a->xd[i] * (float)a->xsum[i];
     own.xsf = xsf;
+    if (a->sc16) { /* each sub-block's integer input sum: block positions 0 .. 7 and 16 .. 23 (columns 0 .. 15), then
+                    * the rest (the input is deinterleaved as the nibbles are) */
+        int32_t *xs16 = (int32_t *)(xsf + (size_t)a->M * nb);
+        for (size_t i = 0; i < (size_t)a->M * nb; i++) {
+            const int8_t *h = a->xq + 32 * i, *l = h + a->lo;
+            int32_t s0 = 0, s1 = 0;
+            for (int j = 0; j < 8; j++) {
+                s0 += 256 * (h[j] + h[16 + j]) + l[j] + l[16 + j];
+                s1 += 256 * (h[8 + j] + h[24 + j]) + l[8 + j] + l[24 + j];
+            }
+            xs16[2 * i] = s0, xs16[2 * i + 1] = s1;
+        }
+        own.xs16 = xs16;
+    }
 #if defined(LPD_AVX512)
     own.side = (float *)((char *)ds + factors);
     own.mp = mp;
@@ -1621,14 +1734,16 @@ static void input_task(void *ctx, int ith, int nth) { /* each thread its share o
 }
 
 /* y [M, N] = input step of x, then @ W.T (+ bias). bits 4: w = packed int4 [N, K/2] with scales and biases [N,
- * K/group] float16 (int4-k: sub set; a codebook's: lut set, biases NULL; a 5-bit weight's: high set, group 32); bits 8: w = int8 [N, K] with scales [N,
+ * K/group] float16 (int4-k: sub set; a codebook's: lut set, biases NULL; a 5-bit weight's: high set, group 32; Q6_K:
+ * high and top its codes' fifth and sixth bits, scales its d, sc16 its sub-blocks' int8 scales, biases NULL); bits 8: w = int8 [N, K] with scales [N,
  * K/group], biases NULL. pre: PRE_NONE (x [M, K]),
  * PRE_NORM (x, residual or NULL, norm_w [K], eps; x + residual stored in sum_out [M, K], apart from both), or an
  * activation (x =
  * [gate | up], [M, 2K]). K a multiple of 32, group a multiple of 32 dividing K. Returns 0, or -1 without memory. */
 int lpd_linear(int pre, const float *x, const float *residual, const float *norm_w, float eps, float *sum_out, int M,
                int K, int bits, const void *w, const uint16_t *scales, const uint16_t *biases, const uint8_t *sub,
-               const int8_t *lut, const uint8_t *high, int group, int N, const float *bias, float *y, int nth) {
+               const int8_t *lut, const uint8_t *high, const uint8_t *top, const int8_t *sc16, int group, int N,
+               const float *bias, float *y, int nth) {
     static __thread void *buf;
     static __thread size_t cap;
     int nb = K / 32;
@@ -1640,7 +1755,7 @@ int lpd_linear(int pre, const float *x, const float *residual, const float *norm
     parallel(input_task, &in, M >= 8 ? nth : 1);
     gemm_args g = {M, N, K, group, bits, in.xq, (size_t)M * K, in.xd, in.xsum, NULL, NULL, w, scales, biases,
                    sub, lut, bias, y};
-    g.high = high;
+    g.high = high, g.top = top, g.sc16 = sc16;
     parallel(gemm_task, &g, nth);
     return 0;
 }
@@ -2356,6 +2471,8 @@ typedef struct {
     const int8_t *lut;  /* a codebook weight (gemm_args) */
     float *out;
     const uint8_t *high; /* a 5-bit weight's fifth bits (gemm_args; its groups are blocks) */
+    const uint8_t *top;  /* Q6_K's sixth bits, with sc16 its scales (gemm_args) */
+    const int8_t *sc16;
 } dequant_args;
 
 /* The fifth bits of block b of row n (gemm_args' fifth32). */
@@ -2412,8 +2529,50 @@ static inline int dequant_group8(const dequant_args *a, int n, int g, float s, f
 }
 #endif
 
+/* Q6_K's row n into o [K]: (q - 32) x (d x sc), ggml's one product, a sub-block of 16 at a time (AVX2: its codes
+ * as bytes, the nibbles and both planes, in column order). */
+static void dequant_q6k_row(const dequant_args *a, int n, float *o) {
+    int K = a->K, nb = K / 32;
+    gemm_args g = {0};
+    g.K = K, g.scales = a->scales, g.sc16 = a->sc16;
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *p = a->w + (size_t)n * (K / 2) + b * 16;
+        uint32_t f = dequant_fifth(a, n, b), t;
+        memcpy(&t, a->top + (size_t)n * (K / 8) + 4 * (size_t)b, 4);
+        for (int h = 0; h < 2; h++) { /* sub-block h: bytes 8h .. 8h + 7 (columns 16h .. 16h + 15) */
+            float s = q6k_scale(&g, n, 2 * b + h);
+            const uint8_t *q = p + 8 * h;
+#if defined(LPD_AVX512) || defined(LPD_AVX2)
+            __m128i raw = _mm_loadl_epi64((const __m128i *)q), mask = _mm_set1_epi8(15);
+            __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+            lo = _mm_or_si128(lo, _mm_or_si128(fifth_bytes(f >> (8 * h) & 0xff),
+                                               _mm_slli_epi16(fifth_bytes(t >> (8 * h) & 0xff), 1)));
+            hi = _mm_or_si128(hi, _mm_or_si128(fifth_bytes(f >> (16 + 8 * h) & 0xff),
+                                               _mm_slli_epi16(fifth_bytes(t >> (16 + 8 * h) & 0xff), 1)));
+            __m128i both = _mm_sub_epi8(_mm_unpacklo_epi8(lo, hi), _mm_set1_epi8(32)); /* q - 32, columns in order */
+            __m256 vs = _mm256_set1_ps(s);
+            _mm256_storeu_ps(o + 32 * b + 16 * h, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(both)), vs));
+            _mm256_storeu_ps(o + 32 * b + 16 * h + 8,
+                             _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(both, 8))), vs));
+#else
+            for (int j = 0; j < 8; j++) {
+                int e = 8 * h + j;
+                int c0 = (q[j] & 15) | (f >> e & 1) << 4 | (t >> e & 1) << 5;
+                int c1 = (q[j] >> 4) | (f >> (16 + e) & 1) << 4 | (t >> (16 + e) & 1) << 5;
+                o[32 * b + 2 * e] = (float)(c0 - 32) * s;
+                o[32 * b + 2 * e + 1] = (float)(c1 - 32) * s;
+            }
+#endif
+        }
+    }
+}
+
 /* Rows r0 .. r1 - 1 of the weight, dequantized to float into out [r1 - r0, K]. */
 static void dequant_rows(const dequant_args *a, int r0, int r1, float *out) {
+    if (a->sc16) {
+        for (int n = r0; n < r1; n++) dequant_q6k_row(a, n, out + (size_t)(n - r0) * a->K);
+        return;
+    }
     int K = a->K, ng = K / a->group;
     float ws[ng], wb[ng];
     for (int n = r0; n < r1; n++) {
@@ -2451,8 +2610,9 @@ static void dequant_task(void *ctx, int ith, int nth) {
 }
 
 void lpd_dequantize(int bits, const void *w, const uint16_t *scales, const uint16_t *biases, const uint8_t *sub,
-                    const int8_t *lut, const uint8_t *high, int group, int K, int n0, int n1, float *out, int nth) {
-    dequant_args a = {bits, group, K, n0, n1, w, scales, biases, sub, lut, out, high};
+                    const int8_t *lut, const uint8_t *high, const uint8_t *top, const int8_t *sc16, int group, int K,
+                    int n0, int n1, float *out, int nth) {
+    dequant_args a = {bits, group, K, n0, n1, w, scales, biases, sub, lut, out, high, top, sc16};
     parallel(dequant_task, &a, nth);
 }
 
@@ -2521,10 +2681,10 @@ static void dq_gemm_task(void *ctx, int ith, int nth) {
 /* h16: where given, h in bfloat16 ([M, K]), multiplied by the weight rounded to bfloat16 with lpd_set_bf16gemm's
  * GEMM. Returns 0, -1 without memory, -3 without a BLAS (lpd_set_sgemm, lpd_set_bf16gemm). */
 int lpd_dequant_gemm(int bits, const void *w, const uint16_t *scales, const uint16_t *biases, const uint8_t *sub,
-                     const int8_t *lut, const uint8_t *high, int group, int K, int N, int M, const float *h,
-                     const uint16_t *h16, float *y, int slice, int nth) {
+                     const int8_t *lut, const uint8_t *high, const uint8_t *top, const int8_t *sc16, int group, int K,
+                     int N, int M, const float *h, const uint16_t *h16, float *y, int slice, int nth) {
     if (!blas_sgemm || (h16 && !blas_bf16gemm)) return -3;
-    dq_gemm_args a = {{bits, group, K, 0, N, w, scales, biases, sub, lut, NULL, high}, M, slice > 0 ? slice : 1, h, h16, y,
+    dq_gemm_args a = {{bits, group, K, 0, N, w, scales, biases, sub, lut, NULL, high, top, sc16}, M, slice > 0 ? slice : 1, h, h16, y,
                       0, 0};
     parallel(dq_gemm_task, &a, nth);
     return atomic_load(&a.failed) ? -1 : 0;
@@ -2543,6 +2703,8 @@ typedef struct {
     const float *bias;
     const int8_t *lut; /* a codebook weight (gemm_args) */
     const uint8_t *high; /* a 5-bit weight's fifth bits (gemm_args) */
+    const uint8_t *top;  /* Q6_K's sixth bits and sub-block scales (gemm_args) */
+    const int8_t *sc16;
 } lin_plan;
 
 #define QKV_PARTS 3
@@ -2648,7 +2810,7 @@ static void linear_phase(layers_args *s, int ith, int nth, int pre, const lin_pl
     gemm_args g = {M, l->N, l->K, l->group, l->bits, s->xq, (size_t)M * l->K, s->xd, s->xsum, NULL, NULL, l->w,
                    l->scales, l->biases, l->sub, l->lut, l->bias, y}; /* equal shares: measured faster than
                                                                           * taking chunks from a counter */
-    g.high = l->high;
+    g.high = l->high, g.top = l->top, g.sc16 = l->sc16;
     gemm_task(&g, ith, nth);
     barrier_wait(&s->barrier, nth);
 }

@@ -25,6 +25,7 @@ from localpd.model.linear import QuantLinear, StackedLinear, fuse, normed_separa
 from localpd.quant.codebook import CodebookWeight
 from localpd.quant.int4k import Int4KWeight
 from localpd.quant.int5 import Int5KWeight, Int5Weight
+from localpd.quant.int6k import Int6KWeight
 from localpd.quant.kmajor import to_kmajor
 from localpd.kvcache.formats import KVPool
 from localpd.quant.weights import Int4Weight, Int8Weight
@@ -183,9 +184,9 @@ class Transformer:
                                + [self.embed])  # a StackedLinear (int4 beside int8) gathers each of its parts
 
     def _to_gpu_layout(self) -> None:
-        """Every int4/int8 matrix (int4-k's as its int4 groups, a codebook's as its int8 values, a 5-bit one's as its
-        nearest int8) moved to the K-major layout the batch-1 GEMV streams (quant/kmajor.py); a tied output head keeps
-        one copy, which the embedding lookup reads too."""
+        """Every int4/int8 matrix (int4-k's as its int4 groups, a codebook's as its int8 values, a 5- or 6-bit one's
+        as its nearest int8) moved to the K-major layout the batch-1 GEMV streams (quant/kmajor.py); a tied output
+        head keeps one copy, which the embedding lookup reads too."""
         from localpd.kernels.gemv_kmajor import takes  # imports Triton
 
         tied = self.lm_head.weight is self.embed
@@ -195,7 +196,7 @@ class Transformer:
                 w = part.weight
                 if isinstance(w, Int4KWeight):
                     w = as_int4(w)
-                elif isinstance(w, (CodebookWeight, Int5Weight, Int5KWeight)):
+                elif isinstance(w, (CodebookWeight, Int5Weight, Int5KWeight, Int6KWeight)):
                     w = as_int8(w)
                 bits = 4 if isinstance(w, Int4Weight) else 8 if isinstance(w, Int8Weight) else 0
                 if bits and takes(w.shape, bits, w.group):  # else the row-major kernels, as before

@@ -13,6 +13,7 @@ from localpd.load.loader import load_model
 from localpd.quant.codebook import CodebookWeight, IQ4Weight, MXFP4Weight
 from localpd.quant.int4k import Int4KWeight
 from localpd.quant.int5 import Int5KWeight, Int5Weight
+from localpd.quant.int6k import Int6KWeight
 from localpd.quant.weights import Int4Weight, Int8Weight
 
 Q = gguf.GGMLQuantizationType
@@ -20,8 +21,8 @@ DIM, FFN, HEADS, KV_HEADS, VOCAB = 256, 512, 4, 2, 64
 QUANTIZABLE = {"Q5_0", "Q5_1", "MXFP4", "TQ1_0", "TQ2_0"}  # gguf.quants makes these from floats
 TYPES = ["Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "IQ3_XXS", "IQ3_S", "IQ2_XXS",
          "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4"]
-EXACT = {"Q5_0": Int5Weight, "Q5_1": Int5Weight, "Q5_K": Int5KWeight, "IQ4_NL": IQ4Weight, "MXFP4": MXFP4Weight,
-         "Q4_K": Int4KWeight}  # bit for bit on import
+EXACT = {"Q5_0": Int5Weight, "Q5_1": Int5Weight, "Q5_K": Int5KWeight, "Q6_K": Int6KWeight, "IQ4_NL": IQ4Weight,
+         "MXFP4": MXFP4Weight, "Q4_K": Int4KWeight}  # bit for bit on import
 NEAR = {"IQ4_XS": (IQ4Weight, 1e-3)}  # within float16 rounding of scales (the others: int8 rounding)
 
 
@@ -96,7 +97,8 @@ def test_small_file_of_each_type_loads_and_runs(tmp_path, type_name):
     for name, w in native.weights.items():
         if not name.endswith("_proj"):
             continue
-        assert isinstance(w, (Int4Weight, Int8Weight, Int4KWeight, Int5Weight, Int5KWeight, CodebookWeight)), name
+        assert isinstance(w, (Int4Weight, Int8Weight, Int4KWeight, Int5Weight, Int5KWeight, Int6KWeight,
+                              CodebookWeight)), name
         assert w.group == 32, name
         want, got = exact.weights[name], w.dequantize()
         if type_name in EXACT:
@@ -125,6 +127,40 @@ def test_q4_k_m_made_by_llama_cpp_loads_and_chats(tmp_path, default_gguf, llama_
                           capture_output=True, text=True, timeout=300)
     assert chat.returncode == 0 and "Traceback" not in chat.stderr, chat.stderr[-2000:]
     assert len(chat.stdout.split()) >= 3
+
+
+@pytest.mark.parametrize("file_type", ["Q4_K_M", "Q5_K_M"])
+def test_k_quant_mixes_made_by_llama_cpp_decode_as_their_exact_values(tmp_path, default_gguf, llama_quantize,
+                                                                       file_type):
+    """llama.cpp's Q4_K_M and Q5_K_M of the default model (Q4_K or Q5_K, Q5_1, Q6_K and Q8_0 tensors), every one held
+    as its file's blocks: a prompt and greedy decode steps on the CPU (decode's layers in one call) give the logits
+    of the same model's weights dequantized to float32 (--quant fp32, the torch path) within the input's rounding
+    (as the Q4_1 file does: 0.01), where Q6_K held as int8 moved them by up to 0.4."""
+    import subprocess
+
+    from localpd.kvcache.formats import new_kv_pool
+    from localpd.model.transformer import Batch, Transformer
+
+    path = tmp_path / f"{file_type}.gguf"
+    made = subprocess.run([str(llama_quantize), "--allow-requantize", str(default_gguf), str(path), file_type, "2"],
+                          capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stderr[-2000:]
+    steps = []
+    for scheme in ("native", "fp32"):
+        lm = load_model(path, scheme=scheme)
+        if scheme == "native":
+            kinds = {type(w) for w in lm.weights.values()}
+            assert {Int6KWeight, Int5Weight} <= kinds and (Int4KWeight in kinds or Int5KWeight in kinds)
+        model, c = Transformer(lm.config, lm.weights), lm.config
+        pool = new_kv_pool("fp32", c.n_layers, 4, 16, c.n_kv_heads, c.head_dim, model.dtype, model.device)
+        ids = list(range(100, 110))
+        with torch.no_grad():
+            out = [model.forward(Batch.single(ids, 0, 4, 16, model.device), pool)[0]]
+            for _ in range(6):
+                ids.append(int(out[-1].argmax()))
+                out.append(model.forward(Batch.single(ids[-1:], len(ids) - 1, 4, 16, model.device), pool)[0])
+        steps.append(torch.stack(out))
+    assert (steps[0] - steps[1]).abs().max().item() < 0.05
 
 
 def test_iq4_xs_made_by_llama_cpp_decodes_as_its_values_held_as_int8(tmp_path, default_gguf, llama_quantize):

@@ -1,0 +1,94 @@
+"""6-bit codes with a scale a group of 16: GGUF's Q6_K (Int6KWeight), imported bit for bit, at 6.6 bits a weight
+where the nearest int8 weight that localpd held it as took 8.5 (and moved its values by up to 1/254 of a group's
+largest: the logits by tenths).
+
+Row n, column k in super-block j = k // 256 and sub-block s = k // 16:
+    value = d[n, j] * sc[n, s] * (q - 32),    q in 0..63
+with d float16 and sc int8, as ggml's Q6_K. The codes are held as the 5-bit weights' are (quant/int5.py): their
+low four bits in `packed` (Int4Weight's layout), their fifth bits in `high` and their sixth in `top`, each plane
+uint8 [N, K // 8] in the order the CPU kernels expand a block's nibbles (int5.split_codes). The GPU takes these
+weights as their nearest int8 (to_int8, kernels/dispatch.py's as_int8), as localpd held them everywhere before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from localpd.errors import LocalpdError
+from localpd.quant.int5 import join_codes, split_codes
+from localpd.quant.weights import Int8Weight
+
+SUB, SUPER = 16, 256  # columns a scale; columns a d
+
+
+@dataclass
+class Int6KWeight:
+    packed: torch.Tensor  # int32 [N, K // 8]: the codes' low four bits, Int4Weight's layout
+    high: torch.Tensor    # uint8 [N, K // 8]: their fifth bits (quant/int5.py's order)
+    top: torch.Tensor     # uint8 [N, K // 8]: their sixth bits, in the same order
+    d: torch.Tensor       # float16 [N, K // 256]
+    sc: torch.Tensor      # int8 [N, K // 16]
+
+    def __post_init__(self):
+        if self.packed.dtype != torch.int32 or self.packed.dim() != 2:
+            raise LocalpdError(f"6-bit packed weights must be a 2-D int32 tensor, got {self.packed.dtype} "
+                               f"{tuple(self.packed.shape)}")
+        n, k = self.shape
+        if k % SUPER:
+            raise LocalpdError(f"6-bit weights need the input dimension ({k}) to be a multiple of {SUPER}")
+        want = {"high": (torch.uint8, (n, k // 8)), "top": (torch.uint8, (n, k // 8)),
+                "d": (torch.float16, (n, k // SUPER)), "sc": (torch.int8, (n, k // SUB))}
+        for name, (dtype, shape) in want.items():
+            t = getattr(self, name)
+            if t.dtype != dtype or tuple(t.shape) != shape:
+                raise LocalpdError(f"6-bit {name} must be {dtype} {shape} for a {n}x{k} weight, got {t.dtype} "
+                                   f"{tuple(t.shape)}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.packed.shape[0], self.packed.shape[1] * 8
+
+    @property
+    def group(self) -> int:
+        return 32  # the kernels' blocks (each two scales)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.high, self.top, self.d, self.sc))
+
+    def codes(self) -> torch.Tensor:
+        """q as uint8 [N, K], 0..63."""
+        return join_codes(self.packed, self.high) | (join_codes(torch.zeros_like(self.packed), self.top) << 1)
+
+    def sub_scales(self) -> torch.Tensor:
+        """Each sub-block's scale d * sc in float32, [N, K // 16], as ggml multiplies them."""
+        return self.d.float().repeat_interleave(SUPER // SUB, dim=1) * self.sc.float()
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        n, k = self.shape
+        q = (self.codes().to(torch.int16) - 32).float().reshape(n, k // SUB, SUB)
+        return (self.sub_scales()[..., None] * q).reshape(n, k).to(dtype)
+
+    def to_int8(self) -> Int8Weight:
+        """The nearest int8 weight with a float16 scale a block of 32 (what localpd held Q6_K as before): what the
+        GPU's kernels take."""
+        return Int8Weight.quantize(self.dequantize(), 32)
+
+    @classmethod
+    def from_q6_k(cls, blocks: torch.Tensor, shape: tuple[int, int]) -> Int6KWeight:
+        """A GGUF Q6_K tensor's blocks (uint8 [n_blocks, 210]: 128 bytes of low nibbles, 64 of two high bits, 16
+        int8 scales, d), bit for bit."""
+        n, k = shape
+        ql, qh = blocks[:, :128].reshape(-1, 2, 64), blocks[:, 128:192].reshape(-1, 2, 32)
+        # ggml's order, per half of 128 values: value l + 32 i (i = 0..3, l < 32) is ql[l + 32 (i % 2)]'s nibble
+        # i // 2 with qh[l]'s bits 2i, 2i + 1 above it
+        low = torch.stack([ql[:, :, :32] & 15, ql[:, :, 32:] & 15, ql[:, :, :32] >> 4, ql[:, :, 32:] >> 4], dim=2)
+        two = torch.stack([(qh >> (2 * i)) & 3 for i in range(4)], dim=2)
+        codes = (low | (two << 4)).reshape(n, k)
+        packed, high = split_codes(codes)
+        _, top = split_codes(codes >> 1)
+        d = blocks[:, 208:210].contiguous().view(torch.float16).reshape(n, -1).clone()
+        sc = blocks[:, 192:208].contiguous().view(torch.int8).reshape(n, -1).clone()
+        return cls(packed, high, top, d, sc)

@@ -1,0 +1,52 @@
+"""6-bit weights (quant/int6k.py): Q6_K blocks import bit for bit as gguf's own dequantization reads them, at the
+file's bytes (and 2 more a super-block: nothing else); the GPU's int8 form is near; malformed tensors are one-line
+errors; a quantized directory keeps the format."""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as ref_dequantize
+
+from localpd.errors import LocalpdError
+from localpd.quant.int6k import Int6KWeight
+from localpd.quant.store import load_quantized, save_quantized
+from localpd.quant.weights import from_gguf
+
+
+def q6_k_blocks(n_blocks: int, rng) -> np.ndarray:
+    raw = rng.integers(0, 256, (n_blocks, 210), dtype=np.uint8)
+    raw[:, 208:210] = rng.uniform(-2, 2, (n_blocks, 1)).astype(np.float16).view(np.uint8)
+    return raw
+
+
+@pytest.mark.parametrize("rows,cols", [(3, 256), (5, 768), (1, 4096)])
+def test_q6_k_imports_bit_for_bit_at_its_own_size(rows, cols):
+    rng = np.random.default_rng(rows * cols)
+    raw = q6_k_blocks(rows * cols // 256, rng)
+    w = from_gguf("Q6_K", torch.from_numpy(raw), (rows, cols))
+    assert isinstance(w, Int6KWeight) and w.shape == (rows, cols)
+    want = torch.from_numpy(ref_dequantize(raw.reshape(-1), GGMLQuantizationType.Q6_K).reshape(rows, cols))
+    assert torch.equal(w.dequantize(), want)
+    assert w.nbytes == raw.nbytes and w.nbytes * 8 / (rows * cols) == 6.5625
+
+
+def test_the_gpus_int8_form_is_near():
+    w = from_gguf("Q6_K", torch.from_numpy(q6_k_blocks(16, np.random.default_rng(2))), (8, 512))
+    int8, want = w.to_int8(), w.dequantize()
+    assert int8.group == 32 and ((int8.dequantize() - want).norm() / want.norm()).item() < 1e-2
+
+
+def test_malformed_6_bit_weights_are_one_line_errors():
+    w = from_gguf("Q6_K", torch.from_numpy(q6_k_blocks(2, np.random.default_rng(3))), (1, 512))
+    with pytest.raises(LocalpdError, match="sc must be"):
+        Int6KWeight(w.packed, w.high, w.top, w.d, w.sc[:, :4])
+    with pytest.raises(LocalpdError, match="multiple of 256"):
+        Int6KWeight(w.packed[:, :16], w.high[:, :16], w.top[:, :16], w.d[:, :1], w.sc[:, :8])
+
+
+def test_a_quantized_directory_keeps_6_bit_weights(tmp_path):
+    w = from_gguf("Q6_K", torch.from_numpy(q6_k_blocks(4, np.random.default_rng(4))), (2, 512))
+    save_quantized(tmp_path / "m", {"a.v_proj": w}, {}, "native", {})
+    _, back, _ = load_quantized(tmp_path / "m", "cpu")
+    assert type(back["a.v_proj"]) is Int6KWeight and torch.equal(back["a.v_proj"].dequantize(), w.dequantize())
