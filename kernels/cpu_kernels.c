@@ -672,6 +672,22 @@ static inline __m128i fifth_bytes(uint32_t bits) {
     return _mm_and_si128(_mm_cmpeq_epi8(v, bit), _mm_set1_epi8(16));
 #endif
 }
+/* An int4 block's 32 codes (b of row wrow) as two registers of 16 bytes: its low nibbles (its even columns) and its
+ * high ones (its odd columns), a 5- or 6-bit weight's fifth and sixth bits added in. */
+static inline void block_codes(const gemm_args *a, const uint8_t *wrow, int b, __m128i *lo, __m128i *hi) {
+    __m128i raw = _mm_loadu_si128((const __m128i *)(wrow + b * 16)), m = _mm_set1_epi8(15);
+    *lo = _mm_and_si128(raw, m), *hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m);
+    if (a->high) {
+        uint32_t f = fifth32(a, wrow, b);
+        *lo = _mm_or_si128(*lo, fifth_bytes(f & 0xffff));
+        *hi = _mm_or_si128(*hi, fifth_bytes(f >> 16));
+    }
+    if (a->top) {
+        uint32_t t = plane32(a, a->top, wrow, b);
+        *lo = _mm_or_si128(*lo, _mm_slli_epi16(fifth_bytes(t & 0xffff), 1));
+        *hi = _mm_or_si128(*hi, _mm_slli_epi16(fifth_bytes(t >> 16), 1));
+    }
+}
 #endif
 
 /* Integer sums of weight row `wrow` against activation rows xq[0..mm) (row stride K), all nb blocks: out[m * nb + b]. */
@@ -684,19 +700,8 @@ static void block_sums(const gemm_args *a, const uint8_t *wrow, const int8_t *xq
             __m256i tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)a->lut));
             wv = _mm256_shuffle_epi8(tab, codebook_block(wrow, nb, b));
         } else if (a->bits == 4) {
-            __m128i raw = _mm_loadu_si128((const __m128i *)(wrow + b * 16));
-            __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(15));
-            __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(15));
-            if (a->high) {
-                uint32_t f = fifth32(a, wrow, b);
-                lo = _mm_or_si128(lo, fifth_bytes(f & 0xffff));
-                hi = _mm_or_si128(hi, fifth_bytes(f >> 16));
-            }
-            if (a->top) {
-                uint32_t t = plane32(a, a->top, wrow, b);
-                lo = _mm_or_si128(lo, _mm_add_epi8(fifth_bytes(t & 0xffff), fifth_bytes(t & 0xffff)));
-                hi = _mm_or_si128(hi, _mm_add_epi8(fifth_bytes(t >> 16), fifth_bytes(t >> 16)));
-            }
+            __m128i lo, hi;
+            block_codes(a, wrow, b, &lo, &hi);
             wv = _mm256_set_m128i(hi, lo);
         } else {
             wv = _mm256_loadu_si256((const __m256i *)(wrow + b * 32));
@@ -1041,18 +1046,8 @@ static inline void widen16(const gemm_args *a, const uint8_t *wrow, int b, __m12
         *w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v));
         *w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1));
     } else if (a->bits == 4) { /* low nibbles: the block's even columns (x0), high: its odd ones (x1) */
-        __m128i raw = _mm_loadu_si128((const __m128i *)(wrow + b * 16)), m = _mm_set1_epi8(15);
-        __m128i lo = _mm_and_si128(raw, m), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m);
-        if (a->high) {
-            uint32_t f = fifth32(a, wrow, b);
-            lo = _mm_or_si128(lo, fifth_bytes(f & 0xffff));
-            hi = _mm_or_si128(hi, fifth_bytes(f >> 16));
-        }
-        if (a->top) {
-            uint32_t t = plane32(a, a->top, wrow, b);
-            lo = _mm_or_si128(lo, _mm_slli_epi16(fifth_bytes(t & 0xffff), 1));
-            hi = _mm_or_si128(hi, _mm_slli_epi16(fifth_bytes(t >> 16), 1));
-        }
+        __m128i lo, hi;
+        block_codes(a, wrow, b, &lo, &hi);
         *w0 = _mm256_cvtepu8_epi16(lo);
         *w1 = _mm256_cvtepu8_epi16(hi);
     } else {
@@ -1190,16 +1185,42 @@ static inline float q6k_scale(const gemm_args *a, int n, int s) {
 static __attribute__((noinline)) void q6k_factors(const gemm_args *a, int n, int m0, int mm, int stride, float *ds,
                                                   float *extra) {
     int nb = a->K / 32, ns = 2 * nb;
-    float ws[ns];
-    for (int s = 0; s < ns; s++) ws[s] = q6k_scale(a, n, s);
+    const int8_t *sc = a->sc16 + (size_t)n * ns;
+    const uint16_t *d = a->scales + (size_t)n * (a->K / 256);
     for (int m = 0; m < mm; m++) {
         const float *xd = a->xd + (size_t)(m0 + m) * nb;
         const int32_t *xs = a->xs16 + (size_t)(m0 + m) * ns;
-        float *dm = ds + (size_t)m * stride, e = 0.f;
+        float *dm = ds + (size_t)m * stride, e;
+#if defined(LPD_AVX512) /* a super-block (16 sub-blocks) a step: its d, the eight blocks' input scales twice each */
+        const __m512i twice = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+        __m512 acc = _mm512_setzero_ps();
+        for (int s = 0; s < ns; s += 16) {
+            __m512 w = _mm512_mul_ps(_mm512_set1_ps(half_to_float(d[s / 16])),
+                                     _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sc + s)))));
+            __m512 f = _mm512_mul_ps(w, _mm512_permutexvar_ps(twice, _mm512_castps256_ps512(_mm256_loadu_ps(xd + s / 2))));
+            _mm512_storeu_ps(dm + s, f);
+            acc = _mm512_fmadd_ps(f, _mm512_cvtepi32_ps(_mm512_loadu_si512(xs + s)), acc);
+        }
+        e = _mm512_reduce_add_ps(acc);
+#elif defined(LPD_AVX2) /* half a super-block a step */
+        __m256 acc = _mm256_setzero_ps();
+        for (int s = 0; s < ns; s += 8) {
+            __m256 w = _mm256_mul_ps(_mm256_set1_ps(half_to_float(d[s / 16])),
+                                     _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sc + s)))));
+            __m128 x4 = _mm_loadu_ps(xd + s / 2);
+            __m256 x8 = _mm256_set_m128(_mm_unpackhi_ps(x4, x4), _mm_unpacklo_ps(x4, x4));
+            __m256 f = _mm256_mul_ps(w, x8);
+            _mm256_storeu_ps(dm + s, f);
+            acc = _mm256_fmadd_ps(f, _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(xs + s))), acc);
+        }
+        e = hsum8(acc);
+#else
+        e = 0.f;
         for (int s = 0; s < ns; s++) {
-            dm[s] = ws[s] * xd[s >> 1];
+            dm[s] = q6k_scale(a, n, s) * xd[s >> 1];
             e += dm[s] * (float)xs[s];
         }
+#endif
         extra[m] = -32.f * e + (a->bias ? a->bias[n] : 0.f);
     }
 }

@@ -16,7 +16,7 @@ as_int8), as localpd held them everywhere before.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -72,8 +72,27 @@ def _to_int8(codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor) -> In
     return Int8Weight(q.reshape(n, k), s.half().reshape(n, k // GROUP))
 
 
+class FifthBits:
+    """What the two 5-bit formats share: int4's packed low bits beside the fifth-bit plane, blocks of 32."""
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.packed.shape[0], self.packed.shape[1] * 8
+
+    @property
+    def group(self) -> int:
+        return GROUP
+
+    @property
+    def nbytes(self) -> int:
+        return sum(getattr(self, f.name).nbytes for f in fields(self))
+
+    def codes(self) -> torch.Tensor:
+        return join_codes(self.packed, self.high)
+
+
 @dataclass
-class Int5Weight:
+class Int5Weight(FifthBits):
     """Q5_0 / Q5_1: value = q5 * scales[n, b] + biases[n, b] per block b of 32 columns, q5 in 0..31."""
 
     packed: torch.Tensor  # int32 [N, K // 8]: the codes' low four bits, Int4Weight's layout
@@ -86,21 +105,6 @@ class Int5Weight:
         if low.group != GROUP:
             raise LocalpdError(f"5-bit weights take a scale a group of {GROUP} columns, not {low.group}")
         _check_high(self.high, *self.shape)
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.packed.shape[0], self.packed.shape[1] * 8
-
-    @property
-    def group(self) -> int:
-        return GROUP
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.packed, self.high, self.scales, self.biases))
-
-    def codes(self) -> torch.Tensor:
-        return join_codes(self.packed, self.high)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return _dequantize(self.codes(), self.scales.float(), self.biases.float(), dtype)
@@ -116,7 +120,7 @@ class Int5Weight:
 
 
 @dataclass
-class Int5KWeight:
+class Int5KWeight(FifthBits):
     """Q5_K: value = q5 * d[n, j] * sc[n, b] + dmin[n, j] * mn[n, b], as int4-k (quant/int4k.py) with 5-bit codes."""
 
     packed: torch.Tensor  # int32 [N, K // 8]: the codes' low four bits, Int4Weight's layout
@@ -131,21 +135,6 @@ class Int5KWeight:
 
     def low(self) -> Int4KWeight:
         return Int4KWeight(self.packed, self.d, self.dmin, self.sub)
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.packed.shape[0], self.packed.shape[1] * 8
-
-    @property
-    def group(self) -> int:
-        return GROUP
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.packed, self.high, self.d, self.dmin, self.sub))
-
-    def codes(self) -> torch.Tensor:
-        return join_codes(self.packed, self.high)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return _dequantize(self.codes(), *self.low().group_scales(), dtype)
