@@ -1174,9 +1174,10 @@ static void k_group_scales(k_row r, int nb, float *ws, float *wb) {
         ws[b] = half_to_float(r.d[b / 8]) * (float)r.sc[b], wb[b] = half_to_float(r.dmin[b / 8]) * (float)r.mn[b];
 }
 
-/* Q6_K's row n (sc16): each sub-block's scale d x sc, as ggml multiplies them. */
-static inline float q6k_scale(const gemm_args *a, int n, int s) {
-    return half_to_float(a->scales[(size_t)n * (a->K / 256) + s / 16]) * (float)a->sc16[(size_t)n * (a->K / 16) + s];
+/* Q6_K's row n, sub-block s: its scale d x sc, as ggml multiplies them (d: a float16 a super-block of 256 columns,
+ * sc: an int8 a sub-block of 16). */
+static inline float q6k_scale(const uint16_t *d, const int8_t *sc, int K, int n, int s) {
+    return half_to_float(d[(size_t)n * (K / 256) + s / 16]) * (float)sc[(size_t)n * (K / 16) + s];
 }
 
 /* Q6_K's row_factors, for every path (one function, so every row count gets the same floats): ds[m * stride + s] =
@@ -1217,7 +1218,7 @@ static __attribute__((noinline)) void q6k_factors(const gemm_args *a, int n, int
 #else
         e = 0.f;
         for (int s = 0; s < ns; s++) {
-            dm[s] = q6k_scale(a, n, s) * xd[s >> 1];
+            dm[s] = q6k_scale(a->scales, a->sc16, a->K, n, s) * xd[s >> 1];
             e += dm[s] * (float)xs[s];
         }
 #endif
@@ -2554,14 +2555,12 @@ static inline int dequant_group8(const dequant_args *a, int n, int g, float s, f
  * as bytes, the nibbles and both planes, in column order). */
 static void dequant_q6k_row(const dequant_args *a, int n, float *o) {
     int K = a->K, nb = K / 32;
-    gemm_args g = {0};
-    g.K = K, g.scales = a->scales, g.sc16 = a->sc16;
     for (int b = 0; b < nb; b++) {
         const uint8_t *p = a->w + (size_t)n * (K / 2) + b * 16;
         uint32_t f = dequant_fifth(a, n, b), t;
         memcpy(&t, a->top + (size_t)n * (K / 8) + 4 * (size_t)b, 4);
         for (int h = 0; h < 2; h++) { /* sub-block h: bytes 8h .. 8h + 7 (columns 16h .. 16h + 15) */
-            float s = q6k_scale(&g, n, 2 * b + h);
+            float s = q6k_scale(a->scales, a->sc16, K, n, 2 * b + h);
             const uint8_t *q = p + 8 * h;
 #if defined(LPD_AVX512) || defined(LPD_AVX2)
             __m128i raw = _mm_loadl_epi64((const __m128i *)q), mask = _mm_set1_epi8(15);
