@@ -626,9 +626,12 @@ typedef struct {
  * column 2e (a low nibble), e >= 16 column 2 (e - 16) + 1 (a high one); so a pair of blocks is one uint64 whose bit
  * e goes to expand_int4_pair's byte e. A code row's bytes (K / 2) are 4x its bit row's: a row's bits are found from
  * its codes' address. */
+static inline size_t plane_row(const gemm_args *a, const uint8_t *wrow) { /* wrow's bits' offset in a plane */
+    return (size_t)(wrow - (const uint8_t *)a->w) >> 2;
+}
 static inline uint32_t plane32(const gemm_args *a, const uint8_t *plane, const uint8_t *wrow, int b) {
     uint32_t v;
-    memcpy(&v, plane + ((size_t)(wrow - (const uint8_t *)a->w) >> 2) + 4 * (size_t)b, 4);
+    memcpy(&v, plane + plane_row(a, wrow) + 4 * (size_t)b, 4);
     return v;
 }
 static inline uint32_t fifth32(const gemm_args *a, const uint8_t *wrow, int b) { return plane32(a, a->high, wrow, b); }
@@ -788,7 +791,7 @@ static inline __m512i load_pair(const gemm_args *a, const uint8_t *wrow, int b, 
     if (a->bits == 4) {
         __m512i v = expand_int4_pair(wrow + b * 16);
         if (!a->high) return v;
-        size_t at = ((size_t)(wrow - (const uint8_t *)a->w) >> 2) + 4 * (size_t)b;
+        size_t at = plane_row(a, wrow) + 4 * (size_t)b;
         uint64_t f; /* the pair's fifth bits, bit e for byte e */
         memcpy(&f, a->high + at, 8);
         v = _mm512_mask_add_epi8(v, _cvtu64_mask64(f), v, _mm512_set1_epi8(16)); /* a nibble + 16 */
@@ -840,7 +843,7 @@ static inline void prefetch_run(const uint8_t *run, size_t at, size_t bytes) {
  * bytes, as many blocks ahead; each line once, by the call whose bytes reach its start. */
 static inline void prefetch_fifth(const gemm_args *a, const uint8_t *run, size_t at, size_t bytes) {
     if (!a->high) return;
-    size_t row = (size_t)(run - (const uint8_t *)a->w) >> 2;
+    size_t row = plane_row(a, run);
     size_t from = (WEIGHT_AHEAD + at) / 4, to = (WEIGHT_AHEAD + at + bytes) / 4;
     for (size_t o = (from + 63) & ~(size_t)63; o < to; o += 64) {
         _mm_prefetch((const char *)(a->high + row + o), _MM_HINT_T0);
@@ -2497,10 +2500,10 @@ typedef struct {
     const int8_t *sc16;
 } dequant_args;
 
-/* The fifth bits of block b of row n (gemm_args' fifth32). */
-static inline uint32_t dequant_fifth(const dequant_args *a, int n, int b) {
+/* A bit plane's 32 bits of block b of row n (gemm_args' plane32). */
+static inline uint32_t dequant_plane(const dequant_args *a, const uint8_t *plane, int n, int b) {
     uint32_t v;
-    memcpy(&v, a->high + (size_t)n * (a->K / 8) + 4 * (size_t)b, 4);
+    memcpy(&v, plane + (size_t)n * (a->K / 8) + 4 * (size_t)b, 4);
     return v;
 }
 
@@ -2524,7 +2527,7 @@ static inline int dequant_group8(const dequant_args *a, int n, int g, float s, f
         __m256 vm = _mm256_set1_ps(m);
         const uint8_t *p = a->w + (size_t)n * (K / 2) + g * (G / 2);
         __m128i mask = _mm_set1_epi8(15);
-        uint32_t f = a->high ? dequant_fifth(a, n, g) : 0; /* a 5-bit weight's groups are its blocks */
+        uint32_t f = a->high ? dequant_plane(a, a->high, n, g) : 0; /* a 5-bit weight's groups are its blocks */
         for (int j = 0; j < G / 2; j += 8) {
             __m128i b = _mm_loadl_epi64((const __m128i *)(p + j));
             __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
@@ -2557,8 +2560,7 @@ static void dequant_q6k_row(const dequant_args *a, int n, float *o) {
     int K = a->K, nb = K / 32;
     for (int b = 0; b < nb; b++) {
         const uint8_t *p = a->w + (size_t)n * (K / 2) + b * 16;
-        uint32_t f = dequant_fifth(a, n, b), t;
-        memcpy(&t, a->top + (size_t)n * (K / 8) + 4 * (size_t)b, 4);
+        uint32_t f = dequant_plane(a, a->high, n, b), t = dequant_plane(a, a->top, n, b);
         for (int h = 0; h < 2; h++) { /* sub-block h: bytes 8h .. 8h + 7 (columns 16h .. 16h + 15) */
             float s = q6k_scale(a->scales, a->sc16, K, n, 2 * b + h);
             const uint8_t *q = p + 8 * h;
@@ -2609,7 +2611,7 @@ static void dequant_rows(const dequant_args *a, int r0, int r1, float *out) {
                     o[g * 32 + j] = (float)a->lut[codebook_code(a->w + (size_t)n * (K / 2), ng, g, j)] * s;
             } else if (a->bits == 4) {
                 const uint8_t *p = a->w + (size_t)n * (K / 2) + g * (a->group / 2);
-                uint32_t f = a->high ? dequant_fifth(a, n, g) : 0;
+                uint32_t f = a->high ? dequant_plane(a, a->high, n, g) : 0;
                 for (int j = 0; j < a->group / 2; j++) {
                     o[g * a->group + 2 * j] = (float)((p[j] & 15) | (f >> j & 1) << 4) * s + m;
                     o[g * a->group + 2 * j + 1] = (float)((p[j] >> 4) | (f >> (16 + j) & 1) << 4) * s + m;
