@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import torch
 
+from localpd import heap
 from localpd.errors import LocalpdError
 from localpd.quant.codebook import CODEBOOK_TYPES, CodebookWeight
 from localpd.quant.int4k import Int4KWeight
@@ -45,7 +46,6 @@ _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 SIGNATURES = {
     "lpd_isa": ([], ctypes.c_char_p),
     "lpd_huge_pages": ([_P, ctypes.c_size_t], _I),
-    "lpd_trim": ([], None),
     "lpd_threads": ([], ctypes.c_char_p),
     "lpd_linear": ([_I, _P, _P, _P, _F, _P, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _P, _P, _I], _I),
     "lpd_attention": ([_P, _L, _L, _I, _I, _I, _P, _P, _I, _I, _P, _L, _I, _I, _P, _P, _I, _F, _I, _P, _P, _I], _I),
@@ -281,27 +281,32 @@ def gather_weights(weights: list) -> int:
     """Moves the tensors of these int4/int8 weights (each once, however often listed) into one buffer whose pages
     are 2 MiB where the system allows (lpd_huge_pages), as llama.cpp's one mapped file is: the products stream them
     with a TLB entry per 2 MiB instead of per 4 KiB. The weights' fields then view that buffer; returns its size in
-    bytes (0 without kernels or weights)."""
+    bytes (0 without kernels or weights). A tensor at a time: each first copy is dropped once moved (the buffer's
+    pages are taken as they are written), and the C heap's free memory goes back to the system as it goes
+    (heap.Trimmer), so the move needs little more memory than the weights (where a copy of them all took twice as
+    much)."""
     lib = library()
     if lib is None:
         return 0
     todo = {id(w): w for w in weights if type(w) in FIELDS and getattr(w, FIELDS[type(w)][0]).device.type == "cpu"}
-    parts = [(w, f, getattr(w, f)) for w in todo.values() for f in FIELDS[type(w)] if f in w.__dataclass_fields__]
-    sizes = [(t.nbytes + 63) // 64 * 64 for _, _, t in parts]
-    if not parts:
+    fields = [(w, f) for w in todo.values() for f in FIELDS[type(w)] if f in w.__dataclass_fields__]
+    sizes = [(getattr(w, f).nbytes + 63) // 64 * 64 for w, f in fields]
+    if not fields:
         return 0
+    heap.trim()  # what the build freed so far (a fused matrix's parts)
     buf = torch.empty(sum(sizes) + HUGE_PAGE, dtype=torch.uint8)
     start = -buf.data_ptr() % HUGE_PAGE
     lib.lpd_huge_pages(buf.data_ptr() + start, sum(sizes) // HUGE_PAGE * HUGE_PAGE)  # advice only: fine if refused
-    at = start
-    for (w, f, t), n in zip(parts, sizes):
-        view = buf[at:at + t.nbytes].view(t.dtype).view(t.shape)
-        setattr(w, f, view.copy_(t))
+    at, trimmer = start, heap.Trimmer()
+    for (w, f), n in zip(fields, sizes):
+        t = getattr(w, f)
+        setattr(w, f, buf[at:at + t.nbytes].view(t.dtype).view(t.shape).copy_(t))
+        del t  # the weight held the only reference: its first copy is freed here
         at += n
+        trimmer.add(n)
     for w in todo.values():
         w.__dict__.pop("_cpu_plan", None)  # weight_plan's pointers were the first copies'
-    del parts, t
-    lib.lpd_trim()  # the first copies' memory back to the system
+    heap.trim()
     return sum(sizes)
 
 

@@ -24,9 +24,6 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
-#if defined(__GLIBC__)
-#include <malloc.h>
-#endif
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define cpu_relax() _mm_pause()
@@ -55,14 +52,6 @@ int lpd_huge_pages(void *p, size_t n) {
 #else
     (void)p, (void)n;
     return -1;
-#endif
-}
-
-/* Gives the C heap's free memory back to the system (glibc keeps freed chunks: the weights' first copies, once
- * moved, would stay counted in the process's memory). */
-void lpd_trim(void) {
-#if defined(__GLIBC__)
-    malloc_trim(0);
 #endif
 }
 

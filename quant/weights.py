@@ -338,20 +338,30 @@ def from_gguf(type_name: str, raw_blocks_uint8: torch.Tensor, shape: tuple[int, 
     if raw.dtype != torch.uint8 or raw.numel() != n * (k // block) * size:
         raise LocalpdError(f"GGUF {type_name} data for a {n}x{k} tensor must be {n * (k // block) * size} uint8 bytes, "
                            f"got {raw.numel()} {raw.dtype}")
+    rows = max(1, _CHUNK_ELEMENTS // k)  # the decoders' temporaries take several bytes a weight: rows at a time
+    if n <= rows:
+        return _from_gguf_rows(type_name, raw.reshape(-1, size), shape)
+    per_row = raw.reshape(n, -1)
+    return cat_rows([_from_gguf_rows(type_name, per_row[i:i + rows].reshape(-1, size), (min(rows, n - i), k))
+                     for i in range(0, n, rows)])
+
+
+def _from_gguf_rows(type_name: str, blocks: torch.Tensor, shape: tuple[int, int]):
+    """from_gguf of checked blocks (uint8 [blocks, bytes a block]) of `shape`."""
+    n, k = shape
     if type_name == "Q4_K":
         from localpd.quant.int4k import Int4KWeight  # it imports this module
 
-        return Int4KWeight.from_q4_k(raw.reshape(-1, size), shape)
+        return Int4KWeight.from_q4_k(blocks, shape)
     if type_name == "Q6_K":
         from localpd.quant.int6k import Int6KWeight  # it imports this module
 
-        return Int6KWeight.from_q6_k(raw.reshape(-1, size), shape)
+        return Int6KWeight.from_q6_k(blocks, shape)
     if type_name in gguf_blocks.INT5_TYPES:
         from localpd.quant.int5 import Int5KWeight, from_q5  # it imports this module
 
-        blocks = raw.reshape(-1, size)
         return Int5KWeight.from_q5_k(blocks, shape) if type_name == "Q5_K" else from_q5(type_name, blocks, shape)
-    g = gguf_blocks.DECODERS[type_name](raw.reshape(-1, size))
+    g = gguf_blocks.DECODERS[type_name](blocks)
     scales = _half_scales(g.scale, type_name).reshape(n, k // 32)
     if type_name in gguf_blocks.INT4_TYPES:
         biases = _half_scales(g.bias, type_name).reshape(n, k // 32)

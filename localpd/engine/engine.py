@@ -134,7 +134,7 @@ class Engine:
         if window and max_context and max_context > window:
             self.notes.append(f"context capped at {window} tokens: the model attends within a window of that many, "
                               f"and localpd to the whole context, which is the same up to there")
-        self.model = Transformer(loaded.config, loaded.weights, context=self.max_context)
+        self.model = Transformer(loaded.config, loaded.weights, context=self.max_context, consume=True)
         default_kv = kv_default(self.device, self.quant, self.compute_dtype)
         self.kv_dtype = check_kv_dtype(kv or default_kv, self.device)
         c = self.config
@@ -208,7 +208,7 @@ class Engine:
         dtype = compute_dtype(quant, self.device)
         name, _, loaded = load(draft, quant, dtype, self.device, False)
         check_vocabulary(loaded.tokenizer(), self.tokenizer, loaded.config.vocab_size, self.config.vocab_size, name)
-        return name, Transformer(loaded.config, loaded.weights, context=self.max_context), dtype
+        return name, Transformer(loaded.config, loaded.weights, context=self.max_context, consume=True), dtype
 
     @property
     def kv_token_bytes(self) -> int:

@@ -11,11 +11,12 @@ import numpy as np
 import torch
 
 from localpd.model.config import ModelConfig, matrix_shapes
+from localpd import heap
 from localpd.errors import LocalpdError
 from localpd.load.gguf import GGUFFile
 from localpd.kvcache.dispatch import kernel_head_dim
 from localpd.quant.store import is_quantized_dir, load_quantized, tokenizer_meta
-from localpd.quant.weights import Weight, from_gguf
+from localpd.quant.weights import Weight, from_gguf, weight_nbytes
 from localpd.quant.schemes import (check_scheme, from_blocks, head_scheme, imports_codes, imports_exactly, is_matrix,
                                    native_weight, quantize)
 from localpd.text.tokenizer import Tokenizer
@@ -252,7 +253,7 @@ def load_gguf(path: Path, dtype, device, scheme: str = "native", importance: dic
     config.tie_embeddings = gguf_tied(g)
     config.rope_scaling = gguf_longrope(g, config, g.metadata["general.architecture"]) or config.rope_scaling
     g.check_types(t.name for t in g.tensors if gguf_key(t.name))
-    weights = {}
+    weights, trimmer = {}, heap.Trimmer()
     for t in g.tensors:
         if not (found := gguf_key(t.name)):
             continue
@@ -271,6 +272,7 @@ def load_gguf(path: Path, dtype, device, scheme: str = "native", importance: dic
             continue
         weights[key] = gguf_matrix(g, t, head_scheme(key, scheme, config.tie_embeddings), dtype, device, heads,
                                    importance_of(importance, key))
+        trimmer.add(weight_nbytes(weights[key]))  # the conversions' temporaries: else the heap keeps 0.5x the weights
     return LoadedModel(config, arrange_rows(weights, config), path, gguf=g)
 
 

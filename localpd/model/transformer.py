@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from localpd import heap
 from localpd.errors import LocalpdError
 from localpd.kernels import cpu
 from localpd.kernels.dispatch import as_int4, as_int8, use_triton
@@ -134,11 +135,14 @@ class Transformer:
     # measuring what the layout gains (scripts/bench_decode_peers.py); read when a model is built
     gpu_layout = True
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], context: int | None = None):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], context: int | None = None, *,
+                 consume: bool = False):
         """context: the longest sequence the caller will run (LongRoPE picks its factors by it; default: the
-        model's own maximum)."""
+        model's own maximum). consume: take each weight out of `weights` as it is used (the dict is left empty), so
+        that the parts of a fused matrix (q/k/v, gate/up) are freed as it is made and the build holds one copy of
+        the weights, not two."""
         self.config = config
-        w = dict(weights)
+        w = weights if consume else dict(weights)
 
         def take(name: str) -> torch.Tensor:
             if name not in w:
@@ -148,9 +152,8 @@ class Transformer:
         def linear(name: str) -> QuantLinear:
             return QuantLinear(take(name), w.pop(name + ".bias", None))
 
-        self.embed = take("embed_tokens")
-        self.layers = [
-            Layer(
+        def layer(i: int) -> Layer:
+            return Layer(
                 attn_norm=take(f"layers.{i}.input_layernorm"),
                 qkv=fuse([linear(f"layers.{i}.{n}_proj") for n in "qkv"]),
                 o=linear(f"layers.{i}.o_proj"),
@@ -162,8 +165,13 @@ class Transformer:
                 attn_out_norm=take(f"layers.{i}.attn_out_norm") if config.sandwich_norms else None,
                 mlp_out_norm=take(f"layers.{i}.mlp_out_norm") if config.sandwich_norms else None,
             )
-            for i in range(config.n_layers)
-        ]
+
+        self.embed = take("embed_tokens")
+        self.layers, trimmer = [], heap.Trimmer()
+        for i in range(config.n_layers):
+            self.layers.append(layer(i))
+            if consume:  # the freed parts fit no later fused matrix: the heap would keep them
+                trimmer.add(self.layers[-1].qkv.nbytes + self.layers[-1].gate_up.nbytes)
         self.norm = take("norm")
         self.lm_head = QuantLinear(self.embed) if config.tie_embeddings else linear("lm_head")
         self.dtype = self.norm.dtype

@@ -1,11 +1,14 @@
 """The model against transformers on the real default model (same GGUF, float32 on the CPU)."""
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
 
-from localpd.model.transformer import Batch
+from localpd.load.loader import load_model
+from localpd.model.transformer import Batch, Transformer
 from localpd.kvcache.formats import new_kv_pool
 from localpd.engine.sampling import SamplingParams
 
@@ -144,3 +147,19 @@ def test_an_embedding_is_the_last_positions_final_hidden_state_normalised(engine
     assert torch.allclose(torch.tensor(last.embedding), torch.tensor(engine.embedding(fresh)), atol=1e-6)
     s = engine.stats()
     assert s.running == 0 and s.kv_pages_used == 0
+
+
+def test_a_consuming_build_frees_the_fused_parts_and_computes_the_same(default_gguf):
+    """Transformer(consume=True), the engine's build, takes each weight out of the loader's dict, so that the q/k/v
+    and gate/up parts are freed as their fused matrices are made (the build holds one copy of the weights, not two);
+    the model it builds computes what the copying build's does, bit for bit."""
+    kept, taken = load_model(default_gguf), load_model(default_gguf)
+    part = weakref.ref(taken.weights["layers.0.q_proj"])
+    copied = Transformer(kept.config, kept.weights)
+    consumed = Transformer(taken.config, taken.weights, consume=True)
+    gc.collect()
+    assert taken.weights == {} and part() is None
+    assert "layers.0.q_proj" in kept.weights  # the copying build leaves the caller's dict as it was
+    ids = list(range(100, 160))
+    got, want = (run_chunk(m, new_pool(m, len(ids)), ids, 0, all_logits=True) for m in (consumed, copied))
+    assert torch.equal(got, want)

@@ -11,6 +11,7 @@ from localpd.errors import LocalpdError
 from localpd.quant.codebook import IQ4Weight, MXFP4Weight
 from localpd.quant.int4k import Int4KWeight
 from localpd.quant.int5 import Int5KWeight, Int5Weight
+from localpd.quant import weights as weights_module
 from localpd.quant.weights import Int4Weight, Int8Weight, from_gguf, integer_zeros, pack_int4, unpack_int4
 
 
@@ -180,6 +181,26 @@ def test_gguf_import_is_exact(type_name, seed):
     else:
         assert torch.equal(got, expected.float())
     assert w.nbytes <= blocks.nbytes * 2 + n * k // 32 * 2  # at most int8 codes and a float16 scale per 32
+
+
+@pytest.mark.parametrize("type_name", list(F16_FIELDS) + ["Q6_K"])
+def test_gguf_import_a_few_rows_at_a_time_is_the_import_in_one_piece(type_name, monkeypatch):
+    """from_gguf converts a large tensor a few rows at a time (its decoders' temporaries take several bytes a weight:
+    at once, a 128k x 4096 output head's took gigabytes): the pieces stacked are the whole tensor's import, every
+    field bit for bit, the last piece short."""
+    rng = np.random.default_rng(7)
+    n, k = 37, 512
+    block = gguf.GGML_QUANT_SIZES[GGMLQuantizationType[type_name]][0]
+    if type_name == "Q6_K":  # its float16 d is the block's last two bytes
+        raw = rng.integers(0, 256, (n * k // block, 210), dtype=np.uint8)
+        raw[:, 208:210] = rng.uniform(-2, 2, (n * k // block, 1)).astype(np.float16).view(np.uint8)
+    else:
+        raw = _random_blocks(type_name, n * k // block, rng)
+    whole = from_gguf(type_name, torch.from_numpy(raw.reshape(-1).copy()), (n, k))
+    monkeypatch.setattr(weights_module, "_CHUNK_ELEMENTS", 5 * k)  # 5 rows a piece: 8 pieces, the last of 2
+    pieces = from_gguf(type_name, torch.from_numpy(raw.reshape(-1).copy()), (n, k))
+    assert type(pieces) is type(whole) and pieces.shape == (n, k)
+    assert all(torch.equal(getattr(pieces, f), getattr(whole, f)) for f in whole.__dataclass_fields__)
 
 
 @pytest.mark.parametrize("type_name", ["Q5_1", "Q5_K"])
