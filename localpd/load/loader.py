@@ -410,7 +410,7 @@ def load_hf_dir(path: Path, dtype, device, scheme: str = "native", importance: d
              else [p.name for p in sorted(path.glob("*.safetensors"))])
     if not files:
         raise LocalpdError(f"{path} has no .safetensors weights")
-    weights = {}
+    weights, trimmer = {}, heap.Trimmer()
     for fname in files:
         with safe_open(path / fname, framework="pt") as f:
             for k in f.keys():
@@ -427,4 +427,5 @@ def load_hf_dir(path: Path, dtype, device, scheme: str = "native", importance: d
                     weights[name] = (t.float() + 1).to(dtype)  # Gemma's norms scale by 1 + weight (GGUF stores it so)
                 else:
                     weights[name] = t.to(dtype)
+                trimmer.add(weight_nbytes(weights[name]))  # the quantization's temporaries (load_gguf's)
     return LoadedModel(config, arrange_rows(weights, config), path, hf_dir=path)
