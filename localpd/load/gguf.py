@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +83,7 @@ class GGUFFile:
             if f.read(4) != b"GGUF":
                 raise LocalpdError(f"{self.path} is not a GGUF file (bad magic)")
         try:
-            self.metadata, self.tensors = read_header(self.path)
+            self.metadata, self.tensors, self._map = read_header(self.path)
         except (HeaderError, ValueError, OverflowError) as e:  # HeaderError, or a string that is not UTF-8
             why = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise LocalpdError(f"{self.path} is not a readable GGUF file: {why}") from None
@@ -130,6 +131,16 @@ class GGUFFile:
     def raw(self, name: str) -> np.ndarray:
         """The stored data as the reader maps it (uint8 blocks, or float arrays for F32/F16); no copy."""
         return self._tensor(name).data
+
+    def release(self, name: str) -> None:
+        """Unmaps the pages of a tensor's bytes from this process (the file's pages stay in the system's cache, and a
+        later read maps them again): a tensor once converted is not read again, and a load's pages of the file would
+        otherwise count in the process's memory beside the weights made of them, the file's size more."""
+        if not hasattr(mmap, "MADV_DONTNEED"):  # not Linux/macOS: the pages stay until the file is closed
+            return
+        t = self._tensor(name)
+        lo = t.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
+        self._map.madvise(mmap.MADV_DONTNEED, lo, t.data_offset + t.n_bytes - lo)
 
     def dequantize(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         self.check_types([name])

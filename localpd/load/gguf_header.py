@@ -114,8 +114,9 @@ class Cursor:
         return [self.value(item) for _ in range(count)]  # arrays of arrays
 
 
-def read_header(path) -> tuple[dict[str, Any], list[TensorInfo]]:
-    """(metadata, tensors) of a GGUF file; raises HeaderError for what cannot be read as one."""
+def read_header(path) -> tuple[dict[str, Any], list[TensorInfo], mmap.mmap]:
+    """(metadata, tensors, the file's read-only map, which the tensors' data view) of a GGUF file; raises
+    HeaderError for what cannot be read as one."""
     with open(path, "rb") as f:
         try:
             buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
@@ -172,7 +173,7 @@ def read_header(path) -> tuple[dict[str, Any], list[TensorInfo]]:
                 data = data.reshape(shape[:-1] + (shape[-1] // block * size,) if shape else shape)
         tensors.append(TensorInfo(name, ggml_type, dims, n, n_bytes, begin, data))
     check_overlaps(tensors)
-    return metadata, tensors
+    return metadata, tensors, buf
 
 
 def check_overlaps(tensors: list[TensorInfo]) -> None:

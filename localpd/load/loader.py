@@ -273,6 +273,7 @@ def load_gguf(path: Path, dtype, device, scheme: str = "native", importance: dic
         weights[key] = gguf_matrix(g, t, head_scheme(key, scheme, config.tie_embeddings), dtype, device, heads,
                                    importance_of(importance, key))
         trimmer.add(weight_nbytes(weights[key]))  # the conversions' temporaries: else the heap keeps 0.5x the weights
+        g.release(t.name)
     return LoadedModel(config, arrange_rows(weights, config), path, gguf=g)
 
 
