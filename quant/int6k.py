@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from localpd.errors import LocalpdError
-from localpd.quant.int5 import join_codes, split_codes
+from localpd.quant.int5 import bit_plane, join_codes, split_codes
 from localpd.quant.weights import Int8Weight
 
 SUB, SUPER = 16, 256  # columns a scale; columns a d
@@ -88,7 +88,7 @@ class Int6KWeight:
         two = torch.stack([(qh >> (2 * i)) & 3 for i in range(4)], dim=2)
         codes = (low | (two << 4)).reshape(n, k)
         packed, high = split_codes(codes)
-        _, top = split_codes(codes >> 1)
+        top = bit_plane(codes, 5)
         d = blocks[:, 208:210].contiguous().view(torch.float16).reshape(n, -1).clone()
         sc = blocks[:, 192:208].contiguous().view(torch.int8).reshape(n, -1).clone()
         return cls(packed, high, top, d, sc)
