@@ -1,5 +1,5 @@
 """A model as localpd holds it -> one GGUF file that llama.cpp loads: each matrix in the block type that holds its
-format (int4 groups as Q4_1, int8 as Q8_0, int4-k as Q4_K, 5-bit codes as Q5_1 and Q5_K), the tokenizer (a GGUF source's own, or built from a
+format (int4 groups as Q4_1, int8 as Q8_0, int4-k as Q4_K, 5-bit codes as Q5_1 and Q5_K, 6-bit as Q6_K), the tokenizer (a GGUF source's own, or built from a
 Hugging Face directory's tokenizer.json: gguf_vocab), chat template and hyper-parameters.
 
 Exact where the format fits: an int4 group of 32, 64 or 128 is one, two or four Q4_1 blocks with its float16 scale
@@ -7,7 +7,8 @@ Exact where the format fits: an int4 group of 32, 64 or 128 is one, two or four 
 scales fit Q4_K's six bits and its biases are minus six-bit mins over whole super-blocks of 256 (a Q4_K import);
 otherwise its groups are fitted to Q4_K (rows of whole super-blocks) or written as Q4_1 with their scales and
 biases rounded to float16, and the error is reported; 5-bit int4-k (a Q5_K import) likewise as Q5_K or Q5_1, and
-5-bit groups (Q5_0, Q5_1 imports) as Q5_1, exactly (Q5_0's bias -16 d is a float16 m). Other formats (bitsandbytes') are re-quantized to Q8_0.
+5-bit groups (Q5_0, Q5_1 imports) as Q5_1, exactly (Q5_0's bias -16 d is a float16 m); 6-bit codes (a Q6_K import)
+as Q6_K, exactly. Other formats (bitsandbytes') are re-quantized to Q8_0.
 """
 
 from __future__ import annotations
@@ -25,13 +26,14 @@ from localpd.load.loader import GGUF_NAMES, GGUF_TOP, qk_order, rows
 from localpd.model.config import ModelConfig
 from localpd.quant.int4k import GROUP, PER_SUPER, Int4KWeight, super_blocks
 from localpd.quant.int5 import Int5KWeight, Int5Weight
+from localpd.quant.int6k import Int6KWeight
 from localpd.quant.weights import Int4Weight, Int8Weight, Weight, pack_int4, unpack_int4
 
 BLOCK = 32
 SUPER = GROUP * PER_SUPER  # 256: a Q4_K block
 DENSE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 FILE_TYPES = {"Q4_1": "MOSTLY_Q4_1", "Q8_0": "MOSTLY_Q8_0", "Q4_K": "MOSTLY_Q4_K_S", "Q5_1": "MOSTLY_Q5_1",
-              "Q5_K": "MOSTLY_Q5_K_S", "F16": "MOSTLY_F16",
+              "Q5_K": "MOSTLY_Q5_K_S", "Q6_K": "MOSTLY_Q6_K", "F16": "MOSTLY_F16",
               "BF16": "MOSTLY_BF16", "F32": "ALL_F32"}  # gguf.LlamaFileType, by the matrices' most common type
 GGUF_PART = {hf: g for g, hf in GGUF_NAMES.items() if hf != "qkv_proj"}
 GGUF_TOP_NAME = {hf: g for g, hf in GGUF_TOP.items()}
@@ -84,6 +86,19 @@ def q5_k_blocks(w: Int5KWeight) -> torch.Tensor:
     fifth = (w.codes().reshape(-1, 8, 32) >> 4).int()  # per super-block: 8 groups (2c, 2c + 1) of 32 values
     qh = (fifth << torch.arange(8, dtype=torch.int32)[None, :, None]).sum(1).to(torch.uint8)
     return torch.cat([head[:, :16], qh, head[:, 16:]], 1).reshape(n, -1)
+
+
+def q6_k_blocks(w: Int6KWeight) -> torch.Tensor:
+    """A 6-bit weight -> Q6_K blocks [N, K // 256 * 210] (the inverse of Int6KWeight.from_q6_k): per half of 128
+    values, ql (byte l: the low four bits of values l and l + 64, byte 32 + l those of l + 32 and l + 96) and qh
+    (byte l: value l + 32 i's two high bits at bits 2i, 2i + 1); then the sixteen int8 scales and d."""
+    n, _ = w.shape
+    c = w.codes().reshape(-1, 2, 4, 32)  # per super-block: 2 halves of 4 runs of 32 values
+    low, two = c & 15, c >> 4
+    ql = torch.cat([low[:, :, 0] | (low[:, :, 2] << 4), low[:, :, 1] | (low[:, :, 3] << 4)], dim=2)
+    qh = two[:, :, 0] | (two[:, :, 1] << 2) | (two[:, :, 2] << 4) | (two[:, :, 3] << 6)
+    sc = w.sc.reshape(-1, 16).view(torch.uint8)
+    return torch.cat([ql.reshape(-1, 128), qh.reshape(-1, 64), sc, _half_bytes(w.d.reshape(-1))], 1).reshape(n, -1)
 
 
 def q8_0_blocks(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -148,6 +163,8 @@ def encode(w: Weight) -> tuple[str, np.ndarray, Weight]:
         return DENSE[w.dtype], raw, w
     if w.shape[1] % BLOCK:
         raise LocalpdError(f"a {w.shape[0]}x{w.shape[1]} matrix is not whole blocks of {BLOCK} along its input")
+    if isinstance(w, Int6KWeight):
+        return "Q6_K", q6_k_blocks(w).numpy(), w
     if isinstance(w, Int5KWeight):
         low = w.low()
         if w.shape[1] % SUPER == 0 and fits_q4_k(low):

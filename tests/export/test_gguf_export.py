@@ -377,6 +377,25 @@ def test_llama_cpp_tokenizes_the_sentencepiece_export_as_the_tokenizer_json_does
             assert got == hf_tok.encode(text).ids, text
 
 
+def test_6_bit_weights_are_the_q6_k_blocks_they_were_imported_from():
+    """A Q6_K import (6-bit codes, an int8 scale a sub-block of 16, a float16 d a super-block) exports as Q6_K:
+    the blocks written are the file's bytes, byte for byte, and read back as the same fields."""
+    import numpy as np
+
+    from localpd.export.gguf import encode
+    from localpd.quant.int6k import Int6KWeight
+    from localpd.quant.weights import from_gguf
+
+    rng = np.random.default_rng(6)
+    raw = rng.integers(0, 256, (6 * 768 // 256, 210), dtype=np.uint8)
+    raw[:, 208:210] = rng.uniform(-2, 2, (raw.shape[0], 1)).astype(np.float16).view(np.uint8)
+    w = from_gguf("Q6_K", torch.from_numpy(raw), (6, 768))
+    kind, data, stored = encode(w)
+    assert kind == "Q6_K" and stored is w and np.array_equal(data.reshape(-1), raw.reshape(-1))
+    kind, back, decoded = blocks_round_trip(w)
+    assert isinstance(back, Int6KWeight) and same_weight(back, w) and torch.equal(decoded, w.dequantize())
+
+
 def test_5_bit_weights_are_q5_1_and_q5_k_blocks_without_loss():
     """A Q5_0 or Q5_1 import (5-bit codes, a float16 scale and bias a block) is Q5_1; a Q5_K import (5-bit int4-k with
     six-bit scales) is Q5_K: each read back by localpd's import as the same fields, bit for bit. 5-bit int4-k with
