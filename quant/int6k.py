@@ -8,6 +8,10 @@ with d float16 and sc int8, as ggml's Q6_K. The codes are held as the 5-bit weig
 low four bits in `packed` (Int4Weight's layout), their fifth bits in `high` and their sixth in `top`, each plane
 uint8 [N, K // 8] in the order the CPU kernels expand a block's nibbles (int5.split_codes). The GPU takes these
 weights as their nearest int8 (to_int8, kernels/dispatch.py's as_int8), as localpd held them everywhere before.
+
+GGUF's Q3_K is the same form (ggml: value = d * (sc3 - 32) * (q3 - 4), q3 in 0..7, sc3 six bits a sub-block of 16)
+at q = q3 + 28 and sc = sc3 - 32, so it imports bit for bit as one of these (from_q3_k): 6.6 bits a weight where
+its file holds 3.4, but exact, and 0.77x the bytes of the int8 weight it was re-quantized to before.
 """
 
 from __future__ import annotations
@@ -87,8 +91,32 @@ class Int6KWeight:
         low = torch.stack([ql[:, :, :32] & 15, ql[:, :, 32:] & 15, ql[:, :, :32] >> 4, ql[:, :, 32:] >> 4], dim=2)
         two = torch.stack([(qh >> (2 * i)) & 3 for i in range(4)], dim=2)
         codes = (low | (two << 4)).reshape(n, k)
-        packed, high = split_codes(codes)
-        top = bit_plane(codes, 5)
         d = blocks[:, 208:210].contiguous().view(torch.float16).reshape(n, -1).clone()
         sc = blocks[:, 192:208].contiguous().view(torch.int8).reshape(n, -1).clone()
-        return cls(packed, high, top, d, sc)
+        return cls.from_codes(codes, d, sc)
+
+    @classmethod
+    def from_q3_k(cls, blocks: torch.Tensor, shape: tuple[int, int]) -> Int6KWeight:
+        """A GGUF Q3_K tensor's blocks (uint8 [n_blocks, 110]: 32 bytes of high bits, 64 of two low bits, 12 of
+        six-bit scales, d), bit for bit, as q = q3 + 28 and sc = sc3 - 32 (the module docstring)."""
+        n, k = shape
+        hmask, qs, s = blocks[:, :32], blocks[:, 32:96].reshape(-1, 2, 1, 32), blocks[:, 96:108]
+        # ggml's order, per half h of 128 values: value 32 j + l (j = 0..3, l < 32) is qs[h][l]'s bits 2j, 2j + 1,
+        # with hmask[l]'s bit 4h + j as its third
+        shifts = torch.arange(0, 8, 2, dtype=torch.uint8).reshape(1, 1, 4, 1)
+        low = (qs >> shifts) & 3
+        third = (hmask.reshape(-1, 1, 32) >> torch.arange(8, dtype=torch.uint8).reshape(1, 8, 1)) & 1
+        codes = (low | (third.reshape(-1, 2, 4, 32) << 2)) + 28
+        # the sixteen scales: bytes 0-7's low nibbles, then their high ones, each with two bits of bytes 8-11 above
+        a, b = s[:, :8], s[:, 8:].repeat(1, 2)
+        pick = torch.tensor([0, 0, 0, 0, 2, 2, 2, 2], dtype=torch.uint8)
+        sc3 = torch.cat([(a & 15) | (((b >> pick) & 3) << 4), (a >> 4) | (((b >> (pick + 4)) & 3) << 4)], 1)
+        d = blocks[:, 108:110].contiguous().view(torch.float16).reshape(n, -1).clone()
+        sc = (sc3.to(torch.int16) - 32).to(torch.int8).reshape(n, -1)
+        return cls.from_codes(codes.reshape(n, k), d, sc.contiguous())
+
+    @classmethod
+    def from_codes(cls, codes: torch.Tensor, d: torch.Tensor, sc: torch.Tensor) -> Int6KWeight:
+        """codes uint8 [N, K] (0..63), d float16 [N, K // 256], sc int8 [N, K // 16] -> the weight."""
+        packed, high = split_codes(codes)
+        return cls(packed, high, bit_plane(codes, 5), d, sc)

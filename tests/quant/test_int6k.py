@@ -31,6 +31,27 @@ def test_q6_k_imports_bit_for_bit_at_its_own_size(rows, cols):
     assert w.nbytes == raw.nbytes and w.nbytes * 8 / (rows * cols) == 6.5625
 
 
+def q3_k_blocks(n_blocks: int, rng) -> np.ndarray:
+    raw = rng.integers(0, 256, (n_blocks, 110), dtype=np.uint8)
+    raw[:, 108:110] = rng.uniform(-2, 2, (n_blocks, 1)).astype(np.float16).view(np.uint8)
+    return raw
+
+
+@pytest.mark.parametrize("rows,cols", [(3, 256), (5, 768), (1, 4096)])
+def test_q3_k_imports_bit_for_bit_as_6_bit_codes(rows, cols):
+    """Q3_K's d x (sc3 - 32) x (q3 - 4) is a 6-bit weight's d x sc x (q - 32) at q = q3 + 28, sc = sc3 - 32: every
+    value as gguf's own dequantization reads it (random bytes: every bit of the high-bit mask and of the packed
+    six-bit scales), the codes within 28..35 and the scales the six bits' range."""
+    rng = np.random.default_rng(rows + cols)
+    raw = q3_k_blocks(rows * cols // 256, rng)
+    w = from_gguf("Q3_K", torch.from_numpy(raw), (rows, cols))
+    assert isinstance(w, Int6KWeight) and w.shape == (rows, cols)
+    want = torch.from_numpy(ref_dequantize(raw.reshape(-1), GGMLQuantizationType.Q3_K).reshape(rows, cols))
+    assert torch.equal(w.dequantize(), want)
+    codes = w.codes()
+    assert codes.min() >= 28 and codes.max() <= 35 and w.sc.min() >= -32 and w.sc.max() <= 31
+
+
 def test_the_gpus_int8_form_is_near():
     w = from_gguf("Q6_K", torch.from_numpy(q6_k_blocks(16, np.random.default_rng(2))), (8, 512))
     int8, want = w.to_int8(), w.dequantize()
