@@ -32,7 +32,7 @@ from localpd.errors import LocalpdError
 from localpd.quant.codebook import CODEBOOK_TYPES, CodebookWeight
 from localpd.quant.int4k import Int4KWeight
 from localpd.quant.int5 import Int5KWeight, Int5Weight
-from localpd.quant.int6k import Int6KWeight
+from localpd.quant.int6k import Int3KWeight, Int6KWeight
 from localpd.quant.weights import Int4Weight, Int8Weight
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
@@ -241,7 +241,7 @@ class Plan(NamedTuple):
     lut: int | None  # a codebook weight's 16 values (quant/codebook.py); else None
     high: int | None  # a 5-bit weight's fifth bits (quant/int5.py: bits 4, its low four bits int4's); else None
     top: int | None  # Q6_K's sixth bits (quant/int6k.py, with high; scales: its d); else None
-    sc16: int | None  # Q6_K's int8 scale a sub-block of 16; else None
+    sc16: int | None  # Q6_K's and Q3_K's int8 scale a sub-block of 16 (scales: their d); else None
     group: int
     n: int
     k: int
@@ -254,6 +254,7 @@ FIELDS = {Int4Weight: ("packed", "scales", "biases"), Int8Weight: ("data", "scal
           Int5Weight: ("packed", "scales", "biases", None, None, "high"),
           Int5KWeight: ("packed", "d", "dmin", "sub", None, "high"),
           Int6KWeight: ("packed", "d", None, None, None, "high", "top", "sc"),
+          Int3KWeight: ("packed", "d", None, None, None, None, None, "sc"),
           **{cls: ("packed", "scales", None, None, "table") for cls in set(CODEBOOK_TYPES.values())}}
 PLAN_FIELDS = 8
 

@@ -605,8 +605,8 @@ typedef struct {
     const uint8_t *high; /* a 5-bit weight (bits 4, its low four bits int4's): each code's fifth bit; else NULL */
     const uint8_t *top;  /* a 6-bit weight (Q6_K, with high): each code's sixth bit, in high's order; else NULL */
     const int32_t *xs16; /* Q6_K: each input sub-block's integer sum (gemm_task fills it) */
-    const int8_t *sc16;  /* Q6_K: an int8 scale a sub-block of 16 columns (two a block), `scales` its float16 d a
-                          * super-block of 256, no biases: value = d x sc x (q - 32); else NULL */
+    const int8_t *sc16;  /* Q6_K, Q3_K: an int8 scale a sub-block of 16 columns (two a block), `scales` its float16
+                          * d a super-block of 256, no biases: value = d x sc x (q - sub16_offset); else NULL */
 } gemm_args;
 
 /* A 5-bit weight (quant/int5.py: GGUF's Q5_0, Q5_1, Q5_K) is an int4 weight, its scales, biases and int4-k
@@ -628,6 +628,9 @@ static inline uint32_t fifth32(const gemm_args *a, const uint8_t *wrow, int b) {
  * (low nibbles: its even columns, then high: its odd ones) the columns 0 .. 15 of sub-block 0 are bytes 0 .. 7 and
  * 16 .. 23, so int32 lanes 0, 1, 4, 5 of the block's eight (and AVX2's madd lanes 0 .. 3 of both halves). */
 static inline int factor_count(const gemm_args *a) { return a->sc16 ? a->K / 16 : a->K / 32; }
+/* A code with a scale a sub-block of 16 is signed, stored offset by half its range: Q6_K's six bits (both planes) by
+ * 32, Q3_K's held in nibbles (no planes: quant/int6k.py's Int3KWeight) by 8. */
+static inline int sub16_offset(const uint8_t *high, const uint8_t *top) { return top ? 32 : high ? 16 : 8; }
 
 /* A codebook weight (quant/codebook.py: IQ4_NL, IQ4_XS, MXFP4) holds 4-bit codes whose values are a 16-entry int8
  * table's, times a float16 scale a block of 32 (bits 4, lut set). The products look each code up in registers
@@ -1177,9 +1180,10 @@ static inline float q6k_scale(const uint16_t *d, const int8_t *sc, int K, int n,
     return half_to_float(d[(size_t)n * (K / 256) + s / 16]) * (float)sc[(size_t)n * (K / 16) + s];
 }
 
-/* Q6_K's row_factors, for every path (one function, so every row count gets the same floats): ds[m * stride + s] =
- * (d x sc of sub-block s) x the input block's scale, two a block; extra[m] = -32 x the sum of those times each
- * sub-block's integer input sum (the codes q go in as they are, 0 .. 63, for q - 32), plus the layer's bias. */
+/* Q6_K's (and Q3_K's) row_factors, for every path (one function, so every row count gets the same floats):
+ * ds[m * stride + s] = (d x sc of sub-block s) x the input block's scale, two a block; extra[m] = -offset x the sum
+ * of those times each sub-block's integer input sum (the codes q go in as they are, for q - offset: sub16_offset),
+ * plus the layer's bias. */
 static __attribute__((noinline)) void q6k_factors(const gemm_args *a, int n, int m0, int mm, int stride, float *ds,
                                                   float *extra) {
     int nb = a->K / 32, ns = 2 * nb;
@@ -1219,7 +1223,7 @@ static __attribute__((noinline)) void q6k_factors(const gemm_args *a, int n, int
             e += dm[s] * (float)xs[s];
         }
 #endif
-        extra[m] = -32.f * e + (a->bias ? a->bias[n] : 0.f);
+        extra[m] = -(float)sub16_offset(a->high, a->top) * e + (a->bias ? a->bias[n] : 0.f);
     }
 }
 
@@ -2546,13 +2550,13 @@ static inline int dequant_group8(const dequant_args *a, int n, int g, float s, f
 }
 #endif
 
-/* Q6_K's row n into o [K]: (q - 32) x (d x sc), ggml's one product, a sub-block of 16 at a time (AVX2: its codes
- * as bytes, the nibbles and both planes, in column order). */
+/* Q6_K's (or Q3_K's) row n into o [K]: (q - offset) x (d x sc), ggml's one product, a sub-block of 16 at a time
+ * (AVX2: its codes as bytes, the nibbles and the planes, in column order). */
 static void dequant_q6k_row(const dequant_args *a, int n, float *o) {
-    int K = a->K, nb = K / 32;
+    int K = a->K, nb = K / 32, offset = sub16_offset(a->high, a->top);
     for (int b = 0; b < nb; b++) {
         const uint8_t *p = a->w + (size_t)n * (K / 2) + b * 16;
-        uint32_t f = dequant_plane(a, a->high, n, b), t = dequant_plane(a, a->top, n, b);
+        uint32_t f = a->high ? dequant_plane(a, a->high, n, b) : 0, t = a->top ? dequant_plane(a, a->top, n, b) : 0;
         for (int h = 0; h < 2; h++) { /* sub-block h: bytes 8h .. 8h + 7 (columns 16h .. 16h + 15) */
             float s = q6k_scale(a->scales, a->sc16, K, n, 2 * b + h);
             const uint8_t *q = p + 8 * h;
@@ -2563,7 +2567,7 @@ static void dequant_q6k_row(const dequant_args *a, int n, float *o) {
                                                _mm_slli_epi16(fifth_bytes(t >> (8 * h) & 0xff), 1)));
             hi = _mm_or_si128(hi, _mm_or_si128(fifth_bytes(f >> (16 + 8 * h) & 0xff),
                                                _mm_slli_epi16(fifth_bytes(t >> (16 + 8 * h) & 0xff), 1)));
-            __m128i both = _mm_sub_epi8(_mm_unpacklo_epi8(lo, hi), _mm_set1_epi8(32)); /* q - 32, columns in order */
+            __m128i both = _mm_sub_epi8(_mm_unpacklo_epi8(lo, hi), _mm_set1_epi8((char)offset)); /* in column order */
             __m256 vs = _mm256_set1_ps(s);
             _mm256_storeu_ps(o + 32 * b + 16 * h, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(both)), vs));
             _mm256_storeu_ps(o + 32 * b + 16 * h + 8,
@@ -2573,8 +2577,8 @@ static void dequant_q6k_row(const dequant_args *a, int n, float *o) {
                 int e = 8 * h + j;
                 int c0 = (q[j] & 15) | (f >> e & 1) << 4 | (t >> e & 1) << 5;
                 int c1 = (q[j] >> 4) | (f >> (16 + e) & 1) << 4 | (t >> (16 + e) & 1) << 5;
-                o[32 * b + 2 * e] = (float)(c0 - 32) * s;
-                o[32 * b + 2 * e + 1] = (float)(c1 - 32) * s;
+                o[32 * b + 2 * e] = (float)(c0 - offset) * s;
+                o[32 * b + 2 * e + 1] = (float)(c1 - offset) * s;
             }
 #endif
         }

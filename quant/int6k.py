@@ -9,9 +9,11 @@ low four bits in `packed` (Int4Weight's layout), their fifth bits in `high` and 
 uint8 [N, K // 8] in the order the CPU kernels expand a block's nibbles (int5.split_codes). The GPU takes these
 weights as their nearest int8 (to_int8, kernels/dispatch.py's as_int8), as localpd held them everywhere before.
 
-GGUF's Q3_K is the same form (ggml: value = d * (sc3 - 32) * (q3 - 4), q3 in 0..7, sc3 six bits a sub-block of 16)
-at q = q3 + 28 and sc = sc3 - 32, so it imports bit for bit as one of these (from_q3_k): 6.6 bits a weight where
-its file holds 3.4, but exact, and 0.77x the bytes of the int8 weight it was re-quantized to before.
+GGUF's Q3_K is the same form with 4-bit codes (Int3KWeight): ggml's value d * (sc3 - 32) * (q3 - 4), q3 in 0..7 and
+sc3 six bits a sub-block of 16, is d * sc * (q - 8) at q = q3 + 4 (a nibble) and sc = sc3 - 32, imported bit for bit
+at 4.56 bits a weight (its file's 3.44; the int8 weight it was re-quantized to before took 8.5). Both are signed
+codes stored offset by half their range (32 for six bits, 8 for four), the rule the CPU kernels apply to a weight
+with scales a sub-block of 16 (kernels/cpu_kernels.c's sub16_offset).
 """
 
 from __future__ import annotations
@@ -22,33 +24,33 @@ import torch
 
 from localpd.errors import LocalpdError
 from localpd.quant.int5 import bit_plane, join_codes, split_codes
-from localpd.quant.weights import Int8Weight
+from localpd.quant.weights import Int8Weight, pack_int4, unpack_int4
 
 SUB, SUPER = 16, 256  # columns a scale; columns a d
 
 
-@dataclass
-class Int6KWeight:
-    packed: torch.Tensor  # int32 [N, K // 8]: the codes' low four bits, Int4Weight's layout
-    high: torch.Tensor    # uint8 [N, K // 8]: their fifth bits (quant/int5.py's order)
-    top: torch.Tensor     # uint8 [N, K // 8]: their sixth bits, in the same order
-    d: torch.Tensor       # float16 [N, K // 256]
-    sc: torch.Tensor      # int8 [N, K // 16]
+class SubScaled:
+    """What the two share: value = d * sc * (q - OFFSET), a float16 d a super-block of 256 and an int8 sc a
+    sub-block of 16, the codes' low four bits in `packed`; each subclass its planes and OFFSET."""
+
+    OFFSET = 0
+    BITS = 0
+    PLANES: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.packed.dtype != torch.int32 or self.packed.dim() != 2:
-            raise LocalpdError(f"6-bit packed weights must be a 2-D int32 tensor, got {self.packed.dtype} "
+            raise LocalpdError(f"{self.BITS}-bit packed weights must be a 2-D int32 tensor, got {self.packed.dtype} "
                                f"{tuple(self.packed.shape)}")
         n, k = self.shape
         if k % SUPER:
-            raise LocalpdError(f"6-bit weights need the input dimension ({k}) to be a multiple of {SUPER}")
-        want = {"high": (torch.uint8, (n, k // 8)), "top": (torch.uint8, (n, k // 8)),
+            raise LocalpdError(f"{self.BITS}-bit weights need the input dimension ({k}) to be a multiple of {SUPER}")
+        want = {**{p: (torch.uint8, (n, k // 8)) for p in self.PLANES},
                 "d": (torch.float16, (n, k // SUPER)), "sc": (torch.int8, (n, k // SUB))}
         for name, (dtype, shape) in want.items():
             t = getattr(self, name)
             if t.dtype != dtype or tuple(t.shape) != shape:
-                raise LocalpdError(f"6-bit {name} must be {dtype} {shape} for a {n}x{k} weight, got {t.dtype} "
-                                   f"{tuple(t.shape)}")
+                raise LocalpdError(f"{self.BITS}-bit {name} must be {dtype} {shape} for a {n}x{k} weight, got "
+                                   f"{t.dtype} {tuple(t.shape)}")
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -60,11 +62,7 @@ class Int6KWeight:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.packed, self.high, self.top, self.d, self.sc))
-
-    def codes(self) -> torch.Tensor:
-        """q as uint8 [N, K], 0..63."""
-        return join_codes(self.packed, self.high) | (join_codes(torch.zeros_like(self.packed), self.top) << 1)
+        return sum(getattr(self, f).numel() * getattr(self, f).element_size() for f in self.__dataclass_fields__)
 
     def sub_scales(self) -> torch.Tensor:
         """Each sub-block's scale d * sc in float32, [N, K // 16], as ggml multiplies them."""
@@ -72,13 +70,67 @@ class Int6KWeight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         n, k = self.shape
-        q = (self.codes().to(torch.int16) - 32).float().reshape(n, k // SUB, SUB)
+        q = (self.codes().to(torch.int16) - self.OFFSET).float().reshape(n, k // SUB, SUB)
         return (self.sub_scales()[..., None] * q).reshape(n, k).to(dtype)
 
     def to_int8(self) -> Int8Weight:
-        """The nearest int8 weight with a float16 scale a block of 32 (what localpd held Q6_K as before): what the
-        GPU's kernels take."""
+        """The nearest int8 weight with a float16 scale a block of 32 (what localpd held Q6_K and Q3_K as before):
+        what the GPU's kernels take."""
         return Int8Weight.quantize(self.dequantize(), 32)
+
+
+@dataclass
+class Int3KWeight(SubScaled):
+    """Q3_K's codes in nibbles (the module docstring): value = d * sc * (q - 8)."""
+
+    packed: torch.Tensor  # int32 [N, K // 8]: the codes, Int4Weight's layout
+    d: torch.Tensor       # float16 [N, K // 256]
+    sc: torch.Tensor      # int8 [N, K // 16]
+
+    OFFSET, BITS = 8, 3
+
+    def codes(self) -> torch.Tensor:
+        """q as uint8 [N, K], 0..15."""
+        return unpack_int4(self.packed)
+
+    def as_6_bit(self) -> Int6KWeight:
+        """The same values as 6-bit codes (q + 24, the same d and sc): what GGUF export writes, as Q6_K."""
+        return Int6KWeight.from_codes(self.codes() + 24, self.d, self.sc)
+
+    @classmethod
+    def from_q3_k(cls, blocks: torch.Tensor, shape: tuple[int, int]) -> Int3KWeight:
+        """A GGUF Q3_K tensor's blocks (uint8 [n_blocks, 110]: 32 bytes of high bits, 64 of two low bits, 12 of
+        six-bit scales, d), bit for bit, as q = q3 + 4 and sc = sc3 - 32."""
+        n, k = shape
+        hmask, qs, s = blocks[:, :32], blocks[:, 32:96].reshape(-1, 2, 1, 32), blocks[:, 96:108]
+        # ggml's order, per half h of 128 values: value 32 j + l (j = 0..3, l < 32) is qs[h][l]'s bits 2j, 2j + 1,
+        # with hmask[l]'s bit 4h + j as its third
+        shifts = torch.arange(0, 8, 2, dtype=torch.uint8).reshape(1, 1, 4, 1)
+        low = (qs >> shifts) & 3
+        third = (hmask.reshape(-1, 1, 32) >> torch.arange(8, dtype=torch.uint8).reshape(1, 8, 1)) & 1
+        codes = (low | (third.reshape(-1, 2, 4, 32) << 2)) + 4
+        # the sixteen scales: bytes 0-7's low nibbles, then their high ones, each with two bits of bytes 8-11 above
+        a, b = s[:, :8], s[:, 8:].repeat(1, 2)
+        pick = torch.tensor([0, 0, 0, 0, 2, 2, 2, 2], dtype=torch.uint8)
+        sc3 = torch.cat([(a & 15) | (((b >> pick) & 3) << 4), (a >> 4) | (((b >> (pick + 4)) & 3) << 4)], 1)
+        d = blocks[:, 108:110].contiguous().view(torch.float16).reshape(n, -1).clone()
+        sc = (sc3.to(torch.int16) - 32).to(torch.int8).reshape(n, -1).contiguous()
+        return cls(pack_int4(codes.reshape(n, k)), d, sc)
+
+
+@dataclass
+class Int6KWeight(SubScaled):
+    packed: torch.Tensor  # int32 [N, K // 8]: the codes' low four bits, Int4Weight's layout
+    high: torch.Tensor    # uint8 [N, K // 8]: their fifth bits (quant/int5.py's order)
+    top: torch.Tensor     # uint8 [N, K // 8]: their sixth bits, in the same order
+    d: torch.Tensor       # float16 [N, K // 256]
+    sc: torch.Tensor      # int8 [N, K // 16]
+
+    OFFSET, BITS, PLANES = 32, 6, ("high", "top")
+
+    def codes(self) -> torch.Tensor:
+        """q as uint8 [N, K], 0..63."""
+        return join_codes(self.packed, self.high) | (join_codes(torch.zeros_like(self.packed), self.top) << 1)
 
     @classmethod
     def from_q6_k(cls, blocks: torch.Tensor, shape: tuple[int, int]) -> Int6KWeight:
@@ -94,26 +146,6 @@ class Int6KWeight:
         d = blocks[:, 208:210].contiguous().view(torch.float16).reshape(n, -1).clone()
         sc = blocks[:, 192:208].contiguous().view(torch.int8).reshape(n, -1).clone()
         return cls.from_codes(codes, d, sc)
-
-    @classmethod
-    def from_q3_k(cls, blocks: torch.Tensor, shape: tuple[int, int]) -> Int6KWeight:
-        """A GGUF Q3_K tensor's blocks (uint8 [n_blocks, 110]: 32 bytes of high bits, 64 of two low bits, 12 of
-        six-bit scales, d), bit for bit, as q = q3 + 28 and sc = sc3 - 32 (the module docstring)."""
-        n, k = shape
-        hmask, qs, s = blocks[:, :32], blocks[:, 32:96].reshape(-1, 2, 1, 32), blocks[:, 96:108]
-        # ggml's order, per half h of 128 values: value 32 j + l (j = 0..3, l < 32) is qs[h][l]'s bits 2j, 2j + 1,
-        # with hmask[l]'s bit 4h + j as its third
-        shifts = torch.arange(0, 8, 2, dtype=torch.uint8).reshape(1, 1, 4, 1)
-        low = (qs >> shifts) & 3
-        third = (hmask.reshape(-1, 1, 32) >> torch.arange(8, dtype=torch.uint8).reshape(1, 8, 1)) & 1
-        codes = (low | (third.reshape(-1, 2, 4, 32) << 2)) + 28
-        # the sixteen scales: bytes 0-7's low nibbles, then their high ones, each with two bits of bytes 8-11 above
-        a, b = s[:, :8], s[:, 8:].repeat(1, 2)
-        pick = torch.tensor([0, 0, 0, 0, 2, 2, 2, 2], dtype=torch.uint8)
-        sc3 = torch.cat([(a & 15) | (((b >> pick) & 3) << 4), (a >> 4) | (((b >> (pick + 4)) & 3) << 4)], 1)
-        d = blocks[:, 108:110].contiguous().view(torch.float16).reshape(n, -1).clone()
-        sc = (sc3.to(torch.int16) - 32).to(torch.int8).reshape(n, -1)
-        return cls.from_codes(codes.reshape(n, k), d, sc.contiguous())
 
     @classmethod
     def from_codes(cls, codes: torch.Tensor, d: torch.Tensor, sc: torch.Tensor) -> Int6KWeight:

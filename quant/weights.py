@@ -320,7 +320,7 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 def from_gguf(type_name: str, raw_blocks_uint8: torch.Tensor, shape: tuple[int, int]):
     """Import of a GGUF block type whose groups of 32 are codes * scale (+ bias) (quant.gguf_blocks): Q4_0 and Q4_1
     -> Int4Weight, Q4_K -> Int4KWeight (quant/int4k.py), Q5_0 and Q5_1 -> Int5Weight, Q5_K -> Int5KWeight
-    (quant/int5.py), Q6_K and Q3_K -> Int6KWeight (quant/int6k.py), IQ4_NL, IQ4_XS and MXFP4 -> CodebookWeight (quant/codebook.py), Q8_0 -> Int8Weight, group 32.
+    (quant/int5.py), Q6_K -> Int6KWeight and Q3_K -> Int3KWeight (quant/int6k.py), IQ4_NL, IQ4_XS and MXFP4 -> CodebookWeight (quant/codebook.py), Q8_0 -> Int8Weight, group 32.
     Bit for bit, but for IQ4_XS's scales (products of two stored fields), which are rounded to float16.
 
     `raw_blocks_uint8` holds the tensor's blocks as stored (any shape); `shape` is (N rows, K columns) with blocks
@@ -358,9 +358,9 @@ def _from_gguf_rows(type_name: str, blocks: torch.Tensor, shape: tuple[int, int]
 
         return Int6KWeight.from_q6_k(blocks, shape)
     if type_name == "Q3_K":
-        from localpd.quant.int6k import Int6KWeight  # it imports this module
+        from localpd.quant.int6k import Int3KWeight  # it imports this module
 
-        return Int6KWeight.from_q3_k(blocks, shape)
+        return Int3KWeight.from_q3_k(blocks, shape)
     if type_name in gguf_blocks.INT5_TYPES:
         from localpd.quant.int5 import Int5KWeight, from_q5  # it imports this module
 

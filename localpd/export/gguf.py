@@ -26,7 +26,7 @@ from localpd.load.loader import GGUF_NAMES, GGUF_TOP, qk_order, rows
 from localpd.model.config import ModelConfig
 from localpd.quant.int4k import GROUP, PER_SUPER, Int4KWeight, super_blocks
 from localpd.quant.int5 import Int5KWeight, Int5Weight
-from localpd.quant.int6k import Int6KWeight
+from localpd.quant.int6k import Int3KWeight, Int6KWeight
 from localpd.quant.weights import Int4Weight, Int8Weight, Weight, pack_int4, unpack_int4
 
 BLOCK = 32
@@ -163,6 +163,8 @@ def encode(w: Weight) -> tuple[str, np.ndarray, Weight]:
         return DENSE[w.dtype], raw, w
     if w.shape[1] % BLOCK:
         raise LocalpdError(f"a {w.shape[0]}x{w.shape[1]} matrix is not whole blocks of {BLOCK} along its input")
+    if isinstance(w, Int3KWeight):
+        w = w.as_6_bit()  # the same values (a Q3_K import's; its own blocks are not written)
     if isinstance(w, Int6KWeight):
         return "Q6_K", q6_k_blocks(w).numpy(), w
     if isinstance(w, Int5KWeight):

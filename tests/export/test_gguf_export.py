@@ -379,7 +379,8 @@ def test_llama_cpp_tokenizes_the_sentencepiece_export_as_the_tokenizer_json_does
 
 def test_6_bit_weights_are_the_q6_k_blocks_they_were_imported_from():
     """A Q6_K import (6-bit codes, an int8 scale a sub-block of 16, a float16 d a super-block) exports as Q6_K:
-    the blocks written are the file's bytes, byte for byte, and read back as the same fields."""
+    the blocks written are the file's bytes, byte for byte, and read back as the same fields. A Q3_K import
+    exports as the Q6_K blocks of its values, exactly."""
     import numpy as np
 
     from localpd.export.gguf import encode
@@ -394,6 +395,11 @@ def test_6_bit_weights_are_the_q6_k_blocks_they_were_imported_from():
     assert kind == "Q6_K" and stored is w and np.array_equal(data.reshape(-1), raw.reshape(-1))
     kind, back, decoded = blocks_round_trip(w)
     assert isinstance(back, Int6KWeight) and same_weight(back, w) and torch.equal(decoded, w.dequantize())
+    q3 = rng.integers(0, 256, (6 * 768 // 256, 110), dtype=np.uint8)
+    q3[:, 108:110] = rng.uniform(-2, 2, (q3.shape[0], 1)).astype(np.float16).view(np.uint8)
+    w = from_gguf("Q3_K", torch.from_numpy(q3), (6, 768))  # a Q3_K import, written as the Q6_K of its values
+    kind, back, decoded = blocks_round_trip(w)
+    assert kind == "Q6_K" and torch.equal(back.dequantize(), w.dequantize()) and torch.equal(decoded, w.dequantize())
 
 
 def test_5_bit_weights_are_q5_1_and_q5_k_blocks_without_loss():

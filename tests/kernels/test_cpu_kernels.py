@@ -19,8 +19,8 @@ from localpd.kvcache.formats import dequantize_kv, kv_formats, new_kv_pool
 from localpd.quant.codebook import CodebookWeight, IQ4Weight, MXFP4Weight
 from localpd.quant.int4k import Int4KWeight
 from localpd.quant.int5 import Int5KWeight, Int5Weight, split_codes
-from localpd.quant.int6k import Int6KWeight
-from localpd.quant.weights import Int4Weight, Int8Weight
+from localpd.quant.int6k import Int3KWeight, Int6KWeight
+from localpd.quant.weights import Int4Weight, Int8Weight, pack_int4
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 
@@ -90,6 +90,11 @@ def weights(kind: str, n: int, k: int, group: int, g: torch.Generator):
         d = (torch.rand(n, k // 256, generator=g) * 0.01 + 1e-4).half()
         sc = torch.randint(-128, 128, (n, k // 16), generator=g).to(torch.int8)
         return Int6KWeight(*split_codes(codes), split_codes(codes >> 1)[1], d, sc)
+    if kind == "int3k":  # Q3_K's form in nibbles: every code 0..15 (Q3_K's own 4..11), int8 scales a sub-block of 16
+        codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+        d = (torch.rand(n, k // 256, generator=g) * 0.01 + 1e-4).half()
+        sc = torch.randint(-128, 128, (n, k // 16), generator=g).to(torch.int8)
+        return Int3KWeight(pack_int4(codes), d, sc)
     if kind in ("int5", "int5k"):  # every code 0..31; int4-g32's or int4-k's factors from a random matrix's
         codes = torch.randint(0, 32, (n, k), generator=g, dtype=torch.uint8)
         low = weights("int4" if kind == "int5" else "int4k", n, k, 32, g)
@@ -107,7 +112,7 @@ def weights(kind: str, n: int, k: int, group: int, g: torch.Generator):
 def ref(w, x, bias=None, gated=None, norm=None):
     if isinstance(w, CodebookWeight):
         return codebook_matmul_ref(x, w, bias=bias, gated=gated, norm=norm)
-    if isinstance(w, (Int5Weight, Int5KWeight, Int6KWeight)):
+    if isinstance(w, (Int5Weight, Int5KWeight, Int6KWeight, Int3KWeight)):
         return int5_matmul_ref(x, w, bias=bias, gated=gated, norm=norm)
     if isinstance(w, Int4KWeight):
         return int4k_matmul_ref(x, w, bias=bias, gated=gated, norm=norm)
@@ -126,7 +131,7 @@ def rel_err(a, b):
 SHAPES = [(1, 61, 96), (1, 70, 576), (1, 64, 1536), (3, 128, 576), (5, 17, 32), (9, 33, 1536), (1, 1, 4096),
           (16, 61, 96), (37, 200, 576), (128, 1000, 1536)]
 GROUPS = [("int4", 32), ("int4", 64), ("int4", 128), ("int8", 32), ("int8", None),  # None: one scale per row
-          ("int4k", 32), ("int5", 32), ("int5k", 32), ("int6k", 256), ("iq4", 32), ("mxfp4", 32)]
+          ("int4k", 32), ("int5", 32), ("int5k", 32), ("int6k", 256), ("int3k", 256), ("iq4", 32), ("mxfp4", 32)]
 
 
 @pytest.mark.parametrize("kind,group,m,n,k", [(kind, group, *shape) for kind, group in GROUPS for shape in SHAPES
@@ -784,13 +789,15 @@ def test_a_5_bit_weight_without_fifth_bits_multiplies_as_its_int4_weight_bit_for
     assert rel_err(y, ref(w, rounded_rows(x), bias)) < 2e-5 and rel_err(y, ref(low, rounded_rows(x), bias)) > 1e-2
 
 
+@pytest.mark.parametrize("kind", ["int6k", "int3k"])
 @pytest.mark.parametrize("n,k", [(61, 512), (33, 1536), (24, 256)])
-def test_q6_k_rows_are_each_their_one_row_product_and_the_references(lib, n, k, monkeypatch):
-    """Q6_K (6-bit codes, an int8 scale a sub-block of 16): every row count from 1 to 17 through the integer products
-    (past GEMM_ROWS too), each row bit for bit its one-row product on every instruction set, all within float
-    summation of the torch reference on the rounded input; prefill's float GEMM over its dequantized rows likewise."""
+def test_q6_k_rows_are_each_their_one_row_product_and_the_references(lib, kind, n, k, monkeypatch):
+    """Q6_K (6-bit codes, an int8 scale a sub-block of 16) and Q3_K's form of it (nibbles, offset 8): every row count
+    from 1 to 17 through the integer products (past GEMM_ROWS too), each row bit for bit its one-row product on every
+    instruction set, all within float summation of the torch reference on the rounded input; prefill's float GEMM
+    over its dequantized rows likewise."""
     g = torch.Generator().manual_seed(n + k)
-    w = weights("int6k", n, k, 256, g)
+    w = weights(kind, n, k, 256, g)
     bias = torch.randn(n, generator=g)
     x = torch.randn(40, k, generator=g) * 3
     assert rel_err(cpu.linear(x, w, bias, lib=lib), ref(w, rounded_rows(x), bias)) < 2e-5  # dequantize + GEMM
@@ -802,11 +809,12 @@ def test_q6_k_rows_are_each_their_one_row_product_and_the_references(lib, n, k, 
         assert rel_err(y, ref(w, rounded_rows(x), bias)) < 2e-5, m
 
 
+@pytest.mark.parametrize("kind", ["int6k", "int3k"])
 @pytest.mark.parametrize("act", ["silu", None])
-def test_q6_k_with_the_norm_or_the_gate_in_front(lib, act):
+def test_q6_k_with_the_norm_or_the_gate_in_front(lib, kind, act):
     g = torch.Generator().manual_seed(12)
     m, n, k = 3, 40, 512
-    w = weights("int6k", n, k, 256, g)
+    w = weights(kind, n, k, 256, g)
     if act:
         x = torch.randn(m, 2 * k, generator=g)
         assert rel_err(cpu.linear(x, w, None, act, lib=lib), ref(w, x, gated=act)) < 1e-4

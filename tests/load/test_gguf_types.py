@@ -13,7 +13,7 @@ from localpd.load.loader import load_model
 from localpd.quant.codebook import CodebookWeight, IQ4Weight, MXFP4Weight
 from localpd.quant.int4k import Int4KWeight
 from localpd.quant.int5 import Int5KWeight, Int5Weight
-from localpd.quant.int6k import Int6KWeight
+from localpd.quant.int6k import Int3KWeight, Int6KWeight
 from localpd.quant.weights import Int4Weight, Int8Weight
 
 Q = gguf.GGMLQuantizationType
@@ -21,7 +21,7 @@ DIM, FFN, HEADS, KV_HEADS, VOCAB = 256, 512, 4, 2, 64
 QUANTIZABLE = {"Q5_0", "Q5_1", "MXFP4", "TQ1_0", "TQ2_0"}  # gguf.quants makes these from floats
 TYPES = ["Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "IQ3_XXS", "IQ3_S", "IQ2_XXS",
          "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4"]
-EXACT = {"Q5_0": Int5Weight, "Q5_1": Int5Weight, "Q5_K": Int5KWeight, "Q6_K": Int6KWeight, "Q3_K": Int6KWeight,
+EXACT = {"Q5_0": Int5Weight, "Q5_1": Int5Weight, "Q5_K": Int5KWeight, "Q6_K": Int6KWeight, "Q3_K": Int3KWeight,
          "IQ4_NL": IQ4Weight,
          "MXFP4": MXFP4Weight, "Q4_K": Int4KWeight}  # bit for bit on import
 NEAR = {"IQ4_XS": (IQ4Weight, 1e-3)}  # within float16 rounding of scales (the others: int8 rounding)
@@ -99,7 +99,7 @@ def test_small_file_of_each_type_loads_and_runs(tmp_path, type_name):
         if not name.endswith("_proj"):
             continue
         assert isinstance(w, (Int4Weight, Int8Weight, Int4KWeight, Int5Weight, Int5KWeight, Int6KWeight,
-                              CodebookWeight)), name
+                              Int3KWeight, CodebookWeight)), name
         assert w.group == 32, name
         want, got = exact.weights[name], w.dequantize()
         if type_name in EXACT:

@@ -9,7 +9,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as ref_dequantize
 
 from localpd.errors import LocalpdError
-from localpd.quant.int6k import Int6KWeight
+from localpd.quant.int6k import Int3KWeight, Int6KWeight
 from localpd.quant.store import load_quantized, save_quantized
 from localpd.quant.weights import from_gguf
 
@@ -38,18 +38,20 @@ def q3_k_blocks(n_blocks: int, rng) -> np.ndarray:
 
 
 @pytest.mark.parametrize("rows,cols", [(3, 256), (5, 768), (1, 4096)])
-def test_q3_k_imports_bit_for_bit_as_6_bit_codes(rows, cols):
-    """Q3_K's d x (sc3 - 32) x (q3 - 4) is a 6-bit weight's d x sc x (q - 32) at q = q3 + 28, sc = sc3 - 32: every
-    value as gguf's own dequantization reads it (random bytes: every bit of the high-bit mask and of the packed
-    six-bit scales), the codes within 28..35 and the scales the six bits' range."""
+def test_q3_k_imports_bit_for_bit_as_nibbles(rows, cols):
+    """Q3_K's d x (sc3 - 32) x (q3 - 4) is d x sc x (q - 8) at q = q3 + 4 (a nibble), sc = sc3 - 32: every value as
+    gguf's own dequantization reads it (random bytes: every bit of the high-bit mask and of the packed six-bit
+    scales), the codes within 4..11 and the scales the six bits' range, at 4.56 bits a weight; its 6-bit form (what
+    GGUF export writes) holds the same values."""
     rng = np.random.default_rng(rows + cols)
     raw = q3_k_blocks(rows * cols // 256, rng)
     w = from_gguf("Q3_K", torch.from_numpy(raw), (rows, cols))
-    assert isinstance(w, Int6KWeight) and w.shape == (rows, cols)
+    assert isinstance(w, Int3KWeight) and w.shape == (rows, cols)
     want = torch.from_numpy(ref_dequantize(raw.reshape(-1), GGMLQuantizationType.Q3_K).reshape(rows, cols))
-    assert torch.equal(w.dequantize(), want)
+    assert torch.equal(w.dequantize(), want) and torch.equal(w.as_6_bit().dequantize(), want)
     codes = w.codes()
-    assert codes.min() >= 28 and codes.max() <= 35 and w.sc.min() >= -32 and w.sc.max() <= 31
+    assert codes.min() >= 4 and codes.max() <= 11 and w.sc.min() >= -32 and w.sc.max() <= 31
+    assert w.nbytes * 8 / (rows * cols) == 4.5625
 
 
 def test_the_gpus_int8_form_is_near():
@@ -71,3 +73,10 @@ def test_a_quantized_directory_keeps_6_bit_weights(tmp_path):
     save_quantized(tmp_path / "m", {"a.v_proj": w}, {}, "native", {})
     _, back, _ = load_quantized(tmp_path / "m", "cpu")
     assert type(back["a.v_proj"]) is Int6KWeight and torch.equal(back["a.v_proj"].dequantize(), w.dequantize())
+
+
+def test_a_quantized_directory_keeps_q3_k_weights(tmp_path):
+    w = from_gguf("Q3_K", torch.from_numpy(q3_k_blocks(4, np.random.default_rng(5))), (2, 512))
+    save_quantized(tmp_path / "m", {"a.v_proj": w}, {}, "native", {})
+    _, back, _ = load_quantized(tmp_path / "m", "cpu")
+    assert type(back["a.v_proj"]) is Int3KWeight and torch.equal(back["a.v_proj"].dequantize(), w.dequantize())
