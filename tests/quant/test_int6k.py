@@ -14,10 +14,19 @@ from localpd.quant.store import load_quantized, save_quantized
 from localpd.quant.weights import from_gguf
 
 
-def q6_k_blocks(n_blocks: int, rng) -> np.ndarray:
-    raw = rng.integers(0, 256, (n_blocks, 210), dtype=np.uint8)
-    raw[:, 208:210] = rng.uniform(-2, 2, (n_blocks, 1)).astype(np.float16).view(np.uint8)
+def last_d_blocks(n_blocks: int, size: int, rng) -> np.ndarray:
+    """Random blocks of `size` bytes whose last two, the float16 d, are finite (Q6_K's and Q3_K's layout)."""
+    raw = rng.integers(0, 256, (n_blocks, size), dtype=np.uint8)
+    raw[:, size - 2:] = rng.uniform(-2, 2, (n_blocks, 1)).astype(np.float16).view(np.uint8)
     return raw
+
+
+def q6_k_blocks(n_blocks: int, rng) -> np.ndarray:
+    return last_d_blocks(n_blocks, 210, rng)
+
+
+def q3_k_blocks(n_blocks: int, rng) -> np.ndarray:
+    return last_d_blocks(n_blocks, 110, rng)
 
 
 @pytest.mark.parametrize("rows,cols", [(3, 256), (5, 768), (1, 4096)])
@@ -29,12 +38,6 @@ def test_q6_k_imports_bit_for_bit_at_its_own_size(rows, cols):
     want = torch.from_numpy(ref_dequantize(raw.reshape(-1), GGMLQuantizationType.Q6_K).reshape(rows, cols))
     assert torch.equal(w.dequantize(), want)
     assert w.nbytes == raw.nbytes and w.nbytes * 8 / (rows * cols) == 6.5625
-
-
-def q3_k_blocks(n_blocks: int, rng) -> np.ndarray:
-    raw = rng.integers(0, 256, (n_blocks, 110), dtype=np.uint8)
-    raw[:, 108:110] = rng.uniform(-2, 2, (n_blocks, 1)).astype(np.float16).view(np.uint8)
-    return raw
 
 
 @pytest.mark.parametrize("rows,cols", [(3, 256), (5, 768), (1, 4096)])
