@@ -21,7 +21,7 @@ import torch
 
 from localpd.errors import LocalpdError
 from localpd.quant import gguf_blocks
-from localpd.quant.weights import Int4Weight, pack_int4, unpack_int4
+from localpd.quant.weights import Int4Weight, check_fields, pack_int4, unpack_int4
 
 GROUP, PER_SUPER = 32, 8  # columns a group; groups a super-block
 
@@ -44,13 +44,9 @@ class Int4KWeight:
         n, k = self.shape
         if k % GROUP:
             raise LocalpdError(f"int4-k needs the input dimension ({k}) to be a multiple of {GROUP}")
-        want = {"d": (torch.float16, (n, super_blocks(k))), "dmin": (torch.float16, (n, super_blocks(k))),
-                "sub": (torch.uint8, (n, 2 * (k // GROUP)))}
-        for name, (dtype, shape) in want.items():
-            t = getattr(self, name)
-            if t.dtype != dtype or tuple(t.shape) != shape:
-                raise LocalpdError(f"int4-k {name} must be {dtype} {shape} for a {n}x{k} weight, got {t.dtype} "
-                                   f"{tuple(t.shape)}")
+        check_fields("int4-k", self, {"d": (torch.float16, (n, super_blocks(k))),
+                                      "dmin": (torch.float16, (n, super_blocks(k))),
+                                      "sub": (torch.uint8, (n, 2 * (k // GROUP)))})
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -18,13 +18,13 @@ with scales a sub-block of 16 (kernels/cpu_kernels.c's sub16_offset).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
 from localpd.errors import LocalpdError
 from localpd.quant.int5 import bit_plane, join_codes, split_codes
-from localpd.quant.weights import Int8Weight, pack_int4, unpack_int4
+from localpd.quant.weights import Int8Weight, check_fields, pack_int4, unpack_int4
 
 SUB, SUPER = 16, 256  # columns a scale; columns a d
 
@@ -44,13 +44,9 @@ class SubScaled:
         n, k = self.shape
         if k % SUPER:
             raise LocalpdError(f"{self.BITS}-bit weights need the input dimension ({k}) to be a multiple of {SUPER}")
-        want = {**{p: (torch.uint8, (n, k // 8)) for p in self.PLANES},
-                "d": (torch.float16, (n, k // SUPER)), "sc": (torch.int8, (n, k // SUB))}
-        for name, (dtype, shape) in want.items():
-            t = getattr(self, name)
-            if t.dtype != dtype or tuple(t.shape) != shape:
-                raise LocalpdError(f"{self.BITS}-bit {name} must be {dtype} {shape} for a {n}x{k} weight, got "
-                                   f"{t.dtype} {tuple(t.shape)}")
+        check_fields(f"{self.BITS}-bit", self, {**{p: (torch.uint8, (n, k // 8)) for p in self.PLANES},
+                                                "d": (torch.float16, (n, k // SUPER)),
+                                                "sc": (torch.int8, (n, k // SUB))})
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -62,7 +58,7 @@ class SubScaled:
 
     @property
     def nbytes(self) -> int:
-        return sum(getattr(self, f).numel() * getattr(self, f).element_size() for f in self.__dataclass_fields__)
+        return sum(getattr(self, f.name).nbytes for f in fields(self))  # (the 5-bit formats' FifthBits.nbytes)
 
     def sub_scales(self) -> torch.Tensor:
         """Each sub-block's scale d * sc in float32, [N, K // 16], as ggml multiplies them."""

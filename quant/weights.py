@@ -42,6 +42,16 @@ def _check_group(kind: str, group: int, k: int) -> None:
         raise LocalpdError(f"{kind}-g{group} needs the input dimension ({k}) to be a multiple of {group}")
 
 
+def check_fields(kind: str, w, want: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> None:
+    """Each named tensor of weight w has its (dtype, shape) in want, else a one-line error naming it."""
+    n, k = w.shape
+    for name, (dtype, shape) in want.items():
+        t = getattr(w, name)
+        if t.dtype != dtype or tuple(t.shape) != shape:
+            raise LocalpdError(f"{kind} {name} must be {dtype} {shape} for a {n}x{k} weight, got {t.dtype} "
+                               f"{tuple(t.shape)}")
+
+
 def _row_chunks(w: torch.Tensor):
     rows = max(1, _CHUNK_ELEMENTS // max(1, w.shape[1]))
     for start in range(0, w.shape[0], rows):
