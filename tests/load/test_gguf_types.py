@@ -89,6 +89,31 @@ def logits(lm, ids):
         return model.forward(Batch.single(ids, 0, 2, 16, model.device, all_logits=True), pool)
 
 
+def requantize(llama_quantize, source, path, file_type: str) -> None:
+    """llama.cpp's llama-quantize of source into path as file_type (--allow-requantize, 2 threads)."""
+    import subprocess
+
+    made = subprocess.run([str(llama_quantize), "--allow-requantize", str(source), str(path), file_type, "2"],
+                          capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stderr[-2000:]
+
+
+def greedy_steps(config, weights, kv: str, prompt: int, decode: int) -> torch.Tensor:
+    """The logits of a prompt (ids 100, 101, ...) and of `decode` greedy decode steps after it, [1 + decode, vocab]."""
+    from localpd.kvcache.formats import new_kv_pool
+    from localpd.model.transformer import Batch, Transformer
+
+    model, c = Transformer(config, weights), config
+    pool = new_kv_pool(kv, c.n_layers, 4, 16, c.n_kv_heads, c.head_dim, model.dtype, model.device)
+    ids = list(range(100, 100 + prompt))
+    with torch.no_grad():
+        out = [model.forward(Batch.single(ids, 0, 4, 16, model.device), pool)[0]]
+        for _ in range(decode):
+            ids.append(int(out[-1].argmax()))
+            out.append(model.forward(Batch.single(ids[-1:], len(ids) - 1, 4, 16, model.device), pool)[0])
+    return torch.stack(out)
+
+
 @pytest.mark.parametrize("type_name", TYPES)
 def test_small_file_of_each_type_loads_and_runs(tmp_path, type_name):
     path = tmp_path / f"{type_name}.gguf"
@@ -117,11 +142,8 @@ def test_q4_k_m_made_by_llama_cpp_loads_and_chats(tmp_path, default_gguf, llama_
 
     from localpd.load.gguf import GGUFFile
 
-    tool = llama_quantize
     path = tmp_path / "q4_k_m.gguf"
-    made = subprocess.run([str(tool), "--allow-requantize", str(default_gguf), str(path), "Q4_K_M", "2"],
-                          capture_output=True, text=True, timeout=300)
-    assert made.returncode == 0, made.stderr[-2000:]
+    requantize(llama_quantize, default_gguf, path, "Q4_K_M")
     assert {"Q4_K", "Q6_K", "Q5_0"} <= set(GGUFFile(path).type_counts())
     chat = subprocess.run([sys.executable, "-m", "localpd.cli", "chat", str(path), "What is the capital of France?",
                            "--temperature", "0", "--max-tokens", "16", "--device", "cpu"],
@@ -137,30 +159,15 @@ def test_k_quant_mixes_made_by_llama_cpp_decode_as_their_exact_values(tmp_path, 
     as its file's blocks: a prompt and greedy decode steps on the CPU (decode's layers in one call) give the logits
     of the same model's weights dequantized to float32 (--quant fp32, the torch path) within the input's rounding
     (as the Q4_1 file does: 0.01), where Q6_K held as int8 moved them by up to 0.4."""
-    import subprocess
-
-    from localpd.kvcache.formats import new_kv_pool
-    from localpd.model.transformer import Batch, Transformer
-
     path = tmp_path / f"{file_type}.gguf"
-    made = subprocess.run([str(llama_quantize), "--allow-requantize", str(default_gguf), str(path), file_type, "2"],
-                          capture_output=True, text=True, timeout=300)
-    assert made.returncode == 0, made.stderr[-2000:]
+    requantize(llama_quantize, default_gguf, path, file_type)
     steps = []
     for scheme in ("native", "fp32"):
         lm = load_model(path, scheme=scheme)
         if scheme == "native":
             kinds = {type(w) for w in lm.weights.values()}
             assert {Int6KWeight, Int5Weight} <= kinds and (Int4KWeight in kinds or Int5KWeight in kinds)
-        model, c = Transformer(lm.config, lm.weights), lm.config
-        pool = new_kv_pool("fp32", c.n_layers, 4, 16, c.n_kv_heads, c.head_dim, model.dtype, model.device)
-        ids = list(range(100, 110))
-        with torch.no_grad():
-            out = [model.forward(Batch.single(ids, 0, 4, 16, model.device), pool)[0]]
-            for _ in range(6):
-                ids.append(int(out[-1].argmax()))
-                out.append(model.forward(Batch.single(ids[-1:], len(ids) - 1, 4, 16, model.device), pool)[0])
-        steps.append(torch.stack(out))
+        steps.append(greedy_steps(lm.config, lm.weights, "fp32", 10, 6))
     assert (steps[0] - steps[1]).abs().max().item() < 0.05
 
 
@@ -168,32 +175,15 @@ def test_iq4_xs_made_by_llama_cpp_decodes_as_its_values_held_as_int8(tmp_path, d
     """llama.cpp's IQ4_XS file of the default model (IQ4_NL and IQ4_XS tensors, held at 4.5 bits a weight as 4-bit
     codes into their grid): a prompt and greedy decode steps give the same logits, bit for bit, as the same values
     held as int8 (8.5 bits, as they were before)."""
-    import subprocess
-
     from localpd.kernels.dispatch import as_int8
-    from localpd.kvcache.formats import new_kv_pool
-    from localpd.model.transformer import Batch, Transformer
 
     path = tmp_path / "iq4_xs.gguf"
-    made = subprocess.run([str(llama_quantize), "--allow-requantize", str(default_gguf), str(path), "IQ4_XS", "2"],
-                          capture_output=True, text=True, timeout=300)
-    assert made.returncode == 0, made.stderr[-2000:]
+    requantize(llama_quantize, default_gguf, path, "IQ4_XS")
     lm = load_model(path, scheme="native")
     held = [w for w in lm.weights.values() if isinstance(w, CodebookWeight)]
     assert len(held) >= 180
     int8 = {k: as_int8(w) if isinstance(w, CodebookWeight) else w for k, w in lm.weights.items()}
-    c = lm.config
-    steps = []
-    for weights in (lm.weights, int8):
-        model = Transformer(c, weights)
-        pool = new_kv_pool("fp16", c.n_layers, 4, 16, c.n_kv_heads, c.head_dim, model.dtype, model.device)
-        ids = list(range(100, 120))
-        with torch.no_grad():
-            out = [model.forward(Batch.single(ids, 0, 4, 16, model.device), pool)[0]]
-            for i in range(8):
-                ids.append(int(out[-1].argmax()))
-                out.append(model.forward(Batch.single(ids[-1:], len(ids) - 1, 4, 16, model.device), pool)[0])
-        steps.append(torch.stack(out))
+    steps = [greedy_steps(lm.config, weights, "fp16", 20, 8) for weights in (lm.weights, int8)]
     assert torch.equal(steps[0], steps[1])
 
 
