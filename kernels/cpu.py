@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import math
 import os
 import platform
 import shutil
@@ -278,6 +279,37 @@ def weight_plan(w) -> Plan | None:
 HUGE_PAGE = 2 << 20
 
 
+class Arena:
+    """One buffer whose pages are 2 MiB where the system allows (lpd_huge_pages), in which a load makes its CPU
+    weights' fields one after another (`empty`), so that gather_weights has none of them to move. A request past
+    its end gets a tensor of its own (which gather_weights then moves)."""
+
+    def __init__(self, nbytes: int):
+        self.buf = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)  # pages are taken as they are written
+        self.at = -self.buf.data_ptr() % HUGE_PAGE
+        self.end = self.at + nbytes
+        lib = library()
+        if lib is not None:
+            lib.lpd_huge_pages(self.buf.data_ptr() + self.at, -(-nbytes // HUGE_PAGE) * HUGE_PAGE)  # advice only
+        _ARENAS[self.buf.data_ptr()] = self.buf.nbytes
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        n = math.prod(shape) * dtype.itemsize
+        if self.at + n > self.end:
+            return torch.empty(shape, dtype=dtype)
+        t = self.buf[self.at:self.at + n].view(dtype).view(shape)
+        self.at += (n + 63) // 64 * 64
+        return t
+
+
+_ARENAS: dict[int, int] = {}  # every Arena's buffer: its address -> its size (a storage of both is the buffer)
+
+
+def in_arena(t: torch.Tensor) -> bool:
+    storage = t.untyped_storage()
+    return _ARENAS.get(storage.data_ptr()) == storage.nbytes()
+
+
 def gather_weights(weights: list) -> int:
     """Moves the tensors of these int4/int8 weights (each once, however often listed) into one buffer whose pages
     are 2 MiB where the system allows (lpd_huge_pages), as llama.cpp's one mapped file is: the products stream them
@@ -285,12 +317,13 @@ def gather_weights(weights: list) -> int:
     bytes (0 without kernels or weights). A tensor at a time: each first copy is dropped once moved (the buffer's
     pages are taken as they are written), and the C heap's free memory goes back to the system as it goes
     (heap.Trimmer), so the move needs little more memory than the weights (where a copy of them all took twice as
-    much)."""
+    much). Fields an Arena made stay where they are."""
     lib = library()
     if lib is None:
         return 0
     todo = {id(w): w for w in weights if type(w) in FIELDS and getattr(w, FIELDS[type(w)][0]).device.type == "cpu"}
-    fields = [(w, f) for w in todo.values() for f in FIELDS[type(w)] if f in w.__dataclass_fields__]
+    fields = [(w, f) for w in todo.values() for f in FIELDS[type(w)]
+              if f in w.__dataclass_fields__ and not in_arena(getattr(w, f))]
     sizes = [(getattr(w, f).nbytes + 63) // 64 * 64 for w, f in fields]
     if not fields:
         return 0

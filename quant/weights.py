@@ -439,11 +439,24 @@ def weight_nbytes(w: Weight) -> int:
 
 def cat_rows(weights: list[Weight]) -> Weight:
     """Stack matrices of one format (and group) along the output dimension: [N1, K] + [N2, K] -> [N1 + N2, K].
-    Every quantized format (bitsandbytes' too) is a dataclass of tensors indexed by output row."""
+    Every quantized format (bitsandbytes' too) is a dataclass of tensors indexed by output row. Parts made as row
+    ranges of one tensor (a GGUF load's fused matrices, localpd/load/placement.py) are joined without a copy."""
     first = weights[0]
     if isinstance(first, torch.Tensor):
-        return torch.cat(weights)
-    return type(first)(*(torch.cat([getattr(w, f) for w in weights]) for f in first.__dataclass_fields__))
+        return join_rows(weights)
+    return type(first)(*(join_rows([getattr(w, f) for w in weights]) for f in first.__dataclass_fields__))
+
+
+def join_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat(parts): a view where each part is contiguous and starts where the one before ends, in one
+    storage."""
+    first, at = parts[0], parts[0].data_ptr()
+    for p in parts:
+        if (not p.is_contiguous() or p.dtype != first.dtype or p.shape[1:] != first.shape[1:] or p.data_ptr() != at
+                or p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()):
+            return torch.cat(parts)
+        at += p.nbytes
+    return first.as_strided((sum(p.shape[0] for p in parts), *first.shape[1:]), first.stride())
 
 
 def take_rows(w: Weight, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

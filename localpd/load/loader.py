@@ -14,6 +14,8 @@ from localpd.model.config import ModelConfig, matrix_shapes
 from localpd import heap
 from localpd.errors import LocalpdError
 from localpd.load.gguf import GGUFFile
+from localpd.load import gguf_import
+from localpd.load.placement import Placement
 from localpd.kvcache.dispatch import kernel_head_dim
 from localpd.quant.store import is_quantized_dir, load_quantized, tokenizer_meta
 from localpd.quant.weights import Weight, from_gguf, weight_nbytes
@@ -254,6 +256,7 @@ def load_gguf(path: Path, dtype, device, scheme: str = "native", importance: dic
     config.rope_scaling = gguf_longrope(g, config, g.metadata["general.architecture"]) or config.rope_scaling
     g.check_types(t.name for t in g.tensors if gguf_key(t.name))
     weights, trimmer = {}, heap.Trimmer()
+    place = gguf_placement(g, scheme, config.tie_embeddings) if torch.device(device).type == "cpu" else None
     for t in g.tensors:
         if not (found := gguf_key(t.name)):
             continue
@@ -271,10 +274,26 @@ def load_gguf(path: Path, dtype, device, scheme: str = "native", importance: dic
             weights[key + (".bias" if bias else "")] = w
             continue
         weights[key] = gguf_matrix(g, t, head_scheme(key, scheme, config.tie_embeddings), dtype, device, heads,
-                                   importance_of(importance, key))
+                                   importance_of(importance, key), place.fields(t.name) if place else None)
         trimmer.add(weight_nbytes(weights[key]))  # the conversions' temporaries: else the heap keeps 0.5x the weights
         g.release(t.name)
     return LoadedModel(config, arrange_rows(weights, config), path, gguf=g)
+
+
+def gguf_placement(g: GGUFFile, scheme: str, tied: bool) -> Placement | None:
+    """Where the C import makes the file's matrices that it takes as they are stored (placement.py), or None where
+    it does not run."""
+    if not gguf_import.available():
+        return None
+    tensors = {}
+    for t in g.tensors:
+        key, bias = gguf_key(t.name) or (None, True)
+        if bias or not is_matrix(key, tied):
+            continue
+        kind, s, shape = t.tensor_type.name, head_scheme(key, scheme, tied), tuple(reversed(t.shape))
+        if imports_exactly(kind, s) and not imports_codes(kind, s) and gguf_import.field_specs(kind, shape):
+            tensors[t.name] = (kind, shape)
+    return Placement(tensors) if tensors else None
 
 
 def imports_every_matrix_exactly(path: Path, scheme: str) -> bool:
@@ -294,17 +313,20 @@ def imports_every_matrix_exactly(path: Path, scheme: str) -> bool:
 
 
 def gguf_matrix(g: GGUFFile, t, scheme: str, dtype, device, heads: int | None,
-                importance: torch.Tensor | None = None) -> Weight:
-    """A GGUF weight matrix in the scheme; blocks already in the scheme's format are imported exactly."""
-    kind = t.tensor_type.name
+                importance: torch.Tensor | None = None, out: list[torch.Tensor] | None = None) -> Weight:
+    """A GGUF weight matrix in the scheme; blocks already in the scheme's format are imported exactly (by the C
+    import where it runs, into `out` if given: Placement.fields)."""
+    kind, shape = t.tensor_type.name, tuple(reversed(t.shape))
     if imports_exactly(kind, scheme) or imports_codes(kind, scheme):
-        try:
-            w = from_gguf(kind, torch.from_numpy(np.array(t.data, dtype=np.uint8)), tuple(reversed(t.shape)))
-        except LocalpdError as e:
-            raise LocalpdError(f"{g.path}: tensor {t.name}: {e}") from None
+        w = gguf_import.import_matrix(kind, t.data, shape, qk_order(shape[0], heads) if heads else None, out)
+        if w is None:  # no C import for it: the torch one (which names what is wrong with the blocks)
+            try:
+                w = from_gguf(kind, torch.from_numpy(np.array(t.data, dtype=np.uint8)), shape)
+            except LocalpdError as e:
+                raise LocalpdError(f"{g.path}: tensor {t.name}: {e}") from None
+            w = unpermute_qk(w, heads) if heads else w
         w = from_blocks(w, scheme)
-        w = replace(w, **{f.name: getattr(w, f.name).to(device) for f in fields(w)})
-        return unpermute_qk(w, heads) if heads else w
+        return replace(w, **{f.name: getattr(w, f.name).to(device) for f in fields(w)})
     dense = g.dequantize(t.name).to(device)
     if heads:
         dense = unpermute_qk(dense, heads)

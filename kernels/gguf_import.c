@@ -1,0 +1,173 @@
+/* GGUF blocks -> localpd's weight fields, straight from the file's mapped bytes (localpd/load/gguf_import.py builds
+ * this file as kernels/cpu.py builds cpu_kernels.c, and calls it with ctypes).
+ *
+ * lpd_import(type, src, n, k, order, out) reads the n rows of a tensor of `type` (TYPES below; k columns, its
+ * blocks running along a row) from `src` and writes each output row r from source row order[r] (order NULL: row r)
+ * into the fields `out` points to, in the order the weight's dataclass lists them (quant/weights.py, int4k.py,
+ * int5.py, int6k.py), each row-major. The fields are the torch imports' (quant.weights.from_gguf) bit for bit:
+ * codes as Int4Weight's nibbles (column 2b in byte b's low half), a fifth or sixth bit as quant/int5.py's planes
+ * (a block's even columns, then its odd ones, a bit each), float16 fields copied as their bits. Returns 0, or 1
+ * where a float16 bias made from a scale (Q4_0's -8 d, Q5_0's -16 d) overflows: the caller then takes the torch
+ * import, which names the value. */
+
+#include <stdint.h>
+#include <string.h>
+
+enum { Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, Q3_K };
+
+/* The low four bits of a block's 32 codes as the nibbles of 16 bytes. */
+static void put_nibbles(uint8_t *dst, const uint8_t *q) {
+    for (int b = 0; b < 16; b++) dst[b] = (uint8_t)((q[2 * b] & 15) | (q[2 * b + 1] << 4));
+}
+
+/* Bit `bit` of a block's 32 codes as 4 bytes: bit e of the little-endian word is code 2e's for e < 16, code
+ * 2(e - 16) + 1's for the rest. */
+static void put_plane(uint8_t *dst, const uint8_t *q, int bit) {
+    uint32_t w = 0;
+    for (int e = 0; e < 16; e++) w |= (uint32_t)((q[2 * e] >> bit) & 1) << e;
+    for (int e = 0; e < 16; e++) w |= (uint32_t)((q[2 * e + 1] >> bit) & 1) << (16 + e);
+    memcpy(dst, &w, 4);
+}
+
+/* A float16 times 2^e (e > 0), exact where it fits; returns 0 where it does not (infinite, or already not finite). */
+static int half_times_pow2(uint16_t h, int e, uint16_t *out) {
+    uint16_t sign = h & 0x8000, mag = h & 0x7FFF;
+    if ((mag >> 10) == 31) return 0;
+    while (e > 0 && mag && (mag >> 10) == 0) {  /* subnormal: double the mantissa */
+        mag <<= 1;
+        e--;
+    }
+    if (mag && (mag >> 10) + e >= 31) return 0;
+    if (mag) mag += (uint16_t)(e << 10);
+    *out = sign | mag;
+    return 1;
+}
+
+/* Whether the float16 at p is finite (the group-32 types' scales and biases must be, as the torch import holds). */
+static int finite_half(const uint8_t *p) { return (p[1] & 0x7C) != 0x7C; }
+
+/* Q4_K/Q5_K's 12 bytes -> 8 six-bit scales and 8 six-bit mins. */
+static void k_scales(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = s[j] & 63;
+        mn[j] = s[j + 4] & 63;
+        sc[j + 4] = (uint8_t)((s[j + 8] & 15) | ((s[j] >> 6) << 4));
+        mn[j + 4] = (uint8_t)((s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4));
+    }
+}
+
+typedef struct {
+    int block, size;  /* columns and bytes a block */
+} Kind;
+
+static const Kind KINDS[] = {[Q8_0] = {32, 34}, [Q4_0] = {32, 18}, [Q4_1] = {32, 20}, [Q5_0] = {32, 22},
+                             [Q5_1] = {32, 24}, [Q4_K] = {256, 144}, [Q5_K] = {256, 176}, [Q6_K] = {256, 210},
+                             [Q3_K] = {256, 110}};
+
+/* One row of nb blocks -> row r of the fields. */
+static int import_row(int type, const uint8_t *s, int64_t k, int64_t r, void **out) {
+    int64_t nb = k / KINDS[type].block, g32 = k / 32;
+    uint8_t q[256];
+    int ok = 1;
+    for (int64_t b = 0; b < nb; b++, s += KINDS[type].size) {
+        switch (type) {
+        case Q8_0: {
+            ok &= finite_half(s);
+            memcpy((uint8_t *)out[0] + r * k + 32 * b, s + 2, 32);
+            memcpy((uint16_t *)out[1] + r * g32 + b, s, 2);
+            break;
+        }
+        case Q4_0: case Q4_1: case Q5_0: case Q5_1: {
+            int five = type == Q5_0 || type == Q5_1, with_min = type == Q4_1 || type == Q5_1;
+            const uint8_t *qs = s + 2 + 2 * with_min + 4 * five;
+            uint32_t qh = 0;
+            if (five) memcpy(&qh, s + 2 + 2 * with_min, 4);
+            for (int j = 0; j < 16; j++) {
+                q[j] = (uint8_t)((qs[j] & 15) | (five ? ((qh >> j) & 1) << 4 : 0));
+                q[j + 16] = (uint8_t)((qs[j] >> 4) | (five ? ((qh >> (j + 16)) & 1) << 4 : 0));
+            }
+            uint16_t d, bias;
+            memcpy(&d, s, 2);
+            ok &= finite_half(s) & (!with_min || finite_half(s + 2));
+            if (with_min) memcpy(&bias, s + 2, 2);
+            else if (!half_times_pow2(d ^ 0x8000, five ? 4 : 3, &bias)) ok = 0;  /* -8 d, -16 d */
+            put_nibbles((uint8_t *)out[0] + r * (k / 2) + 16 * b, q);
+            int f = 1;
+            if (five) put_plane((uint8_t *)out[f++] + r * (k / 8) + 4 * b, q, 4);
+            ((uint16_t *)out[f])[r * g32 + b] = d;
+            ((uint16_t *)out[f + 1])[r * g32 + b] = bias;
+            break;
+        }
+        case Q4_K: case Q5_K: {
+            int five = type == Q5_K;
+            const uint8_t *qh = s + 16, *qs = s + 16 + 32 * five;
+            for (int c = 0; c < 4; c++)
+                for (int l = 0; l < 32; l++) {
+                    int hi0 = five ? ((qh[l] >> (2 * c)) & 1) << 4 : 0, hi1 = five ? ((qh[l] >> (2 * c + 1)) & 1) << 4 : 0;
+                    q[64 * c + l] = (uint8_t)((qs[32 * c + l] & 15) | hi0);
+                    q[64 * c + 32 + l] = (uint8_t)((qs[32 * c + l] >> 4) | hi1);
+                }
+            uint8_t sc[8], mn[8];
+            k_scales(s + 4, sc, mn);
+            int f = 1;
+            for (int j = 0; j < 8; j++) {
+                put_nibbles((uint8_t *)out[0] + r * (k / 2) + 128 * b + 16 * j, q + 32 * j);
+                if (five) put_plane((uint8_t *)out[1] + r * (k / 8) + 32 * b + 4 * j, q + 32 * j, 4);
+            }
+            f += five;
+            memcpy((uint16_t *)out[f] + r * nb + b, s, 2);
+            memcpy((uint16_t *)out[f + 1] + r * nb + b, s + 2, 2);
+            uint8_t *sub = (uint8_t *)out[f + 2] + r * 2 * g32;
+            for (int j = 0; j < 8; j++) {
+                sub[8 * b + j] = sc[j];
+                sub[g32 + 8 * b + j] = (uint8_t)(-(int)mn[j]);
+            }
+            break;
+        }
+        case Q6_K: {
+            const uint8_t *ql = s, *qh = s + 128;
+            for (int h = 0; h < 2; h++)
+                for (int i = 0; i < 4; i++)
+                    for (int l = 0; l < 32; l++)
+                        q[128 * h + 32 * i + l] = (uint8_t)(((ql[64 * h + l + 32 * (i % 2)] >> (4 * (i / 2))) & 15)
+                                                            | (((qh[32 * h + l] >> (2 * i)) & 3) << 4));
+            for (int j = 0; j < 8; j++) {
+                put_nibbles((uint8_t *)out[0] + r * (k / 2) + 128 * b + 16 * j, q + 32 * j);
+                put_plane((uint8_t *)out[1] + r * (k / 8) + 32 * b + 4 * j, q + 32 * j, 4);
+                put_plane((uint8_t *)out[2] + r * (k / 8) + 32 * b + 4 * j, q + 32 * j, 5);
+            }
+            memcpy((uint16_t *)out[3] + r * nb + b, s + 208, 2);
+            memcpy((int8_t *)out[4] + r * (k / 16) + 16 * b, s + 192, 16);
+            break;
+        }
+        case Q3_K: {
+            const uint8_t *hmask = s, *qs = s + 32, *sb = s + 96;
+            for (int h = 0; h < 2; h++)
+                for (int j = 0; j < 4; j++)
+                    for (int l = 0; l < 32; l++)
+                        q[128 * h + 32 * j + l] = (uint8_t)((((qs[32 * h + l] >> (2 * j)) & 3)
+                                                             | (((hmask[l] >> (4 * h + j)) & 1) << 2)) + 4);
+            for (int j = 0; j < 8; j++) put_nibbles((uint8_t *)out[0] + r * (k / 2) + 128 * b + 16 * j, q + 32 * j);
+            memcpy((uint16_t *)out[1] + r * nb + b, s + 108, 2);
+            int8_t *sc = (int8_t *)out[2] + r * (k / 16) + 16 * b;
+            for (int i = 0; i < 8; i++) {
+                int pick = i < 4 ? 0 : 2, hb = sb[8 + i % 4];
+                sc[i] = (int8_t)(((sb[i] & 15) | (((hb >> pick) & 3) << 4)) - 32);
+                sc[8 + i] = (int8_t)(((sb[i] >> 4) | (((hb >> (pick + 4)) & 3) << 4)) - 32);
+            }
+            break;
+        }
+        }
+    }
+    return ok;
+}
+
+int lpd_import(int type, const uint8_t *src, int64_t n, int64_t k, const int64_t *order, void **out) {
+    if (type < Q8_0 || type > Q3_K || k % KINDS[type].block) return 2;
+    int64_t row_bytes = k / KINDS[type].block * KINDS[type].size;
+    int failed = 0;
+#pragma omp parallel for schedule(static) reduction(| : failed)
+    for (int64_t r = 0; r < n; r++)
+        failed |= !import_row(type, src + (order ? order[r] : r) * row_bytes, k, r, out);
+    return failed;
+}
