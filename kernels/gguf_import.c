@@ -6,14 +6,15 @@
  * into the fields `out` points to, in the order the weight's dataclass lists them (quant/weights.py, int4k.py,
  * int5.py, int6k.py), each row-major. The fields are the torch imports' (quant.weights.from_gguf) bit for bit:
  * codes as Int4Weight's nibbles (column 2b in byte b's low half), a fifth or sixth bit as quant/int5.py's planes
- * (a block's even columns, then its odd ones, a bit each), float16 fields copied as their bits. Returns 0, or 1
- * where a float16 bias made from a scale (Q4_0's -8 d, Q5_0's -16 d) overflows: the caller then takes the torch
- * import, which names the value. */
+ * (a block's even columns, then its odd ones, a bit each), a codebook's as quant/codebook.py packs them, float16
+ * fields copied as their bits, those computed (Q4_0's -8 d, Q5_0's -16 d, IQ4_XS's d (ls - 32), MXFP4's 2^(e - 128))
+ * rounded as torch rounds to float16. Returns 0, or 1 where a float16 scale or bias is not finite: the caller then
+ * takes the torch import, which names the value. */
 
 #include <stdint.h>
 #include <string.h>
 
-enum { Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, Q3_K };
+enum { Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4 };
 
 /* The low four bits of a block's 32 codes as the nibbles of 16 bytes. */
 static void put_nibbles(uint8_t *dst, const uint8_t *q) {
@@ -29,6 +30,18 @@ static void put_plane(uint8_t *dst, const uint8_t *q, int bit) {
     memcpy(dst, &w, 4);
 }
 
+static float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 31, m = h & 1023, bits;
+    if (e == 0) {  /* zero or subnormal: m 2^-24 */
+        float f = (float)m * 5.9604644775390625e-8f;
+        return sign ? -f : f;
+    }
+    bits = sign | ((e == 31 ? 255 : e + 112) << 23) | (m << 13);
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
 /* A float16 times 2^e (e > 0), exact where it fits; returns 0 where it does not (infinite, or already not finite). */
 static int half_times_pow2(uint16_t h, int e, uint16_t *out) {
     uint16_t sign = h & 0x8000, mag = h & 0x7FFF;
@@ -40,6 +53,29 @@ static int half_times_pow2(uint16_t h, int e, uint16_t *out) {
     if (mag && (mag >> 10) + e >= 31) return 0;
     if (mag) mag += (uint16_t)(e << 10);
     *out = sign | mag;
+    return 1;
+}
+
+/* float -> float16 bits, rounded to the nearest (ties to even), as torch's .half(); 0 where it does not fit
+ * (infinite or not a number). */
+static int half_of(float f, uint16_t *out) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    uint32_t sign = (x >> 16) & 0x8000, ax = x & 0x7FFFFFFF;
+    if (ax >= 0x477FF000) return 0;  /* 65520 and up round to infinity */
+    if (ax >= 0x38800000) {  /* normal: rebias the exponent, round the 13 bits dropped */
+        *out = (uint16_t)(sign | ((ax - 0x38000000 + 0xFFF + ((ax >> 13) & 1)) >> 13));
+        return 1;
+    }
+    int e = (int)(ax >> 23);
+    if (e < 102) {  /* below 2^-25: zero */
+        *out = (uint16_t)sign;
+        return 1;
+    }
+    uint32_t m = (ax & 0x7FFFFF) | 0x800000, shift = (uint32_t)(126 - e), q = m >> shift;
+    uint32_t rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+    if (rem > half || (rem == half && (q & 1))) q++;
+    *out = (uint16_t)(sign | q);
     return 1;
 }
 
@@ -62,10 +98,58 @@ typedef struct {
 
 static const Kind KINDS[] = {[Q8_0] = {32, 34}, [Q4_0] = {32, 18}, [Q4_1] = {32, 20}, [Q5_0] = {32, 22},
                              [Q5_1] = {32, 24}, [Q4_K] = {256, 144}, [Q5_K] = {256, 176}, [Q6_K] = {256, 210},
-                             [Q3_K] = {256, 110}};
+                             [Q3_K] = {256, 110}, [IQ4_NL] = {32, 18}, [IQ4_XS] = {256, 136}, [MXFP4] = {32, 17}};
+
+/* A codebook type's row (quant/codebook.py): each block's codes (MXFP4's 0 as 8, its other zero, as the torch import
+ * maps the value 0) and float16 scale, then the codes packed a pair of blocks at a time (byte j: column j of the
+ * first block low, of the second high; an odd last block as stored, columns j and j + 16). */
+static int codebook_row(int type, const uint8_t *s, int64_t k, int64_t r, void **out) {
+    int64_t g32 = k / 32;
+    uint8_t *codes = (uint8_t *)out[0] + r * (k / 2);  /* the row's own bytes, written in place below */
+    uint16_t *scales = (uint16_t *)out[1] + r * g32;
+    uint8_t q[64];
+    int ok = 1;
+    for (int64_t b = 0; b < g32; b++) {
+        const uint8_t *qs;
+        if (type == IQ4_XS) {  /* 8 blocks of 32 a super-block: d (ls - 32), ls six bits */
+            const uint8_t *sb = s + (b / 8) * 136;
+            int j = (int)(b % 8), ls = ((sb[4 + j / 2] >> (4 * (j % 2))) & 15) | (((sb[2 + j / 4] >> (2 * (j % 4))) & 3) << 4);
+            uint16_t d;
+            memcpy(&d, sb, 2);
+            ok &= finite_half(sb) && half_of(half_to_float(d) * (float)(ls - 32), &scales[b]);
+            qs = sb + 8 + 16 * j;
+        } else if (type == IQ4_NL) {
+            const uint8_t *blk = s + b * 18;
+            ok &= finite_half(blk);
+            memcpy(&scales[b], blk, 2);
+            qs = blk + 2;
+        } else {  /* MXFP4: 2^(e - 128), the codebook doubled */
+            const uint8_t *blk = s + b * 17;
+            uint32_t e = blk[0], bits = e < 2 ? 0x00200000u << e : (e - 1) << 23;
+            float f;
+            memcpy(&f, &bits, 4);
+            ok &= half_of(f, &scales[b]);
+            qs = blk + 1;
+        }
+        uint8_t *half = q + 32 * (b % 2);
+        for (int j = 0; j < 16; j++) {
+            half[j] = qs[j] & 15;
+            half[j + 16] = qs[j] >> 4;
+        }
+        if (type == MXFP4)
+            for (int j = 0; j < 32; j++) half[j] = half[j] ? half[j] : 8;
+        if (b % 2) {
+            for (int j = 0; j < 32; j++) codes[32 * (b / 2) + j] = (uint8_t)(q[j] | (q[32 + j] << 4));
+        } else if (b == g32 - 1) {
+            for (int j = 0; j < 16; j++) codes[16 * b + j] = (uint8_t)(q[j] | (q[j + 16] << 4));
+        }
+    }
+    return ok;
+}
 
 /* One row of nb blocks -> row r of the fields. */
 static int import_row(int type, const uint8_t *s, int64_t k, int64_t r, void **out) {
+    if (type >= IQ4_NL) return codebook_row(type, s, k, r, out);
     int64_t nb = k / KINDS[type].block, g32 = k / 32;
     uint8_t q[256];
     int ok = 1;
@@ -163,7 +247,7 @@ static int import_row(int type, const uint8_t *s, int64_t k, int64_t r, void **o
 }
 
 int lpd_import(int type, const uint8_t *src, int64_t n, int64_t k, const int64_t *order, void **out) {
-    if (type < Q8_0 || type > Q3_K || k % KINDS[type].block) return 2;
+    if (type < Q8_0 || type > MXFP4 || k % KINDS[type].block) return 2;
     int64_t row_bytes = k / KINDS[type].block * KINDS[type].size;
     int failed = 0;
 #pragma omp parallel for schedule(static) reduction(| : failed)

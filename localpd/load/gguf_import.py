@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from localpd.kernels import cpu
+from localpd.quant.codebook import IQ4Weight, MXFP4Weight
 from localpd.quant.int4k import Int4KWeight
 from localpd.quant.int5 import Int5KWeight, Int5Weight
 from localpd.quant.int6k import Int3KWeight, Int6KWeight
@@ -50,9 +51,13 @@ TYPES = {
     "Q5_K": (6, Int5KWeight, [_packed, _plane, _per(F16, 256), _per(F16, 256), _per(U8, 16)]),
     "Q6_K": (7, Int6KWeight, [_packed, _plane, _plane, _per(F16, 256), _per(I8, 16)]),
     "Q3_K": (8, Int3KWeight, [_packed, _per(F16, 256), _per(I8, 16)]),
+    "IQ4_NL": (9, IQ4Weight, [_per(U8, 2), _per(F16, 32)]),
+    "IQ4_XS": (10, IQ4Weight, [_per(U8, 2), _per(F16, 32)]),
+    "MXFP4": (11, MXFP4Weight, [_per(U8, 2), _per(F16, 32)]),
 }
 BLOCK = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
-         "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "Q3_K": (256, 110)}
+         "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "Q3_K": (256, 110), "IQ4_NL": (32, 18),
+         "IQ4_XS": (256, 136), "MXFP4": (32, 17)}
 
 def field_specs(type_name: str, shape: tuple[int, int]) -> list[tuple[torch.dtype, tuple[int, ...]]] | None:
     """The (dtype, shape) of each field the import of a `type_name` matrix of `shape` makes; None: no C import."""

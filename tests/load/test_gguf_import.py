@@ -18,19 +18,25 @@ from localpd.quant.weights import from_gguf
 pytestmark = pytest.mark.skipif(not gguf_import.available(), reason="the C import is not built here (no compiler)")
 
 F16_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2],
-              "Q6_K": [208], "Q3_K": [108]}
-# float16 scales at the edges: -0.0, the smallest subnormal, a subnormal, the largest that Q5_0's -16 d holds
-EDGES = np.array([-0.0, 2.0 ** -24, -3.0 * 2.0 ** -20, 4094.0], dtype=np.float16)
+              "Q6_K": [208], "Q3_K": [108], "IQ4_NL": [0], "IQ4_XS": [0], "MXFP4": []}
+# float16 scales at the edges: -0.0, the smallest subnormal, a subnormal, a large one whose -16 d (Q5_0) and
+# d (ls - 32) (IQ4_XS) float16 still holds
+EDGES = np.array([-0.0, 2.0 ** -24, -3.0 * 2.0 ** -20, 2046.0], dtype=np.float16)
+MXFP4_EDGES = np.array([0, 1, 2, 143], dtype=np.uint8)  # its scale byte e: 2^(e - 128), float16 up to 143
 
 
 def blocks(type_name: str, n: int, k: int, rng) -> np.ndarray:
-    """Random stored blocks of an n x k matrix, their float16 fields finite (edge values among them)."""
+    """Random stored blocks of an n x k matrix, their scales finite in float16 (edge values among them); IQ4_XS's
+    scales (d times a six-bit integer) and MXFP4's (powers of two) are rounded to float16 by the import."""
     block, size = gguf_import.BLOCK[type_name]
     raw = rng.integers(0, 256, size=(n * (k // block), size), dtype=np.uint8)
     for off in F16_FIELDS[type_name]:
         halves = rng.uniform(-0.05, 0.05, len(raw)).astype(np.float16)
         halves[rng.integers(0, len(raw), 4)] = EDGES
         raw[:, off:off + 2] = halves.view(np.uint8).reshape(-1, 2)
+    if type_name == "MXFP4":
+        raw[:, 0] = rng.integers(0, 144, len(raw))
+        raw[rng.integers(0, len(raw), 4), 0] = MXFP4_EDGES
     return raw
 
 
@@ -69,7 +75,7 @@ def test_what_it_does_not_take_goes_to_the_torch_import():
     raw = blocks("Q4_0", 2, 64, rng)
     assert gguf_import.import_matrix("Q4_0", raw[:-1], (2, 64)) is None  # bytes that do not fit the shape
     assert gguf_import.import_matrix("Q4_0", raw, (2, 64), torch.tensor([0, 2])) is None  # a row not in the file
-    assert gguf_import.import_matrix("IQ4_NL", raw, (2, 64)) is None  # a type it has no code for
+    assert gguf_import.import_matrix("Q2_K", raw, (2, 64)) is None  # a type it has no code for
     wrong = [torch.empty(s, dtype=torch.float32) for _, s in gguf_import.field_specs("Q4_0", (2, 64))]
     assert gguf_import.import_matrix("Q4_0", raw, (2, 64), out=wrong) is None
     raw[1, 0:2] = np.array([65504.0], dtype=np.float16).view(np.uint8)  # -8 d does not fit float16
@@ -79,6 +85,11 @@ def test_what_it_does_not_take_goes_to_the_torch_import():
     raw = blocks("Q8_0", 2, 64, rng)
     raw[0, 0:2] = np.array([np.inf], dtype=np.float16).view(np.uint8)
     assert gguf_import.import_matrix("Q8_0", raw, (2, 64)) is None
+    raw = blocks("MXFP4", 2, 64, rng)
+    raw[1, 0] = 144  # 2^16
+    assert gguf_import.import_matrix("MXFP4", raw, (2, 64)) is None
+    with pytest.raises(LocalpdError, match="does not fit float16"):
+        from_gguf("MXFP4", torch.from_numpy(raw.copy()), (2, 64))
 
 
 def test_a_load_makes_the_fused_matrices_in_place_and_leaves_nothing_to_gather(default_gguf, monkeypatch):
