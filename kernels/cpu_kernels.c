@@ -2655,6 +2655,69 @@ static void to_bf16(const float *x, uint16_t *out, size_t n) {
     }
 }
 
+#if defined(LPD_AVX512)
+/* 16 floats -> their bfloat16 bits (to_bf16's rounding), as 16 uint16. */
+static inline __m256i bf16_of(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),
+                                 _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+
+/* dequant_rows then to_bf16, the same bits, without the slice's floats going through memory: rows r0 .. r1 - 1
+ * into out [r1 - r0, K] bfloat16. int4 (int4-k and the 5-bit weights among them) and int8 weights in registers
+ * (the same products, fused as dequant_group8's, the same rounding); the rest a row at a time through `row` (K
+ * floats, in L1). */
+static void dequant_rows_bf16(const dequant_args *a, int r0, int r1, uint16_t *out, float *row) {
+    int K = a->K, G = a->group, ng = K / G;
+    if (a->sc16 || a->lut || (a->bits == 4 ? G % 32 : G % 16) || (a->high && G != 32)) {
+        for (int n = r0; n < r1; n++) {
+            dequant_rows(a, n, n + 1, row);
+            uint16_t *o = out + (size_t)(n - r0) * K;
+            int j = 0;
+            for (; j + 16 <= K; j += 16) _mm256_storeu_si256((__m256i *)(o + j), bf16_of(_mm512_loadu_ps(row + j)));
+            to_bf16(row + j, o + j, (size_t)(K - j));
+        }
+        return;
+    }
+    float ws[ng], wb[ng];
+    const __m128i mask = _mm_set1_epi8(15);
+    for (int n = r0; n < r1; n++) {
+        uint16_t *o = out + (size_t)(n - r0) * K;
+        if (a->sub) k_group_scales(k_row_at(a->scales, a->biases, a->sub, n, ng), ng, ws, wb);
+        for (int g = 0; g < ng; g++) {
+            float s = a->sub ? ws[g] : half_to_float(a->scales[(size_t)n * ng + g]);
+            float m = a->sub ? wb[g] : a->bits == 4 ? half_to_float(a->biases[(size_t)n * ng + g]) : 0.f;
+            __m512 vs = _mm512_set1_ps(s), vm = _mm512_set1_ps(m);
+            uint16_t *og = o + (size_t)g * G;
+            if (a->bits == 4) {
+                const uint8_t *p = a->w + (size_t)n * (K / 2) + g * (G / 2);
+                uint32_t f = a->high ? dequant_plane(a, a->high, n, g) : 0;
+                for (int j = 0; j < G / 2; j += 16) { /* 16 bytes: columns 2j .. 2j + 31 */
+                    __m128i b = _mm_loadu_si128((const __m128i *)(p + j));
+                    __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+                    if (a->high) {
+                        lo = _mm_or_si128(lo, fifth_bytes(f & 0xffff));
+                        hi = _mm_or_si128(hi, fifth_bytes(f >> 16));
+                    }
+                    __m128i c[2] = {_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi)};
+                    for (int i = 0; i < 2; i++) {
+                        __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c[i])), vs, vm);
+                        _mm256_storeu_si256((__m256i *)(og + 2 * j + 16 * i), bf16_of(v));
+                    }
+                }
+            } else {
+                const int8_t *p = (const int8_t *)a->w + (size_t)n * K + g * G;
+                for (int j = 0; j < G; j += 16) {
+                    __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + j))));
+                    _mm256_storeu_si256((__m256i *)(og + j), bf16_of(_mm512_mul_ps(v, vs)));
+                }
+            }
+        }
+    }
+}
+#endif
+
 /* y [M, N] = h [M, K] @ weight^T: each thread takes `slice` weight rows at a time from a counter, dequantizes them
  * into a buffer of its own that stays in its core's L2 cache, and multiplies them by all M rows with a
  * single-threaded sgemm (inside the parallel region the BLAS runs on the calling thread). Where the whole weight
@@ -2686,9 +2749,16 @@ static void dq_gemm_task(void *ctx, int ith, int nth) {
         int n0 = atomic_fetch_add_explicit(&a->next, a->slice, memory_order_relaxed);
         if (n0 >= N) break;
         int rows = N - n0 < a->slice ? N - n0 : a->slice;
+#if defined(LPD_AVX512)
+        if (a->h16)
+            dequant_rows_bf16(&a->w, n0, n0 + rows, b16, b);
+        else
+#endif
         dequant_rows(&a->w, n0, n0 + rows, b);
         if (a->h16) { /* y = h16 @ w16^T (row-major, B transposed), float32 sums */
+#if !defined(LPD_AVX512)
             to_bf16(b, b16, (size_t)rows * K);
+#endif
             blas_bf16gemm(101, 111, 112, a->M, rows, K, 1.f, a->h16, K, b16, K, 0.f, a->y + n0, N);
         } else {
             blas_sgemm("T", "N", &rows, &a->M, &K, &one, b, &K, a->h, &K, &zero, a->y + n0, &N);

@@ -171,6 +171,22 @@ def test_prefill_rows_in_bfloat16_multiply_the_rounded_operands(lib, kind, m, mo
     assert 0 < rel_err(got, exact) < 1e-2
 
 
+@pytest.mark.parametrize("kind,group", GROUPS)
+def test_prefill_takes_each_weight_in_bfloat16_as_its_value_rounded(lib, kind, group, monkeypatch):
+    """The bfloat16 GEMM's weight slices (made in registers for int4 and int8 weights, a row through float32 for the
+    rest) are the dequantized values rounded to bfloat16, bit for bit: rows of the identity pick them out exactly."""
+    if cpu.torch_blas("cblas_gemm_bf16bf16f32") is None:
+        pytest.skip("torch's library has no MKL bfloat16 GEMM")
+    k = 512
+    g = torch.Generator().manual_seed(len(kind) * 100 + (group or 0))
+    w = weights(kind, 100, k, k if group is None else group, g)
+    picked = torch.randperm(k, generator=g)[:cpu.GEMM_ROWS + 3]
+    monkeypatch.setattr(cpu, "prefill_bf16", lambda: True)
+    got = cpu.linear(torch.eye(k)[picked], w, lib=lib)
+    dense = ref(w, torch.eye(k)).T  # [100, k]
+    assert torch.equal(got, dense[:, picked].T.to(torch.bfloat16).float())
+
+
 @pytest.mark.parametrize("kind", ["int4", "int8", "int4k", "int5k", "iq4"])
 def test_prefill_rows_without_a_blas_take_torch_mm_and_match(lib, kind):
     """Where torch's library exports no sgemm, lpd_dequant_gemm says so and the rows go through torch.mm over the
