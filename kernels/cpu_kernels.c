@@ -2665,12 +2665,41 @@ static inline __m256i bf16_of(__m512 v) {
 }
 
 /* dequant_rows then to_bf16, the same bits, without the slice's floats going through memory: rows r0 .. r1 - 1
- * into out [r1 - r0, K] bfloat16. int4 (int4-k and the 5-bit weights among them) and int8 weights in registers
- * (the same products, fused as dequant_group8's, the same rounding); the rest a row at a time through `row` (K
- * floats, in L1). */
+ * into out [r1 - r0, K] bfloat16. int4 (int4-k and the 5-bit weights among them), int8 and the sub-block-of-16
+ * weights (Q6_K, Q3_K) in registers (the same products as dequant_group8's and dequant_q6k_row's, the same
+ * rounding); the rest (codebooks, groups not in blocks of 32) a row at a time through `row` (K floats, in L1). */
 static void dequant_rows_bf16(const dequant_args *a, int r0, int r1, uint16_t *out, float *row) {
     int K = a->K, G = a->group, ng = K / G;
-    if (a->sc16 || a->lut || (a->bits == 4 ? G % 32 : G % 16) || (a->high && G != 32)) {
+    const __m128i mask = _mm_set1_epi8(15);
+    if (a->sc16) { /* Q6_K, Q3_K: dequant_q6k_row's (q - offset) x (d x sc), a block of 32 (two sub-blocks) a step */
+        int nb = K / 32;
+        __m128i offset = _mm_set1_epi8((char)sub16_offset(a->high, a->top));
+        for (int n = r0; n < r1; n++) {
+            uint16_t *o = out + (size_t)(n - r0) * K;
+            for (int b = 0; b < nb; b++) {
+                __m128i raw = _mm_loadu_si128((const __m128i *)(a->w + (size_t)n * (K / 2) + b * 16));
+                __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+                if (a->high) {
+                    uint32_t f = dequant_plane(a, a->high, n, b);
+                    lo = _mm_or_si128(lo, fifth_bytes(f & 0xffff));
+                    hi = _mm_or_si128(hi, fifth_bytes(f >> 16));
+                }
+                if (a->top) {
+                    uint32_t t = dequant_plane(a, a->top, n, b);
+                    lo = _mm_or_si128(lo, _mm_slli_epi16(fifth_bytes(t & 0xffff), 1));
+                    hi = _mm_or_si128(hi, _mm_slli_epi16(fifth_bytes(t >> 16), 1));
+                }
+                __m128i c[2] = {_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi)}; /* sub-blocks 2b, 2b + 1 */
+                for (int h = 0; h < 2; h++) {
+                    __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_sub_epi8(c[h], offset)));
+                    __m512 vs = _mm512_set1_ps(q6k_scale(a->scales, a->sc16, K, n, 2 * b + h));
+                    _mm256_storeu_si256((__m256i *)(o + 32 * b + 16 * h), bf16_of(_mm512_mul_ps(v, vs)));
+                }
+            }
+        }
+        return;
+    }
+    if (a->lut || (a->bits == 4 ? G % 32 : G % 16) || (a->high && G != 32)) {
         for (int n = r0; n < r1; n++) {
             dequant_rows(a, n, n + 1, row);
             uint16_t *o = out + (size_t)(n - r0) * K;
@@ -2681,7 +2710,6 @@ static void dequant_rows_bf16(const dequant_args *a, int r0, int r1, uint16_t *o
         return;
     }
     float ws[ng], wb[ng];
-    const __m128i mask = _mm_set1_epi8(15);
     for (int n = r0; n < r1; n++) {
         uint16_t *o = out + (size_t)(n - r0) * K;
         if (a->sub) k_group_scales(k_row_at(a->scales, a->biases, a->sub, n, ng), ng, ws, wb);
