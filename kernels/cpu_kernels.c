@@ -2585,6 +2585,14 @@ static void dequant_q6k_row(const dequant_args *a, int n, float *o) {
     }
 }
 
+/* Group g of row n's scale and bias: int4-k's from its row's ws, wb (k_group_scales), else the stored float16s
+ * (a bias for int4 only). */
+static inline void group_factors(const dequant_args *a, int n, int ng, int g, const float *ws, const float *wb,
+                                 float *s, float *m) {
+    *s = a->sub ? ws[g] : half_to_float(a->scales[(size_t)n * ng + g]);
+    *m = a->sub ? wb[g] : deinterleaved(a->bits, a->lut) ? half_to_float(a->biases[(size_t)n * ng + g]) : 0.f;
+}
+
 /* Rows r0 .. r1 - 1 of the weight, dequantized to float into out [r1 - r0, K]. */
 static void dequant_rows(const dequant_args *a, int r0, int r1, float *out) {
     if (a->sc16) {
@@ -2597,8 +2605,8 @@ static void dequant_rows(const dequant_args *a, int r0, int r1, float *out) {
         float *o = out + (size_t)(n - r0) * K;
         if (a->sub) k_group_scales(k_row_at(a->scales, a->biases, a->sub, n, ng), ng, ws, wb);
         for (int g = 0; g < ng; g++) {
-            float s = a->sub ? ws[g] : half_to_float(a->scales[(size_t)n * ng + g]);
-            float m = a->sub ? wb[g] : deinterleaved(a->bits, a->lut) ? half_to_float(a->biases[(size_t)n * ng + g]) : 0.f;
+            float s, m;
+            group_factors(a, n, ng, g, ws, wb, &s, &m);
 #if defined(LPD_AVX512) || defined(LPD_AVX2)
             if (dequant_group8(a, n, g, s, m, o + g * a->group)) continue;
 #endif
@@ -2714,8 +2722,8 @@ static void dequant_rows_bf16(const dequant_args *a, int r0, int r1, uint16_t *o
         uint16_t *o = out + (size_t)(n - r0) * K;
         if (a->sub) k_group_scales(k_row_at(a->scales, a->biases, a->sub, n, ng), ng, ws, wb);
         for (int g = 0; g < ng; g++) {
-            float s = a->sub ? ws[g] : half_to_float(a->scales[(size_t)n * ng + g]);
-            float m = a->sub ? wb[g] : a->bits == 4 ? half_to_float(a->biases[(size_t)n * ng + g]) : 0.f;
+            float s, m;
+            group_factors(a, n, ng, g, ws, wb, &s, &m);
             __m512 vs = _mm512_set1_ps(s), vm = _mm512_set1_ps(m);
             uint16_t *og = o + (size_t)g * G;
             if (a->bits == 4) {
