@@ -2,7 +2,8 @@
 the order the file holds them, the parts of a matrix the model fuses (q/k/v, gate/up) as row ranges of one tensor a
 field. The C import (gguf_import.py) writes each matrix there once; the model's fuse then joins the parts without a
 copy (quant.weights.cat_rows) and cpu.gather_weights has nothing left to move: each weight byte is written once,
-where a load made it, copied it into the fused matrix and copied that into the huge pages (docs/PERF.md, "Start-up").
+where loads before wrote it, copied it into the fused matrix and copied that into the huge pages (docs/PERF.md,
+"Start-up").
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ class Placement:
     def __init__(self, tensors: dict[str, tuple[str, tuple[int, int]]]):
         """tensors: each matrix the C import takes, GGUF name -> (type, (N, K))."""
         self.parts: dict[str, tuple[str, int]] = {}  # part's name -> (its group's first part, its first row)
-        self.groups: dict[str, list] = {}  # a group's first part -> its fields' specs, then the fields once made
+        self.groups: dict[str, list] = {}  # a group's first part -> the fused fields' (dtype, shape)
+        self.made: dict[str, list[torch.Tensor]] = {}  # a group's first part -> its fields, once a part is met
         for name in tensors:
             head, layer, part = (name.removesuffix(".weight").split(".", 2) + ["", ""])[:3]
             for group in FUSED_PARTS:
@@ -50,8 +52,7 @@ class Placement:
         if name not in self.parts:
             return [self.arena.empty(shape, dtype) for dtype, shape in field_specs(*self.tensors[name])]
         group, first = self.parts[name]
-        made = self.groups[group]
-        if not isinstance(made[0], torch.Tensor):  # the group's first part met: its fields made now
-            made[:] = [self.arena.empty(shape, dtype) for dtype, shape in made]
-        n = self.tensors[name][1][0]
+        if group not in self.made:  # the group's first part met (in the file's order): its fields made now
+            self.made[group] = [self.arena.empty(shape, dtype) for dtype, shape in self.groups[group]]
+        made, n = self.made[group], self.tensors[name][1][0]
         return [f[first:first + n] for f in made]
