@@ -2673,9 +2673,9 @@ static inline __m256i bf16_of(__m512 v) {
 }
 
 /* dequant_rows then to_bf16, the same bits, without the slice's floats going through memory: rows r0 .. r1 - 1
- * into out [r1 - r0, K] bfloat16. int4 (int4-k and the 5-bit weights among them), int8 and the sub-block-of-16
- * weights (Q6_K, Q3_K) in registers (the same products as dequant_group8's and dequant_q6k_row's, the same
- * rounding); the rest (codebooks, groups not in blocks of 32) a row at a time through `row` (K floats, in L1). */
+ * into out [r1 - r0, K] bfloat16. int4 (int4-k and the 5-bit weights among them), int8, codebook and the
+ * sub-block-of-16 weights (Q6_K, Q3_K) in registers (the same products as dequant_group8's and dequant_q6k_row's,
+ * the same rounding); the rest (groups not in blocks of 32) a row at a time through `row` (K floats, in L1). */
 static void dequant_rows_bf16(const dequant_args *a, int r0, int r1, uint16_t *out, float *row) {
     int K = a->K, G = a->group, ng = K / G;
     const __m128i mask = _mm_set1_epi8(15);
@@ -2703,6 +2703,21 @@ static void dequant_rows_bf16(const dequant_args *a, int r0, int r1, uint16_t *o
                     __m512 vs = _mm512_set1_ps(q6k_scale(a->scales, a->sc16, K, n, 2 * b + h));
                     _mm256_storeu_si256((__m256i *)(o + 32 * b + 16 * h), bf16_of(_mm512_mul_ps(v, vs)));
                 }
+            }
+        }
+        return;
+    }
+    if (a->lut && G == 32) { /* a codebook: each block's codes looked up (dequant_group8's values), times its scale */
+        __m256i tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)a->lut));
+        for (int n = r0; n < r1; n++) {
+            uint16_t *o = out + (size_t)(n - r0) * K;
+            for (int g = 0; g < ng; g++) {
+                __m256i v = _mm256_shuffle_epi8(tab, codebook_block(a->w + (size_t)n * (K / 2), ng, g));
+                __m512 vs = _mm512_set1_ps(half_to_float(a->scales[(size_t)n * ng + g]));
+                __m128i h[2] = {_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)};
+                for (int i = 0; i < 2; i++)
+                    _mm256_storeu_si256((__m256i *)(o + 32 * g + 16 * i),
+                                        bf16_of(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(h[i])), vs)));
             }
         }
         return;
