@@ -2672,6 +2672,12 @@ static inline __m256i bf16_of(__m512 v) {
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
 }
 
+/* A block's plane (32 bits, bit_shift 0 for a fifth bit, 1 for a sixth) into its 16 bytes of low and high codes. */
+static inline void or_plane(__m128i *lo, __m128i *hi, uint32_t bits, int bit_shift) {
+    *lo = _mm_or_si128(*lo, _mm_slli_epi16(fifth_bytes(bits & 0xffff), bit_shift));
+    *hi = _mm_or_si128(*hi, _mm_slli_epi16(fifth_bytes(bits >> 16), bit_shift));
+}
+
 /* dequant_rows then to_bf16, the same bits, without the slice's floats going through memory: rows r0 .. r1 - 1
  * into out [r1 - r0, K] bfloat16. int4 (int4-k and the 5-bit weights among them), int8, codebook and the
  * sub-block-of-16 weights (Q6_K, Q3_K) in registers (the same products as dequant_group8's and dequant_q6k_row's,
@@ -2687,16 +2693,8 @@ static void dequant_rows_bf16(const dequant_args *a, int r0, int r1, uint16_t *o
             for (int b = 0; b < nb; b++) {
                 __m128i raw = _mm_loadu_si128((const __m128i *)(a->w + (size_t)n * (K / 2) + b * 16));
                 __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
-                if (a->high) {
-                    uint32_t f = dequant_plane(a, a->high, n, b);
-                    lo = _mm_or_si128(lo, fifth_bytes(f & 0xffff));
-                    hi = _mm_or_si128(hi, fifth_bytes(f >> 16));
-                }
-                if (a->top) {
-                    uint32_t t = dequant_plane(a, a->top, n, b);
-                    lo = _mm_or_si128(lo, _mm_slli_epi16(fifth_bytes(t & 0xffff), 1));
-                    hi = _mm_or_si128(hi, _mm_slli_epi16(fifth_bytes(t >> 16), 1));
-                }
+                if (a->high) or_plane(&lo, &hi, dequant_plane(a, a->high, n, b), 0);
+                if (a->top) or_plane(&lo, &hi, dequant_plane(a, a->top, n, b), 1);
                 __m128i c[2] = {_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi)}; /* sub-blocks 2b, 2b + 1 */
                 for (int h = 0; h < 2; h++) {
                     __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_sub_epi8(c[h], offset)));
@@ -2747,10 +2745,7 @@ static void dequant_rows_bf16(const dequant_args *a, int r0, int r1, uint16_t *o
                 for (int j = 0; j < G / 2; j += 16) { /* 16 bytes: columns 2j .. 2j + 31 */
                     __m128i b = _mm_loadu_si128((const __m128i *)(p + j));
                     __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
-                    if (a->high) {
-                        lo = _mm_or_si128(lo, fifth_bytes(f & 0xffff));
-                        hi = _mm_or_si128(hi, fifth_bytes(f >> 16));
-                    }
+                    if (a->high) or_plane(&lo, &hi, f, 0);
                     __m128i c[2] = {_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi)};
                     for (int i = 0; i < 2; i++) {
                         __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c[i])), vs, vm);
