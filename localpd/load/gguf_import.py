@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from localpd.kernels import cpu
+from localpd.load.gguf import BLOCKS
 from localpd.quant.codebook import IQ4Weight, MXFP4Weight
 from localpd.quant.int4k import Int4KWeight
 from localpd.quant.int5 import Int5KWeight, Int5Weight
@@ -55,13 +56,11 @@ TYPES = {
     "IQ4_XS": (10, IQ4Weight, [_per(U8, 2), _per(F16, 32)]),
     "MXFP4": (11, MXFP4Weight, [_per(U8, 2), _per(F16, 32)]),
 }
-BLOCK = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
-         "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "Q3_K": (256, 110), "IQ4_NL": (32, 18),
-         "IQ4_XS": (256, 136), "MXFP4": (32, 17)}
+
 
 def field_specs(type_name: str, shape: tuple[int, int]) -> list[tuple[torch.dtype, tuple[int, ...]]] | None:
     """The (dtype, shape) of each field the import of a `type_name` matrix of `shape` makes; None: no C import."""
-    if type_name not in TYPES or shape[1] % BLOCK[type_name][0]:
+    if type_name not in TYPES or shape[1] % BLOCKS[type_name][0]:
         return None
     return [spec(*shape) for spec in TYPES[type_name][2]]
 
@@ -95,10 +94,11 @@ def import_matrix(type_name: str, data: np.ndarray, shape: tuple[int, int], orde
     no C import for it (the type, the library, bytes that do not fit the shape, a scale float16 cannot hold):
     quant.weights.from_gguf then imports it, or names the error."""
     specs = field_specs(type_name, shape)
-    lib = library() if specs is not None and available() else None
+    if specs is None or not available():
+        return None
     n, k = shape
-    block, size = BLOCK.get(type_name, (1, 0))
-    if lib is None or data.nbytes != n * (k // block) * size or not data.flags.c_contiguous:
+    block, size = BLOCKS[type_name]
+    if data.nbytes != n * (k // block) * size or not data.flags.c_contiguous:
         return None
     if order is not None:
         order = order.to(torch.int64).contiguous()
@@ -108,6 +108,6 @@ def import_matrix(type_name: str, data: np.ndarray, shape: tuple[int, int], orde
     if [(f.dtype, tuple(f.shape)) for f in fields] != specs or not all(f.is_contiguous() for f in fields):
         return None
     out = (ctypes.c_void_p * len(fields))(*[f.data_ptr() for f in fields])
-    if lib.lpd_import(TYPES[type_name][0], data.ctypes.data, n, k, None if order is None else order.data_ptr(), out):
+    if library().lpd_import(TYPES[type_name][0], data.ctypes.data, n, k, None if order is None else order.data_ptr(), out):
         return None
     return TYPES[type_name][1](*fields)

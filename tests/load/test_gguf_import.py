@@ -10,6 +10,7 @@ import torch
 from localpd.errors import LocalpdError
 from localpd.kernels import cpu
 from localpd.load import gguf_import
+from localpd.load.gguf import BLOCKS
 from localpd.load.loader import load_model, rows
 from localpd.kvcache.formats import new_kv_pool
 from localpd.model.transformer import Batch, Transformer
@@ -28,7 +29,7 @@ MXFP4_EDGES = np.array([0, 1, 2, 143], dtype=np.uint8)  # its scale byte e: 2^(e
 def blocks(type_name: str, n: int, k: int, rng) -> np.ndarray:
     """Random stored blocks of an n x k matrix, their scales finite in float16 (edge values among them); IQ4_XS's
     scales (d times a six-bit integer) and MXFP4's (powers of two) are rounded to float16 by the import."""
-    block, size = gguf_import.BLOCK[type_name]
+    block, size = BLOCKS[type_name]
     raw = rng.integers(0, 256, size=(n * (k // block), size), dtype=np.uint8)
     for off in F16_FIELDS[type_name]:
         halves = rng.uniform(-0.05, 0.05, len(raw)).astype(np.float16)
@@ -53,7 +54,7 @@ def assert_same(a, b):
 @pytest.mark.parametrize("reordered", [False, True])
 def test_the_c_import_is_the_torch_import_bit_for_bit(type_name, n, blocks_a_row, reordered):
     rng = np.random.default_rng(n * 31 + blocks_a_row + len(type_name) + 7 * reordered)
-    k = blocks_a_row * gguf_import.BLOCK[type_name][0]
+    k = blocks_a_row * BLOCKS[type_name][0]
     raw = blocks(type_name, n, k, rng)
     order = torch.from_numpy(rng.permutation(n)) if reordered else None
     got = gguf_import.import_matrix(type_name, raw, (n, k), order)
