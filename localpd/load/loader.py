@@ -286,14 +286,19 @@ def gguf_placement(g: GGUFFile, scheme: str, tied: bool) -> Placement | None:
     if not gguf_import.available():
         return None
     tensors = {}
-    for t in g.tensors:
-        key, bias = gguf_key(t.name) or (None, True)
-        if bias or not is_matrix(key, tied):
-            continue
+    for t, key in gguf_matrices(g, tied):
         kind, s, shape = t.tensor_type.name, head_scheme(key, scheme, tied), tuple(reversed(t.shape))
         if imports_exactly(kind, s) and not imports_codes(kind, s) and gguf_import.field_specs(kind, shape):
             tensors[t.name] = (kind, shape)
     return Placement(tensors) if tensors else None
+
+
+def gguf_matrices(g: GGUFFile, tied: bool):
+    """The file's weight matrices (not biases, norms or an untied embedding), each with its HF-style name."""
+    for t in g.tensors:
+        key, bias = gguf_key(t.name) or (None, True)
+        if not bias and is_matrix(key, tied):
+            yield t, key
 
 
 def imports_every_matrix_exactly(path: Path, scheme: str) -> bool:
@@ -303,13 +308,7 @@ def imports_every_matrix_exactly(path: Path, scheme: str) -> bool:
         return False
     g = GGUFFile(Path(path))
     tied = gguf_tied(g)
-    for t in g.tensors:
-        key, bias = gguf_key(t.name) or (None, True)
-        if bias or not is_matrix(key, tied):
-            continue
-        if not imports_exactly(t.tensor_type.name, head_scheme(key, scheme, tied)):
-            return False
-    return True
+    return all(imports_exactly(t.tensor_type.name, head_scheme(key, scheme, tied)) for t, key in gguf_matrices(g, tied))
 
 
 def gguf_matrix(g: GGUFFile, t, scheme: str, dtype, device, heads: int | None,
