@@ -642,6 +642,14 @@ static inline int sub16_offset(const uint8_t *high, const uint8_t *top) { return
  * int8: the same floats, at half the bytes. */
 static inline int signed_codes(const gemm_args *a) { return a->bits == 8 || a->lut; }
 static inline int deinterleaved(int bits, const int8_t *lut) { return bits == 4 && !lut; }
+/* A weight's format as plain flags: passed as constants to an always_inline loop (AVX2's gemv4, one copy a format),
+ * every test of them in it folds away at compile time, where testing a->lut, a->bits, a->high, a->top and a->sc16
+ * in each block of each row laid the int4 path out of line and cost the default model's decode half its speed
+ * (docs/PERF.md); elsewhere fmt_of(a) passes a's own. */
+typedef struct { int lut, b4, high, top, sc16; } wfmt;
+static inline wfmt fmt_of(const gemm_args *a) {
+    return (wfmt){a->lut != 0, a->bits == 4, a->high != 0, a->top != 0, a->sc16 != 0};
+}
 static inline int codebook_code(const uint8_t *wrow, int nb, int b, int j) { /* column j of block b's code */
     if ((nb & 1) && b == nb - 1) return (wrow[b * 16 + (j & 15)] >> (j & 16 ? 4 : 0)) & 15;
     return (wrow[b / 2 * 32 + j] >> (b & 1 ? 4 : 0)) & 15;
@@ -669,19 +677,23 @@ static inline __m128i fifth_bytes(uint32_t bits) {
 }
 /* An int4 block's 32 codes (b of row wrow) as two registers of 16 bytes: its low nibbles (its even columns) and its
  * high ones (its odd columns), a 5- or 6-bit weight's fifth and sixth bits added in. */
-static inline void block_codes(const gemm_args *a, const uint8_t *wrow, int b, __m128i *lo, __m128i *hi) {
+static inline __attribute__((always_inline)) void block_codes_as(const gemm_args *a, wfmt f, const uint8_t *wrow,
+                                                                   int b, __m128i *lo, __m128i *hi) {
     __m128i raw = _mm_loadu_si128((const __m128i *)(wrow + b * 16)), m = _mm_set1_epi8(15);
     *lo = _mm_and_si128(raw, m), *hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m);
-    if (a->high) {
+    if (f.high) {
         uint32_t f = fifth32(a, wrow, b);
         *lo = _mm_or_si128(*lo, fifth_bytes(f & 0xffff));
         *hi = _mm_or_si128(*hi, fifth_bytes(f >> 16));
     }
-    if (a->top) {
+    if (f.top) {
         uint32_t t = plane32(a, a->top, wrow, b);
         *lo = _mm_or_si128(*lo, _mm_slli_epi16(fifth_bytes(t & 0xffff), 1));
         *hi = _mm_or_si128(*hi, _mm_slli_epi16(fifth_bytes(t >> 16), 1));
     }
+}
+static inline void block_codes(const gemm_args *a, const uint8_t *wrow, int b, __m128i *lo, __m128i *hi) {
+    block_codes_as(a, fmt_of(a), wrow, b, lo, hi);
 }
 #endif
 
@@ -841,14 +853,18 @@ static inline void prefetch_run(const uint8_t *run, size_t at, size_t bytes) {
 }
 /* A 5-bit weight's fifth bits for prefetch_run's bytes of a code run (rows one after another): a quarter of their
  * bytes, as many blocks ahead; each line once, by the call whose bytes reach its start. */
-static inline void prefetch_fifth(const gemm_args *a, const uint8_t *run, size_t at, size_t bytes) {
-    if (!a->high) return;
+static inline __attribute__((always_inline)) void prefetch_fifth_as(const gemm_args *a, wfmt f, const uint8_t *run,
+                                                                      size_t at, size_t bytes) {
+    if (!f.high) return;
     size_t row = plane_row(a, run);
     size_t from = (WEIGHT_AHEAD + at) / 4, to = (WEIGHT_AHEAD + at + bytes) / 4;
     for (size_t o = (from + 63) & ~(size_t)63; o < to; o += 64) {
         _mm_prefetch((const char *)(a->high + row + o), _MM_HINT_T0);
-        if (a->top) _mm_prefetch((const char *)(a->top + row + o), _MM_HINT_T0);
+        if (f.top) _mm_prefetch((const char *)(a->top + row + o), _MM_HINT_T0);
     }
+}
+static inline void prefetch_fifth(const gemm_args *a, const uint8_t *run, size_t at, size_t bytes) {
+    prefetch_fifth_as(a, fmt_of(a), run, at, bytes);
 }
 #endif
 
@@ -1040,14 +1056,15 @@ static void gemm1x(const gemm_args *a, int n, int n1, int xor_blocks, float *ds)
  * the weight's codes widened to int16: vpmaddwd sums a pair of products into each int32 lane, two multiplies a
  * block where pmaddubsw on each int8 level took four (and four more instructions to join the levels). A lane's sum
  * is at most 4 x 128 x 32639 < 2^24: exact in float too. */
-static inline void widen16(const gemm_args *a, const uint8_t *wrow, int b, __m128i tab, __m256i *w0, __m256i *w1) {
-    if (a->lut) { /* the block's 32 values in column order, as an int8 block's bytes */
+static inline __attribute__((always_inline)) void widen16_as(const gemm_args *a, wfmt f, const uint8_t *wrow, int b,
+                                                               __m128i tab, __m256i *w0, __m256i *w1) {
+    if (f.lut) { /* the block's 32 values in column order, as an int8 block's bytes */
         __m256i v = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(tab), codebook_block(wrow, a->K / 32, b));
         *w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v));
         *w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1));
-    } else if (a->bits == 4) { /* low nibbles: the block's even columns (x0), high: its odd ones (x1) */
+    } else if (f.b4) { /* low nibbles: the block's even columns (x0), high: its odd ones (x1) */
         __m128i lo, hi;
-        block_codes(a, wrow, b, &lo, &hi);
+        block_codes_as(a, f, wrow, b, &lo, &hi);
         *w0 = _mm256_cvtepu8_epi16(lo);
         *w1 = _mm256_cvtepu8_epi16(hi);
     } else {
@@ -1056,27 +1073,36 @@ static inline void widen16(const gemm_args *a, const uint8_t *wrow, int b, __m12
         *w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(raw, 1));
     }
 }
-static inline __m256i dot16(const gemm_args *a, const uint8_t *wrow, int b, __m256i x0, __m256i x1, __m128i tab) {
+static inline void widen16(const gemm_args *a, const uint8_t *wrow, int b, __m128i tab, __m256i *w0, __m256i *w1) {
+    widen16_as(a, fmt_of(a), wrow, b, tab, w0, w1);
+}
+static inline __attribute__((always_inline)) __m256i dot16_as(const gemm_args *a, wfmt f, const uint8_t *wrow, int b,
+                                                              __m256i x0, __m256i x1, __m128i tab) {
     __m256i w0, w1;
-    widen16(a, wrow, b, tab, &w0, &w1);
+    widen16_as(a, f, wrow, b, tab, &w0, &w1);
     return _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
+}
+static inline __m256i dot16(const gemm_args *a, const uint8_t *wrow, int b, __m256i x0, __m256i x1, __m128i tab) {
+    return dot16_as(a, fmt_of(a), wrow, b, x0, x1, tab);
 }
 
 /* Block b's factor in the eight lanes of its products (dot16's): its one factor, or Q6_K's two (dm: a row's). */
-static inline __m256 block_factor(const gemm_args *a, const float *dm, int b) {
-    if (!a->sc16) return _mm256_set1_ps(dm[b]);
+static inline __attribute__((always_inline)) __m256 block_factor_as(wfmt f, const float *dm, int b) {
+    if (!f.sc16) return _mm256_set1_ps(dm[b]);
     return _mm256_set_m128(_mm_set1_ps(dm[2 * b + 1]), _mm_set1_ps(dm[2 * b]));
 }
+static inline __m256 block_factor(const gemm_args *a, const float *dm, int b) { return block_factor_as(fmt_of(a), dm, b); }
 
 /* A codebook's 16 values for vpshufb (zeros without one). */
 static inline __m128i lut_table(const gemm_args *a) {
     return a->lut ? _mm_loadu_si128((const __m128i *)a->lut) : _mm_setzero_si128();
 }
 
-/* Rows n .. n + 3 against input row 0, the input's blocks loaded once for the four. */
-static void gemv4(const gemm_args *a, int n, const float *ds, const float *extra) {
-    int K = a->K, nb = K / 32;
-    size_t row_bytes = a->bits == 4 ? K / 2 : K, step = a->bits == 4 ? 64 : 128; /* the four rows' bytes a block */
+/* Rows n .. n + 3 against input row 0, the input's blocks loaded once for the four; f: a's format (gemv4). */
+static inline __attribute__((always_inline)) void gemv4_as(const gemm_args *a, wfmt f, int n, const float *ds,
+                                                           const float *extra) {
+    int K = a->K, nb = K / 32, fc = f.sc16 ? K / 16 : nb;
+    size_t row_bytes = f.b4 ? K / 2 : K, step = f.b4 ? 64 : 128; /* the four rows' bytes a block */
     const uint8_t *w[4] = {a->w + (size_t)n * row_bytes, a->w + (size_t)(n + 1) * row_bytes,
                            a->w + (size_t)(n + 2) * row_bytes, a->w + (size_t)(n + 3) * row_bytes};
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
@@ -1085,14 +1111,28 @@ static void gemv4(const gemm_args *a, int n, const float *ds, const float *extra
         __m256i x0 = _mm256_loadu_si256((const __m256i *)(a->x16 + b * 32));
         __m256i x1 = _mm256_loadu_si256((const __m256i *)(a->x16 + b * 32 + 16));
         prefetch_run(w[0], b * step, step);
-        prefetch_fifth(a, w[0], b * step, step);
+        prefetch_fifth_as(a, f, w[0], b * step, step);
 #pragma GCC unroll 4
         for (int r = 0; r < 4; r++) {
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot16(a, w[r], b, x0, x1, tab)),
-                                     block_factor(a, ds + r * factor_count(a), b), acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot16_as(a, f, w[r], b, x0, x1, tab)),
+                                     block_factor_as(f, ds + r * fc, b), acc[r]);
         }
     }
     for (int r = 0; r < 4; r++) a->y[n + r] = hsum8(acc[r]) + extra[r];
+}
+/* gemv4_as compiled for each format the loader makes (codebook, int8, int4, 5-bit, Q6_K's, Q3_K's), the rest on a's
+ * own flags. */
+static void gemv4(const gemm_args *a, int n, const float *ds, const float *extra) {
+    wfmt f = fmt_of(a);
+    if (f.lut && f.b4 && !f.high && !f.top && !f.sc16) gemv4_as(a, (wfmt){1, 1, 0, 0, 0}, n, ds, extra);
+    else if (!f.lut && !f.b4 && !f.high && !f.top && !f.sc16) gemv4_as(a, (wfmt){0, 0, 0, 0, 0}, n, ds, extra);
+    else if (!f.lut && f.b4 && !f.top && !f.sc16) {
+        if (f.high) gemv4_as(a, (wfmt){0, 1, 1, 0, 0}, n, ds, extra);
+        else gemv4_as(a, (wfmt){0, 1, 0, 0, 0}, n, ds, extra);
+    } else if (!f.lut && f.b4 && f.sc16 && f.high == f.top) {
+        if (f.high) gemv4_as(a, (wfmt){0, 1, 1, 1, 1}, n, ds, extra);
+        else gemv4_as(a, (wfmt){0, 1, 0, 0, 1}, n, ds, extra);
+    } else gemv4_as(a, f, n, ds, extra);
 }
 
 /* Weight row n against input rows m0 .. m0 + MM - 1 (MM a constant where it is inlined, up to AVX2_ROWS): the
