@@ -1120,19 +1120,22 @@ static inline __attribute__((always_inline)) void gemv4_as(const gemm_args *a, w
     }
     for (int r = 0; r < 4; r++) a->y[n + r] = hsum8(acc[r]) + extra[r];
 }
-/* gemv4_as compiled for each format the loader makes (codebook, int8, int4, 5-bit, Q6_K's, Q3_K's), the rest on a's
- * own flags. */
+/* gemv4_as compiled for each format the loader makes, the rest on a's own flags. */
 static void gemv4(const gemm_args *a, int n, const float *ds, const float *extra) {
-    wfmt f = fmt_of(a);
-    if (f.lut && f.b4 && !f.high && !f.top && !f.sc16) gemv4_as(a, (wfmt){1, 1, 0, 0, 0}, n, ds, extra);
-    else if (!f.lut && !f.b4 && !f.high && !f.top && !f.sc16) gemv4_as(a, (wfmt){0, 0, 0, 0, 0}, n, ds, extra);
-    else if (!f.lut && f.b4 && !f.top && !f.sc16) {
-        if (f.high) gemv4_as(a, (wfmt){0, 1, 1, 0, 0}, n, ds, extra);
-        else gemv4_as(a, (wfmt){0, 1, 0, 0, 0}, n, ds, extra);
-    } else if (!f.lut && f.b4 && f.sc16 && f.high == f.top) {
-        if (f.high) gemv4_as(a, (wfmt){0, 1, 1, 1, 1}, n, ds, extra);
-        else gemv4_as(a, (wfmt){0, 1, 0, 0, 1}, n, ds, extra);
-    } else gemv4_as(a, f, n, ds, extra);
+    const wfmt f = fmt_of(a);
+#define LPD_FORMAT(LUT, B4, HIGH, TOP, SC16)                                                                       \
+    if (f.lut == LUT && f.b4 == B4 && f.high == HIGH && f.top == TOP && f.sc16 == SC16) {                          \
+        gemv4_as(a, (wfmt){LUT, B4, HIGH, TOP, SC16}, n, ds, extra);                                               \
+        return;                                                                                                    \
+    }
+    LPD_FORMAT(0, 1, 0, 0, 0) /* int4 */
+    LPD_FORMAT(0, 0, 0, 0, 0) /* int8 */
+    LPD_FORMAT(1, 1, 0, 0, 0) /* codebooks */
+    LPD_FORMAT(0, 1, 1, 0, 0) /* 5-bit */
+    LPD_FORMAT(0, 1, 1, 1, 1) /* Q6_K */
+    LPD_FORMAT(0, 1, 0, 0, 1) /* Q3_K */
+#undef LPD_FORMAT
+    gemv4_as(a, f, n, ds, extra);
 }
 
 /* Weight row n against input rows m0 .. m0 + MM - 1 (MM a constant where it is inlined, up to AVX2_ROWS): the
