@@ -848,7 +848,11 @@ static void row_factors(const gemm_args *a, int n, int m0, int mm, int xor_block
  * out of the caches) at a third of gemv4's rate, even for one input row, so that a 2-row step's head cost 2.9x a
  * 1-row step's; with the run's prefetch 1.6x to 2x (one thread, Zen 4). */
 #define WEIGHT_AHEAD 8192
-static inline void prefetch_run(const uint8_t *run, size_t at, size_t bytes) {
+/* Every prefetch helper is always_inline: gcc 12 finds a helper of nothing but prefetches free of effects and deletes
+ * each call it does not inline, so that AVX2's one-row products read every weight byte unprefetched (the default
+ * model's decode 1.6x slower on a Zen 3, docs/PERF.md); tests/kernels/test_cpu_compiled.py counts them in the
+ * compiled products. */
+static inline __attribute__((always_inline)) void prefetch_run(const uint8_t *run, size_t at, size_t bytes) {
     for (size_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)(run + WEIGHT_AHEAD + at + o), _MM_HINT_T0);
 }
 /* A 5-bit weight's fifth bits for prefetch_run's bytes of a code run (rows one after another): a quarter of their
@@ -863,7 +867,7 @@ static inline __attribute__((always_inline)) void prefetch_fifth_as(const gemm_a
         if (f.top) _mm_prefetch((const char *)(a->top + row + o), _MM_HINT_T0);
     }
 }
-static inline void prefetch_fifth(const gemm_args *a, const uint8_t *run, size_t at, size_t bytes) {
+static inline __attribute__((always_inline)) void prefetch_fifth(const gemm_args *a, const uint8_t *run, size_t at, size_t bytes) {
     prefetch_fifth_as(a, fmt_of(a), run, at, bytes);
 }
 #endif
@@ -911,7 +915,7 @@ static inline __attribute__((always_inline)) void gemv4_rows(const gemm_args *a,
     y[2] = _mm512_reduce_add_ps(acc2) + extra[2];
     y[3] = _mm512_reduce_add_ps(acc3) + extra[3];
 }
-static void gemv4(const gemm_args *a, int n, const float *ds, const float *extra) {
+static __attribute__((noinline)) void gemv4(const gemm_args *a, int n, const float *ds, const float *extra) {
     if (a->sc16) gemv4_rows(a, n, ds, extra, 1);
     else gemv4_rows(a, n, ds, extra, 0);
 }
@@ -974,8 +978,7 @@ static inline __attribute__((always_inline)) void gemm_tile(const gemm_args *a, 
         for (int m = 0; m < MM; m++) acc[r][m] = _mm512_setzero_ps();
     for (int b = 0; b < nb; b += 2) {
         __m512i wa[4], wb[4];
-        for (size_t o = 0; o < 2 * R * step; o += 64) /* prefetch_run's, written out: called here, gcc 12 built none */
-            _mm_prefetch((const char *)(w0 + WEIGHT_AHEAD + b * R * step + o), _MM_HINT_T0);
+        prefetch_run(w0, b * R * step, 2 * R * step);
         prefetch_fifth(a, w0, b * R * step, 2 * R * step);
         for (int r = 0; r < R; r++) {
             __m512i wv = load_pair(a, w0 + r * row_bytes, b, tab);
@@ -1121,7 +1124,7 @@ static inline __attribute__((always_inline)) void gemv4_as(const gemm_args *a, w
     for (int r = 0; r < 4; r++) a->y[n + r] = hsum8(acc[r]) + extra[r];
 }
 /* gemv4_as compiled for each format the loader makes, the rest on a's own flags. */
-static void gemv4(const gemm_args *a, int n, const float *ds, const float *extra) {
+static __attribute__((noinline)) void gemv4(const gemm_args *a, int n, const float *ds, const float *extra) {
     const wfmt f = fmt_of(a);
 #define LPD_FORMAT(LUT, B4, HIGH, TOP, SC16)                                                                       \
     if (f.lut == LUT && f.b4 == B4 && f.high == HIGH && f.top == TOP && f.sc16 == SC16) {                          \
@@ -1876,7 +1879,7 @@ static inline long page_run(const int32_t *pages, int p, int PS, int left, long 
     *run = PS - slot < left ? PS - slot : left;
     return ((long)pages[p / PS] * PS + slot) * tok;
 }
-static inline void prefetch_row(const char *row, int bytes) { /* a prefetch never faults: past a page is harmless */
+static inline __attribute__((always_inline)) void prefetch_row(const char *row, int bytes) { /* a prefetch never faults: past a page is harmless */
 #if defined(__x86_64__) || defined(__i386__)
     for (int d = 0; d < bytes; d += 64) _mm_prefetch(row + d, _MM_HINT_T0);
 #else

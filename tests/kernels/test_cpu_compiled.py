@@ -1,0 +1,104 @@
+"""What the machine's C compiler builds of kernels/cpu_kernels.c for an AVX2 (haswell) and an AVX-512 (icelake-server)
+processor, read from its assembly: decode's products prefetch the weight bytes they are about to read. gcc 12 deleted
+the calls to prefetch helpers it did not inline (it found them free of effects), and AVX2's one-row products read
+every weight byte unprefetched: the default model's decode 1.6x slower on a Zen 3 (docs/PERF.md), with every result
+bit for bit the same, so no test of values could see it."""
+
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from localpd.kernels import cpu
+
+PRODUCT = re.compile(r"\s(vpmaddwd|vpdpbusd|vpdpwssd|vpmaddubsw)\s")
+# the functions of decode's products on each: one input row (gemv4), 2 to 15 (gemm16x; gemm1x and gemm4x)
+DECODE = {"haswell": ("gemv4", "gemm16x"), "icelake-server": ("gemv4", "gemm1x", "gemm4x")}
+# formats gemv4 is compiled for on AVX2 (LPD_FORMAT's list, and a's own flags), its pairs of SUB16 on AVX-512
+GEMV4_LOOPS = {"haswell": 7, "icelake-server": 2}
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+@pytest.fixture(scope="module", params=sorted(DECODE))
+def assembly(request, tmp_path_factory) -> tuple[str, str]:
+    cc = _compiler()
+    if cc is None:
+        pytest.skip("no C compiler")
+    out = tmp_path_factory.mktemp("asm") / f"{request.param}.s"
+    flags = [f for f in cpu.FLAGS if f != "-shared"]
+    run = subprocess.run([cc, *flags, f"-march={request.param}", "-S", "-o", str(out), str(cpu.SOURCE)],
+                         capture_output=True, text=True)
+    if run.returncode:
+        pytest.skip(f"{cc} cannot build for {request.param}: {run.stderr.strip()[:200]}")
+    return request.param, out.read_text()
+
+
+def functions(asm: str) -> dict[str, list[str]]:
+    """Each function's lines (gcc's clones, gemv4.constprop.0 and the like, under their own names)."""
+    out, name = {}, None
+    for line in asm.splitlines():
+        m = re.match(r"^([A-Za-z_][\w.$]*):", line)
+        if m and not m.group(1).startswith((".L", "L")):
+            name = m.group(1)
+            out.setdefault(name, [])
+        elif name:
+            out[name].append(line)
+    return out
+
+
+def loops(body: list[str]) -> list[tuple[int, int]]:
+    """(first, last) line of each loop: a label and a later conditional jump back to it (a loop's test, where an
+    unconditional jump back is most often an out-of-line block's return into the loop's middle)."""
+    at, out = {}, []
+    for i, line in enumerate(body):
+        m = re.match(r"^(\.?L\w+):", line)
+        if m:
+            at[m.group(1)] = i
+        m = re.match(r"^\s+j(?!mp)\w+\s+(\.?L\w+)\s*$", line)
+        if m and m.group(1) in at:
+            out.append((at[m.group(1)], i))
+    return out
+
+
+def unprefetched(body: list[str]) -> tuple[int, list[tuple[int, int]]]:
+    """The innermost loops with an integer product, and those of them where neither the loop nor the one around it
+    holds a prefetch."""
+    all_loops = loops(body)
+    has = lambda span, pat: any(pat(l) for l in body[span[0]:span[1] + 1])
+    product = [s for s in all_loops if has(s, PRODUCT.search)]
+    inner = [s for s in product if not any(o != s and s[0] <= o[0] and o[1] <= s[1] for o in product)]
+    bad = []
+    for s in inner:
+        around = sorted((o for o in all_loops if o != s and o[0] <= s[0] and s[1] <= o[1]), key=lambda o: o[1] - o[0])
+        if not has(s, lambda l: "prefetcht0" in l) and not (around and has(around[0], lambda l: "prefetcht0" in l)):
+            bad.append(s)
+    return len(inner), bad
+
+
+def _named(fns: dict[str, list[str]], name: str) -> list[str]:
+    return [f for f in fns if f == name or f.startswith(name + ".")]
+
+
+def test_decode_products_prefetch_their_weights(assembly):
+    march, asm = assembly
+    fns = functions(asm)
+    for name in DECODE[march]:
+        found = _named(fns, name)
+        assert found, f"{name} is not a function of its own in the {march} build (inlined?)"
+        for f in found:
+            count, bad = unprefetched(fns[f])
+            assert count, f"{march} {f}: no product loop found"
+            assert not bad, f"{march} {f}: {len(bad)} of {count} product loops read weights unprefetched"
+
+
+def test_gemv4_built_once_a_format(assembly):
+    """gemv4's loop a weight format (on AVX2 each a copy with its flags constant), each with its prefetch."""
+    march, asm = assembly
+    fns = functions(asm)
+    count = sum(unprefetched(fns[f])[0] for f in _named(fns, "gemv4"))
+    assert count >= GEMV4_LOOPS[march], f"{march}: gemv4 has {count} product loops, {GEMV4_LOOPS[march]} expected"
