@@ -870,6 +870,32 @@ static inline __attribute__((always_inline)) void prefetch_fifth_as(const gemm_a
 static inline __attribute__((always_inline)) void prefetch_fifth(const gemm_args *a, const uint8_t *run, size_t at, size_t bytes) {
     prefetch_fifth_as(a, fmt_of(a), run, at, bytes);
 }
+static inline __attribute__((always_inline)) void prefetch_lines(const void *p, size_t bytes) {
+    uintptr_t at = (uintptr_t)p & ~(uintptr_t)63, end = (uintptr_t)p + bytes;
+    for (; at < end; at += 64) _mm_prefetch((const char *)at, _MM_HINT_T0);
+}
+/* The factor arrays of weight rows n .. n + rows - 1 (scales, int4 biases, int4-k's d, dmin and group bytes, Q6_K's
+ * sub-block scales): streams apart from the codes, an eighth of an int4-g32 weight's bytes, that row_factors read
+ * unprefetched (a ninth of the 1.7B model's decode on the Zen 3 waited on them). FACTOR_AHEAD rows ahead. */
+#define FACTOR_AHEAD 8
+static inline __attribute__((always_inline)) void prefetch_factors(const gemm_args *a, int n, int rows) {
+    if (n + rows > a->N) rows = a->N - n;
+    if (rows <= 0) return;
+    int K = a->K, nb = K / 32;
+    if (a->sc16) {
+        prefetch_lines(a->scales + (size_t)n * (K / 256), (size_t)rows * (K / 256) * 2);
+        prefetch_lines(a->sc16 + (size_t)n * (K / 16), (size_t)rows * (K / 16));
+    } else if (a->sub) {
+        size_t ns = (nb + 7) / 8;
+        prefetch_lines(a->scales + n * ns, rows * ns * 2);
+        prefetch_lines(a->biases + n * ns, rows * ns * 2);
+        prefetch_lines(a->sub + (size_t)n * 2 * nb, (size_t)rows * 2 * nb);
+    } else {
+        size_t ng = K / a->group;
+        prefetch_lines(a->scales + n * ng, rows * ng * 2);
+        if (deinterleaved(a->bits, a->lut)) prefetch_lines(a->biases + n * ng, rows * ng * 2);
+    }
+}
 #endif
 
 #if defined(LPD_AVX512)
@@ -1123,32 +1149,42 @@ static inline __attribute__((always_inline)) void gemv4_as(const gemm_args *a, w
     }
     for (int r = 0; r < 4; r++) a->y[n + r] = hsum8(acc[r]) + extra[r];
 }
-/* gemv4_as compiled for each format the loader makes, the rest on a's own flags. */
-static __attribute__((noinline)) void gemv4(const gemm_args *a, int n, const float *ds, const float *extra) {
-    const wfmt f = fmt_of(a);
-#define LPD_FORMAT(LUT, B4, HIGH, TOP, SC16)                                                                       \
-    if (f.lut == LUT && f.b4 == B4 && f.high == HIGH && f.top == TOP && f.sc16 == SC16) {                          \
-        gemv4_as(a, (wfmt){LUT, B4, HIGH, TOP, SC16}, n, ds, extra);                                               \
-        return;                                                                                                    \
+/* The weight formats the loader makes, as wfmt's flags (lut, b4, high, top, sc16): a loop that takes its format as
+ * constants is compiled once for each (LPD_DISPATCH), a weight of any other on its own flags. */
+#define LPD_FORMATS(X)                                                                                             \
+    X(0, 1, 0, 0, 0) /* int4 */                                                                                    \
+    X(0, 0, 0, 0, 0) /* int8 */                                                                                    \
+    X(1, 1, 0, 0, 0) /* codebooks */                                                                               \
+    X(0, 1, 1, 0, 0) /* 5-bit */                                                                                   \
+    X(0, 1, 1, 1, 1) /* Q6_K */                                                                                    \
+    X(0, 1, 0, 0, 1) /* Q3_K */
+/* LPD_CALL(F) (the caller's macro) with F the constant wfmt of the format f is, else f itself. */
+#define LPD_DISPATCH(f)                                                                                            \
+    do {                                                                                                           \
+        const wfmt lpd_f = (f);                                                                                    \
+        LPD_FORMATS(LPD_IF_FORMAT)                                                                                 \
+        LPD_CALL(lpd_f);                                                                                           \
+    } while (0)
+#define LPD_IF_FORMAT(LUT, B4, HIGH, TOP, SC16)                                                                    \
+    if (lpd_f.lut == LUT && lpd_f.b4 == B4 && lpd_f.high == HIGH && lpd_f.top == TOP && lpd_f.sc16 == SC16) {      \
+        LPD_CALL(((wfmt){LUT, B4, HIGH, TOP, SC16}));                                                              \
+        break;                                                                                                     \
     }
-    LPD_FORMAT(0, 1, 0, 0, 0) /* int4 */
-    LPD_FORMAT(0, 0, 0, 0, 0) /* int8 */
-    LPD_FORMAT(1, 1, 0, 0, 0) /* codebooks */
-    LPD_FORMAT(0, 1, 1, 0, 0) /* 5-bit */
-    LPD_FORMAT(0, 1, 1, 1, 1) /* Q6_K */
-    LPD_FORMAT(0, 1, 0, 0, 1) /* Q3_K */
-#undef LPD_FORMAT
-    gemv4_as(a, f, n, ds, extra);
+static __attribute__((noinline)) void gemv4(const gemm_args *a, int n, const float *ds, const float *extra) {
+#define LPD_CALL(F) gemv4_as(a, F, n, ds, extra)
+    LPD_DISPATCH(fmt_of(a));
+#undef LPD_CALL
 }
 
 /* Weight row n against input rows m0 .. m0 + MM - 1 (MM a constant where it is inlined, up to AVX2_ROWS): the
  * weight's block widened once for the MM rows, their sums in registers, each row's the ops of its gemv4 in the same
- * order (so each row is its one-row product). ds[m * nb + b], extra[m]: row_factors' for input row m0 + m. */
+ * order (so each row is its one-row product). ds[m * nb + b], extra[m]: row_factors' for input row m0 + m; f: a's
+ * format (gemm16x). */
 #define AVX2_ROWS 8
-static inline __attribute__((always_inline)) void gemm_tile16(const gemm_args *a, int n, int m0, const int MM,
-                                                               const float *ds, const float *extra) {
-    int K = a->K, nb = K / 32;
-    size_t row_bytes = a->bits == 4 ? K / 2 : K, step = a->bits == 4 ? 16 : 32;
+static inline __attribute__((always_inline)) void gemm_tile16_as(const gemm_args *a, wfmt f, int n, int m0,
+                                                                  const int MM, const float *ds, const float *extra) {
+    int K = a->K, nb = K / 32, fc = f.sc16 ? K / 16 : nb;
+    size_t row_bytes = f.b4 ? K / 2 : K, step = f.b4 ? 16 : 32;
     const uint8_t *wrow = a->w + (size_t)n * row_bytes;
     const __m128i tab = lut_table(a);
     __m256 acc[AVX2_ROWS];
@@ -1156,13 +1192,13 @@ static inline __attribute__((always_inline)) void gemm_tile16(const gemm_args *a
     for (int b = 0; b < nb; b++) {
         __m256i w0, w1;
         prefetch_run(wrow, b * step, step);
-        prefetch_fifth(a, wrow, b * step, step);
-        widen16(a, wrow, b, tab, &w0, &w1);
+        prefetch_fifth_as(a, f, wrow, b * step, step);
+        widen16_as(a, f, wrow, b, tab, &w0, &w1);
         for (int m = 0; m < MM; m++) {
             const int16_t *x = a->x16 + (size_t)(m0 + m) * K + b * 32;
             __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)x)),
                                          _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(x + 16))));
-            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), block_factor(a, ds + m * factor_count(a), b), acc[m]);
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), block_factor_as(f, ds + m * fc, b), acc[m]);
         }
     }
     for (int m = 0; m < MM; m++) a->y[(size_t)(m0 + m) * a->N + n] = hsum8(acc[m]) + extra[m];
@@ -1173,27 +1209,34 @@ static inline __attribute__((always_inline)) void gemm_tile16(const gemm_args *a
  * The loop this replaced took at most four input rows a pass, its sums in memory: 2 rows cost 3.0x one row's
  * products and each row after about 0.23 ms, where now 2 rows cost 1.7x and each row after 0.07 to 0.11 ms
  * (SmolLM2-135M's four Q4_1 products, a haswell build on the Zen 4 EPYC, one thread; docs/PERF.md, "a verification
- * step's rows in one tile"). */
-static __attribute__((noinline)) void gemm16x(const gemm_args *a, int n, int n1, int xor_blocks, float *ds) {
+ * step's rows in one tile"). Each format its own copy, as gemv4's. */
+static inline __attribute__((always_inline)) void gemm16x_as(const gemm_args *a, wfmt f, int n, int n1,
+                                                              int xor_blocks, float *ds) {
     float extra[TILE_FROM - 1];
-    int chunks = (a->M + AVX2_ROWS - 1) / AVX2_ROWS;
+    int chunks = (a->M + AVX2_ROWS - 1) / AVX2_ROWS, fc = f.sc16 ? a->K / 16 : a->K / 32;
     for (; n < n1; n++) {
+        prefetch_factors(a, n + FACTOR_AHEAD, 1);
         row_factors(a, n, 0, a->M, xor_blocks, ds, extra);
         for (int c = 0; c < chunks; c++) {
             int m0 = a->M * c / chunks, mm = a->M * (c + 1) / chunks - m0;
-            const float *d = ds + (size_t)m0 * factor_count(a), *e = extra + m0;
+            const float *d = ds + (size_t)m0 * fc, *e = extra + m0;
             switch (mm) {
-            case 1: gemm_tile16(a, n, m0, 1, d, e); break;
-            case 2: gemm_tile16(a, n, m0, 2, d, e); break;
-            case 3: gemm_tile16(a, n, m0, 3, d, e); break;
-            case 4: gemm_tile16(a, n, m0, 4, d, e); break;
-            case 5: gemm_tile16(a, n, m0, 5, d, e); break;
-            case 6: gemm_tile16(a, n, m0, 6, d, e); break;
-            case 7: gemm_tile16(a, n, m0, 7, d, e); break;
-            default: gemm_tile16(a, n, m0, 8, d, e); break;
+            case 1: gemm_tile16_as(a, f, n, m0, 1, d, e); break;
+            case 2: gemm_tile16_as(a, f, n, m0, 2, d, e); break;
+            case 3: gemm_tile16_as(a, f, n, m0, 3, d, e); break;
+            case 4: gemm_tile16_as(a, f, n, m0, 4, d, e); break;
+            case 5: gemm_tile16_as(a, f, n, m0, 5, d, e); break;
+            case 6: gemm_tile16_as(a, f, n, m0, 6, d, e); break;
+            case 7: gemm_tile16_as(a, f, n, m0, 7, d, e); break;
+            default: gemm_tile16_as(a, f, n, m0, 8, d, e); break;
             }
         }
     }
+}
+static __attribute__((noinline)) void gemm16x(const gemm_args *a, int n, int n1, int xor_blocks, float *ds) {
+#define LPD_CALL(F) gemm16x_as(a, F, n, n1, xor_blocks, ds)
+    LPD_DISPATCH(fmt_of(a));
+#undef LPD_CALL
 }
 #endif
 
@@ -1623,6 +1666,7 @@ static void gemm_rows(const gemm_args *a, int n0, int n1, float *ds) {
     if (a->M == 1 && vec_blocks == nb) {
         for (; n + 4 <= n1; n += 4) {
             float extra[4];
+            prefetch_factors(a, n + FACTOR_AHEAD, 4);
             for (int r = 0; r < 4; r++) row_factors(a, n + r, 0, 1, xor_blocks, ds + r * DSTRIDE(fc), extra + r);
             gemv4(a, n, ds, extra);
         }

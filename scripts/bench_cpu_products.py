@@ -1,11 +1,12 @@
 """The CPU kernels' products at 1 to 256 rows: lpd_linear's integer products on this source's library and on another
 cpu_kernels.c's (--against), and the float GEMM prefill takes from cpu.GEMM_ROWS rows on, on the four product
 shapes of a decoder layer of the default model (SmolLM2-135M: qkv 960 x 576, o 576 x 576, gate_up 3072 x 576,
-down 576 x 1536), random weights of one scheme. The three take turns each repetition, each timed on its second call
+down 576 x 1536; --shapes smollm2-1.7b: two of SmolLM2-1.7B's layers, which no cache holds), random weights of
+one scheme. The three take turns each repetition, each timed on its second call
 (the first warms the caches after the others' data); the fastest of --reps is kept.
 
     python scripts/bench_cpu_products.py --against OLD.c [--threads 2] [--kind int4] [--reps 8] [--rows 1,2,4,16]
-                                         [--march haswell]
+                                         [--march haswell] [--shapes smollm2-1.7b]
 
 --march builds both sources for that processor (e.g. haswell: the AVX2 products, on a machine that also has
 AVX-512) instead of this one's.
@@ -26,7 +27,9 @@ import torch
 from localpd.kernels import cpu
 from localpd.quant.weights import Int4Weight, Int8Weight
 
-SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+SHAPES = {"smollm2-135m": [(960, 576), (576, 576), (3072, 576), (576, 1536)],
+          # two layers' worth (62 MB as int4-g32): out of a 32 MiB L3, the weight streams from memory as at decode
+          "smollm2-1.7b": [(6144, 2048), (2048, 2048), (16384, 2048), (2048, 8192)] * 2}
 ROWS = "1,2,3,4,5,8,12,15,16,24,32,48,64,128"
 
 
@@ -38,15 +41,17 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=8)
     ap.add_argument("--rows", default=ROWS)
     ap.add_argument("--march", default="native", help="the processor both sources are built for")
+    ap.add_argument("--shapes", choices=sorted(SHAPES), default="smollm2-135m",
+                    help="a decoder layer's four products (1.7b: two layers', which no cache holds)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     other = cpu.open_library(cpu.build(args.march, Path(tempfile.mkdtemp()), source=Path(args.against)))
     this = cpu.library() if args.march == "native" else cpu.open_library(cpu.build(args.march, Path(tempfile.mkdtemp())))
     g = torch.Generator().manual_seed(0)
     make = Int4Weight.quantize_rtn if args.kind == "int4" else Int8Weight.quantize
-    weights = [make(torch.randn(n, k, generator=g), 32) for n, k in SHAPES]
+    weights = [make(torch.randn(n, k, generator=g), 32) for n, k in SHAPES[args.shapes]]
     rows = [int(r) for r in args.rows.split(",")]
-    inputs = {m: [torch.randn(m, k, generator=g) for _, k in SHAPES] for m in rows}
+    inputs = {m: [torch.randn(m, k, generator=g) for _, k in SHAPES[args.shapes]] for m in rows}
     # (name, library, GEMM_ROWS): the integer products at every row count, the float GEMM where prefill takes it
     modes = [("this", this, 1 << 30), ("other", other, 1 << 30), ("float", this, cpu.GEMM_ROWS)]
     best: dict = {}
@@ -65,7 +70,7 @@ def main() -> None:
                     best[m, name] = min(best.get((m, name), float("inf")), time.perf_counter() - t0)
     finally:
         cpu.GEMM_ROWS = kept
-    print(f"# {args.threads} threads, {args.kind}, {this.lpd_isa().decode()}, SmolLM2-135M's four products, fastest of "
+    print(f"# {args.threads} threads, {args.kind}, {this.lpd_isa().decode()}, {args.shapes}'s products, fastest of "
           f"{args.reps}: ms (x one row)")
     one = {name: best.get((rows[0], name)) for name in ("this", "other")}
     for m in rows:
