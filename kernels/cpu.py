@@ -34,7 +34,7 @@ from localpd.quant.codebook import CODEBOOK_TYPES, CodebookWeight
 from localpd.quant.int4k import Int4KWeight
 from localpd.quant.int5 import Int5KWeight, Int5Weight
 from localpd.quant.int6k import Int3KWeight, Int6KWeight
-from localpd.quant.weights import Int4Weight, Int8Weight
+from localpd.quant.weights import Int4Weight, Int8Weight, symmetric
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # fast-math's reassociation (so loops vectorize), without -ffast-math itself: linked into a library it sets the
@@ -258,15 +258,13 @@ FIELDS = {Int4Weight: ("packed", "scales", "biases"), Int8Weight: ("data", "scal
           Int3KWeight: ("packed", "d", None, None, None, None, None, "sc"),
           **{cls: ("packed", "scales", None, None, "table") for cls in set(CODEBOOK_TYPES.values())}}
 PLAN_FIELDS = 8
-
-
 def weight_plan(w) -> Plan | None:
     """The weight's Plan, or None where lpd_linear cannot take it (not int4/int8, a width or group not in blocks
-    of 32, tensors not contiguous, or no kernels)."""
+    of 32, tensors not contiguous, or no kernels). A symmetric weight's plan has no biases."""
     plan = w.__dict__.get("_cpu_plan", False) if type(w) in FIELDS else None
     if plan is False:
         n, k = w.shape
-        parts = [f and getattr(w, f) for f in FIELDS[type(w)]]
+        parts = [None if f == "biases" and symmetric(w) else f and getattr(w, f) for f in FIELDS[type(w)]]
         if k % 32 or w.group % 32 or library() is None or not all(t is None or t.is_contiguous() for t in parts):
             plan = None
         else:

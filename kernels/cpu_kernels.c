@@ -642,6 +642,10 @@ static inline int sub16_offset(const uint8_t *high, const uint8_t *top) { return
  * int8: the same floats, at half the bytes. */
 static inline int signed_codes(const gemm_args *a) { return a->bits == 8 || a->lut; }
 static inline int deinterleaved(int bits, const int8_t *lut) { return bits == 4 && !lut; }
+/* A symmetric int4 or 5-bit weight (a Q4_0 or Q5_0 file's) comes without biases (NULL; kernels/cpu.py's weight_plan
+ * leaves them out where each is exactly this): each group's bias is its scale times this, exactly (a power of two),
+ * so that its floats are those of the same weight with its biases, at a tenth fewer bytes a decode step. */
+static inline float symmetric_bias(const uint8_t *high) { return high ? -16.f : -8.f; }
 /* A weight's format as plain flags: passed as constants to an always_inline loop (AVX2's gemv4, one copy a format),
  * every test of them in it folds away at compile time, where testing a->lut, a->bits, a->high, a->top and a->sc16
  * in each block of each row laid the int4 path out of line and cost the default model's decode half its speed
@@ -893,7 +897,7 @@ static inline __attribute__((always_inline)) void prefetch_factors(const gemm_ar
     } else {
         size_t ng = K / a->group;
         prefetch_lines(a->scales + n * ng, rows * ng * 2);
-        if (deinterleaved(a->bits, a->lut)) prefetch_lines(a->biases + n * ng, rows * ng * 2);
+        if (deinterleaved(a->bits, a->lut) && a->biases) prefetch_lines(a->biases + n * ng, rows * ng * 2);
     }
 }
 #endif
@@ -1344,17 +1348,20 @@ static inline void block_side8(const gemm_args *a, int n, int b, __m256 *ws, __m
         return;
     }
     const uint16_t *srow = a->scales + (size_t)n * ng;
-    const uint16_t *brow = deinterleaved(a->bits, a->lut) ? a->biases + (size_t)n * ng : NULL; /* int4's biases */
+    int with_b = deinterleaved(a->bits, a->lut); /* int4's biases, stored or symmetric */
+    const uint16_t *brow = with_b && a->biases ? a->biases + (size_t)n * ng : NULL;
+    const float sym = symmetric_bias(a->high);
     if (per_group == 1) {
         *ws = _mm256_cvtph_ps(_mm_maskz_loadu_epi16(k, srow + b));
-        *wb = brow ? _mm256_cvtph_ps(_mm_maskz_loadu_epi16(k, brow + b)) : _mm256_setzero_ps();
+        *wb = brow ? _mm256_cvtph_ps(_mm_maskz_loadu_epi16(k, brow + b))
+                   : with_b ? _mm256_mul_ps(*ws, _mm256_set1_ps(sym)) : _mm256_setzero_ps();
         return;
     }
     float s8[8], t8[8]; /* groups of several blocks: each block's group's values */
     for (int j = 0; j < 8; j++) {
         int in = b + j < nb, g = (in ? b + j : 0) / per_group;
         s8[j] = in ? half_to_float(srow[g]) : 0.f;
-        t8[j] = in && brow ? half_to_float(brow[g]) : 0.f;
+        t8[j] = in && brow ? half_to_float(brow[g]) : in && with_b ? sym * s8[j] : 0.f;
     }
     *ws = _mm256_loadu_ps(s8);
     *wb = _mm256_loadu_ps(t8);
@@ -1388,25 +1395,25 @@ static void row_factors(const gemm_args *a, int n, int m0, int mm, int xor_block
     const int32_t *xs = a->xsum + (size_t)m0 * nb;
     if (!a->sub && a->group == 32) { /* Q4_1's, Q8_0's and the codebooks' (block_side8's, written out) */
         const uint16_t *srow = a->scales + (size_t)n * ng;
-        const uint16_t *brow = deinterleaved(a->bits, a->lut) ? a->biases + (size_t)n * ng : NULL;
+        const uint16_t *brow = a->biases ? a->biases + (size_t)n * ng : NULL; /* int4's (else symmetric_bias's) */
+        const __m256 sym = _mm256_set1_ps(symmetric_bias(a->high));
         int full = nb & ~7, xfull = xor_blocks & ~7;
         __mmask8 k = first_lanes(nb - full), kx = first_lanes(xor_blocks - full);
 #define LPD_SCALES(b, k) _mm256_cvtph_ps(_mm_maskz_loadu_epi16(k, srow + (b)))
 #define LPD_D8(b, k) _mm256_mul_ps(LPD_SCALES(b, k), _mm256_maskz_loadu_ps(k, xd + (b)))
-        if (brow) { /* int4: the biases times the blocks' sums */
+#define LPD_BIASES(b, k) (a->biases ? _mm256_cvtph_ps(_mm_maskz_loadu_epi16(k, brow + (b))) : _mm256_mul_ps(LPD_SCALES(b, k), sym))
+        if (deinterleaved(a->bits, a->lut)) { /* int4: the biases times the blocks' sums */
             for (int m = 0; m < mm; m++, xd += nb, xsf += nb) {
                 float *dm = ds + (size_t)m * stride;
                 __m256 acc = _mm256_setzero_ps();
                 int b = 0;
                 for (; b < full; b += 8) {
                     _mm256_storeu_ps(dm + b, LPD_D8(b, 0xff));
-                    acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(brow + b))),
-                                          _mm256_loadu_ps(xsf + b), acc);
+                    acc = _mm256_fmadd_ps(LPD_BIASES(b, 0xff), _mm256_loadu_ps(xsf + b), acc);
                 }
                 if (k) {
                     _mm256_storeu_ps(dm + b, LPD_D8(b, k)); /* zeros past nb */
-                    acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_maskz_loadu_epi16(k, brow + b)),
-                                          _mm256_maskz_loadu_ps(k, xsf + b), acc);
+                    acc = _mm256_fmadd_ps(LPD_BIASES(b, k), _mm256_maskz_loadu_ps(k, xsf + b), acc);
                 }
                 extra[m] = hsum8(acc) + bias;
             }
@@ -1429,6 +1436,7 @@ static void row_factors(const gemm_args *a, int n, int m0, int mm, int xor_block
                 extra[m] = -128.f * hsum8(acc) + bias;
             }
         }
+#undef LPD_BIASES
 #undef LPD_D8
 #undef LPD_SCALES
         return;
@@ -1568,7 +1576,9 @@ static inline __attribute__((always_inline)) void row_factors(const gemm_args *a
         return;
     }
     const uint16_t *srow = a->scales + (size_t)n * ng;
-    const uint16_t *brow = deinterleaved(a->bits, a->lut) ? a->biases + (size_t)n * ng : NULL; /* int4's biases */
+    int with_b = deinterleaved(a->bits, a->lut); /* int4's biases, stored or symmetric */
+    const uint16_t *brow = with_b && a->biases ? a->biases + (size_t)n * ng : NULL;
+    const float sym = symmetric_bias(a->high);
     for (int m = 0; m < mm; m++) {
         const float *xd = a->xd + (size_t)(m0 + m) * nb, *xsf = a->xsf + (size_t)(m0 + m) * nb;
         float *dm = ds + m * nb, e = 0.f;
@@ -1579,16 +1589,18 @@ static inline __attribute__((always_inline)) void row_factors(const gemm_args *a
             for (; b + 8 <= nb; b += 8) {
                 __m256 w = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(srow + b)));
                 _mm256_storeu_ps(dm + b, _mm256_mul_ps(w, _mm256_loadu_ps(xd + b)));
-                if (brow)
-                    ev = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(brow + b))),
+                if (with_b)
+                    ev = _mm256_fmadd_ps(brow ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(brow + b)))
+                                              : _mm256_mul_ps(w, _mm256_set1_ps(sym)),
                                          _mm256_loadu_ps(xsf + b), ev);
             }
             e = hsum8(ev);
         }
 #endif
         for (; b < nb; b++) {
-            dm[b] = half_to_float(srow[b / per_group]) * xd[b];
-            if (brow) e = fmaf(half_to_float(brow[b / per_group]), xsf[b], e);
+            float w = half_to_float(srow[b / per_group]);
+            dm[b] = w * xd[b];
+            if (with_b) e = fmaf(brow ? half_to_float(brow[b / per_group]) : sym * w, xsf[b], e);
         }
         if (signed_codes(a)) { /* AVX512's (w + 128) x, less 128 * sum(x): eight blocks a step, where one sum's chain
                              * of adds cost a K = 576 row some 70 cycles beside the 20 or so of its products */
@@ -2680,7 +2692,8 @@ static void dequant_q6k_row(const dequant_args *a, int n, float *o) {
 static inline void group_factors(const dequant_args *a, int n, int ng, int g, const float *ws, const float *wb,
                                  float *s, float *m) {
     *s = a->sub ? ws[g] : half_to_float(a->scales[(size_t)n * ng + g]);
-    *m = a->sub ? wb[g] : deinterleaved(a->bits, a->lut) ? half_to_float(a->biases[(size_t)n * ng + g]) : 0.f;
+    *m = a->sub ? wb[g] : !deinterleaved(a->bits, a->lut) ? 0.f
+       : a->biases ? half_to_float(a->biases[(size_t)n * ng + g]) : symmetric_bias(a->high) * *s;
 }
 
 /* Rows r0 .. r1 - 1 of the weight, dequantized to float into out [r1 - r0, K]. */

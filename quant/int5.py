@@ -24,7 +24,7 @@ import torch
 from localpd.errors import LocalpdError
 from localpd.quant import gguf_blocks
 from localpd.quant.int4k import Int4KWeight
-from localpd.quant.weights import Int4Weight, Int8Weight, int8_near, pack_int4, unpack_int4
+from localpd.quant.weights import Int4Weight, Int8Weight, cpu_biases_skipped, int8_near, pack_int4, unpack_int4
 
 GROUP = 32
 EVEN_THEN_ODD = np.concatenate([np.arange(0, GROUP, 2), np.arange(1, GROUP, 2)])  # a block's columns as `high` holds them
@@ -110,6 +110,7 @@ class Int5Weight(FifthBits):
     high: torch.Tensor    # uint8 [N, K // 8]: their fifth bits (module docstring)
     scales: torch.Tensor  # float16 [N, K // 32]
     biases: torch.Tensor  # float16 [N, K // 32]
+    SYMMETRIC_BIAS = -16  # a symmetric weight's bias, times its scale (Q5_0's): quant.weights.symmetric
 
     def __post_init__(self):
         low = Int4Weight(self.packed, self.scales, self.biases)  # its checks
@@ -117,6 +118,10 @@ class Int5Weight(FifthBits):
             raise LocalpdError(f"5-bit weights take a scale a group of {GROUP} columns, not {low.group}")
         _check_high(self.high, *self.shape)
 
+
+    @property
+    def nbytes(self) -> int:
+        return super().nbytes - cpu_biases_skipped(self)
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return _dequantize(self.codes(), self.scales.float(), self.biases.float(), dtype)
 

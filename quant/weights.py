@@ -109,6 +109,7 @@ class Int4Weight:
     packed: torch.Tensor  # int32 [N, K // 8], layout in the module docstring
     scales: torch.Tensor  # float16 [N, K // group]
     biases: torch.Tensor  # float16 [N, K // group]
+    SYMMETRIC_BIAS = -8  # a symmetric weight's bias, times its scale (Q4_0's): symmetric()
 
     def __post_init__(self):
         if self.packed.dtype != torch.int32 or self.packed.dim() != 2:
@@ -130,7 +131,7 @@ class Int4Weight:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales, self.biases))
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales, self.biases)) - cpu_biases_skipped(self)
 
     @classmethod
     def quantize(cls, w: torch.Tensor, group: int = 128, importance: torch.Tensor | None = None,
@@ -430,6 +431,23 @@ def _half_scales(x: torch.Tensor, type_name: str) -> torch.Tensor:
 
 
 Weight = torch.Tensor | Int4Weight | Int8Weight | Nf4Weight | BnbInt8Weight  # a weight matrix in any format
+
+
+def symmetric(w) -> bool:
+    """Whether each bias of an int4 or 5-bit weight is exactly its group's scale times its class's SYMMETRIC_BIAS
+    (a Q4_0 file's -8 d, Q5_0's -16 d): the CPU kernels then read no biases (kernels/cpu.py's weight_plan). Worked
+    out once a weight."""
+    got = w.__dict__.get("_symmetric")
+    if got is None:
+        times = getattr(type(w), "SYMMETRIC_BIAS", None)
+        got = times is not None and w.biases.shape == w.scales.shape and torch.equal(w.biases, w.scales * times)
+        w.__dict__["_symmetric"] = got
+    return got
+
+
+def cpu_biases_skipped(w) -> int:
+    """The bytes of a symmetric weight's biases where it is on the CPU, whose kernels work them out: not read."""
+    return w.biases.nbytes if w.scales.device.type == "cpu" and symmetric(w) else 0
 
 
 def weight_nbytes(w: Weight) -> int:

@@ -2,6 +2,7 @@
 shapes, for every instruction set this processor can run: AVX512-VNNI, AVX2 and plain C are each built and
 checked where the machine has them."""
 
+import dataclasses
 import platform
 import re
 import sys
@@ -20,7 +21,7 @@ from localpd.quant.codebook import CodebookWeight, IQ4Weight, MXFP4Weight
 from localpd.quant.int4k import Int4KWeight
 from localpd.quant.int5 import Int5KWeight, Int5Weight, split_codes
 from localpd.quant.int6k import Int3KWeight, Int6KWeight
-from localpd.quant.weights import Int4Weight, Int8Weight, pack_int4
+from localpd.quant.weights import Int4Weight, Int8Weight, pack_int4, symmetric
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 
@@ -840,3 +841,31 @@ def test_q6_k_with_the_norm_or_the_gate_in_front(lib, kind, act):
     y, s = cpu.linear(x, w, None, None, norm, lib=lib)
     y_ref, s_ref = ref(w, x, norm=norm)
     assert torch.equal(s, s_ref) and rel_err(y, y_ref) < 1e-4
+
+
+@pytest.mark.parametrize("kind,group", [("int4", 32), ("int4", 64), ("int5", 32)])
+@pytest.mark.parametrize("m", [1, 2, 5, 15, 16, 37])
+@pytest.mark.parametrize("integer_prefill", [True, False])
+def test_a_symmetric_weight_reads_no_biases_and_gives_the_same_floats(lib, kind, group, m, integer_prefill,
+                                                                       monkeypatch):
+    """A Q4_0 or Q5_0 file's weight (each bias -8 or -16 times its scale, exactly) goes to the kernels without its
+    biases (a tenth fewer bytes a decode step), which work them out from the scales: decode rows, a verification
+    step's, prefill's integer products and its dequantized float GEMM give the floats of the same weight with its
+    biases passed, bit for bit; and the bytes a step counts leave them out."""
+    if not integer_prefill and m < cpu.GEMM_ROWS:
+        pytest.skip("the float GEMM takes prefill's rows only")
+    if integer_prefill:
+        monkeypatch.setattr(cpu, "GEMM_ROWS", 1 << 20)
+    g = torch.Generator().manual_seed(m + group)
+    n, k = 45, 576
+    w = weights(kind, n, k, group, g)
+    assert not symmetric(w)
+    sym = dataclasses.replace(w, biases=w.scales * type(w).SYMMETRIC_BIAS)
+    passed = dataclasses.replace(sym, biases=sym.biases.clone())
+    passed.__dict__["_symmetric"] = False  # its plan keeps the biases: the kernels read them as any int4 weight's
+    assert symmetric(sym) and cpu.weight_plan(sym).biases is None and cpu.weight_plan(passed).biases is not None
+    assert sym.nbytes == passed.nbytes - sym.biases.nbytes
+    x, bias = torch.randn(m, k, generator=g) * 3, torch.randn(n, generator=g)
+    y = cpu.linear(x, sym, bias, lib=lib)
+    assert torch.equal(y, cpu.linear(x, passed, bias, lib=lib))
+    assert rel_err(y, ref(passed, rounded_rows(x) if integer_prefill or m < cpu.GEMM_ROWS else x, bias)) < 1e-4
