@@ -258,6 +258,8 @@ FIELDS = {Int4Weight: ("packed", "scales", "biases"), Int8Weight: ("data", "scal
           Int3KWeight: ("packed", "d", None, None, None, None, None, "sc"),
           **{cls: ("packed", "scales", None, None, "table") for cls in set(CODEBOOK_TYPES.values())}}
 PLAN_FIELDS = 8
+
+
 def weight_plan(w) -> Plan | None:
     """The weight's Plan, or None where lpd_linear cannot take it (not int4/int8, a width or group not in blocks
     of 32, tensors not contiguous, or no kernels). A symmetric weight's plan has no biases."""

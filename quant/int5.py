@@ -118,10 +118,10 @@ class Int5Weight(FifthBits):
             raise LocalpdError(f"5-bit weights take a scale a group of {GROUP} columns, not {low.group}")
         _check_high(self.high, *self.shape)
 
-
     @property
     def nbytes(self) -> int:
         return super().nbytes - cpu_biases_skipped(self)
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return _dequantize(self.codes(), self.scales.float(), self.biases.float(), dtype)
 
