@@ -51,30 +51,75 @@ def functions(asm: str) -> dict[str, list[str]]:
     return out
 
 
-def loops(body: list[str]) -> list[tuple[int, int]]:
-    """(first, last) line of each loop: a label and a later conditional jump back to it (a loop's test, where an
-    unconditional jump back is most often an out-of-line block's return into the loop's middle)."""
-    at, out = {}, []
+JUMP = re.compile(r"^\s+(j\w+)\s+(\.?L\w+)\s*$")
+LABEL = re.compile(r"^(\.?L\w+):")
+
+
+def blocks(body: list[str]) -> tuple[list[list[str]], dict[int, set[int]]]:
+    """The function's basic blocks (lines) and each one's successors."""
+    starts, out = [], []
     for i, line in enumerate(body):
-        m = re.match(r"^(\.?L\w+):", line)
-        if m:
-            at[m.group(1)] = i
-        m = re.match(r"^\s+j(?!mp)\w+\s+(\.?L\w+)\s*$", line)
-        if m and m.group(1) in at:
-            out.append((at[m.group(1)], i))
-    return out
+        if LABEL.match(line) or (i and (JUMP.match(body[i - 1]) or re.match(r"^\s+ret", body[i - 1]))):
+            starts.append(i)
+    starts = sorted(set([0] + starts))
+    spans = list(zip(starts, starts[1:] + [len(body)]))
+    at = {LABEL.match(body[s]).group(1): k for k, (s, _) in enumerate(spans) if LABEL.match(body[s])}
+    succ = {}
+    for k, (s, e) in enumerate(spans):
+        lines = [l for l in body[s:e] if l.strip() and not l.lstrip().startswith(".")]
+        last = lines[-1] if lines else ""
+        m = JUMP.match(last)
+        nxt = set()
+        if m and m.group(2) in at:
+            nxt.add(at[m.group(2)])
+        if not (re.match(r"^\s+(jmp|ret)", last)) and k + 1 < len(spans):
+            nxt.add(k + 1)
+        succ[k] = nxt
+        out.append(body[s:e])
+    return out, succ
 
 
-def unprefetched(body: list[str]) -> tuple[int, list[tuple[int, int]]]:
+def loops(body: list[str]) -> tuple[list[list[str]], list[frozenset]]:
+    """Each natural loop's blocks (a back edge's: to a block that dominates its source), by blocks()'s numbers."""
+    code, succ = blocks(body)
+    n = len(code)
+    pred = {k: set() for k in range(n)}
+    for k, nxt in succ.items():
+        for j in nxt:
+            pred[j].add(k)
+    dom = {k: set(range(n)) for k in range(n)}
+    dom[0] = {0}
+    changed = True
+    while changed:
+        changed = False
+        for k in range(1, n):
+            new = ({k} | set.intersection(*(dom[p] for p in pred[k]))) if pred[k] else {k}
+            if new != dom[k]:
+                dom[k], changed = new, True
+    found = []
+    for t in range(n):
+        for h in succ[t]:
+            if h in dom[t]:  # t -> h is a back edge: h and what reaches t without passing h
+                body_, stack = {h, t}, [t]
+                while stack:
+                    for p in pred[stack.pop()]:
+                        if p not in body_:
+                            body_.add(p)
+                            stack.append(p)
+                found.append(frozenset(body_))
+    return code, list(dict.fromkeys(found))
+
+
+def unprefetched(body: list[str]) -> tuple[int, list[frozenset]]:
     """The innermost loops with an integer product, and those of them where neither the loop nor the one around it
     holds a prefetch."""
-    all_loops = loops(body)
-    has = lambda span, pat: any(pat(l) for l in body[span[0]:span[1] + 1])
+    code, all_loops = loops(body)
+    has = lambda loop, pat: any(pat(l) for k in loop for l in code[k])
     product = [s for s in all_loops if has(s, PRODUCT.search)]
-    inner = [s for s in product if not any(o != s and s[0] <= o[0] and o[1] <= s[1] for o in product)]
+    inner = [s for s in product if not any(o < s for o in product)]
     bad = []
     for s in inner:
-        around = sorted((o for o in all_loops if o != s and o[0] <= s[0] and s[1] <= o[1]), key=lambda o: o[1] - o[0])
+        around = sorted((o for o in all_loops if s < o), key=len)
         if not has(s, lambda l: "prefetcht0" in l) and not (around and has(around[0], lambda l: "prefetcht0" in l)):
             bad.append(s)
     return len(inner), bad
