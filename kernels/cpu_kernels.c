@@ -1089,9 +1089,25 @@ static void gemm1x(const gemm_args *a, int n, int n1, int xor_blocks, float *ds)
  * the weight's codes widened to int16: vpmaddwd sums a pair of products into each int32 lane, two multiplies a
  * block where pmaddubsw on each int8 level took four (and four more instructions to join the levels). A lane's sum
  * is at most 4 x 128 x 32639 < 2^24: exact in float too. */
+/* 32 bits as 32 bytes, byte i `value` where bit i is set, else 0: a block's fifth (or sixth) bits in the order of its
+ * codes as one register holds them (low nibbles, then high), in 5 operations where fifth_bytes' two halves took 8. */
+static inline __m256i plane_bytes(uint32_t bits, __m256i value) {
+    const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
+    __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), pick), bit);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(v, bit), value);
+}
 static inline __attribute__((always_inline)) void widen16_as(const gemm_args *a, wfmt f, const uint8_t *wrow, int b,
                                                                __m128i tab, __m256i *w0, __m256i *w1) {
-    if (f.lut) { /* the block's 32 values in column order, as an int8 block's bytes */
+    if (f.b4 && f.high && !f.lut) { /* 5- and 6-bit codes: block_codes_as's, their planes added in one register */
+        __m128i raw = _mm_loadu_si128((const __m128i *)(wrow + b * 16)), m = _mm_set1_epi8(15);
+        __m256i c = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m), _mm_and_si128(raw, m));
+        c = _mm256_or_si256(c, plane_bytes(fifth32(a, wrow, b), _mm256_set1_epi8(16)));
+        if (f.top) c = _mm256_or_si256(c, plane_bytes(plane32(a, a->top, wrow, b), _mm256_set1_epi8(32)));
+        *w0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(c));
+        *w1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(c, 1));
+    } else if (f.lut) { /* the block's 32 values in column order, as an int8 block's bytes */
         __m256i v = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(tab), codebook_block(wrow, a->K / 32, b));
         *w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v));
         *w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1));
