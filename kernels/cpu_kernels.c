@@ -871,7 +871,8 @@ static inline __attribute__((always_inline)) void prefetch_fifth_as(const gemm_a
         if (f.top) _mm_prefetch((const char *)(a->top + row + o), _MM_HINT_T0);
     }
 }
-static inline __attribute__((always_inline)) void prefetch_fifth(const gemm_args *a, const uint8_t *run, size_t at, size_t bytes) {
+static inline __attribute__((always_inline)) void prefetch_fifth(const gemm_args *a, const uint8_t *run, size_t at,
+                                                                   size_t bytes) {
     prefetch_fifth_as(a, fmt_of(a), run, at, bytes);
 }
 static inline __attribute__((always_inline)) void prefetch_lines(const void *p, size_t bytes) {
@@ -880,7 +881,8 @@ static inline __attribute__((always_inline)) void prefetch_lines(const void *p, 
 }
 /* The factor arrays of weight rows n .. n + rows - 1 (scales, int4 biases, int4-k's d, dmin and group bytes, Q6_K's
  * sub-block scales): streams apart from the codes, an eighth of an int4-g32 weight's bytes, that row_factors read
- * unprefetched (with this, one-row products out of the caches 0.95x the time on the Zen 3). FACTOR_AHEAD rows ahead. */
+ * unprefetched (with this, one-row products out of the caches 0.95x the time on the Zen 3); FACTOR_AHEAD rows
+ * ahead. */
 #define FACTOR_AHEAD 8
 static inline __attribute__((always_inline)) void prefetch_factors(const gemm_args *a, int n, int rows) {
     if (n + rows > a->N) rows = a->N - n;
@@ -1418,7 +1420,8 @@ static void row_factors(const gemm_args *a, int n, int m0, int mm, int xor_block
         __mmask8 k = first_lanes(nb - full), kx = first_lanes(xor_blocks - full);
 #define LPD_SCALES(b, k) _mm256_cvtph_ps(_mm_maskz_loadu_epi16(k, srow + (b)))
 #define LPD_D8(b, k) _mm256_mul_ps(LPD_SCALES(b, k), _mm256_maskz_loadu_ps(k, xd + (b)))
-#define LPD_BIASES(b, k) (a->biases ? _mm256_cvtph_ps(_mm_maskz_loadu_epi16(k, brow + (b))) : _mm256_mul_ps(LPD_SCALES(b, k), sym))
+#define LPD_BIASES(b, k)                                                                                           \
+    (a->biases ? _mm256_cvtph_ps(_mm_maskz_loadu_epi16(k, brow + (b))) : _mm256_mul_ps(LPD_SCALES(b, k), sym))
         if (deinterleaved(a->bits, a->lut)) { /* int4: the biases times the blocks' sums */
             for (int m = 0; m < mm; m++, xd += nb, xsf += nb) {
                 float *dm = ds + (size_t)m * stride;
@@ -1952,7 +1955,8 @@ static inline long page_run(const int32_t *pages, int p, int PS, int left, long 
     *run = PS - slot < left ? PS - slot : left;
     return ((long)pages[p / PS] * PS + slot) * tok;
 }
-static inline __attribute__((always_inline)) void prefetch_row(const char *row, int bytes) { /* a prefetch never faults: past a page is harmless */
+/* (A prefetch never faults: past a page is harmless.) */
+static inline __attribute__((always_inline)) void prefetch_row(const char *row, int bytes) {
 #if defined(__x86_64__) || defined(__i386__)
     for (int d = 0; d < bytes; d += 64) _mm_prefetch(row + d, _MM_HINT_T0);
 #else
