@@ -1124,9 +1124,6 @@ static inline __attribute__((always_inline)) void widen16_as(const gemm_args *a,
         *w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(raw, 1));
     }
 }
-static inline void widen16(const gemm_args *a, const uint8_t *wrow, int b, __m128i tab, __m256i *w0, __m256i *w1) {
-    widen16_as(a, fmt_of(a), wrow, b, tab, w0, w1);
-}
 static inline __attribute__((always_inline)) __m256i dot16_as(const gemm_args *a, wfmt f, const uint8_t *wrow, int b,
                                                               __m256i x0, __m256i x1, __m128i tab) {
     __m256i w0, w1;
