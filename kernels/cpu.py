@@ -241,7 +241,7 @@ class Plan(NamedTuple):
     sub: int | None  # int4-k: each group's scale and minimum bytes (quant/int4k.py); else None
     lut: int | None  # a codebook weight's 16 values (quant/codebook.py); else None
     high: int | None  # a 5-bit weight's fifth bits (quant/int5.py: bits 4, its low four bits int4's); else None
-    top: int | None  # Q6_K's sixth bits (quant/int6k.py, with high; scales: its d); else None
+    top: int | None  # Q6_K's two upper bits (quant/int6k.py's `upper`; scales: its d); else None
     sc16: int | None  # Q6_K's and Q3_K's int8 scale a sub-block of 16 (scales: their d); else None
     group: int
     n: int
@@ -249,12 +249,12 @@ class Plan(NamedTuple):
 
 
 # The tensors of each format lpd_linear takes, in its argument order: codes, scales, biases, int4-k's group bytes,
-# a codebook's values, a 5-bit weight's fifth bits
+# a codebook's values, a 5-bit weight's fifth bits, Q6_K's upper bits, a scale a sub-block of 16
 FIELDS = {Int4Weight: ("packed", "scales", "biases"), Int8Weight: ("data", "scales"),
           Int4KWeight: ("packed", "d", "dmin", "sub"),
           Int5Weight: ("packed", "scales", "biases", None, None, "high"),
           Int5KWeight: ("packed", "d", "dmin", "sub", None, "high"),
-          Int6KWeight: ("packed", "d", None, None, None, "high", "top", "sc"),
+          Int6KWeight: ("packed", "d", None, None, None, None, "upper", "sc"),
           Int3KWeight: ("packed", "d", None, None, None, None, None, "sc"),
           **{cls: ("packed", "scales", None, None, "table") for cls in set(CODEBOOK_TYPES.values())}}
 PLAN_FIELDS = 8

@@ -603,7 +603,7 @@ typedef struct {
     const int16_t *xw; /* AVX512, several rows: each value as the int16 256 hi + lo, as gemm_tile takes them
                         * (widen_row; gemm_task fills it) */
     const uint8_t *high; /* a 5-bit weight (bits 4, its low four bits int4's): each code's fifth bit; else NULL */
-    const uint8_t *top;  /* a 6-bit weight (Q6_K, with high): each code's sixth bit, in high's order; else NULL */
+    const uint8_t *top;  /* a 6-bit weight (Q6_K): its codes' two upper bits (upper_group); else NULL */
     const int32_t *xs16; /* Q6_K: each input sub-block's integer sum (gemm_task fills it) */
     const int8_t *sc16;  /* Q6_K, Q3_K: an int8 scale a sub-block of 16 columns (two a block), `scales` its float16
                           * d a super-block of 256, no biases: value = d x sc x (q - sub16_offset); else NULL */
@@ -624,12 +624,25 @@ static inline uint32_t plane32(const gemm_args *a, const uint8_t *plane, const u
     return v;
 }
 static inline uint32_t fifth32(const gemm_args *a, const uint8_t *wrow, int b) { return plane32(a, a->high, wrow, b); }
+/* Q6_K's codes are 6 bits: their low four int4's nibbles, their two upper bits in `top` (quant/int6k.py's `upper`):
+ * each four blocks of a row (b = 4g .. 4g + 3) take 32 bytes, byte e holding at bits 2j, 2j + 1 block 4g + j's
+ * bits for byte e of the block as the products expand its nibbles (plane32's order), so that one load and a shift
+ * give a block's 32 pairs in place. A code row's bytes (K / 2) are twice its upper row's. upper_group: the 32 bytes
+ * of block b's group. */
+static inline const uint8_t *upper_group(const uint8_t *top, size_t row_at, int b) {
+    return top + row_at + 32 * (size_t)(b >> 2);
+}
+static inline const uint8_t *upper_of(const gemm_args *a, const uint8_t *wrow, int b) {
+    return upper_group(a->top, (size_t)(wrow - (const uint8_t *)a->w) >> 1, b);
+}
+/* Block j's (b & 3's) two bits of group byte u, as the code's bits 4 and 5. */
+static inline int upper_code(uint8_t u, int j) { return ((u >> (2 * j)) & 3) << 4; }
 /* Q6_K (sc16 set): factors a row, two a block (a scale a sub-block of 16 columns). In a block's expanded bytes
  * (low nibbles: its even columns, then high: its odd ones) the columns 0 .. 15 of sub-block 0 are bytes 0 .. 7 and
  * 16 .. 23, so int32 lanes 0, 1, 4, 5 of the block's eight (and AVX2's madd lanes 0 .. 3 of both halves). */
 static inline int factor_count(const gemm_args *a) { return a->sc16 ? a->K / 16 : a->K / 32; }
-/* A code with a scale a sub-block of 16 is signed, stored offset by half its range: Q6_K's six bits (both planes) by
- * 32, Q3_K's held in nibbles (no planes: quant/int6k.py's Int3KWeight) by 8. */
+/* A code with a scale a sub-block of 16 is signed, stored offset by half its range: Q6_K's six bits (with upper
+ * bits) by 32, Q3_K's held in nibbles (no planes: quant/int6k.py's Int3KWeight) by 8. */
 static inline int sub16_offset(const uint8_t *high, const uint8_t *top) { return top ? 32 : high ? 16 : 8; }
 
 /* A codebook weight (quant/codebook.py: IQ4_NL, IQ4_XS, MXFP4) holds 4-bit codes whose values are a 16-entry int8
@@ -679,8 +692,31 @@ static inline __m128i fifth_bytes(uint32_t bits) {
     return _mm_and_si128(_mm_cmpeq_epi8(v, bit), _mm_set1_epi8(16));
 #endif
 }
+/* Block j's (b & 3's) upper bits of 16 (upper_bytes: 32) group bytes u, each at bits 4 and 5 of its byte (a code's):
+ * one shift and a mask where j is a constant (a caller that unrolls a group's four blocks), else a shift by a count
+ * and one more. (16-bit shifts: the bits one moves across a byte fall outside the mask.) */
+static inline __attribute__((always_inline)) __m128i upper_bytes128(__m128i u, int j) {
+    const __m128i m = _mm_set1_epi8(0x30);
+    if (__builtin_constant_p(j)) switch (j) {
+        case 0: return _mm_and_si128(_mm_slli_epi16(u, 4), m);
+        case 1: return _mm_and_si128(_mm_slli_epi16(u, 2), m);
+        case 2: return _mm_and_si128(u, m);
+        default: return _mm_and_si128(_mm_srli_epi16(u, 2), m);
+        }
+    return _mm_and_si128(_mm_slli_epi16(_mm_srl_epi16(u, _mm_cvtsi32_si128(2 * j)), 4), m);
+}
+static inline __attribute__((always_inline)) __m256i upper_bytes(const uint8_t *group, int j) {
+    const __m256i u = _mm256_loadu_si256((const __m256i *)group), m = _mm256_set1_epi8(0x30);
+    if (__builtin_constant_p(j)) switch (j) {
+        case 0: return _mm256_and_si256(_mm256_slli_epi16(u, 4), m);
+        case 1: return _mm256_and_si256(_mm256_slli_epi16(u, 2), m);
+        case 2: return _mm256_and_si256(u, m);
+        default: return _mm256_and_si256(_mm256_srli_epi16(u, 2), m);
+        }
+    return _mm256_and_si256(_mm256_slli_epi16(_mm256_srl_epi16(u, _mm_cvtsi32_si128(2 * j)), 4), m);
+}
 /* An int4 block's 32 codes (b of row wrow) as two registers of 16 bytes: its low nibbles (its even columns) and its
- * high ones (its odd columns), a 5- or 6-bit weight's fifth and sixth bits added in. */
+ * high ones (its odd columns), a 5-bit weight's fifth bits or Q6_K's upper ones added in. */
 static inline __attribute__((always_inline)) void block_codes_as(const gemm_args *a, wfmt f, const uint8_t *wrow,
                                                                    int b, __m128i *lo, __m128i *hi) {
     __m128i raw = _mm_loadu_si128((const __m128i *)(wrow + b * 16)), m = _mm_set1_epi8(15);
@@ -691,9 +727,9 @@ static inline __attribute__((always_inline)) void block_codes_as(const gemm_args
         *hi = _mm_or_si128(*hi, fifth_bytes(f >> 16));
     }
     if (f.top) {
-        uint32_t t = plane32(a, a->top, wrow, b);
-        *lo = _mm_or_si128(*lo, _mm_slli_epi16(fifth_bytes(t & 0xffff), 1));
-        *hi = _mm_or_si128(*hi, _mm_slli_epi16(fifth_bytes(t >> 16), 1));
+        const uint8_t *u = upper_of(a, wrow, b);
+        *lo = _mm_or_si128(*lo, upper_bytes128(_mm_loadu_si128((const __m128i *)u), b & 3));
+        *hi = _mm_or_si128(*hi, upper_bytes128(_mm_loadu_si128((const __m128i *)(u + 16)), b & 3));
     }
 }
 static inline void block_codes(const gemm_args *a, const uint8_t *wrow, int b, __m128i *lo, __m128i *hi) {
@@ -742,11 +778,13 @@ static void block_sums(const gemm_args *a, const uint8_t *wrow, const int8_t *xq
                 for (int j = 0; j < 32; j++) s += a->lut[codebook_code(wrow, nb, b, j)] * (256 * x[j] + xl[j]);
             } else if (a->bits == 4) {
                 const uint8_t *wb = wrow + b * 16;
-                uint32_t f = a->high ? fifth32(a, wrow, b) : 0, t = a->top ? plane32(a, a->top, wrow, b) : 0;
+                uint32_t f = a->high ? fifth32(a, wrow, b) : 0;
+                const uint8_t *u = a->top ? upper_of(a, wrow, b) : NULL;
                 int32_t half[2] = {0, 0}; /* Q6_K: sub-block 0 (columns 0 .. 15: bytes 0 .. 7), then 1 */
                 for (int j = 0; j < 16; j++)
-                    half[j >> 3] += ((wb[j] & 15) | (f >> j & 1) << 4 | (t >> j & 1) << 5) * (256 * x[j] + xl[j])
-                                    + ((wb[j] >> 4) | (f >> (16 + j) & 1) << 4 | (t >> (16 + j) & 1) << 5)
+                    half[j >> 3] += ((wb[j] & 15) | (f >> j & 1) << 4 | (u ? upper_code(u[j], b & 3) : 0))
+                                    * (256 * x[j] + xl[j])
+                                    + ((wb[j] >> 4) | (f >> (16 + j) & 1) << 4 | (u ? upper_code(u[16 + j], b & 3) : 0))
                                       * (256 * x[16 + j] + xl[16 + j]);
                 if (a->sc16) { /* two sums a block */
                     out[m * 2 * nb + 2 * b] = half[0], out[m * 2 * nb + 2 * b + 1] = half[1];
@@ -798,14 +836,16 @@ static inline __m512i load_pair(const gemm_args *a, const uint8_t *wrow, int b, 
     }
     if (a->bits == 4) {
         __m512i v = expand_int4_pair(wrow + b * 16);
+        if (a->top) { /* Q6_K: b even, so b and b + 1 are blocks j, j + 1 of one upper group (upper_bytes' shifts) */
+            __m512i u = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)upper_of(a, wrow, b)));
+            long long s = 2 * (b & 3);
+            u = _mm512_srlv_epi64(u, _mm512_set_epi64(s + 2, s + 2, s + 2, s + 2, s, s, s, s));
+            return _mm512_or_si512(v, _mm512_and_si512(_mm512_slli_epi16(u, 4), _mm512_set1_epi8(0x30)));
+        }
         if (!a->high) return v;
-        size_t at = plane_row(a, wrow) + 4 * (size_t)b;
         uint64_t f; /* the pair's fifth bits, bit e for byte e */
-        memcpy(&f, a->high + at, 8);
-        v = _mm512_mask_add_epi8(v, _cvtu64_mask64(f), v, _mm512_set1_epi8(16)); /* a nibble + 16 */
-        if (!a->top) return v;
-        memcpy(&f, a->top + at, 8);
-        return _mm512_mask_add_epi8(v, _cvtu64_mask64(f), v, _mm512_set1_epi8(32));
+        memcpy(&f, a->high + plane_row(a, wrow) + 4 * (size_t)b, 8);
+        return _mm512_mask_add_epi8(v, _cvtu64_mask64(f), v, _mm512_set1_epi8(16)); /* a nibble + 16 */
     }
     return _mm512_xor_si512(_mm512_loadu_si512(wrow + b * 32), _mm512_set1_epi8((char)0x80));
 }
@@ -859,17 +899,17 @@ static void row_factors(const gemm_args *a, int n, int m0, int mm, int xor_block
 static inline __attribute__((always_inline)) void prefetch_run(const uint8_t *run, size_t at, size_t bytes) {
     for (size_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)(run + WEIGHT_AHEAD + at + o), _MM_HINT_T0);
 }
-/* A 5-bit weight's fifth bits for prefetch_run's bytes of a code run (rows one after another): a quarter of their
- * bytes, as many blocks ahead; each line once, by the call whose bytes reach its start. */
+/* A 5-bit weight's fifth bits (a quarter of the codes' bytes) or Q6_K's upper ones (half) for prefetch_run's bytes of
+ * a code run (rows one after another), as many blocks ahead; each line once, by the call whose bytes reach its
+ * start. */
 static inline __attribute__((always_inline)) void prefetch_fifth_as(const gemm_args *a, wfmt f, const uint8_t *run,
                                                                       size_t at, size_t bytes) {
-    if (!f.high) return;
-    size_t row = plane_row(a, run);
-    size_t from = (WEIGHT_AHEAD + at) / 4, to = (WEIGHT_AHEAD + at + bytes) / 4;
-    for (size_t o = (from + 63) & ~(size_t)63; o < to; o += 64) {
-        _mm_prefetch((const char *)(a->high + row + o), _MM_HINT_T0);
-        if (f.top) _mm_prefetch((const char *)(a->top + row + o), _MM_HINT_T0);
-    }
+    if (!f.high && !f.top) return;
+    int per = f.top ? 2 : 4; /* code bytes a plane byte: Q6_K's upper bits, else a fifth bit */
+    const uint8_t *plane = f.top ? a->top : a->high;
+    size_t row = (size_t)(run - (const uint8_t *)a->w) / per;
+    size_t from = (WEIGHT_AHEAD + at) / per, to = (WEIGHT_AHEAD + at + bytes) / per;
+    for (size_t o = (from + 63) & ~(size_t)63; o < to; o += 64) _mm_prefetch((const char *)(plane + row + o), _MM_HINT_T0);
 }
 static inline __attribute__((always_inline)) void prefetch_fifth(const gemm_args *a, const uint8_t *run, size_t at,
                                                                    size_t bytes) {
@@ -1100,13 +1140,16 @@ static inline __m256i plane_bytes(uint32_t bits, __m256i value) {
     __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), pick), bit);
     return _mm256_and_si256(_mm256_cmpeq_epi8(v, bit), value);
 }
+/* Block b's codes widened to int16: w0 the block's even columns, w1 its odd ones (as the input's x0, x1). j: b & 3,
+ * Q6_K's place in its upper group (a constant where the caller unrolls a group's blocks). */
 static inline __attribute__((always_inline)) void widen16_as(const gemm_args *a, wfmt f, const uint8_t *wrow, int b,
-                                                               __m128i tab, __m256i *w0, __m256i *w1) {
-    if (f.b4 && f.high && !f.lut) { /* 5- and 6-bit codes: block_codes_as's, their planes added in one register */
+                                                               int j, __m128i tab, __m256i *w0, __m256i *w1) {
+    if (f.b4 && (f.high || f.top) && !f.lut) { /* 5- and 6-bit codes: block_codes_as's, their bits added in one
+                                                * register */
         __m128i raw = _mm_loadu_si128((const __m128i *)(wrow + b * 16)), m = _mm_set1_epi8(15);
         __m256i c = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m), _mm_and_si128(raw, m));
-        c = _mm256_or_si256(c, plane_bytes(fifth32(a, wrow, b), _mm256_set1_epi8(16)));
-        if (f.top) c = _mm256_or_si256(c, plane_bytes(plane32(a, a->top, wrow, b), _mm256_set1_epi8(32)));
+        if (f.high) c = _mm256_or_si256(c, plane_bytes(fifth32(a, wrow, b), _mm256_set1_epi8(16)));
+        if (f.top) c = _mm256_or_si256(c, upper_bytes(upper_of(a, wrow, b), j));
         *w0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(c));
         *w1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(c, 1));
     } else if (f.lut) { /* the block's 32 values in column order, as an int8 block's bytes */
@@ -1125,13 +1168,13 @@ static inline __attribute__((always_inline)) void widen16_as(const gemm_args *a,
     }
 }
 static inline __attribute__((always_inline)) __m256i dot16_as(const gemm_args *a, wfmt f, const uint8_t *wrow, int b,
-                                                              __m256i x0, __m256i x1, __m128i tab) {
+                                                              int j, __m256i x0, __m256i x1, __m128i tab) {
     __m256i w0, w1;
-    widen16_as(a, f, wrow, b, tab, &w0, &w1);
+    widen16_as(a, f, wrow, b, j, tab, &w0, &w1);
     return _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
 }
 static inline __m256i dot16(const gemm_args *a, const uint8_t *wrow, int b, __m256i x0, __m256i x1, __m128i tab) {
-    return dot16_as(a, fmt_of(a), wrow, b, x0, x1, tab);
+    return dot16_as(a, fmt_of(a), wrow, b, b & 3, x0, x1, tab);
 }
 
 /* Block b's factor in the eight lanes of its products (dot16's): its one factor, or Q6_K's two (dm: a row's). */
@@ -1146,25 +1189,43 @@ static inline __m128i lut_table(const gemm_args *a) {
     return a->lut ? _mm_loadu_si128((const __m128i *)a->lut) : _mm_setzero_si128();
 }
 
-/* Rows n .. n + 3 against input row 0, the input's blocks loaded once for the four; f: a's format (gemv4). */
+/* gemv4_as's step: block b (j = b & 3) of the four rows w into their sums acc. */
+static inline __attribute__((always_inline)) void gemv4_block(const gemm_args *a, wfmt f, const uint8_t *const *w,
+                                                                int b, int j, const float *ds, __m128i tab,
+                                                                __m256 *acc) {
+    int fc = f.sc16 ? a->K / 16 : a->K / 32;
+    size_t step = f.b4 ? 64 : 128; /* the four rows' bytes a block */
+    __m256i x0 = _mm256_loadu_si256((const __m256i *)(a->x16 + b * 32));
+    __m256i x1 = _mm256_loadu_si256((const __m256i *)(a->x16 + b * 32 + 16));
+    prefetch_run(w[0], b * step, step);
+    prefetch_fifth_as(a, f, w[0], b * step, step);
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; r++) {
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot16_as(a, f, w[r], b, j, x0, x1, tab)),
+                                 block_factor_as(f, ds + r * fc, b), acc[r]);
+    }
+}
+/* Rows n .. n + 3 against input row 0, the input's blocks loaded once for the four; f: a's format (gemv4). Q6_K
+ * (K a multiple of 256) a step of its upper group's four blocks, so that each one's shifts are constants: its
+ * one-row products of SmolLM2-1.7B's shapes out of the caches took 0.6x to 0.7x the time of a plane a bit (the
+ * Zen 3, 1 and 2 threads; docs/PERF.md). */
 static inline __attribute__((always_inline)) void gemv4_as(const gemm_args *a, wfmt f, int n, const float *ds,
                                                            const float *extra) {
-    int K = a->K, nb = K / 32, fc = f.sc16 ? K / 16 : nb;
-    size_t row_bytes = f.b4 ? K / 2 : K, step = f.b4 ? 64 : 128; /* the four rows' bytes a block */
+    int K = a->K, nb = K / 32;
+    size_t row_bytes = f.b4 ? K / 2 : K;
     const uint8_t *w[4] = {a->w + (size_t)n * row_bytes, a->w + (size_t)(n + 1) * row_bytes,
                            a->w + (size_t)(n + 2) * row_bytes, a->w + (size_t)(n + 3) * row_bytes};
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     const __m128i tab = lut_table(a);
-    for (int b = 0; b < nb; b++) {
-        __m256i x0 = _mm256_loadu_si256((const __m256i *)(a->x16 + b * 32));
-        __m256i x1 = _mm256_loadu_si256((const __m256i *)(a->x16 + b * 32 + 16));
-        prefetch_run(w[0], b * step, step);
-        prefetch_fifth_as(a, f, w[0], b * step, step);
-#pragma GCC unroll 4
-        for (int r = 0; r < 4; r++) {
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot16_as(a, f, w[r], b, x0, x1, tab)),
-                                     block_factor_as(f, ds + r * fc, b), acc[r]);
+    if (f.top) {
+        for (int b = 0; b < nb; b += 4) {
+            gemv4_block(a, f, w, b, 0, ds, tab, acc);
+            gemv4_block(a, f, w, b + 1, 1, ds, tab, acc);
+            gemv4_block(a, f, w, b + 2, 2, ds, tab, acc);
+            gemv4_block(a, f, w, b + 3, 3, ds, tab, acc);
         }
+    } else {
+        for (int b = 0; b < nb; b++) gemv4_block(a, f, w, b, b & 3, ds, tab, acc);
     }
     for (int r = 0; r < 4; r++) a->y[n + r] = hsum8(acc[r]) + extra[r];
 }
@@ -1175,7 +1236,7 @@ static inline __attribute__((always_inline)) void gemv4_as(const gemm_args *a, w
     X(0, 0, 0, 0, 0) /* int8 */                                                                                    \
     X(1, 1, 0, 0, 0) /* codebooks */                                                                               \
     X(0, 1, 1, 0, 0) /* 5-bit */                                                                                   \
-    X(0, 1, 1, 1, 1) /* Q6_K */                                                                                    \
+    X(0, 1, 0, 1, 1) /* Q6_K */                                                                                    \
     X(0, 1, 0, 0, 1) /* Q3_K */
 /* LPD_CALL(F) (the caller's macro) with F the constant wfmt of the format f is, else f itself. */
 #define LPD_DISPATCH(f)                                                                                            \
@@ -1201,25 +1262,39 @@ static __attribute__((noinline)) void gemv4(const gemm_args *a, int n, const flo
  * order (so each row is its one-row product). ds[m * nb + b], extra[m]: row_factors' for input row m0 + m; f: a's
  * format (gemm16x). */
 #define AVX2_ROWS 8
+/* gemm_tile16_as's step: block b (j = b & 3) of weight row wrow against the MM rows into their sums acc. */
+static inline __attribute__((always_inline)) void tile16_block(const gemm_args *a, wfmt f, const uint8_t *wrow,
+                                                                 int b, int j, int m0, const int MM, const float *ds,
+                                                                 __m128i tab, __m256 *acc) {
+    int K = a->K, fc = f.sc16 ? K / 16 : K / 32;
+    size_t step = f.b4 ? 16 : 32;
+    __m256i w0, w1;
+    prefetch_run(wrow, b * step, step);
+    prefetch_fifth_as(a, f, wrow, b * step, step);
+    widen16_as(a, f, wrow, b, j, tab, &w0, &w1);
+    for (int m = 0; m < MM; m++) {
+        const int16_t *x = a->x16 + (size_t)(m0 + m) * K + b * 32;
+        __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)x)),
+                                     _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(x + 16))));
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), block_factor_as(f, ds + m * fc, b), acc[m]);
+    }
+}
 static inline __attribute__((always_inline)) void gemm_tile16_as(const gemm_args *a, wfmt f, int n, int m0,
                                                                   const int MM, const float *ds, const float *extra) {
-    int K = a->K, nb = K / 32, fc = f.sc16 ? K / 16 : nb;
-    size_t row_bytes = f.b4 ? K / 2 : K, step = f.b4 ? 16 : 32;
-    const uint8_t *wrow = a->w + (size_t)n * row_bytes;
+    int K = a->K, nb = K / 32;
+    const uint8_t *wrow = a->w + (size_t)n * (f.b4 ? K / 2 : K);
     const __m128i tab = lut_table(a);
     __m256 acc[AVX2_ROWS];
     for (int m = 0; m < MM; m++) acc[m] = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b++) {
-        __m256i w0, w1;
-        prefetch_run(wrow, b * step, step);
-        prefetch_fifth_as(a, f, wrow, b * step, step);
-        widen16_as(a, f, wrow, b, tab, &w0, &w1);
-        for (int m = 0; m < MM; m++) {
-            const int16_t *x = a->x16 + (size_t)(m0 + m) * K + b * 32;
-            __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)x)),
-                                         _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(x + 16))));
-            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), block_factor_as(f, ds + m * fc, b), acc[m]);
+    if (f.top) { /* Q6_K: gemv4_as's steps of four blocks */
+        for (int b = 0; b < nb; b += 4) {
+            tile16_block(a, f, wrow, b, 0, m0, MM, ds, tab, acc);
+            tile16_block(a, f, wrow, b + 1, 1, m0, MM, ds, tab, acc);
+            tile16_block(a, f, wrow, b + 2, 2, m0, MM, ds, tab, acc);
+            tile16_block(a, f, wrow, b + 3, 3, m0, MM, ds, tab, acc);
         }
+    } else {
+        for (int b = 0; b < nb; b++) tile16_block(a, f, wrow, b, b & 3, m0, MM, ds, tab, acc);
     }
     for (int m = 0; m < MM; m++) a->y[(size_t)(m0 + m) * a->N + n] = hsum8(acc[m]) + extra[m];
 }
@@ -2612,7 +2687,7 @@ typedef struct {
     const int8_t *lut;  /* a codebook weight (gemm_args) */
     float *out;
     const uint8_t *high; /* a 5-bit weight's fifth bits (gemm_args; its groups are blocks) */
-    const uint8_t *top;  /* Q6_K's sixth bits, with sc16 its scales (gemm_args) */
+    const uint8_t *top;  /* Q6_K's upper bits, with sc16 its scales (gemm_args) */
     const int8_t *sc16;
 } dequant_args;
 
@@ -2671,22 +2746,22 @@ static inline int dequant_group8(const dequant_args *a, int n, int g, float s, f
 #endif
 
 /* Q6_K's (or Q3_K's) row n into o [K]: (q - offset) x (d x sc), ggml's one product, a sub-block of 16 at a time
- * (AVX2: its codes as bytes, the nibbles and the planes, in column order). */
+ * (AVX2: its codes as bytes, the nibbles and the upper bits, in column order). */
 static void dequant_q6k_row(const dequant_args *a, int n, float *o) {
     int K = a->K, nb = K / 32, offset = sub16_offset(a->high, a->top);
     for (int b = 0; b < nb; b++) {
         const uint8_t *p = a->w + (size_t)n * (K / 2) + b * 16;
-        uint32_t f = a->high ? dequant_plane(a, a->high, n, b) : 0, t = a->top ? dequant_plane(a, a->top, n, b) : 0;
+        const uint8_t *u = a->top ? upper_group(a->top, (size_t)n * (K / 4), b) : NULL;
         for (int h = 0; h < 2; h++) { /* sub-block h: bytes 8h .. 8h + 7 (columns 16h .. 16h + 15) */
             float s = q6k_scale(a->scales, a->sc16, K, n, 2 * b + h);
             const uint8_t *q = p + 8 * h;
 #if defined(LPD_AVX512) || defined(LPD_AVX2)
             __m128i raw = _mm_loadl_epi64((const __m128i *)q), mask = _mm_set1_epi8(15);
             __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
-            lo = _mm_or_si128(lo, _mm_or_si128(fifth_bytes(f >> (8 * h) & 0xff),
-                                               _mm_slli_epi16(fifth_bytes(t >> (8 * h) & 0xff), 1)));
-            hi = _mm_or_si128(hi, _mm_or_si128(fifth_bytes(f >> (16 + 8 * h) & 0xff),
-                                               _mm_slli_epi16(fifth_bytes(t >> (16 + 8 * h) & 0xff), 1)));
+            if (u) {
+                lo = _mm_or_si128(lo, upper_bytes128(_mm_loadl_epi64((const __m128i *)(u + 8 * h)), b & 3));
+                hi = _mm_or_si128(hi, upper_bytes128(_mm_loadl_epi64((const __m128i *)(u + 16 + 8 * h)), b & 3));
+            }
             __m128i both = _mm_sub_epi8(_mm_unpacklo_epi8(lo, hi), _mm_set1_epi8((char)offset)); /* in column order */
             __m256 vs = _mm256_set1_ps(s);
             _mm256_storeu_ps(o + 32 * b + 16 * h, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(both)), vs));
@@ -2695,8 +2770,8 @@ static void dequant_q6k_row(const dequant_args *a, int n, float *o) {
 #else
             for (int j = 0; j < 8; j++) {
                 int e = 8 * h + j;
-                int c0 = (q[j] & 15) | (f >> e & 1) << 4 | (t >> e & 1) << 5;
-                int c1 = (q[j] >> 4) | (f >> (16 + e) & 1) << 4 | (t >> (16 + e) & 1) << 5;
+                int c0 = (q[j] & 15) | (u ? upper_code(u[e], b & 3) : 0);
+                int c1 = (q[j] >> 4) | (u ? upper_code(u[16 + e], b & 3) : 0);
                 o[32 * b + 2 * e] = (float)(c0 - offset) * s;
                 o[32 * b + 2 * e + 1] = (float)(c1 - offset) * s;
             }
@@ -2793,10 +2868,10 @@ static inline __m256i bf16_of(__m512 v) {
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
 }
 
-/* A block's plane (32 bits, bit_shift 0 for a fifth bit, 1 for a sixth) into its 16 bytes of low and high codes. */
-static inline void or_plane(__m128i *lo, __m128i *hi, uint32_t bits, int bit_shift) {
-    *lo = _mm_or_si128(*lo, _mm_slli_epi16(fifth_bytes(bits & 0xffff), bit_shift));
-    *hi = _mm_or_si128(*hi, _mm_slli_epi16(fifth_bytes(bits >> 16), bit_shift));
+/* A block's fifth bits (32) into its 16 bytes of low and high codes. */
+static inline void or_plane(__m128i *lo, __m128i *hi, uint32_t bits) {
+    *lo = _mm_or_si128(*lo, fifth_bytes(bits & 0xffff));
+    *hi = _mm_or_si128(*hi, fifth_bytes(bits >> 16));
 }
 
 /* dequant_rows then to_bf16, the same bits, without the slice's floats going through memory: rows r0 .. r1 - 1
@@ -2814,8 +2889,11 @@ static void dequant_rows_bf16(const dequant_args *a, int r0, int r1, uint16_t *o
             for (int b = 0; b < nb; b++) {
                 __m128i raw = _mm_loadu_si128((const __m128i *)(a->w + (size_t)n * (K / 2) + b * 16));
                 __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
-                if (a->high) or_plane(&lo, &hi, dequant_plane(a, a->high, n, b), 0);
-                if (a->top) or_plane(&lo, &hi, dequant_plane(a, a->top, n, b), 1);
+                if (a->top) { /* (Q3_K: none) */
+                    const uint8_t *u = upper_group(a->top, (size_t)n * (K / 4), b);
+                    lo = _mm_or_si128(lo, upper_bytes128(_mm_loadu_si128((const __m128i *)u), b & 3));
+                    hi = _mm_or_si128(hi, upper_bytes128(_mm_loadu_si128((const __m128i *)(u + 16)), b & 3));
+                }
                 __m128i c[2] = {_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi)}; /* sub-blocks 2b, 2b + 1 */
                 for (int h = 0; h < 2; h++) {
                     __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_sub_epi8(c[h], offset)));
@@ -2866,7 +2944,7 @@ static void dequant_rows_bf16(const dequant_args *a, int r0, int r1, uint16_t *o
                 for (int j = 0; j < G / 2; j += 16) { /* 16 bytes: columns 2j .. 2j + 31 */
                     __m128i b = _mm_loadu_si128((const __m128i *)(p + j));
                     __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
-                    if (a->high) or_plane(&lo, &hi, f, 0);
+                    if (a->high) or_plane(&lo, &hi, f);
                     __m128i c[2] = {_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi)};
                     for (int i = 0; i < 2; i++) {
                         __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c[i])), vs, vm);

@@ -5,10 +5,10 @@
  * blocks running along a row) from `src` and writes each output row r from source row order[r] (order NULL: row r)
  * into the fields `out` points to, in the order the weight's dataclass lists them (quant/weights.py, int4k.py,
  * int5.py, int6k.py), each row-major. The fields are the torch imports' (quant.weights.from_gguf) bit for bit:
- * codes as Int4Weight's nibbles (column 2b in byte b's low half), a fifth or sixth bit as quant/int5.py's planes
- * (a block's even columns, then its odd ones, a bit each), a codebook's as quant/codebook.py packs them, float16
- * fields copied as their bits, those computed (Q4_0's -8 d, Q5_0's -16 d, IQ4_XS's d (ls - 32), MXFP4's 2^(e - 128))
- * rounded as torch rounds to float16. Returns 0, or 1 where a float16 scale or bias is not finite: the caller then
+ * codes as Int4Weight's nibbles (column 2b in byte b's low half), a fifth bit as quant/int5.py's planes (a block's
+ * even columns, then its odd ones, a bit each), Q6_K's two upper bits as quant/int6k.py's `upper`, a codebook's as
+ * quant/codebook.py packs them, float16 fields copied as their bits, those computed (Q4_0's -8 d, Q5_0's -16 d,
+ * IQ4_XS's d (ls - 32), MXFP4's 2^(e - 128)) rounded as torch rounds to float16. Returns 0, or 1 where a float16 scale or bias is not finite: the caller then
  * takes the torch import, which names the value. */
 
 #include <stdint.h>
@@ -28,6 +28,17 @@ static void put_plane(uint8_t *dst, const uint8_t *q, int bit) {
     for (int e = 0; e < 16; e++) w |= (uint32_t)((q[2 * e] >> bit) & 1) << e;
     for (int e = 0; e < 16; e++) w |= (uint32_t)((q[2 * e + 1] >> bit) & 1) << (16 + e);
     memcpy(dst, &w, 4);
+}
+
+/* The two upper bits of four blocks' 128 codes (q >> 4) as quant/int6k.py's `upper` holds them: 32 bytes, byte e's
+ * bits 2j, 2j + 1 block j's position e (put_plane's order: code 2e for e < 16, code 2(e - 16) + 1 for the rest). */
+static void put_upper(uint8_t *dst, const uint8_t *q) {
+    for (int e = 0; e < 32; e++) {
+        int c = e < 16 ? 2 * e : 2 * (e - 16) + 1;
+        uint8_t v = 0;
+        for (int j = 0; j < 4; j++) v |= (uint8_t)(((q[32 * j + c] >> 4) & 3) << (2 * j));
+        dst[e] = v;
+    }
 }
 
 static float half_to_float(uint16_t h) {
@@ -215,13 +226,11 @@ static int import_row(int type, const uint8_t *s, int64_t k, int64_t r, void **o
                     for (int l = 0; l < 32; l++)
                         q[128 * h + 32 * i + l] = (uint8_t)(((ql[64 * h + l + 32 * (i % 2)] >> (4 * (i / 2))) & 15)
                                                             | (((qh[32 * h + l] >> (2 * i)) & 3) << 4));
-            for (int j = 0; j < 8; j++) {
-                put_nibbles((uint8_t *)out[0] + r * (k / 2) + 128 * b + 16 * j, q + 32 * j);
-                put_plane((uint8_t *)out[1] + r * (k / 8) + 32 * b + 4 * j, q + 32 * j, 4);
-                put_plane((uint8_t *)out[2] + r * (k / 8) + 32 * b + 4 * j, q + 32 * j, 5);
-            }
-            memcpy((uint16_t *)out[3] + r * nb + b, s + 208, 2);
-            memcpy((int8_t *)out[4] + r * (k / 16) + 16 * b, s + 192, 16);
+            for (int j = 0; j < 8; j++) put_nibbles((uint8_t *)out[0] + r * (k / 2) + 128 * b + 16 * j, q + 32 * j);
+            put_upper((uint8_t *)out[1] + r * (k / 4) + 64 * b, q);
+            put_upper((uint8_t *)out[1] + r * (k / 4) + 64 * b + 32, q + 128);
+            memcpy((uint16_t *)out[2] + r * nb + b, s + 208, 2);
+            memcpy((int8_t *)out[3] + r * (k / 16) + 16 * b, s + 192, 16);
             break;
         }
         case Q3_K: {

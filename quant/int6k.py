@@ -4,10 +4,14 @@ largest: the logits by tenths).
 
 Row n, column k in super-block j = k // 256 and sub-block s = k // 16:
     value = d[n, j] * sc[n, s] * (q - 32),    q in 0..63
-with d float16 and sc int8, as ggml's Q6_K. The codes are held as the 5-bit weights' are (quant/int5.py): their
-low four bits in `packed` (Int4Weight's layout), their fifth bits in `high` and their sixth in `top`, each plane
-uint8 [N, K // 8] in the order the CPU kernels expand a block's nibbles (int5.split_codes). The GPU takes these
-weights as their nearest int8 (to_int8, kernels/dispatch.py's as_int8), as localpd held them everywhere before.
+with d float16 and sc int8, as ggml's Q6_K. The codes' low four bits are in `packed` (Int4Weight's layout), their
+two upper bits in `upper`, uint8 [N, K // 4]: each four blocks of 32 columns of a row (blocks 4g .. 4g + 3) take 32
+bytes, byte e holding at bits 2j, 2j + 1 block 4g + j's bits for position e in the order the CPU kernels expand a
+block's nibbles (quant/int5.py's planes: e < 16 column 2e, e >= 16 column 2 (e - 16) + 1). So one 32-byte load
+and a shift give a block's 32 upper bits in the places its nibbles take, where a plane a bit (as the 5-bit weights
+hold their fifth) took a 32-bit broadcast, a shuffle and three masks a bit (the AVX2 products, docs/PERF.md). The
+GPU takes these weights as their nearest int8 (to_int8, kernels/dispatch.py's as_int8), as localpd held them
+everywhere before.
 
 GGUF's Q3_K is the same form with 4-bit codes (Int3KWeight): ggml's value d * (sc3 - 32) * (q3 - 4), q3 in 0..7 and
 sc3 six bits a sub-block of 16, is d * sc * (q - 8) at q = q3 + 4 (a nibble) and sc = sc3 - 32, imported bit for bit
@@ -23,10 +27,30 @@ from dataclasses import dataclass, fields
 import torch
 
 from localpd.errors import LocalpdError
-from localpd.quant.int5 import bit_plane, join_codes, split_codes
+from localpd.quant.int5 import EVEN_THEN_ODD, join_codes
 from localpd.quant.weights import Int8Weight, check_fields, pack_int4, unpack_int4
 
 SUB, SUPER = 16, 256  # columns a scale; columns a d
+GROUP, UPPER_GROUP = 32, 4  # columns a block; blocks an `upper` group (32 bytes)
+BLOCK_ORDER = torch.from_numpy(EVEN_THEN_ODD)            # position e of a block's expanded codes -> its column
+COLUMN_PLACE = torch.argsort(BLOCK_ORDER)               # a block's column -> its position e
+
+
+def upper_plane(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [N, K] (0..63, K a multiple of 128) -> their two upper bits as `upper` holds them: uint8
+    [N, K // 4] (the module docstring)."""
+    n, k = codes.shape
+    top = (codes.to(torch.uint8) >> 4).reshape(n, k // (GROUP * UPPER_GROUP), UPPER_GROUP, GROUP)
+    top = top[..., BLOCK_ORDER.to(codes.device)]  # [N, groups, j, e]
+    return (top[:, :, 0] | top[:, :, 1] << 2 | top[:, :, 2] << 4 | top[:, :, 3] << 6).reshape(n, k // 4).contiguous()
+
+
+def upper_codes(upper: torch.Tensor) -> torch.Tensor:
+    """upper_plane's inverse: each code's two upper bits, uint8 [N, K] (0..3)."""
+    n, k = upper.shape[0], upper.shape[1] * 4
+    shifts = torch.arange(0, 8, 2, dtype=torch.uint8, device=upper.device).reshape(1, 1, UPPER_GROUP, 1)
+    top = (upper.reshape(n, -1, 1, GROUP) >> shifts) & 3  # [N, groups, j, e]
+    return top[..., COLUMN_PLACE.to(upper.device)].reshape(n, k)
 
 
 class SubScaled:
@@ -35,7 +59,7 @@ class SubScaled:
 
     OFFSET = 0
     BITS = 0
-    PLANES: tuple[str, ...] = ()
+    PLANES: dict[str, int] = {}  # a plane's field -> columns a byte
 
     def __post_init__(self):
         if self.packed.dtype != torch.int32 or self.packed.dim() != 2:
@@ -44,7 +68,7 @@ class SubScaled:
         n, k = self.shape
         if k % SUPER:
             raise LocalpdError(f"{self.BITS}-bit weights need the input dimension ({k}) to be a multiple of {SUPER}")
-        check_fields(f"{self.BITS}-bit", self, {**{p: (torch.uint8, (n, k // 8)) for p in self.PLANES},
+        check_fields(f"{self.BITS}-bit", self, {**{p: (torch.uint8, (n, k // c)) for p, c in self.PLANES.items()},
                                                 "d": (torch.float16, (n, k // SUPER)),
                                                 "sc": (torch.int8, (n, k // SUB))})
 
@@ -117,16 +141,15 @@ class Int3KWeight(SubScaled):
 @dataclass
 class Int6KWeight(SubScaled):
     packed: torch.Tensor  # int32 [N, K // 8]: the codes' low four bits, Int4Weight's layout
-    high: torch.Tensor    # uint8 [N, K // 8]: their fifth bits (quant/int5.py's order)
-    top: torch.Tensor     # uint8 [N, K // 8]: their sixth bits, in the same order
+    upper: torch.Tensor   # uint8 [N, K // 4]: their two upper bits (upper_plane)
     d: torch.Tensor       # float16 [N, K // 256]
     sc: torch.Tensor      # int8 [N, K // 16]
 
-    OFFSET, BITS, PLANES = 32, 6, ("high", "top")
+    OFFSET, BITS, PLANES = 32, 6, {"upper": 4}
 
     def codes(self) -> torch.Tensor:
         """q as uint8 [N, K], 0..63."""
-        return join_codes(self.packed, self.high) | (join_codes(torch.zeros_like(self.packed), self.top) << 1)
+        return unpack_int4(self.packed) | (upper_codes(self.upper) << 4)
 
     @classmethod
     def from_q6_k(cls, blocks: torch.Tensor, shape: tuple[int, int]) -> Int6KWeight:
@@ -146,5 +169,13 @@ class Int6KWeight(SubScaled):
     @classmethod
     def from_codes(cls, codes: torch.Tensor, d: torch.Tensor, sc: torch.Tensor) -> Int6KWeight:
         """codes uint8 [N, K] (0..63), d float16 [N, K // 256], sc int8 [N, K // 16] -> the weight."""
-        packed, high = split_codes(codes)
-        return cls(packed, high, bit_plane(codes, 5), d, sc)
+        codes = codes.to(torch.uint8)
+        return cls(pack_int4(codes & 15), upper_plane(codes), d, sc)
+
+    @classmethod
+    def from_bit_planes(cls, packed: torch.Tensor, high: torch.Tensor, top: torch.Tensor, d: torch.Tensor,
+                        sc: torch.Tensor) -> Int6KWeight:
+        """The weight a quantized directory of format version 1 held as a fifth-bit and a sixth-bit plane
+        (quant/int5.py's order, uint8 [N, K // 8] each)."""
+        codes = join_codes(packed, high) | (join_codes(torch.zeros_like(packed), top) << 1)
+        return cls.from_codes(codes, d, sc)

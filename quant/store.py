@@ -101,6 +101,11 @@ def load_quantized(path: Path, device, scheme: str = "native") -> tuple[dict, di
                     continue
                 cls = KINDS[kind]
                 parts = [f"{name}.{fl.name}" for fl in fields(cls)]
+                if cls is Int6KWeight and f"{name}.upper" not in names and f"{name}.top" in names:
+                    # written before `upper` (a plane a bit, 2026-12): the same codes
+                    weights[name] = Int6KWeight.from_bit_planes(*(f.get_tensor(f"{name}.{p}")
+                                                                  for p in ("packed", "high", "top", "d", "sc")))
+                    continue
                 missing = [p for p in parts if p not in names]
                 if missing:
                     raise LocalpdError(f"{path}: tensor {missing[0]} is missing; the file is damaged")

@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 
 from localpd.kernels import cpu
+from localpd.quant.int4k import Int4KWeight
+from localpd.quant.int6k import Int6KWeight
 from localpd.quant.weights import Int4Weight, Int8Weight
 
 SHAPES = {"smollm2-135m": [(960, 576), (576, 576), (3072, 576), (576, 1536)],
@@ -33,11 +35,21 @@ SHAPES = {"smollm2-135m": [(960, 576), (576, 576), (3072, 576), (576, 1536)],
 ROWS = "1,2,3,4,5,8,12,15,16,24,32,48,64,128"
 
 
+def random_q6k(w: torch.Tensor) -> Int6KWeight:
+    """Random Q6_K codes, scales and d of w's shape (the products' speed does not depend on the values)."""
+    n, k = w.shape
+    g = torch.Generator().manual_seed(n * k)
+    return Int6KWeight.from_codes(torch.randint(0, 64, (n, k), generator=g, dtype=torch.uint8),
+                                  (torch.rand(n, k // 256, generator=g) * 1e-3).half(),
+                                  torch.randint(-128, 128, (n, k // 16), generator=g, dtype=torch.int8))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--against", required=True, help="another cpu_kernels.c, e.g. `git show main:kernels/cpu_kernels.c`")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--kind", choices=("int4", "int8"), default="int4", help="int4: Q4_1's (groups of 32 with biases)")
+    ap.add_argument("--kind", choices=("int4", "int4k", "q6k", "int8"), default="int4",
+                    help="int4: Q4_1's (groups of 32 with biases); int4k: Q4_K's (their scales quantized a super-block); q6k: Q6_K's")
     ap.add_argument("--reps", type=int, default=8)
     ap.add_argument("--rows", default=ROWS)
     ap.add_argument("--march", default="native", help="the processor both sources are built for")
@@ -48,8 +60,9 @@ def main() -> None:
     other = cpu.open_library(cpu.build(args.march, Path(tempfile.mkdtemp()), source=Path(args.against)))
     this = cpu.library() if args.march == "native" else cpu.open_library(cpu.build(args.march, Path(tempfile.mkdtemp())))
     g = torch.Generator().manual_seed(0)
-    make = Int4Weight.quantize_rtn if args.kind == "int4" else Int8Weight.quantize
-    weights = [make(torch.randn(n, k, generator=g), 32) for n, k in SHAPES[args.shapes]]
+    make = {"int4": lambda w: Int4Weight.quantize_rtn(w, 32), "int8": lambda w: Int8Weight.quantize(w, 32),
+            "int4k": lambda w: Int4KWeight.from_int4(Int4Weight.quantize_rtn(w, 32)), "q6k": random_q6k}[args.kind]
+    weights = [make(torch.randn(n, k, generator=g)) for n, k in SHAPES[args.shapes]]
     rows = [int(r) for r in args.rows.split(",")]
     inputs = {m: [torch.randn(m, k, generator=g) for _, k in SHAPES[args.shapes]] for m in rows}
     # (name, library, GEMM_ROWS): the integer products at every row count, the float GEMM where prefill takes it

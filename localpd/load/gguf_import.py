@@ -50,7 +50,7 @@ TYPES = {
     "Q5_1": (4, Int5Weight, [_packed, _plane, _per(F16, 32), _per(F16, 32)]),
     "Q4_K": (5, Int4KWeight, [_packed, _per(F16, 256), _per(F16, 256), _per(U8, 16)]),
     "Q5_K": (6, Int5KWeight, [_packed, _plane, _per(F16, 256), _per(F16, 256), _per(U8, 16)]),
-    "Q6_K": (7, Int6KWeight, [_packed, _plane, _plane, _per(F16, 256), _per(I8, 16)]),
+    "Q6_K": (7, Int6KWeight, [_packed, _per(U8, 4), _per(F16, 256), _per(I8, 16)]),
     "Q3_K": (8, Int3KWeight, [_packed, _per(F16, 256), _per(I8, 16)]),
     "IQ4_NL": (9, IQ4Weight, [_per(U8, 2), _per(F16, 32)]),
     "IQ4_XS": (10, IQ4Weight, [_per(U8, 2), _per(F16, 32)]),

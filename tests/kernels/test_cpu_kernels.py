@@ -90,7 +90,7 @@ def weights(kind: str, n: int, k: int, group: int, g: torch.Generator):
         codes = torch.randint(0, 64, (n, k), generator=g, dtype=torch.uint8)
         d = (torch.rand(n, k // 256, generator=g) * 0.01 + 1e-4).half()
         sc = torch.randint(-128, 128, (n, k // 16), generator=g).to(torch.int8)
-        return Int6KWeight(*split_codes(codes), split_codes(codes >> 1)[1], d, sc)
+        return Int6KWeight.from_codes(codes, d, sc)
     if kind == "int3k":  # Q3_K's form in nibbles: every code 0..15 (Q3_K's own 4..11), int8 scales a sub-block of 16
         codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
         d = (torch.rand(n, k // 256, generator=g) * 0.01 + 1e-4).half()

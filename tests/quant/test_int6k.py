@@ -9,8 +9,9 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as ref_dequantize
 
 from localpd.errors import LocalpdError
-from localpd.quant.int6k import Int3KWeight, Int6KWeight
-from localpd.quant.store import load_quantized, save_quantized
+from localpd.quant.int5 import bit_plane
+from localpd.quant.int6k import Int3KWeight, Int6KWeight, upper_codes, upper_plane
+from localpd.quant.store import TENSORS, load_quantized, save_quantized
 from localpd.quant.weights import from_gguf
 
 
@@ -66,9 +67,9 @@ def test_the_gpus_int8_form_is_near():
 def test_malformed_6_bit_weights_are_one_line_errors():
     w = from_gguf("Q6_K", torch.from_numpy(q6_k_blocks(2, np.random.default_rng(3))), (1, 512))
     with pytest.raises(LocalpdError, match="sc must be"):
-        Int6KWeight(w.packed, w.high, w.top, w.d, w.sc[:, :4])
+        Int6KWeight(w.packed, w.upper, w.d, w.sc[:, :4])
     with pytest.raises(LocalpdError, match="multiple of 256"):
-        Int6KWeight(w.packed[:, :16], w.high[:, :16], w.top[:, :16], w.d[:, :1], w.sc[:, :8])
+        Int6KWeight(w.packed[:, :16], w.upper[:, :32], w.d[:, :1], w.sc[:, :8])
 
 
 def test_a_quantized_directory_keeps_6_bit_weights(tmp_path):
@@ -76,6 +77,40 @@ def test_a_quantized_directory_keeps_6_bit_weights(tmp_path):
     save_quantized(tmp_path / "m", {"a.v_proj": w}, {}, "native", {})
     _, back, _ = load_quantized(tmp_path / "m", "cpu")
     assert type(back["a.v_proj"]) is Int6KWeight and torch.equal(back["a.v_proj"].dequantize(), w.dequantize())
+
+
+def test_upper_bits_sit_where_the_kernels_expand_each_code():
+    """`upper`: block 4g + j's code at position e (column 2e for e < 16, 2 (e - 16) + 1 after) has its bits 4, 5 in
+    byte 32g + e at bits 2j, 2j + 1; every code (random, all 64 values) comes back from the plane."""
+    g = torch.Generator().manual_seed(6)
+    codes = torch.randint(0, 64, (3, 512), generator=g, dtype=torch.uint8)
+    assert torch.equal(upper_codes(upper_plane(codes)), codes >> 4)
+    one = torch.zeros(2, 256, dtype=torch.uint8)
+    for row, (block, column, bits) in enumerate([(5, 7, 2), (2, 16, 3)]):  # block 5: group 1, j 1; block 2: j 2
+        one[row, 32 * block + column] = bits << 4
+    plane = upper_plane(one)
+    assert plane.shape == (2, 64) and plane.count_nonzero() == 2
+    assert plane[0, 32 + 16 + 3] == 2 << 2  # column 7: position 16 + 3
+    assert plane[1, 8] == 3 << 4            # column 16: position 8
+    w = Int6KWeight.from_codes(codes, torch.ones(3, 2, dtype=torch.float16), torch.ones(3, 32, dtype=torch.int8))
+    assert torch.equal(w.codes(), codes) and w.nbytes * 8 / codes.numel() == 6.5625
+
+
+def test_a_directory_of_bit_planes_loads_as_the_same_weight(tmp_path):
+    """A quantized directory written when Q6_K's upper bits were two planes of a bit (fields high, top) loads with
+    the same codes, d and scales."""
+    from safetensors.torch import load_file, save_file
+
+    w = from_gguf("Q6_K", torch.from_numpy(q6_k_blocks(4, np.random.default_rng(7))), (2, 512))
+    save_quantized(tmp_path / "m", {"a.v_proj": w}, {}, "native", {})
+    tensors = load_file(str(tmp_path / "m" / TENSORS))
+    del tensors["a.v_proj.upper"]
+    codes = w.codes()
+    tensors["a.v_proj.high"], tensors["a.v_proj.top"] = bit_plane(codes, 4), bit_plane(codes, 5)
+    save_file(tensors, str(tmp_path / "m" / TENSORS))
+    _, back, _ = load_quantized(tmp_path / "m", "cpu")
+    got = back["a.v_proj"]
+    assert all(torch.equal(getattr(got, f), getattr(w, f)) for f in ("packed", "upper", "d", "sc"))
 
 
 def test_a_quantized_directory_keeps_q3_k_weights(tmp_path):
