@@ -1388,16 +1388,20 @@ static __attribute__((noinline)) void q6k_factors(const gemm_args *a, int n, int
             acc = _mm512_fmadd_ps(f, _mm512_cvtepi32_ps(_mm512_loadu_si512(xs + s)), acc);
         }
         e = _mm512_reduce_add_ps(acc);
-#elif defined(LPD_AVX2) /* half a super-block a step */
+#elif defined(LPD_AVX2) /* a super-block a step (its d converted once), half of it a register, the four blocks'
+                        * input scales twice each by one permute (where three operations took them); the same
+                        * floats in the same order */
+        const __m256i twice = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
         __m256 acc = _mm256_setzero_ps();
-        for (int s = 0; s < ns; s += 8) {
-            __m256 w = _mm256_mul_ps(_mm256_set1_ps(half_to_float(d[s / 16])),
-                                     _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sc + s)))));
-            __m128 x4 = _mm_loadu_ps(xd + s / 2);
-            __m256 x8 = _mm256_set_m128(_mm_unpackhi_ps(x4, x4), _mm_unpacklo_ps(x4, x4));
-            __m256 f = _mm256_mul_ps(w, x8);
-            _mm256_storeu_ps(dm + s, f);
-            acc = _mm256_fmadd_ps(f, _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(xs + s))), acc);
+        for (int s = 0; s < ns; s += 16) {
+            const __m256 dv = _mm256_set1_ps(half_to_float(d[s / 16]));
+            for (int h = s; h < s + 16; h += 8) {
+                __m256 w = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sc + h)))));
+                __m256 x8 = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(xd + h / 2)), twice);
+                __m256 f = _mm256_mul_ps(w, x8);
+                _mm256_storeu_ps(dm + h, f);
+                acc = _mm256_fmadd_ps(f, _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(xs + h))), acc);
+            }
         }
         e = hsum8(acc);
 #else
