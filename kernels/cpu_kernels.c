@@ -909,6 +909,12 @@ static inline __attribute__((always_inline)) void prefetch_fifth_as(const gemm_a
     const uint8_t *plane = f.top ? a->top : a->high;
     size_t row = (size_t)(run - (const uint8_t *)a->w) / per;
     size_t from = (WEIGHT_AHEAD + at) / per, to = (WEIGHT_AHEAD + at + bytes) / per;
+    if (f.top && bytes <= 128) { /* at most a line's upper bytes a call (calls one after another along the run, as
+                                  * gemv4's and the tiles' blocks): the line where they start, without the loop's
+                                  * arithmetic (a twentieth of AVX2's Q6_K loop) */
+        _mm_prefetch((const char *)(plane + row + from), _MM_HINT_T0);
+        return;
+    }
     for (size_t o = (from + 63) & ~(size_t)63; o < to; o += 64) _mm_prefetch((const char *)(plane + row + o), _MM_HINT_T0);
 }
 static inline __attribute__((always_inline)) void prefetch_fifth(const gemm_args *a, const uint8_t *run, size_t at,
@@ -1180,7 +1186,11 @@ static inline __m256i dot16(const gemm_args *a, const uint8_t *wrow, int b, __m2
 /* Block b's factor in the eight lanes of its products (dot16's): its one factor, or Q6_K's two (dm: a row's). */
 static inline __attribute__((always_inline)) __m256 block_factor_as(wfmt f, const float *dm, int b) {
     if (!f.sc16) return _mm256_set1_ps(dm[b]);
-    return _mm256_set_m128(_mm_set1_ps(dm[2 * b + 1]), _mm_set1_ps(dm[2 * b]));
+    /* the pair as one 8-byte load, each spread over its four lanes by one permute (where two broadcasts and an
+     * insert took three operations) */
+    const __m256i pick = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    __m128 pair = _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(dm + 2 * b)));
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(pair), pick);
 }
 static inline __m256 block_factor(const gemm_args *a, const float *dm, int b) { return block_factor_as(fmt_of(a), dm, b); }
 
