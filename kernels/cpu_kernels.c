@@ -692,21 +692,11 @@ static inline __m128i fifth_bytes(uint32_t bits) {
     return _mm_and_si128(_mm_cmpeq_epi8(v, bit), _mm_set1_epi8(16));
 #endif
 }
-/* Block j's (b & 3's) upper bits of 16 (upper_bytes: 32) group bytes u, each at bits 4 and 5 of its byte (a code's):
- * one shift and a mask where j is a constant (a caller that unrolls a group's four blocks), else a shift by a count
- * and one more. (16-bit shifts: the bits one moves across a byte fall outside the mask.) */
-static inline __attribute__((always_inline)) __m128i upper_bytes128(__m128i u, int j) {
-    const __m128i m = _mm_set1_epi8(0x30);
-    if (__builtin_constant_p(j)) switch (j) {
-        case 0: return _mm_and_si128(_mm_slli_epi16(u, 4), m);
-        case 1: return _mm_and_si128(_mm_slli_epi16(u, 2), m);
-        case 2: return _mm_and_si128(u, m);
-        default: return _mm_and_si128(_mm_srli_epi16(u, 2), m);
-        }
-    return _mm_and_si128(_mm_slli_epi16(_mm_srl_epi16(u, _mm_cvtsi32_si128(2 * j)), 4), m);
-}
-static inline __attribute__((always_inline)) __m256i upper_bytes(const uint8_t *group, int j) {
-    const __m256i u = _mm256_loadu_si256((const __m256i *)group), m = _mm256_set1_epi8(0x30);
+/* Block j's (b & 3's) upper bits of the group bytes in u (upper_bytes128: 16 of them), each at bits 4 and 5 of its
+ * byte (a code's): one shift and a mask where j is a constant (a caller that unrolls a group's four blocks), else a
+ * shift by a count and one more. (16-bit shifts: the bits one moves across a byte fall outside the mask.) */
+static inline __attribute__((always_inline)) __m256i upper_in_place(__m256i u, int j) {
+    const __m256i m = _mm256_set1_epi8(0x30);
     if (__builtin_constant_p(j)) switch (j) {
         case 0: return _mm256_and_si256(_mm256_slli_epi16(u, 4), m);
         case 1: return _mm256_and_si256(_mm256_slli_epi16(u, 2), m);
@@ -714,6 +704,12 @@ static inline __attribute__((always_inline)) __m256i upper_bytes(const uint8_t *
         default: return _mm256_and_si256(_mm256_srli_epi16(u, 2), m);
         }
     return _mm256_and_si256(_mm256_slli_epi16(_mm256_srl_epi16(u, _mm_cvtsi32_si128(2 * j)), 4), m);
+}
+static inline __attribute__((always_inline)) __m128i upper_bytes128(__m128i u, int j) {
+    return _mm256_castsi256_si128(upper_in_place(_mm256_castsi128_si256(u), j));
+}
+static inline __attribute__((always_inline)) __m256i upper_bytes(const uint8_t *group, int j) {
+    return upper_in_place(_mm256_loadu_si256((const __m256i *)group), j);
 }
 /* An int4 block's 32 codes (b of row wrow) as two registers of 16 bytes: its low nibbles (its even columns) and its
  * high ones (its odd columns), a 5-bit weight's fifth bits or Q6_K's upper ones added in. */
@@ -1137,7 +1133,7 @@ static void gemm1x(const gemm_args *a, int n, int n1, int xor_blocks, float *ds)
  * the weight's codes widened to int16: vpmaddwd sums a pair of products into each int32 lane, two multiplies a
  * block where pmaddubsw on each int8 level took four (and four more instructions to join the levels). A lane's sum
  * is at most 4 x 128 x 32639 < 2^24: exact in float too. */
-/* 32 bits as 32 bytes, byte i `value` where bit i is set, else 0: a block's fifth (or sixth) bits in the order of its
+/* 32 bits as 32 bytes, byte i `value` where bit i is set, else 0: a block's fifth bits in the order of its
  * codes as one register holds them (low nibbles, then high), in 5 operations where fifth_bytes' two halves took 8. */
 static inline __m256i plane_bytes(uint32_t bits, __m256i value) {
     const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
@@ -1964,8 +1960,8 @@ static void input_task(void *ctx, int ith, int nth) { /* each thread its share o
 
 /* y [M, N] = input step of x, then @ W.T (+ bias). bits 4: w = packed int4 [N, K/2] with scales and biases [N,
  * K/group] float16 (int4-k: sub set; a codebook's: lut set, biases NULL; a 5-bit weight's: high set, group 32; Q6_K:
- * high and top its codes' fifth and sixth bits, scales its d, sc16 its sub-blocks' int8 scales, biases NULL); bits 8: w = int8 [N, K] with scales [N,
- * K/group], biases NULL. pre: PRE_NONE (x [M, K]),
+ * top its codes' two upper bits (upper_group), scales its d, sc16 its sub-blocks' int8 scales, biases NULL); bits 8:
+ * w = int8 [N, K] with scales [N, K/group], biases NULL. pre: PRE_NONE (x [M, K]),
  * PRE_NORM (x, residual or NULL, norm_w [K], eps; x + residual stored in sum_out [M, K], apart from both), or an
  * activation (x =
  * [gate | up], [M, 2K]). K a multiple of 32, group a multiple of 32 dividing K. Returns 0, or -1 without memory. */
@@ -3050,7 +3046,7 @@ typedef struct {
     const float *bias;
     const int8_t *lut; /* a codebook weight (gemm_args) */
     const uint8_t *high; /* a 5-bit weight's fifth bits (gemm_args) */
-    const uint8_t *top;  /* Q6_K's sixth bits and sub-block scales (gemm_args) */
+    const uint8_t *top;  /* Q6_K's upper bits, with sc16 its sub-block scales (gemm_args) */
     const int8_t *sc16;
 } lin_plan;
 
