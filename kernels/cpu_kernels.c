@@ -911,7 +911,8 @@ static inline __attribute__((always_inline)) void prefetch_fifth_as(const gemm_a
         _mm_prefetch((const char *)(plane + row + from), _MM_HINT_T0);
         return;
     }
-    for (size_t o = (from + 63) & ~(size_t)63; o < to; o += 64) _mm_prefetch((const char *)(plane + row + o), _MM_HINT_T0);
+    for (size_t o = (from + 63) & ~(size_t)63; o < to; o += 64)
+        _mm_prefetch((const char *)(plane + row + o), _MM_HINT_T0);
 }
 static inline __attribute__((always_inline)) void prefetch_fifth(const gemm_args *a, const uint8_t *run, size_t at,
                                                                    size_t bytes) {
@@ -1402,7 +1403,8 @@ static __attribute__((noinline)) void q6k_factors(const gemm_args *a, int n, int
         for (int s = 0; s < ns; s += 16) {
             const __m256 dv = _mm256_set1_ps(half_to_float(d[s / 16]));
             for (int h = s; h < s + 16; h += 8) {
-                __m256 w = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sc + h)))));
+                __m128i sc8 = _mm_loadl_epi64((const __m128i *)(sc + h));
+                __m256 w = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8)));
                 __m256 x8 = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(xd + h / 2)), twice);
                 __m256 f = _mm256_mul_ps(w, x8);
                 _mm256_storeu_ps(dm + h, f);

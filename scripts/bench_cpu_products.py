@@ -49,7 +49,8 @@ def main() -> None:
     ap.add_argument("--against", required=True, help="another cpu_kernels.c, e.g. `git show main:kernels/cpu_kernels.c`")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kind", choices=("int4", "int4k", "q6k", "int8"), default="int4",
-                    help="int4: Q4_1's (groups of 32 with biases); int4k: Q4_K's (their scales quantized a super-block); q6k: Q6_K's")
+                    help="int4: Q4_1's (groups of 32 with biases); int4k: Q4_K's (their scales quantized a "
+                         "super-block); q6k: Q6_K's")
     ap.add_argument("--reps", type=int, default=8)
     ap.add_argument("--rows", default=ROWS)
     ap.add_argument("--march", default="native", help="the processor both sources are built for")
