@@ -1655,17 +1655,28 @@ static inline __attribute__((always_inline)) void row_factors(const gemm_args *a
         const uint8_t *sc = r.sc;
         const int8_t *mn = r.mn;
         const uint16_t *drow = r.d, *mrow = r.dmin;
+#if defined(LPD_AVX512) || defined(LPD_AVX2)
+        /* the row's d and dmin in float, eight a conversion, once for every input row (where each super-block of
+         * each input row converted its two alone) */
+        int ns = (nb + 7) / 8, j = 0;
+        float dv[ns + 8], mv[ns + 8];
+        for (; j + 8 <= ns; j += 8) {
+            _mm256_storeu_ps(dv + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(drow + j))));
+            _mm256_storeu_ps(mv + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mrow + j))));
+        }
+        for (; j < ns; j++) dv[j] = half_to_float(drow[j]), mv[j] = half_to_float(mrow[j]);
+#endif
         for (int m = 0; m < mm; m++) {
             const float *xd = a->xd + (size_t)(m0 + m) * nb, *xsf = a->xsf + (size_t)(m0 + m) * nb;
             float *dm = ds + m * nb, e = 0.f;
             int b = 0;
 #if defined(LPD_AVX512) || defined(LPD_AVX2)
             __m256 ev = _mm256_setzero_ps();
-            for (; b + 8 <= nb; b += 8) {
-                __m256 w = _mm256_mul_ps(_mm256_set1_ps(half_to_float(drow[b / 8])),
-                                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sc + b)))));
-                __m256 c = _mm256_mul_ps(_mm256_set1_ps(half_to_float(mrow[b / 8])),
-                                         _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(mn + b)))));
+            for (int sb = 0; b + 8 <= nb; b += 8, sb++) {
+                __m128i sc8 = _mm_loadl_epi64((const __m128i *)(sc + b));
+                __m128i mn8 = _mm_loadl_epi64((const __m128i *)(mn + b));
+                __m256 w = _mm256_mul_ps(_mm256_set1_ps(dv[sb]), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc8)));
+                __m256 c = _mm256_mul_ps(_mm256_set1_ps(mv[sb]), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(mn8)));
                 _mm256_storeu_ps(dm + b, _mm256_mul_ps(w, _mm256_loadu_ps(xd + b)));
                 ev = _mm256_fmadd_ps(c, _mm256_loadu_ps(xsf + b), ev);
             }
