@@ -27,11 +27,11 @@ from dataclasses import dataclass, fields
 import torch
 
 from localpd.errors import LocalpdError
-from localpd.quant.int5 import EVEN_THEN_ODD, join_codes
+from localpd.quant.int5 import EVEN_THEN_ODD, GROUP, join_codes
 from localpd.quant.weights import Int8Weight, check_fields, pack_int4, unpack_int4
 
 SUB, SUPER = 16, 256  # columns a scale; columns a d
-GROUP, UPPER_GROUP = 32, 4  # columns a block; blocks an `upper` group (32 bytes)
+UPPER_GROUP = 4  # blocks (of GROUP columns) an `upper` group: 32 bytes
 BLOCK_ORDER = torch.from_numpy(EVEN_THEN_ODD)            # position e of a block's expanded codes -> its column
 COLUMN_PLACE = torch.argsort(BLOCK_ORDER)               # a block's column -> its position e
 
