@@ -711,6 +711,11 @@ static inline __attribute__((always_inline)) __m128i upper_bytes128(__m128i u, i
 static inline __attribute__((always_inline)) __m256i upper_bytes(const uint8_t *group, int j) {
     return upper_in_place(_mm256_loadu_si256((const __m256i *)group), j);
 }
+/* Block j's upper bits (its group's 32 bytes) into its 16 bytes of low and high codes (or_plane's for Q6_K). */
+static inline __attribute__((always_inline)) void or_upper(__m128i *lo, __m128i *hi, const uint8_t *group, int j) {
+    *lo = _mm_or_si128(*lo, upper_bytes128(_mm_loadu_si128((const __m128i *)group), j));
+    *hi = _mm_or_si128(*hi, upper_bytes128(_mm_loadu_si128((const __m128i *)(group + 16)), j));
+}
 /* An int4 block's 32 codes (b of row wrow) as two registers of 16 bytes: its low nibbles (its even columns) and its
  * high ones (its odd columns), a 5-bit weight's fifth bits or Q6_K's upper ones added in. */
 static inline __attribute__((always_inline)) void block_codes_as(const gemm_args *a, wfmt f, const uint8_t *wrow,
@@ -722,11 +727,7 @@ static inline __attribute__((always_inline)) void block_codes_as(const gemm_args
         *lo = _mm_or_si128(*lo, fifth_bytes(f & 0xffff));
         *hi = _mm_or_si128(*hi, fifth_bytes(f >> 16));
     }
-    if (f.top) {
-        const uint8_t *u = upper_of(a, wrow, b);
-        *lo = _mm_or_si128(*lo, upper_bytes128(_mm_loadu_si128((const __m128i *)u), b & 3));
-        *hi = _mm_or_si128(*hi, upper_bytes128(_mm_loadu_si128((const __m128i *)(u + 16)), b & 3));
-    }
+    if (f.top) or_upper(lo, hi, upper_of(a, wrow, b), b & 3);
 }
 static inline void block_codes(const gemm_args *a, const uint8_t *wrow, int b, __m128i *lo, __m128i *hi) {
     block_codes_as(a, fmt_of(a), wrow, b, lo, hi);
@@ -1659,7 +1660,7 @@ static inline __attribute__((always_inline)) void row_factors(const gemm_args *a
         /* the row's d and dmin in float, eight a conversion, once for every input row (where each super-block of
          * each input row converted its two alone) */
         int ns = (nb + 7) / 8, j = 0;
-        float dv[ns + 8], mv[ns + 8];
+        float dv[ns], mv[ns];
         for (; j + 8 <= ns; j += 8) {
             _mm256_storeu_ps(dv + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(drow + j))));
             _mm256_storeu_ps(mv + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mrow + j))));
@@ -2912,11 +2913,7 @@ static void dequant_rows_bf16(const dequant_args *a, int r0, int r1, uint16_t *o
             for (int b = 0; b < nb; b++) {
                 __m128i raw = _mm_loadu_si128((const __m128i *)(a->w + (size_t)n * (K / 2) + b * 16));
                 __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
-                if (a->top) { /* (Q3_K: none) */
-                    const uint8_t *u = upper_group(a->top, (size_t)n * (K / 4), b);
-                    lo = _mm_or_si128(lo, upper_bytes128(_mm_loadu_si128((const __m128i *)u), b & 3));
-                    hi = _mm_or_si128(hi, upper_bytes128(_mm_loadu_si128((const __m128i *)(u + 16)), b & 3));
-                }
+                if (a->top) or_upper(&lo, &hi, upper_group(a->top, (size_t)n * (K / 4), b), b & 3); /* (Q3_K: none) */
                 __m128i c[2] = {_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi)}; /* sub-blocks 2b, 2b + 1 */
                 for (int h = 0; h < 2; h++) {
                     __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_sub_epi8(c[h], offset)));
