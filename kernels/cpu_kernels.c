@@ -1148,8 +1148,17 @@ static inline __m256i plane_bytes(uint32_t bits, __m256i value) {
  * Q6_K's place in its upper group (a constant where the caller unrolls a group's blocks). */
 static inline __attribute__((always_inline)) void widen16_as(const gemm_args *a, wfmt f, const uint8_t *wrow, int b,
                                                                int j, __m128i tab, __m256i *w0, __m256i *w1) {
-    if (f.b4 && (f.high || f.top) && !f.lut) { /* 5- and 6-bit codes: block_codes_as's, their bits added in one
-                                                * register */
+    if (f.b4 && f.top && !f.high && !f.lut) { /* Q6_K: the nibbles as below, each half's upper bits
+                                                 * widened from its 16 bytes of the group (the same two loads
+                                                 * for the group's four blocks) */
+        const uint8_t *g = upper_of(a, wrow, b);
+        __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wrow + b * 16)));
+        __m256i u0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)g));
+        __m256i u1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(g + 16)));
+        *w0 = _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi16(15)), upper_in_place(u0, j));
+        *w1 = _mm256_or_si256(_mm256_srli_epi16(v, 4), upper_in_place(u1, j));
+    } else if (f.b4 && (f.high || f.top) && !f.lut) { /* 5-bit codes: block_codes_as's, their bits added in
+                                                        * one register */
         __m128i raw = _mm_loadu_si128((const __m128i *)(wrow + b * 16)), m = _mm_set1_epi8(15);
         __m256i c = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m), _mm_and_si128(raw, m));
         if (f.high) c = _mm256_or_si256(c, plane_bytes(fifth32(a, wrow, b), _mm256_set1_epi8(16)));
@@ -1160,11 +1169,12 @@ static inline __attribute__((always_inline)) void widen16_as(const gemm_args *a,
         __m256i v = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(tab), codebook_block(wrow, a->K / 32, b));
         *w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v));
         *w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1));
-    } else if (f.b4) { /* low nibbles: the block's even columns (x0), high: its odd ones (x1) */
-        __m128i lo, hi;
-        block_codes_as(a, f, wrow, b, &lo, &hi);
-        *w0 = _mm256_cvtepu8_epi16(lo);
-        *w1 = _mm256_cvtepu8_epi16(hi);
+    } else if (f.b4) { /* low nibbles: the block's even columns (x0), high: its odd ones (x1); each byte widened
+                        * first, so that one mask and one shift split all 16 (where masks and a shift on the bytes
+                        * and two widenings took six operations) */
+        __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wrow + b * 16)));
+        *w0 = _mm256_and_si256(v, _mm256_set1_epi16(15));
+        *w1 = _mm256_srli_epi16(v, 4);
     } else {
         __m256i raw = _mm256_loadu_si256((const __m256i *)(wrow + b * 32));
         *w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(raw));
@@ -1225,7 +1235,35 @@ static inline __attribute__((always_inline)) void gemv4_as(const gemm_args *a, w
                            a->w + (size_t)(n + 2) * row_bytes, a->w + (size_t)(n + 3) * row_bytes};
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     const __m128i tab = lut_table(a);
-    if (f.top) {
+    if (f.top && !f.high && !f.lut) { /* Q6_K: a group of four blocks a row at a time, its upper bits widened
+                                        * once for the four (widen16_as's codes, the inputs read again a row) */
+        const uint8_t *up[4] = {upper_of(a, w[0], 0), upper_of(a, w[1], 0), upper_of(a, w[2], 0),
+                                upper_of(a, w[3], 0)};
+        const __m256i m = _mm256_set1_epi16(15);
+        int fc = K / 16;
+        for (int b = 0; b < nb; b += 4) {
+            for (int j = 0; j < 4; j++) {
+                prefetch_run(w[0], (b + j) * 64, 64);
+                prefetch_fifth_as(a, f, w[0], (b + j) * 64, 64);
+            }
+#pragma GCC unroll 4
+            for (int r = 0; r < 4; r++) {
+                const uint8_t *g = up[r] + 8 * (size_t)b;
+                __m256i u0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)g));
+                __m256i u1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(g + 16)));
+#pragma GCC unroll 4
+                for (int j = 0; j < 4; j++) {
+                    const int16_t *x = a->x16 + (b + j) * 32;
+                    __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(w[r] + (b + j) * 16)));
+                    __m256i w0 = _mm256_or_si256(_mm256_and_si256(v, m), upper_in_place(u0, j));
+                    __m256i w1 = _mm256_or_si256(_mm256_srli_epi16(v, 4), upper_in_place(u1, j));
+                    __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)x)),
+                                                 _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(x + 16))));
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), block_factor_as(f, ds + r * fc, b + j), acc[r]);
+                }
+            }
+        }
+    } else if (f.top) {
         for (int b = 0; b < nb; b += 4) {
             gemv4_block(a, f, w, b, 0, ds, tab, acc);
             gemv4_block(a, f, w, b + 1, 1, ds, tab, acc);
