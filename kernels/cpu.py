@@ -252,8 +252,8 @@ class Plan(NamedTuple):
 # a codebook's values, a 5-bit weight's fifth bits, Q6_K's upper bits, a scale a sub-block of 16
 FIELDS = {Int4Weight: ("packed", "scales", "biases"), Int8Weight: ("data", "scales"),
           Int4KWeight: ("packed", "d", "dmin", "sub"),
-          Int5Weight: ("packed", "scales", "biases", None, None, "high"),
-          Int5KWeight: ("packed", "d", "dmin", "sub", None, "high"),
+          Int5Weight: ("packed", "scales", "biases", None, None, "fifth"),
+          Int5KWeight: ("packed", "d", "dmin", "sub", None, "fifth"),
           Int6KWeight: ("packed", "d", None, None, None, None, "upper", "sc"),
           Int3KWeight: ("packed", "d", None, None, None, None, None, "sc"),
           **{cls: ("packed", "scales", None, None, "table") for cls in set(CODEBOOK_TYPES.values())}}

@@ -610,23 +610,41 @@ typedef struct {
 } gemm_args;
 
 /* A 5-bit weight (quant/int5.py: GGUF's Q5_0, Q5_1, Q5_K) is an int4 weight, its scales, biases and int4-k
- * factors as they are, whose codes have a fifth bit: codes 0 .. 31. Row n's fifth bits are K / 8 bytes, 4 a block
- * (a little-endian uint32): bit e is the fifth bit of the block's byte e as the products expand the nibbles, e < 16
- * column 2e (a low nibble), e >= 16 column 2 (e - 16) + 1 (a high one); so a pair of blocks is one uint64 whose bit
- * e goes to expand_int4_pair's byte e. A code row's bytes (K / 2) are 4x its bit row's: a row's bits are found from
- * its codes' address. */
+ * factors as they are, whose codes have a fifth bit: codes 0 .. 31. Row n's fifth bits are K / 8 bytes (`high`:
+ * quant/int5.py's `fifth`), in the order the products expand a block's nibbles: position e is column 2e for e < 16
+ * (a low nibble), column 2 (e - 16) + 1 past it (a high one). Each eight blocks of a row (b = 8g .. 8g + 7) take 32
+ * bytes, byte e holding at bit j block 8g + j's bit for position e (FIFTH_GROUP: AVX2 widens a group's 16 bytes of
+ * each half once and gives each block its bits by a shift and a mask); the blocks past a row's last eight take 4
+ * bytes each, a little-endian uint32 whose bit e is position e's. A code row's bytes (K / 2) are 4x its bit row's:
+ * a row's bits are found from its codes' address. */
+#define FIFTH_GROUP 8
 static inline size_t plane_row(const gemm_args *a, const uint8_t *wrow) { /* wrow's bits' offset in a plane */
     return (size_t)(wrow - (const uint8_t *)a->w) >> 2;
 }
-static inline uint32_t plane32(const gemm_args *a, const uint8_t *plane, const uint8_t *wrow, int b) {
-    uint32_t v;
-    memcpy(&v, plane + plane_row(a, wrow) + 4 * (size_t)b, 4);
+static inline int fifth_grouped(int K) { return K / 256 * FIFTH_GROUP; } /* the blocks of a row held in groups */
+/* Block b's 32 fifth bits as one word, bit e position e's; row: the row's K / 8 bytes. */
+static inline uint32_t fifth_word(const uint8_t *row, int K, int b) {
+    uint32_t v = 0;
+    if (b >= fifth_grouped(K)) {
+        memcpy(&v, row + 4 * (size_t)b, 4);
+        return v;
+    }
+    const uint8_t *g = row + 32 * (size_t)(b / FIFTH_GROUP);
+    int j = b % FIFTH_GROUP;
+#if defined(LPD_AVX512) || defined(LPD_AVX2) /* bit j of each byte to its top bit (16-bit shifts: what crosses from
+                                              * the byte below stays under bit 7), then the 32 top bits */
+    v = (uint32_t)_mm256_movemask_epi8(_mm256_sll_epi16(_mm256_loadu_si256((const __m256i *)g), _mm_cvtsi32_si128(7 - j)));
+#else
+    for (int e = 0; e < 32; e++) v |= (uint32_t)(g[e] >> j & 1) << e;
+#endif
     return v;
 }
-static inline uint32_t fifth32(const gemm_args *a, const uint8_t *wrow, int b) { return plane32(a, a->high, wrow, b); }
+static inline uint32_t fifth32(const gemm_args *a, const uint8_t *wrow, int b) {
+    return fifth_word(a->high + plane_row(a, wrow), a->K, b);
+}
 /* Q6_K's codes are 6 bits: their low four int4's nibbles, their two upper bits in `top` (quant/int6k.py's `upper`):
  * each four blocks of a row (b = 4g .. 4g + 3) take 32 bytes, byte e holding at bits 2j, 2j + 1 block 4g + j's
- * bits for byte e of the block as the products expand its nibbles (plane32's order), so that one load and a shift
+ * bits for byte e of the block as the products expand its nibbles (fifth_word's order), so that one load and a shift
  * give a block's 32 pairs in place. A code row's bytes (K / 2) are twice its upper row's. upper_group: the 32 bytes
  * of block b's group. */
 static inline const uint8_t *upper_group(const uint8_t *top, size_t row_at, int b) {
@@ -840,9 +858,20 @@ static inline __m512i load_pair(const gemm_args *a, const uint8_t *wrow, int b, 
             return _mm512_or_si512(v, _mm512_and_si512(_mm512_slli_epi16(u, 4), _mm512_set1_epi8(0x30)));
         }
         if (!a->high) return v;
-        uint64_t f; /* the pair's fifth bits, bit e for byte e */
-        memcpy(&f, a->high + plane_row(a, wrow) + 4 * (size_t)b, 8);
-        return _mm512_mask_add_epi8(v, _cvtu64_mask64(f), v, _mm512_set1_epi8(16)); /* a nibble + 16 */
+        const uint8_t *row = a->high + plane_row(a, wrow);
+        __mmask64 f; /* the pair's fifth bits, bit e for byte e; b even, so a grouped pair is bits j, j + 1 of one
+                      * group's 32 bytes: one test of them */
+        if (b < fifth_grouped(a->K)) {
+            int j = b % FIFTH_GROUP;
+            __m512i g = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(row + 32 * (size_t)(b / FIFTH_GROUP))));
+            f = _mm512_test_epi8_mask(g, _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << j)),
+                                                            _mm256_set1_epi8((char)(2 << j)), 1));
+        } else {
+            uint64_t w;
+            memcpy(&w, row + 4 * (size_t)b, 8);
+            f = _cvtu64_mask64(w);
+        }
+        return _mm512_mask_add_epi8(v, f, v, _mm512_set1_epi8(16)); /* a nibble + 16 */
     }
     return _mm512_xor_si512(_mm512_loadu_si512(wrow + b * 32), _mm512_set1_epi8((char)0x80));
 }
@@ -1144,6 +1173,18 @@ static inline __m256i plane_bytes(uint32_t bits, __m256i value) {
     __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), pick), bit);
     return _mm256_and_si256(_mm256_cmpeq_epi8(v, bit), value);
 }
+/* Block j's (b % FIFTH_GROUP's) fifth bits of the group bytes in u (16 of them widened to 16-bit lanes), each at bit
+ * 4 of its lane (a code's): one shift and a mask where j is a constant (a caller that unrolls a group's blocks),
+ * else two shifts and a mask. */
+static inline __attribute__((always_inline)) __m256i fifth_in_place(__m256i u, int j) {
+    const __m256i m = _mm256_set1_epi16(16);
+    if (__builtin_constant_p(j)) {
+        if (j < 4) return _mm256_and_si256(_mm256_slli_epi16(u, 4 - j), m);
+        if (j == 4) return _mm256_and_si256(u, m);
+        return _mm256_and_si256(_mm256_srli_epi16(u, j - 4), m);
+    }
+    return _mm256_and_si256(_mm256_slli_epi16(_mm256_srl_epi16(u, _mm_cvtsi32_si128(j)), 4), m);
+}
 /* Block b's codes widened to int16: w0 the block's even columns, w1 its odd ones (as the input's x0, x1). j: b & 3,
  * Q6_K's place in its upper group (a constant where the caller unrolls a group's blocks). */
 static inline __attribute__((always_inline)) void widen16_as(const gemm_args *a, wfmt f, const uint8_t *wrow, int b,
@@ -1157,8 +1198,19 @@ static inline __attribute__((always_inline)) void widen16_as(const gemm_args *a,
         __m256i u1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(g + 16)));
         *w0 = _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi16(15)), upper_in_place(u0, j));
         *w1 = _mm256_or_si256(_mm256_srli_epi16(v, 4), upper_in_place(u1, j));
-    } else if (f.b4 && (f.high || f.top) && !f.lut) { /* 5-bit codes: block_codes_as's, their bits added in
-                                                        * one register */
+    } else if (f.b4 && f.high && !f.top && !f.lut && b < fifth_grouped(a->K)) { /* 5-bit codes in a group: the
+                                                                                  * nibbles as below, each half's
+                                                                                  * fifth bits widened from its 16
+                                                                                  * bytes of the group */
+        const uint8_t *g = a->high + plane_row(a, wrow) + 32 * (size_t)(b / FIFTH_GROUP);
+        __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wrow + b * 16)));
+        __m256i u0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)g));
+        __m256i u1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(g + 16)));
+        *w0 = _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi16(15)), fifth_in_place(u0, b % FIFTH_GROUP));
+        *w1 = _mm256_or_si256(_mm256_srli_epi16(v, 4), fifth_in_place(u1, b % FIFTH_GROUP));
+    } else if (f.b4 && (f.high || f.top) && !f.lut) { /* 5-bit codes past a row's groups (or any of a weight with
+                                                        * both planes): block_codes_as's, their bits added in one
+                                                        * register */
         __m128i raw = _mm_loadu_si128((const __m128i *)(wrow + b * 16)), m = _mm_set1_epi8(15);
         __m256i c = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m), _mm_and_si128(raw, m));
         if (f.high) c = _mm256_or_si256(c, plane_bytes(fifth32(a, wrow, b), _mm256_set1_epi8(16)));
@@ -1263,6 +1315,34 @@ static inline __attribute__((always_inline)) void gemv4_as(const gemm_args *a, w
                 }
             }
         }
+    } else if (f.high && !f.top && !f.lut) { /* 5-bit codes: a group of eight blocks a row at a time, its fifth
+                                               * bits widened once for the eight (widen16_as's codes), then the
+                                               * blocks past the groups one at a time */
+        const __m256i m = _mm256_set1_epi16(15);
+        int full = fifth_grouped(K), fc = K / 32;
+        for (int b = 0; b < full; b += FIFTH_GROUP) {
+            for (int j = 0; j < FIFTH_GROUP; j++) {
+                prefetch_run(w[0], (b + j) * 64, 64);
+                prefetch_fifth_as(a, f, w[0], (b + j) * 64, 64);
+            }
+#pragma GCC unroll 4
+            for (int r = 0; r < 4; r++) {
+                const uint8_t *g = a->high + plane_row(a, w[r]) + 4 * (size_t)b;
+                __m256i u0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)g));
+                __m256i u1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(g + 16)));
+#pragma GCC unroll 8
+                for (int j = 0; j < FIFTH_GROUP; j++) {
+                    const int16_t *x = a->x16 + (b + j) * 32;
+                    __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(w[r] + (b + j) * 16)));
+                    __m256i w0 = _mm256_or_si256(_mm256_and_si256(v, m), fifth_in_place(u0, j));
+                    __m256i w1 = _mm256_or_si256(_mm256_srli_epi16(v, 4), fifth_in_place(u1, j));
+                    __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)x)),
+                                                 _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(x + 16))));
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(ds[r * fc + b + j]), acc[r]);
+                }
+            }
+        }
+        for (int b = full; b < nb; b++) gemv4_block(a, f, w, b, b & 3, ds, tab, acc);
     } else if (f.top) {
         for (int b = 0; b < nb; b += 4) {
             gemv4_block(a, f, w, b, 0, ds, tab, acc);
@@ -2753,11 +2833,9 @@ typedef struct {
     const int8_t *sc16;
 } dequant_args;
 
-/* A bit plane's 32 bits of block b of row n (gemm_args' plane32). */
-static inline uint32_t dequant_plane(const dequant_args *a, const uint8_t *plane, int n, int b) {
-    uint32_t v;
-    memcpy(&v, plane + (size_t)n * (a->K / 8) + 4 * (size_t)b, 4);
-    return v;
+/* A 5-bit weight's fifth bits of block b of row n (fifth32's). */
+static inline uint32_t dequant_fifth(const dequant_args *a, int n, int b) {
+    return fifth_word(a->high + (size_t)n * (a->K / 8), a->K, b);
 }
 
 #if defined(LPD_AVX512) || defined(LPD_AVX2)
@@ -2780,7 +2858,7 @@ static inline int dequant_group8(const dequant_args *a, int n, int g, float s, f
         __m256 vm = _mm256_set1_ps(m);
         const uint8_t *p = a->w + (size_t)n * (K / 2) + g * (G / 2);
         __m128i mask = _mm_set1_epi8(15);
-        uint32_t f = a->high ? dequant_plane(a, a->high, n, g) : 0; /* a 5-bit weight's groups are its blocks */
+        uint32_t f = a->high ? dequant_fifth(a, n, g) : 0; /* a 5-bit weight's groups are its blocks */
         for (int j = 0; j < G / 2; j += 8) {
             __m128i b = _mm_loadl_epi64((const __m128i *)(p + j));
             __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
@@ -2873,7 +2951,7 @@ static void dequant_rows(const dequant_args *a, int r0, int r1, float *out) {
                     o[g * 32 + j] = (float)a->lut[codebook_code(a->w + (size_t)n * (K / 2), ng, g, j)] * s;
             } else if (a->bits == 4) {
                 const uint8_t *p = a->w + (size_t)n * (K / 2) + g * (a->group / 2);
-                uint32_t f = a->high ? dequant_plane(a, a->high, n, g) : 0;
+                uint32_t f = a->high ? dequant_fifth(a, n, g) : 0;
                 for (int j = 0; j < a->group / 2; j++) {
                     o[g * a->group + 2 * j] = (float)((p[j] & 15) | (f >> j & 1) << 4) * s + m;
                     o[g * a->group + 2 * j + 1] = (float)((p[j] >> 4) | (f >> (16 + j) & 1) << 4) * s + m;
@@ -2998,7 +3076,7 @@ static void dequant_rows_bf16(const dequant_args *a, int r0, int r1, uint16_t *o
             uint16_t *og = o + (size_t)g * G;
             if (a->bits == 4) {
                 const uint8_t *p = a->w + (size_t)n * (K / 2) + g * (G / 2);
-                uint32_t f = a->high ? dequant_plane(a, a->high, n, g) : 0;
+                uint32_t f = a->high ? dequant_fifth(a, n, g) : 0;
                 for (int j = 0; j < G / 2; j += 16) { /* 16 bytes: columns 2j .. 2j + 31 */
                     __m128i b = _mm_loadu_si128((const __m128i *)(p + j));
                     __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);

@@ -5,9 +5,9 @@
  * blocks running along a row) from `src` and writes each output row r from source row order[r] (order NULL: row r)
  * into the fields `out` points to, in the order the weight's dataclass lists them (quant/weights.py, int4k.py,
  * int5.py, int6k.py), each row-major. The fields are the torch imports' (quant.weights.from_gguf) bit for bit:
- * codes as Int4Weight's nibbles (column 2b in byte b's low half), a fifth bit as quant/int5.py's planes (a block's
- * even columns, then its odd ones, a bit each), Q6_K's two upper bits as quant/int6k.py's `upper`, a codebook's as
- * quant/codebook.py packs them, float16 fields copied as their bits, those computed (Q4_0's -8 d, Q5_0's -16 d,
+ * codes as Int4Weight's nibbles (column 2b in byte b's low half), a fifth bit as quant/int5.py's `fifth` (a
+ * block's even columns, then its odd ones, eight blocks a group), Q6_K's two upper bits as quant/int6k.py's
+ * `upper`, a codebook's as quant/codebook.py packs them, float16 fields copied as their bits, those computed (Q4_0's -8 d, Q5_0's -16 d,
  * IQ4_XS's d (ls - 32), MXFP4's 2^(e - 128)) rounded as torch rounds to float16. Returns 0, or 1 where a float16
  * scale or bias is not finite: the caller then takes the torch import, which names the value. */
 
@@ -28,6 +28,22 @@ static void put_plane(uint8_t *dst, const uint8_t *q, int bit) {
     for (int e = 0; e < 16; e++) w |= (uint32_t)((q[2 * e] >> bit) & 1) << e;
     for (int e = 0; e < 16; e++) w |= (uint32_t)((q[2 * e + 1] >> bit) & 1) << (16 + e);
     memcpy(dst, &w, 4);
+}
+
+/* The fifth bits of a block's 32 codes as block j of a group of eight in quant/int5.py's `fifth`: bit j of the
+ * group's 32 bytes, byte e position e's (put_plane's order); j == 0 writes the bytes, the rest add their bit. */
+static void put_fifth(uint8_t *group, const uint8_t *q, int j) {
+    for (int e = 0; e < 32; e++) {
+        uint8_t bit = (uint8_t)(((q[e < 16 ? 2 * e : 2 * (e - 16) + 1] >> 4) & 1) << j);
+        group[e] = j ? (uint8_t)(group[e] | bit) : bit;
+    }
+}
+
+/* Block b of a row's fifth bits where `fifth` holds them (quant/int5.py): bit b % 8 of its group's 32 bytes, or,
+ * past the row's last eight blocks, 4 bytes of its own. */
+static void put_fifth_of(uint8_t *row, const uint8_t *q, int64_t k, int64_t b) {
+    if (b < k / 256 * 8) put_fifth(row + 32 * (b / 8), q, (int)(b % 8));
+    else put_plane(row + 4 * b, q, 4);
 }
 
 /* The two upper bits of four blocks' 128 codes (q >> 4) as quant/int6k.py's `upper` holds them: 32 bytes, byte e's
@@ -188,7 +204,7 @@ static int import_row(int type, const uint8_t *s, int64_t k, int64_t r, void **o
             else if (!half_times_pow2(d ^ 0x8000, five ? 4 : 3, &bias)) ok = 0;  /* -8 d, -16 d */
             put_nibbles((uint8_t *)out[0] + r * (k / 2) + 16 * b, q);
             int f = 1;
-            if (five) put_plane((uint8_t *)out[f++] + r * (k / 8) + 4 * b, q, 4);
+            if (five) put_fifth_of((uint8_t *)out[f++] + r * (k / 8), q, k, b);
             ((uint16_t *)out[f])[r * g32 + b] = d;
             ((uint16_t *)out[f + 1])[r * g32 + b] = bias;
             break;
@@ -207,7 +223,7 @@ static int import_row(int type, const uint8_t *s, int64_t k, int64_t r, void **o
             int f = 1;
             for (int j = 0; j < 8; j++) {
                 put_nibbles((uint8_t *)out[0] + r * (k / 2) + 128 * b + 16 * j, q + 32 * j);
-                if (five) put_plane((uint8_t *)out[1] + r * (k / 8) + 32 * b + 4 * j, q + 32 * j, 4);
+                if (five) put_fifth((uint8_t *)out[1] + r * (k / 8) + 32 * b, q + 32 * j, j);
             }
             f += five;
             memcpy((uint16_t *)out[f] + r * nb + b, s, 2);

@@ -2,16 +2,21 @@
 and Q5_K (Int5KWeight: int4-k's super-block scales and biases), each imported bit for bit.
 
 Each is an int4 weight of its kind (Int4Weight, Int4KWeight: the same fields, the same kernels' factors) whose
-codes have a fifth bit, held apart in `high`: value = (q + 16 h) * scale + bias, q the four low bits (in `packed`,
+codes have a fifth bit, held apart in `fifth`: value = (q + 16 h) * scale + bias, q the four low bits (in `packed`,
 Int4Weight's layout) and h the fifth. Q5_0's value (q5 - 16) * d is the case bias = -16 d (exact in float16, as
 Q4_0's -8 d is). 5.5 bits a weight for Q5_0/Q5_1 (5.6 for Q5_K), where the nearest int8 weight that the CPU held
 them as before took 8.5.
 
-`high` is uint8 [N, K // 8]: each block of 32 columns takes 4 bytes, a little-endian uint32 whose bit e is the
-fifth bit of column 2e for e < 16 (the block's low nibbles) and of column 2(e - 16) + 1 for e >= 16 (its high
-ones): the order in which the CPU kernels expand a block's nibbles (kernels/cpu_kernels.c), so a pair of blocks'
-bits is one 64-bit mask there. The GPU takes these weights as their nearest int8 (to_int8, kernels/dispatch.py's
-as_int8), as localpd held them everywhere before.
+`fifth` is uint8 [N, K // 8], the fifth bits in the order the CPU kernels expand a block's nibbles: position e of
+a block is column 2e for e < 16 (its low nibbles) and column 2(e - 16) + 1 for e >= 16 (its high ones). Each eight
+blocks of a row (256 columns, blocks 8g .. 8g + 7) take 32 bytes, byte e holding at bit j block 8g + j's bit for
+position e: so one 16-byte load, widened to 16-bit lanes once for the eight blocks, gives each block's bits in place
+by one shift and a mask (as Q6_K's `upper` gives its two, quant/int6k.py), where a block's 32-bit word took a
+broadcast, a shuffle and three masks (the AVX2 products, docs/PERF.md). The blocks past a row's last eight (K not a
+multiple of 256: Q5_0 and Q5_1 only) take 4 bytes each, a little-endian uint32 whose bit e is position e's (`bit_plane`'s
+layout, which every block took in a quantized directory written before `fifth`, as `high`: quant/store.py reads it).
+The GPU takes these weights as their nearest int8 (to_int8, kernels/dispatch.py's as_int8), as localpd held them
+everywhere before.
 """
 
 from __future__ import annotations
@@ -27,18 +32,20 @@ from localpd.quant.int4k import Int4KWeight
 from localpd.quant.weights import Int4Weight, Int8Weight, cpu_biases_skipped, int8_near, pack_int4, unpack_int4
 
 GROUP = 32
-EVEN_THEN_ODD = np.concatenate([np.arange(0, GROUP, 2), np.arange(1, GROUP, 2)])  # a block's columns as `high` holds them
+EVEN_THEN_ODD = np.concatenate([np.arange(0, GROUP, 2), np.arange(1, GROUP, 2)])  # a block's columns by position
+FIFTH_GROUP = 8  # blocks a group of `fifth`: 32 bytes
 
 
 def split_codes(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """uint8 codes [N, K] (0..31, K a multiple of 32) -> (packed low four bits, Int4Weight's int32 layout; the
-    fifth bits, uint8 [N, K // 8] in the module docstring's order)."""
+    fifth bits, uint8 [N, K // 8] as `fifth` holds them: the module docstring)."""
     codes = codes.to(torch.uint8)
-    return pack_int4(codes & 15), bit_plane(codes, 4)
+    return pack_int4(codes & 15), fifth_plane(codes)
 
 
 def bit_plane(codes: torch.Tensor, bit: int) -> torch.Tensor:
-    """Bit `bit` of each of uint8 codes [N, K] (K a multiple of 32), packed as `high` is: uint8 [N, K // 8]."""
+    """Bit `bit` of each of uint8 codes [N, K] (K a multiple of 32), a block's 32 as one little-endian uint32 (bit e
+    position e's): uint8 [N, K // 8]."""
     n, k = codes.shape
     if k % GROUP:
         raise LocalpdError(f"5-bit weights need the input dimension ({k}) to be a multiple of {GROUP}")
@@ -53,19 +60,54 @@ def bit_plane(codes: torch.Tensor, bit: int) -> torch.Tensor:
     return (ordered.to(torch.int32) * weights).sum(-1).to(torch.uint8).contiguous()
 
 
-def join_codes(packed: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
-    """split_codes' inverse: uint8 codes [N, K], 0..31."""
-    n = packed.shape[0]
-    bits = (high[..., None] >> torch.arange(8, dtype=torch.uint8, device=high.device)) & 1  # [N, K // 8, 8]
+def plane_bits(plane: torch.Tensor) -> torch.Tensor:
+    """bit_plane's inverse: the bits, uint8 [N, K] (0 or 1)."""
+    n = plane.shape[0]
+    bits = (plane[..., None] >> torch.arange(8, dtype=torch.uint8, device=plane.device)) & 1  # [N, K // 8, 8]
     k = bits.shape[1] * 8
-    fifth = bits.reshape(n, k // GROUP, 2, GROUP // 2).transpose(2, 3).reshape(n, k)
-    return unpack_int4(packed) | (fifth << 4)
+    return bits.reshape(n, k // GROUP, 2, GROUP // 2).transpose(2, 3).reshape(n, k)
 
 
-def _check_high(high: torch.Tensor, n: int, k: int) -> None:
-    if high.dtype != torch.uint8 or tuple(high.shape) != (n, k // 8):
+def _grouped(k: int) -> int:
+    """The columns of a row that `fifth` holds eight blocks at a time (the rest a block at a time)."""
+    return k - k % (GROUP * FIFTH_GROUP)
+
+
+def fifth_plane(codes: torch.Tensor) -> torch.Tensor:
+    """The fifth bits of uint8 codes [N, K] (K a multiple of 32) as `fifth` holds them (the module docstring)."""
+    n, k = codes.shape
+    plane = bit_plane(codes, 4)
+    full = _grouped(k)
+    if full:
+        bits = plane_bits(plane[:, :full // 8]).reshape(n, full // 256, FIFTH_GROUP, GROUP)
+        bits = bits[..., torch.from_numpy(EVEN_THEN_ODD).to(codes.device)].to(torch.int32)  # [N, g, j, e]
+        shifts = torch.arange(FIFTH_GROUP, dtype=torch.int32, device=codes.device).reshape(1, 1, FIFTH_GROUP, 1)
+        plane[:, :full // 8] = (bits << shifts).sum(2).to(torch.uint8).reshape(n, full // 8)
+    return plane.contiguous()
+
+
+def fifth_bits(fifth: torch.Tensor) -> torch.Tensor:
+    """fifth_plane's inverse: each code's fifth bit, uint8 [N, K] (0 or 1)."""
+    n, k = fifth.shape[0], fifth.shape[1] * 8
+    full = _grouped(k)
+    bits = plane_bits(fifth)
+    if full:
+        shifts = torch.arange(FIFTH_GROUP, dtype=torch.uint8, device=fifth.device).reshape(1, 1, FIFTH_GROUP, 1)
+        grouped = (fifth[:, :full // 8].reshape(n, -1, 1, GROUP) >> shifts) & 1  # [N, g, j, e]
+        place = torch.argsort(torch.from_numpy(EVEN_THEN_ODD)).to(fifth.device)
+        bits[:, :full] = grouped[..., place].reshape(n, full)
+    return bits
+
+
+def join_codes(packed: torch.Tensor, fifth: torch.Tensor) -> torch.Tensor:
+    """split_codes' inverse: uint8 codes [N, K], 0..31."""
+    return unpack_int4(packed) | (fifth_bits(fifth) << 4)
+
+
+def _check_fifth(fifth: torch.Tensor, n: int, k: int) -> None:
+    if fifth.dtype != torch.uint8 or tuple(fifth.shape) != (n, k // 8):
         raise LocalpdError(f"5-bit weights' fifth bits must be uint8 {(n, k // 8)} for a {n}x{k} weight, got "
-                           f"{high.dtype} {tuple(high.shape)}")
+                           f"{fifth.dtype} {tuple(fifth.shape)}")
     if k % GROUP:
         raise LocalpdError(f"5-bit weights need the input dimension ({k}) to be a multiple of {GROUP}")
 
@@ -86,6 +128,13 @@ def _to_int8(codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor) -> In
 class FifthBits:
     """What the two 5-bit formats share: int4's packed low bits beside the fifth-bit plane, blocks of 32."""
 
+    @classmethod
+    def from_block_plane(cls, packed: torch.Tensor, high: torch.Tensor, *factors: torch.Tensor) -> FifthBits:
+        """The weight a quantized directory written before `fifth` held, its fifth bits a block at a time (`high`,
+        bit_plane's layout)."""
+        n, k = high.shape[0], high.shape[1] * 8
+        return cls(packed, fifth_plane(plane_bits(high).reshape(n, k) << 4), *factors)
+
     @property
     def shape(self) -> tuple[int, int]:
         return self.packed.shape[0], self.packed.shape[1] * 8
@@ -99,7 +148,7 @@ class FifthBits:
         return sum(getattr(self, f.name).nbytes for f in fields(self))
 
     def codes(self) -> torch.Tensor:
-        return join_codes(self.packed, self.high)
+        return join_codes(self.packed, self.fifth)
 
 
 @dataclass
@@ -107,7 +156,7 @@ class Int5Weight(FifthBits):
     """Q5_0 / Q5_1: value = q5 * scales[n, b] + biases[n, b] per block b of 32 columns, q5 in 0..31."""
 
     packed: torch.Tensor  # int32 [N, K // 8]: the codes' low four bits, Int4Weight's layout
-    high: torch.Tensor    # uint8 [N, K // 8]: their fifth bits (module docstring)
+    fifth: torch.Tensor   # uint8 [N, K // 8]: their fifth bits (module docstring)
     scales: torch.Tensor  # float16 [N, K // 32]
     biases: torch.Tensor  # float16 [N, K // 32]
     SYMMETRIC_BIAS = -16  # a symmetric weight's bias, times its scale (Q5_0's): quant.weights.symmetric
@@ -116,7 +165,7 @@ class Int5Weight(FifthBits):
         low = Int4Weight(self.packed, self.scales, self.biases)  # its checks
         if low.group != GROUP:
             raise LocalpdError(f"5-bit weights take a scale a group of {GROUP} columns, not {low.group}")
-        _check_high(self.high, *self.shape)
+        _check_fifth(self.fifth, *self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -140,14 +189,14 @@ class Int5KWeight(FifthBits):
     """Q5_K: value = q5 * d[n, j] * sc[n, b] + dmin[n, j] * mn[n, b], as int4-k (quant/int4k.py) with 5-bit codes."""
 
     packed: torch.Tensor  # int32 [N, K // 8]: the codes' low four bits, Int4Weight's layout
-    high: torch.Tensor    # uint8 [N, K // 8]: their fifth bits (module docstring)
+    fifth: torch.Tensor   # uint8 [N, K // 8]: their fifth bits (module docstring)
     d: torch.Tensor       # float16 [N, super-blocks]
     dmin: torch.Tensor    # float16 [N, super-blocks]
     sub: torch.Tensor     # uint8 [N, 2 * nb]: sc (uint8), then mn (int8), a group each
 
     def __post_init__(self):
         self.low()  # its checks
-        _check_high(self.high, *self.shape)
+        _check_fifth(self.fifth, *self.shape)
 
     def low(self) -> Int4KWeight:
         return Int4KWeight(self.packed, self.d, self.dmin, self.sub)

@@ -9,7 +9,7 @@ two upper bits in `upper`, uint8 [N, K // 4]: each four blocks of 32 columns of 
 bytes, byte e holding at bits 2j, 2j + 1 block 4g + j's bits for position e in the order the CPU kernels expand a
 block's nibbles (quant/int5.py's planes: e < 16 column 2e, e >= 16 column 2 (e - 16) + 1). So one 32-byte load
 and a shift give a block's 32 upper bits in the places its nibbles take, where a plane a bit (as the 5-bit weights
-hold their fifth) took a 32-bit broadcast, a shuffle and three masks a bit (the AVX2 products, docs/PERF.md). The
+held their fifth before) took a 32-bit broadcast, a shuffle and three masks a bit (the AVX2 products, docs/PERF.md). The
 GPU takes these weights as their nearest int8 (to_int8, kernels/dispatch.py's as_int8), as localpd held them
 everywhere before.
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from localpd.errors import LocalpdError
-from localpd.quant.int5 import EVEN_THEN_ODD, GROUP, join_codes
+from localpd.quant.int5 import EVEN_THEN_ODD, GROUP, plane_bits
 from localpd.quant.weights import Int8Weight, check_fields, pack_int4, unpack_int4
 
 SUB, SUPER = 16, 256  # columns a scale; columns a d
@@ -176,6 +176,6 @@ class Int6KWeight(SubScaled):
     def from_bit_planes(cls, packed: torch.Tensor, high: torch.Tensor, top: torch.Tensor, d: torch.Tensor,
                         sc: torch.Tensor) -> Int6KWeight:
         """The weight a quantized directory of format version 1 held as a fifth-bit and a sixth-bit plane
-        (quant/int5.py's order, uint8 [N, K // 8] each)."""
-        codes = join_codes(packed, high) | (join_codes(torch.zeros_like(packed), top) << 1)
+        (quant/int5.py's bit_plane, uint8 [N, K // 8] each)."""
+        codes = unpack_int4(packed) | plane_bits(high) << 4 | plane_bits(top) << 5
         return cls.from_codes(codes, d, sc)

@@ -106,6 +106,11 @@ def load_quantized(path: Path, device, scheme: str = "native") -> tuple[dict, di
                     weights[name] = Int6KWeight.from_bit_planes(*(f.get_tensor(f"{name}.{p}")
                                                                   for p in ("packed", "high", "top", "d", "sc")))
                     continue
+                if cls in (Int5Weight, Int5KWeight) and f"{name}.fifth" not in names and f"{name}.high" in names:
+                    # written before `fifth` (its fifth bits a block at a time, 2026-12): the same codes
+                    weights[name] = cls.from_block_plane(*(f.get_tensor(f"{name}.{p}") for p in
+                                                           ["packed", "high", *(fl.name for fl in fields(cls)[2:])]))
+                    continue
                 missing = [p for p in parts if p not in names]
                 if missing:
                     raise LocalpdError(f"{path}: tensor {missing[0]} is missing; the file is damaged")

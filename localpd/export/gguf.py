@@ -172,7 +172,7 @@ def encode(w: Weight) -> tuple[str, np.ndarray, Weight]:
         if w.shape[1] % SUPER == 0 and fits_q4_k(low):
             return "Q5_K", q5_k_blocks(w).numpy(), w
         scale, bias = (t.half() for t in low.group_scales())  # Q5_1 in float16 (a refit to Q5_K's ranges: not made)
-        w = Int5Weight(w.packed, w.high, scale, bias)
+        w = Int5Weight(w.packed, w.fifth, scale, bias)
     if isinstance(w, Int5Weight):
         return "Q5_1", q5_1_blocks(w.codes(), w.scales, w.biases).numpy(), w
     if isinstance(w, Int4KWeight):

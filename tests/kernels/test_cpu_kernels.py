@@ -702,7 +702,7 @@ def test_gathered_weights_view_one_buffer_and_multiply_the_same():
     moved = cpu.gather_weights(ws + ws[:1])
     assert moved >= sum(w.nbytes for w in ws)
     tensors = [ws[0].packed, ws[0].scales, ws[0].biases, ws[1].data, ws[1].scales, ws[2].packed, ws[2].d,
-               ws[2].dmin, ws[2].sub, ws[3].packed, ws[3].scales, ws[4].packed, ws[4].high, ws[4].sub]
+               ws[2].dmin, ws[2].sub, ws[3].packed, ws[3].scales, ws[4].packed, ws[4].fifth, ws[4].sub]
     assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
     assert ws[0].packed.data_ptr() % cpu.HUGE_PAGE == 0
     assert all(torch.equal(cpu.linear(xi, w), b) for xi, w, b in zip(x, ws, before))
@@ -799,7 +799,7 @@ def test_a_5_bit_weight_without_fifth_bits_multiplies_as_its_int4_weight_bit_for
     g = torch.Generator().manual_seed(m + n + k)
     w = weights(kind, n, k, 32, g)
     x, bias = torch.randn(m, k, generator=g) * 3, torch.randn(n, generator=g)
-    clear = type(w)(**{**w.__dict__, "high": torch.zeros_like(w.high)})
+    clear = type(w)(**{**w.__dict__, "fifth": torch.zeros_like(w.fifth)})
     low = Int4Weight(w.packed, w.scales, w.biases) if kind == "int5" else w.low()
     assert torch.equal(cpu.linear(x, clear, bias, lib=lib), cpu.linear(x, low, bias, lib=lib))
     y = cpu.linear(x, w, bias, lib=lib)
