@@ -633,7 +633,8 @@ static inline uint32_t fifth_word(const uint8_t *row, int K, int b) {
     int j = b % FIFTH_GROUP;
 #if defined(LPD_AVX512) || defined(LPD_AVX2) /* bit j of each byte to its top bit (16-bit shifts: what crosses from
                                               * the byte below stays under bit 7), then the 32 top bits */
-    v = (uint32_t)_mm256_movemask_epi8(_mm256_sll_epi16(_mm256_loadu_si256((const __m256i *)g), _mm_cvtsi32_si128(7 - j)));
+    __m256i bytes = _mm256_loadu_si256((const __m256i *)g);
+    v = (uint32_t)_mm256_movemask_epi8(_mm256_sll_epi16(bytes, _mm_cvtsi32_si128(7 - j)));
 #else
     for (int e = 0; e < 32; e++) v |= (uint32_t)(g[e] >> j & 1) << e;
 #endif
@@ -863,7 +864,8 @@ static inline __m512i load_pair(const gemm_args *a, const uint8_t *wrow, int b, 
                       * group's 32 bytes: one test of them */
         if (b < fifth_grouped(a->K)) {
             int j = b % FIFTH_GROUP;
-            __m512i g = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(row + 32 * (size_t)(b / FIFTH_GROUP))));
+            const uint8_t *group = row + 32 * (size_t)(b / FIFTH_GROUP);
+            __m512i g = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)group));
             f = _mm512_test_epi8_mask(g, _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << j)),
                                                             _mm256_set1_epi8((char)(2 << j)), 1));
         } else {

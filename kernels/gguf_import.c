@@ -7,9 +7,10 @@
  * int5.py, int6k.py), each row-major. The fields are the torch imports' (quant.weights.from_gguf) bit for bit:
  * codes as Int4Weight's nibbles (column 2b in byte b's low half), a fifth bit as quant/int5.py's `fifth` (a
  * block's even columns, then its odd ones, eight blocks a group), Q6_K's two upper bits as quant/int6k.py's
- * `upper`, a codebook's as quant/codebook.py packs them, float16 fields copied as their bits, those computed (Q4_0's -8 d, Q5_0's -16 d,
- * IQ4_XS's d (ls - 32), MXFP4's 2^(e - 128)) rounded as torch rounds to float16. Returns 0, or 1 where a float16
- * scale or bias is not finite: the caller then takes the torch import, which names the value. */
+ * `upper`, a codebook's as quant/codebook.py packs them, float16 fields copied as their bits, those computed
+ * (Q4_0's -8 d, Q5_0's -16 d, IQ4_XS's d (ls - 32), MXFP4's 2^(e - 128)) rounded as torch rounds to float16.
+ * Returns 0, or 1 where a float16 scale or bias is not finite: the caller then takes the torch import, which names
+ * the value. */
 
 #include <stdint.h>
 #include <string.h>

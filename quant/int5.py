@@ -13,8 +13,9 @@ blocks of a row (256 columns, blocks 8g .. 8g + 7) take 32 bytes, byte e holding
 position e: so one 16-byte load, widened to 16-bit lanes once for the eight blocks, gives each block's bits in place
 by one shift and a mask (as Q6_K's `upper` gives its two, quant/int6k.py), where a block's 32-bit word took a
 broadcast, a shuffle and three masks (the AVX2 products, docs/PERF.md). The blocks past a row's last eight (K not a
-multiple of 256: Q5_0 and Q5_1 only) take 4 bytes each, a little-endian uint32 whose bit e is position e's (`bit_plane`'s
-layout, which every block took in a quantized directory written before `fifth`, as `high`: quant/store.py reads it).
+multiple of 256: Q5_0 and Q5_1 only) take 4 bytes each, a little-endian uint32 whose bit e is position e's
+(`bit_plane`'s layout, which every block took in a quantized directory written before `fifth`, as `high`:
+quant/store.py reads it).
 The GPU takes these weights as their nearest int8 (to_int8, kernels/dispatch.py's as_int8), as localpd held them
 everywhere before.
 """
@@ -79,8 +80,8 @@ def fifth_plane(codes: torch.Tensor) -> torch.Tensor:
     plane = bit_plane(codes, 4)
     full = _grouped(k)
     if full:
-        bits = plane_bits(plane[:, :full // 8]).reshape(n, full // 256, FIFTH_GROUP, GROUP)
-        bits = bits[..., torch.from_numpy(EVEN_THEN_ODD).to(codes.device)].to(torch.int32)  # [N, g, j, e]
+        bits = ((codes[:, :full].to(torch.int32) >> 4) & 1).reshape(n, full // 256, FIFTH_GROUP, GROUP)
+        bits = bits[..., torch.from_numpy(EVEN_THEN_ODD).to(codes.device)]  # [N, g, j, e]
         shifts = torch.arange(FIFTH_GROUP, dtype=torch.int32, device=codes.device).reshape(1, 1, FIFTH_GROUP, 1)
         plane[:, :full // 8] = (bits << shifts).sum(2).to(torch.uint8).reshape(n, full // 8)
     return plane.contiguous()
@@ -132,8 +133,7 @@ class FifthBits:
     def from_block_plane(cls, packed: torch.Tensor, high: torch.Tensor, *factors: torch.Tensor) -> FifthBits:
         """The weight a quantized directory written before `fifth` held, its fifth bits a block at a time (`high`,
         bit_plane's layout)."""
-        n, k = high.shape[0], high.shape[1] * 8
-        return cls(packed, fifth_plane(plane_bits(high).reshape(n, k) << 4), *factors)
+        return cls(packed, fifth_plane(plane_bits(high) << 4), *factors)
 
     @property
     def shape(self) -> tuple[int, int]:

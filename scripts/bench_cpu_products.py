@@ -72,7 +72,8 @@ def main() -> None:
     this = cpu.library() if args.march == "native" else cpu.open_library(cpu.build(args.march, Path(tempfile.mkdtemp())))
     g = torch.Generator().manual_seed(0)
     make = {"int4": lambda w: Int4Weight.quantize_rtn(w, 32), "int8": lambda w: Int8Weight.quantize(w, 32),
-            "int4k": lambda w: Int4KWeight.from_int4(Int4Weight.quantize_rtn(w, 32)), "q5": random_q5, "q6k": random_q6k}[args.kind]
+            "int4k": lambda w: Int4KWeight.from_int4(Int4Weight.quantize_rtn(w, 32)), "q5": random_q5,
+            "q6k": random_q6k}[args.kind]
     weights = [make(torch.randn(n, k, generator=g)) for n, k in SHAPES[args.shapes]]
     rows = [int(r) for r in args.rows.split(",")]
     inputs = {m: [torch.randn(m, k, generator=g) for _, k in SHAPES[args.shapes]] for m in rows}

@@ -421,7 +421,8 @@ def test_5_bit_weights_are_q5_1_and_q5_k_blocks_without_loss():
         assert kind == ("Q5_K" if type_name == "Q5_K" else "Q5_1") and type(back) is type(w), type_name
         assert same_weight(back, w) and torch.equal(decoded, w.dequantize()), type_name
     g = torch.Generator().manual_seed(6)
-    own = Int5KWeight(w.packed, w.fifth, w.d, w.dmin, torch.randint(0, 256, w.sub.shape, generator=g, dtype=torch.uint8))
+    sub = torch.randint(0, 256, w.sub.shape, generator=g, dtype=torch.uint8)
+    own = Int5KWeight(w.packed, w.fifth, w.d, w.dmin, sub)
     kind, back, decoded = blocks_round_trip(own)
     assert kind == "Q5_1" and isinstance(back, Int5Weight) and torch.equal(back.dequantize(), decoded)
     err = ((decoded - own.dequantize()).norm() / own.dequantize().norm()).item()
