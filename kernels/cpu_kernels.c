@@ -622,6 +622,8 @@ static inline size_t plane_row(const gemm_args *a, const uint8_t *wrow) { /* wro
     return (size_t)(wrow - (const uint8_t *)a->w) >> 2;
 }
 static inline int fifth_grouped(int K) { return K / 256 * FIFTH_GROUP; } /* the blocks of a row held in groups */
+/* The 32 bytes of block b's group (b < fifth_grouped(K)); row: the row's K / 8 bytes. */
+static inline const uint8_t *fifth_group(const uint8_t *row, int b) { return row + 32 * (size_t)(b / FIFTH_GROUP); }
 /* Block b's 32 fifth bits as one word, bit e position e's; row: the row's K / 8 bytes. */
 static inline uint32_t fifth_word(const uint8_t *row, int K, int b) {
     uint32_t v = 0;
@@ -629,7 +631,7 @@ static inline uint32_t fifth_word(const uint8_t *row, int K, int b) {
         memcpy(&v, row + 4 * (size_t)b, 4);
         return v;
     }
-    const uint8_t *g = row + 32 * (size_t)(b / FIFTH_GROUP);
+    const uint8_t *g = fifth_group(row, b);
     int j = b % FIFTH_GROUP;
 #if defined(LPD_AVX512) || defined(LPD_AVX2) /* bit j of each byte to its top bit (16-bit shifts: what crosses from
                                               * the byte below stays under bit 7), then the 32 top bits */
@@ -864,8 +866,7 @@ static inline __m512i load_pair(const gemm_args *a, const uint8_t *wrow, int b, 
                       * group's 32 bytes: one test of them */
         if (b < fifth_grouped(a->K)) {
             int j = b % FIFTH_GROUP;
-            const uint8_t *group = row + 32 * (size_t)(b / FIFTH_GROUP);
-            __m512i g = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)group));
+            __m512i g = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)fifth_group(row, b)));
             f = _mm512_test_epi8_mask(g, _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << j)),
                                                             _mm256_set1_epi8((char)(2 << j)), 1));
         } else {
@@ -1204,7 +1205,7 @@ static inline __attribute__((always_inline)) void widen16_as(const gemm_args *a,
                                                                                   * nibbles as below, each half's
                                                                                   * fifth bits widened from its 16
                                                                                   * bytes of the group */
-        const uint8_t *g = a->high + plane_row(a, wrow) + 32 * (size_t)(b / FIFTH_GROUP);
+        const uint8_t *g = fifth_group(a->high + plane_row(a, wrow), b);
         __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wrow + b * 16)));
         __m256i u0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)g));
         __m256i u1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(g + 16)));
@@ -1322,14 +1323,15 @@ static inline __attribute__((always_inline)) void gemv4_as(const gemm_args *a, w
                                                * blocks past the groups one at a time */
         const __m256i m = _mm256_set1_epi16(15);
         int full = fifth_grouped(K), fc = K / 32;
-        for (int b = 0; b < full; b += FIFTH_GROUP) {
+        for (int gi = 0; gi < full / FIFTH_GROUP; gi++) {
+            int b = gi * FIFTH_GROUP;
             for (int j = 0; j < FIFTH_GROUP; j++) {
                 prefetch_run(w[0], (b + j) * 64, 64);
                 prefetch_fifth_as(a, f, w[0], (b + j) * 64, 64);
             }
 #pragma GCC unroll 4
             for (int r = 0; r < 4; r++) {
-                const uint8_t *g = a->high + plane_row(a, w[r]) + 4 * (size_t)b;
+                const uint8_t *g = fifth_group(a->high + plane_row(a, w[r]), b);
                 __m256i u0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)g));
                 __m256i u1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(g + 16)));
 #pragma GCC unroll 8
