@@ -26,7 +26,7 @@ from localpd.quant.codebook import CodebookWeight
 from localpd.quant.int4k import Int4KWeight
 from localpd.quant.int5 import Int5KWeight, Int5Weight
 from localpd.quant.int6k import Int3KWeight, Int6KWeight
-from localpd.quant.kmajor import KMajorWeight
+from localpd.quant.kmajor import KMajorWeight, KStripWeight
 from localpd.quant.weights import Int4Weight, Int8Weight
 
 GEMV_MAX_M = 16  # the most rows the GEMV path takes (it is the default only up to quant_matmul.GEMV_AUTO_M)
@@ -279,8 +279,9 @@ def linear_int5(x: torch.Tensor, w: Int5Weight | Int5KWeight | Int6KWeight | Int
     return _linear_held(x, w, as_int8, int5_matmul_ref, bias, gated, norm)
 
 
-def kmajor_matmul_ref(x, w: KMajorWeight, bias=None, gated: str | None = None, norm: PreNorm | None = None):
-    """int4_matmul_ref for a K-major weight (quant/kmajor.py), dequantized in fp32."""
+def kmajor_matmul_ref(x, w: KMajorWeight | KStripWeight, bias=None, gated: str | None = None,
+                      norm: PreNorm | None = None):
+    """int4_matmul_ref for a K-major weight or one in strips (quant/kmajor.py), dequantized in fp32."""
     return _input_matmul_ref(x, w.dequantize(torch.float32), bias, gated, norm)
 
 
@@ -305,19 +306,12 @@ def linear_kmajor(x: torch.Tensor, w: KMajorWeight, bias: torch.Tensor | None = 
         return _linear(x, w.shape, lambda x2, n: kmajor_matmul_ref(x2, w, bias=bias, gated=gated, norm=n), gated,
                        norm)
     from localpd.kernels import gemv_dp4a as dp, gemv_kmajor as km
-    from localpd.kernels.act_round import quantize_act
-    from localpd.kernels.fused_dispatch import act_mul, act_mul_rounded, add_rms_norm, add_rms_norm_rounded
+    from localpd.kernels.fused_dispatch import act_mul, add_rms_norm
 
     def run(x2, n):
         gemv = x2.shape[0] <= km.MAX_ROWS
         if kmajor_rounding(x2.shape[0], w, x2):  # the integer GEMV, its input rounded by the input step
-            if rounded is not None:
-                assert rounded.bits == w.BITS and n is None and not gated
-                q, sq = rounded.q, rounded.s
-            elif n is not None:
-                q, sq, s = add_rms_norm_rounded(x2, n.residual, n.weight, n.eps, w.BITS)
-            else:
-                q, sq = act_mul_rounded(x2, gated, w.BITS) if gated else quantize_act(x2, w.BITS)
+            q, sq, s = _rounded_input(x2, n, gated, rounded, w.BITS)
             y = dp.gemv_rounded(q, sq, torch.empty((x2.shape[0], w.shape[0]), dtype=x2.dtype, device=x2.device),
                                 w.words, w.factors, w.BITS, w.group, bias=bias)
             return y if n is None else (y, s)
@@ -329,6 +323,53 @@ def linear_kmajor(x: torch.Tensor, w: KMajorWeight, bias: torch.Tensor | None = 
             h, s = add_rms_norm(x2, n.residual, n.weight, n.eps)
             return product(h), s
         return product(act_mul(x2, gated) if gated else x2)
+
+    return _linear(x, w.shape, run, gated, norm)
+
+
+def _rounded_input(x2: torch.Tensor, n: PreNorm | None, gated: str | None, rounded, bits: int):
+    """An integer GEMV's input rounded (kernels/act_round.py's q, s) and, with n, the new residual (else None):
+    handed over already rounded (rounded=), or rounded by the input step's kernel (RMSNorm, SiLU * up) as it writes
+    it, or by a launch of its own."""
+    from localpd.kernels.act_round import quantize_act
+    from localpd.kernels.fused_dispatch import act_mul_rounded, add_rms_norm_rounded
+
+    if rounded is not None:
+        assert rounded.bits == bits and n is None and not gated
+        return rounded.q, rounded.s, None
+    if n is not None:
+        return add_rms_norm_rounded(x2, n.residual, n.weight, n.eps, bits)
+    q, sq = act_mul_rounded(x2, gated, bits) if gated else quantize_act(x2, bits)
+    return q, sq, None
+
+
+def kstrip_rounding(rows: int, w: KStripWeight, like: torch.Tensor) -> int:
+    """kmajor_rounding for a weight in strips: the bits kernels/gemv_strip.py's GEMV rounds its input to, where it
+    takes this many rows of like's dtype; else 0."""
+    from localpd.kernels import gemv_strip as gs
+
+    ok = use_triton(like) and rows <= gs.MAX_ROWS and gs.takes(w.shape, w.BITS, w.group, like.dtype)
+    return w.BITS if ok else 0
+
+
+def linear_kstrip(x: torch.Tensor, w: KStripWeight, bias: torch.Tensor | None = None, gated: str | None = None,
+                  norm: PreNorm | None = None, rounded=None):
+    """linear_kmajor for a weight in strips (quant/kmajor.py): kernels/gemv_strip.py's GEMV, no split-K, up to its
+    MAX_ROWS rows of 16-bit activations, its input rounded by the input step as for the integer GEMV; other rows and
+    dtypes (prefill, float32) through linear_kmajor over the weight's K-major copy, made for the call."""
+    if not use_triton(x):
+        return _linear(x, w.shape, lambda x2, n: kmajor_matmul_ref(x2, w, bias=bias, gated=gated, norm=n), gated,
+                       norm)
+    from localpd.kernels import gemv_strip as gs
+
+    def run(x2, n):
+        if not kstrip_rounding(x2.shape[0], w, x2):
+            assert rounded is None
+            return linear_kmajor(x2, w.kmajor(), bias, gated, n)
+        q, sq, s = _rounded_input(x2, n, gated, rounded, w.BITS)
+        y = gs.gemv_strip_rounded(q, sq, torch.empty((x2.shape[0], w.shape[0]), dtype=x2.dtype, device=x2.device),
+                                  w.words, w.factors, w.BITS, w.group, bias=bias)
+        return y if n is None else (y, s)
 
     return _linear(x, w.shape, run, gated, norm)
 

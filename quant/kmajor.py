@@ -12,6 +12,11 @@ four (kernels/gemv_kmajor.py). The words are exactly the row-major words transpo
 
 The model converts its int4/int8 matrices to this layout when it is placed on a GPU (to_kmajor); the CPU keeps the
 row-major formats. `dequantize` gives the same [N, K] matrix as the row-major weight it came from.
+
+Strips (`KStripInt4`, `KStripInt8`: to_strips) are the same words K-major within each strip of 4 outputs: `words`
+[N / 4, K * bits / 32, 4], strip j's row i the K-major row i of outputs 4j..4j+3 (16 bytes), `factors` [N / 4, K /
+group, 4] likewise, so one program streams a strip's 4 outputs over all of K as one contiguous run
+(kernels/gemv_strip.py: no split-K). Strips stack along the outputs as row-major weights do (cat_rows).
 """
 
 from __future__ import annotations
@@ -109,6 +114,90 @@ class KMajorInt8(KMajorWeight):
 
     def to_weight(self) -> Int8Weight:
         return Int8Weight(self.words.T.contiguous().view(torch.int8), _halves(self.factors)[0].T.contiguous())
+
+
+STRIP = 4  # outputs a strip holds: a row of it is one 16-byte load
+
+
+def _strip(t: torch.Tensor) -> torch.Tensor:
+    """[R, N] -> [N / STRIP, R, STRIP]."""
+    return t.reshape(t.shape[0], -1, STRIP).transpose(0, 1).contiguous()
+
+
+def _unstrip(t: torch.Tensor) -> torch.Tensor:
+    """[N / STRIP, R, STRIP] -> [R, N]."""
+    return t.transpose(0, 1).reshape(t.shape[1], -1)
+
+
+@dataclass
+class KStripWeight:
+    """K-major words and factors in strips of STRIP outputs (module doc): words [N / 4, K * bits / 32, 4], factors
+    [N / 4, K / group, 4]."""
+
+    words: torch.Tensor
+    factors: torch.Tensor
+    KMAJOR = KMajorWeight  # the subclass's K-major form
+
+    def __post_init__(self):
+        for name, t in (("words", self.words), ("factors", self.factors)):
+            if t.dtype != torch.int32 or t.dim() != 3 or t.shape[2] != STRIP:
+                raise LocalpdError(f"strip {name} must be a [N / {STRIP}, rows, {STRIP}] int32 tensor, got {t.dtype} "
+                                   f"{tuple(t.shape)}")
+        if self.factors.shape[0] != self.words.shape[0] or self.factors.shape[1] == 0 \
+                or self.shape[1] % self.factors.shape[1]:
+            raise LocalpdError(f"strip factors {tuple(self.factors.shape)} do not fit words {tuple(self.words.shape)}")
+
+    @property
+    def BITS(self) -> int:
+        return self.KMAJOR.BITS
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.words.shape[0] * STRIP, self.words.shape[1] * 32 // self.BITS
+
+    @property
+    def group(self) -> int:
+        return self.shape[1] // self.factors.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return 4 * (self.words.numel() + self.factors.numel())
+
+    def kmajor(self) -> KMajorWeight:
+        """The same weight K-major (a copy): the GEMM and float-GEMV paths' layout."""
+        return self.KMAJOR(_unstrip(self.words), _unstrip(self.factors))
+
+    def codes(self) -> torch.Tensor:
+        return self.kmajor().codes()
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.kmajor().dequantize(dtype)
+
+    def take_rows(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Dense rows (outputs) of W, dequantizing only those: an embedding lookup from a tied output head."""
+        j, e = rows // STRIP, rows % STRIP
+        return self.KMAJOR(self.words[j, :, e].T, self.factors[j, :, e].T).dequantize(dtype)
+
+    @classmethod
+    def from_kmajor(cls, w: KMajorWeight) -> KStripWeight:
+        return cls(_strip(w.words), _strip(w.factors))
+
+
+class KStripInt4(KStripWeight):
+    KMAJOR = KMajorInt4
+
+
+class KStripInt8(KStripWeight):
+    KMAJOR = KMajorInt8
+
+
+def to_strips(w):
+    """The strips of an int4 or int8 weight (or of its K-major form) with whole strips of outputs; any other weight
+    unchanged."""
+    w = to_kmajor(w)
+    if isinstance(w, KMajorWeight) and w.shape[0] % STRIP == 0:
+        return (KStripInt4 if w.BITS == 4 else KStripInt8).from_kmajor(w)
+    return w
 
 
 def to_kmajor(w):

@@ -7,11 +7,13 @@ and ptxas, and its main loop read from the disassembly (measure/sass.py). Per ke
 loads, the 16-byte loads a trip against the weight words' own, bytes in flight per SM, SASS instructions per weight
 word, registers and spilled bytes, and a predicted % of copy bandwidth from this model:
 
-    time = FLOOR_US + bytes / (efficiency x bandwidth)
+    time = LAUNCH_US + ROUND_TRIP_US x round trips + bytes / (efficiency x bandwidth)
     efficiency = min(1, instruction budget / instructions per word, bytes in flight per SM / (bandwidth x
                  LATENCY_US / SMs))
 
-where an SM issues 128 thread-instructions a clock, so at full bandwidth there are SMs x 128 x clock / (bandwidth
+where the round trips are the ones a program waits on in turn (its first loads, and split-K's reduction: two), the
+bytes are DRAM's (the weights, their factors, the outputs: the activations, a few KB the kernel before wrote, come
+from L2 and L1, their latency in the round trips), and an SM issues 128 thread-instructions a clock, so at full bandwidth there are SMs x 128 x clock / (bandwidth
 / 4) instruction slots per 4-byte word. Static counts are not timings: the constants are stated with their sources,
 and docs/PERF.md sets the prediction beside a GPU's measurement when one is at hand.
 """
@@ -25,11 +27,23 @@ import torch
 
 from localpd.load.synthetic import SYNTHETIC
 
-# the floor one small kernel costs in a CUDA graph, launch and first bytes: H200, 2026-11-26 (docs/PERF.md), cuBLAS
-# bf16 o 4096x4096 took 13.4 us for 33.6 MB, 8.0 us of it at the copy bandwidth; H100, 2026-11-26
-# (scripts/gpu_floor.py): the integer GEMV over 0.28 MB took 5.4-5.6 us as launched (4.1 at 16-32 slices of K),
-# an empty kernel of 1056 programs 1.1-1.8 us
-FLOOR_US = 5.0
+# A kernel's time above its bytes: its launch, then the global-memory round trips each program waits on in turn.
+# H100, 2026-11-26 (scripts/gpu_floor.py, docs/PERF.md, CUDA-graph replays with PDL): an empty kernel of 1056
+# programs 1.82 us a launch; a program's trips, each waiting on its loads, 0.7-0.85 us each (26.4 us for 32 trips,
+# 15.4 for 16, 8.6 for 8); the split-K GEMV of the model 3.9-4.7 us above its bytes on every real shape, and its
+# column tile in 16 or 32 slices of one trip 4.1-4.2 us: the launch, the first trip's round trip, and the
+# reduction's two (the fenced atomic that counts a slice in, the last slice's reload of the partials). A GEMV
+# whose programs take all of K (kernels/gemv_strip.py) keeps the launch and the first round trip.
+LAUNCH_US = 1.8
+ROUND_TRIP_US = 0.8
+REDUCE_ROUND_TRIPS = 2  # split-K's fenced atomic and the partials' reload
+
+
+def floor_us(split: int) -> float:
+    """The predicted time above a GEMV's bytes for a launch of `split` slices of K."""
+    return LAUNCH_US + ROUND_TRIP_US * (1 + (REDUCE_ROUND_TRIPS if split > 1 else 0))
+
+
 LATENCY_US = 0.7  # DRAM latency a load waits, for Little's law (issue 32: 2.95 TB/s x 0.7 us / 132 = 16 KB an SM)
 REGISTERS_PER_SM = 65536
 STAGED = 3  # dp4a-staged's pipeliner stages (kernels/gemv_dp4a.py STAGES): 2 trips ahead in shared memory
@@ -60,12 +74,14 @@ FORMATS = {"int4-g128": (4, 128), "int8": (8, 0)}  # bits, group (0: per output 
 @dataclass
 class Prediction:
     card: str
-    kernel: str  # dp4a (kernels/gemv_dp4a.py), dp4a-staged (the same, STAGES = STAGED) or kmajor (gemv_kmajor.py)
+    kernel: str  # dp4a (kernels/gemv_dp4a.py), dp4a-staged (the same, STAGES = STAGED), kmajor (gemv_kmajor.py) or
+    # strip (gemv_strip.py)
     format: str
     linear: str
     n: int
     k: int
     programs: int
+    split: int  # slices of K a column tile is cut into (1: no split-K reduction)
     bytes_per_program: int
     wide_loads: str  # 16-byte loads a trip / the weight words' 16-byte loads a trip
     in_flight_per_sm: int
@@ -93,8 +109,8 @@ class Launch:
     threads: int
     trip_inputs: int  # inputs (K) a trip covers: split-K slices are whole trips
     prefetch: int  # trips ahead a trip's words are loaded: in registers (PREFETCH), or staged in shared memory
-    act_bytes: float  # activation bytes a column tile reads, per input
     per_sm: int  # programs an SM the split-K is sized for
+    outputs: int = 128  # outputs a program (a column tile) takes
 
 
 def compile_gemv(bits: int, group: int, n: int, k: int, arch: int, kernel: str = "dp4a") -> Launch:
@@ -104,6 +120,8 @@ def compile_gemv(bits: int, group: int, n: int, k: int, arch: int, kernel: str =
     from localpd.kernels import gemv_dp4a as dp, gemv_kmajor as km
     from localpd.measure.sass import compile_launch
 
+    if kernel == "strip":
+        return compile_strip(bits, group, n, k, arch)
     tile = km.DEFAULT_TILE
     g = min(group or k, k)
     gk = group if 0 < group < k else 1 << 30
@@ -120,7 +138,7 @@ def compile_gemv(bits: int, group: int, n: int, k: int, arch: int, kernel: str =
         kwargs = dict(BITS=bits, GROUP=gk, BLOCK_N=km.BLOCK_N, NB=nb, BLOCK_M=1, OUT_BIAS=False, ASM=True,
                       PREFETCH=prefetch, STAGES=stages, num_warps=warps, num_stages=stages)
         return Launch(compile_launch(dp._gemv_dp4a_kernel, args, kwargs, arch), bits * 4 * nb / warps, 32 * warps,
-                      32 * nb, prefetch + stages - 1, 2.25, dp.DEFAULT_TILE["per_sm"])
+                      32 * nb, prefetch + stages - 1, dp.DEFAULT_TILE["per_sm"])
     bk = km.launch_block_k(k, bits, g, tile["BLOCK_K"])
     x = torch.empty(1, k, dtype=torch.bfloat16)
     args = (x, out, words, factors, 1, n, k, x.stride(0), out.stride(0), words.stride(0), factors.stride(0), ws, cnt,
@@ -129,7 +147,29 @@ def compile_gemv(bits: int, group: int, n: int, k: int, arch: int, kernel: str =
                   OUT_BIAS=False, PREFETCH=tile["PREFETCH"], BLOCK_M=1, num_warps=tile["num_warps"], num_stages=1)
     threads = 32 * tile["num_warps"]
     return Launch(compile_launch(km._gemv_kmajor_kernel, args, kwargs, arch), bk * bits / 32 * km.BLOCK_N / threads,
-                  threads, bk, tile["PREFETCH"], 2.0, tile["per_sm"])
+                  threads, bk, tile["PREFETCH"], tile["per_sm"])
+
+
+def compile_strip(bits: int, group: int, n: int, k: int, arch: int) -> Launch:
+    """kernels/gemv_strip.py's GEMV at one row as gemv_strip_rounded launches it (DEFAULT_TILE), for sm_<arch>."""
+    from localpd.kernels import gemv_strip as gs
+    from localpd.measure.sass import compile_launch
+
+    tile = gs.DEFAULT_TILE
+    g = min(group or k, k)
+    rows = k * bits // 32
+    lanes = 32 * tile["num_warps"] * tile["rows_a_lane"]
+    out = torch.empty(1, n, dtype=torch.bfloat16)
+    words = torch.empty(n // gs.STRIP, rows, gs.STRIP, dtype=torch.int32)
+    factors = torch.empty(n // gs.STRIP, k // g, gs.STRIP, dtype=torch.int32)
+    q, s = torch.empty(1, k // 2, dtype=torch.int32), torch.empty(1, k // 16)
+    args = (q, s, out, words, factors, out, 1, n, k, q.stride(0), s.stride(0), out.stride(0), words.stride(0),
+            factors.stride(0))
+    kwargs = dict(BITS=bits, GROUP=g if g < k else gs.ONE_GROUP, ROWS=lanes, TAIL=rows % lanes != 0, BLOCK_M=1,
+                  OUT_BIAS=False, ASM=True, PREFETCH=tile["PREFETCH"], PDL=arch >= 90, num_warps=tile["num_warps"],
+                  num_stages=1)
+    return Launch(compile_launch(gs._gemv_strip_kernel, args, kwargs, arch), tile["rows_a_lane"] * gs.STRIP,
+                  32 * tile["num_warps"], k, tile["PREFETCH"], 0, gs.STRIP)
 
 
 def predict(model: str = "llama3-8b", cards=CARDS, formats=FORMATS, kernels=("dp4a",)) -> list[Prediction]:
@@ -150,11 +190,12 @@ def predict(model: str = "llama3-8b", cards=CARDS, formats=FORMATS, kernels=("dp
                     launch, stats, body = compiled[key]
                     wide = sum(op.startswith(("LDG.E.128", "LDGSTS")) and op.endswith(".128") for op in body)
                     weight_wide = int(launch.words_per_thread // 4)  # 4 words a 16-byte load
-                    split = km.split_for(1, n, k, launch.trip_inputs, card.sms, launch.per_sm)
-                    tiles = -(-n // km.BLOCK_N)
+                    split = km.split_for(1, n, k, launch.trip_inputs, card.sms, launch.per_sm) \
+                        if launch.trip_inputs < k else 1
+                    tiles = -(-n // launch.outputs)
                     programs = tiles * split
                     g = group or k
-                    nbytes = int(n * k * bits // 8 + 4 * n * (k // g) + launch.act_bytes * k * tiles + 2 * n)
+                    nbytes = n * k * bits // 8 + 4 * n * (k // g) + 2 * n  # DRAM's: weights, factors, outputs
                     resident = min(-(-programs // card.sms), MAX_PROGRAMS_PER_SM,
                                    REGISTERS_PER_SM // max(1, stats.registers * launch.threads),
                                    card.shared_kb * 1024 // max(1, launch.kernel.metadata.shared))
@@ -162,8 +203,8 @@ def predict(model: str = "llama3-8b", cards=CARDS, formats=FORMATS, kernels=("dp
                     in_flight = int(resident * trip_bytes)
                     need = card.gbs * 1e9 * LATENCY_US * 1e-6 / card.sms
                     eff = min(1.0, card.budget() / stats.per_word, in_flight / need)
-                    seconds = FLOOR_US * 1e-6 + nbytes / (eff * card.gbs * 1e9)
-                    rows.append(Prediction(card.name, kernel, fmt, name, n, k, programs, nbytes // programs,
+                    seconds = floor_us(split) * 1e-6 + nbytes / (eff * card.gbs * 1e9)
+                    rows.append(Prediction(card.name, kernel, fmt, name, n, k, programs, split, nbytes // programs,
                                            f"{wide}/{weight_wide}", in_flight, stats.per_word, stats.registers,
                                            stats.spilled, stats.barriers, nbytes / (card.gbs * 1e9) / seconds,
                                            seconds * 1e6))
@@ -174,27 +215,29 @@ def run(args) -> int:
     cards = [c for c in CARDS if not args.cards or any(w.lower() in c.name.lower() for w in args.cards.split(","))]
     named = {"dp4a": "dp4a (kernels/gemv_dp4a.py, the model's for 16-bit activations, DEFAULT_TILE)",
              "dp4a-staged": f"dp4a-staged (the same, PREFETCH 0 and STAGES {STAGED}: weights through shared memory)",
-             "kmajor": "kmajor (kernels/gemv_kmajor.py, float products)"}
-    kernels = tuple((args.kernels or "dp4a,kmajor").split(","))
+             "kmajor": "kmajor (kernels/gemv_kmajor.py, float products)",
+             "strip": "strip (kernels/gemv_strip.py, 4 outputs a program over all of K: no split-K)"}
+    kernels = tuple((args.kernels or "dp4a,strip,kmajor").split(","))
     if not set(kernels) <= set(named):
         raise SystemExit(f"--kernels takes {', '.join(named)}, not {args.kernels}")
     rows = predict(args.model or "llama3-8b", cards, kernels=kernels)
     print(f"# {args.model or 'llama3-8b'}: batch-1 decode GEMVs compiled per card, no GPU used: "
-          f"{'; '.join(named[k] for k in kernels)}; model: time = {FLOOR_US} us + bytes / (efficiency x "
-          f"bandwidth), efficiency = min(1, budget / instructions a word, in flight / (bandwidth x {LATENCY_US} us / "
+          f"{'; '.join(named[k] for k in kernels)}; model: time = {LAUNCH_US} us + {ROUND_TRIP_US} us x (1 + "
+          f"{REDUCE_ROUND_TRIPS} with split-K) + bytes / (efficiency x bandwidth), efficiency = min(1, budget / instructions a word, in flight / (bandwidth x {LATENCY_US} us / "
           f"SMs))")
     for card in cards:
         print(f"#   {card.name} sm_{card.arch}: {card.sms} SMs, {card.gbs} GB/s ({card.source}), "
               f"{card.budget():.0f} instruction slots a word")
-    print(f"{'card':>9} {'kernel':>11} {'format':>9} {'linear':>8} {'N':>6} {'K':>6} {'programs':>8} {'KB/prog':>7} {'16B ld':>6} "
+    print(f"{'card':>9} {'kernel':>11} {'format':>9} {'linear':>8} {'N':>6} {'K':>6} {'programs':>8} {'split':>5} {'KB/prog':>7} {'16B ld':>6} "
           f"{'KB flight/SM':>12} {'instr/word':>10} {'regs':>4} {'spill':>5} {'bar':>3} {'predicted':>9}")
     for r in rows:
-        print(f"{r.card:>9} {r.kernel:>11} {r.format:>9} {r.linear:>8} {r.n:>6} {r.k:>6} {r.programs:>8} "
+        print(f"{r.card:>9} {r.kernel:>11} {r.format:>9} {r.linear:>8} {r.n:>6} {r.k:>6} {r.programs:>8} {r.split:>5} "
               f"{r.bytes_per_program / 1024:>7.1f} {r.wide_loads:>6} {r.in_flight_per_sm / 1024:>12.1f} "
               f"{r.per_word:>10} {r.registers:>4} {r.spilled:>5} {r.barriers:>3} "
               f"{r.predicted:>5.0%} {r.predicted_us:5.1f}us")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model or "llama3-8b", "floor_us": FLOOR_US, "latency_us": LATENCY_US,
+            json.dump({"model": args.model or "llama3-8b", "launch_us": LAUNCH_US, "round_trip_us": ROUND_TRIP_US,
+                       "reduce_round_trips": REDUCE_ROUND_TRIPS, "latency_us": LATENCY_US,
                        "cards": [asdict(c) for c in cards], "rows": [asdict(r) for r in rows]}, f, indent=1)
     return 0

@@ -10,15 +10,16 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from localpd.kernels.dispatch import (PreNorm, kmajor_rounding, linear_bnb_int8, linear_bnb_nf4, linear_codebook,
-                                     linear_int4, linear_int4k, linear_int5, linear_int8, linear_kmajor)
+from localpd.kernels.dispatch import (PreNorm, kmajor_rounding, kstrip_rounding, linear_bnb_int8, linear_bnb_nf4,
+                                     linear_codebook, linear_int4, linear_int4k, linear_int5, linear_int8,
+                                     linear_kmajor, linear_kstrip)
 from localpd.kernels.fused_dispatch import act_mul, add_rms_norm
 from localpd.quant.bnb import BnbInt8Weight, Nf4Weight
 from localpd.quant.codebook import CODEBOOK_TYPES
 from localpd.quant.int4k import Int4KWeight
 from localpd.quant.int5 import Int5KWeight, Int5Weight
 from localpd.quant.int6k import Int3KWeight, Int6KWeight
-from localpd.quant.kmajor import KMajorInt4, KMajorInt8
+from localpd.quant.kmajor import KMajorInt4, KMajorInt8, KStripInt4, KStripInt8
 from localpd.quant.weights import Int4Weight, Int8Weight, Weight, cat_rows, weight_nbytes
 
 
@@ -43,6 +44,8 @@ KERNELS: dict[type, Kernel] = {
     **{cls: Kernel(linear_codebook, fuses=True) for cls in set(CODEBOOK_TYPES.values())},
     KMajorInt4: Kernel(linear_kmajor, fuses=True, rounding=kmajor_rounding),  # the GPU's layout of the two above
     KMajorInt8: Kernel(linear_kmajor, fuses=True, rounding=kmajor_rounding),  # (to_gpu_layout)
+    KStripInt4: Kernel(linear_kstrip, fuses=True, rounding=kstrip_rounding),  # the same in strips of 4 outputs
+    KStripInt8: Kernel(linear_kstrip, fuses=True, rounding=kstrip_rounding),
     Nf4Weight: Kernel(linear_bnb_nf4),
     BnbInt8Weight: Kernel(linear_bnb_int8),
 }

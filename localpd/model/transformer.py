@@ -27,7 +27,7 @@ from localpd.quant.codebook import CodebookWeight
 from localpd.quant.int4k import Int4KWeight
 from localpd.quant.int5 import Int5KWeight, Int5Weight
 from localpd.quant.int6k import Int3KWeight, Int6KWeight
-from localpd.quant.kmajor import to_kmajor
+from localpd.quant.kmajor import to_kmajor, to_strips
 from localpd.kvcache.formats import KVPool
 from localpd.quant.weights import Int4Weight, Int8Weight
 from localpd.quant.weights import take_rows, weight_nbytes
@@ -193,9 +193,13 @@ class Transformer:
 
     def _to_gpu_layout(self) -> None:
         """Every int4/int8 matrix (int4-k's as its int4 groups, a codebook's as its int8 values, a 5- or 6-bit one's
-        as its nearest int8) moved to the K-major layout the batch-1 GEMV streams (quant/kmajor.py); a tied output
-        head keeps one copy, which the embedding lookup reads too."""
+        as its nearest int8) moved to the K-major layout the batch-1 GEMV streams (quant/kmajor.py), in strips of 4
+        outputs where kernels/gemv_strip.py's GEMV decodes on this card (holds_strips); a tied output head keeps one
+        copy, which the embedding lookup reads too."""
         from localpd.kernels.gemv_kmajor import takes  # imports Triton
+        from localpd.kernels.gemv_strip import holds_strips
+
+        layout = to_strips if holds_strips(self.device) else to_kmajor
 
         tied = self.lm_head.weight is self.embed
         linears = [lin for L in self.layers for lin in (L.qkv, L.o, L.gate_up, L.down)] + [self.lm_head]
@@ -208,7 +212,7 @@ class Transformer:
                     w = as_int8(w)
                 bits = 4 if isinstance(w, Int4Weight) else 8 if isinstance(w, Int8Weight) else 0
                 if bits and takes(w.shape, bits, w.group):  # else the row-major kernels, as before
-                    part.weight = to_kmajor(w)
+                    part.weight = layout(w)
         if tied:
             self.embed = self.lm_head.weight
 

@@ -38,7 +38,7 @@ def test_the_shapes_are_the_models_fused_linears():
 def test_every_weight_load_is_16_bytes_and_nothing_spills_or_waits(rows):
     """Properties 1 and 3: the loop's 16-byte loads cover the weight words' (4 words a load, one more for a group's
     factors), no spilled registers, no barriers in the loop."""
-    assert len(rows) == 40 and {r["kernel"] for r in rows} == {"dp4a", "kmajor"}
+    assert len(rows) == 60 and {r["kernel"] for r in rows} == {"dp4a", "strip", "kmajor"}
     for r in rows:
         wide, weights = map(int, r["wide_loads"].split("/"))
         assert wide >= weights >= 1, r
@@ -55,11 +55,15 @@ def test_every_sm_has_several_programs_and_16_kb_in_flight(rows):
 def test_instructions_per_weight_word_stay_where_they_are(rows):
     """Property 3's budget is about 30 SASS instructions an int4 word and 20 an int8 word. The integer GEMV (the
     model's, kernels/gemv_dp4a.py) takes about 14 and 6: 4 dp4a an int4 word (2 an int8 word), a word's nibbles
-    split in 3, a block's sums scaled once; the float one (gemv_kmajor) about 42 and 25, held there as it is."""
+    split in 3, a block's sums scaled once; the one over strips (gemv_strip) about 19 and 9, its sums scaled a row of
+    a strip (8 inputs) where dp4a's are a block (32); the float one (gemv_kmajor) about 42 and 25, held there as it
+    is."""
     for r in rows:
         int4 = r["format"].startswith("int4")
         if r["kernel"] == "dp4a":
             assert r["per_word"] <= (15 if int4 else 7), r
+        elif r["kernel"] == "strip":
+            assert r["per_word"] <= (20 if int4 else 9.5), r
         else:
             assert r["per_word"] <= (52 if int4 else 28), r
         assert 0 < r["predicted"] <= 1
@@ -79,3 +83,22 @@ def test_the_staged_gemv_copies_its_weights_through_shared_memory(rows, tmp_path
         assert wide >= weights >= 1 and r["spilled"] == 0 and r["barriers"] >= 1, r
         assert r["registers"] < p["registers"] and r["per_word"] <= p["per_word"] + 3, (r, p)
         assert p["barriers"] == 0
+
+
+def test_the_strip_gemv_takes_all_of_k_and_is_predicted_above_the_split_k_ones(rows):
+    """kernels/gemv_strip.py: a program takes 4 outputs over all of K (one slice: no split-K reduction, whose fenced
+    atomic and reload are two of the round trips a split-K program waits on in turn), so it is predicted faster than
+    the model's GEMV of the same format wherever that one splits K, and no slower on an output head of many tiles
+    (which that one does not split), and the H100's int4 qkv at issue 32's 60%."""
+    split_k = {(r["card"], r["format"], r["n"], r["k"]): r for r in rows if r["kernel"] == "dp4a"}
+    strip = [r for r in rows if r["kernel"] == "strip"]
+    assert len(strip) == 20
+    for r in strip:
+        assert r["split"] == 1 and r["programs"] == r["n"] // 4, r
+        other = split_k[r["card"], r["format"], r["n"], r["k"]]
+        if other["split"] > 1:
+            assert r["predicted_us"] < other["predicted_us"] - 1.0, r
+        else:
+            assert r["predicted_us"] <= other["predicted_us"], r
+    qkv = [r for r in strip if r["linear"] == "qkv" and r["format"] == "int4-g128" and r["n"] == 6144]
+    assert qkv and qkv[0]["predicted"] >= 0.6
