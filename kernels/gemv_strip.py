@@ -38,6 +38,8 @@ MAX_BLOCK_M = 4  # rows a program takes, each with an accumulator of its own
 MAX_ROWS = 16  # rows a launch takes (the model's decode batches and verifications): programs of up to 4
 ONE_GROUP = tl.constexpr(1 << 30)  # GROUP of a weight with one group of all of K (int8 per output)
 DEFAULT_TILE = dict(num_warps=2, rows_a_lane=4, PREFETCH=1)  # a trip: 2 x 32 x 4 rows of a strip (4 KB of int4 words)
+# programs of 2 or 4 rows: 2 strip rows a lane, where 4 took 134-254 registers (sm_80-sm_90, int4), 72-128 with 2
+ROWS_TILE = dict(rows_a_lane=2)
 # The cards (torch.cuda.get_device_name) on which the model holds its int4/int8 matrices in strips and decodes
 # through this GEMV; elsewhere K-major (kernels/gemv_dp4a.py's). A card joins once scripts/gpu_session.sh's `strip`
 # step has measured this GEMV faster there, end to end; none has yet (docs/PERF.md). LOCALPD_GEMV=strip (or
@@ -210,15 +212,14 @@ def gemv_strip_rounded(q: torch.Tensor, s: torch.Tensor, out: torch.Tensor, word
     if m == 0 or n == 0:
         return out
     assert words.is_contiguous() and factors.is_contiguous() and words.shape[2] == factors.shape[2] == STRIP
-    tile = {**DEFAULT_TILE, **(tile or {})}
     rows = min(MAX_BLOCK_M, 1 << (m - 1).bit_length())
+    tile = {**DEFAULT_TILE, **(ROWS_TILE if rows > 1 else {}), **(tile or {})}
     lanes = 32 * tile["num_warps"] * tile["rows_a_lane"]
     _gemv_strip_kernel[(-(-m // rows), words.shape[0])](
         q, s, out, words, factors, out if bias is None else bias, m, n, k, q.stride(0), s.stride(0), out.stride(0),
         words.stride(0), factors.stride(0), BITS=bits, GROUP=group if group < k else ONE_GROUP, ROWS=lanes,
-        TAIL=words.shape[1] % lanes != 0,
-        BLOCK_M=rows, OUT_BIAS=bias is not None, ASM=_asm(out.device),
-        PREFETCH=int(tile["PREFETCH"]) if words.shape[1] >= lanes else 0,
+        TAIL=words.shape[1] % lanes != 0, BLOCK_M=rows, OUT_BIAS=bias is not None, ASM=_asm(out.device),
+        PREFETCH=int(tile["PREFETCH"]) if words.shape[1] >= lanes else 0,  # no whole trip: nothing to load ahead
         num_warps=tile["num_warps"], num_stages=1, **launch_args(out))
     return out
 

@@ -3,7 +3,8 @@
 # Usage (on the GPU machine, repo root): scripts/gpu_session.sh tests kmtests dp4a fused check check3 sweep kmsweep mma ncu kernels kernels1 kvtests kvgraph
 #   bench peers kv kvfull spec kvsweep dp4atests rows pdl graphs profile profilenopdl dp4asweep4 normtests roundtests peersab
 #   ncugemv tilesab stagedab kvsplits (all of test_decode_attention.py) floor actsab
-#   int8actsab halfab (the decode attention's float16 values, A/B)
+#   int8actsab halfab (the decode attention's float16 values, A/B) strip (kernels/gemv_strip.py: tests, GEMVs)
+#   stripab (the model in strips against K-major, end to end)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -112,5 +113,11 @@ json.dump(t, open('/tmp/tiles_int8acts.json', 'w'), indent=1)"
   roundtests) TO="-s INT" stage gpu_round_tests 120 env LOCALPD_TEST_DEVICE=cuda python3 -m pytest -q -n 8 -W ignore \
              -p no:cacheprovider -rf --tb=short tests/kernels/test_decode_attention.py -k "reduce_rounds or long_contexts" ;;
   kvfull) TAIL=30 stage bench_kv_full 400 python3 scripts/bench_kv.py --model synthetic:llama3-8b --contexts 4096 --streams 2 ;;
+  strip) TO="-s INT" stage gpu_strip_tests 120 env LOCALPD_TEST_DEVICE=cuda python3 -m pytest -q -n 8 -W ignore \
+           -p no:cacheprovider -rf --tb=short tests/kernels/test_gemv_strip.py  # the GEMV over strips, its layout
+         TAIL=24 stage bench_strip 200 python3 scripts/bench_strip.py --json "$OUT/bench_strip.json" ;;  # against dp4a
+  stripab) i=0; for g in kmajor strip kmajor strip; do  # end to end in the same call, twice: the model's layout
+             i=$((i + 1)); TAIL=6 stage bench_peers_${g}_$i 110 env LOCALPD_GEMV=$g python3 scripts/bench_decode_peers.py \
+               --short --repeats 3; done ;;
   *) echo "unknown stage $s" ;;
 esac; done
