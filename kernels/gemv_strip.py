@@ -22,7 +22,10 @@ and dp4a is gemv_dp4a's. Up to 4 rows a program share its loads (decode batches,
 
 from __future__ import annotations
 
+import functools
+import json
 import os
+from pathlib import Path
 
 import torch
 import triton
@@ -37,9 +40,31 @@ STRIP = 4  # outputs a program takes: a strip's row is one 16-byte load
 MAX_BLOCK_M = 4  # rows a program takes, each with an accumulator of its own
 MAX_ROWS = 16  # rows a launch takes (the model's decode batches and verifications): programs of up to 4
 ONE_GROUP = tl.constexpr(1 << 30)  # GROUP of a weight with one group of all of K (int8 per output)
+# the launch's knobs: warps, strip rows a lane a trip, trips ahead a trip's words and factors are loaded (0-2)
 DEFAULT_TILE = dict(num_warps=2, rows_a_lane=4, PREFETCH=1)  # a trip: 2 x 32 x 4 rows of a strip (4 KB of int4 words)
 # programs of 2 or 4 rows: 2 strip rows a lane, where 4 took 134-254 registers (sm_80-sm_90, int4), 72-128 with 2
 ROWS_TILE = dict(rows_a_lane=2)
+# The fastest tile measured per card and one-row shape (scripts/bench_strip.py --table): {card name: {"bits:N:K":
+# tile}}; none measured yet. LOCALPD_STRIP_TILES names another table (a missing file: DEFAULT_TILE).
+TILE_TABLE = Path(os.environ.get("LOCALPD_STRIP_TILES") or Path(__file__).with_name("gemv_strip_tiles.json"))
+
+
+@functools.lru_cache(maxsize=None)
+def _measured_tiles(card: str) -> dict:
+    try:
+        return json.loads(TILE_TABLE.read_text()).get(card, {})
+    except (OSError, ValueError):
+        return {}
+
+
+def tile_for(device: torch.device, bits: int, n: int, k: int, m: int) -> dict:
+    """The launch's knobs: the measured tile for this card and shape at one row, else DEFAULT_TILE (ROWS_TILE's
+    for programs of several rows)."""
+    if m > 1:
+        return {**DEFAULT_TILE, **ROWS_TILE}
+    if device.type == "cuda":
+        return {**DEFAULT_TILE, **_measured_tiles(torch.cuda.get_device_name(device)).get(f"{bits}:{n}:{k}", {})}
+    return dict(DEFAULT_TILE)
 # The cards (torch.cuda.get_device_name) on which the model holds its int4/int8 matrices in strips and decodes
 # through this GEMV; elsewhere K-major (kernels/gemv_dp4a.py's). A card joins once scripts/gpu_session.sh's `strip`
 # step has measured this GEMV faster there, end to end; none has yet (docs/PERF.md). LOCALPD_GEMV=strip (or
@@ -140,7 +165,8 @@ def _gemv_strip_kernel(q_ptr, s_ptr, y_ptr, w_ptr, f_ptr, bias_ptr, M, N, K, str
     factors [N / 4, K / GROUP, 4] (strip j at j * stride_wj, j * stride_fj). ROWS: strip rows a trip (its lanes x
     rows a lane): the loop's trips take whole ROWS, unmasked, and with TAIL a last trip takes the rows past them,
     masked. PREFETCH 1 (at least one whole trip): the next trip's words and factors are loaded before this trip's
-    arithmetic, and with PDL the first trip's go out before the wait for the kernel that wrote the activations."""
+    arithmetic, 2: the one after it too (o's two trips all before the first's arithmetic), and with PDL the first
+    trips' go out before the wait for the kernel that wrote the activations."""
     pid_m, j = tl.program_id(0), tl.program_id(1)
     m0 = pid_m * BLOCK_M
     U = K * BITS // 32  # a strip's rows
@@ -152,16 +178,23 @@ def _gemv_strip_kernel(q_ptr, s_ptr, y_ptr, w_ptr, f_ptr, bias_ptr, M, N, K, str
     rq0, rq1, rq2, rq3 = m0.to(tl.int64) * stride_qm, r1 * stride_qm, r2 * stride_qm, r3 * stride_qm
     rs0, rs1, rs2, rs3 = m0.to(tl.int64) * stride_sm, r1 * stride_sm, r2 * stride_sm, r3 * stride_sm
     whole = U // ROWS
-    if PREFETCH:
+    if PREFETCH > 0:
         nw, nf = _strip_trip(wj, fj, 0, lanes, U, GROUP, BITS, True)
+    if PREFETCH > 1:
+        pw, pf = _strip_trip(wj, fj, tl.minimum(1, whole - 1) * ROWS, lanes, U, GROUP, BITS, True)
     wait_prior(PDL)  # the weights above are never written by a step; the activations below are
     acc0 = tl.zeros((ROWS, 4), tl.float32)
     acc1, acc2, acc3 = acc0, acc0, acc0
     one = tl.load(fj + tl.arange(0, 4))[None, :] + (lanes * 0)[:, None]  # the factors of one group (per output)
     for c in tl.range(0, whole):
-        if PREFETCH:  # the last trip loads its own rows again (from L1) rather than past them
+        if PREFETCH > 0:  # the last trips load their own rows again (from L1) rather than past them
             w, fac = nw, nf
-            nw, nf = _strip_trip(wj, fj, tl.minimum(c + 1, whole - 1) * ROWS, lanes, U, GROUP, BITS, True)
+            ahead = tl.minimum(c + PREFETCH, whole - 1) * ROWS
+            if PREFETCH > 1:
+                nw, nf = pw, pf
+                pw, pf = _strip_trip(wj, fj, ahead, lanes, U, GROUP, BITS, True)
+            else:
+                nw, nf = _strip_trip(wj, fj, ahead, lanes, U, GROUP, BITS, True)
         else:
             w, fac = _strip_trip(wj, fj, c * ROWS, lanes, U, GROUP, BITS, True)
         if GROUP == ONE_GROUP:
@@ -213,7 +246,7 @@ def gemv_strip_rounded(q: torch.Tensor, s: torch.Tensor, out: torch.Tensor, word
         return out
     assert words.is_contiguous() and factors.is_contiguous() and words.shape[2] == factors.shape[2] == STRIP
     rows = min(MAX_BLOCK_M, 1 << (m - 1).bit_length())
-    tile = {**DEFAULT_TILE, **(ROWS_TILE if rows > 1 else {}), **(tile or {})}
+    tile = {**tile_for(out.device, bits, n, k, m), **(tile or {})}
     lanes = 32 * tile["num_warps"] * tile["rows_a_lane"]
     _gemv_strip_kernel[(-(-m // rows), words.shape[0])](
         q, s, out, words, factors, out if bias is None else bias, m, n, k, q.stride(0), s.stride(0), out.stride(0),

@@ -5,11 +5,13 @@ measured copy bandwidth for the weight bytes, the time `localpd bench kernels --
 entry in measure/predict.py, else the H100's), and each product's error against its torch reference.
 
     python scripts/bench_strip.py [--json FILE] [--rows 1,4]
+    python scripts/bench_strip.py --tiles [--table kernels/gemv_strip_tiles.json]   # each shape's tiles at 1 row
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 
 import torch
 
@@ -18,6 +20,43 @@ from localpd.kernels.act_round import quantize_act
 from localpd.measure import predict
 from localpd.measure.bench_kernels import SHAPES, gpu_script, graph_time, kmajor_copies, write_rows
 from localpd.quant.kmajor import to_strips
+
+
+TILES = [dict(num_warps=w, rows_a_lane=r, PREFETCH=pf) for w in (2, 4) for r in (2, 4) for pf in (1, 2)]
+
+
+def name(tile: dict) -> str:
+    return f"w{tile['num_warps']} r{tile['rows_a_lane']} pf{tile['PREFETCH']}"
+
+
+def sweep(args, dev, bw) -> None:
+    """Each shape's TILES at one row; the fastest merged into args.table under this card's name."""
+    card = torch.cuda.get_device_name()
+    best_tiles = {}
+    for (shape, n, k), fmt in itertools.product(SHAPES, ("int4-g128", "int8")):
+        strips = [to_strips(w) for w in kmajor_copies(fmt, n, k, dev)]
+        first = strips[0]
+        x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+        q, s = quantize_act(x, first.BITS)
+        y = torch.empty(1, n, device=dev, dtype=x.dtype)
+        timed = [(t, graph_time([lambda w=w, t=t: gs.gemv_strip_rounded(q, s, y, w.words, w.factors, w.BITS,
+                                                                         w.group, tile=t) for w in strips]))
+                 for t in TILES]
+        timed.sort(key=lambda r: r[1])
+        tile, sec = timed[0]
+        best_tiles[f"{first.BITS}:{n}:{k}"] = tile
+        print(f"{shape:>8} {fmt:>9} | " + ", ".join(f"{name(t)} {sec * 1e6:.1f} us {first.nbytes / sec / bw:.0%}"
+                                                   for t, sec in timed))
+        del strips
+        torch.cuda.empty_cache()
+    if args.table:
+        try:
+            table = json.loads(open(args.table).read())
+        except (OSError, ValueError):
+            table = {}
+        table.setdefault(card, {}).update(best_tiles)
+        with open(args.table, "w") as f:
+            json.dump(table, f, indent=1, sort_keys=True)
 
 
 def rel(a, b) -> float:
@@ -38,7 +77,15 @@ def predicted_us(kernel: str) -> dict:
 
 @torch.inference_mode()
 def main() -> None:
-    args, dev, bw = gpu_script(__doc__, lambda p: p.add_argument("--rows", default="1,4"))
+    def options(p):
+        p.add_argument("--rows", default="1,4")
+        p.add_argument("--tiles", action="store_true", help="time TILES per shape at one row instead")
+        p.add_argument("--table", help="with --tiles: merge each shape's fastest tile into this table under this "
+                       "card's name (kernels/gemv_strip_tiles.json: the model's launches read it)")
+
+    args, dev, bw = gpu_script(__doc__, options)
+    if args.tiles:
+        return sweep(args, dev, bw)
     expected = {k: predicted_us(k) for k in ("dp4a", "strip")}
     print(f"# {torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.0f} GB/s; us, % of copy bandwidth for the "
           f"weight bytes, (predicted us at one row)")

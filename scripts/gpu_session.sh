@@ -4,7 +4,7 @@
 #   bench peers kv kvfull spec kvsweep dp4atests rows pdl graphs profile profilenopdl dp4asweep4 normtests roundtests peersab
 #   ncugemv tilesab stagedab kvsplits (all of test_decode_attention.py) floor actsab
 #   int8actsab halfab (the decode attention's float16 values, A/B) strip (kernels/gemv_strip.py: tests, GEMVs)
-#   stripab (the model in strips against K-major, end to end)
+#   stripsweep (its tiles per shape) stripab (the model in strips against K-major, end to end)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -116,6 +116,8 @@ json.dump(t, open('/tmp/tiles_int8acts.json', 'w'), indent=1)"
   strip) TO="-s INT" stage gpu_strip_tests 120 env LOCALPD_TEST_DEVICE=cuda python3 -m pytest -q -n 8 -W ignore \
            -p no:cacheprovider -rf --tb=short tests/kernels/test_gemv_strip.py  # the GEMV over strips, its layout
          TAIL=24 stage bench_strip 200 python3 scripts/bench_strip.py --json "$OUT/bench_strip.json" ;;  # against dp4a
+  stripsweep) TAIL=12 stage sweep_strip 240 python3 scripts/bench_strip.py --tiles --table kernels/gemv_strip_tiles.json
+              cp kernels/gemv_strip_tiles.json "$OUT/" ;;  # later stages of this call launch the measured tiles
   stripab) i=0; for g in kmajor strip kmajor strip; do  # end to end in the same call, twice: the model's layout
              i=$((i + 1)); TAIL=6 stage bench_peers_${g}_$i 110 env LOCALPD_GEMV=$g python3 scripts/bench_decode_peers.py \
                --short --repeats 3; done ;;

@@ -109,13 +109,16 @@ def test_rows_sharing_a_program_are_each_rows_own_product(m, rows):
 
 
 def test_words_loaded_ahead_or_not_leave_the_product_bit_for_bit():
-    """PREFETCH changes when a trip's words and factors are loaded, not a sum; the lanes of a trip set the order
+    """PREFETCH (0-2 trips ahead, the last trips loading their own again) changes when a trip's words and factors
+    are loaded, not a sum: bit for bit, over 4 whole trips and over 2 and a tail; the lanes of a trip set the order
     of the float sums, so other tiles agree to float32 rounding."""
-    for fmt, group, n, k in (("int4", 128, 24, 1024), ("int8", None, 16, 512)):
+    for fmt, group, n, k in (("int4", 128, 24, 1024), ("int8", None, 16, 512), ("int4", 64, 8, 576)):
         s = strips(fmt, n, k, group, seed=k)
         x = activations(3, k, seed=n)
         y = gs.gemv_strip(x, s.words, s.factors, s.BITS, s.group, tile=SMALL)
-        assert torch.equal(y, gs.gemv_strip(x, s.words, s.factors, s.BITS, s.group, tile=dict(SMALL, PREFETCH=0)))
+        for ahead in (0, 2):
+            assert torch.equal(y, gs.gemv_strip(x, s.words, s.factors, s.BITS, s.group,
+                                                tile=dict(SMALL, PREFETCH=ahead)))
         for tile in (None, dict(num_warps=2, rows_a_lane=2)):
             assert rel_err(gs.gemv_strip(x, s.words, s.factors, s.BITS, s.group, tile=tile), y) < 1e-6
 
@@ -190,3 +193,24 @@ def test_a_bfloat16_decode_step_in_strips_launches_this_gemv(monkeypatch):
     assert strip_launched == [n.replace("_gemv_dp4a_kernel", "_gemv_strip_kernel") for n in launched]
     assert strip_launched.count("_gemv_strip_kernel") == 9
     assert rel_err(logits, kmajor_logits) < 2e-2
+
+
+def test_launch_tiles_come_from_the_measured_table_or_the_defaults():
+    """One row takes the card's measured tile (none on the CPU: DEFAULT_TILE), programs of several rows ROWS_TILE's
+    2 strip rows a lane; every tile scripts/bench_strip.py times launches (their products are tested above)."""
+    import sys
+    from pathlib import Path
+
+    cpu = torch.device("cpu")
+    assert gs.tile_for(cpu, 4, 4096, 4096, 1) == gs.DEFAULT_TILE
+    assert gs.tile_for(cpu, 4, 4096, 4096, 3) == {**gs.DEFAULT_TILE, "rows_a_lane": 2}
+    sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
+    from bench_strip import TILES, card_entry
+
+    assert all(set(t) == set(gs.DEFAULT_TILE) and t["PREFETCH"] in (0, 1, 2) for t in TILES)
+    assert card_entry("NVIDIA H100 80GB HBM3").name == "H100 SXM" and card_entry("NVIDIA H200").name == "H200"
+    s = strips("int8", 8, 1024, None, seed=2)
+    x = activations(1, 1024, seed=3)
+    ref = gs.gemv_strip_ref(x, s.words, s.factors, 8, s.group)
+    for tile in TILES[:2]:
+        assert rel_err(gs.gemv_strip(x, s.words, s.factors, 8, s.group, tile=tile), ref) < 1e-6
