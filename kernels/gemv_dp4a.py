@@ -23,8 +23,6 @@ the PTX instruction (ASM=True), which tests/kernels/test_gemv_dp4a.py checks in 
 
 from __future__ import annotations
 
-import functools
-import json
 import os
 from pathlib import Path
 
@@ -35,6 +33,7 @@ import triton.language as tl
 from localpd.kernels import gemv_kmajor as km
 from localpd.kernels.act_round import quantize_act, rounded_act_ref
 from localpd.kernels.pdl import launch_args, wait_prior
+from localpd.kernels.tile_table import measured_tile
 
 
 @triton.jit
@@ -297,18 +296,10 @@ DEFAULT_TILE = dict(blocks=2, num_warps=2, PREFETCH=1, per_sm=8, stages=1, acts=
 TILE_TABLE = Path(os.environ.get("LOCALPD_DP4A_TILES") or Path(__file__).with_name("gemv_dp4a_tiles.json"))
 
 
-@functools.lru_cache(maxsize=None)
-def _measured_tiles(card: str) -> dict:
-    try:
-        return json.loads(TILE_TABLE.read_text()).get(card, {})
-    except (OSError, ValueError):
-        return {}
-
-
 def tile_for(device: torch.device, bits: int, n: int, k: int, m: int) -> dict:
     """The launch's knobs: the measured tile for this card and shape at one row, else DEFAULT_TILE."""
-    if device.type == "cuda" and m == 1:
-        return {**DEFAULT_TILE, **_measured_tiles(torch.cuda.get_device_name(device)).get(f"{bits}:{n}:{k}", {})}
+    if m == 1:
+        return measured_tile(TILE_TABLE, DEFAULT_TILE, device, bits, n, k)
     return dict(DEFAULT_TILE)
 
 

@@ -22,8 +22,6 @@ and dp4a is gemv_dp4a's. Up to 4 rows a program share its loads (decode batches,
 
 from __future__ import annotations
 
-import functools
-import json
 import os
 from pathlib import Path
 
@@ -35,6 +33,7 @@ from localpd.errors import LocalpdError
 from localpd.kernels.act_round import quantize_act, rounded_act_ref
 from localpd.kernels.gemv_dp4a import _asm, _dp4a
 from localpd.kernels.pdl import launch_args, wait_prior
+from localpd.kernels.tile_table import measured_tile
 
 STRIP = 4  # outputs a program takes: a strip's row is one 16-byte load
 MAX_BLOCK_M = 4  # rows a program takes, each with an accumulator of its own
@@ -49,24 +48,16 @@ ROWS_TILE = dict(rows_a_lane=2)
 TILE_TABLE = Path(os.environ.get("LOCALPD_STRIP_TILES") or Path(__file__).with_name("gemv_strip_tiles.json"))
 
 
-@functools.lru_cache(maxsize=None)
-def _measured_tiles(card: str) -> dict:
-    try:
-        return json.loads(TILE_TABLE.read_text()).get(card, {})
-    except (OSError, ValueError):
-        return {}
-
-
 def tile_for(device: torch.device, bits: int, n: int, k: int, m: int) -> dict:
     """The launch's knobs: the measured tile for this card and shape at one row, else DEFAULT_TILE (ROWS_TILE's
     for programs of several rows)."""
     if m > 1:
         return {**DEFAULT_TILE, **ROWS_TILE}
-    if device.type == "cuda":
-        return {**DEFAULT_TILE, **_measured_tiles(torch.cuda.get_device_name(device)).get(f"{bits}:{n}:{k}", {})}
-    return dict(DEFAULT_TILE)
+    return measured_tile(TILE_TABLE, DEFAULT_TILE, device, bits, n, k)
+
+
 # The cards (torch.cuda.get_device_name) on which the model holds its int4/int8 matrices in strips and decodes
-# through this GEMV; elsewhere K-major (kernels/gemv_dp4a.py's). A card joins once scripts/gpu_session.sh's `strip`
+# through this GEMV; elsewhere K-major (kernels/gemv_dp4a.py's). A card joins once scripts/gpu_session.sh's `stripab`
 # step has measured this GEMV faster there, end to end; none has yet (docs/PERF.md). LOCALPD_GEMV=strip (or
 # =kmajor) chooses for every card.
 MEASURED_FASTER: frozenset[str] = frozenset()

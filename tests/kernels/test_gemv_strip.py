@@ -16,19 +16,9 @@ from localpd.kernels import gemv_dp4a as dp, gemv_strip as gs  # noqa: E402
 from localpd.kernels.dispatch import PreNorm, kmajor_matmul_ref, linear_kmajor, linear_kstrip  # noqa: E402
 from localpd.quant.kmajor import KMajorWeight, KStripInt4, KStripInt8, KStripWeight, to_kmajor, to_strips  # noqa: E402
 from localpd.quant.weights import Int4Weight, Int8Weight, cat_rows, take_rows  # noqa: E402
-from tests.kernels.test_act_round import act_rows  # noqa: E402
+from tests.kernels.test_gemv_dp4a import activations, rel_err, triton_on  # noqa: E402, F401 (an autouse fixture)
 
-SMALL = dict(num_warps=1, rows_a_lane=1)  # 32 strip rows a trip: K of 256 int4 inputs (128 int8) a trip, EVEN
-
-
-@pytest.fixture(autouse=True)
-def triton_on(monkeypatch):
-    if DEV == "cpu":
-        monkeypatch.setenv("LOCALPD_TRITON_INTERPRET", "1")
-
-
-def rel_err(out, ref):
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+SMALL = dict(num_warps=1, rows_a_lane=1)  # 32 strip rows a trip: K of 256 int4 inputs (128 int8) a trip
 
 
 def quantized(fmt: str, n: int, k: int, group: int | None, seed: int):
@@ -41,10 +31,6 @@ def quantized(fmt: str, n: int, k: int, group: int | None, seed: int):
 def strips(fmt: str, n: int, k: int, group: int | None, seed: int) -> KStripWeight:
     s = to_strips(quantized(fmt, n, k, group, seed))
     return type(s)(s.words.to(DEV), s.factors.to(DEV))
-
-
-def activations(m: int, k: int, seed: int, dtype=torch.float32) -> torch.Tensor:
-    return act_rows(m, k, seed, dtype).to(DEV)
 
 
 @pytest.mark.parametrize("fmt,group", [("int4", 32), ("int4", 128), ("int4", 0), ("int8", None), ("int8", 64)])
