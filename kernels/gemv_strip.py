@@ -8,7 +8,7 @@ bytes) could not pass 40% of copy bandwidth however fast its loop.
 
 Here the weights are stored in strips (quant/kmajor.py, `KStripWeight`): the words of outputs 4j..4j+3 are one
 contiguous [K * bits / 32, 4] run, each row 16 bytes (one 128-bit load a lane: a word of each of the 4 outputs).
-Program (m, j) streams strip j: lane l of a trip loads row c * LANES + l, so a warp's load is 512 contiguous bytes,
+Program (m, j) streams strip j: lane l of trip c loads row c * ROWS + l, so a warp's load is 512 contiguous bytes,
 and every lane meets its row with the activations of the same 8 inputs (int4; 4 for int8) in one 16-byte load (8
 bytes for int8), shared by the strip's 4 outputs. A lane's integer sums become a float once a row, times the
 block's d and the group's scale (plus, for int4, the group's bias times a quarter of the block's d sum(256 hi +
@@ -34,13 +34,14 @@ from localpd.kernels.act_round import quantize_act, rounded_act_ref
 from localpd.kernels.gemv_dp4a import _asm, _dp4a
 from localpd.kernels.pdl import launch_args, wait_prior
 from localpd.kernels.tile_table import measured_tile
+from localpd.quant.kmajor import STRIP, KStripInt4, KStripInt8  # STRIP: the outputs a program takes
 
-STRIP = 4  # outputs a program takes: a strip's row is one 16-byte load
 MAX_BLOCK_M = 4  # rows a program takes, each with an accumulator of its own
 MAX_ROWS = 16  # rows a launch takes (the model's decode batches and verifications): programs of up to 4
 ONE_GROUP = tl.constexpr(1 << 30)  # GROUP of a weight with one group of all of K (int8 per output)
-# the launch's knobs: warps, strip rows a lane a trip, trips ahead a trip's words and factors are loaded (0-2)
-DEFAULT_TILE = dict(num_warps=2, rows_a_lane=4, PREFETCH=1)  # a trip: 2 x 32 x 4 rows of a strip (4 KB of int4 words)
+# the launch's knobs: warps, strip rows a lane a trip, trips ahead a trip's words and factors are loaded (0-2),
+# strips a program (1, or 2 where they divide N: each activation load serving 8 outputs, half the programs)
+DEFAULT_TILE = dict(num_warps=2, rows_a_lane=4, PREFETCH=1, strips=1)  # a trip: 2 x 32 x 4 rows of a strip (4 KB int4)
 # programs of 2 or 4 rows: 2 strip rows a lane, where 4 took 134-254 registers (sm_80-sm_90, int4), 72-128 with 2
 ROWS_TILE = dict(rows_a_lane=2)
 # The fastest tile measured per card and one-row shape (scripts/bench_strip.py --table): {card name: {"bits:N:K":
@@ -114,21 +115,31 @@ def _row_trip(q_row, s_row, r0, lanes, U, w, scale, bias, acc, BITS: tl.constexp
 
 
 @triton.jit
-def _strip_trip(w_ptr, f_ptr, r0, lanes, U, GROUP: tl.constexpr, BITS: tl.constexpr, EVEN: tl.constexpr):
-    """The words [R, 4] of a strip's rows r0 + lanes (lane l's row 16 bytes after lane l - 1's; past its U rows,
-    not EVEN, the last row again) and their groups' factors [R, 4] (scale | bias << 16: one 16-byte load a row,
-    shared by a group's rows; with one group of all of K, 0s: the kernel loads its factors once)."""
-    col = tl.arange(0, 4)[None, :]
+def _strip_trip(w_ptr, f_ptr, wcol, fcol, r0, lanes, U, GROUP: tl.constexpr, BITS: tl.constexpr,
+                EVEN: tl.constexpr):
+    """The words [R, C] of the program's strips' rows r0 + lanes (lane l's row 16 bytes after lane l - 1's; past
+    their U rows, not EVEN, the last row again) and their groups' factors [R, C] (scale | bias << 16: one 16-byte
+    load a row and strip, shared by a group's rows; with one group of all of K, 0s: the kernel loads its factors
+    once). wcol, fcol [1, C]: each output's offset in the words and in the factors (_columns)."""
     RPG: tl.constexpr = GROUP * BITS // 32  # strip rows a group
     if EVEN:
-        w = tl.load(w_ptr + r0 * 4 + lanes[:, None] * 4 + col)
+        w = tl.load(w_ptr + r0 * 4 + lanes[:, None] * 4 + wcol)
     else:
-        w = tl.load(w_ptr + tl.minimum(r0 + lanes, U - 1)[:, None] * 4 + col)
+        w = tl.load(w_ptr + tl.minimum(r0 + lanes, U - 1)[:, None] * 4 + wcol)
     if GROUP == ONE_GROUP:
         return w, w * 0
     if EVEN and lanes.shape[0] % RPG == 0:
-        return w, tl.load(f_ptr + (r0 // RPG) * 4 + (lanes // RPG)[:, None] * 4 + col)
-    return w, tl.load(f_ptr + (tl.minimum(r0 + lanes, U - 1) // RPG)[:, None] * 4 + col)
+        return w, tl.load(f_ptr + (r0 // RPG) * 4 + (lanes // RPG)[:, None] * 4 + fcol)
+    return w, tl.load(f_ptr + (tl.minimum(r0 + lanes, U - 1) // RPG)[:, None] * 4 + fcol)
+
+
+@triton.jit
+def _columns(stride, STRIPS: tl.constexpr):
+    """[1, 4 STRIPS]: output e of the program's strip i at i * stride + e (one strip: 0..3)."""
+    c = tl.arange(0, 4 * STRIPS)[None, :]
+    if STRIPS == 1:
+        return c
+    return (c // 4) * stride + c % 4
 
 
 @triton.jit
@@ -150,9 +161,11 @@ def _trip_products(q_ptr, s_ptr, rq0, rq1, rq2, rq3, rs0, rs1, rs2, rs3, r0, lan
 def _gemv_strip_kernel(q_ptr, s_ptr, y_ptr, w_ptr, f_ptr, bias_ptr, M, N, K, stride_qm, stride_sm, stride_ym,
                        stride_wj, stride_fj, BITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
                        TAIL: tl.constexpr = False, BLOCK_M: tl.constexpr = 1, OUT_BIAS: tl.constexpr = False,
-                       ASM: tl.constexpr = True, PREFETCH: tl.constexpr = 1, PDL: tl.constexpr = False):
+                       ASM: tl.constexpr = True, PREFETCH: tl.constexpr = 1, PDL: tl.constexpr = False,
+                       STRIPS: tl.constexpr = 1):
     """Program (m, j): rows [m * BLOCK_M, (m + 1) * BLOCK_M) (1, 2 or 4; a row past M reads row M - 1 again and
-    writes nothing), outputs 4j..4j+3 over all of K. w_ptr, f_ptr: the strips' words [N / 4, K * BITS / 32, 4] and
+    writes nothing), the STRIPS strips from j * STRIPS (outputs 4 STRIPS j.., each lane's activations serving all
+    of them) over all of K. w_ptr, f_ptr: the strips' words [N / 4, K * BITS / 32, 4] and
     factors [N / 4, K / GROUP, 4] (strip j at j * stride_wj, j * stride_fj). ROWS: strip rows a trip (its lanes x
     rows a lane): the loop's trips take whole ROWS, unmasked, and with TAIL a last trip takes the rows past them,
     masked. PREFETCH 1 (at least one whole trip): the next trip's words and factors are loaded before this trip's
@@ -162,45 +175,46 @@ def _gemv_strip_kernel(q_ptr, s_ptr, y_ptr, w_ptr, f_ptr, bias_ptr, M, N, K, str
     m0 = pid_m * BLOCK_M
     U = K * BITS // 32  # a strip's rows
     lanes = tl.arange(0, ROWS)
-    wj = w_ptr + j.to(tl.int64) * stride_wj
-    fj = f_ptr + j.to(tl.int64) * stride_fj
+    wj = w_ptr + (j * STRIPS).to(tl.int64) * stride_wj
+    fj = f_ptr + (j * STRIPS).to(tl.int64) * stride_fj
+    wcol, fcol = _columns(stride_wj, STRIPS), _columns(stride_fj, STRIPS)
     r1, r2, r3 = tl.minimum(m0 + 1, M - 1).to(tl.int64), tl.minimum(m0 + 2, M - 1).to(tl.int64), \
         tl.minimum(m0 + 3, M - 1).to(tl.int64)
     rq0, rq1, rq2, rq3 = m0.to(tl.int64) * stride_qm, r1 * stride_qm, r2 * stride_qm, r3 * stride_qm
     rs0, rs1, rs2, rs3 = m0.to(tl.int64) * stride_sm, r1 * stride_sm, r2 * stride_sm, r3 * stride_sm
     whole = U // ROWS
     if PREFETCH > 0:
-        nw, nf = _strip_trip(wj, fj, 0, lanes, U, GROUP, BITS, True)
+        nw, nf = _strip_trip(wj, fj, wcol, fcol, 0, lanes, U, GROUP, BITS, True)
     if PREFETCH > 1:
-        pw, pf = _strip_trip(wj, fj, tl.minimum(1, whole - 1) * ROWS, lanes, U, GROUP, BITS, True)
+        pw, pf = _strip_trip(wj, fj, wcol, fcol, tl.minimum(1, whole - 1) * ROWS, lanes, U, GROUP, BITS, True)
     wait_prior(PDL)  # the weights above are never written by a step; the activations below are
-    acc0 = tl.zeros((ROWS, 4), tl.float32)
+    acc0 = tl.zeros((ROWS, 4 * STRIPS), tl.float32)
     acc1, acc2, acc3 = acc0, acc0, acc0
-    one = tl.load(fj + tl.arange(0, 4))[None, :] + (lanes * 0)[:, None]  # the factors of one group (per output)
+    one = tl.load(fj + fcol) + (lanes * 0)[:, None]  # the factors of one group (per output)
     for c in tl.range(0, whole):
         if PREFETCH > 0:  # the last trips load their own rows again (from L1) rather than past them
             w, fac = nw, nf
             ahead = tl.minimum(c + PREFETCH, whole - 1) * ROWS
             if PREFETCH > 1:
                 nw, nf = pw, pf
-                pw, pf = _strip_trip(wj, fj, ahead, lanes, U, GROUP, BITS, True)
+                pw, pf = _strip_trip(wj, fj, wcol, fcol, ahead, lanes, U, GROUP, BITS, True)
             else:
-                nw, nf = _strip_trip(wj, fj, ahead, lanes, U, GROUP, BITS, True)
+                nw, nf = _strip_trip(wj, fj, wcol, fcol, ahead, lanes, U, GROUP, BITS, True)
         else:
-            w, fac = _strip_trip(wj, fj, c * ROWS, lanes, U, GROUP, BITS, True)
+            w, fac = _strip_trip(wj, fj, wcol, fcol, c * ROWS, lanes, U, GROUP, BITS, True)
         if GROUP == ONE_GROUP:
             fac = one
         acc0, acc1, acc2, acc3 = _trip_products(q_ptr, s_ptr, rq0, rq1, rq2, rq3, rs0, rs1, rs2, rs3, c * ROWS,
                                                 lanes, U, w, fac, acc0, acc1, acc2, acc3, BITS, True, BLOCK_M, ASM)
     if TAIL:
-        w, fac = _strip_trip(wj, fj, whole * ROWS, lanes, U, GROUP, BITS, False)
+        w, fac = _strip_trip(wj, fj, wcol, fcol, whole * ROWS, lanes, U, GROUP, BITS, False)
         if GROUP == ONE_GROUP:
             fac = one
         acc0, acc1, acc2, acc3 = _trip_products(q_ptr, s_ptr, rq0, rq1, rq2, rq3, rs0, rs1, rs2, rs3, whole * ROWS,
                                                 lanes, U, w, fac, acc0, acc1, acc2, acc3, BITS, False, BLOCK_M, ASM)
-    offs_n = j * 4 + tl.arange(0, 4)
+    offs_n = j * 4 * STRIPS + tl.arange(0, 4 * STRIPS)
     n_mask = offs_n < N
-    extra = tl.zeros((4,), tl.float32)
+    extra = tl.zeros((4 * STRIPS,), tl.float32)
     if OUT_BIAS:
         extra = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     accs = (acc0, acc1, acc2, acc3)
@@ -239,12 +253,13 @@ def gemv_strip_rounded(q: torch.Tensor, s: torch.Tensor, out: torch.Tensor, word
     rows = min(MAX_BLOCK_M, 1 << (m - 1).bit_length())
     tile = {**tile_for(out.device, bits, n, k, m), **(tile or {})}
     lanes = 32 * tile["num_warps"] * tile["rows_a_lane"]
-    _gemv_strip_kernel[(-(-m // rows), words.shape[0])](
+    strips = tile["strips"] if words.shape[0] % tile["strips"] == 0 else 1
+    _gemv_strip_kernel[(-(-m // rows), words.shape[0] // strips)](
         q, s, out, words, factors, out if bias is None else bias, m, n, k, q.stride(0), s.stride(0), out.stride(0),
         words.stride(0), factors.stride(0), BITS=bits, GROUP=group if group < k else ONE_GROUP, ROWS=lanes,
         TAIL=words.shape[1] % lanes != 0, BLOCK_M=rows, OUT_BIAS=bias is not None, ASM=_asm(out.device),
         PREFETCH=int(tile["PREFETCH"]) if words.shape[1] >= lanes else 0,  # no whole trip: nothing to load ahead
-        num_warps=tile["num_warps"], num_stages=1, **launch_args(out))
+        STRIPS=strips, num_warps=tile["num_warps"], num_stages=1, **launch_args(out))
     return out
 
 
@@ -253,8 +268,6 @@ def gemv_strip_rounded(q: torch.Tensor, s: torch.Tensor, out: torch.Tensor, word
 def gemv_strip_ref(x: torch.Tensor, words: torch.Tensor, factors: torch.Tensor, bits: int, group: int, *, bias=None,
                    tile: dict | None = None) -> torch.Tensor:
     """gemv_strip in torch: the rounded activations times the dequantized weights, in float64."""
-    from localpd.quant.kmajor import KStripInt4, KStripInt8
-
     w = (KStripInt4 if bits == 4 else KStripInt8)(words, factors).dequantize(torch.float64)
     y = rounded_act_ref(x) @ w.T
     if bias is not None:

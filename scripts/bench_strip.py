@@ -22,11 +22,12 @@ from localpd.measure.bench_kernels import SHAPES, gpu_script, graph_time, kmajor
 from localpd.quant.kmajor import to_strips
 
 
-TILES = [dict(num_warps=w, rows_a_lane=r, PREFETCH=pf) for w in (2, 4) for r in (2, 4) for pf in (1, 2)]
+TILES = [dict(num_warps=w, rows_a_lane=r, PREFETCH=pf, strips=1) for w in (2, 4) for r in (2, 4) for pf in (1, 2)] + \
+        [dict(num_warps=w, rows_a_lane=2, PREFETCH=pf, strips=2) for w in (2, 4) for pf in (1, 2)]  # 8 outputs
 
 
 def name(tile: dict) -> str:
-    return f"w{tile['num_warps']} r{tile['rows_a_lane']} pf{tile['PREFETCH']}"
+    return f"w{tile['num_warps']} r{tile['rows_a_lane']} pf{tile['PREFETCH']} s{tile['strips']}"
 
 
 def sweep(args, dev, bw) -> None:

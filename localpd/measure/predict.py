@@ -166,10 +166,11 @@ def compile_strip(bits: int, group: int, n: int, k: int, arch: int) -> Launch:
     args = (q, s, out, words, factors, out, 1, n, k, q.stride(0), s.stride(0), out.stride(0), words.stride(0),
             factors.stride(0))
     kwargs = dict(BITS=bits, GROUP=g if g < k else gs.ONE_GROUP, ROWS=lanes, TAIL=rows % lanes != 0, BLOCK_M=1,
-                  OUT_BIAS=False, ASM=True, PREFETCH=tile["PREFETCH"], PDL=arch >= 90, num_warps=tile["num_warps"],
-                  num_stages=1)
-    return Launch(compile_launch(gs._gemv_strip_kernel, args, kwargs, arch), tile["rows_a_lane"] * gs.STRIP,
-                  32 * tile["num_warps"], k, tile["PREFETCH"], 0, gs.STRIP)
+                  OUT_BIAS=False, ASM=True, PREFETCH=tile["PREFETCH"], PDL=arch >= 90, STRIPS=tile["strips"],
+                  num_warps=tile["num_warps"], num_stages=1)
+    return Launch(compile_launch(gs._gemv_strip_kernel, args, kwargs, arch),
+                  tile["rows_a_lane"] * gs.STRIP * tile["strips"], 32 * tile["num_warps"], k, tile["PREFETCH"], 0,
+                  gs.STRIP * tile["strips"])
 
 
 def predict(model: str = "llama3-8b", cards=CARDS, formats=FORMATS, kernels=("dp4a",)) -> list[Prediction]:

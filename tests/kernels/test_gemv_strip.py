@@ -109,6 +109,19 @@ def test_words_loaded_ahead_or_not_leave_the_product_bit_for_bit():
             assert rel_err(gs.gemv_strip(x, s.words, s.factors, s.BITS, s.group, tile=tile), y) < 1e-6
 
 
+def test_two_strips_a_program_give_the_same_products():
+    """strips=2: a program takes 8 outputs (two strips, each lane's activations serving both), where the strips
+    divide in pairs (else one a program): the same product as one strip a program, with a tail trip, several whole
+    trips, a bias and up to 4 rows."""
+    for fmt, group, n, k, m in (("int4", 64, 40, 576, 1), ("int8", None, 24, 512, 3), ("int4", 0, 12, 256, 2)):
+        s = strips(fmt, n, k, group, seed=n)
+        x, bias = activations(m, k, seed=k), torch.randn(n, generator=torch.Generator().manual_seed(k)).to(DEV)
+        one = gs.gemv_strip(x, s.words, s.factors, s.BITS, s.group, bias=bias, tile=SMALL)
+        two = gs.gemv_strip(x, s.words, s.factors, s.BITS, s.group, bias=bias, tile=dict(SMALL, strips=2))
+        assert rel_err(two, one) < 1e-6
+        assert rel_err(two, gs.gemv_strip_ref(x, s.words, s.factors, s.BITS, s.group, bias=bias)) < 1e-6
+
+
 def test_the_product_is_the_integer_gemvs_on_the_same_rounding():
     """The same rounded activations and weights as kernels/gemv_dp4a.py's K-major GEMV: the two products agree to
     float32 rounding (only the order of the float sums differs)."""
