@@ -115,6 +115,7 @@ json.dump(t, open('/tmp/tiles_int8acts.json', 'w'), indent=1)"
   kvfull) TAIL=30 stage bench_kv_full 400 python3 scripts/bench_kv.py --model synthetic:llama3-8b --contexts 4096 --streams 2 ;;
   strip) TO="-s INT" stage gpu_strip_tests 120 env LOCALPD_TEST_DEVICE=cuda python3 -m pytest -q -n 8 -W ignore \
            -p no:cacheprovider -rf --tb=short tests/kernels/test_gemv_strip.py  # the GEMV over strips, its layout
+         stage gpu_check_strips 150 env LOCALPD_GEMV=strip python3 scripts/gpu_check.py  # the model in strips
          TAIL=24 stage bench_strip 200 python3 scripts/bench_strip.py --json "$OUT/bench_strip.json" ;;  # against dp4a
   stripsweep) TAIL=12 stage sweep_strip 240 python3 scripts/bench_strip.py --tiles --table kernels/gemv_strip_tiles.json
               cp kernels/gemv_strip_tiles.json "$OUT/" ;;  # later stages of this call launch the measured tiles
