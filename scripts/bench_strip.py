@@ -103,6 +103,8 @@ def main() -> None:
              "strip": graph_time([lambda w=w: gs.gemv_strip_rounded(q, s, y, w.words, w.factors, w.BITS, w.group)
                                   for w in strips])}
         w, sw = ws[0], strips[0]
+        y.fill_(float("nan"))  # every output written
+        assert not gs.gemv_strip_rounded(q, s, y, sw.words, sw.factors, sw.BITS, sw.group).isnan().any(), shape
         errs = {"dp4a": rel(dp.gemv_dp4a(x, w.words, w.factors, w.BITS, w.group),
                             dp.gemv_dp4a_ref(x, w.words, w.factors, w.BITS, w.group)),
                 "strip": rel(gs.gemv_strip(x, sw.words, sw.factors, sw.BITS, sw.group),

@@ -13,6 +13,7 @@ import torch  # noqa: E402
 
 from localpd.errors import LocalpdError  # noqa: E402
 from localpd.kernels import gemv_dp4a as dp, gemv_strip as gs  # noqa: E402
+from localpd.kernels.act_round import quantize_act  # noqa: E402
 from localpd.kernels.dispatch import PreNorm, kmajor_matmul_ref, linear_kmajor, linear_kstrip  # noqa: E402
 from localpd.quant.kmajor import KMajorWeight, KStripInt4, KStripInt8, KStripWeight, to_kmajor, to_strips  # noqa: E402
 from localpd.quant.weights import Int4Weight, Int8Weight, cat_rows, take_rows  # noqa: E402
@@ -81,6 +82,10 @@ def test_gemv_matches_the_reference(fmt, group, n, k, m, tile):
     assert rel_err(y, gs.gemv_strip_ref(x, s.words, s.factors, s.BITS, s.group, bias=bias)) < 1e-6
     assert rel_err(y, kmajor_matmul_ref(x, s, bias)) < 1e-4
     assert rel_err(y, kmajor_matmul_ref(x, s)) > 1e-3  # the bias counts
+    q, sq = quantize_act(x, s.BITS)
+    poisoned = torch.full_like(y, float("nan"))  # every output written, by the launch the model makes
+    assert torch.equal(gs.gemv_strip_rounded(q, sq, poisoned, s.words, s.factors, s.BITS, s.group, bias=bias,
+                                             tile=tile), y)
 
 
 @pytest.mark.parametrize("m,rows", [(2, (0, 1)), (5, range(5)), (16, (3, 12))])
