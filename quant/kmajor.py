@@ -136,7 +136,8 @@ class KStripWeight:
 
     words: torch.Tensor
     factors: torch.Tensor
-    KMAJOR = KMajorWeight  # the subclass's K-major form
+    BITS = 0  # the subclass's code width
+    KMAJOR = KMajorWeight  # and its K-major form
 
     def __post_init__(self):
         for name, t in (("words", self.words), ("factors", self.factors)):
@@ -146,10 +147,6 @@ class KStripWeight:
         if self.factors.shape[0] != self.words.shape[0] or self.factors.shape[1] == 0 \
                 or self.shape[1] % self.factors.shape[1]:
             raise LocalpdError(f"strip factors {tuple(self.factors.shape)} do not fit words {tuple(self.words.shape)}")
-
-    @property
-    def BITS(self) -> int:
-        return self.KMAJOR.BITS
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -184,10 +181,12 @@ class KStripWeight:
 
 
 class KStripInt4(KStripWeight):
+    BITS = 4
     KMAJOR = KMajorInt4
 
 
 class KStripInt8(KStripWeight):
+    BITS = 8
     KMAJOR = KMajorInt8
 
 
