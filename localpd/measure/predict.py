@@ -13,9 +13,10 @@ word, registers and spilled bytes, and a predicted % of copy bandwidth from this
 
 where the round trips are the ones a program waits on in turn (its first loads, and split-K's reduction: two), the
 bytes are DRAM's (the weights, their factors, the outputs: the activations, a few KB the kernel before wrote, come
-from L2 and L1, their latency in the round trips), and an SM issues 128 thread-instructions a clock, so at full bandwidth there are SMs x 128 x clock / (bandwidth
-/ 4) instruction slots per 4-byte word. Static counts are not timings: the constants are stated with their sources,
-and docs/PERF.md sets the prediction beside a GPU's measurement when one is at hand.
+from L2 and L1, their latency in the round trips), and an SM issues 128 thread-instructions a clock, so at full
+bandwidth there are SMs x 128 x clock / (bandwidth / 4) instruction slots per 4-byte word. Static counts are not
+timings: the constants are stated with their sources, and docs/PERF.md sets the prediction beside a GPU's
+measurement when one is at hand.
 """
 
 from __future__ import annotations
@@ -183,7 +184,8 @@ def predict(model: str = "llama3-8b", cards=CARDS, formats=FORMATS, kernels=("dp
         for kernel in kernels:
             for fmt, (bits, group) in formats.items():
                 for name, n, k in decode_linears(model):
-                    key = (card.arch, kernel, bits, group, k % 128 == 0, k % 64 == 0)
+                    # what a launch compiles to depends on: K in whole trips (and strip's tail: K % 2048)
+                    key = (card.arch, kernel, bits, group, k % 128 == 0, k % 64 == 0, k % 2048 == 0)
                     if key not in compiled:
                         launch = compile_gemv(bits, group, n, k, card.arch, kernel)
                         compiled[key] = launch, loop_stats(launch.kernel, launch.words_per_thread), \
@@ -224,12 +226,14 @@ def run(args) -> int:
     rows = predict(args.model or "llama3-8b", cards, kernels=kernels)
     print(f"# {args.model or 'llama3-8b'}: batch-1 decode GEMVs compiled per card, no GPU used: "
           f"{'; '.join(named[k] for k in kernels)}; model: time = {LAUNCH_US} us + {ROUND_TRIP_US} us x (1 + "
-          f"{REDUCE_ROUND_TRIPS} with split-K) + bytes / (efficiency x bandwidth), efficiency = min(1, budget / instructions a word, in flight / (bandwidth x {LATENCY_US} us / "
+          f"{REDUCE_ROUND_TRIPS} with split-K) + bytes / (efficiency x bandwidth), efficiency = min(1, budget / "
+          f"instructions a word, in flight / (bandwidth x {LATENCY_US} us / "
           f"SMs))")
     for card in cards:
         print(f"#   {card.name} sm_{card.arch}: {card.sms} SMs, {card.gbs} GB/s ({card.source}), "
               f"{card.budget():.0f} instruction slots a word")
-    print(f"{'card':>9} {'kernel':>11} {'format':>9} {'linear':>8} {'N':>6} {'K':>6} {'programs':>8} {'split':>5} {'KB/prog':>7} {'16B ld':>6} "
+    print(f"{'card':>9} {'kernel':>11} {'format':>9} {'linear':>8} {'N':>6} {'K':>6} {'programs':>8} {'split':>5} "
+          f"{'KB/prog':>7} {'16B ld':>6} "
           f"{'KB flight/SM':>12} {'instr/word':>10} {'regs':>4} {'spill':>5} {'bar':>3} {'predicted':>9}")
     for r in rows:
         print(f"{r.card:>9} {r.kernel:>11} {r.format:>9} {r.linear:>8} {r.n:>6} {r.k:>6} {r.programs:>8} {r.split:>5} "

@@ -68,11 +68,11 @@ def test_strips_of_the_wrong_shape_are_refused():
 @pytest.mark.parametrize("n,k,m,tile", [(200, 256, 1, None), (132, 576, 3, None), (72, 1024, 5, SMALL),
                                         (40, 384, 16, dict(SMALL, PREFETCH=0)), (8, 2048, 2, None)])
 def test_gemv_matches_the_reference(fmt, group, n, k, m, tile):
-    """Strip rows past the last whole trip (K of 256 and 576 inputs at 256 rows a trip; 384 at 32), K in several
-    whole trips (1024 at 32 rows a trip; 2048 int4 in one of 256), groups of one block, of four and of all of K
-    (int4's, and int8's per output), 1-16 rows (programs of 4 and a padded one), the next trip's words loaded ahead or not, a bias: the product
-    is the rounded activations times the dequantized weights (float64 reference) to float32 rounding, and within
-    the rounding's 15 bits of the exact product."""
+    """Strip rows past the last whole trip (K of 256 and 576 inputs at 256 rows a trip; 384 at 32), K in several whole
+    trips (1024 at 32 rows a trip; 2048 int4 in one of 256), groups of one block, of four and of all of K (int4's,
+    and int8's per output), 1-16 rows (programs of 4 and a padded one), the next trip's words loaded ahead or not, a
+    bias: the product is the rounded activations times the dequantized weights (float64 reference) to float32
+    rounding, and within the rounding's 15 bits of the exact product."""
     if group and k % group:
         group = 32
     s = strips(fmt, n, k, group, seed=n + k)
