@@ -39,21 +39,22 @@ from localpd.quant.kmajor import STRIP, KStripInt4, KStripInt8  # STRIP: the out
 MAX_BLOCK_M = 4  # rows a program takes, each with an accumulator of its own
 MAX_ROWS = 16  # rows a launch takes (the model's decode batches and verifications): programs of up to 4
 ONE_GROUP = tl.constexpr(1 << 30)  # GROUP of a weight with one group of all of K (int8 per output)
-# the launch's knobs: warps, strip rows a lane a trip, trips ahead a trip's words and factors are loaded (0-2),
-# strips a program (1, or 2 where they divide N: each activation load serving 8 outputs, half the programs)
-DEFAULT_TILE = dict(num_warps=2, rows_a_lane=4, PREFETCH=1, strips=1)  # a trip: 2 x 32 x 4 rows of a strip (4 KB int4)
-# programs of 2 or 4 rows: 2 strip rows a lane, where 4 took 134-254 registers (sm_80-sm_90, int4), 72-128 with 2
-ROWS_TILE = dict(rows_a_lane=2)
+# The launch's knobs: warps, strip rows a lane a trip, trips ahead a trip's words and factors are loaded (0-2),
+# strips a program (1, or 2 where they divide N: each activation load serving 8 outputs, half the programs).
+# DEFAULT_TILE's trip: 2 x 32 x 2 rows of a strip (2 KB of int4 words). At one row on sm_90, 2 rows a lane take 56
+# registers (21.4 instructions an int4 word), so 18 programs fit an SM and qkv's 1536 programs start in one wave
+# (4 rows a lane: 95 registers, 19.1 a word, 10 an SM: 1320 at once and a tail of 216, each waiting its own trips);
+# programs of 4 rows take 126 (4 rows a lane: up to 254 on sm_80).
+DEFAULT_TILE = dict(num_warps=2, rows_a_lane=2, PREFETCH=1, strips=1)
 # The fastest tile measured per card and one-row shape (scripts/bench_strip.py --table): {card name: {"bits:N:K":
 # tile}}; none measured yet. LOCALPD_STRIP_TILES names another table (a missing file: DEFAULT_TILE).
 TILE_TABLE = Path(os.environ.get("LOCALPD_STRIP_TILES") or Path(__file__).with_name("gemv_strip_tiles.json"))
 
 
 def tile_for(device: torch.device, bits: int, n: int, k: int, m: int) -> dict:
-    """The launch's knobs: the measured tile for this card and shape at one row, else DEFAULT_TILE (ROWS_TILE's
-    for programs of several rows)."""
+    """The launch's knobs: the measured tile for this card and shape at one row, else DEFAULT_TILE."""
     if m > 1:
-        return {**DEFAULT_TILE, **ROWS_TILE}
+        return dict(DEFAULT_TILE)
     return measured_tile(TILE_TABLE, DEFAULT_TILE, device, bits, n, k)
 
 

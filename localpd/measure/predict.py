@@ -83,6 +83,7 @@ class Prediction:
     k: int
     programs: int
     split: int  # slices of K a column tile is cut into (1: no split-K reduction)
+    waves: float  # programs over those the SMs hold at once (registers, shared memory): past 1, a tail starts late
     bytes_per_program: int
     wide_loads: str  # 16-byte loads a trip / the weight words' 16-byte loads a trip
     in_flight_per_sm: int
@@ -199,15 +200,16 @@ def predict(model: str = "llama3-8b", cards=CARDS, formats=FORMATS, kernels=("dp
                     programs = tiles * split
                     g = group or k
                     nbytes = n * k * bits // 8 + 4 * n * (k // g) + 2 * n  # DRAM's: weights, factors, outputs
-                    resident = min(-(-programs // card.sms), MAX_PROGRAMS_PER_SM,
-                                   REGISTERS_PER_SM // max(1, stats.registers * launch.threads),
-                                   card.shared_kb * 1024 // max(1, launch.kernel.metadata.shared))
+                    fit = min(MAX_PROGRAMS_PER_SM, REGISTERS_PER_SM // max(1, stats.registers * launch.threads),
+                              card.shared_kb * 1024 // max(1, launch.kernel.metadata.shared))  # programs an SM holds
+                    resident = min(-(-programs // card.sms), fit)
                     trip_bytes = launch.words_per_thread * 4 * launch.threads * (1 + int(launch.prefetch))
                     in_flight = int(resident * trip_bytes)
                     need = card.gbs * 1e9 * LATENCY_US * 1e-6 / card.sms
                     eff = min(1.0, card.budget() / stats.per_word, in_flight / need)
                     seconds = floor_us(split) * 1e-6 + nbytes / (eff * card.gbs * 1e9)
-                    rows.append(Prediction(card.name, kernel, fmt, name, n, k, programs, split, nbytes // programs,
+                    rows.append(Prediction(card.name, kernel, fmt, name, n, k, programs, split,
+                                           round(programs / (fit * card.sms), 2), nbytes // programs,
                                            f"{wide}/{weight_wide}", in_flight, stats.per_word, stats.registers,
                                            stats.spilled, stats.barriers, nbytes / (card.gbs * 1e9) / seconds,
                                            seconds * 1e6))
@@ -232,11 +234,11 @@ def run(args) -> int:
     for card in cards:
         print(f"#   {card.name} sm_{card.arch}: {card.sms} SMs, {card.gbs} GB/s ({card.source}), "
               f"{card.budget():.0f} instruction slots a word")
-    print(f"{'card':>9} {'kernel':>11} {'format':>9} {'linear':>8} {'N':>6} {'K':>6} {'programs':>8} {'split':>5} "
+    print(f"{'card':>9} {'kernel':>11} {'format':>9} {'linear':>8} {'N':>6} {'K':>6} {'programs':>8} {'split':>5} {'waves':>5} "
           f"{'KB/prog':>7} {'16B ld':>6} "
           f"{'KB flight/SM':>12} {'instr/word':>10} {'regs':>4} {'spill':>5} {'bar':>3} {'predicted':>9}")
     for r in rows:
-        print(f"{r.card:>9} {r.kernel:>11} {r.format:>9} {r.linear:>8} {r.n:>6} {r.k:>6} {r.programs:>8} {r.split:>5} "
+        print(f"{r.card:>9} {r.kernel:>11} {r.format:>9} {r.linear:>8} {r.n:>6} {r.k:>6} {r.programs:>8} {r.split:>5} {r.waves:>5} "
               f"{r.bytes_per_program / 1024:>7.1f} {r.wide_loads:>6} {r.in_flight_per_sm / 1024:>12.1f} "
               f"{r.per_word:>10} {r.registers:>4} {r.spilled:>5} {r.barriers:>3} "
               f"{r.predicted:>5.0%} {r.predicted_us:5.1f}us")

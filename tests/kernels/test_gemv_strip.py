@@ -110,7 +110,7 @@ def test_words_loaded_ahead_or_not_leave_the_product_bit_for_bit():
         for ahead in (0, 2):
             assert torch.equal(y, gs.gemv_strip(x, s.words, s.factors, s.BITS, s.group,
                                                 tile=dict(SMALL, PREFETCH=ahead)))
-        for tile in (None, dict(num_warps=2, rows_a_lane=2)):
+        for tile in (None, dict(num_warps=2, rows_a_lane=4)):
             assert rel_err(gs.gemv_strip(x, s.words, s.factors, s.BITS, s.group, tile=tile), y) < 1e-6
 
 
@@ -200,14 +200,14 @@ def test_a_bfloat16_decode_step_in_strips_launches_this_gemv(monkeypatch):
 
 
 def test_launch_tiles_come_from_the_measured_table_or_the_defaults():
-    """One row takes the card's measured tile (none on the CPU: DEFAULT_TILE), programs of several rows ROWS_TILE's
-    2 strip rows a lane; every tile scripts/bench_strip.py times launches (their products are tested above)."""
+    """One row takes the card's measured tile (none on the CPU: DEFAULT_TILE), programs of several rows DEFAULT_TILE;
+    every tile scripts/bench_strip.py times launches (their products are tested above)."""
     import sys
     from pathlib import Path
 
     cpu = torch.device("cpu")
     assert gs.tile_for(cpu, 4, 4096, 4096, 1) == gs.DEFAULT_TILE
-    assert gs.tile_for(cpu, 4, 4096, 4096, 3) == {**gs.DEFAULT_TILE, "rows_a_lane": 2}
+    assert gs.tile_for(cpu, 4, 4096, 4096, 3) == gs.DEFAULT_TILE
     sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
     from bench_strip import TILES, card_entry
 

@@ -55,7 +55,7 @@ def test_every_sm_has_several_programs_and_16_kb_in_flight(rows):
 def test_instructions_per_weight_word_stay_where_they_are(rows):
     """Property 3's budget is about 30 SASS instructions an int4 word and 20 an int8 word. The integer GEMV (the
     model's, kernels/gemv_dp4a.py) takes about 14 and 6: 4 dp4a an int4 word (2 an int8 word), a word's nibbles
-    split in 3, a block's sums scaled once; the one over strips (gemv_strip) about 19 and 9, its sums scaled a row of
+    split in 3, a block's sums scaled once; the one over strips (gemv_strip) about 21 and 10, its sums scaled a row of
     a strip (8 inputs) where dp4a's are a block (32); the float one (gemv_kmajor) about 42 and 25, held there as it
     is."""
     for r in rows:
@@ -63,7 +63,7 @@ def test_instructions_per_weight_word_stay_where_they_are(rows):
         if r["kernel"] == "dp4a":
             assert r["per_word"] <= (15 if int4 else 7), r
         elif r["kernel"] == "strip":
-            assert r["per_word"] <= (20 if int4 else 9.5), r
+            assert r["per_word"] <= (22.5 if int4 else 11), r
         else:
             assert r["per_word"] <= (52 if int4 else 28), r
         assert 0 < r["predicted"] <= 1
@@ -89,7 +89,8 @@ def test_the_strip_gemv_takes_all_of_k_and_is_predicted_above_the_split_k_ones(r
     """kernels/gemv_strip.py: a program takes 4 outputs over all of K (one slice: no split-K reduction, whose fenced
     atomic and reload are two of the round trips a split-K program waits on in turn), so it is predicted faster than
     the model's GEMV of the same format wherever that one splits K, and no slower on an output head of many tiles
-    (which that one does not split), and the H100's int4 qkv at issue 32's 60%."""
+    (which that one does not split), and the H100's int4 qkv at issue 32's 60%; qkv, o and down start all their
+    programs in one wave (no tail of programs that start late, each waiting on its own trips)."""
     split_k = {(r["card"], r["format"], r["n"], r["k"]): r for r in rows if r["kernel"] == "dp4a"}
     strip = [r for r in rows if r["kernel"] == "strip"]
     assert len(strip) == 20
@@ -100,5 +101,7 @@ def test_the_strip_gemv_takes_all_of_k_and_is_predicted_above_the_split_k_ones(r
             assert r["predicted_us"] < other["predicted_us"] - 1.0, r
         else:
             assert r["predicted_us"] <= other["predicted_us"], r
+    for r in strip:  # the decode layers' launches start all their programs at once (the head's take several waves)
+        assert r["linear"] == "lm_head" or r["linear"] == "gate_up" or r["waves"] <= 1, r
     qkv = [r for r in strip if r["linear"] == "qkv" and r["format"] == "int4-g128" and r["n"] == 6144]
     assert qkv and qkv[0]["predicted"] >= 0.6
