@@ -1,10 +1,12 @@
 """What a launch costs in a CUDA graph beyond its bytes, on a GPU: the floor in `localpd bench kernels --predict`'s
-model (measure/predict.py FLOOR_US, 5 us from an H200's cuBLAS GEMV) measured directly.
+model (measure/predict.py: LAUNCH_US plus ROUND_TRIP_US for each round trip a program waits on in turn, fitted to
+this script's first run on an H100) measured directly.
 
 Times, as CUDA-graph replays of back-to-back launches (measure/bench_kernels.graph_time): an empty Triton kernel of
 one program and of 8 programs an SM, and the integer GEMV (kernels/gemv_dp4a.py, its activations already rounded,
 the tile the model launches) at one row over shapes from a few hundred KB of weights to Llama-3-8B's o, qkv and
-down, then one column tile and o's shape at 1-32 slices of K (split-K) on one tile; weights rotated through copies
+down, the same over strips (kernels/gemv_strip.py: all of K a program, no split-K reduction), then one column
+tile and o's shape at 1-32 slices of K (split-K) on one tile; weights rotated through copies
 larger than L2; each with programmatic dependent launch on and off
 (kernels/pdl.py). Prints us a launch, the weights' time at the measured copy bandwidth, and the rest: what a
 launch costs that its bytes do not explain.
@@ -18,10 +20,11 @@ import torch
 import triton
 import triton.language as tl
 
-from localpd.kernels import gemv_dp4a as dp
+from localpd.kernels import gemv_dp4a as dp, gemv_strip as gs
 from localpd.kernels import pdl
 from localpd.kernels.act_round import quantize_act
 from localpd.measure.bench_kernels import gpu_script, graph_time, kmajor_copies, write_rows
+from localpd.quant.kmajor import to_strips
 
 GEMVS = [("int4-g128", 128, 4096), ("int4-g128", 1024, 4096), ("int4-g128", 4096, 4096), ("int4-g128", 6144, 4096),
          ("int4-g128", 4096, 14336), ("int8", 4096, 4096)]
@@ -51,16 +54,21 @@ def main() -> int:
     print("|---|---|---|---|---|")
     out = []
 
-    def gemv(fmt, n, k, split=None, tile=None):  # (weight bytes, a launch over each copy of the weights)
+    def gemv(fmt, n, k, split=None, tile=None, strips=False):  # (weight bytes, a launch over each weight copy)
         ws = kmajor_copies(fmt, n, k, dev)
         q, s = quantize_act(torch.randn(1, k, device=dev, dtype=torch.bfloat16), ws[0].BITS)
         y = torch.empty(1, n, device=dev, dtype=torch.bfloat16)
+        if strips:
+            ws = [to_strips(w) for w in ws]
+            return ws[0].nbytes, [lambda w=w: gs.gemv_strip_rounded(q, s, y, w.words, w.factors, w.BITS, w.group)
+                                  for w in ws]
         return ws[0].nbytes, [lambda w=w: dp.gemv_rounded(q, s, y, w.words, w.factors, w.BITS, w.group, split_k=split,
                                                            tile=tile) for w in ws]
 
     launches = [(f"empty kernel, {g} program(s)", 0, [lambda g=g: _empty_kernel[(g,)](x, **pdl.launch_args(x))], 400)
                 for g in (1, 8 * sms)]
     launches += [(f"GEMV {fmt} {n}x{k}", *gemv(fmt, n, k), 200) for fmt, n, k in GEMVS]
+    launches += [(f"GEMV {fmt} {n}x{k} in strips", *gemv(fmt, n, k, strips=True), 200) for fmt, n, k in GEMVS]
     launches += [(f"GEMV {fmt} {n}x{k}, {split} slice(s) of K, b4 w4 pf1", *gemv(fmt, n, k, split, SPLIT_TILE), 200)
                  for fmt, n, k, split in SPLITS]
     for label, nbytes, fns, reps in launches:
