@@ -355,17 +355,24 @@ def kstrip_rounding(rows: int, w: KStripWeight, like: torch.Tensor) -> int:
 def linear_kstrip(x: torch.Tensor, w: KStripWeight, bias: torch.Tensor | None = None, gated: str | None = None,
                   norm: PreNorm | None = None, rounded=None):
     """linear_kmajor for a weight in strips (quant/kmajor.py): kernels/gemv_strip.py's GEMV, no split-K, up to its
-    MAX_ROWS rows of 16-bit activations, its input rounded by the input step as for the integer GEMV; other rows and
-    dtypes (prefill, float32) through linear_kmajor over the weight's K-major copy, made for the call."""
+    MAX_ROWS rows of 16-bit activations, its input rounded by the input step as for the integer GEMV; more rows
+    (prefill) dequantized from the strips for cuBLAS, after the input step; a few rows of float32 activations
+    through linear_kmajor over the weight's K-major copy, made for the call."""
     if not use_triton(x):
         return _linear(x, w.shape, lambda x2, n: kmajor_matmul_ref(x2, w, bias=bias, gated=gated, norm=n), gated,
                        norm)
-    from localpd.kernels import gemv_strip as gs
+    from localpd.kernels import gemv_kmajor as km, gemv_strip as gs
+    from localpd.kernels.fused_dispatch import act_mul, add_rms_norm
 
     def run(x2, n):
         if not kstrip_rounding(x2.shape[0], w, x2):
             assert rounded is None
-            return linear_kmajor(x2, w.kmajor(), bias, gated, n)
+            if x2.shape[0] <= km.MAX_ROWS:  # float32 rows: the float GEMV's layout
+                return linear_kmajor(x2, w.kmajor(), bias, gated, n)
+            h, s = add_rms_norm(x2, n.residual, n.weight, n.eps) if n is not None else (x2, None)
+            h = act_mul(h, gated) if gated else h
+            y = km.dequant_matmul_kmajor(h, w.words, w.factors, w.BITS, w.group, bias, strips=True)
+            return y if n is None else (y, s)
         q, sq, s = _rounded_input(x2, n, gated, rounded, w.BITS)
         y = gs.gemv_strip_rounded(q, sq, torch.empty((x2.shape[0], w.shape[0]), dtype=x2.dtype, device=x2.device),
                                   w.words, w.factors, w.BITS, w.group, bias=bias)

@@ -227,18 +227,24 @@ def _epilogue(y, row_sq, y_ptr, bias_ptr, row, offs_n, mask, stride_ym, K, eps, 
 
 
 @triton.jit
-def _dequant_kmajor_kernel(w_ptr, f_ptr, out_ptr, N, K, stride_wk, stride_fg, stride_ok, BITS: tl.constexpr,
-                           GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """W.T's rows [K, N] in out's dtype for the prefill GEMM: program (k tile, n tile) writes [BLOCK_K, BLOCK_N]."""
+def _dequant_kmajor_kernel(w_ptr, f_ptr, out_ptr, N, K, stride_wk, stride_fg, stride_ok, stride_ws, stride_fs,
+                           BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           STRIPS: tl.constexpr = False):
+    """W.T's rows [K, N] in out's dtype for the prefill GEMM: program (k tile, n tile) writes [BLOCK_K, BLOCK_N].
+    STRIPS: the words and factors in strips of 4 outputs (quant/kmajor.py), strip j at j * stride_ws (j *
+    stride_fs), a strip's rows stride_wk (stride_fg) apart."""
     FIELDS: tl.constexpr = 32 // BITS
     k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (k < K)[:, None] & (n < N)[None, :]
-    w = tl.load(w_ptr + (k // FIELDS)[:, None] * stride_wk + n[None, :], mask=mask, other=0)
+    wn, fn = n, n
+    if STRIPS:
+        wn, fn = (n // 4) * stride_ws + n % 4, (n // 4) * stride_fs + n % 4
+    w = tl.load(w_ptr + (k // FIELDS)[:, None] * stride_wk + wn[None, :], mask=mask, other=0)
     v = (w >> ((k % FIELDS) * BITS)[:, None]) & ((1 << BITS) - 1)
     if BITS == 8:
         v = v - 256 * (v >= 128)  # two's complement byte
-    fac = tl.load(f_ptr + (k // GROUP)[:, None] * stride_fg + n[None, :], mask=mask, other=0)
+    fac = tl.load(f_ptr + (k // GROUP)[:, None] * stride_fg + fn[None, :], mask=mask, other=0)
     scale = (fac & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     out = v.to(tl.float32) * scale
     if BITS == 4:
@@ -359,9 +365,17 @@ def gemv_kmajor(x: torch.Tensor, words: torch.Tensor, factors: torch.Tensor, bit
 
 
 def dequant_matmul_kmajor(x: torch.Tensor, words: torch.Tensor, factors: torch.Tensor, bits: int, group: int,
-                          bias=None) -> torch.Tensor:
-    """x @ W.T (+ bias) by dequantizing W.T in chunks of inputs and cuBLAS (prefill: compute-bound)."""
-    n, k = words.shape[1], words.shape[0] * 32 // bits
+                          bias=None, strips: bool = False) -> torch.Tensor:
+    """x @ W.T (+ bias) by dequantizing W.T in chunks of inputs and cuBLAS (prefill: compute-bound); strips: the
+    words [N / 4, K * bits / 32, 4] and factors [N / 4, K / group, 4] of a weight in strips (quant/kmajor.py)."""
+    if strips:  # a chunk of inputs is a range of each strip's rows
+        n, k = words.shape[0] * 4, words.shape[1] * 32 // bits
+        rows_of = lambda t, a: t[:, a:]  # noqa: E731
+        strides = (words.stride(1), factors.stride(1), words.stride(0), factors.stride(0))
+    else:
+        n, k = words.shape[1], words.shape[0] * 32 // bits
+        rows_of = lambda t, a: t[a:]  # noqa: E731
+        strides = (words.stride(0), factors.stride(0), 0, 0)
     kernel_group = group if group < k else 1 << 30
     rows = max(128, DEQUANT_ROWS // max(n, 1) // 128 * 128)  # a multiple of every group and word
     wt = torch.empty((min(rows, k), n), dtype=x.dtype, device=x.device)
@@ -371,9 +385,9 @@ def dequant_matmul_kmajor(x: torch.Tensor, words: torch.Tensor, factors: torch.T
         fields = 32 // bits
         grid = (triton.cdiv(b - a, 64), triton.cdiv(n, 64))
         gk0 = a // group if group < k else 0
-        _dequant_kmajor_kernel[grid](words[a // fields:], factors[gk0:], wt, n, b - a, words.stride(0),
-                                     factors.stride(0), wt.stride(0), BITS=bits, GROUP=kernel_group, BLOCK_N=64,
-                                     BLOCK_K=64)
+        _dequant_kmajor_kernel[grid](rows_of(words, a // fields), rows_of(factors, gk0), wt, n, b - a, strides[0],
+                                     strides[1], wt.stride(0), strides[2], strides[3], BITS=bits, GROUP=kernel_group,
+                                     BLOCK_N=64, BLOCK_K=64, STRIPS=strips)
         if out is None:  # one chunk: cuBLAS writes x's dtype
             y = x @ wt
             return y if bias is None else y.add_(bias)

@@ -196,10 +196,10 @@ class Transformer:
         as its nearest int8) moved to the K-major layout the batch-1 GEMV streams (quant/kmajor.py), in strips of 4
         outputs where kernels/gemv_strip.py's GEMV decodes on this card (holds_strips); a tied output head keeps one
         copy, which the embedding lookup reads too."""
+        from localpd.kernels import gemv_strip
         from localpd.kernels.gemv_kmajor import takes  # imports Triton
-        from localpd.kernels.gemv_strip import holds_strips
 
-        layout = to_strips if holds_strips(self.device) else to_kmajor
+        strips = gemv_strip.holds_strips(self.device)
 
         tied = self.lm_head.weight is self.embed
         linears = [lin for L in self.layers for lin in (L.qkv, L.o, L.gate_up, L.down)] + [self.lm_head]
@@ -212,7 +212,8 @@ class Transformer:
                     w = as_int8(w)
                 bits = 4 if isinstance(w, Int4Weight) else 8 if isinstance(w, Int8Weight) else 0
                 if bits and takes(w.shape, bits, w.group):  # else the row-major kernels, as before
-                    part.weight = layout(w)
+                    in_strips = strips and gemv_strip.takes(w.shape, bits, w.group)
+                    part.weight = to_strips(w) if in_strips else to_kmajor(w)
         if tied:
             self.embed = self.lm_head.weight
 

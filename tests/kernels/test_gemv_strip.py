@@ -141,8 +141,8 @@ def test_the_product_is_the_integer_gemvs_on_the_same_rounding():
 def test_the_model_linear_takes_it_for_16_bit_rows_up_to_max_rows():
     """linear_kstrip: up to MAX_ROWS rows of bfloat16 activations through this GEMV, with a plain input rounded in a
     launch of its own, RMSNorm's and SiLU * up's rounded by their kernels (the same products as linear_kmajor's
-    integer GEMV gives from the same inputs); more rows (prefill) and float32 activations through linear_kmajor
-    over the K-major copy (dequantize + cuBLAS; the float GEMV)."""
+    integer GEMV gives from the same inputs); float32 activations through linear_kmajor over the K-major copy (the
+    float GEMV); more rows (prefill) dequantized from the strips for cuBLAS, bit for bit linear_kmajor's."""
     q = quantized("int4", 96, 256, 128, seed=5)
     s, kw = to_strips(q), to_kmajor(q)
     s, kw = type(s)(s.words.to(DEV), s.factors.to(DEV)), type(kw)(kw.words.to(DEV), kw.factors.to(DEV))
@@ -167,6 +167,29 @@ def test_the_model_linear_takes_it_for_16_bit_rows_up_to_max_rows():
     assert torch.equal(h, h_k) and rel_err(y, y_k) < 1e-2
     gate_up = activations(2, 512, seed=11, dtype=torch.bfloat16)
     assert rel_err(linear_kstrip(gate_up, s, gated="silu"), linear_kmajor(gate_up, kw, gated="silu")) < 1e-2
+    # a prompt's rows: dequantized from the strips, the very matrix (and product) of the K-major path
+    x, res = (activations(20, 256, seed=12 + i, dtype=torch.bfloat16) for i in range(2))
+    norm = PreNorm(res, norm.weight, 1e-5)
+    assert torch.equal(linear_kstrip(x, s), linear_kmajor(x, kw))
+    assert all(map(torch.equal, linear_kstrip(x, s, norm=norm), linear_kmajor(x, kw, norm=norm)))
+    gate_up = activations(20, 512, seed=14, dtype=torch.bfloat16)
+    assert torch.equal(linear_kstrip(gate_up, s, gated="silu"), linear_kmajor(gate_up, kw, gated="silu"))
+
+
+def test_a_prompts_product_dequantizes_the_strips_a_chunk_of_inputs_at_a_time(monkeypatch):
+    """The GEMM path reads strips as it reads K-major words: chunks of inputs (several here) over every strip, the
+    same dequantized matrix, so the same product bit for bit."""
+    from localpd.kernels import gemv_kmajor as km
+
+    monkeypatch.setattr(km, "DEQUANT_ROWS", 128 * 40)  # 128 inputs of 40 outputs a chunk
+    for fmt, group in (("int4", 128), ("int8", None), ("int4", 0)):
+        q = quantized(fmt, 40, 640, group, seed=15)
+        s, kw = to_strips(q), to_kmajor(q)
+        s, kw = type(s)(s.words.to(DEV), s.factors.to(DEV)), type(kw)(kw.words.to(DEV), kw.factors.to(DEV))
+        x, bias = activations(12, 640, seed=16), torch.randn(40, generator=torch.Generator().manual_seed(17)).to(DEV)
+        y = km.dequant_matmul_kmajor(x, s.words, s.factors, s.BITS, s.group, bias, strips=True)
+        assert torch.equal(y, km.dequant_matmul_kmajor(x, kw.words, kw.factors, kw.BITS, kw.group, bias))
+        assert rel_err(y, kmajor_matmul_ref(x, kw, bias)) < 1e-5
 
 
 def test_the_layout_is_chosen_per_card_or_by_the_environment(monkeypatch):
