@@ -18,9 +18,9 @@ import torch
 
 from localpd.measure.device import device_info, measure_copy_bandwidth
 from localpd.kernels import cpu
-from localpd.kernels.dispatch import (int4_matmul_ref, int8_matmul_ref, kmajor_matmul_ref, linear_int4, linear_int8,
-                                     linear_kmajor)
-from localpd.quant.kmajor import KMajorWeight, to_kmajor
+from localpd.kernels.dispatch import int4_matmul_ref, int8_matmul_ref, kmajor_matmul_ref, linear_int4, linear_int8
+from localpd.model.linear import KERNELS
+from localpd.quant.kmajor import KMajorWeight, KStripWeight, to_kmajor, to_strips
 from localpd.quant.weights import Int4Weight, Int8Weight
 
 # Llama-3-8B: (name, N, K) with q/k/v and gate/up fused as localpd runs them
@@ -166,7 +166,9 @@ def run(args) -> int:
                   "int4-g32": lambda: random_int4(n, k, 32, device), "int8": lambda: random_int8(n, k, device)}
         if gpu:  # the layout the model runs on a GPU (quant/kmajor.py); on the CPU its reference alone
             makers.update({"int4-g128 K-major": lambda: to_kmajor(random_int4(n, k, 128, device)),
-                           "int8 K-major": lambda: to_kmajor(random_int8(n, k, device))})
+                           "int8 K-major": lambda: to_kmajor(random_int8(n, k, device)),
+                           "int4-g128 strips": lambda: to_strips(random_int4(n, k, 128, device)),
+                           "int8 strips": lambda: to_strips(random_int8(n, k, device))})
         if args.formats:
             makers = {label: make for label, make in makers.items() if label in args.formats.split(",")}
         ours = {}
@@ -177,8 +179,8 @@ def run(args) -> int:
         for label, ws in ours.items():  # correctness against the reference on this shape, same run
             w = ws[0]
             x = torch.randn(max(ms), k, device=device, dtype=dtype)
-            if isinstance(w, KMajorWeight):
-                got, ref = linear_kmajor(x, w), kmajor_matmul_ref(x, w)
+            if isinstance(w, (KMajorWeight, KStripWeight)):
+                got, ref = KERNELS[type(w)].linear(x, w), kmajor_matmul_ref(x, w)
             elif isinstance(w, Int4Weight):
                 got, ref = linear_int4(x, w), int4_matmul_ref(x, w.packed, w.scales, w.biases, w.group)
             else:
@@ -202,8 +204,7 @@ def run(args) -> int:
             io = (m * k + m * n) * x.element_size()
             cells = {}
             for label, ws in ours.items():
-                linear = linear_kmajor if isinstance(ws[0], KMajorWeight) else linear_int4 \
-                    if isinstance(ws[0], Int4Weight) else linear_int8
+                linear = KERNELS[type(ws[0])].linear  # the model's product for the format
                 cells[label] = (bench([lambda w=w: linear(x, w) for w in ws]), ws[0].nbytes + io)
             for label, (fns, nbytes) in peers.items():
                 if fns is None:
