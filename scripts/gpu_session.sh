@@ -87,8 +87,8 @@ json.dump(t, open('/tmp/tiles_int8acts.json', 'w'), indent=1)"
              --section LaunchStats --section WarpStateStats python3 scripts/ncu_gemv.py --formats int4-g128,int8 ;;
   kernels) stage bench_kernels 200 localpd bench kernels --json "$OUT/bench_kernels.json" ;;
   kmsweep) TAIL=14 stage sweep_kmajor 300 python3 scripts/sweep_kmajor.py --json "$OUT/sweep_kmajor.json" ;;
-  kernels1) TAIL=12 stage bench_kernels_m1 200 localpd bench kernels --m 1,4 --formats "int4-g128 K-major,int8 K-major,int4-g128 strips,int8 strips" \
-              --json "$OUT/bench_kernels_m1.json" ;;
+  kernels1) TAIL=12 stage bench_kernels_m1 200 localpd bench kernels --m 1,4 \
+              --formats "int4-g128 K-major,int8 K-major,int4-g128 strips,int8 strips" --json "$OUT/bench_kernels_m1.json" ;;
   bench) TAIL=12 stage bench_e2e 300 localpd bench --synthetic llama3-8b --quant int4-g128 --prompt-len 128 \
            --gen-len 64 --batch 1,4,16 --json "$OUT/bench_e2e.json" --plot "$OUT/roofline.png" ;;
   peers) TAIL=12 stage bench_peers 150 python3 scripts/bench_decode_peers.py ;;
