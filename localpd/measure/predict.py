@@ -68,7 +68,9 @@ class Card:
 
 CARDS = [Card("H100 SXM", 90, 132, 1.98, 2950, "copy measured on the device tool, 2026-11-23", 227),
          Card("H200", 90, 132, 1.98, 4200, "copy measured on the device tool, 2026-11-26", 227),
-         Card("RTX 4090", 89, 128, 2.52, 1008, "datasheet", 99)]
+         Card("RTX 5090", 120, 170, 2.41, 1792, "datasheet", 99),
+         Card("RTX 4090", 89, 128, 2.52, 1008, "datasheet", 99),
+         Card("RTX 3090", 86, 82, 1.70, 936, "datasheet", 99)]
 FORMATS = {"int4-g128": (4, 128), "int8": (8, 0)}  # bits, group (0: per output row)
 
 
