@@ -48,7 +48,6 @@ def floor_us(split: int) -> float:
 LATENCY_US = 0.7  # DRAM latency a load waits, for Little's law (issue 32: 2.95 TB/s x 0.7 us / 132 = 16 KB an SM)
 REGISTERS_PER_SM = 65536
 STAGED = 3  # dp4a-staged's pipeliner stages (kernels/gemv_dp4a.py STAGES): 2 trips ahead in shared memory
-MAX_PROGRAMS_PER_SM = 32
 
 
 @dataclass(frozen=True)
@@ -60,6 +59,8 @@ class Card:
     gbs: float  # copy bandwidth
     source: str
     shared_kb: int  # shared memory an SM gives its programs (CUDA's occupancy tables)
+    max_programs: int = 32  # resident blocks an SM (CUDA's tables: 9.0 32, 8.9 24, 8.6 16; 12.0 taken as 24)
+    max_threads: int = 2048  # resident threads an SM (1536 on 8.6, 8.9 and 12.0)
 
     def budget(self) -> float:
         """Instruction slots per 4-byte word at full bandwidth."""
@@ -68,9 +69,9 @@ class Card:
 
 CARDS = [Card("H100 SXM", 90, 132, 1.98, 2950, "copy measured on the device tool, 2026-11-23", 227),
          Card("H200", 90, 132, 1.98, 4200, "copy measured on the device tool, 2026-11-26", 227),
-         Card("RTX 5090", 120, 170, 2.41, 1792, "datasheet", 99),
-         Card("RTX 4090", 89, 128, 2.52, 1008, "datasheet", 99),
-         Card("RTX 3090", 86, 82, 1.70, 936, "datasheet", 99)]
+         Card("RTX 5090", 120, 170, 2.41, 1792, "datasheet", 99, 24, 1536),
+         Card("RTX 4090", 89, 128, 2.52, 1008, "datasheet", 99, 24, 1536),
+         Card("RTX 3090", 86, 82, 1.70, 936, "datasheet", 99, 16, 1536)]
 FORMATS = {"int4-g128": (4, 128), "int8": (8, 0)}  # bits, group (0: per output row)
 
 
@@ -202,8 +203,9 @@ def predict(model: str = "llama3-8b", cards=CARDS, formats=FORMATS, kernels=("dp
                     programs = tiles * split
                     g = group or k
                     nbytes = n * k * bits // 8 + 4 * n * (k // g) + 2 * n  # DRAM's: weights, factors, outputs
-                    fit = min(MAX_PROGRAMS_PER_SM, REGISTERS_PER_SM // max(1, stats.registers * launch.threads),
-                              card.shared_kb * 1024 // max(1, launch.kernel.metadata.shared))  # programs an SM holds
+                    fit = min(card.max_programs, card.max_threads // launch.threads,  # programs an SM holds
+                              REGISTERS_PER_SM // max(1, stats.registers * launch.threads),
+                              card.shared_kb * 1024 // max(1, launch.kernel.metadata.shared))
                     resident = min(-(-programs // card.sms), fit)
                     trip_bytes = launch.words_per_thread * 4 * launch.threads * (1 + int(launch.prefetch))
                     in_flight = int(resident * trip_bytes)
