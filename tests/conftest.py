@@ -9,6 +9,28 @@ if os.environ.get("LOCALPD_TEST_DEVICE", "cpu") == "cpu":
 
 import pytest  # noqa: E402
 
+
+def _installed_packages_over_the_repositorys_folders() -> None:
+    """The repository's kernels/ folder (installed as localpd.kernels) would stand for Hugging Face's `kernels`
+    package, which transformers imports where that is installed (transformers 5.25 brings it), because pytest puts
+    the repository's root on sys.path: the installed package is imported first, from the other paths, so that
+    sys.modules holds it."""
+    import importlib
+    import importlib.util
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    saved = sys.path[:]
+    sys.path[:] = [p for p in saved if Path(p or ".").resolve() != root]
+    try:
+        if "kernels" not in sys.modules and importlib.util.find_spec("kernels") is not None:
+            importlib.import_module("kernels")
+    finally:
+        sys.path[:] = saved
+
+
+_installed_packages_over_the_repositorys_folders()
+
 # the real default model or transformers; kernels compiled for an NVIDIA GPU in a process of its own
 SLOW_FIXTURES = {"default_gguf", "engine", "hf_reference", "served", "sass_table"}
 INTERPRETED = {"test_kernels.py", "test_kv_write.py", "test_decode_attention.py", "test_prefill_attention.py",
