@@ -306,7 +306,6 @@ def linear_kmajor(x: torch.Tensor, w: KMajorWeight, bias: torch.Tensor | None = 
         return _linear(x, w.shape, lambda x2, n: kmajor_matmul_ref(x2, w, bias=bias, gated=gated, norm=n), gated,
                        norm)
     from localpd.kernels import gemv_dp4a as dp, gemv_kmajor as km
-    from localpd.kernels.fused_dispatch import act_mul, add_rms_norm
 
     def run(x2, n):
         gemv = x2.shape[0] <= km.MAX_ROWS
@@ -319,12 +318,20 @@ def linear_kmajor(x: torch.Tensor, w: KMajorWeight, bias: torch.Tensor | None = 
             return km.gemv_kmajor(x2, w.words, w.factors, w.BITS, w.group, bias=bias, gated=gated, norm=n)
         product = (lambda h: km.gemv_kmajor(h, w.words, w.factors, w.BITS, w.group, bias=bias)) if gemv else \
             (lambda h: km.dequant_matmul_kmajor(h, w.words, w.factors, w.BITS, w.group, bias))
-        if n is not None:
-            h, s = add_rms_norm(x2, n.residual, n.weight, n.eps)
-            return product(h), s
-        return product(act_mul(x2, gated) if gated else x2)
+        return _after_input_step(x2, n, gated, product)
 
     return _linear(x, w.shape, run, gated, norm)
+
+
+def _after_input_step(x2: torch.Tensor, n: PreNorm | None, gated: str | None, product):
+    """product(h) of the input step's output h (RMSNorm of x2 + residual, or act(gate) * up, in a kernel of its own;
+    else x2), with the new residual beside it under n."""
+    from localpd.kernels.fused_dispatch import act_mul, add_rms_norm
+
+    if n is not None:
+        h, s = add_rms_norm(x2, n.residual, n.weight, n.eps)
+        return product(h), s
+    return product(act_mul(x2, gated) if gated else x2)
 
 
 def _rounded_input(x2: torch.Tensor, n: PreNorm | None, gated: str | None, rounded, bits: int):
@@ -362,17 +369,14 @@ def linear_kstrip(x: torch.Tensor, w: KStripWeight, bias: torch.Tensor | None = 
         return _linear(x, w.shape, lambda x2, n: kmajor_matmul_ref(x2, w, bias=bias, gated=gated, norm=n), gated,
                        norm)
     from localpd.kernels import gemv_kmajor as km, gemv_strip as gs
-    from localpd.kernels.fused_dispatch import act_mul, add_rms_norm
 
     def run(x2, n):
         if not kstrip_rounding(x2.shape[0], w, x2):
             assert rounded is None
             if x2.shape[0] <= km.MAX_ROWS:  # float32 rows: the float GEMV's layout
                 return linear_kmajor(x2, w.kmajor(), bias, gated, n)
-            h, s = add_rms_norm(x2, n.residual, n.weight, n.eps) if n is not None else (x2, None)
-            h = act_mul(h, gated) if gated else h
-            y = km.dequant_matmul_kmajor(h, w.words, w.factors, w.BITS, w.group, bias, strips=True)
-            return y if n is None else (y, s)
+            return _after_input_step(x2, n, gated, lambda h: km.dequant_matmul_kmajor(
+                h, w.words, w.factors, w.BITS, w.group, bias, strips=True))
         q, sq, s = _rounded_input(x2, n, gated, rounded, w.BITS)
         y = gs.gemv_strip_rounded(q, sq, torch.empty((x2.shape[0], w.shape[0]), dtype=x2.dtype, device=x2.device),
                                   w.words, w.factors, w.BITS, w.group, bias=bias)
