@@ -35,6 +35,30 @@ def _token_scales(scale, pages, offs, mask, head, c_page, c_tok, c_head):
 
 
 @triton.jit
+def _tile_pages(row, pos, lo, last, PS: tl.constexpr):
+    """The pages of tokens pos of a sequence (row: its page-table row) that a decode split reads, 0 elsewhere."""
+    return tl.load(row + pos // PS, mask=(pos < last) & (pos >= lo), other=0).to(tl.int64)
+
+
+@triton.jit
+def _factors(scale, zero, pages, pos, lo, last, head, c_page, c_tok, c_head, KIND: tl.constexpr, D: tl.constexpr,
+             DP: tl.constexpr, PS: tl.constexpr, HALF: tl.constexpr):
+    """The factors of tokens pos (pages: theirs) that a decode split reads, loaded a trip before the trip that uses
+    them: per-token scales [T] (int8, fp8; 0s beside them for zeros), int4 groups' scales and zeros [T, DP / 32]
+    (_int4_groups), 0s for other formats."""
+    mask = (pos < last) & (pos >= lo)
+    if KIND == 1 or KIND == 2:
+        a = _token_scales(scale, pages, pos % PS, mask, head, c_page, c_tok, c_head)
+        b = tl.zeros_like(a)
+    elif KIND == 3:
+        a, b = _int4_groups(scale, zero, pages, pos % PS, mask, head, c_page, c_tok, c_head, D, DP, HALF)
+    else:
+        a = tl.zeros(pos.shape, tl.float32)
+        b = a
+    return a, b
+
+
+@triton.jit
 def _load_tokens(data, pages, offs, mask, head, s_page, s_tok, s_head, D: tl.constexpr, DP: tl.constexpr,
                  DOT: tl.constexpr):
     """Tokens (pages[i], offs[i]) of one KV head as DOT [len(pages), DP] (the dots' operand type, which holds every
@@ -257,30 +281,49 @@ def rope_write_kv_kernel(qkv, cos, sin, slots, k, v, k_scale, v_scale, k_zero, v
 
 
 @triton.jit
+def _int4_groups(scale, zero, pages, offs, mask, head, c_page, c_tok, c_head, D: tl.constexpr, DP: tl.constexpr,
+                 HALF: tl.constexpr = False):
+    """The scales and zeros [len(pages), DP / 32] of grouped int4 tokens of one KV head (0 past the head's groups),
+    each loaded as one contiguous tile per token, as their float16 bits in int32s (a 16-bit value loaded a trip
+    ahead would otherwise be packed in pairs, so waited on, in the trip that loads it): _int4_dequant reads them."""
+    g = tl.arange(0, DP // 32)
+    off = pages[:, None] * c_page + offs[:, None] * c_tok + head * c_head + g[None, :]
+    m = mask[:, None] & (g < D // 32)[None, :]
+    sc = tl.load(scale.to(tl.pointer_type(tl.int16)) + off, mask=m, other=0).to(tl.int32)
+    return sc, tl.load(zero.to(tl.pointer_type(tl.int16)) + off, mask=m, other=0).to(tl.int32)
+
+
+@triton.jit
+def _int4_dequant(data, sc, zr, pages, offs, mask, head, s_page, s_tok, s_head, D: tl.constexpr, DP: tl.constexpr,
+                  HALF: tl.constexpr = False):
+    """Grouped int4 tokens of one KV head, their groups' scales and zeros sc, zr given (_int4_groups' bits), as
+    _int4_halves returns them."""
+    T: tl.constexpr = pages.shape[0]
+    G: tl.constexpr = DP // 32
+    j = tl.arange(0, DP // 2)
+    p = tl.load(data + pages[:, None] * s_page + offs[:, None] * s_tok + head * s_head + j[None, :],
+                mask=mask[:, None] & (j < D // 2)[None, :], other=0).to(tl.int32)
+    OUT: tl.constexpr = tl.float16 if HALF else tl.float32
+    lo, hi = p & 15, p >> 4
+    if HALF:
+        lo, hi = _nibbles_as_half(lo), _nibbles_as_half(hi)
+    sc3 = sc.to(tl.int16).to(tl.float16, bitcast=True).to(OUT)[:, :, None]  # a group's scale, broadcast over its
+    zr3 = zr.to(tl.int16).to(tl.float16, bitcast=True).to(OUT)[:, :, None]  # 16 bytes in registers
+    even = tl.reshape(tl.reshape(lo.to(OUT), (T, G, 16)) * sc3 + zr3, (T, DP // 2))
+    odd = tl.reshape(tl.reshape(hi.to(OUT), (T, G, 16)) * sc3 + zr3, (T, DP // 2))
+    return even, odd
+
+
+@triton.jit
 def _int4_halves(data, scale, zero, pages, offs, mask, head, s_page, s_tok, s_head, c_page, c_tok, c_head,
                  D: tl.constexpr, DP: tl.constexpr, HALF: tl.constexpr = False):
     """Grouped int4 tokens of one KV head as two float32 tiles [len(pages), DP / 2]: the even elements (each
     byte's low nibble) and the odd ones (its high nibble), 0 past the head's D elements. The bytes, scales and
-    zeros are each loaded as one contiguous tile per token (a group's scale is broadcast over its 16 bytes in
-    registers), where loading per element issued a load for every element's byte, scale and zero. HALF: float16
-    tiles, code * scale + zero computed in float16 from codes made float16 without a conversion (_nibbles_as_half)."""
-    T: tl.constexpr = pages.shape[0]
-    G: tl.constexpr = DP // 32
-    j = tl.arange(0, DP // 2)
-    g = tl.arange(0, G)
-    p = tl.load(data + pages[:, None] * s_page + offs[:, None] * s_tok + head * s_head + j[None, :],
-                mask=mask[:, None] & (j < D // 2)[None, :], other=0).to(tl.int32)
-    off = pages[:, None] * c_page + offs[:, None] * c_tok + head * c_head + g[None, :]
-    m = mask[:, None] & (g < D // 32)[None, :]
-    OUT: tl.constexpr = tl.float16 if HALF else tl.float32
-    sc = tl.load(scale + off, mask=m, other=0.0).to(OUT)[:, :, None]  # [T, G, 1]
-    zr = tl.load(zero + off, mask=m, other=0.0).to(OUT)[:, :, None]
-    lo, hi = p & 15, p >> 4
-    if HALF:
-        lo, hi = _nibbles_as_half(lo), _nibbles_as_half(hi)
-    even = tl.reshape(tl.reshape(lo.to(OUT), (T, G, 16)) * sc + zr, (T, DP // 2))
-    odd = tl.reshape(tl.reshape(hi.to(OUT), (T, G, 16)) * sc + zr, (T, DP // 2))
-    return even, odd
+    zeros are each loaded as one contiguous tile per token, where loading per element issued a load for every
+    element's byte, scale and zero. HALF: float16 tiles, code * scale + zero computed in float16 from codes made
+    float16 without a conversion (_nibbles_as_half)."""
+    sc, zr = _int4_groups(scale, zero, pages, offs, mask, head, c_page, c_tok, c_head, D, DP, HALF)
+    return _int4_dequant(data, sc, zr, pages, offs, mask, head, s_page, s_tok, s_head, D, DP, HALF)
 
 
 @triton.jit
@@ -419,19 +462,48 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
     acc_even = tl.zeros((GP, DP // 2), tl.float32)  # int4 values: the even and odd output elements
     acc_odd = tl.zeros((GP, DP // 2), tl.float32)
     t = tl.arange(0, BLOCK_T)
+    # The formats' factors (int8's and fp8's per-token scales, int4 groups' scales and zeros) are 2-byte loads,
+    # too narrow for the pipeliner's asynchronous copies: loaded in the trip that used them, each trip waited on
+    # DRAM round trips in turn (2 for int8, 4 for int4: keys', then values'). They are loaded a trip ahead in
+    # registers instead, from pages loaded two trips ahead, so no load of a trip waits on another.
+    AHEAD: tl.constexpr = (K_KIND >= 1 and K_KIND <= 3) or (V_KIND >= 1 and V_KIND <= 3)
+    K_HALF: tl.constexpr = KDOT == tl.float16
+    V_HALF4: tl.constexpr = VDOT == tl.float16
+    pt_row = page_table + b * s_pt_b
+    if AHEAD:
+        pg_ahead = _tile_pages(pt_row, first + t, lo, last, PS)
+        ka_ahead, kb_ahead = _factors(k_scale, k_zero, pg_ahead, first + t, lo, last, kh, ck_page, ck_tok, ck_head,
+                                      K_KIND, D, DP, PS, K_HALF)
+        va_ahead, vb_ahead = _factors(v_scale, v_zero, pg_ahead, first + t, lo, last, kh, cv_page, cv_tok, cv_head,
+                                      V_KIND, D, DP, PS, V_HALF4)
+        pg_ahead = _tile_pages(pt_row, first + BLOCK_T + t, lo, last, PS)
     for t0 in range(first, last, BLOCK_T):
+        if AHEAD:  # this trip's factors; the next trip's, from its pages; the pages of the one after
+            ka, kb, va, vb = ka_ahead, kb_ahead, va_ahead, vb_ahead
+            nxt = t0 + BLOCK_T + t
+            ka_ahead, kb_ahead = _factors(k_scale, k_zero, pg_ahead, nxt, lo, last, kh, ck_page, ck_tok, ck_head,
+                                          K_KIND, D, DP, PS, K_HALF)
+            va_ahead, vb_ahead = _factors(v_scale, v_zero, pg_ahead, nxt, lo, last, kh, cv_page, cv_tok, cv_head,
+                                          V_KIND, D, DP, PS, V_HALF4)
+            pg_ahead = _tile_pages(pt_row, nxt + BLOCK_T, lo, last, PS)
         pos = t0 + t
         tmask = (pos < last) & (pos >= lo)
-        pages = tl.load(page_table + b * s_pt_b + pos // PS, mask=tmask, other=0).to(tl.int64)
+        pages = tl.load(pt_row + pos // PS, mask=tmask, other=0).to(tl.int64)
         offs = pos % PS
         # V is requested with K, before the math, so both tiles are in flight together
-        if K_INT4:
+        if K_KIND == 3:
+            k_even, k_odd = _int4_dequant(k, ka, kb, pages, offs, tmask, kh, sk_page, sk_tok, sk_head, D, DP, K_HALF)
+            k_even, k_odd = k_even.to(KDOT), k_odd.to(KDOT)
+        elif K_INT4:
             k_even, k_odd = _halves(k, k_scale, k_zero, pages, offs, tmask, kh, sk_page, sk_tok, sk_head, ck_page,
                                     ck_tok, ck_head, K_KIND, D, DP, PS, KDOT)
         else:
             kt = _load_tokens(k, pages, offs, tmask, kh, sk_page, sk_tok, sk_head, D, DP,
                               tl.int8 if INT8_KEYS else DOT)
-        if V_INT4:
+        if V_KIND == 3:
+            v_even, v_odd = _int4_dequant(v, va, vb, pages, offs, tmask, kh, sv_page, sv_tok, sv_head, D, DP, V_HALF4)
+            v_even, v_odd = v_even.to(VDOT), v_odd.to(VDOT)
+        elif V_INT4:
             v_even, v_odd = _halves(v, v_scale, v_zero, pages, offs, tmask, kh, sv_page, sv_tok, sv_head, cv_page,
                                     cv_tok, cv_head, V_KIND, D, DP, PS, VDOT)
         elif V_HALF:  # int8 codes as float16 in the load's registers, before the dot's layout
@@ -445,7 +517,7 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
         else:
             s = tl.dot(qv, tl.trans(kt))
         if K_KIND == 1 or K_KIND == 2:
-            s = s * _token_scales(k_scale, pages, offs, tmask, kh, ck_page, ck_tok, ck_head)[None, :]
+            s = s * ka[None, :]
         s = tl.where(tmask[None, :], s, float("-inf"))  # every tile has a valid token
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp(m - m_new)
@@ -453,7 +525,7 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
         l = l * alpha + tl.sum(w, axis=1)
         m = m_new
         if V_KIND == 1 or V_KIND == 2:
-            w = w * _token_scales(v_scale, pages, offs, tmask, kh, cv_page, cv_tok, cv_head)[None, :]
+            w = w * va[None, :]
         w = w.to(VDOT)
         if V_INT4:
             acc_even = acc_even * alpha[:, None] + tl.dot(w, v_even)

@@ -345,7 +345,12 @@ def decode_splits(batch_heads: int, tiles: int, device: torch.device) -> tuple[i
     programs per SM at long contexts, but no split shorter than a tile (short contexts get few) and no split that
     every sequence leaves empty. The decode kernel shares each sequence's own tiles out over the splits."""
     target = DECODE_PROGRAMS_PER_SM * sm_count(device) if device.type == "cuda" else INTERPRETER_DECODE_PROGRAMS
-    per = cdiv(tiles, max(1, min(tiles, cdiv(target, batch_heads), DECODE_MAX_SPLITS)))
+    return splits_for(batch_heads, tiles, target)
+
+
+def splits_for(batch_heads: int, tiles: int, programs: int) -> tuple[int, int]:
+    """decode_splits' (splits, tiles per split) for a launch that aims at `programs` programs."""
+    per = cdiv(tiles, max(1, min(tiles, cdiv(programs, batch_heads), DECODE_MAX_SPLITS)))
     return cdiv(tiles, per), per
 
 

@@ -251,7 +251,16 @@ def main(argv: list[str]) -> int:
     p.add_argument("--cards", help="with --predict: comma-separated card names (default: H100 SXM, H200, RTX 4090)")
     p.add_argument("--kernels", help="with --predict: comma-separated of dp4a, kmajor, dp4a-staged (the integer GEMV "
                    "with its loads staged through shared memory, STAGES 3; default: dp4a,kmajor)")
+    p.add_argument("--attention", action="store_true",
+                   help="with --predict: decode attention over paged KV per format at 4k and 32k tokens, not the "
+                   "GEMVs (measure/predict_attention.py)")
+    p.add_argument("--kv", help="with --predict --attention: comma-separated KV formats (default bf16,int8,fp8,int4,"
+                   "int8/int4)")
     args = p.parse_args(argv)
+    if args.predict and args.attention:
+        from localpd.measure import predict_attention
+
+        return predict_attention.run(args)
     if args.predict:
         from localpd.measure import predict
 

@@ -89,6 +89,61 @@ def main_loop(sass: str) -> list[str]:
     return best
 
 
+def loop_body(sass: str) -> list[str]:
+    """The whole instructions (opcode and operands, predicate dropped) of the largest loop body (main_loop's)."""
+    code = [(int(a, 16), op.strip()) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    best: list[str] = []
+    for addr, op in code:
+        jump = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", op)
+        if jump and int(jump.group(1), 16) < addr:
+            body = [re.sub(r"^@!?U?P\w+\s+", "", o) for a, o in code if int(jump.group(1), 16) <= a <= addr]
+            best = max(best, body, key=len)
+    return best
+
+
+_NO_DEST = ("ST", "LDGSTS", "RED", "BAR", "BRA", "EXIT", "DEPBAR", "LDGDEPBAR", "ARRIVES", "WARPSYNC", "NOP", "CCTL")
+
+
+def _registers(operand: str) -> set[int]:
+    """The general registers an operand names: R8.64 is R8 and R9; a matrix operand (HMMA's, IMMA's) is taken as
+    its 4 registers, a conservative reading of fragments the text names by their first."""
+    regs = set()
+    for base, wide in re.findall(r"\bR(\d+)(\.64)?\b", operand):
+        regs.update(range(int(base), int(base) + (2 if wide else 1)))
+    return regs
+
+
+def in_trip_loads(body: list[str]) -> tuple[int, int]:
+    """(global loads whose value the same trip uses, round trips a trip waits on in turn) of a loop body
+    (loop_body's). A load (LDG) whose registers are read later in the body, before being written again, is waited
+    on in its own trip; one read only by the next trip's instructions was loaded ahead (its latency hidden behind a
+    whole trip); asynchronous copies (LDGSTS) are the pipeliner's, waited on stages later. Waits are counted in
+    turn: a load issued after the trip has waited on an earlier one starts another round trip."""
+    waited = []  # (issued at, first read at)
+    for i, op in enumerate(body):
+        name, _, rest = op.partition(" ")
+        if not name.startswith("LDG.") and name != "LDG":
+            continue
+        dest = rest.split(",")[0]
+        bits = int((re.findall(r"\.(\d+)$", name) or ["32"])[0])
+        regs = set(range(int(dest.strip()[1:]), int(dest.strip()[1:]) + max(1, bits // 32))) \
+            if re.fullmatch(r"\s*R\d+", dest) else set()
+        for j in range(i + 1, len(body)):
+            later, _, ops = body[j].partition(" ")
+            parts = ops.split(",")
+            has_dest = not later.startswith(_NO_DEST)
+            if _registers(",".join(parts[1:] if has_dest else parts)) & regs:
+                waited.append((i, j))
+                break
+            if has_dest and _registers(parts[0]) >= regs:  # written again before any read: loaded for later
+                break
+    trips, last_wait = 0, -1
+    for issued, read in sorted(waited, key=lambda w: w[1]):
+        if issued > last_wait:
+            trips, last_wait = trips + 1, read
+    return len(waited), trips
+
+
 def loop_stats(kernel, words_per_thread: float) -> LoopStats:
     out = cuobjdump(kernel.asm["cubin"])
     body = main_loop(out)

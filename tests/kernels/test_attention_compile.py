@@ -15,15 +15,18 @@ def test_decode_attention_compiles_to_whole_tile_loads(sass_table):
     their dot as float16 made from their codes' bits (decode_kernel's HALF_VALUES): int8's 128-token tiles, which
     spilled 64 bytes in 255 registers with the values converted to bfloat16 (Triton 3.9), take 175 and spill
     nothing (1466 -> 1252 loop instructions); int4 255 -> 188 registers and 2146 -> 1864 instructions (its keys
-    against float16 query halves too), int8/int4 248 -> 168 registers (docs/PERF.md)."""
+    against float16 query halves too), int8/int4 248 -> 168 registers (docs/PERF.md). The scales (and int4's
+    zeros) are loaded a trip ahead, so a trip waits on no load of its own (the last column: round trips in turn;
+    int8 took 2, grouped int4 4), except grouped int4's factors, packed in pairs at the end of their trip."""
     rows = {r[1]: r for r in sass_table("attention_sass.py", "--kv", "int4,int4ch/int4,int8,int8/int4")}
     for kv in ("int4", "int4ch/int4"):
-        _, _, _, per_word, _, _, loads, widest, _, spilled = rows[kv]
+        _, _, _, per_word, _, _, loads, widest, _, spilled, _, _ = rows[kv]
         assert int(loads) < 32 and widest.endswith(".128") and spilled == "0", rows
         assert float(per_word) < 100, rows
     assert float(rows["int8"][3]) < 45, rows
     for kv in ("int8", "int4", "int8/int4"):
         assert int(rows[kv][8]) <= 192 and rows[kv][9] == "0", rows
+    assert [rows[kv][11] for kv in ("int4", "int4ch/int4", "int8", "int8/int4")] == ["1", "0", "0", "0"], rows
 
 
 def test_prefill_attention_compiles_without_spills_for_every_model_and_kv_format():

@@ -1,0 +1,37 @@
+"""measure/sass.py's reading of a loop body's loads, on SASS text written out here (no compiler)."""
+
+from localpd.measure.sass import in_trip_loads, loop_body
+
+
+def test_a_load_read_in_its_own_trip_is_waited_on_and_one_read_next_trip_is_not():
+    body = ["LDG.E.128 R4, desc[UR4][R2.64]",  # read below: waited on
+            "LDG.E.U16 R9, desc[UR4][R10.64]",  # issued before the first wait: the same round trip
+            "HFMA2 R12, R5, R6, R12",
+            "FMUL R13, R9, R13",
+            "LDG.E R20, desc[UR4][R14.64]",  # issued after the trip waited: a second round trip
+            "IADD3 R21, R20, 0x1, RZ",
+            "LDG.E R30, desc[UR4][R16.64]",  # only the next trip reads it: loaded ahead
+            "LDG.E R31, desc[UR4][R18.64]",  # written again before any read: not waited on here
+            "MOV R31, R4",
+            "LDGSTS.E.BYPASS.128 [R40+0x800], desc[UR4][R22.64]",  # the pipeliner's copy: no register result
+            "STS [R41], R30",  # ... unless this store reads it: a wait after all, and a third round trip
+            "BRA 0x100"]
+    assert in_trip_loads(body) == (4, 3)
+    assert in_trip_loads(body[:10] + body[11:]) == (3, 2)
+
+
+def test_a_pair_of_registers_read_as_one_operand_counts_as_a_read():
+    body = ["LDG.E.64 R6, desc[UR4][R2.64]", "IMAD.WIDE R8, R1, 0x4, R6.64", "BRA 0x0"]
+    assert in_trip_loads(body) == (1, 1)
+    assert in_trip_loads(["LDG.E.64 R6, desc[UR4][R2.64]", "IADD3 R8, R7, 0x1, RZ", "BRA 0x0"]) == (1, 1)
+
+
+def test_the_loop_body_is_the_largest_backward_branchs():
+    sass = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   LDG.E R2, desc[UR4][R4.64] ;
+        /*0020*/              @P0  FADD R3, R2, R3 ;
+        /*0030*/              @!P0 BRA 0x10 ;
+        /*0040*/                   EXIT ;
+    """
+    assert loop_body(sass) == ["LDG.E R2, desc[UR4][R4.64]", "FADD R3, R2, R3", "BRA 0x10"]
