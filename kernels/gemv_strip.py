@@ -31,6 +31,7 @@ import triton.language as tl
 
 from localpd.errors import LocalpdError
 from localpd.kernels.act_round import quantize_act, rounded_act_ref
+from localpd.kernels.dispatch import sm_count
 from localpd.kernels.gemv_dp4a import _asm, _dp4a
 from localpd.kernels.pdl import launch_args, wait_prior
 from localpd.kernels.tile_table import measured_tile
@@ -40,22 +41,38 @@ MAX_BLOCK_M = 4  # rows a program takes, each with an accumulator of its own
 MAX_ROWS = 16  # rows a launch takes (the model's decode batches and verifications): programs of up to 4
 ONE_GROUP = tl.constexpr(1 << 30)  # GROUP of a weight with one group of all of K (int8 per output)
 # The launch's knobs: warps, strip rows a lane a trip, trips ahead a trip's words and factors are loaded (0-2),
-# strips a program (1, or 2 where they divide N: each activation load serving 8 outputs, half the programs).
+# strips a program (1, 2, 4 or 8 where they divide N: stacked as rows of the program's tile, each row with its own
+# activations as one strip's rows are, so the layout and its loads stay one strip's; fewer, longer programs).
 # DEFAULT_TILE's trip: 2 x 32 x 2 rows of a strip (2 KB of int4 words). At one row on sm_90, 2 rows a lane take 56
 # registers (21.4 instructions an int4 word), so 18 programs fit an SM and qkv's 1536 programs start in one wave
 # (4 rows a lane: 95 registers, 19.1 a word, 10 an SM: 1320 at once and a tail of 216, each waiting its own trips);
 # programs of 4 rows take 126 (4 rows a lane: up to 254 on sm_80).
 DEFAULT_TILE = dict(num_warps=2, rows_a_lane=2, PREFETCH=1, strips=1)
+# A launch costs more the more programs it has (H100, scripts/gpu_floor.py, PDL on: an empty kernel of one program
+# 0.51 us, of 1056 programs 1.82 us), so one row launches programs of 4 strips (16 outputs) wherever every SM
+# still gets one: 256 programs for o and down, not 1024. 4 warps of one strip row a lane load 8 KB of int4 words a
+# trip, with one trip ahead 16 KB in flight a program; sm_90: 96 registers, 19.6 instructions an int4 word (int8:
+# 70, 8.4), no spills, no barriers (the strips spread across the tile's columns took 128 registers and 12 barriers
+# a trip, for their activations' broadcast to 16 outputs).
+WIDE_TILE = dict(num_warps=4, rows_a_lane=1, PREFETCH=1, strips=4)
 # The fastest tile measured per card and one-row shape (scripts/bench_strip.py --table): {card name: {"bits:N:K":
 # tile}}; none measured yet. LOCALPD_STRIP_TILES names another table (a missing file: DEFAULT_TILE).
 TILE_TABLE = Path(os.environ.get("LOCALPD_STRIP_TILES") or Path(__file__).with_name("gemv_strip_tiles.json"))
 
 
+def designed_tile(n: int, sms: int) -> dict:
+    """The one-row tile for N outputs on a card of `sms` SMs, before any measurement: WIDE_TILE where its programs
+    (N / 16) give every SM one, else DEFAULT_TILE."""
+    outputs = STRIP * WIDE_TILE["strips"]
+    return dict(WIDE_TILE if n % outputs == 0 and n // outputs >= sms else DEFAULT_TILE)
+
+
 def tile_for(device: torch.device, bits: int, n: int, k: int, m: int) -> dict:
-    """The launch's knobs: the measured tile for this card and shape at one row, else DEFAULT_TILE."""
+    """The launch's knobs: the measured tile for this card and shape at one row, else designed_tile's; rows sharing
+    a program (m > 1) take DEFAULT_TILE."""
     if m > 1:
         return dict(DEFAULT_TILE)
-    return measured_tile(TILE_TABLE, DEFAULT_TILE, device, bits, n, k)
+    return measured_tile(TILE_TABLE, designed_tile(n, sm_count(device)), device, bits, n, k)
 
 
 # The cards (torch.cuda.get_device_name) on which the model holds its int4/int8 matrices in strips and decodes
@@ -117,11 +134,12 @@ def _row_trip(q_row, s_row, r0, lanes, U, w, scale, bias, acc, BITS: tl.constexp
 
 @triton.jit
 def _strip_trip(w_ptr, f_ptr, wcol, fcol, r0, lanes, U, GROUP: tl.constexpr, BITS: tl.constexpr,
-                EVEN: tl.constexpr):
-    """The words [R, C] of the program's strips' rows r0 + lanes (lane l's row 16 bytes after lane l - 1's; past
-    their U rows, not EVEN, the last row again) and their groups' factors [R, C] (scale | bias << 16: one 16-byte
-    load a row and strip, shared by a group's rows; with one group of all of K, 0s: the kernel loads its factors
-    once). wcol, fcol [1, C]: each output's offset in the words and in the factors (_columns)."""
+                EVEN: tl.constexpr, ROWS: tl.constexpr):
+    """The words [R, 4] of the program's strips' rows r0 + lanes (lane l's row 16 bytes after lane l - 1's; past
+    their U rows, not EVEN, the last row again) and their groups' factors [R, 4] (scale | bias << 16: one 16-byte
+    load a row, shared by a group's rows; with one group of all of K, 0s: the kernel loads its factors once).
+    wcol, fcol ([1, 4], or [R, 4] for several strips): each tile element's offset in the words and in the factors
+    (_columns). ROWS: strip rows a trip."""
     RPG: tl.constexpr = GROUP * BITS // 32  # strip rows a group
     if EVEN:
         w = tl.load(w_ptr + r0 * 4 + lanes[:, None] * 4 + wcol)
@@ -129,18 +147,19 @@ def _strip_trip(w_ptr, f_ptr, wcol, fcol, r0, lanes, U, GROUP: tl.constexpr, BIT
         w = tl.load(w_ptr + tl.minimum(r0 + lanes, U - 1)[:, None] * 4 + wcol)
     if GROUP == ONE_GROUP:
         return w, w * 0
-    if EVEN and lanes.shape[0] % RPG == 0:
+    if EVEN and ROWS % RPG == 0:
         return w, tl.load(f_ptr + (r0 // RPG) * 4 + (lanes // RPG)[:, None] * 4 + fcol)
     return w, tl.load(f_ptr + (tl.minimum(r0 + lanes, U - 1) // RPG)[:, None] * 4 + fcol)
 
 
 @triton.jit
-def _columns(stride, STRIPS: tl.constexpr):
-    """[1, 4 STRIPS]: output e of the program's strip i at i * stride + e (one strip: 0..3)."""
-    c = tl.arange(0, 4 * STRIPS)[None, :]
-    if STRIPS == 1:
-        return c
-    return (c // 4) * stride + c % 4
+def _columns(stride, ROWS: tl.constexpr, STRIPS: tl.constexpr):
+    """Each tile element's offset from the program's first strip: one strip [1, 4] (output e at e); several [ROWS x
+    STRIPS, 4], the strips stacked as rows of the tile (row s * ROWS + l of strip s at s * stride)."""
+    c = tl.arange(0, 4)[None, :]
+    if STRIPS > 1:
+        c = (tl.arange(0, ROWS * STRIPS) // ROWS)[:, None] * stride + c
+    return c
 
 
 @triton.jit
@@ -165,8 +184,8 @@ def _gemv_strip_kernel(q_ptr, s_ptr, y_ptr, w_ptr, f_ptr, bias_ptr, M, N, K, str
                        ASM: tl.constexpr = True, PREFETCH: tl.constexpr = 1, PDL: tl.constexpr = False,
                        STRIPS: tl.constexpr = 1):
     """Program (m, j): rows [m * BLOCK_M, (m + 1) * BLOCK_M) (1, 2 or 4; a row past M reads row M - 1 again and
-    writes nothing), the STRIPS strips from j * STRIPS (outputs 4 STRIPS j.., each lane's activations serving all
-    of them) over all of K. w_ptr, f_ptr: the strips' words [N / 4, K * BITS / 32, 4] and factors [N / 4, K /
+    writes nothing), the STRIPS strips from j * STRIPS (outputs 4 STRIPS j..; their rows stacked in the tile, strip
+    s's rows at s * ROWS) over all of K. w_ptr, f_ptr: the strips' words [N / 4, K * BITS / 32, 4] and factors [N / 4, K /
     GROUP, 4] (strip j at j * stride_wj, j * stride_fj). ROWS: strip rows a trip (its lanes x rows a lane): the
     loop's trips take whole ROWS, unmasked, and with TAIL a last trip takes the rows past them, masked. PREFETCH 1 (at least one whole trip): the next trip's words and factors are loaded before this trip's
     arithmetic, 2: the one after it too (o's two trips all before the first's arithmetic), and with PDL the first
@@ -174,21 +193,21 @@ def _gemv_strip_kernel(q_ptr, s_ptr, y_ptr, w_ptr, f_ptr, bias_ptr, M, N, K, str
     pid_m, j = tl.program_id(0), tl.program_id(1)
     m0 = pid_m * BLOCK_M
     U = K * BITS // 32  # a strip's rows
-    lanes = tl.arange(0, ROWS)
+    lanes = tl.arange(0, ROWS * STRIPS) % ROWS  # each tile row's strip row in a trip: the strips stacked
     wj = w_ptr + (j * STRIPS).to(tl.int64) * stride_wj
     fj = f_ptr + (j * STRIPS).to(tl.int64) * stride_fj
-    wcol, fcol = _columns(stride_wj, STRIPS), _columns(stride_fj, STRIPS)
+    wcol, fcol = _columns(stride_wj, ROWS, STRIPS), _columns(stride_fj, ROWS, STRIPS)
     r1, r2, r3 = tl.minimum(m0 + 1, M - 1).to(tl.int64), tl.minimum(m0 + 2, M - 1).to(tl.int64), \
         tl.minimum(m0 + 3, M - 1).to(tl.int64)
     rq0, rq1, rq2, rq3 = m0.to(tl.int64) * stride_qm, r1 * stride_qm, r2 * stride_qm, r3 * stride_qm
     rs0, rs1, rs2, rs3 = m0.to(tl.int64) * stride_sm, r1 * stride_sm, r2 * stride_sm, r3 * stride_sm
     whole = U // ROWS
     if PREFETCH > 0:
-        nw, nf = _strip_trip(wj, fj, wcol, fcol, 0, lanes, U, GROUP, BITS, True)
+        nw, nf = _strip_trip(wj, fj, wcol, fcol, 0, lanes, U, GROUP, BITS, True, ROWS)
     if PREFETCH > 1:
-        pw, pf = _strip_trip(wj, fj, wcol, fcol, tl.minimum(1, whole - 1) * ROWS, lanes, U, GROUP, BITS, True)
+        pw, pf = _strip_trip(wj, fj, wcol, fcol, tl.minimum(1, whole - 1) * ROWS, lanes, U, GROUP, BITS, True, ROWS)
     wait_prior(PDL)  # the weights above are never written by a step; the activations below are
-    acc0 = tl.zeros((ROWS, 4 * STRIPS), tl.float32)
+    acc0 = tl.zeros((ROWS * STRIPS, 4), tl.float32)
     acc1, acc2, acc3 = acc0, acc0, acc0
     if GROUP == ONE_GROUP:  # the factors of one group (per output), loaded once
         one = tl.load(fj + fcol) + (lanes * 0)[:, None]
@@ -198,17 +217,17 @@ def _gemv_strip_kernel(q_ptr, s_ptr, y_ptr, w_ptr, f_ptr, bias_ptr, M, N, K, str
             ahead = tl.minimum(c + PREFETCH, whole - 1) * ROWS
             if PREFETCH > 1:
                 nw, nf = pw, pf
-                pw, pf = _strip_trip(wj, fj, wcol, fcol, ahead, lanes, U, GROUP, BITS, True)
+                pw, pf = _strip_trip(wj, fj, wcol, fcol, ahead, lanes, U, GROUP, BITS, True, ROWS)
             else:
-                nw, nf = _strip_trip(wj, fj, wcol, fcol, ahead, lanes, U, GROUP, BITS, True)
+                nw, nf = _strip_trip(wj, fj, wcol, fcol, ahead, lanes, U, GROUP, BITS, True, ROWS)
         else:
-            w, fac = _strip_trip(wj, fj, wcol, fcol, c * ROWS, lanes, U, GROUP, BITS, True)
+            w, fac = _strip_trip(wj, fj, wcol, fcol, c * ROWS, lanes, U, GROUP, BITS, True, ROWS)
         if GROUP == ONE_GROUP:
             fac = one
         acc0, acc1, acc2, acc3 = _trip_products(q_ptr, s_ptr, rq0, rq1, rq2, rq3, rs0, rs1, rs2, rs3, c * ROWS,
                                                 lanes, U, w, fac, acc0, acc1, acc2, acc3, BITS, True, BLOCK_M, ASM)
     if TAIL:
-        w, fac = _strip_trip(wj, fj, wcol, fcol, whole * ROWS, lanes, U, GROUP, BITS, False)
+        w, fac = _strip_trip(wj, fj, wcol, fcol, whole * ROWS, lanes, U, GROUP, BITS, False, ROWS)
         if GROUP == ONE_GROUP:
             fac = one
         acc0, acc1, acc2, acc3 = _trip_products(q_ptr, s_ptr, rq0, rq1, rq2, rq3, rs0, rs1, rs2, rs3, whole * ROWS,
@@ -220,7 +239,10 @@ def _gemv_strip_kernel(q_ptr, s_ptr, y_ptr, w_ptr, f_ptr, bias_ptr, M, N, K, str
         extra = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     accs = (acc0, acc1, acc2, acc3)
     for r in tl.static_range(BLOCK_M):
-        y = tl.sum(accs[r], axis=0) + extra
+        if STRIPS == 1:
+            y = tl.sum(accs[r], axis=0) + extra
+        else:  # each strip's rows summed: [STRIPS, 4], output 4 i + e of the program's strip i
+            y = tl.reshape(tl.sum(tl.reshape(accs[r], (STRIPS, ROWS, 4)), axis=1), (4 * STRIPS,)) + extra
         live = n_mask & (offs_n * 0 + m0 + r < M)
         tl.store(y_ptr + (m0 + r).to(tl.int64) * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty), mask=live)
 

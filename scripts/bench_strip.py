@@ -23,7 +23,9 @@ from localpd.quant.kmajor import to_strips
 
 
 TILES = [dict(num_warps=w, rows_a_lane=r, PREFETCH=pf, strips=1) for w in (2, 4) for r in (2, 4) for pf in (1, 2)] + \
-        [dict(num_warps=w, rows_a_lane=2, PREFETCH=pf, strips=2) for w in (2, 4) for pf in (1, 2)]  # 8 outputs
+        [dict(num_warps=w, rows_a_lane=2, PREFETCH=pf, strips=2) for w in (2, 4) for pf in (1, 2)] + \
+        [dict(num_warps=w, rows_a_lane=1, PREFETCH=pf, strips=4) for w in (2, 4) for pf in (1, 2)]  # 8, 16 outputs
+assert gs.WIDE_TILE in TILES and gs.DEFAULT_TILE in TILES
 
 
 def name(tile: dict) -> str:

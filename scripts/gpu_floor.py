@@ -3,7 +3,7 @@ model (measure/predict.py: LAUNCH_US plus ROUND_TRIP_US for each round trip a pr
 this script's first run on an H100) measured directly.
 
 Times, as CUDA-graph replays of back-to-back launches (measure/bench_kernels.graph_time): an empty Triton kernel of
-one program and of 8 programs an SM, and the integer GEMV (kernels/gemv_dp4a.py, its activations already rounded,
+one program and of 1-16 programs an SM (the model's launch cost is a line between one and 8 an SM), and the integer GEMV (kernels/gemv_dp4a.py, its activations already rounded,
 the tile the model launches) at one row over shapes from a few hundred KB of weights to Llama-3-8B's o, qkv and
 down, the same over strips (kernels/gemv_strip.py: all of K a program, no split-K reduction), then one column
 tile and o's shape at 1-32 slices of K (split-K) on one tile; weights rotated through copies
@@ -60,15 +60,17 @@ def main() -> int:
         y = torch.empty(1, n, device=dev, dtype=torch.bfloat16)
         if strips:
             ws = [to_strips(w) for w in ws]
-            return ws[0].nbytes, [lambda w=w: gs.gemv_strip_rounded(q, s, y, w.words, w.factors, w.BITS, w.group)
-                                  for w in ws]
+            return ws[0].nbytes, [lambda w=w: gs.gemv_strip_rounded(q, s, y, w.words, w.factors, w.BITS, w.group,
+                                                                    tile=tile) for w in ws]
         return ws[0].nbytes, [lambda w=w: dp.gemv_rounded(q, s, y, w.words, w.factors, w.BITS, w.group, split_k=split,
                                                            tile=tile) for w in ws]
 
     launches = [(f"empty kernel, {g} program(s)", 0, [lambda g=g: _empty_kernel[(g,)](x, **pdl.launch_args(x))], 400)
-                for g in (1, 8 * sms)]
+                for g in (1, sms, 2 * sms, 4 * sms, 8 * sms, 16 * sms)]  # predict.launch_us's line between 1 and 8 an SM
     launches += [(f"GEMV {fmt} {n}x{k}", *gemv(fmt, n, k), 200) for fmt, n, k in GEMVS]
     launches += [(f"GEMV {fmt} {n}x{k} in strips", *gemv(fmt, n, k, strips=True), 200) for fmt, n, k in GEMVS]
+    launches += [(f"GEMV {fmt} {n}x{k} in strips, programs of 4 outputs", *gemv(fmt, n, k, tile=gs.DEFAULT_TILE,
+                                                                              strips=True), 200) for fmt, n, k in GEMVS]
     launches += [(f"GEMV {fmt} {n}x{k}, {split} slice(s) of K, b4 w4 pf1", *gemv(fmt, n, k, split, SPLIT_TILE), 200)
                  for fmt, n, k, split in SPLITS]
     for label, nbytes, fns, reps in launches:

@@ -34,15 +34,26 @@ from localpd.load.synthetic import SYNTHETIC
 # 15.4 for 16, 8.6 for 8); the split-K GEMV of the model 3.9-4.7 us above its bytes on every real shape, and its
 # column tile in 16 or 32 slices of one trip 4.1-4.2 us: the launch, the first trip's round trip, and the
 # reduction's two (the fenced atomic that counts a slice in, the last slice's reload of the partials). A GEMV
-# whose programs take all of K (kernels/gemv_strip.py) keeps the launch and the first round trip.
+# whose programs take all of K (kernels/gemv_strip.py) keeps the launch and the first round trip. The empty
+# kernel of one program took 0.51 us: a launch of fewer programs is taken as costing in proportion between the two
+# (not measured between them; gpu_floor.py times empty kernels of 1-8 programs an SM to check), and no more than
+# LAUNCH_US past them (the GEMVs of 1056-1584 programs fit it).
 LAUNCH_US = 1.8
+LAUNCH_ONE_US = 0.51  # an empty kernel of one program
+LAUNCH_PROGRAMS = 1056  # ... and of LAUNCH_US's 1056 (8 an SM)
 ROUND_TRIP_US = 0.8
 REDUCE_ROUND_TRIPS = 2  # split-K's fenced atomic and the partials' reload
 
 
-def floor_us(split: int) -> float:
-    """The predicted time above a GEMV's bytes for a launch of `split` slices of K."""
-    return LAUNCH_US + ROUND_TRIP_US * (1 + (REDUCE_ROUND_TRIPS if split > 1 else 0))
+def launch_us(programs: int) -> float:
+    """A launch of this many programs, PDL on (LAUNCH_ONE_US to LAUNCH_US, in proportion)."""
+    share = (min(programs, LAUNCH_PROGRAMS) - 1) / (LAUNCH_PROGRAMS - 1)
+    return LAUNCH_ONE_US + (LAUNCH_US - LAUNCH_ONE_US) * max(0.0, share)
+
+
+def floor_us(split: int, programs: int = LAUNCH_PROGRAMS) -> float:
+    """The predicted time above a GEMV's bytes for a launch of `split` slices of K and `programs` programs."""
+    return launch_us(programs) + ROUND_TRIP_US * (1 + (REDUCE_ROUND_TRIPS if split > 1 else 0))
 
 
 LATENCY_US = 0.7  # DRAM latency a load waits, for Little's law (issue 32: 2.95 TB/s x 0.7 us / 132 = 16 KB an SM)
@@ -118,7 +129,7 @@ class Launch:
     outputs: int = 128  # outputs a program (a column tile) takes
 
 
-def compile_gemv(bits: int, group: int, n: int, k: int, arch: int, kernel: str = "dp4a") -> Launch:
+def compile_gemv(bits: int, group: int, n: int, k: int, arch: int, kernel: str = "dp4a", sms: int = 132) -> Launch:
     """The decode GEMV at one row as the model launches it (no input step), for sm_<arch>: kernels/gemv_dp4a.py's
     (the model's for 16-bit activations; the input step before it rounds its activations, except o's, whose
     rounding is a launch of its own, not counted here) or gemv_kmajor's."""
@@ -126,7 +137,7 @@ def compile_gemv(bits: int, group: int, n: int, k: int, arch: int, kernel: str =
     from localpd.measure.sass import compile_launch
 
     if kernel == "strip":
-        return compile_strip(bits, group, n, k, arch)
+        return compile_strip(bits, group, n, k, arch, sms)
     tile = km.DEFAULT_TILE
     g = min(group or k, k)
     gk = group if 0 < group < k else 1 << 30
@@ -155,12 +166,13 @@ def compile_gemv(bits: int, group: int, n: int, k: int, arch: int, kernel: str =
                   threads, bk, tile["PREFETCH"], tile["per_sm"])
 
 
-def compile_strip(bits: int, group: int, n: int, k: int, arch: int) -> Launch:
-    """kernels/gemv_strip.py's GEMV at one row as gemv_strip_rounded launches it (DEFAULT_TILE), for sm_<arch>."""
+def compile_strip(bits: int, group: int, n: int, k: int, arch: int, sms: int) -> Launch:
+    """kernels/gemv_strip.py's GEMV at one row as gemv_strip_rounded launches it on a card of `sms` SMs with no
+    measured tile (designed_tile), for sm_<arch>."""
     from localpd.kernels import gemv_strip as gs
     from localpd.measure.sass import compile_launch
 
-    tile = gs.DEFAULT_TILE
+    tile = gs.designed_tile(n, sms)
     g = min(group or k, k)
     rows = k * bits // 32
     lanes = 32 * tile["num_warps"] * tile["rows_a_lane"]
@@ -179,7 +191,7 @@ def compile_strip(bits: int, group: int, n: int, k: int, arch: int) -> Launch:
 
 
 def predict(model: str = "llama3-8b", cards=CARDS, formats=FORMATS, kernels=("dp4a",)) -> list[Prediction]:
-    from localpd.kernels import gemv_kmajor as km
+    from localpd.kernels import gemv_kmajor as km, gemv_strip as gs
     from localpd.measure.sass import cuobjdump, loop_stats, main_loop
 
     compiled: dict = {}
@@ -189,9 +201,11 @@ def predict(model: str = "llama3-8b", cards=CARDS, formats=FORMATS, kernels=("dp
             for fmt, (bits, group) in formats.items():
                 for name, n, k in decode_linears(model):
                     # what a launch compiles to depends on: K in whole trips (and strip's tail: K % 2048)
-                    key = (card.arch, kernel, bits, group, k % 128 == 0, k % 64 == 0, k % 2048 == 0)
+                    # (and strip's tile for the shape on the card)
+                    key = (card.arch, kernel, bits, group, k % 128 == 0, k % 64 == 0, k % 2048 == 0,
+                           str(gs.designed_tile(n, card.sms)) if kernel == "strip" else "")
                     if key not in compiled:
-                        launch = compile_gemv(bits, group, n, k, card.arch, kernel)
+                        launch = compile_gemv(bits, group, n, k, card.arch, kernel, card.sms)
                         compiled[key] = launch, loop_stats(launch.kernel, launch.words_per_thread), \
                             main_loop(cuobjdump(launch.kernel.asm["cubin"]))
                     launch, stats, body = compiled[key]
@@ -211,7 +225,7 @@ def predict(model: str = "llama3-8b", cards=CARDS, formats=FORMATS, kernels=("dp
                     in_flight = int(resident * trip_bytes)
                     need = card.gbs * 1e9 * LATENCY_US * 1e-6 / card.sms
                     eff = min(1.0, card.budget() / stats.per_word, in_flight / need)
-                    seconds = floor_us(split) * 1e-6 + nbytes / (eff * card.gbs * 1e9)
+                    seconds = floor_us(split, programs) * 1e-6 + nbytes / (eff * card.gbs * 1e9)
                     rows.append(Prediction(card.name, kernel, fmt, name, n, k, programs, split,
                                            round(programs / (fit * card.sms), 2), nbytes // programs,
                                            f"{wide}/{weight_wide}", in_flight, stats.per_word, stats.registers,

@@ -7,16 +7,18 @@ is captured instead of run and compiled for the card's architecture (measure/sas
 each program walks its split of the sequence's own tokens a tile at a time. The prediction is measure/predict.py's
 model with one term more:
 
-    time = 2 x (LAUNCH_US + ROUND_TRIP_US) + ROUND_TRIP_US x trips x waits + bytes / (efficiency x bandwidth)
+    time = launch(programs) + launch(query heads) + 2 x ROUND_TRIP_US + ROUND_TRIP_US x trips x waits
+           + bytes / (efficiency x bandwidth)
 
-two launches (the decode kernel and the reduce of its splits), each with its first round trip; `waits` the DRAM
+two launches (the decode kernel and the reduce of its splits, predict.launch_us of their programs), each with its
+first round trip; `waits` the DRAM
 round trips a loop trip waits on in turn (measure/sass.in_trip_loads: loads whose value the same trip reads; the
 pipeliner's asynchronous copies and loads made a trip ahead wait on none) times the trips a program makes in turn;
 bytes the sequence's keys, values and their factors in the format; efficiency measure/predict.py's (instruction
 budget against instructions a 4-byte word, bytes in flight an SM against Little's law, with the pipeliner's two
 trips ahead in flight). Against the H100's measurement of the reduce-launch kernel at 32k tokens (docs/PERF.md,
-2026-11-26: bf16 56, int8 47, int4 55 us), the code then (2 waits a trip for int8, 4 for int4) predicts bf16 50.7,
-int8 41 and int4 46 us.
+2026-11-26: bf16 56, int8 47, int4 55 us), the code then (2 waits a trip for int8, 4 for int4) predicts bf16 48.5,
+int8 39 and int4 43 us: 1.24x for int8 against 1.19x measured.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from localpd.measure.predict import CARDS, LATENCY_US, LAUNCH_US, REGISTERS_PER_SM, ROUND_TRIP_US, Card
+from localpd.measure.predict import CARDS, LATENCY_US, REGISTERS_PER_SM, ROUND_TRIP_US, Card, launch_us
 
 PAGE_SIZE = 16
 AHEAD = 2  # trips the pipeliner's asynchronous copies are issued ahead (Triton's default num_stages 3)
@@ -118,7 +120,8 @@ def predict_attention(card: Card, kv_dtype: str, context: int, n_heads: int = 32
     need = card.gbs * 1e9 * LATENCY_US * 1e-6 / card.sms
     eff = min(1.0, card.budget() / stats.per_word, in_flight / need)
     nbytes = context * per_token
-    us = 2 * (LAUNCH_US + ROUND_TRIP_US) + ROUND_TRIP_US * trips * waits + nbytes / (eff * card.gbs * 1e9) * 1e6
+    launches = launch_us(programs) + launch_us(n_heads) + 2 * ROUND_TRIP_US  # the decode kernel's, its reduce's
+    us = launches + ROUND_TRIP_US * trips * waits + nbytes / (eff * card.gbs * 1e9) * 1e6
     return AttentionPrediction(card.name, kv_dtype, context, programs, trips, nbytes, stats.per_word,
                                stats.registers, stats.spilled, waited, waits, us)
 
@@ -127,8 +130,8 @@ def run(args) -> int:
     cards = [c for c in CARDS if not args.cards or any(w.lower() in c.name.lower() for w in args.cards.split(","))]
     kvs = (args.kv or "bf16,int8,fp8,int4,int8/int4").split(",")
     print("# decode attention, one sequence, Llama-3-8B heads (32 query / 8 KV x 128), a 131072-token page table; "
-          f"model: time = 2 x ({LAUNCH_US} + {ROUND_TRIP_US}) us + {ROUND_TRIP_US} us x trips x waits + bytes / "
-          "(efficiency x bandwidth)")
+          f"model: time = launch(programs) + launch(query heads) + 2 x {ROUND_TRIP_US} us + {ROUND_TRIP_US} us x "
+          "trips x waits + bytes / (efficiency x bandwidth), launch(p) measure/predict.py's")
     print(f"{'card':>9} {'kv':>10} {'context':>7} {'programs':>8} {'trips':>5} {'MB':>6} {'instr/word':>10} "
           f"{'regs':>4} {'spill':>5} {'waited':>6} {'waits':>5} {'predicted':>9} {'x bf16':>6}")
     out = []
@@ -144,6 +147,6 @@ def run(args) -> int:
                       f"{r.predicted_us:>7.1f}us {ratio:>6}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"launch_us": LAUNCH_US, "round_trip_us": ROUND_TRIP_US, "latency_us": LATENCY_US,
+            json.dump({"round_trip_us": ROUND_TRIP_US, "latency_us": LATENCY_US,
                        "rows": [asdict(r) for r in out]}, f, indent=1)
     return 0

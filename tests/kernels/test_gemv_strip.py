@@ -66,11 +66,13 @@ def test_strips_of_the_wrong_shape_are_refused():
 
 @pytest.mark.parametrize("fmt,group", [("int4", 32), ("int4", 128), ("int4", 0), ("int8", None), ("int8", 64)])
 @pytest.mark.parametrize("n,k,m,tile", [(200, 256, 1, None), (132, 576, 3, None), (72, 1024, 5, SMALL),
-                                        (40, 384, 16, dict(SMALL, PREFETCH=0)), (8, 2048, 2, None)])
+                                        (40, 384, 16, dict(SMALL, PREFETCH=0)), (8, 2048, 2, None),
+                                        (48, 768, 1, gs.WIDE_TILE), (40, 512, 1, gs.WIDE_TILE)])
 def test_gemv_matches_the_reference(fmt, group, n, k, m, tile):
     """Strip rows past the last whole trip (K of 256 and 576 inputs at 256 rows a trip; 384 at 32), K in several whole
     trips (1024 at 32 rows a trip; 2048 int4 in one of 256), groups of one block, of four and of all of K (int4's,
-    and int8's per output), 1-16 rows (programs of 4 and a padded one), the next trip's words loaded ahead or not, a
+    and int8's per output), programs of 4 strips (WIDE_TILE; 40 outputs are not whole programs of 16, so 1 strip a
+    program of 4 warps), 1-16 rows (programs of 4 and a padded one), the next trip's words loaded ahead or not, a
     bias: the product is the rounded activations times the dequantized weights (float64 reference) to float32
     rounding, and within the rounding's 15 bits of the exact product."""
     if group and k % group:
@@ -223,14 +225,18 @@ def test_a_bfloat16_decode_step_in_strips_launches_this_gemv(monkeypatch):
 
 
 def test_launch_tiles_come_from_the_measured_table_or_the_defaults():
-    """One row takes the card's measured tile (none on the CPU: DEFAULT_TILE), programs of several rows DEFAULT_TILE;
-    every tile scripts/bench_strip.py times launches (their products are tested above)."""
+    """One row takes the card's measured tile (none on the CPU), else programs of 16 outputs where every SM gets one
+    (WIDE_TILE: 256 programs for o and down on an H100's 132 SMs, qkv's 384 on a 3090's 82) and of 4 where not;
+    programs of several rows DEFAULT_TILE; every tile scripts/bench_strip.py times launches (their products are
+    tested above)."""
     import sys
     from pathlib import Path
 
     cpu = torch.device("cpu")
-    assert gs.tile_for(cpu, 4, 4096, 4096, 1) == gs.DEFAULT_TILE
+    assert gs.tile_for(cpu, 4, 4096, 4096, 1) == gs.WIDE_TILE  # the interpreter's one "SM"
     assert gs.tile_for(cpu, 4, 4096, 4096, 3) == gs.DEFAULT_TILE
+    assert gs.designed_tile(4096, 132) == gs.designed_tile(6144, 82) == gs.WIDE_TILE
+    assert gs.designed_tile(2048, 132) == gs.designed_tile(4104, 2) == gs.DEFAULT_TILE  # 128 programs; 4104 % 16
     sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
     from bench_strip import TILES, card_entry
 
