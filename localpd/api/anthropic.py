@@ -13,11 +13,10 @@ import uuid
 from typing import Any, Literal
 
 from fastapi import APIRouter
-from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from localpd.api.reply import Reply
-from localpd.api.service import ApiError, Service
+from localpd.api.service import ApiError, ClosingStream, Service
 from localpd.engine import Engine
 from localpd.engine.requests import RequestHandle
 from localpd.engine.sampling import SamplingParams
@@ -216,7 +215,7 @@ def anthropic_router(service: Service) -> APIRouter:
         handle = service.submit(e, [ids], params, 1, rid, lambda err: "tools" if forced else err.param)[0]
         reply = replies()
         if body.stream:
-            return StreamingResponse(events(service, e, body, handle, reply, rid), media_type="text/event-stream")
+            return ClosingStream(events(service, e, body, handle, reply, rid), media_type="text/event-stream")
         result = await service.collect_whole(e, handle, keep_logprobs=True)
         reasoning, text, calls = reply.whole(result.text)
         stop = matched_stop(e, body, result.finish_reason, [ev.token_id for ev in result.events], result.text,

@@ -30,7 +30,7 @@ from localpd import __version__
 from localpd.api.models import ServedModel
 from localpd.api.reply import Reply
 from localpd.api.schemas import ToolSpec
-from localpd.api.service import ApiError, Service
+from localpd.api.service import ApiError, ClosingStream, Service
 from localpd.engine import Engine
 from localpd.engine.requests import RequestHandle
 from localpd.engine.sampling import SamplingParams
@@ -316,7 +316,7 @@ async def run(service: Service, e: Engine, body: OllamaRequest, ids: list[int], 
     handle = service.submit(e, [ids], params, 1, "ollama-" + uuid.uuid4().hex[:24])[0]
     start = time.monotonic()
     if body.stream:
-        return StreamingResponse(lines(service, e, handle, reply, chat, start), media_type="application/x-ndjson")
+        return ClosingStream(lines(service, e, handle, reply, chat, start), media_type="application/x-ndjson")
     return await whole(service, e, handle, reply, chat, start)
 
 

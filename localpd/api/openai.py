@@ -12,13 +12,12 @@ import time
 import uuid
 
 from fastapi import APIRouter
-from fastapi.responses import StreamingResponse
 
 from localpd.api.models import ServedModel
 from localpd.api.reply import Reply
 from localpd.api.schemas import (ChatRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, Message,
                                  NamedToolChoice, Sampling, TokenizeRequest, error_body)
-from localpd.api.service import ApiError, Service
+from localpd.api.service import ApiError, ClosingStream, Service
 from localpd.constrain.grammar import GrammarError, check, choice_pattern, regex_grammar, text_grammar
 from localpd.engine import Engine
 from localpd.engine.requests import RequestHandle, TokenEvent
@@ -183,8 +182,8 @@ async def respond(service: Service, e: Engine, body: Sampling, prompts: list[lis
     created = int(time.time())
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(stream(service, e, handles, body.n, rid, created, chat, include_usage, replies,
-                                        echoes), media_type="text/event-stream")
+        return ClosingStream(stream(service, e, handles, body.n, rid, created, chat, include_usage, replies,
+                                    echoes), media_type="text/event-stream")
     try:
         results = await asyncio.gather(*(service.collect(h, logprobs is not None) for h in handles))
     finally:

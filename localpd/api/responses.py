@@ -18,11 +18,10 @@ from collections import OrderedDict
 from typing import Any, Literal
 
 from fastapi import APIRouter
-from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from localpd.api.reply import Reply
-from localpd.api.service import ApiError, Service
+from localpd.api.service import ApiError, ClosingStream, Service
 from localpd.engine import Engine
 from localpd.engine.requests import RequestHandle
 from localpd.engine.sampling import SamplingParams
@@ -217,8 +216,8 @@ class Responses:
                  "metadata": body.metadata or {}, "usage": None}
         reply = replies()
         if body.stream:
-            return StreamingResponse(self.events(e, body, handle, reply, shell, messages),
-                                     media_type="text/event-stream")
+            return ClosingStream(self.events(e, body, handle, reply, shell, messages),
+                                 media_type="text/event-stream")
         result = await service.collect_whole(e, handle)
         reasoning, text, calls = reply.whole(result.text)
         if body.store:

@@ -10,6 +10,8 @@ import weakref
 from dataclasses import dataclass, replace
 from typing import AsyncIterator, Callable
 
+from starlette.responses import StreamingResponse
+
 from localpd.api.metrics import Metrics
 from localpd.api.models import LoadFailed, ModelPool, NoRoom, ServedModel, UnknownModel, keep_alive_seconds
 from localpd.api.reply import Reply
@@ -38,6 +40,19 @@ class ApiError(Exception):
                  code: str | None = None):
         super().__init__(message)
         self.status, self.body = status, error_body(message, type_, param, code)
+
+
+class ClosingStream(StreamingResponse):
+    """A streamed reply whose generator is closed however the response ends, so that its finally cancels the
+    requests of a client that went away. Starlette answers a disconnect by cancelling the stream where it waits:
+    where that is a write, the generator is left at its yield, unclosed, and only the garbage collector would run
+    its finally, any time later (or never), while the engine went on with requests nobody reads."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
 
 
 @dataclass

@@ -1,5 +1,7 @@
 """`localpd serve` through the official openai client against a live server on loopback, real default model."""
 
+import asyncio
+import gc
 import json
 import re
 import threading
@@ -771,6 +773,62 @@ def test_a_dropped_stream_frees_its_pages(served, client, n):
     assert f'localpd_kv_pages_used{{model="{engine.name}"}} 0' in metrics
     assert "localpd_time_to_first_token_seconds_count" in metrics
     assert 'localpd_requests_total{finish_reason="cancelled",model="' in metrics and '"None"' not in metrics
+
+
+def test_a_client_gone_during_a_write_cancels_its_choices(served):
+    """A client that stops reading and then goes away leaves its stream waiting in a write (uvicorn's flow.drain(),
+    which the disconnect releases), the stream's generator at a yield with more events queued; starlette cancels
+    the wait and the response closes the generator, so every choice ends cancelled at once, not when the garbage
+    collector (off here) finds the generator: test_a_dropped_stream_frees_its_pages[3] found 3 still running after
+    15 s on CI's busy cores. Driven over ASGI, so that the disconnect comes in the write for certain."""
+    engine, _ = served
+    app, n = create_app(engine, api_key=KEY, bandwidth=10e9), 3
+    body = json.dumps({"messages": [{"role": "user", "content": "Write a long essay about rivers."}],
+                       "max_tokens": 500, "stream": True, "temperature": 0, "n": n}).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
+             "query_string": b"", "root_path": "", "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 1),
+             "headers": [(b"authorization", f"Bearer {KEY}".encode())]}
+    handles, sent = [], []
+
+    async def drop():
+        gone, asked = asyncio.Event(), False
+
+        async def receive():
+            nonlocal asked
+            if not asked:
+                asked = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            if gone.is_set():
+                return  # as uvicorn: what is sent after the disconnect goes nowhere
+            sent.append(message)
+            if len(sent) == 8:  # the headers, each choice's role and first token: then the client stops reading
+                handles.extend(app.state.service.running)
+                written = sum(h.stats.output_tokens for h in handles)
+                while (sum(h.stats.output_tokens for h in handles) < written + 3 * n  # events left unwritten
+                       and not all(h.finished for h in handles)):
+                    await asyncio.sleep(0.01)
+                gone.set()
+
+        await app(scope, receive, send)
+        waited = time.monotonic()
+        while not all(h.finished for h in handles) and time.monotonic() - waited < 15:
+            await asyncio.sleep(0.01)
+
+    gc.disable()
+    try:
+        asyncio.run(drop())
+        reasons = [h.stats.finish_reason for h in handles]
+    finally:
+        gc.enable()
+        for h in handles:
+            h.cancel()  # a failure's requests, not left running into the next tests
+    assert len(handles) == n and reasons == ["cancelled"] * n
+    assert idle(engine)
 
 
 def test_metrics_parse_and_are_labelled_by_model_and_finish_reason(served, client):
