@@ -77,20 +77,9 @@ def cuobjdump(cubin: bytes) -> str:
                               capture_output=True, text=True, check=True).stdout
 
 
-def main_loop(sass: str) -> list[str]:
-    """The opcodes of the largest loop body (a backward branch and everything from its target to it)."""
-    code = [(int(a, 16), op.strip()) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    best: list[str] = []
-    for addr, op in code:
-        jump = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", op)
-        if jump and int(jump.group(1), 16) < addr:
-            body = [re.sub(r"^@!?U?P\w+\s+", "", o).split()[0] for a, o in code if int(jump.group(1), 16) <= a <= addr]
-            best = max(best, body, key=len)
-    return best
-
-
 def loop_body(sass: str) -> list[str]:
-    """The whole instructions (opcode and operands, predicate dropped) of the largest loop body (main_loop's)."""
+    """The whole instructions (opcode and operands, predicate dropped) of the largest loop body (a backward branch
+    and everything from its target to it)."""
     code = [(int(a, 16), op.strip()) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
     best: list[str] = []
     for addr, op in code:
@@ -99,6 +88,11 @@ def loop_body(sass: str) -> list[str]:
             body = [re.sub(r"^@!?U?P\w+\s+", "", o) for a, o in code if int(jump.group(1), 16) <= a <= addr]
             best = max(best, body, key=len)
     return best
+
+
+def main_loop(sass: str) -> list[str]:
+    """The opcodes of the largest loop body (loop_body's)."""
+    return [op.split()[0] for op in loop_body(sass)]
 
 
 _NO_DEST = ("ST", "LDGSTS", "RED", "BAR", "BRA", "EXIT", "DEPBAR", "LDGDEPBAR", "ARRIVES", "WARPSYNC", "NOP", "CCTL")
