@@ -48,6 +48,17 @@ def test_decode_splits_including_empty_partitions(kv_dtype, group, batch, splits
     check(build_case(kv_dtype, 16, 1, group, lens, [1] * batch, seed=5, poison=True), 1e-4)
 
 
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8", "int4", "int8/int4", "int4ch/int4"])
+@pytest.mark.parametrize("D", [96, 64])
+def test_a_splits_trips_take_the_factors_loaded_the_trip_before(kv_dtype, D):
+    """Each trip's factors (per-token scales, int4 groups' scales and zeros) are loaded a trip ahead, from pages
+    loaded two trips ahead: splits of 1-4 tiles, the last ending mid-tile, the next trip's past the sequence's end
+    (masked), heads of 96 in tiles of 128 (3 groups of 4 in a tile) and of 64; the pool starts as garbage."""
+    bt = decode_block_t(16, D, kv_formats(kv_dtype)[0])
+    assert decode_splits(2, 4, torch.device("cpu")) == (2, 2)
+    check(build_case(kv_dtype, 16, 1, 4, [4 * bt - 5, bt + 9], [1, 1], D=D, seed=D, poison=True), 1e-4)
+
+
 @pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "int4ch/int4"])
 def test_a_sliding_windows_splits_share_out_the_window(kv_dtype):
     """A decode's splits cover a sliding layer's window, from the page it starts in, not the whole page table: far
