@@ -300,18 +300,33 @@ def _int4_dequant(data, sc, zr, pages, offs, mask, head, s_page, s_tok, s_head, 
     _int4_halves returns them."""
     T: tl.constexpr = pages.shape[0]
     G: tl.constexpr = DP // 32
-    j = tl.arange(0, DP // 2)
-    p = tl.load(data + pages[:, None] * s_page + offs[:, None] * s_tok + head * s_head + j[None, :],
-                mask=mask[:, None] & (j < D // 2)[None, :], other=0).to(tl.int32)
     OUT: tl.constexpr = tl.float16 if HALF else tl.float32
-    lo, hi = p & 15, p >> 4
-    if HALF:
-        lo, hi = _nibbles_as_half(lo), _nibbles_as_half(hi)
     sc3 = sc.to(tl.int16).to(tl.float16, bitcast=True).to(OUT)[:, :, None]  # a group's scale, broadcast over its
     zr3 = zr.to(tl.int16).to(tl.float16, bitcast=True).to(OUT)[:, :, None]  # 16 bytes in registers
-    even = tl.reshape(tl.reshape(lo.to(OUT), (T, G, 16)) * sc3 + zr3, (T, DP // 2))
-    odd = tl.reshape(tl.reshape(hi.to(OUT), (T, G, 16)) * sc3 + zr3, (T, DP // 2))
+    if HALF:  # 4 bytes a word: each mask-and-or makes two float16 1024 + code at once
+        jw = tl.arange(0, DP // 8)
+        w = tl.load(data.to(tl.pointer_type(tl.int32)) + ((pages * s_page + offs * s_tok + head * s_head) // 4)[:, None]
+                    + jw[None, :], mask=mask[:, None] & (jw < D // 8)[None, :], other=0)
+        lo = _word_halves(w & 0x000F000F, (w >> 8) & 0x000F000F, T, DP) - 1024.0  # exact: the codes
+        hi = _word_halves((w >> 4) & 0x000F000F, (w >> 12) & 0x000F000F, T, DP) - 1024.0
+    else:
+        j = tl.arange(0, DP // 2)
+        p = tl.load(data + pages[:, None] * s_page + offs[:, None] * s_tok + head * s_head + j[None, :],
+                    mask=mask[:, None] & (j < D // 2)[None, :], other=0).to(tl.int32)
+        lo, hi = (p & 15).to(OUT), (p >> 4).to(OUT)
+    even = tl.reshape(tl.reshape(lo, (T, G, 16)) * sc3 + zr3, (T, DP // 2))
+    odd = tl.reshape(tl.reshape(hi, (T, G, 16)) * sc3 + zr3, (T, DP // 2))
     return even, odd
+
+
+@triton.jit
+def _word_halves(a, b, T: tl.constexpr, DP: tl.constexpr):
+    """[T, DP / 2] float16 from words a, b [T, DP / 8] holding a nibble in bits 0-3 and 16-19: a's of bytes 0 and
+    2 of a word, b's of bytes 1 and 3, so output 4i + e is byte e's nibble of word i; each as 1024 + nibble."""
+    a, b = a | 0x64006400, b | 0x64006400
+    a0, a1 = (a & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True), (a >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    b0, b1 = (b & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True), (b >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    return tl.reshape(tl.join(tl.join(a0, a1), tl.join(b0, b1)), (T, DP // 2))  # join: a new last axis
 
 
 @triton.jit

@@ -12,13 +12,14 @@ model with one term more:
 
 two launches (the decode kernel and the reduce of its splits, predict.launch_us of their programs), each with its
 first round trip; `waits` the DRAM
-round trips a loop trip waits on in turn (measure/sass.in_trip_loads: loads whose value the same trip reads; the
-pipeliner's asynchronous copies and loads made a trip ahead wait on none) times the trips a program makes in turn;
+round trips a loop trip waits on in turn (measure/sass.in_trip_loads: loads whose value the same trip reads, sooner
+than the instructions a round trip takes to issue at the SM's rate shared by its resident warps; the pipeliner's
+asynchronous copies and loads made a trip ahead wait on none) times the trips a program makes in turn;
 bytes the sequence's keys, values and their factors in the format; efficiency measure/predict.py's (instruction
 budget against instructions a 4-byte word, bytes in flight an SM against Little's law, with the pipeliner's two
 trips ahead in flight). Against the H100's measurement of the reduce-launch kernel at 32k tokens (docs/PERF.md,
 2026-11-26: bf16 56, int8 47, int4 55 us), the code then (2 waits a trip for int8, 4 for int4) predicts bf16 48.5,
-int8 39 and int4 43 us: 1.24x for int8 against 1.19x measured.
+int8 39 and int4 43 us: 1.25x for int8 against 1.19x measured.
 """
 
 from __future__ import annotations
@@ -111,11 +112,14 @@ def predict_attention(card: Card, kv_dtype: str, context: int, n_heads: int = 32
     per_token = kv_bytes_per_token(kv_dtype, 1, n_kv_heads, head_dim, PAGE_SIZE)
     threads = 32 * kwargs["num_warps"]
     stats = loop_stats(kernel, block_t * per_token / n_kv_heads / 4 / threads)
-    waited, waits = in_trip_loads(loop_body(cuobjdump(kernel.asm["cubin"])))
     programs = n_kv_heads * splits
     fit = min(card.max_programs, card.max_threads // threads, REGISTERS_PER_SM // (stats.registers * threads),
               card.shared_kb * 1024 // max(1, kernel.metadata.shared))
     resident = min(cdiv(programs, card.sms), fit)
+    # a load read this many instructions after its issue waits no more: a warp's instructions issue at best one in
+    # (the SM's resident warps / its 4 schedulers) clocks, so these take at least a round trip
+    cover = int(ROUND_TRIP_US * 1e3 * card.ghz / max(1.0, resident * threads / 32 / 4))
+    waited, waits = in_trip_loads(loop_body(cuobjdump(kernel.asm["cubin"])), cover)
     in_flight = resident * AHEAD * block_t * per_token / n_kv_heads
     need = card.gbs * 1e9 * LATENCY_US * 1e-6 / card.sms
     eff = min(1.0, card.budget() / stats.per_word, in_flight / need)

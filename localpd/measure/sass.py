@@ -107,12 +107,13 @@ def _registers(operand: str) -> set[int]:
     return regs
 
 
-def in_trip_loads(body: list[str]) -> tuple[int, int]:
+def in_trip_loads(body: list[str], cover: int = 0) -> tuple[int, int]:
     """(global loads whose value the same trip uses, round trips a trip waits on in turn) of a loop body
     (loop_body's). A load (LDG) whose registers are read later in the body, before being written again, is waited
     on in its own trip; one read only by the next trip's instructions was loaded ahead (its latency hidden behind a
     whole trip); asynchronous copies (LDGSTS) are the pipeliner's, waited on stages later. Waits are counted in
-    turn: a load issued after the trip has waited on an earlier one starts another round trip."""
+    turn: a load issued after the trip has waited on an earlier one starts another round trip. cover: a load read
+    at least this many instructions after its issue costs no round trip (the instructions between take as long)."""
     waited = []  # (issued at, first read at)
     for i, op in enumerate(body):
         name, _, rest = op.partition(" ")
@@ -133,7 +134,7 @@ def in_trip_loads(body: list[str]) -> tuple[int, int]:
                 break
     trips, last_wait = 0, -1
     for issued, read in sorted(waited, key=lambda w: w[1]):
-        if issued > last_wait:
+        if issued > last_wait and (not cover or read - issued < cover):
             trips, last_wait = trips + 1, read
     return len(waited), trips
 

@@ -27,11 +27,11 @@ def rows(tmp_path_factory):
 def test_no_format_waits_on_a_dram_round_trip_inside_its_trips(rows):
     """int8's and fp8's per-token scales (2 bytes a token, too narrow for the pipeliner's copies) were loaded in the
     trip that used them: 2 round trips a trip in turn; grouped int4's scales, zeros and value codes 4. Now a trip
-    ahead: none, except grouped int4 keys and values together, whose factors the compiler packs in pairs at the
-    end of the trip that loads them (1, behind the whole trip's work)."""
+    ahead: none. (Grouped int4 values' factors are packed in pairs at the end of the trip that loads them, 1000 and
+    more instructions after their loads: read then, they wait no more.)"""
     for (kv, context), r in rows.items():
-        assert r["spilled"] == 0, r
-        assert r["waits"] == (1 if kv == "int4" else 0), r
+        assert r["spilled"] == 0 and r["waits"] == 0, r
+    assert rows[("int4", 4096)]["waited"] > 0 and rows[("int8", 4096)]["waited"] == 0
 
 
 def test_the_splits_follow_the_sequence_and_fill_the_sms(rows):
@@ -42,9 +42,10 @@ def test_the_splits_follow_the_sequence_and_fill_the_sms(rows):
 
 
 def test_rounded_kv_is_predicted_faster_in_proportion_to_its_bytes(rows):
-    """At 32k tokens int8 moves 0.51x bf16's bytes and is predicted 1.79x faster (1.23x with its scales waited on
-    in each trip, 1.19x measured so on the H100); at 4k the two launches' floor takes most of it."""
+    """At 32k tokens int8 moves 0.51x bf16's bytes and is predicted 1.86x faster (1.25x with its scales waited on
+    in each trip, 1.19x measured so on the H100), grouped int4 0.31x and 2.8x (its 4-byte words of codes made two
+    float16 a mask); at 4k the two launches' floor takes most of it."""
     for kv in ("int8", "fp8", "int4", "int8/int4"):
         ratio = rows[("bf16", 32768)]["predicted_us"] / rows[(kv, 32768)]["predicted_us"]
-        assert ratio > 1.75, (kv, ratio)
+        assert ratio > 1.8, (kv, ratio)
     assert rows[("int8", 4096)]["predicted_us"] < rows[("bf16", 4096)]["predicted_us"]

@@ -18,6 +18,8 @@ def test_a_load_read_in_its_own_trip_is_waited_on_and_one_read_next_trip_is_not(
             "BRA 0x100"]
     assert in_trip_loads(body) == (4, 3)
     assert in_trip_loads(body[:10] + body[11:]) == (3, 2)
+    assert in_trip_loads(body, cover=4) == (4, 2)  # R30, read 4 instructions after its issue, waits no more
+    assert in_trip_loads(body, cover=2) == (4, 1)  # only R20, read the instruction after its load, still waits
 
 
 def test_a_pair_of_registers_read_as_one_operand_counts_as_a_read():
