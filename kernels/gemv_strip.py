@@ -13,8 +13,10 @@ and every lane meets its row with the activations of the same 8 inputs (int4; 4 
 bytes for int8), shared by the strip's 4 outputs. A lane's integer sums become a float once a row, times the
 block's d and the group's scale (plus, for int4, the group's bias times a quarter of the block's d sum(256 hi +
 lo): each of a block's 4 rows adds its quarter). The lanes' partials meet in the program (a sum across its warps,
-at the end): N / 4 programs a launch (1024 for a 4096-output matrix: about 8 an SM), each waiting on one round trip
-of its weights and activations, not three.
+at the end): N / 4 programs a launch of one strip a program (1024 for a 4096-output matrix: about 8 an SM), each
+waiting on one round trip of its weights and activations, not three. A launch costs more the more programs it has,
+so one row takes programs of 4 strips where the SMs still get one each (WIDE_TILE: 256 for 4096 outputs), the
+strips stacked as rows of the program's tile.
 
 The activations are rounded as for gemv_dp4a (kernels/act_round.py: two int8 levels a value, d per block of 32),
 and dp4a is gemv_dp4a's. Up to 4 rows a program share its loads (decode batches, a verification's drafted rows).

@@ -42,7 +42,7 @@ def _tile_pages(row, pos, lo, last, PS: tl.constexpr):
 
 @triton.jit
 def _factors(scale, zero, pages, pos, lo, last, head, c_page, c_tok, c_head, KIND: tl.constexpr, D: tl.constexpr,
-             DP: tl.constexpr, PS: tl.constexpr, HALF: tl.constexpr):
+             DP: tl.constexpr, PS: tl.constexpr):
     """The factors of tokens pos (pages: theirs) that a decode split reads, loaded a trip before the trip that uses
     them: per-token scales [T] (int8, fp8; 0s beside them for zeros), int4 groups' scales and zeros [T, DP / 32]
     (_int4_groups), 0s for other formats."""
@@ -51,7 +51,7 @@ def _factors(scale, zero, pages, pos, lo, last, head, c_page, c_tok, c_head, KIN
         a = _token_scales(scale, pages, pos % PS, mask, head, c_page, c_tok, c_head)
         b = tl.zeros_like(a)
     elif KIND == 3:
-        a, b = _int4_groups(scale, zero, pages, pos % PS, mask, head, c_page, c_tok, c_head, D, DP, HALF)
+        a, b = _int4_groups(scale, zero, pages, pos % PS, mask, head, c_page, c_tok, c_head, D, DP)
     else:
         a = tl.zeros(pos.shape, tl.float32)
         b = a
@@ -281,8 +281,7 @@ def rope_write_kv_kernel(qkv, cos, sin, slots, k, v, k_scale, v_scale, k_zero, v
 
 
 @triton.jit
-def _int4_groups(scale, zero, pages, offs, mask, head, c_page, c_tok, c_head, D: tl.constexpr, DP: tl.constexpr,
-                 HALF: tl.constexpr = False):
+def _int4_groups(scale, zero, pages, offs, mask, head, c_page, c_tok, c_head, D: tl.constexpr, DP: tl.constexpr):
     """The scales and zeros [len(pages), DP / 32] of grouped int4 tokens of one KV head (0 past the head's groups),
     each loaded as one contiguous tile per token, as their float16 bits in int32s (a 16-bit value loaded a trip
     ahead would otherwise be packed in pairs, so waited on, in the trip that loads it): _int4_dequant reads them."""
@@ -336,8 +335,9 @@ def _int4_halves(data, scale, zero, pages, offs, mask, head, s_page, s_tok, s_he
     byte's low nibble) and the odd ones (its high nibble), 0 past the head's D elements. The bytes, scales and
     zeros are each loaded as one contiguous tile per token, where loading per element issued a load for every
     element's byte, scale and zero. HALF: float16 tiles, code * scale + zero computed in float16 from codes made
-    float16 without a conversion (_nibbles_as_half)."""
-    sc, zr = _int4_groups(scale, zero, pages, offs, mask, head, c_page, c_tok, c_head, D, DP, HALF)
+    float16 without a conversion, two a mask from 4-byte words (_word_halves; heads are whole groups of 32, so a
+    token's bytes start on a word)."""
+    sc, zr = _int4_groups(scale, zero, pages, offs, mask, head, c_page, c_tok, c_head, D, DP)
     return _int4_dequant(data, sc, zr, pages, offs, mask, head, s_page, s_tok, s_head, D, DP, HALF)
 
 
@@ -488,18 +488,18 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
     if AHEAD:
         pg_ahead = _tile_pages(pt_row, first + t, lo, last, PS)
         ka_ahead, kb_ahead = _factors(k_scale, k_zero, pg_ahead, first + t, lo, last, kh, ck_page, ck_tok, ck_head,
-                                      K_KIND, D, DP, PS, K_HALF)
+                                      K_KIND, D, DP, PS)
         va_ahead, vb_ahead = _factors(v_scale, v_zero, pg_ahead, first + t, lo, last, kh, cv_page, cv_tok, cv_head,
-                                      V_KIND, D, DP, PS, V_HALF4)
+                                      V_KIND, D, DP, PS)
         pg_ahead = _tile_pages(pt_row, first + BLOCK_T + t, lo, last, PS)
     for t0 in range(first, last, BLOCK_T):
         if AHEAD:  # this trip's factors; the next trip's, from its pages; the pages of the one after
             ka, kb, va, vb = ka_ahead, kb_ahead, va_ahead, vb_ahead
             nxt = t0 + BLOCK_T + t
             ka_ahead, kb_ahead = _factors(k_scale, k_zero, pg_ahead, nxt, lo, last, kh, ck_page, ck_tok, ck_head,
-                                          K_KIND, D, DP, PS, K_HALF)
+                                          K_KIND, D, DP, PS)
             va_ahead, vb_ahead = _factors(v_scale, v_zero, pg_ahead, nxt, lo, last, kh, cv_page, cv_tok, cv_head,
-                                          V_KIND, D, DP, PS, V_HALF4)
+                                          V_KIND, D, DP, PS)
             pg_ahead = _tile_pages(pt_row, nxt + BLOCK_T, lo, last, PS)
         pos = t0 + t
         tmask = (pos < last) & (pos >= lo)
