@@ -3,8 +3,8 @@ model (measure/predict.py: LAUNCH_US plus ROUND_TRIP_US for each round trip a pr
 this script's first run on an H100) measured directly.
 
 Times, as CUDA-graph replays of back-to-back launches (measure/bench_kernels.graph_time): an empty Triton kernel of
-one program and of 1-16 programs an SM (the model's launch cost is a line between one and 8 an SM), and the integer GEMV (kernels/gemv_dp4a.py, its activations already rounded,
-the tile the model launches) at one row over shapes from a few hundred KB of weights to Llama-3-8B's o, qkv and
+one program and of 1-16 programs an SM (the model's launch cost is a line between one and 8 an SM), and the
+integer GEMV (kernels/gemv_dp4a.py, its activations already rounded, the tile the model launches) at one row over shapes from a few hundred KB of weights to Llama-3-8B's o, qkv and
 down, the same over strips (kernels/gemv_strip.py: all of K a program, no split-K reduction), then one column
 tile and o's shape at 1-32 slices of K (split-K) on one tile; weights rotated through copies
 larger than L2; each with programmatic dependent launch on and off

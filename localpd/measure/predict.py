@@ -7,7 +7,7 @@ and ptxas, and its main loop read from the disassembly (measure/sass.py). Per ke
 loads, the 16-byte loads a trip against the weight words' own, bytes in flight per SM, SASS instructions per weight
 word, registers and spilled bytes, and a predicted % of copy bandwidth from this model:
 
-    time = LAUNCH_US + ROUND_TRIP_US x round trips + bytes / (efficiency x bandwidth)
+    time = launch_us(programs) + ROUND_TRIP_US x round trips + bytes / (efficiency x bandwidth)
     efficiency = min(1, instruction budget / instructions per word, bytes in flight per SM / (bandwidth x
                  LATENCY_US / SMs))
 
@@ -36,7 +36,7 @@ from localpd.load.synthetic import SYNTHETIC
 # reduction's two (the fenced atomic that counts a slice in, the last slice's reload of the partials). A GEMV
 # whose programs take all of K (kernels/gemv_strip.py) keeps the launch and the first round trip. The empty
 # kernel of one program took 0.51 us: a launch of fewer programs is taken as costing in proportion between the two
-# (not measured between them; gpu_floor.py times empty kernels of 1-8 programs an SM to check), and no more than
+# (not measured between them; gpu_floor.py times empty kernels of 1-16 programs an SM to check), and no more than
 # LAUNCH_US past them (the GEMVs of 1056-1584 programs fit it).
 LAUNCH_US = 1.8
 LAUNCH_ONE_US = 0.51  # an empty kernel of one program
@@ -76,6 +76,17 @@ class Card:
     def budget(self) -> float:
         """Instruction slots per 4-byte word at full bandwidth."""
         return self.sms * 128 * self.ghz * 1e9 / (self.gbs * 1e9 / 4)
+
+    def fits(self, threads: int, registers: int, shared: int) -> int:
+        """Programs of `threads` threads, `registers` registers a thread and `shared` bytes an SM holds at once."""
+        return min(self.max_programs, self.max_threads // threads, REGISTERS_PER_SM // max(1, registers * threads),
+                   self.shared_kb * 1024 // max(1, shared))
+
+    def efficiency(self, per_word: float, in_flight: float) -> float:
+        """The share of bandwidth a loop of per_word instructions a word with in_flight bytes in flight an SM keeps:
+        min(1, budget / instructions a word, in flight / (bandwidth x LATENCY_US / SMs))."""
+        need = self.gbs * 1e9 * LATENCY_US * 1e-6 / self.sms
+        return min(1.0, self.budget() / per_word, in_flight / need)
 
 
 CARDS = [Card("H100 SXM", 90, 132, 1.98, 2950, "copy measured on the device tool, 2026-11-23", 227),
@@ -129,10 +140,11 @@ class Launch:
     outputs: int = 128  # outputs a program (a column tile) takes
 
 
-def compile_gemv(bits: int, group: int, n: int, k: int, arch: int, kernel: str = "dp4a", sms: int = 132) -> Launch:
+def compile_gemv(bits: int, group: int, n: int, k: int, arch: int, kernel: str, sms: int) -> Launch:
     """The decode GEMV at one row as the model launches it (no input step), for sm_<arch>: kernels/gemv_dp4a.py's
     (the model's for 16-bit activations; the input step before it rounds its activations, except o's, whose
-    rounding is a launch of its own, not counted here) or gemv_kmajor's."""
+    rounding is a launch of its own, not counted here), gemv_kmajor's or gemv_strip's (its tile for a card of `sms`
+    SMs)."""
     from localpd.kernels import gemv_dp4a as dp, gemv_kmajor as km
     from localpd.measure.sass import compile_launch
 
@@ -217,14 +229,11 @@ def predict(model: str = "llama3-8b", cards=CARDS, formats=FORMATS, kernels=("dp
                     programs = tiles * split
                     g = group or k
                     nbytes = n * k * bits // 8 + 4 * n * (k // g) + 2 * n  # DRAM's: weights, factors, outputs
-                    fit = min(card.max_programs, card.max_threads // launch.threads,  # programs an SM holds
-                              REGISTERS_PER_SM // max(1, stats.registers * launch.threads),
-                              card.shared_kb * 1024 // max(1, launch.kernel.metadata.shared))
+                    fit = card.fits(launch.threads, stats.registers, launch.kernel.metadata.shared)
                     resident = min(-(-programs // card.sms), fit)
                     trip_bytes = launch.words_per_thread * 4 * launch.threads * (1 + int(launch.prefetch))
                     in_flight = int(resident * trip_bytes)
-                    need = card.gbs * 1e9 * LATENCY_US * 1e-6 / card.sms
-                    eff = min(1.0, card.budget() / stats.per_word, in_flight / need)
+                    eff = card.efficiency(stats.per_word, in_flight)
                     seconds = floor_us(split, programs) * 1e-6 + nbytes / (eff * card.gbs * 1e9)
                     rows.append(Prediction(card.name, kernel, fmt, name, n, k, programs, split,
                                            round(programs / (fit * card.sms), 2), nbytes // programs,
@@ -245,7 +254,8 @@ def run(args) -> int:
         raise SystemExit(f"--kernels takes {', '.join(named)}, not {args.kernels}")
     rows = predict(args.model or "llama3-8b", cards, kernels=kernels)
     print(f"# {args.model or 'llama3-8b'}: batch-1 decode GEMVs compiled per card, no GPU used: "
-          f"{'; '.join(named[k] for k in kernels)}; model: time = {LAUNCH_US} us + {ROUND_TRIP_US} us x (1 + "
+          f"{'; '.join(named[k] for k in kernels)}; model: time = launch ({LAUNCH_ONE_US} us for one program to "
+          f"{LAUNCH_US} for {LAUNCH_PROGRAMS} and more, in proportion) + {ROUND_TRIP_US} us x (1 + "
           f"{REDUCE_ROUND_TRIPS} with split-K) + bytes / (efficiency x bandwidth), efficiency = min(1, budget / "
           f"instructions a word, in flight / (bandwidth x {LATENCY_US} us / "
           f"SMs))")

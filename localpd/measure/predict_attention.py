@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from localpd.measure.predict import CARDS, LATENCY_US, REGISTERS_PER_SM, ROUND_TRIP_US, Card, launch_us
+from localpd.measure.predict import CARDS, LATENCY_US, ROUND_TRIP_US, Card, launch_us
 
 PAGE_SIZE = 16
 AHEAD = 2  # trips the pipeliner's asynchronous copies are issued ahead (Triton's default num_stages 3)
@@ -113,16 +113,12 @@ def predict_attention(card: Card, kv_dtype: str, context: int, n_heads: int = 32
     threads = 32 * kwargs["num_warps"]
     stats = loop_stats(kernel, block_t * per_token / n_kv_heads / 4 / threads)
     programs = n_kv_heads * splits
-    fit = min(card.max_programs, card.max_threads // threads, REGISTERS_PER_SM // (stats.registers * threads),
-              card.shared_kb * 1024 // max(1, kernel.metadata.shared))
-    resident = min(cdiv(programs, card.sms), fit)
+    resident = min(cdiv(programs, card.sms), card.fits(threads, stats.registers, kernel.metadata.shared))
     # a load read this many instructions after its issue waits no more: a warp's instructions issue at best one in
     # (the SM's resident warps / its 4 schedulers) clocks, so these take at least a round trip
     cover = int(ROUND_TRIP_US * 1e3 * card.ghz / max(1.0, resident * threads / 32 / 4))
     waited, waits = in_trip_loads(loop_body(cuobjdump(kernel.asm["cubin"])), cover)
-    in_flight = resident * AHEAD * block_t * per_token / n_kv_heads
-    need = card.gbs * 1e9 * LATENCY_US * 1e-6 / card.sms
-    eff = min(1.0, card.budget() / stats.per_word, in_flight / need)
+    eff = card.efficiency(stats.per_word, resident * AHEAD * block_t * per_token / n_kv_heads)
     nbytes = context * per_token
     launches = launch_us(programs) + launch_us(n_heads) + 2 * ROUND_TRIP_US  # the decode kernel's, its reduce's
     us = launches + ROUND_TRIP_US * trips * waits + nbytes / (eff * card.gbs * 1e9) * 1e6

@@ -98,12 +98,15 @@ def main_loop(sass: str) -> list[str]:
 _NO_DEST = ("ST", "LDGSTS", "RED", "BAR", "BRA", "EXIT", "DEPBAR", "LDGDEPBAR", "ARRIVES", "WARPSYNC", "NOP", "CCTL")
 
 
-def _registers(operand: str) -> set[int]:
-    """The general registers an operand names: R8.64 is R8 and R9; a matrix operand (HMMA's, IMMA's) is taken as
-    its 4 registers, a conservative reading of fragments the text names by their first."""
+_MATRIX = ("HMMA", "IMMA", "HGMMA", "IGMMA")  # their operands are fragments the text names by their first register
+
+
+def _registers(operand: str, span: int = 1) -> set[int]:
+    """The general registers an operand names: R8.64 is R8 and R9; with span 4 (a matrix instruction's operands)
+    each named register is taken as the 4 from it, a conservative reading of its fragments."""
     regs = set()
     for base, wide in re.findall(r"\bR(\d+)(\.64)?\b", operand):
-        regs.update(range(int(base), int(base) + (2 if wide else 1)))
+        regs.update(range(int(base), int(base) + max(span, 2 if wide else 1)))
     return regs
 
 
@@ -119,15 +122,15 @@ def in_trip_loads(body: list[str], cover: int = 0) -> tuple[int, int]:
         name, _, rest = op.partition(" ")
         if not name.startswith("LDG.") and name != "LDG":
             continue
-        dest = rest.split(",")[0]
+        dest = re.fullmatch(r"\s*R(\d+)", rest.split(",")[0])
         bits = int((re.findall(r"\.(\d+)$", name) or ["32"])[0])
-        regs = set(range(int(dest.strip()[1:]), int(dest.strip()[1:]) + max(1, bits // 32))) \
-            if re.fullmatch(r"\s*R\d+", dest) else set()
+        regs = set(range(int(dest.group(1)), int(dest.group(1)) + max(1, bits // 32))) if dest else set()
         for j in range(i + 1, len(body)):
             later, _, ops = body[j].partition(" ")
             parts = ops.split(",")
             has_dest = not later.startswith(_NO_DEST)
-            if _registers(",".join(parts[1:] if has_dest else parts)) & regs:
+            span = 4 if later.startswith(_MATRIX) else 1
+            if _registers(",".join(parts[1:] if has_dest else parts), span) & regs:
                 waited.append((i, j))
                 break
             if has_dest and _registers(parts[0]) >= regs:  # written again before any read: loaded for later

@@ -26,6 +26,10 @@ def test_a_pair_of_registers_read_as_one_operand_counts_as_a_read():
     body = ["LDG.E.64 R6, desc[UR4][R2.64]", "IMAD.WIDE R8, R1, 0x4, R6.64", "BRA 0x0"]
     assert in_trip_loads(body) == (1, 1)
     assert in_trip_loads(["LDG.E.64 R6, desc[UR4][R2.64]", "IADD3 R8, R7, 0x1, RZ", "BRA 0x0"]) == (1, 1)
+    # a matrix instruction's fragment named by its first register reads the 4 from it: R14 of R12's
+    mma = ["LDG.E R14, desc[UR4][R2.64]", "HMMA.16816.F32 R20, R12, R16, R20", "BRA 0x0"]
+    assert in_trip_loads(mma) == (1, 1)
+    assert in_trip_loads([mma[0], "FADD R20, R12, R16", "BRA 0x0"]) == (0, 0)
 
 
 def test_the_loop_body_is_the_largest_backward_branchs():
