@@ -96,7 +96,7 @@ def holds_strips(device: torch.device) -> bool:
 
 @triton.jit
 def _row_sums(w, e0, e1, e2, e3, BITS: tl.constexpr, ASM: tl.constexpr):
-    """One activation row's integer sum 256 hi + lo over strip rows' words w [R, C]: int4 against the quad (hi
+    """One activation row's integer sum 256 hi + lo over strip rows' words w [R, 4]: int4 against the quad (hi
     even, hi odd, lo even, lo odd inputs; e0..e3 [R, 1]), int8 against (hi, lo) (e0, e1). The lo level's products
     start from the hi level's sum shifted up, so one chain of dp4a gives the whole sum (at most 8 x 15 x 127 x 257:
     no overflow)."""
@@ -111,8 +111,8 @@ def _row_sums(w, e0, e1, e2, e3, BITS: tl.constexpr, ASM: tl.constexpr):
 @triton.jit
 def _row_trip(q_row, s_row, r0, lanes, U, w, scale, bias, acc, BITS: tl.constexpr, EVEN: tl.constexpr,
               ASM: tl.constexpr):
-    """acc [R, C] plus one activation row's products with the strip rows r0 + lanes (words w, their groups' scale
-    and bias [R, C]): the row's rounded inputs q_row, factors s_row (kernels/act_round.py). Past a strip's U rows
+    """acc [R, 4] plus one activation row's products with the strip rows r0 + lanes (words w, their groups' scale
+    and bias [R, 4]): the row's rounded inputs q_row, factors s_row (kernels/act_round.py). Past a strip's U rows
     (not EVEN) the activations load as 0s, so the rows repeated there add nothing."""
     WPB: tl.constexpr = BITS  # strip rows a block of 32 inputs
     live = (r0 + lanes < U)[:, None]
@@ -186,12 +186,13 @@ def _gemv_strip_kernel(q_ptr, s_ptr, y_ptr, w_ptr, f_ptr, bias_ptr, M, N, K, str
                        ASM: tl.constexpr = True, PREFETCH: tl.constexpr = 1, PDL: tl.constexpr = False,
                        STRIPS: tl.constexpr = 1):
     """Program (m, j): rows [m * BLOCK_M, (m + 1) * BLOCK_M) (1, 2 or 4; a row past M reads row M - 1 again and
-    writes nothing), the STRIPS strips from j * STRIPS (outputs 4 STRIPS j..; their rows stacked in the tile, strip
-    s's rows at s * ROWS) over all of K. w_ptr, f_ptr: the strips' words [N / 4, K * BITS / 32, 4] and factors [N / 4, K /
-    GROUP, 4] (strip j at j * stride_wj, j * stride_fj). ROWS: strip rows a trip (its lanes x rows a lane): the
-    loop's trips take whole ROWS, unmasked, and with TAIL a last trip takes the rows past them, masked. PREFETCH 1 (at least one whole trip): the next trip's words and factors are loaded before this trip's
-    arithmetic, 2: the one after it too (o's two trips all before the first's arithmetic), and with PDL the first
-    trips' go out before the wait for the kernel that wrote the activations."""
+    writes nothing), the STRIPS strips from j * STRIPS (outputs 4 STRIPS j..; their rows stacked in the tile,
+    strip s's rows at s * ROWS) over all of K. w_ptr, f_ptr: the strips' words [N / 4, K * BITS / 32, 4] and
+    factors [N / 4, K / GROUP, 4] (strip j at j * stride_wj, j * stride_fj). ROWS: strip rows a trip (its lanes x
+    rows a lane, of each strip): the loop's trips take whole ROWS, unmasked, and with TAIL a last trip takes the
+    rows past them, masked. PREFETCH 1 (at least one whole trip): the next trip's words and factors are loaded
+    before this trip's arithmetic, 2: the one after it too (o's two trips all before the first's arithmetic), and
+    with PDL the first trips' go out before the wait for the kernel that wrote the activations."""
     pid_m, j = tl.program_id(0), tl.program_id(1)
     m0 = pid_m * BLOCK_M
     U = K * BITS // 32  # a strip's rows
