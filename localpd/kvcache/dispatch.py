@@ -235,6 +235,15 @@ def _scales(layer: KVLayer):
     return tuple(dummy if t is None else t for t in (layer.k_scale, layer.v_scale, layer.k_zero, layer.v_zero))
 
 
+def wide_offsets(layer: KVLayer) -> bool:
+    """Whether the decode kernel computes offsets into the layer's pages in int64 (its WIDE): some tensor of the
+    layer reaches 2**31 elements past its start (the offsets are counted in elements). Below that, int32 offsets
+    keep 64-bit address arithmetic out of the decode loop (kernels/paged_attention._page_ids)."""
+    tensors = (layer.k, layer.v, layer.k_scale, layer.v_scale, layer.k_zero, layer.v_zero)
+    return any(sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) > 2**31 - 1
+               for t in tensors if t is not None and t.numel())
+
+
 def _stage_args(stage, stage_slots, dummy):
     """(stage, its token and head strides, whether the write reads it) for a kernel; dummy where none is used."""
     if stage is None or stage_slots is None:
@@ -429,7 +438,8 @@ def paged_attention(q: torch.Tensor, layer: KVLayer, page_table: torch.Tensor, s
                                       scale, q.stride(0), q.stride(1), page_table.stride(0), *strides,
                                       splits, window, **kinds, PS=ps, D=D, DP=DP,
                                       GROUP=group, GP=gp, BLOCK_T=block_t, num_warps=DECODE_WARPS,
-                                      INT8_KEYS=int8_key_dots(layer, q.dtype), HALF_VALUES=HALF_VALUES, **pdl)
+                                      INT8_KEYS=int8_key_dots(layer, q.dtype), HALF_VALUES=HALF_VALUES,
+                                      WIDE=wide_offsets(layer), **pdl)
         r = round_into
         decode_reduce_kernel[(B, Hq)](part_acc, part_ml, out, out.stride(0), out.stride(1), splits,
                                       *((r.q, r.s, r.q.stride(0), r.s.stride(0)) if r else (out, out, 0, 0)), D=D,

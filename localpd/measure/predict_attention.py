@@ -126,6 +126,14 @@ def predict_attention(card: Card, kv_dtype: str, context: int, n_heads: int = 32
                                stats.registers, stats.spilled, waited, waits, us)
 
 
+def card_takes(card: Card, kv_dtype: str) -> bool:
+    """Whether the card holds the format at all: fp8 e4m3 needs sm_89 or newer (kvcache.formats.check_kv_dtype
+    refuses it on an RTX 30 card)."""
+    from localpd.kvcache.formats import kv_formats
+
+    return "fp8" not in kv_formats(kv_dtype) or card.arch >= 89
+
+
 def run(args) -> int:
     cards = [c for c in CARDS if not args.cards or any(w.lower() in c.name.lower() for w in args.cards.split(","))]
     kvs = (args.kv or "bf16,int8,fp8,int4,int8/int4").split(",")
@@ -137,7 +145,7 @@ def run(args) -> int:
     out = []
     for card in cards:
         for context in (4096, 32768):
-            rows = [predict_attention(card, kv, context) for kv in kvs]
+            rows = [predict_attention(card, kv, context) for kv in kvs if card_takes(card, kv)]
             out += rows
             base = next((r.predicted_us for r in rows if r.kv == "bf16"), None)
             for r in rows:

@@ -258,3 +258,14 @@ def _codes_kernel(c8, c4, o8, o4, N: tl.constexpr):
     i = tl.arange(0, N)
     tl.store(o8 + i, _codes_as_half(tl.load(c8 + i)))
     tl.store(o4 + i, _nibbles_as_half(tl.load(c4 + i)))
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "int4", "int8/int4", "int4ch/int4"])
+def test_64_bit_offsets_read_what_32_bit_ones_do(monkeypatch, kv_dtype):
+    """Layers past int32's reach (kvcache.dispatch.wide_offsets) take the decode kernel's int64 offsets; forced
+    here on a small pool, splits of several tiles (the pool starts as garbage)."""
+    import localpd.kvcache.dispatch as dispatch
+
+    monkeypatch.setattr(dispatch, "wide_offsets", lambda layer: True)
+    bt = decode_block_t(16, 64, kv_formats(kv_dtype)[0])
+    check(build_case(kv_dtype, 16, 2, 4, [2 * bt + 7, 40], [1, 1], seed=11, poison=True), 1e-4)
