@@ -450,10 +450,11 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
     element; grouped int4 is taken as its low and high nibbles, two half-width tiles (even and odd elements), with
     the query split the same way (keys) or two half-width accumulators (values). INT8_KEYS: int8 keys meet each
     query head rounded to two int8 levels in two integer dots, so the codes need no conversion at all.
-    HALF_VALUES (where DOT is 16-bit): int8 and int4 values go into their dot in float16 with the softmax weights,
-    and int4 keys into theirs with float16 query halves, the codes made float16 by their bits (_codes_as_half,
-    _nibbles_as_half) as loaded, int4's scale and zero applied in float16; as exact as bf16 for int8 codes, int4's
-    values, the weights and the queries rounded 3 bits finer.
+    HALF_VALUES (where DOT is 16-bit): int8, fp8 and int4 values go into their dot in float16 with the softmax
+    weights, and fp8 and int4 keys into theirs with float16 queries (int4: their halves), the codes made float16
+    by their bits (_codes_as_half, _nibbles_as_half) as loaded, fp8 converted in one instruction a pair, int4's
+    scale and zero applied in float16; as exact as bf16 for int8 codes and fp8 values, int4's values, the weights
+    and the queries rounded 3 bits finer.
     window > 0: the query sees its last `window` keys only (a sliding-window layer), and the splits share out those
     keys from the start of the page the first of them is in (kvcache.dispatch.decode_span), not the whole
     sequence. WIDE: offsets into the pages in int64 (_page_ids)."""
@@ -471,12 +472,14 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
     gmask = g < GROUP
     K_INT4: tl.constexpr = K_KIND == 3 or K_KIND == 4
     V_INT4: tl.constexpr = V_KIND == 3 or V_KIND == 4
-    # int8 and int4 values meet float16 softmax weights where DOT is 16-bit (int8 codes exact either way, int4's
-    # code * scale + zero and the weights 3 bits finer than bf16's), their codes made float16 without a conversion
-    V_HALF: tl.constexpr = (V_KIND == 1 or V_INT4) and DOT != tl.float32 and HALF_VALUES
+    # int8, fp8 and int4 values meet float16 softmax weights where DOT is 16-bit (int8 codes and fp8 values exact
+    # either way, int4's code * scale + zero and the weights 3 bits finer than bf16's), int8's and int4's codes
+    # made float16 without a conversion; fp8 e4m3 converts to float16 in one instruction a pair, where bfloat16
+    # took a second conversion each (sm_90: 256 F2F.BF16.F16 a 128-token trip, a thread)
+    V_HALF: tl.constexpr = (V_KIND == 1 or V_KIND == 2 or V_INT4) and DOT != tl.float32 and HALF_VALUES
     VDOT: tl.constexpr = tl.float16 if V_HALF else DOT
-    # int4 keys likewise, with the queries' halves in float16 (scaled queries of a model stay far inside its range)
-    KDOT: tl.constexpr = tl.float16 if K_INT4 and DOT != tl.float32 and HALF_VALUES else DOT
+    # int4 and fp8 keys likewise, with the queries in float16 (scaled queries of a model stay far inside its range)
+    KDOT: tl.constexpr = tl.float16 if (K_INT4 or K_KIND == 2) and DOT != tl.float32 and HALF_VALUES else DOT
     q_rows = q + b * s_q_t + (kh * GROUP + g)[:, None] * s_q_h
     if INT8_KEYS:  # each query head rounded to two int8 levels (act_round.two_levels), ~15 bits
         q_hi, q_lo, q_step = two_levels(_query_tiles(q_rows, gmask, sm_scale, D, DP, tl.float32)[0])
@@ -526,17 +529,17 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
                                     ck_tok, ck_head, K_KIND, D, DP, PS, KDOT)
         else:
             kt = _load_tokens(k, pages, offs, tmask, kh, sk_page, sk_tok, sk_head, D, DP,
-                              tl.int8 if INT8_KEYS else DOT)
+                              tl.int8 if INT8_KEYS else KDOT)
         if V_KIND == 3:
             v_even, v_odd = _int4_dequant(v, va, vb, pages, offs, tmask, kh, sv_page, sv_tok, sv_head, D, DP, V_HALF4)
             v_even, v_odd = v_even.to(VDOT), v_odd.to(VDOT)
         elif V_INT4:
             v_even, v_odd = _halves(v, v_scale, v_zero, pages, offs, tmask, kh, sv_page, sv_tok, sv_head, cv_page,
                                     cv_tok, cv_head, V_KIND, D, DP, PS, VDOT)
-        elif V_HALF:  # int8 codes as float16 in the load's registers, before the dot's layout
+        elif V_KIND == 1 and V_HALF:  # int8 codes as float16 in the load's registers, before the dot's layout
             vt = _codes_as_half(_load_tokens(v, pages, offs, tmask, kh, sv_page, sv_tok, sv_head, D, DP, tl.int8))
         else:
-            vt = _load_tokens(v, pages, offs, tmask, kh, sv_page, sv_tok, sv_head, D, DP, DOT)
+            vt = _load_tokens(v, pages, offs, tmask, kh, sv_page, sv_tok, sv_head, D, DP, VDOT)
         if INT8_KEYS:  # integer dots of the codes: the keys go in as stored, no conversion
             s = (tl.dot(q_hi, tl.trans(kt)) * 256 + tl.dot(q_lo, tl.trans(kt))).to(tl.float32) * q_step[:, None]
         elif K_INT4:

@@ -22,9 +22,12 @@ def test_decode_attention_compiles_to_whole_tile_loads(sass_table):
     int8 took 2, grouped int4 4), except int4 values' factors, packed in pairs at the very end of their trip.
     Offsets into the pages are int32 (kvcache.dispatch.wide_offsets): bf16's 64-bit address pairs had taken it to
     146 registers and 9.6 instructions a word, now 105 and 7.1 (int8/int4's instructions fell too, 21.2 -> 20.6,
-    its registers rose 168 -> 210: still two programs an SM, what the splits aim at)."""
-    rows = {r[1]: r for r in sass_table("attention_sass.py", "--kv", "int4,int4ch/int4,int8,int8/int4,bf16")}
+    its registers rose 168 -> 210: still two programs an SM, what the splits aim at). fp8 goes into its dots as
+    float16, one conversion a pair of values, where bfloat16 dots took a second one each (25.4 -> 19.7
+    instructions a word)."""
+    rows = {r[1]: r for r in sass_table("attention_sass.py", "--kv", "int4,int4ch/int4,int8,int8/int4,bf16,fp8")}
     assert int(rows["bf16"][8]) <= 128 and float(rows["bf16"][3]) < 8, rows
+    assert float(rows["fp8"][3]) < 21 and rows["fp8"][11] == "0", rows
     for kv in ("int4", "int4ch/int4"):
         _, _, _, per_word, _, _, loads, widest, _, spilled, _, _ = rows[kv]
         assert int(loads) < 32 and widest.endswith(".128") and spilled == "0", rows

@@ -228,7 +228,7 @@ def test_a_verifications_rows_see_an_int4ch_page_as_their_decode_steps_did(start
     assert verification_room(7, ps, ("fp16", "fp16")) is None and verification_room(7, ps, ("int8", "int4")) is None
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8", "int4", "int8/int4", "int4ch/int4", "int4ch", "bf16/int8"])
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8", "int4", "int8/int4", "int4ch/int4", "int4ch", "bf16/int8"])
 def test_quantized_values_meet_half_precision_weights(kv_dtype):
     """Where the dots take a 16-bit type, int8 and int4 values go into the softmax weights' dot in float16, their
     codes made float16 in the load's registers without an int-to-float conversion (int4: code * scale + zero in
@@ -241,6 +241,19 @@ def test_quantized_values_meet_half_precision_weights(kv_dtype):
     check(build_case(kv_dtype, 16, 2, 4, [300, 37, 1], [1, 1, 1], D=64, dtype=torch.float16, seed=12, poison=True),
           3e-3)
     check(build_case(kv_dtype, 16, 2, 4, [70, 33], [6, 33], D=64, dtype=torch.float16, seed=13, poison=True), 6e-3)
+
+
+def test_fp8_pages_meet_bfloat16_queries_in_float16_dots(monkeypatch):
+    """fp8 e4m3 keys and values go into their dots as float16 (exact: e4m3 lies inside float16), with the
+    queries and softmax weights in float16, where bfloat16 dots took a second conversion of every value. The
+    GPU's dot type for bfloat16 queries, here too: no bfloat16 dot is left to the interpreter (which multiplies
+    them wrongly, kvcache.dispatch.attention_dot), so this failed while fp8 took bfloat16 dots."""
+    import localpd.kvcache.dispatch as dispatch
+
+    gpu_dot = dispatch.attention_dot
+    monkeypatch.setattr(dispatch, "attention_dot", lambda dtype, interpreted: gpu_dot(dtype, interpreted=False))
+    check(build_case("fp8", 16, 2, 4, [300, 37, 1], [1, 1, 1], D=64, dtype=torch.bfloat16, seed=14, poison=True),
+          2e-2)  # a bfloat16 step of the outputs, up to 3.5 here
 
 
 def test_codes_become_half_precision_exactly():
