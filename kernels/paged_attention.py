@@ -623,11 +623,12 @@ def prefill_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_le
     pos = n - q_len + rows  # absolute positions of the query rows
     K_INT4: tl.constexpr = K_KIND == 3 or K_KIND == 4
     V_INT4: tl.constexpr = V_KIND == 3 or V_KIND == 4
-    # int4 only: int8 values' bits-made float16 compiled to more instructions here than Triton's conversion (480
-    # against 462 a page on sm_90), where the decode kernel's 128-token tiles took fewer
-    V_HALF: tl.constexpr = V_INT4 and DOT != tl.float32 and HALF_VALUES
+    # int4 and fp8 (one conversion a pair to float16; bfloat16 took a second each: 462 -> 415 instructions a page on
+    # sm_90), not int8: its values' bits-made float16 compiled to more instructions here than Triton's conversion
+    # (480 against 462), where the decode kernel's 128-token tiles took fewer
+    V_HALF: tl.constexpr = (V_INT4 or V_KIND == 2) and DOT != tl.float32 and HALF_VALUES
     VDOT: tl.constexpr = tl.float16 if V_HALF else DOT
-    KDOT: tl.constexpr = tl.float16 if K_INT4 and DOT != tl.float32 and HALF_VALUES else DOT
+    KDOT: tl.constexpr = tl.float16 if (K_INT4 or K_KIND == 2) and DOT != tl.float32 and HALF_VALUES else DOT
     q_rows = q + (q0 + rows)[:, None] * s_q_t + h[:, None] * s_q_h
     qv, q_even, q_odd = _query_tiles(q_rows, rmask, sm_scale, D, DP, KDOT)
     m = tl.full((GP * BLOCK_M,), float("-inf"), tl.float32)
@@ -647,7 +648,7 @@ def prefill_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_le
                                     ck_tok, ck_head, K_KIND, D, DP, PS, KDOT)
             s = tl.dot(q_even, tl.trans(k_even)) + tl.dot(q_odd, tl.trans(k_odd))  # [BLOCK_M, PS]
         else:
-            kt = _load_tokens(k, pages, t, kmask, kh, sk_page, sk_tok, sk_head, D, DP, DOT)
+            kt = _load_tokens(k, pages, t, kmask, kh, sk_page, sk_tok, sk_head, D, DP, KDOT)
             s = tl.dot(qv, tl.trans(kt))
         if K_KIND == 1 or K_KIND == 2:
             s = s * _token_scales(k_scale, pages, t, kmask, kh, ck_page, ck_tok, ck_head)[None, :]
@@ -669,7 +670,7 @@ def prefill_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_le
             acc_even = acc_even * alpha[:, None] + tl.dot(w, v_even)
             acc_odd = acc_odd * alpha[:, None] + tl.dot(w, v_odd)
         else:
-            vt = _load_tokens(v, pages, t, kmask, kh, sv_page, sv_tok, sv_head, D, DP, DOT)
+            vt = _load_tokens(v, pages, t, kmask, kh, sv_page, sv_tok, sv_head, D, DP, VDOT)
             acc = acc * alpha[:, None] + tl.dot(w, vt)
     inv = 1.0 / tl.where(l > 0, l, 1.0)[:, None]
     _store_rows(out + (q0 + rows)[:, None] * s_o_t + h[:, None] * s_o_h, acc * inv, acc_even * inv, acc_odd * inv,

@@ -245,7 +245,8 @@ def test_quantized_values_meet_half_precision_weights(kv_dtype):
 
 def test_fp8_pages_meet_bfloat16_queries_in_float16_dots(monkeypatch):
     """fp8 e4m3 keys and values go into their dots as float16 (exact: e4m3 lies inside float16), with the
-    queries and softmax weights in float16, where bfloat16 dots took a second conversion of every value. The
+    queries and softmax weights in float16, where bfloat16 dots took a second conversion of every value; decode
+    rows, and prefill rows (the prefill kernel's V_HALF and KDOT) after them. The
     GPU's dot type for bfloat16 queries, here too: no bfloat16 dot is left to the interpreter (which multiplies
     them wrongly, kvcache.dispatch.attention_dot), so this failed while fp8 took bfloat16 dots."""
     import localpd.kvcache.dispatch as dispatch
@@ -254,6 +255,7 @@ def test_fp8_pages_meet_bfloat16_queries_in_float16_dots(monkeypatch):
     monkeypatch.setattr(dispatch, "attention_dot", lambda dtype, interpreted: gpu_dot(dtype, interpreted=False))
     check(build_case("fp8", 16, 2, 4, [300, 37, 1], [1, 1, 1], D=64, dtype=torch.bfloat16, seed=14, poison=True),
           2e-2)  # a bfloat16 step of the outputs, up to 3.5 here
+    check(build_case("fp8", 16, 2, 4, [70, 33], [6, 33], D=64, dtype=torch.bfloat16, seed=15, poison=True), 2e-2)
 
 
 def test_codes_become_half_precision_exactly():
