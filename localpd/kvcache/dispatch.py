@@ -336,6 +336,9 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer
 # code spills 72 bytes (unmeasured there); int8's spills 64 (Triton 3.9) and was the measured 1.25x.
 DECODE_TILE_ELEMS = 8192
 DECODE_WIDE_TILE_KEYS = ("int8", "fp8", "int4")
+# At most, over int8 and fp8 keys: at heads of 64 their 256-token tiles took 255 registers, spilled 24-72 bytes (4-15
+# local accesses a trip) and waited a DRAM round trip every trip (sm_90, Triton 3.9); 128 took 140-155, none of either
+DECODE_8BIT_TILE_TOKENS = 128
 DECODE_WARPS = 4
 DECODE_PROGRAMS_PER_SM = 2  # what the splits aim at when batch x kv heads alone leave SMs idle
 DECODE_MAX_SPLITS = 64  # the reduce holds all of a head's splits in one [splits, head_dim] tile
@@ -344,9 +347,11 @@ INTERPRETER_DECODE_PROGRAMS = 4  # the splits' target under Triton's interpreter
 
 def decode_block_t(page_size: int, head_dim: int, k_format: str = "bf16") -> int:
     """Tokens per decode tile over keys of k_format: DECODE_TILE_ELEMS elements of the head's tile width (twice as
-    many for DECODE_WIDE_TILE_KEYS), and at least one page."""
-    elems = DECODE_TILE_ELEMS * (2 if k_format in DECODE_WIDE_TILE_KEYS else 1)
-    return max(page_size, elems // triton_block(head_dim))
+    many for DECODE_WIDE_TILE_KEYS, at most DECODE_8BIT_TILE_TOKENS over int8 and fp8), and at least one page."""
+    tokens = DECODE_TILE_ELEMS * (2 if k_format in DECODE_WIDE_TILE_KEYS else 1) // triton_block(head_dim)
+    if k_format in ("int8", "fp8"):
+        tokens = min(tokens, DECODE_8BIT_TILE_TOKENS)
+    return max(page_size, tokens)
 
 
 def decode_splits(batch_heads: int, tiles: int, device: torch.device) -> tuple[int, int]:

@@ -38,6 +38,14 @@ def test_decode_attention_compiles_to_whole_tile_loads(sass_table):
     assert [rows[kv][11] for kv in ("int4", "int4ch/int4", "int8", "int8/int4")] == ["1", "1", "0", "1"], rows
 
 
+def test_decode_attention_over_8_bit_keys_at_heads_of_64_keeps_its_registers(sass_table):
+    """SmolLM2's heads (9 query / 3 KV x 64) over int8 and fp8 pages on sm_90: 128-token tiles
+    (kvcache.dispatch.DECODE_8BIT_TILE_TOKENS) spill nothing and wait on no load of their own trip, where 256-token
+    tiles took 255 registers, spilled 24-72 bytes and waited a round trip every trip."""
+    for row in sass_table("attention_sass.py", "--kv", "int8,fp8", "--heads", "9,3,64"):
+        assert row[9] == "0" and row[11] == "0", row
+
+
 def test_prefill_attention_compiles_without_spills_for_every_model_and_kv_format():
     """Every prefill-attention launch the model makes (the head layouts of Llama-3-8B, Qwen2.5-7B, Llama-3.2-1B,
     SmolLM2, Qwen3-8B, Gemma 3 and Phi-3.5-mini, every KV format), compiled on this CPU for an RTX 30 card (sm_86) and the H100 (sm_90) by

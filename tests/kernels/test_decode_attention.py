@@ -29,13 +29,23 @@ def test_decode_batches_match_the_reference(kv_dtype, page_size, group):
 def test_decode_tiles_across_pages_with_garbage_past_the_end(kv_dtype, page_size):
     """Tiles span several pages (8 or 4 here): lengths of exactly one tile, under one page, ending mid-tile and
     mid-page or mid-tile on a page boundary, very different lengths in one batch, GQA groups of 1, 4 and 7 (odd,
-    padded); the pool starts as NaN/inf garbage. int8, fp8 and int4 keys take tiles of twice the tokens."""
+    padded); the pool starts as NaN/inf garbage. int4 keys take tiles of twice the tokens here (heads of 64)."""
     bt = decode_block_t(page_size, 64, kv_formats(kv_dtype)[0])
-    assert bt == decode_block_t(page_size, 64) * (2 if kv_formats(kv_dtype)[0] in ("int8", "fp8", "int4") else 1)
+    assert bt == decode_block_t(page_size, 64) * (2 if kv_formats(kv_dtype)[0] == "int4" else 1)
     assert bt // page_size > 1
     for group, lens in ((1, [bt, 3]), (4, [2 * bt + page_size + 3, 1, bt - 1]), (7, [bt + 1, bt + bt // 2])):
         check(build_case(kv_dtype, page_size, 2, group, lens, [1] * len(lens), seed=group, poison=True), 1e-4)
     check(build_case(kv_dtype, page_size, 2, 3, [70, 33], [6, 33], seed=8, poison=True), 1e-4)  # prefill too
+
+
+def test_decode_tiles_hold_twice_the_tokens_over_rounded_keys_up_to_128_over_8_bits():
+    """int8, fp8 and int4 keys take tiles of twice bf16's tokens (the same 16 KB of int8 a trip), but int8 and fp8
+    at most 128 tokens: at heads of 64 their 256-token tiles spilled and waited a round trip a trip (sm_90)."""
+    for k in ("int8", "fp8", "int4"):
+        assert decode_block_t(16, 128, k) == 2 * decode_block_t(16, 128) == 128
+        assert decode_block_t(16, 256, k) == 2 * decode_block_t(16, 256) == 64
+    assert decode_block_t(16, 64, "int4") == 256
+    assert decode_block_t(16, 64, "int8") == decode_block_t(16, 64, "fp8") == 128
 
 
 @pytest.mark.parametrize("kv_dtype", DTYPES)
