@@ -236,12 +236,17 @@ def _scales(layer: KVLayer):
 
 
 def wide_offsets(layer: KVLayer) -> bool:
-    """Whether the decode kernel computes offsets into the layer's pages in int64 (its WIDE): some tensor of the
-    layer reaches 2**31 elements past its start (the offsets are counted in elements). Below that, int32 offsets
-    keep 64-bit address arithmetic out of the decode loop (kernels/paged_attention._page_ids)."""
-    tensors = (layer.k, layer.v, layer.k_scale, layer.v_scale, layer.k_zero, layer.v_zero)
-    return any(sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) > 2**31 - 1
-               for t in tensors if t is not None and t.numel())
+    """Whether the decode kernel computes offsets into the layer's pages in int64 (its WIDE): its keys' or values'
+    last element lies 2**31 elements or more past their start (the offsets are counted in elements; the scales and
+    zeros hold fewer elements than the codes they scale, in every format). Below that, int32 offsets keep 64-bit
+    address arithmetic out of the decode loop (kernels/paged_attention._page_ids). Asked every decode step of every
+    layer: a contiguous view (a pool's layer) is read from its size alone."""
+    def last(t: torch.Tensor) -> int:
+        if t.is_contiguous():
+            return t.numel() - 1
+        return sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
+
+    return max(last(layer.k), last(layer.v)) > 2**31 - 1
 
 
 def _stage_args(stage, stage_slots, dummy):
