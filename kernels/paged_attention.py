@@ -83,6 +83,28 @@ def _load_tokens(data, pages, offs, mask, head, s_page, s_tok, s_head, D: tl.con
 
 
 @triton.jit
+def _byte_pairs(data, pages, offs, mask, head, s_page, s_tok, s_head, KIND: tl.constexpr, D: tl.constexpr,
+                DP: tl.constexpr):
+    """int8 codes or fp8 values of one KV head as two float16 tiles [len(pages), DP / 2]: the even elements and the
+    odd ones, from 16-bit loads of a byte pair each (0 past the head's D elements). The values' dot reads its operand
+    from shared memory with each thread's consecutive tokens of one channel packed together: 8-bit pages, a token's
+    channels contiguous, were read there a byte at a time (128 LDS.U8 a 128-token trip a thread; there is no 8-bit
+    transposing ldmatrix before sm_100), each byte in a register of its own; byte pairs stay a 16-bit operand on
+    their way through shared memory, read by transposing ldmatrix, and split into even and odd in the dot's
+    registers. int8 codes made float16 by their bits (_codes_as_half), fp8 e4m3 converted."""
+    j = tl.arange(0, DP // 2)
+    tok = (pages * s_page + offs * s_tok + head * s_head) // 2
+    x = tl.load(data.to(tl.pointer_type(tl.int16)) + tok[:, None] + j[None, :],
+                mask=mask[:, None] & (j < D // 2)[None, :], other=0).to(tl.uint16, bitcast=True)
+    if KIND == 1:
+        even, odd = _codes_as_half((x & 0xFF).to(tl.uint8)), _codes_as_half((x >> 8).to(tl.uint8))
+    else:
+        even = (x & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        odd = (x >> 8).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    return even, odd
+
+
+@triton.jit
 def _codes_as_half(c):
     """int8 codes [..] as float16, exactly and without an int-to-float conversion (I2F, a quarter of the FMA rate):
     each code's byte + 128 (its sign bit flipped) in the low mantissa bits of 1024.0 (0x6400) is 1152 + code."""
@@ -454,7 +476,9 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
     weights, and fp8 and int4 keys into theirs with float16 queries (int4: their halves), the codes made float16
     by their bits (_codes_as_half, _nibbles_as_half) as loaded, fp8 converted in one instruction a pair, int4's
     scale and zero applied in float16; as exact as bf16 for int8 codes and fp8 values, int4's values, the weights
-    and the queries rounded 3 bits finer.
+    and the queries rounded 3 bits finer. int8 and fp8 values are loaded as byte pairs, their even and odd
+    elements in two accumulators as int4's halves are (_byte_pairs: the dot's operand stays 16-bit through shared
+    memory).
     window > 0: the query sees its last `window` keys only (a sliding-window layer), and the splits share out those
     keys from the start of the page the first of them is in (kvcache.dispatch.decode_span), not the whole
     sequence. WIDE: offsets into the pages in int64 (_page_ids)."""
@@ -499,6 +523,8 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
     AHEAD: tl.constexpr = (K_KIND >= 1 and K_KIND <= 3) or (V_KIND >= 1 and V_KIND <= 3)
     K_HALF: tl.constexpr = KDOT == tl.float16
     V_HALF4: tl.constexpr = VDOT == tl.float16
+    V_PAIRS: tl.constexpr = (V_KIND == 1 or V_KIND == 2) and V_HALF  # _byte_pairs
+    V_SPLIT: tl.constexpr = V_INT4 or V_PAIRS  # the values' even and odd elements in two accumulators
     pt_row = page_table + b * s_pt_b
     if AHEAD:
         pg_ahead = _tile_pages(pt_row, first + t, lo, last, PS, WIDE)
@@ -536,8 +562,8 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
         elif V_INT4:
             v_even, v_odd = _halves(v, v_scale, v_zero, pages, offs, tmask, kh, sv_page, sv_tok, sv_head, cv_page,
                                     cv_tok, cv_head, V_KIND, D, DP, PS, VDOT)
-        elif V_KIND == 1 and V_HALF:  # int8 codes as float16 in the load's registers, before the dot's layout
-            vt = _codes_as_half(_load_tokens(v, pages, offs, tmask, kh, sv_page, sv_tok, sv_head, D, DP, tl.int8))
+        elif V_PAIRS:
+            v_even, v_odd = _byte_pairs(v, pages, offs, tmask, kh, sv_page, sv_tok, sv_head, V_KIND, D, DP)
         else:
             vt = _load_tokens(v, pages, offs, tmask, kh, sv_page, sv_tok, sv_head, D, DP, VDOT)
         if INT8_KEYS:  # integer dots of the codes: the keys go in as stored, no conversion
@@ -557,14 +583,14 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
         if V_KIND == 1 or V_KIND == 2:
             w = w * va[None, :]
         w = w.to(VDOT)
-        if V_INT4:
+        if V_SPLIT:
             acc_even = acc_even * alpha[:, None] + tl.dot(w, v_even)
             acc_odd = acc_odd * alpha[:, None] + tl.dot(w, v_odd)
         else:
             acc = acc * alpha[:, None] + tl.dot(w, vt)
     # [B, query heads, SPLITS]: the group's real rows only, each head's splits side by side for the reduce
     row = ((b * tl.num_programs(1) + kh) * GROUP + g) * SPLITS + sp
-    _store_rows(part_acc + row[:, None] * D, acc, acc_even, acc_odd, gmask, V_INT4, D, DP)
+    _store_rows(part_acc + row[:, None] * D, acc, acc_even, acc_odd, gmask, V_SPLIT, D, DP)
     tl.store(part_ml + row * 2, m, mask=gmask)
     tl.store(part_ml + row * 2 + 1, l, mask=gmask)
 

@@ -201,7 +201,8 @@ def rows_as_decode(kv_dtype_formats: tuple[str, str], device: torch.device) -> b
 
 # The decode kernel's int8 and int4 values meet float16 softmax weights, and int4 keys float16 queries, where its
 # dots are 16-bit (decode_kernel's HALF_VALUES): sm_90, Llama-3-8B heads, int8 pages 1466 -> 1252 loop
-# instructions, 255 -> 175 registers, 64 -> 0 bytes spilled; int4 2146 -> 1864 (docs/PERF.md).
+# instructions, 255 -> 175 registers, 64 -> 0 bytes spilled; int4 2146 -> 1864 (docs/PERF.md); int8's and fp8's values
+# as byte pairs (paged_attention._byte_pairs) 1273 -> 934 and 1279 -> 1083, 187 -> 174 and 204 -> 141 registers.
 # LOCALPD_HALF_VALUES=0 keeps them in the dots' type (a GPU's A/B).
 HALF_VALUES = os.environ.get("LOCALPD_HALF_VALUES", "1") != "0"
 KINDS = {"fp32": 0, "fp16": 0, "bf16": 0, "int8": 1, "fp8": 2, "int4": 3, "int4ch": 4}

@@ -253,6 +253,18 @@ def test_quantized_values_meet_half_precision_weights(kv_dtype):
     check(build_case(kv_dtype, 16, 2, 4, [70, 33], [6, 33], D=64, dtype=torch.float16, seed=13, poison=True), 6e-3)
 
 
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8", "bf16/int8"])
+def test_byte_pair_values_in_a_wider_tile(kv_dtype):
+    """int8 and fp8 values loaded as byte pairs (paged_attention._byte_pairs: even and odd channels in two
+    accumulators) for heads of 96 in tiles of 128, the pairs past the head's 48 masked, over a pool of garbage; a
+    split of several trips beside a one-token sequence."""
+    if "bf16" in kv_dtype and DEV == "cpu":
+        pytest.skip("bfloat16 pages beside float16 queries: the interpreter's dots")
+    bt = decode_block_t(16, 96, kv_formats(kv_dtype)[0])
+    check(build_case(kv_dtype, 16, 2, 3, [3 * bt + 11, 1], [1, 1], D=96, dtype=torch.float16, seed=16, poison=True),
+          3e-3)
+
+
 def test_fp8_pages_meet_bfloat16_queries_in_float16_dots(monkeypatch):
     """fp8 e4m3 keys and values go into their dots as float16 (exact: e4m3 lies inside float16), with the
     queries and softmax weights in float16, where bfloat16 dots took a second conversion of every value; decode
