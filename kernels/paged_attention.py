@@ -29,12 +29,6 @@ FLOAT, INT8, FP8, INT4 = 0, 1, 2, 3
 
 
 @triton.jit
-def _token_scales(scale, pages, offs, mask, head, c_page, c_tok, c_head):
-    """The per-token scales of one KV head (int8, fp8) as float32 [len(pages)]."""
-    return tl.load(scale + pages * c_page + offs * c_tok + head * c_head, mask=mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
 def _tile_pages(row, pos, lo, last, PS: tl.constexpr, WIDE: tl.constexpr):
     """The pages of tokens pos of a sequence (row: its page-table row) that a decode split reads, 0 elsewhere; as
     _page_ids types them."""
@@ -52,11 +46,19 @@ def _page_ids(pages, WIDE: tl.constexpr):
 
 
 @triton.jit
+def _token_scales(scale, pages, offs, mask, head, c_page, c_tok, c_head):
+    """The per-token scales of one KV head (int8, fp8) as float32 [len(pages)]."""
+    return tl.load(scale + pages * c_page + offs * c_tok + head * c_head, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _factors(scale, zero, pages, pos, lo, last, head, c_page, c_tok, c_head, KIND: tl.constexpr, D: tl.constexpr,
              DP: tl.constexpr, PS: tl.constexpr):
     """The factors of tokens pos (pages: theirs) that a decode split reads, loaded a trip before the trip that uses
     them: per-token scales [T] (int8, fp8; 0s beside them for zeros), int4 groups' scales and zeros [T, DP / 32]
-    (_int4_groups), 0s for other formats."""
+    (_int4_groups), 0s for other formats. The per-token scales are converted as loaded: as _page_factors' 16-bit
+    patterns, heads of 64 (256-token tiles of int4, 128 of int8) packed them in pairs in the trip that loads them,
+    so waited on there."""
     mask = (pos < last) & (pos >= lo)
     if KIND == 1 or KIND == 2:
         a = _token_scales(scale, pages, pos % PS, mask, head, c_page, c_tok, c_head)
@@ -70,11 +72,37 @@ def _factors(scale, zero, pages, pos, lo, last, head, c_page, c_tok, c_head, KIN
 
 
 @triton.jit
+def _page_factors(scale, zero, pages, mask, offs, head, c_page, c_tok, c_head, KIND: tl.constexpr, D: tl.constexpr,
+                  DP: tl.constexpr):
+    """The factors of tokens (pages, offs) of one KV head as their float16 bits in int32s, so that they are loaded
+    together and converted where they are used: per-token scales [len(pages)] (int8, fp8; _half_bits reads them;
+    0s beside them), int4 groups' scales and zeros [len(pages), DP / 32] (_int4_groups), 0s for other formats.
+    The prefill kernel's (a page a trip): converted as loaded (_factors), int8 took 489 instructions a page
+    against 452 (sm_90)."""
+    if KIND == 1 or KIND == 2:
+        a = tl.load(scale.to(tl.pointer_type(tl.int16)) + pages * c_page + offs * c_tok + head * c_head, mask=mask,
+                    other=0).to(tl.int32)
+        b = tl.zeros_like(a)
+    elif KIND == 3:
+        a, b = _int4_groups(scale, zero, pages, offs, mask, head, c_page, c_tok, c_head, D, DP)
+    else:
+        a = tl.zeros(pages.shape, tl.int32)
+        b = a
+    return a, b
+
+
+@triton.jit
+def _half_bits(x):
+    """float16 bits (the low 16 bits of int32s) as float32."""
+    return x.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def _load_tokens(data, pages, offs, mask, head, s_page, s_tok, s_head, D: tl.constexpr, DP: tl.constexpr,
                  DOT: tl.constexpr):
     """Tokens (pages[i], offs[i]) of one KV head as DOT [len(pages), DP] (the dots' operand type, which holds every
     stored value exactly: bf16/fp16 pages, int8 codes, fp8 values): float pages as stored, int8 and fp8 without
-    their per-token scale (the caller applies _token_scales to whole rows; int4 is read by _halves).
+    their per-token scale (the caller applies their per-token scales to whole rows; int4 is read by _int4_dequant and _halves).
     Masked tokens read 0, so stale or never-written memory past a sequence's end cannot turn into NaN; so do the
     columns past the head's D elements where DP, the tile, is wider (heads of 96 in tiles of 128)."""
     d = tl.arange(0, DP)
@@ -328,8 +356,11 @@ def _int4_groups(scale, zero, pages, offs, mask, head, c_page, c_tok, c_head, D:
 @triton.jit
 def _int4_dequant(data, sc, zr, pages, offs, mask, head, s_page, s_tok, s_head, D: tl.constexpr, DP: tl.constexpr,
                   HALF: tl.constexpr = False):
-    """Grouped int4 tokens of one KV head, their groups' scales and zeros sc, zr given (_int4_groups' bits), as
-    _int4_halves returns them."""
+    """Grouped int4 tokens of one KV head, their groups' scales and zeros sc, zr given (_int4_groups' bits), as two
+    float32 tiles [len(pages), DP / 2]: the even elements (each byte's low nibble) and the odd ones (its high
+    nibble), 0 past the head's D elements, the bytes loaded as one contiguous tile per token. HALF: float16 tiles,
+    code * scale + zero computed in float16 from codes made float16 without a conversion, two a mask from 4-byte
+    words (_word_halves; heads are whole groups of 32, so a token's bytes start on a word)."""
     T: tl.constexpr = pages.shape[0]
     G: tl.constexpr = DP // 32
     OUT: tl.constexpr = tl.float16 if HALF else tl.float32
@@ -362,22 +393,9 @@ def _word_halves(a, b, T: tl.constexpr, DP: tl.constexpr):
 
 
 @triton.jit
-def _int4_halves(data, scale, zero, pages, offs, mask, head, s_page, s_tok, s_head, c_page, c_tok, c_head,
-                 D: tl.constexpr, DP: tl.constexpr, HALF: tl.constexpr = False):
-    """Grouped int4 tokens of one KV head as two float32 tiles [len(pages), DP / 2]: the even elements (each
-    byte's low nibble) and the odd ones (its high nibble), 0 past the head's D elements. The bytes, scales and
-    zeros are each loaded as one contiguous tile per token, where loading per element issued a load for every
-    element's byte, scale and zero. HALF: float16 tiles, code * scale + zero computed in float16 from codes made
-    float16 without a conversion, two a mask from 4-byte words (_word_halves; heads are whole groups of 32, so a
-    token's bytes start on a word)."""
-    sc, zr = _int4_groups(scale, zero, pages, offs, mask, head, c_page, c_tok, c_head, D, DP)
-    return _int4_dequant(data, sc, zr, pages, offs, mask, head, s_page, s_tok, s_head, D, DP, HALF)
-
-
-@triton.jit
 def _int4ch_halves(data, scale, zero, pages, offs, mask, head, s_page, s_tok, s_head, c_page, c_head,
                    D: tl.constexpr, DP: tl.constexpr, PS: tl.constexpr, HALF: tl.constexpr = False):
-    """int4ch tokens of one KV head as _int4_halves returns them, for tiles of whole pages (len(pages) a multiple
+    """int4ch tokens of one KV head as _int4_dequant returns them, for tiles of whole pages (len(pages) a multiple
     of PS, starting on a page): each page's per-channel scales and zeros are loaded once, as int32 words holding
     an even and an odd channel's float16 each, and broadcast over the page's tokens in registers."""
     T: tl.constexpr = pages.shape[0]
@@ -397,7 +415,7 @@ def _int4ch_halves(data, scale, zero, pages, offs, mask, head, s_page, s_tok, s_
 @triton.jit
 def _page_channels(q, scale_bits, zero_bits, PS: tl.constexpr, HALF: tl.constexpr = False):
     """q [T, C] (int4 codes) * scale + zero, the scale and zero [T / PS, C] given as float16 bits (the low 16 bits
-    of each int32), one row a page; in float32, or float16 with HALF (_int4_halves)."""
+    of each int32), one row a page; in float32, or float16 with HALF (_int4_dequant's)."""
     T: tl.constexpr = q.shape[0]
     C: tl.constexpr = q.shape[1]
     OUT: tl.constexpr = tl.float16 if HALF else tl.float32
@@ -409,17 +427,12 @@ def _page_channels(q, scale_bits, zero_bits, PS: tl.constexpr, HALF: tl.constexp
 
 
 @triton.jit
-def _halves(data, scale, zero, pages, offs, mask, head, s_page, s_tok, s_head, c_page, c_tok, c_head,
-            KIND: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, PS: tl.constexpr, DOT: tl.constexpr):
-    """The even and odd elements of int4 tokens (KIND 3 grouped, 4 per channel) as DOT [len(pages), DP / 2],
-    dequantized in float32, or in float16 where DOT is float16 (_int4_halves' HALF)."""
-    HALF: tl.constexpr = DOT == tl.float16
-    if KIND == 3:
-        even, odd = _int4_halves(data, scale, zero, pages, offs, mask, head, s_page, s_tok, s_head, c_page, c_tok,
-                                 c_head, D, DP, HALF)
-    else:
-        even, odd = _int4ch_halves(data, scale, zero, pages, offs, mask, head, s_page, s_tok, s_head, c_page,
-                                   c_head, D, DP, PS, HALF)
+def _halves(data, scale, zero, pages, offs, mask, head, s_page, s_tok, s_head, c_page, c_head, D: tl.constexpr,
+            DP: tl.constexpr, PS: tl.constexpr, DOT: tl.constexpr):
+    """The even and odd elements of int4ch tokens as DOT [len(pages), DP / 2] (_int4ch_halves'), dequantized in
+    float32, or in float16 where DOT is float16."""
+    even, odd = _int4ch_halves(data, scale, zero, pages, offs, mask, head, s_page, s_tok, s_head, c_page, c_head, D,
+                               DP, PS, DOT == tl.float16)
     return even.to(DOT), odd.to(DOT)
 
 
@@ -552,7 +565,7 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
             k_even, k_odd = k_even.to(KDOT), k_odd.to(KDOT)
         elif K_INT4:
             k_even, k_odd = _halves(k, k_scale, k_zero, pages, offs, tmask, kh, sk_page, sk_tok, sk_head, ck_page,
-                                    ck_tok, ck_head, K_KIND, D, DP, PS, KDOT)
+                                    ck_head, D, DP, PS, KDOT)
         else:
             kt = _load_tokens(k, pages, offs, tmask, kh, sk_page, sk_tok, sk_head, D, DP,
                               tl.int8 if INT8_KEYS else KDOT)
@@ -561,7 +574,7 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
             v_even, v_odd = v_even.to(VDOT), v_odd.to(VDOT)
         elif V_INT4:
             v_even, v_odd = _halves(v, v_scale, v_zero, pages, offs, tmask, kh, sv_page, sv_tok, sv_head, cv_page,
-                                    cv_tok, cv_head, V_KIND, D, DP, PS, VDOT)
+                                    cv_head, D, DP, PS, VDOT)
         elif V_PAIRS:
             v_even, v_odd = _byte_pairs(v, pages, offs, tmask, kh, sv_page, sv_tok, sv_head, V_KIND, D, DP)
         else:
@@ -628,12 +641,13 @@ def prefill_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_le
                    sv_page, sv_tok, sv_head, cv_page, cv_tok, cv_head, window,
                    K_KIND: tl.constexpr, V_KIND: tl.constexpr, PS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                    GROUP: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr, DOT: tl.constexpr,
-                   HALF_VALUES: tl.constexpr = True):
+                   HALF_VALUES: tl.constexpr = True, WIDE: tl.constexpr = False):
     """Program (b, query block, kv head): BLOCK_M query rows of one sequence for each of the GROUP query heads that
     share the kv head (GP * BLOCK_M rows, the group padded to GP, a power of two), against its pages, causal: each
     page is read once for the group, not once per query head. Scales, int4 halves and HALF_VALUES (for int4 keys
     and values) as in decode_kernel.
-    window > 0: each query sees its last `window` keys only; pages before the block's first query's are skipped."""
+    window > 0: each query sees its last `window` keys only; pages before the block's first query's are skipped.
+    The codes' offsets are int64 (_page_ids); WIDE: the factors' too."""
     b = tl.program_id(0)
     mb = tl.program_id(1)
     kh = tl.program_id(2)
@@ -665,19 +679,30 @@ def prefill_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_le
     t = tl.arange(0, PS)
     last_pos = n - q_len + tl.minimum(mb * BLOCK_M + BLOCK_M, q_len) - 1
     lo = tl.where(window > 0, tl.maximum(n - q_len + mb * BLOCK_M - window + 1, 0), 0)
+    pt_row = page_table + b * s_pt_b
     for p in range(lo // PS, last_pos // PS + 1):
-        page = tl.load(page_table + b * s_pt_b + p).to(tl.int64)
-        pages = page + tl.zeros((PS,), tl.int64)
+        page = tl.load(pt_row + p)
+        pages = page.to(tl.int64) + tl.zeros((PS,), tl.int64)
         kmask = p * PS + t < n
-        if K_INT4:
+        # the page's factors (int8's and fp8's per-token scales, grouped int4's scales and zeros) loaded together
+        # before its codes are read, as raw 16-bit patterns: loaded where each was used, the trip waited on DRAM
+        # round trips in turn (sm_90, Llama-3-8B heads: int8 and fp8 4 -> 1, int4 2 -> 1; sm_86 int8 3 -> 1)
+        pg = _page_ids(page + tl.zeros((PS,), tl.int32), WIDE)
+        ka, kb = _page_factors(k_scale, k_zero, pg, kmask, t, kh, ck_page, ck_tok, ck_head, K_KIND, D, DP)
+        va, vb = _page_factors(v_scale, v_zero, pg, kmask, t, kh, cv_page, cv_tok, cv_head, V_KIND, D, DP)
+        if K_KIND == 3:
+            k_even, k_odd = _int4_dequant(k, ka, kb, pages, t, kmask, kh, sk_page, sk_tok, sk_head, D, DP,
+                                          KDOT == tl.float16)
+            s = tl.dot(q_even, tl.trans(k_even.to(KDOT))) + tl.dot(q_odd, tl.trans(k_odd.to(KDOT)))
+        elif K_INT4:
             k_even, k_odd = _halves(k, k_scale, k_zero, pages, t, kmask, kh, sk_page, sk_tok, sk_head, ck_page,
-                                    ck_tok, ck_head, K_KIND, D, DP, PS, KDOT)
+                                    ck_head, D, DP, PS, KDOT)
             s = tl.dot(q_even, tl.trans(k_even)) + tl.dot(q_odd, tl.trans(k_odd))  # [BLOCK_M, PS]
         else:
             kt = _load_tokens(k, pages, t, kmask, kh, sk_page, sk_tok, sk_head, D, DP, KDOT)
             s = tl.dot(qv, tl.trans(kt))
         if K_KIND == 1 or K_KIND == 2:
-            s = s * _token_scales(k_scale, pages, t, kmask, kh, ck_page, ck_tok, ck_head)[None, :]
+            s = s * _half_bits(ka)[None, :]
         kpos = p * PS + t
         seen = (kpos[None, :] <= pos[:, None]) & ((window == 0) | (kpos[None, :] > pos[:, None] - window))
         s = tl.where(seen & rmask[:, None], s, float("-inf"))
@@ -688,11 +713,16 @@ def prefill_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_le
         l = l * alpha + tl.sum(w, axis=1)
         m = m_new
         if V_KIND == 1 or V_KIND == 2:
-            w = w * _token_scales(v_scale, pages, t, kmask, kh, cv_page, cv_tok, cv_head)[None, :]
+            w = w * _half_bits(va)[None, :]
         w = w.to(VDOT)
-        if V_INT4:
+        if V_KIND == 3:
+            v_even, v_odd = _int4_dequant(v, va, vb, pages, t, kmask, kh, sv_page, sv_tok, sv_head, D, DP,
+                                          VDOT == tl.float16)
+            acc_even = acc_even * alpha[:, None] + tl.dot(w, v_even.to(VDOT))
+            acc_odd = acc_odd * alpha[:, None] + tl.dot(w, v_odd.to(VDOT))
+        elif V_INT4:
             v_even, v_odd = _halves(v, v_scale, v_zero, pages, t, kmask, kh, sv_page, sv_tok, sv_head, cv_page,
-                                    cv_tok, cv_head, V_KIND, D, DP, PS, VDOT)
+                                    cv_head, D, DP, PS, VDOT)
             acc_even = acc_even * alpha[:, None] + tl.dot(w, v_even)
             acc_odd = acc_odd * alpha[:, None] + tl.dot(w, v_odd)
         else:

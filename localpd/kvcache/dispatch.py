@@ -463,5 +463,6 @@ def paged_attention(q: torch.Tensor, layer: KVLayer, page_table: torch.Tensor, s
                                              out, scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                                              page_table.stride(0), *strides, window, **kinds, PS=layer.page_size, D=D,
                                              DP=DP, GROUP=group, GP=gp, BLOCK_M=block_m, HALF_VALUES=HALF_VALUES,
+                                             WIDE=wide_offsets(layer),
                                              num_warps=max(4, gp * block_m * DP // PREFILL_TILE_ELEMS_PER_WARP))
     return out

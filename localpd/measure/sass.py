@@ -90,6 +90,20 @@ def loop_body(sass: str) -> list[str]:
     return best
 
 
+def local_in_loops(sass: str) -> int:
+    """Local-memory loads and stores (LDL, STL: spilled registers) inside any loop body (from a backward branch's
+    target to it): the spills that cost every trip, where one stored before a loop and reloaded after it costs a
+    program two accesses."""
+    code = [(int(a, 16), op.strip()) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    inside = set()
+    for addr, op in code:
+        jump = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", op)
+        if jump and int(jump.group(1), 16) < addr:
+            inside.update(a for a, o in code if int(jump.group(1), 16) <= a <= addr
+                          and re.sub(r"^@!?U?P\w+\s+", "", o).startswith(("LDL", "STL")))
+    return len(inside)
+
+
 def main_loop(sass: str) -> list[str]:
     """The opcodes of the largest loop body (loop_body's)."""
     return [op.split()[0] for op in loop_body(sass)]

@@ -61,10 +61,21 @@ def test_decode_attention_over_8_bit_pages_at_heads_of_256_spills_nothing(sass_t
         assert row[9] == "0" and int(row[8]) < 255, row
 
 
+def test_prefill_attention_waits_on_one_round_trip_a_page(sass_table):
+    """The prefill kernel's sm_90 code for Llama-3-8B heads over rounded pages: a page's factors (int8's and fp8's
+    per-token scales, grouped int4's scales and zeros) are loaded together, as 16-bit patterns converted where they
+    are used (paged_attention._page_factors), where each was loaded at its use and a trip waited on DRAM round
+    trips in turn: int8 and fp8 4, int4 2. Instructions a page fell too (int8 462 -> 452, int4 478 -> 462)."""
+    rows = sass_table("attention_sass.py", "--kernel", "prefill", "--kv", "int8,fp8,int4,int8/int4,int4ch/int4")
+    assert len(rows) == 5 and all(row[11] == "1" and row[9] == "0" for row in rows), rows
+
+
 def test_prefill_attention_compiles_without_spills_for_every_model_and_kv_format():
     """Every prefill-attention launch the model makes (the head layouts of Llama-3-8B, Qwen2.5-7B, Llama-3.2-1B,
     SmolLM2, Qwen3-8B, Gemma 3 and Phi-3.5-mini, every KV format), compiled on this CPU for an RTX 30 card (sm_86) and the H100 (sm_90) by
-    scripts/compile_check.py: each compiles, fits the card's shared memory per block and keeps its registers.
+    scripts/compile_check.py: each compiles, fits the card's shared memory per block and keeps its registers in
+    its loops (a value ptxas stores before the page loop and reloads after it, two accesses a program, passes:
+    Phi-3.5-mini's int8 pages on sm_90 keep 8 bytes so, at the 128 registers ptxas aims at there).
     At 4 warps, Qwen2.5-7B's programs (a group of 7 padded to 8 heads x 16 rows x 128) spilled up to 496 bytes."""
     import subprocess
     import sys

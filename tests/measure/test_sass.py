@@ -1,6 +1,6 @@
 """measure/sass.py's reading of a loop body's loads, on SASS text written out here (no compiler)."""
 
-from localpd.measure.sass import in_trip_loads, loop_body
+from localpd.measure.sass import in_trip_loads, local_in_loops, loop_body
 
 
 def test_a_load_read_in_its_own_trip_is_waited_on_and_one_read_next_trip_is_not():
@@ -41,3 +41,17 @@ def test_the_loop_body_is_the_largest_backward_branchs():
         /*0040*/                   EXIT ;
     """
     assert loop_body(sass) == ["LDG.E R2, desc[UR4][R4.64]", "FADD R3, R2, R3", "BRA 0x10"]
+
+
+def test_only_local_accesses_inside_a_loop_count_as_reloaded_every_trip():
+    sass = """
+        /*0000*/                   STL [R1], R14 ;
+        /*0010*/                   LDG.E R2, desc[UR4][R4.64] ;
+        /*0020*/              @P1  LDL R3, [R1+0x4] ;
+        /*0030*/                   STL [R1+0x4], R3 ;
+        /*0040*/              @!P0 BRA 0x10 ;
+        /*0050*/                   LDL.LU R33, [R1] ;
+        /*0060*/                   EXIT ;
+    """
+    assert local_in_loops(sass) == 2  # the loop's reload and store; not the store before it or the load after
+    assert local_in_loops(sass.replace("@!P0 BRA 0x10", "@!P0 BRA 0x40")) == 0
