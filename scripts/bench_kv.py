@@ -49,12 +49,15 @@ def bench_prefix(engine: Engine, prefix_len: int) -> None:
 
 
 def bench_attention(c, dev: torch.device, dt: torch.dtype, contexts: list[int], batch: int, reps: int,
-                    table_tokens: int = 0) -> None:
+                    table_tokens: int = 0, chunk: int = 0) -> None:
     """Decode attention over one layer's pages: time, speed-up over the first dtype, and the KV bytes read per
     second. On a GPU the time is a CUDA-graph replay (as decode runs) rotating through enough copies of the pages
     that none is read from L2; on the CPU the best of `reps` calls. table_tokens: the page table as wide as a CUDA
-    graph's (the whole context), the sequences' pages first."""
-    print(f"\n## Decode attention, one layer, batch {batch}, {c.n_heads} q heads / {c.n_kv_heads} kv heads x "
+    graph's (the whole context), the sequences' pages first. chunk: each sequence's last `chunk` tokens as query
+    rows instead, a prefill chunk after a cached prefix (the prefill kernel; GB/s counts the pages once, though
+    every block of the chunk's rows reads them)."""
+    what = f"Prefill attention, a {chunk}-token chunk a sequence" if chunk else "Decode attention"
+    print(f"\n## {what}, one layer, batch {batch}, {c.n_heads} q heads / {c.n_kv_heads} kv heads x "
           f"{c.head_dim} ({dev.type}{', CUDA-graph replays' if dev.type == 'cuda' else ''}"
           f"{f', a {table_tokens}-token page table' if table_tokens else ''})")
     print("| context | " + " | ".join(KV_DTYPES) + " |")
@@ -76,8 +79,9 @@ def bench_attention(c, dev: torch.device, dt: torch.dtype, contexts: list[int], 
             if table_tokens > ctx:
                 table = torch.cat([table, table.new_zeros(batch, (table_tokens - ctx) // ps)], dim=1)
             lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
-            starts = torch.arange(batch + 1, dtype=torch.int32, device=dev)
-            q = torch.randn(batch, c.n_heads, c.head_dim, generator=g, device=dev, dtype=dt)
+            rows = chunk or 1
+            starts = torch.arange(batch + 1, dtype=torch.int32, device=dev) * rows
+            q = torch.randn(batch * rows, c.n_heads, c.head_dim, generator=g, device=dev, dtype=dt)
             runs = [functools.partial(paged_attention, q, layer, table, lens, starts, c.head_dim ** -0.5)
                     for layer in layers]
             seconds = graph_time(runs) if dev.type == "cuda" else timed(runs[0], reps)
@@ -154,6 +158,8 @@ def main() -> None:
     ap.add_argument("--attention-only", action="store_true", help="only the attention table (no model load)")
     ap.add_argument("--table-tokens", type=int, default=0,
                     help="attention table: page tables this many tokens wide, as a CUDA graph's")
+    ap.add_argument("--prefill-chunk", type=int, default=0,
+                    help="attention table: a prefill chunk of this many query rows a sequence (after a cached prefix)")
     args = ap.parse_args()
     contexts = [int(x) for x in args.contexts.split(",")]
     if args.attention_only:
@@ -162,7 +168,7 @@ def main() -> None:
         dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         config = SYNTHETIC[args.model.removeprefix("synthetic:")]
         bench_attention(config, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32, contexts, args.batch,
-                        args.reps, args.table_tokens)
+                        args.reps, args.table_tokens, args.prefill_chunk)
         return
     engine = Engine(args.model, device=args.device, max_context=args.prefix + 64)
     bench_prefix(engine, args.prefix)

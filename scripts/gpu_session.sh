@@ -2,7 +2,8 @@
 # One device-tool call: install, then the named stages, each under its own time limit, logs under $OUT.
 # Usage (on the GPU machine, repo root): scripts/gpu_session.sh tests kmtests dp4a fused check check3 sweep kmsweep mma ncu kernels kernels1 kvtests kvgraph
 #   bench peers kv kvfull spec kvsweep dp4atests rows pdl graphs profile profilenopdl dp4asweep4 normtests roundtests peersab
-#   ncugemv tilesab stagedab kvsplits (all of test_decode_attention.py) floor actsab
+#   ncugemv tilesab stagedab kvsplits (all of test_decode_attention.py) floor actsab kvprefill (prefill attention
+#   over each KV format, a 512-token chunk after 4k/32k)
 #   int8actsab halfab (the decode attention's float16 values, A/B) strip (kernels/gemv_strip.py: tests, GEMVs)
 #   stripsweep (its tiles per shape) stripab (the model in strips against K-major, end to end)
 set -uo pipefail
@@ -100,6 +101,8 @@ json.dump(t, open('/tmp/tiles_int8acts.json', 'w'), indent=1)"
   kv) stage bench_kv 50 python3 scripts/bench_kv.py --model llama3-8b --attention-only --batch 1 ;;
   kvgraph) TAIL=8 stage bench_kv_graph 90 python3 scripts/bench_kv.py --model llama3-8b --attention-only --batch 1 \
              --contexts 4096,32768 --table-tokens 131072 ;;
+  kvprefill) TAIL=8 stage bench_kv_prefill 120 python3 scripts/bench_kv.py --model llama3-8b --attention-only \
+               --batch 1 --contexts 4096,32768 --prefill-chunk 512 ;;  # a chunk after a cached prefix, per KV format
   halfab) for h in 1 0 1 0; do  # int8/int4 values in float16 (HALF_VALUES) against the dots' type, alternating
             TAIL=10 stage bench_kv_graph_half$h 90 env LOCALPD_HALF_VALUES=$h python3 scripts/bench_kv.py \
               --model llama3-8b --attention-only --batch 1 --contexts 4096,32768 --table-tokens 131072; done ;;
