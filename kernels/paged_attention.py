@@ -559,7 +559,6 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
         tmask = (pos < last) & (pos >= lo)
         pages = _page_ids(tl.load(pt_row + pos // PS, mask=tmask, other=0), WIDE)
         offs = pos % PS
-        # V is requested with K, before the math, so both tiles are in flight together
         if K_KIND == 3:
             k_even, k_odd = _int4_dequant(k, ka, kb, pages, offs, tmask, kh, sk_page, sk_tok, sk_head, D, DP, K_HALF)
             k_even, k_odd = k_even.to(KDOT), k_odd.to(KDOT)
@@ -569,16 +568,6 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
         else:
             kt = _load_tokens(k, pages, offs, tmask, kh, sk_page, sk_tok, sk_head, D, DP,
                               tl.int8 if INT8_KEYS else KDOT)
-        if V_KIND == 3:
-            v_even, v_odd = _int4_dequant(v, va, vb, pages, offs, tmask, kh, sv_page, sv_tok, sv_head, D, DP, V_HALF4)
-            v_even, v_odd = v_even.to(VDOT), v_odd.to(VDOT)
-        elif V_INT4:
-            v_even, v_odd = _halves(v, v_scale, v_zero, pages, offs, tmask, kh, sv_page, sv_tok, sv_head, cv_page,
-                                    cv_head, D, DP, PS, VDOT)
-        elif V_PAIRS:
-            v_even, v_odd = _byte_pairs(v, pages, offs, tmask, kh, sv_page, sv_tok, sv_head, V_KIND, D, DP)
-        else:
-            vt = _load_tokens(v, pages, offs, tmask, kh, sv_page, sv_tok, sv_head, D, DP, VDOT)
         if INT8_KEYS:  # integer dots of the codes: the keys go in as stored, no conversion
             s = (tl.dot(q_hi, tl.trans(kt)) * 256 + tl.dot(q_lo, tl.trans(kt))).to(tl.float32) * q_step[:, None]
         elif K_INT4:
@@ -596,6 +585,19 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
         if V_KIND == 1 or V_KIND == 2:
             w = w * va[None, :]
         w = w.to(VDOT)
+        # the values' operand is read (from the pipeliner's copy, requested a stage ahead with the keys') after the
+        # scores: read before them, it was held through the keys' math (sm_90, Llama-3-8B heads: int8 174 -> 139
+        # registers, int8/int4 210 -> 166, int4ch/int4 202 -> 167)
+        if V_KIND == 3:
+            v_even, v_odd = _int4_dequant(v, va, vb, pages, offs, tmask, kh, sv_page, sv_tok, sv_head, D, DP, V_HALF4)
+            v_even, v_odd = v_even.to(VDOT), v_odd.to(VDOT)
+        elif V_INT4:
+            v_even, v_odd = _halves(v, v_scale, v_zero, pages, offs, tmask, kh, sv_page, sv_tok, sv_head, cv_page,
+                                    cv_head, D, DP, PS, VDOT)
+        elif V_PAIRS:
+            v_even, v_odd = _byte_pairs(v, pages, offs, tmask, kh, sv_page, sv_tok, sv_head, V_KIND, D, DP)
+        else:
+            vt = _load_tokens(v, pages, offs, tmask, kh, sv_page, sv_tok, sv_head, D, DP, VDOT)
         if V_SPLIT:
             acc_even = acc_even * alpha[:, None] + tl.dot(w, v_even)
             acc_odd = acc_odd * alpha[:, None] + tl.dot(w, v_odd)
