@@ -102,7 +102,7 @@ def _load_tokens(data, pages, offs, mask, head, s_page, s_tok, s_head, D: tl.con
                  DOT: tl.constexpr):
     """Tokens (pages[i], offs[i]) of one KV head as DOT [len(pages), DP] (the dots' operand type, which holds every
     stored value exactly: bf16/fp16 pages, int8 codes, fp8 values): float pages as stored, int8 and fp8 without
-    their per-token scale (the caller applies their per-token scales to whole rows; int4 is read by _int4_dequant and _halves).
+    their per-token scale (the caller applies it to whole rows; int4 is read by _int4_dequant and _halves).
     Masked tokens read 0, so stale or never-written memory past a sequence's end cannot turn into NaN; so do the
     columns past the head's D elements where DP, the tile, is wider (heads of 96 in tiles of 128)."""
     d = tl.arange(0, DP)
@@ -559,14 +559,19 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
         tmask = (pos < last) & (pos >= lo)
         pages = _page_ids(tl.load(pt_row + pos // PS, mask=tmask, other=0), WIDE)
         offs = pos % PS
+        # int8 and grouped int4 codes are read whole tiles unmasked (a token past the split's end reads page 0, its
+        # factors masked to 0): every code is a finite number, so they weigh nothing, where a float page's stale
+        # bits may be NaN. The masks' predicates had held 15 registers through the trip (int8, sm_90)
+        k_codes = tmask | (K_KIND == 1 or K_KIND == 3)
+        v_codes = tmask | (V_KIND == 1 or V_KIND == 3)
         if K_KIND == 3:
-            k_even, k_odd = _int4_dequant(k, ka, kb, pages, offs, tmask, kh, sk_page, sk_tok, sk_head, D, DP, K_HALF)
+            k_even, k_odd = _int4_dequant(k, ka, kb, pages, offs, k_codes, kh, sk_page, sk_tok, sk_head, D, DP, K_HALF)
             k_even, k_odd = k_even.to(KDOT), k_odd.to(KDOT)
         elif K_INT4:
             k_even, k_odd = _halves(k, k_scale, k_zero, pages, offs, tmask, kh, sk_page, sk_tok, sk_head, ck_page,
                                     ck_head, D, DP, PS, KDOT)
         else:
-            kt = _load_tokens(k, pages, offs, tmask, kh, sk_page, sk_tok, sk_head, D, DP,
+            kt = _load_tokens(k, pages, offs, k_codes, kh, sk_page, sk_tok, sk_head, D, DP,
                               tl.int8 if INT8_KEYS else KDOT)
         if INT8_KEYS:  # integer dots of the codes: the keys go in as stored, no conversion
             s = (tl.dot(q_hi, tl.trans(kt)) * 256 + tl.dot(q_lo, tl.trans(kt))).to(tl.float32) * q_step[:, None]
@@ -589,13 +594,13 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
         # scores: read before them, it was held through the keys' math (sm_90, Llama-3-8B heads: int8 174 -> 139
         # registers, int8/int4 210 -> 166, int4ch/int4 202 -> 167)
         if V_KIND == 3:
-            v_even, v_odd = _int4_dequant(v, va, vb, pages, offs, tmask, kh, sv_page, sv_tok, sv_head, D, DP, V_HALF4)
+            v_even, v_odd = _int4_dequant(v, va, vb, pages, offs, v_codes, kh, sv_page, sv_tok, sv_head, D, DP, V_HALF4)
             v_even, v_odd = v_even.to(VDOT), v_odd.to(VDOT)
         elif V_INT4:
             v_even, v_odd = _halves(v, v_scale, v_zero, pages, offs, tmask, kh, sv_page, sv_tok, sv_head, cv_page,
                                     cv_head, D, DP, PS, VDOT)
         elif V_PAIRS:
-            v_even, v_odd = _byte_pairs(v, pages, offs, tmask, kh, sv_page, sv_tok, sv_head, V_KIND, D, DP)
+            v_even, v_odd = _byte_pairs(v, pages, offs, v_codes, kh, sv_page, sv_tok, sv_head, V_KIND, D, DP)
         else:
             vt = _load_tokens(v, pages, offs, tmask, kh, sv_page, sv_tok, sv_head, D, DP, VDOT)
         if V_SPLIT:
