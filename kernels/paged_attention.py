@@ -57,8 +57,8 @@ def _factors(scale, zero, pages, pos, lo, last, head, c_page, c_tok, c_head, KIN
     """The factors of tokens pos (pages: theirs) that a decode split reads, loaded a trip before the trip that uses
     them: per-token scales [T] (int8, fp8; 0s beside them for zeros), int4 groups' scales and zeros [T, DP / 32]
     (_int4_groups), 0s for other formats. The per-token scales are converted as loaded: as _page_factors' 16-bit
-    patterns, heads of 64 (256-token tiles of int4, 128 of int8) packed them in pairs in the trip that loads them,
-    so waited on there."""
+    patterns, int8's and fp8's at heads of 64 were packed in pairs in the trip that loaded them, so waited on there
+    (a round trip a trip, sm_90)."""
     mask = (pos < last) & (pos >= lo)
     if KIND == 1 or KIND == 2:
         a = _token_scales(scale, pages, pos % PS, mask, head, c_page, c_tok, c_head)
