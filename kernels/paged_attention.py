@@ -648,13 +648,14 @@ def prefill_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_le
                    sv_page, sv_tok, sv_head, cv_page, cv_tok, cv_head, window,
                    K_KIND: tl.constexpr, V_KIND: tl.constexpr, PS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                    GROUP: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr, DOT: tl.constexpr,
-                   HALF_VALUES: tl.constexpr = True, WIDE: tl.constexpr = False):
+                   HALF_VALUES: tl.constexpr = True, WIDE: tl.constexpr = False, PAIRS: tl.constexpr = False):
     """Program (b, query block, kv head): BLOCK_M query rows of one sequence for each of the GROUP query heads that
     share the kv head (GP * BLOCK_M rows, the group padded to GP, a power of two), against its pages, causal: each
     page is read once for the group, not once per query head. Scales, int4 halves and HALF_VALUES (for int4 keys
     and values) as in decode_kernel.
     window > 0: each query sees its last `window` keys only; pages before the block's first query's are skipped.
-    The codes' offsets are int64 (_page_ids); WIDE: the factors' too."""
+    The codes' offsets are int64 (_page_ids); WIDE: the factors' too. PAIRS: int8 and fp8 values as byte pairs
+    (_byte_pairs), where the card's dots would read them from shared memory a byte at a time."""
     b = tl.program_id(0)
     mb = tl.program_id(1)
     kh = tl.program_id(2)
@@ -671,10 +672,12 @@ def prefill_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_le
     K_INT4: tl.constexpr = K_KIND == 3 or K_KIND == 4
     V_INT4: tl.constexpr = V_KIND == 3 or V_KIND == 4
     # int4 and fp8 (one conversion a pair to float16; bfloat16 took a second each: 462 -> 415 instructions a page on
-    # sm_90), not int8: its values' bits-made float16 compiled to more instructions here than Triton's conversion
-    # (480 against 462), where the decode kernel's 128-token tiles took fewer
-    V_HALF: tl.constexpr = (V_INT4 or V_KIND == 2) and DOT != tl.float32 and HALF_VALUES
+    # sm_90), int8 only as byte pairs: its values' bits-made float16 compiled to more instructions on sm_90 than
+    # Triton's conversion (480 against 462), where the decode kernel's 128-token tiles took fewer. PAIRS (cards
+    # before sm_90, kvcache.dispatch.prefill_value_pairs): int8 and fp8 values as byte pairs (_byte_pairs)
+    V_HALF: tl.constexpr = (V_INT4 or V_KIND == 2 or (V_KIND == 1 and PAIRS)) and DOT != tl.float32 and HALF_VALUES
     VDOT: tl.constexpr = tl.float16 if V_HALF else DOT
+    V_PAIRS: tl.constexpr = (V_KIND == 1 or V_KIND == 2) and V_HALF and PAIRS
     KDOT: tl.constexpr = tl.float16 if (K_INT4 or K_KIND == 2) and DOT != tl.float32 and HALF_VALUES else DOT
     q_rows = q + (q0 + rows)[:, None] * s_q_t + h[:, None] * s_q_h
     qv, q_even, q_odd = _query_tiles(q_rows, rmask, sm_scale, D, DP, KDOT)
@@ -727,9 +730,12 @@ def prefill_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_le
                                           VDOT == tl.float16)
             acc_even = acc_even * alpha[:, None] + tl.dot(w, v_even.to(VDOT))
             acc_odd = acc_odd * alpha[:, None] + tl.dot(w, v_odd.to(VDOT))
-        elif V_INT4:
-            v_even, v_odd = _halves(v, v_scale, v_zero, pages, t, kmask, kh, sv_page, sv_tok, sv_head, cv_page,
-                                    cv_head, D, DP, PS, VDOT)
+        elif V_INT4 or V_PAIRS:
+            if V_PAIRS:
+                v_even, v_odd = _byte_pairs(v, pages, t, kmask, kh, sv_page, sv_tok, sv_head, V_KIND, D, DP)
+            else:
+                v_even, v_odd = _halves(v, v_scale, v_zero, pages, t, kmask, kh, sv_page, sv_tok, sv_head, cv_page,
+                                        cv_head, D, DP, PS, VDOT)
             acc_even = acc_even * alpha[:, None] + tl.dot(w, v_even)
             acc_odd = acc_odd * alpha[:, None] + tl.dot(w, v_odd)
         else:
@@ -737,4 +743,4 @@ def prefill_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_le
             acc = acc * alpha[:, None] + tl.dot(w, vt)
     inv = 1.0 / tl.where(l > 0, l, 1.0)[:, None]
     _store_rows(out + (q0 + rows)[:, None] * s_o_t + h[:, None] * s_o_h, acc * inv, acc_even * inv, acc_odd * inv,
-                rmask, V_INT4, D, DP)
+                rmask, V_INT4 or V_PAIRS, D, DP)

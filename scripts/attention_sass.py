@@ -43,7 +43,7 @@ def main() -> int:
           f"{'widest':>20} {'regs':>4} {'spill':>5} {'waited':>6} {'trips':>5}")
     for arch in map(int, args.arch.split(",")):
         for kv_dtype in args.kv.split(","):
-            launch_args, kwargs = attention_launch(kernel_name, kv_dtype, n_heads, n_kv_heads, head_dim)
+            launch_args, kwargs = attention_launch(kernel_name, kv_dtype, n_heads, n_kv_heads, head_dim, arch=arch)
             kernel = compile_launch(getattr(kernels, kernel_name), launch_args, kwargs, arch)
             tile_bytes = trip(kv_dtype) * kv_bytes_per_token(kv_dtype, 1, 1, head_dim, PAGE_SIZE)
             s = loop_stats(kernel, tile_bytes / 4 / (32 * kwargs["num_warps"]))

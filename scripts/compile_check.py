@@ -166,6 +166,11 @@ def compile_one(job):
 
     module, name = launch["kernel"].split(":")
     kernel = getattr(importlib.import_module(module), name)
+    if "PAIRS" in launch["args"]:  # the prefill kernel's byte pairs: what this card takes, not the recording's
+        from localpd.kvcache.dispatch import prefill_value_pairs
+
+        launch = {**launch, "args": {**launch["args"], "PAIRS": {**launch["args"]["PAIRS"],
+                                                                 "value": prefill_value_pairs(arch)}}}
     sig, const, attrs = {}, {}, {}
     for i, (param, (arg, d)) in enumerate(zip(kernel.params, launch["args"].items())):
         if "dtype" in d:

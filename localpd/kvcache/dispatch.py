@@ -396,6 +396,23 @@ def attention_dot(dtype: torch.dtype, interpreted: bool):
     return tl.float32
 
 
+def prefill_value_pairs(arch: int) -> bool:
+    """Whether the prefill kernel loads int8 and fp8 values as byte pairs (its PAIRS; paged_attention._byte_pairs)
+    on an NVIDIA card of compute capability `arch` (86 for sm_86; 0 under Triton's interpreter, which takes them
+    too, so that its tests run the path). Before sm_90 its 64-row programs take mma.sync, whose values' operand
+    read 8-bit values from shared memory a byte at a time: byte pairs cut a page's instructions 974 -> 697 (int8)
+    and 896 -> 616 (fp8) on sm_86/sm_89, Llama-3-8B heads; on sm_90 they cost 452 -> 469 and 403 -> 448."""
+    return arch < 90
+
+
+def device_arch(device: torch.device) -> int:
+    """The compute capability of a CUDA device as one number (sm_89: 89), 0 for any other device."""
+    if device.type != "cuda":
+        return 0
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
+
+
 def int8_key_dots(layer: KVLayer, dtype: torch.dtype) -> bool:
     """Whether decode scores int8 keys by integer dots (tensor cores' int8 rate, keys as stored): with half-precision
     queries, each query head rounded to two int8 levels (about 15 bits, more than bfloat16's 8). Where keys were
@@ -463,6 +480,6 @@ def paged_attention(q: torch.Tensor, layer: KVLayer, page_table: torch.Tensor, s
                                              out, scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                                              page_table.stride(0), *strides, window, **kinds, PS=layer.page_size, D=D,
                                              DP=DP, GROUP=group, GP=gp, BLOCK_M=block_m, HALF_VALUES=HALF_VALUES,
-                                             WIDE=wide_offsets(layer),
+                                             WIDE=wide_offsets(layer), PAIRS=prefill_value_pairs(device_arch(q.device)),
                                              num_warps=max(4, gp * block_m * DP // PREFILL_TILE_ELEMS_PER_WARP))
     return out

@@ -41,9 +41,10 @@ class Captured(Exception):
 
 
 def attention_launch(kernel: str, kv_dtype: str, n_heads: int, n_kv_heads: int, head_dim: int, context: int = 4096,
-                     chunk: int = 512):
+                     chunk: int = 512, arch: int = 90):
     """(args, kwargs) of the `kernel` launch ("decode_kernel" or "prefill_kernel") paged_attention makes for one
-    bf16 sequence of `context` tokens: one query row (decode) or its last `chunk` tokens (prefill)."""
+    bf16 sequence of `context` tokens on a card of compute capability `arch`: one query row (decode) or its last
+    `chunk` tokens (prefill)."""
     import localpd.kernels.paged_attention as kernels
     import localpd.kvcache.dispatch as kv_dispatch
     from localpd.kvcache.formats import new_kv_pool
@@ -69,7 +70,10 @@ def attention_launch(kernel: str, kv_dtype: str, n_heads: int, n_kv_heads: int, 
     try:
         kv_dispatch.paged_attention(q, layer, table, lens, starts, head_dim ** -0.5)
     except Captured as e:
-        return e.args
+        args, kwargs = e.args
+        if "PAIRS" in kwargs:  # what the card takes, not the interpreter
+            kwargs = {**kwargs, "PAIRS": kv_dispatch.prefill_value_pairs(arch)}
+        return args, kwargs
     finally:
         setattr(kernels, kernel, real)
         kv_dispatch.attention_dot = gpu_dot
@@ -104,7 +108,7 @@ def predict_attention(card: Card, kv_dtype: str, context: int, n_heads: int = 32
     from localpd.kvcache.formats import kv_bytes_per_token, kv_formats
     from localpd.measure.sass import compile_launch, cuobjdump, in_trip_loads, loop_body, loop_stats
 
-    args, kwargs = attention_launch("decode_kernel", kv_dtype, n_heads, n_kv_heads, head_dim)
+    args, kwargs = attention_launch("decode_kernel", kv_dtype, n_heads, n_kv_heads, head_dim, arch=card.arch)
     kernel = compile_launch(kernels.decode_kernel, args, kwargs, card.arch)
     block_t = decode_block_t(PAGE_SIZE, head_dim, kv_formats(kv_dtype)[0])
     splits, _ = splits_for(n_kv_heads, cdiv(table, block_t), DECODE_PROGRAMS_PER_SM * card.sms)

@@ -75,6 +75,14 @@ def test_prefill_attention_waits_on_one_round_trip_a_page(sass_table):
     assert len(rows) == 5 and all(row[11] == "1" and row[9] == "0" for row in rows), rows
 
 
+def test_prefill_attention_on_an_rtx_30_takes_8_bit_values_as_byte_pairs(sass_table):
+    """The prefill kernel for an RTX 30 card (sm_86; RTX 40, sm_89, compiles alike) over int8 pages: its values'
+    operand went through mma.sync's shared-memory reads a byte at a time (113 shared-memory instructions and 974
+    instructions a page); as byte pairs (kvcache.dispatch.prefill_value_pairs) 26 and 697."""
+    (row,) = sass_table("attention_sass.py", "--arch", "86", "--kernel", "prefill", "--kv", "int8")
+    assert int(row[2]) < 800 and int(row[5]) < 50 and row[9] == "0", row
+
+
 def test_prefill_attention_compiles_without_spills_for_every_model_and_kv_format():
     """Every prefill-attention launch the model makes (the head layouts of Llama-3-8B, Qwen2.5-7B, Llama-3.2-1B,
     SmolLM2, Qwen3-8B, Gemma 3 and Phi-3.5-mini, every KV format), compiled on this CPU for an RTX 30 card (sm_86) and the H100 (sm_90) by

@@ -265,6 +265,21 @@ def test_byte_pair_values_in_a_wider_tile(kv_dtype):
           3e-3)
 
 
+@pytest.mark.parametrize("pairs", [True, False])
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_prefill_values_as_byte_pairs_or_as_stored(kv_dtype, pairs, monkeypatch):
+    """The prefill kernel's int8 and fp8 values: as byte pairs in float16 (kvcache.dispatch.prefill_value_pairs:
+    cards before sm_90, and the interpreter) or as stored in the dots' type (sm_90), both within float16's
+    rounding of the reference; heads of 96 in tiles of 128 and of 64, chunks after a cached prefix, a garbage
+    pool."""
+    import localpd.kvcache.dispatch as dispatch
+
+    monkeypatch.setattr(dispatch, "prefill_value_pairs", lambda arch: pairs)
+    for D, seed in ((96, 17), (64, 18)):
+        check(build_case(kv_dtype, 16, 2, 4, [70, 33], [6, 33], D=D, dtype=torch.float16, seed=seed, poison=True),
+              6e-3)
+
+
 def test_fp8_pages_meet_bfloat16_queries_in_float16_dots(monkeypatch):
     """fp8 e4m3 keys and values go into their dots as float16 (exact: e4m3 lies inside float16), with the
     queries and softmax weights in float16, where bfloat16 dots took a second conversion of every value; decode
