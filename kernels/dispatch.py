@@ -83,11 +83,16 @@ def gemv_table() -> dict:
         return {}
 
 
-def device_key(device: torch.device) -> str:
+def device_arch(device: torch.device) -> int:
+    """The compute capability of a CUDA device as one number (sm_89: 89), 0 for any other device."""
     if device.type != "cuda":
-        return "interpreter"
+        return 0
     major, minor = torch.cuda.get_device_capability(device)
-    return f"sm_{major}{minor}"
+    return 10 * major + minor
+
+
+def device_key(device: torch.device) -> str:
+    return f"sm_{device_arch(device)}" if device.type == "cuda" else "interpreter"
 
 
 def tuned_gemv(device: torch.device, bits: int, group: int, n: int, k: int, block_m: int) -> dict | None:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from localpd.kernels import cpu
-from localpd.kernels.dispatch import cdiv, sm_count, use_triton
+from localpd.kernels.dispatch import cdiv, device_arch, sm_count, use_triton
 from localpd.kernels.fused_dispatch import rope, triton_block
 from localpd.kvcache.formats import PER_PAGE, KVLayer, dequantize_kv, quantize_kv
 
@@ -403,14 +403,6 @@ def prefill_value_pairs(arch: int) -> bool:
     read 8-bit values from shared memory a byte at a time: byte pairs cut a page's instructions 974 -> 697 (int8)
     and 896 -> 616 (fp8) on sm_86/sm_89, Llama-3-8B heads; on sm_90 they cost 452 -> 469 and 403 -> 448."""
     return arch < 90
-
-
-def device_arch(device: torch.device) -> int:
-    """The compute capability of a CUDA device as one number (sm_89: 89), 0 for any other device."""
-    if device.type != "cuda":
-        return 0
-    major, minor = torch.cuda.get_device_capability(device)
-    return 10 * major + minor
 
 
 def int8_key_dots(layer: KVLayer, dtype: torch.dtype) -> bool:
