@@ -538,6 +538,7 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
     V_HALF4: tl.constexpr = VDOT == tl.float16
     V_PAIRS: tl.constexpr = (V_KIND == 1 or V_KIND == 2) and V_HALF  # _byte_pairs
     V_SPLIT: tl.constexpr = V_INT4 or V_PAIRS  # the values' even and odd elements in two accumulators
+    OWN: tl.constexpr = K_KIND == 0 or K_KIND == 2 or V_KIND == 0 or V_KIND == 2  # a float side (below)
     pt_row = page_table + b * s_pt_b
     if AHEAD:
         pg_ahead = _tile_pages(pt_row, first + t, lo, last, PS, WIDE)
@@ -557,18 +558,25 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
             pg_ahead = _tile_pages(pt_row, nxt + BLOCK_T, lo, last, PS, WIDE)
         pos = t0 + t
         tmask = (pos < last) & (pos >= lo)
-        pages = _page_ids(tl.load(pt_row + pos // PS, mask=tmask, other=0), WIDE)
-        offs = pos % PS
-        # int8 and grouped int4 codes are read whole tiles unmasked (a token past the split's end reads page 0, its
-        # factors masked to 0): every code is a finite number, so they weigh nothing, where a float page's stale
-        # bits may be NaN. The masks' predicates had held 15 registers through the trip (int8, sm_90)
-        k_codes = tmask | (K_KIND == 1 or K_KIND == 3)
-        v_codes = tmask | (V_KIND == 1 or V_KIND == 3)
+        if OWN:  # every position reads one of the split's own tokens (the trip has one): masked ones the nearest
+            own = tl.minimum(tl.maximum(pos, lo), last - 1)
+            pages = _page_ids(tl.load(pt_row + own // PS), WIDE)
+            offs = own % PS
+        else:  # a position past the split's end reads page 0
+            pages = _page_ids(tl.load(pt_row + pos // PS, mask=tmask, other=0), WIDE)
+            offs = pos % PS
+        # Tiles are read whole, unmasked, where what a masked position reads weighs nothing: its score is masked, and
+        # its values meet a weight of 0, so they must be finite. Integer codes are (page 0's; their factors masked
+        # to 0); float and fp8 pages' stale bits may be NaN, so those read a token of the split's own (OWN), which
+        # is NaN only where the output is. The masks' predicates had held 15 registers through the trip (int8,
+        # sm_90); fp8's took it to 141 registers (now 128), and bf16's cost 7.1 -> 6.3 instructions a word
+        k_codes = tmask | (OWN or K_KIND == 1 or K_KIND == 3)
+        v_codes = tmask | (OWN or V_KIND == 1 or V_KIND == 3)
         if K_KIND == 3:
             k_even, k_odd = _int4_dequant(k, ka, kb, pages, offs, k_codes, kh, sk_page, sk_tok, sk_head, D, DP, K_HALF)
             k_even, k_odd = k_even.to(KDOT), k_odd.to(KDOT)
         elif K_INT4:
-            k_even, k_odd = _halves(k, k_scale, k_zero, pages, offs, tmask, kh, sk_page, sk_tok, sk_head, ck_page,
+            k_even, k_odd = _halves(k, k_scale, k_zero, pages, offs, k_codes, kh, sk_page, sk_tok, sk_head, ck_page,
                                     ck_head, D, DP, PS, KDOT)
         else:
             kt = _load_tokens(k, pages, offs, k_codes, kh, sk_page, sk_tok, sk_head, D, DP,
@@ -597,12 +605,12 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
             v_even, v_odd = _int4_dequant(v, va, vb, pages, offs, v_codes, kh, sv_page, sv_tok, sv_head, D, DP, V_HALF4)
             v_even, v_odd = v_even.to(VDOT), v_odd.to(VDOT)
         elif V_INT4:
-            v_even, v_odd = _halves(v, v_scale, v_zero, pages, offs, tmask, kh, sv_page, sv_tok, sv_head, cv_page,
+            v_even, v_odd = _halves(v, v_scale, v_zero, pages, offs, v_codes, kh, sv_page, sv_tok, sv_head, cv_page,
                                     cv_head, D, DP, PS, VDOT)
         elif V_PAIRS:
             v_even, v_odd = _byte_pairs(v, pages, offs, v_codes, kh, sv_page, sv_tok, sv_head, V_KIND, D, DP)
         else:
-            vt = _load_tokens(v, pages, offs, tmask, kh, sv_page, sv_tok, sv_head, D, DP, VDOT)
+            vt = _load_tokens(v, pages, offs, v_codes, kh, sv_page, sv_tok, sv_head, D, DP, VDOT)
         if V_SPLIT:
             acc_even = acc_even * alpha[:, None] + tl.dot(w, v_even)
             acc_odd = acc_odd * alpha[:, None] + tl.dot(w, v_odd)

@@ -115,13 +115,38 @@ _NO_DEST = ("ST", "LDGSTS", "RED", "BAR", "BRA", "EXIT", "DEPBAR", "LDGDEPBAR", 
 _MATRIX = ("HMMA", "IMMA", "HGMMA", "IGMMA")  # their operands are fragments the text names by their first register
 
 
+def _fragments(name: str) -> tuple[int, int, int]:
+    """The registers a thread holds of a warp-level matrix instruction's A, B and C fragments, from its shape and
+    types (HMMA.16816.F32: m16 n8 k16 of 16-bit inputs into float32, 4, 2 and 4; IMMA.16832.S32.S8.S8: 4, 2, 4;
+    HMMA.1688.F32: 2, 1, 4; .TF32 inputs 32 bits, .S4/.U4 4, .S8/.U8 8, others 16; an .F16 result 16 bits). A
+    shape it cannot read (warpgroup HGMMA, whose A may be a descriptor) is taken as 4 registers each."""
+    parts = name.split(".")
+    shape = next((p for p in parts[1:] if p.isdigit() and len(p) >= 4), None)
+    if parts[0] not in ("HMMA", "IMMA") or shape is None:
+        return 4, 4, 4
+    m, n, k = int(shape[:2]), int(shape[2]), int(shape[3:])
+    types = parts[parts.index(shape) + 1:]
+    bits = next((b for t, b in (("TF32", 32), ("S4", 4), ("U4", 4), ("S8", 8), ("U8", 8)) if t in types), 16)
+    out = 16 if types[:1] == ["F16"] else 32
+    return tuple(max(1, x // 1024) for x in (m * k * bits, k * n * bits, m * n * out))
+
+
 def _registers(operand: str, span: int = 1) -> set[int]:
-    """The general registers an operand names: R8.64 is R8 and R9; with span 4 (a matrix instruction's operands)
-    each named register is taken as the 4 from it, a conservative reading of its fragments."""
+    """The general registers an operand names: R8.64 is R8 and R9; with span n (a matrix instruction's fragment,
+    _fragments) each named register is taken as the n from it."""
     regs = set()
     for base, wide in re.findall(r"\bR(\d+)(\.64)?\b", operand):
         regs.update(range(int(base), int(base) + max(span, 2 if wide else 1)))
     return regs
+
+
+def _reads(op: str) -> set[int]:
+    """The general registers an instruction reads (its destination, where it has one, left out)."""
+    name, _, ops = op.partition(" ")
+    parts = ops.split(",")
+    if name.startswith(_MATRIX):
+        return set().union(*(_registers(p, w) for p, w in zip(parts[1:], _fragments(name))))
+    return _registers(",".join(parts if name.startswith(_NO_DEST) else parts[1:]))
 
 
 def in_trip_loads(body: list[str], cover: int = 0) -> tuple[int, int]:
@@ -141,14 +166,11 @@ def in_trip_loads(body: list[str], cover: int = 0) -> tuple[int, int]:
         regs = set(range(int(dest.group(1)), int(dest.group(1)) + max(1, bits // 32))) if dest else set()
         for j in range(i + 1, len(body)):
             later, _, ops = body[j].partition(" ")
-            parts = ops.split(",")
-            has_dest = not later.startswith(_NO_DEST)
-            span = 4 if later.startswith(_MATRIX) else 1
-            if _registers(",".join(parts[1:] if has_dest else parts), span) & regs:
+            if _reads(body[j]) & regs:
                 waited.append((i, j))
                 break
-            if has_dest and _registers(parts[0]) >= regs:  # written again before any read: loaded for later
-                break
+            if not later.startswith(_NO_DEST) and _registers(ops.split(",")[0]) >= regs:  # written again before
+                break  # any read: loaded for later
     trips, last_wait = 0, -1
     for issued, read in sorted(waited, key=lambda w: w[1]):
         if issued > last_wait and (not cover or read - issued < cover):

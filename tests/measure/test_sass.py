@@ -30,6 +30,11 @@ def test_a_pair_of_registers_read_as_one_operand_counts_as_a_read():
     mma = ["LDG.E R14, desc[UR4][R2.64]", "HMMA.16816.F32 R20, R12, R16, R20", "BRA 0x0"]
     assert in_trip_loads(mma) == (1, 1)
     assert in_trip_loads([mma[0], "FADD R20, R12, R16", "BRA 0x0"]) == (0, 0)
+    # ... its B fragment 2 (m16 n8 k16 of 16-bit inputs): R18 is not R16's, and an m16 n8 k8 B fragment is 1
+    assert in_trip_loads(["LDG.E R18, desc[UR4][R2.64]", mma[1], "BRA 0x0"]) == (0, 0)
+    assert in_trip_loads(["LDG.E R17, desc[UR4][R2.64]", mma[1], "BRA 0x0"]) == (1, 1)
+    assert in_trip_loads(["LDG.E R17, desc[UR4][R2.64]", "HMMA.1688.F32 R20, R12, R16, R20", "BRA 0x0"]) == (0, 0)
+    assert in_trip_loads(["LDG.E R17, desc[UR4][R2.64]", "IMMA.16832.S8.S8.SAT R20, R12, R16, R20", "BRA 0x0"]) == (1, 1)
 
 
 def test_the_loop_body_is_the_largest_backward_branchs():
