@@ -256,7 +256,15 @@ def main(argv: list[str]) -> int:
                    "GEMVs (measure/predict_attention.py)")
     p.add_argument("--kv", help="with --predict --attention: comma-separated KV formats (default bf16,int8,fp8,int4,"
                    "int8/int4)")
+    p.add_argument("--step", action="store_true",
+                   help="with --predict: a whole decode token (GEMVs, attention, the small launches) and its MBU "
+                   "(measure/predict_step.py)")
+    p.add_argument("--context", help="with --predict --step: comma-separated context lengths (default 128,4096)")
     args = p.parse_args(argv)
+    if args.predict and args.step:
+        from localpd.measure import predict_step
+
+        return predict_step.run(args)
     if args.predict and args.attention:
         from localpd.measure import predict_attention
 

@@ -118,6 +118,7 @@ class Prediction:
     barriers: int
     predicted: float  # share of copy bandwidth
     predicted_us: float
+    bytes: int  # DRAM's: the weights, their factors, the outputs
 
 
 def decode_linears(model: str) -> list[tuple[str, int, int]]:
@@ -239,7 +240,7 @@ def predict(model: str = "llama3-8b", cards=CARDS, formats=FORMATS, kernels=("dp
                                            round(programs / (fit * card.sms), 2), nbytes // programs,
                                            f"{wide}/{weight_wide}", in_flight, stats.per_word, stats.registers,
                                            stats.spilled, stats.barriers, nbytes / (card.gbs * 1e9) / seconds,
-                                           seconds * 1e6))
+                                           seconds * 1e6, nbytes))
     return rows
 
 
