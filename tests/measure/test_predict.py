@@ -2,27 +2,13 @@
 issue 32 on every Llama-3-8B and Qwen2.5-7B decode shape (read from its SASS, no GPU). Run as a command: the test
 process has Triton's interpreter switched on, and interpreted kernels cannot be compiled."""
 
-import json
-import os
-import subprocess
-import sys
+from predict_cli import predict_rows
 
 import pytest
 
 from localpd.measure.predict import decode_linears
 
 pytestmark = pytest.mark.slow  # compiles kernels for a GPU
-
-
-def predict_rows(tmp_path_factory, *args: str) -> list[dict]:
-    """The JSON rows of `localpd bench kernels --predict --cards H100` with these arguments, run as a command."""
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "LOCALPD_TRITON_INTERPRET")}
-    path = tmp_path_factory.mktemp("predict") / "rows.json"
-    done = subprocess.run([sys.executable, "-m", "localpd.cli.main", "bench", "kernels", "--predict", "--cards",
-                           "H100", *args, "--json", str(path)], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "instr/word" in done.stdout
-    return json.loads(path.read_text())["rows"]
 
 
 @pytest.fixture(scope="module")

@@ -3,10 +3,7 @@ Llama-3-8B's heads, 4k and 32k tokens under a CUDA graph's 131072-token page tab
 its own trip (each format's factors loaded a trip ahead), so the rounded formats are predicted to stream their
 fewer bytes. Run as a command (the test process has Triton's interpreter on)."""
 
-import json
-import os
-import subprocess
-import sys
+from predict_cli import predict_rows
 
 import pytest
 
@@ -15,13 +12,7 @@ pytestmark = pytest.mark.slow  # compiles kernels for a GPU
 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory):
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "LOCALPD_TRITON_INTERPRET")}
-    path = tmp_path_factory.mktemp("predict") / "attention.json"
-    done = subprocess.run([sys.executable, "-m", "localpd.cli.main", "bench", "kernels", "--predict", "--attention",
-                           "--cards", "H100", "--json", str(path)], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return {(r["kv"], r["context"]): r for r in json.loads(path.read_text())["rows"]}
+    return {(r["kv"], r["context"]): r for r in predict_rows(tmp_path_factory, "--attention", printed="x bf16")}
 
 
 def test_no_format_waits_on_a_dram_round_trip_inside_its_trips(rows):

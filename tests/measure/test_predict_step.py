@@ -3,10 +3,7 @@ the compiled code (no GPU): its bytes are the model's, its launches the engine's
 and the MBU issue 32 asks of the GPU stands beside it. Run as a command (the test process has Triton's
 interpreter on)."""
 
-import json
-import os
-import subprocess
-import sys
+from predict_cli import predict_rows
 
 import pytest
 
@@ -19,14 +16,8 @@ pytestmark = pytest.mark.slow  # compiles kernels for a GPU
 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory):
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "LOCALPD_TRITON_INTERPRET")}
-    path = tmp_path_factory.mktemp("predict") / "step.json"
-    done = subprocess.run([sys.executable, "-m", "localpd.cli.main", "bench", "kernels", "--predict", "--step",
-                           "--cards", "H100", "--context", "128,4096", "--json", str(path)], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "MBU" in done.stdout
-    return {(r["kernel"], r["format"], r["context"]): r for r in json.loads(path.read_text())["rows"]}
+    got = predict_rows(tmp_path_factory, "--step", "--context", "128,4096", printed="MBU")
+    return {(r["kernel"], r["format"], r["context"]): r for r in got}
 
 
 def test_a_tokens_bytes_are_the_models_weights_and_its_kv_cache(rows):
