@@ -558,18 +558,19 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
             pg_ahead = _tile_pages(pt_row, nxt + BLOCK_T, lo, last, PS, WIDE)
         pos = t0 + t
         tmask = (pos < last) & (pos >= lo)
-        if OWN:  # every position reads one of the split's own tokens (the trip has one): masked ones the nearest
+        if OWN:  # every position reads one of the split's own tokens (a trip has one): a masked one the nearest
             own = tl.minimum(tl.maximum(pos, lo), last - 1)
             pages = _page_ids(tl.load(pt_row + own // PS), WIDE)
             offs = own % PS
-        else:  # a position past the split's end reads page 0
+        else:  # a position past the split's end (or before its window) reads page 0
             pages = _page_ids(tl.load(pt_row + pos // PS, mask=tmask, other=0), WIDE)
             offs = pos % PS
-        # Tiles are read whole, unmasked, where what a masked position reads weighs nothing: its score is masked, and
-        # its values meet a weight of 0, so they must be finite. Integer codes are (page 0's; their factors masked
-        # to 0); float and fp8 pages' stale bits may be NaN, so those read a token of the split's own (OWN), which
-        # is NaN only where the output is. The masks' predicates had held 15 registers through the trip (int8,
-        # sm_90); fp8's took it to 141 registers (now 128), and bf16's cost 7.1 -> 6.3 instructions a word
+        # Tiles are read whole, without masks, where what a masked position reads weighs nothing: its score is
+        # masked, and its values meet a weight of 0, so they must be finite. int8 and grouped int4 codes are (page
+        # 0's, their factors masked to 0); a float or fp8 page's stale bits may be NaN, so those layers read a token
+        # the split weighs anyway (OWN), non-finite only where the output already is. The masks' predicates had held
+        # 15 registers through the trip (int8, sm_90); fp8's took 141 registers (now 128), bf16 7.1 instructions a
+        # word (now 6.3)
         k_codes = tmask | (OWN or K_KIND == 1 or K_KIND == 3)
         v_codes = tmask | (OWN or V_KIND == 1 or V_KIND == 3)
         if K_KIND == 3:
