@@ -118,13 +118,14 @@ _MATRIX = ("HMMA", "IMMA", "HGMMA", "IGMMA")  # their operands are fragments the
 def _fragments(name: str) -> tuple[int, int, int]:
     """The registers a thread holds of a warp-level matrix instruction's A, B and C fragments, from its shape and
     types (HMMA.16816.F32: m16 n8 k16 of 16-bit inputs into float32, 4, 2 and 4; IMMA.16832.S32.S8.S8: 4, 2, 4;
-    HMMA.1688.F32: 2, 1, 4; .TF32 inputs 32 bits, .S4/.U4 4, .S8/.U8 8, others 16; an .F16 result 16 bits). A
+    HMMA.1688.F32: 2, 1, 4; IMMA.8816: 1, 1, 2; .TF32 inputs 32 bits, .S4/.U4 4, .S8/.U8 8, others 16; an .F16 result 16 bits). A
     shape it cannot read (warpgroup HGMMA, whose A may be a descriptor) is taken as 4 registers each."""
     parts = name.split(".")
     shape = next((p for p in parts[1:] if p.isdigit() and len(p) >= 4), None)
     if parts[0] not in ("HMMA", "IMMA") or shape is None:
         return 4, 4, 4
-    m, n, k = int(shape[:2]), int(shape[2]), int(shape[3:])
+    m = 16 if shape.startswith("16") else int(shape[0])  # 16816: m16 n8 k16; 8816: m8 n8 k16
+    n, k = int(shape[len(str(m))]), int(shape[len(str(m)) + 1:])
     types = parts[parts.index(shape) + 1:]
     bits = next((b for t, b in (("TF32", 32), ("S4", 4), ("U4", 4), ("S8", 8), ("U8", 8)) if t in types), 16)
     out = 16 if types[:1] == ["F16"] else 32
