@@ -118,8 +118,9 @@ _MATRIX = ("HMMA", "IMMA", "HGMMA", "IGMMA")  # their operands are fragments the
 def _fragments(name: str) -> tuple[int, int, int]:
     """The registers a thread holds of a warp-level matrix instruction's A, B and C fragments, from its shape and
     types (HMMA.16816.F32: m16 n8 k16 of 16-bit inputs into float32, 4, 2 and 4; IMMA.16832.S32.S8.S8: 4, 2, 4;
-    HMMA.1688.F32: 2, 1, 4; IMMA.8816: 1, 1, 2; .TF32 inputs 32 bits, .S4/.U4 4, .S8/.U8 8, others 16; an .F16 result 16 bits). A
-    shape it cannot read (warpgroup HGMMA, whose A may be a descriptor) is taken as 4 registers each."""
+    HMMA.1688.F32: 2, 1, 4; IMMA.8816: 1, 1, 2; .TF32 inputs 32 bits, .S4/.U4 4, .S8/.U8 8, others 16; an .F16
+    result 16 bits). A shape it cannot read (warpgroup HGMMA, whose A may be a descriptor) is taken as 4 registers
+    each."""
     parts = name.split(".")
     shape = next((p for p in parts[1:] if p.isdigit() and len(p) >= 4), None)
     if parts[0] not in ("HMMA", "IMMA") or shape is None:

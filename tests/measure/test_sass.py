@@ -34,7 +34,8 @@ def test_a_pair_of_registers_read_as_one_operand_counts_as_a_read():
     assert in_trip_loads(["LDG.E R18, desc[UR4][R2.64]", mma[1], "BRA 0x0"]) == (0, 0)
     assert in_trip_loads(["LDG.E R17, desc[UR4][R2.64]", mma[1], "BRA 0x0"]) == (1, 1)
     assert in_trip_loads(["LDG.E R17, desc[UR4][R2.64]", "HMMA.1688.F32 R20, R12, R16, R20", "BRA 0x0"]) == (0, 0)
-    assert in_trip_loads(["LDG.E R17, desc[UR4][R2.64]", "IMMA.16832.S8.S8.SAT R20, R12, R16, R20", "BRA 0x0"]) == (1, 1)
+    imma = "IMMA.16832.S8.S8.SAT R20, R12, R16, R20"
+    assert in_trip_loads(["LDG.E R17, desc[UR4][R2.64]", imma, "BRA 0x0"]) == (1, 1)
     assert in_trip_loads(["LDG.E R13, desc[UR4][R2.64]", "IMMA.8816.S32.S8.S8 R20, R12, R16, R20", "BRA 0x0"]) == (0, 0)
 
 
