@@ -141,13 +141,6 @@ def _codes_as_half(c):
 
 
 @triton.jit
-def _nibbles_as_half(c):
-    """int4 codes (0..15, any integer type) as float16, exactly and without an int-to-float conversion: the code in
-    the low mantissa bits of 1024.0 (0x6400) is 1024 + code."""
-    return (c.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
-
-
-@triton.jit
 def _rint(y):
     """Round half to even, as torch.round does (libdevice's rint is not available in the interpreter)."""
     r = tl.floor(y + 0.5)
@@ -402,28 +395,35 @@ def _int4ch_halves(data, scale, zero, pages, offs, mask, head, s_page, s_tok, s_
     NP: tl.constexpr = T // PS
     j = tl.arange(0, DP // 2)
     jm = (j < D // 2)[None, :]
-    p = tl.load(data + pages[:, None] * s_page + offs[:, None] * s_tok + head * s_head + j[None, :],
-                mask=mask[:, None] & jm, other=0).to(tl.int32)
     pg = tl.max(tl.reshape(tl.where(mask, pages, 0), (NP, PS)), axis=1)  # each page's id (0 if none of it is read)
     live = (tl.max(tl.reshape(mask.to(tl.int32), (NP, PS)), axis=1) > 0)[:, None] & jm
     word = ((pg * c_page + head * c_head) // 2)[:, None] + j[None, :]  # [NP, D / 2]: channels 2j and 2j + 1
     sw = tl.load(scale.to(tl.pointer_type(tl.int32)) + word, mask=live, other=0)
     zw = tl.load(zero.to(tl.pointer_type(tl.int32)) + word, mask=live, other=0)
-    return _page_channels(p & 15, sw, zw, PS, HALF), _page_channels(p >> 4, sw >> 16, zw >> 16, PS, HALF)
+    if HALF:  # 4 bytes a word, two float16 codes a mask-and-or (_word_halves), as _int4_dequant's: each byte in an
+        # int32 of its own and each nibble made float16 alone took 47.2 instructions a word (decode, int4ch keys and
+        # values, sm_90; now 38.0) and the prefill kernel 828 a page over int4ch/int4 on sm_86 (now 528)
+        jw = tl.arange(0, DP // 8)
+        w = tl.load(data.to(tl.pointer_type(tl.int32)) + ((pages * s_page + offs * s_tok + head * s_head) // 4)[:, None]
+                    + jw[None, :], mask=mask[:, None] & (jw < D // 8)[None, :], other=0)
+        lo = _word_halves(w & 0x000F000F, (w >> 8) & 0x000F000F, T, DP) - 1024.0
+        hi = _word_halves((w >> 4) & 0x000F000F, (w >> 12) & 0x000F000F, T, DP) - 1024.0
+    else:
+        p = tl.load(data + pages[:, None] * s_page + offs[:, None] * s_tok + head * s_head + j[None, :],
+                    mask=mask[:, None] & jm, other=0).to(tl.int32)
+        lo, hi = (p & 15).to(tl.float32), (p >> 4).to(tl.float32)
+    return _page_channels(lo, sw, zw, PS), _page_channels(hi, sw >> 16, zw >> 16, PS)
 
 
 @triton.jit
-def _page_channels(q, scale_bits, zero_bits, PS: tl.constexpr, HALF: tl.constexpr = False):
-    """q [T, C] (int4 codes) * scale + zero, the scale and zero [T / PS, C] given as float16 bits (the low 16 bits
-    of each int32), one row a page; in float32, or float16 with HALF (_int4_dequant's)."""
-    T: tl.constexpr = q.shape[0]
-    C: tl.constexpr = q.shape[1]
-    OUT: tl.constexpr = tl.float16 if HALF else tl.float32
-    sc = (scale_bits & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(OUT)
-    zr = (zero_bits & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(OUT)
-    codes = _nibbles_as_half(q) if HALF else q.to(tl.float32)
-    x = tl.reshape(codes, (T // PS, PS, C)) * sc[:, None, :] + zr[:, None, :]
-    return tl.reshape(x, (T, C))
+def _page_channels(codes, scale_bits, zero_bits, PS: tl.constexpr):
+    """codes [T, C] (int4 codes as float16 or float32) * scale + zero in their type, the scale and zero [T / PS, C]
+    given as float16 bits (the low 16 bits of each int32), one row a page."""
+    T: tl.constexpr = codes.shape[0]
+    C: tl.constexpr = codes.shape[1]
+    sc = (scale_bits & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(codes.dtype)
+    zr = (zero_bits & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(codes.dtype)
+    return tl.reshape(tl.reshape(codes, (T // PS, PS, C)) * sc[:, None, :] + zr[:, None, :], (T, C))
 
 
 @triton.jit
@@ -487,7 +487,7 @@ def decode_kernel(q, k, v, k_scale, v_scale, k_zero, v_zero, page_table, seq_len
     query head rounded to two int8 levels in two integer dots, so the codes need no conversion at all.
     HALF_VALUES (where DOT is 16-bit): int8, fp8 and int4 values go into their dot in float16 with the softmax
     weights, and fp8 and int4 keys into theirs with float16 queries (int4: their halves), the codes made float16
-    by their bits (_codes_as_half, _nibbles_as_half) as loaded, fp8 converted in one instruction a pair, int4's
+    by their bits (_codes_as_half, _word_halves) as loaded, fp8 converted in one instruction a pair, int4's
     scale and zero applied in float16; as exact as bf16 for int8 codes and fp8 values, int4's values, the weights
     and the queries rounded 3 bits finer. int8 and fp8 values are loaded as byte pairs, their even and odd
     elements in two accumulators as int4's halves are (_byte_pairs: the dot's operand stays 16-bit through shared

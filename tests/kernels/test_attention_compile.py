@@ -61,6 +61,19 @@ def test_decode_attention_over_float_pages_reads_whole_tiles(sass_table, heads):
         assert all(float(rows[kv][3]) < limit for kv, limit in (("bf16", 6.7), ("fp16", 9.4), ("fp8", 15.7))), rows
 
 
+def test_int4ch_codes_compile_to_word_unpacking(sass_table):
+    """int4ch codes read 4 bytes a word and made float16 two a mask-and-or (paged_attention._int4ch_halves' WORDS,
+    as grouped int4's are), where each byte was loaded as its own int32 and each nibble converted alone. Decode on
+    sm_90, Llama-3-8B heads: int4ch/int4 44.9 -> 40.8 instructions a word, 167 -> 156 registers; int4ch 47.2 ->
+    38.0, 176 -> 137. Prefill on an RTX 30 card (sm_86): int4ch/int4 828 -> 528 instructions a page, 255 -> 182
+    registers."""
+    rows = {r[1]: r for r in sass_table("attention_sass.py", "--kv", "int4ch/int4,int4ch")}
+    assert float(rows["int4ch/int4"][3]) < 42 and float(rows["int4ch"][3]) < 40, rows
+    assert all(int(r[8]) <= 160 and r[9] == "0" for r in rows.values()), rows
+    (row,) = sass_table("attention_sass.py", "--arch", "86", "--kernel", "prefill", "--kv", "int4ch/int4")
+    assert int(row[2]) < 600 and int(row[8]) < 200 and row[9] == "0", row
+
+
 def test_decode_attention_over_8_bit_keys_at_heads_of_64_keeps_its_registers(sass_table):
     """SmolLM2's heads (9 query / 3 KV x 64) over int8 and fp8 pages on sm_90: 128-token tiles
     (kvcache.dispatch.DECODE_8BIT_TILE_TOKENS) spill nothing and wait on no load of their own trip, where 256-token

@@ -13,7 +13,7 @@ from localpd.engine.speculate import MAX_DRAFT
 from localpd.kvcache.dispatch import (ROWS_AS_DECODE, decode_block_t, decode_span, decode_splits, paged_attention,
                                      paged_attention_ref, rows_as_decode, write_kv_ref)
 from localpd.kvcache.formats import kv_formats, new_kv_pool
-from localpd.kernels.paged_attention import _codes_as_half, _nibbles_as_half
+from localpd.kernels.paged_attention import _codes_as_half, _word_halves
 
 
 @pytest.mark.parametrize("kv_dtype", DTYPES)
@@ -265,6 +265,19 @@ def test_byte_pair_values_in_a_wider_tile(kv_dtype):
           3e-3)
 
 
+@pytest.mark.parametrize("kv_dtype", ["int4ch/int4", "int4ch"])
+@pytest.mark.parametrize("D", [96, 64])
+def test_int4ch_codes_read_a_word_at_a_time(kv_dtype, D):
+    """int4ch codes in float16 (paged_attention._int4ch_halves' WORDS: 4 bytes a word, two codes made float16 a
+    mask-and-or, as grouped int4's), decode rows over several trips and prefill chunks after a cached prefix, at
+    heads of 96 in tiles of 128 (the words past the head's 12 masked) and of 64, over a pool of garbage."""
+    bt = decode_block_t(16, D, kv_formats(kv_dtype)[0])
+    check(build_case(kv_dtype, 16, 2, 4, [3 * bt + 11, 1], [1, 1], D=D, dtype=torch.float16, seed=D, poison=True),
+          3e-3)
+    check(build_case(kv_dtype, 16, 2, 4, [70, 33], [6, 33], D=D, dtype=torch.float16, seed=D + 1, poison=True),
+          6e-3)
+
+
 @pytest.mark.parametrize("pairs", [True, False])
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
 def test_prefill_values_as_byte_pairs_or_as_stored(kv_dtype, pairs, monkeypatch):
@@ -296,20 +309,29 @@ def test_fp8_pages_meet_bfloat16_queries_in_float16_dots(monkeypatch):
 
 
 def test_codes_become_half_precision_exactly():
-    """Every int8 code -128..127 and int4 code 0..15 as float16 by its bits alone (the magic number 1024.0 with the
-    code in its low mantissa bits), exactly the codes."""
+    """Every int8 code -128..127 as float16 by its bits alone (the magic number 1024.0 with the code in its low
+    mantissa bits), and int4 codes two a mask-and-or from 4-byte words (_word_halves: each byte's low nibble, then
+    its high one, in the bytes' order), exactly the codes."""
     c8 = torch.arange(-128, 128, dtype=torch.int8, device=DEV)
-    c4 = (torch.arange(256, device=DEV) % 16).to(torch.uint8)
-    o8, o4 = (torch.empty(256, dtype=torch.float16, device=DEV) for _ in range(2))
-    _codes_kernel[(1,)](c8, c4, o8, o4, N=256)
-    assert torch.equal(o8, c8.half()) and torch.equal(o4, c4.half())
+    words = torch.randint(-2**31, 2**31, (16, 8), dtype=torch.int64).to(torch.int32).to(DEV)
+    words[0] = torch.tensor([0x76543210, 0xFEDCBA98] * 4, dtype=torch.int64).to(torch.int32)  # every nibble
+    o8 = torch.empty(256, dtype=torch.float16, device=DEV)
+    lo, hi = (torch.empty(16, 32, dtype=torch.float16, device=DEV) for _ in range(2))
+    _codes_kernel[(1,)](c8, words, o8, lo, hi, N=256, T=16, DP=64)
+    assert torch.equal(o8, c8.half())
+    codes = words.cpu().view(torch.uint8).view(16, 32)  # a token's bytes in order (little-endian words)
+    assert torch.equal(lo.cpu(), (codes & 15).half()) and torch.equal(hi.cpu(), (codes >> 4).half())
+    assert set(lo[0].tolist()) == set(range(0, 16, 2)) and set(hi[0].tolist()) == set(range(1, 16, 2))
 
 
 @triton.jit
-def _codes_kernel(c8, c4, o8, o4, N: tl.constexpr):
+def _codes_kernel(c8, words, o8, lo, hi, N: tl.constexpr, T: tl.constexpr, DP: tl.constexpr):
     i = tl.arange(0, N)
     tl.store(o8 + i, _codes_as_half(tl.load(c8 + i)))
-    tl.store(o4 + i, _nibbles_as_half(tl.load(c4 + i)))
+    w = tl.load(words + tl.arange(0, T)[:, None] * (DP // 8) + tl.arange(0, DP // 8)[None, :])
+    out = tl.arange(0, T)[:, None] * (DP // 2) + tl.arange(0, DP // 2)[None, :]
+    tl.store(lo + out, _word_halves(w & 0x000F000F, (w >> 8) & 0x000F000F, T, DP) - 1024.0)
+    tl.store(hi + out, _word_halves((w >> 4) & 0x000F000F, (w >> 12) & 0x000F000F, T, DP) - 1024.0)
 
 
 @pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "int4", "int8/int4", "int4ch/int4"])
