@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 import torch
 
+from localpd.errors import LocalpdError
+from localpd.load.synthetic import SYNTHETIC
 from localpd.measure.device import device_info, measure_copy_bandwidth
 from localpd.kernels import cpu
 from localpd.kernels.dispatch import int4_matmul_ref, int8_matmul_ref, kmajor_matmul_ref, linear_int4, linear_int8
@@ -247,7 +250,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--predict", action="store_true",
                    help="no timing: compile the model's batch-1 decode GEMVs for each card and predict their share "
                    "of copy bandwidth from the compiled code (no GPU needed; measure/predict.py)")
-    p.add_argument("--model", help="with --predict: the synthetic model's shapes (default llama3-8b)")
+    p.add_argument("--model", choices=sorted(SYNTHETIC), metavar="MODEL",
+                   help="with --predict: the synthetic model's shapes (default llama3-8b; one of %(choices)s)")
     p.add_argument("--cards", help="with --predict: comma-separated card names (default: H100 SXM, H200, RTX 4090)")
     p.add_argument("--kernels", help="with --predict: comma-separated of dp4a, kmajor, dp4a-staged (the integer GEMV "
                    "with its loads staged through shared memory, STAGES 3; default: dp4a,kmajor)")
@@ -264,7 +268,11 @@ def main(argv: list[str]) -> int:
     if args.predict and args.step:
         from localpd.measure import predict_step
 
-        return predict_step.run(args)
+        try:
+            return predict_step.run(args)
+        except LocalpdError as e:
+            print(f"localpd: error: {e}", file=sys.stderr)
+            return 1
     if args.predict and args.attention:
         from localpd.measure import predict_attention
 

@@ -26,11 +26,14 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
+from localpd.errors import LocalpdError
 from localpd.load.synthetic import SYNTHETIC
 from localpd.measure.predict import CARDS, FORMATS, ROUND_TRIP_US, Card, launch_us, predict
 from localpd.measure.predict_attention import predict_attention
 
 HEAD_FORMAT = {"int4-g128": "int8"}  # quant/schemes.head_scheme: int4 schemes keep their output head at int8
+LAYOUTS = ("llama", "qwen2", "phi3")  # the decoders whose layers launch what small_launches counts (Qwen3's qk-norm
+# and Gemma 3's extra norms launch more)
 
 
 @dataclass
@@ -54,6 +57,14 @@ class StepPrediction:
         return 1e6 / self.token_us
 
 
+def check_layout(model: str):
+    """The synthetic model's config, if its layers launch what small_launches counts."""
+    c = SYNTHETIC[model]
+    if c.arch not in LAYOUTS:
+        raise LocalpdError(f"--predict --step models the layers of {', '.join(LAYOUTS)} decoders; {model} is {c.arch}")
+    return c
+
+
 def small_launches(model: str) -> list[tuple[str, int, int, int]]:
     """(name, programs, DRAM bytes, launches a token) of a decode step's small launches, as kernels/fused_dispatch.py
     and kvcache/dispatch.py size their grids for one row."""
@@ -72,12 +83,13 @@ def small_launches(model: str) -> list[tuple[str, int, int, int]]:
 
 
 def small_us(card: Card, programs: int, nbytes: int) -> float:
+    """A small launch's predicted time: its launch, the round trip of its loads, its bytes at copy bandwidth."""
     return launch_us(programs) + ROUND_TRIP_US + nbytes / (card.gbs * 1e9) * 1e6
 
 
 def predict_step(card: Card, model: str = "llama3-8b", fmt: str = "int4-g128", kernel: str = "dp4a",
                  kv: str = "bf16", context: int = 128, table: int | None = None) -> StepPrediction:
-    c = SYNTHETIC[model]
+    c = check_layout(model)
     layers = [r for r in predict(model, [card], {fmt: FORMATS[fmt]}, (kernel,)) if r.linear != "lm_head"]
     head_fmt = HEAD_FORMAT.get(fmt, fmt)
     (head,) = [r for r in predict(model, [card], {head_fmt: FORMATS[head_fmt]}, (kernel,)) if r.linear == "lm_head"]
@@ -97,6 +109,7 @@ def predict_step(card: Card, model: str = "llama3-8b", fmt: str = "int4-g128", k
 def run(args) -> int:
     cards = [c for c in CARDS if not args.cards or any(w.lower() in c.name.lower() for w in args.cards.split(","))]
     model = args.model or "llama3-8b"
+    check_layout(model)
     kernels = (args.kernels or "dp4a,strip").split(",")
     kv = args.kv or "bf16"
     contexts = [int(x) for x in (args.context or "128,4096").split(",")]

@@ -52,3 +52,15 @@ def test_the_strip_gemv_is_predicted_faster_and_a_longer_context_slower(rows):
             assert rows[("strip", fmt, context)]["token_us"] < rows[("dp4a", fmt, context)]["token_us"]
         assert rows[("strip", fmt, 4096)]["attention_us"] > rows[("strip", fmt, 128)]["attention_us"]
     assert rows[("strip", "int4-g128", 128)]["mbu"] > 0.7 > rows[("dp4a", "int4-g128", 128)]["mbu"] > 0.6
+
+
+def test_a_model_of_another_layout_is_refused_in_one_line():
+    """Gemma 3's and Qwen3's layers launch more than a Llama's (extra norms, qk-norm): refused, not mispredicted."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "localpd.cli.main", "bench", "kernels", "--predict", "--step",
+                           "--model", "gemma3-1b"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and done.stdout == "", (done.stdout, done.stderr)
+    assert done.stderr.strip() == ("localpd: error: --predict --step models the layers of llama, qwen2, phi3 "
+                                   "decoders; gemma3-1b is gemma3")
