@@ -30,8 +30,8 @@ from localpd.errors import LocalpdError
 from localpd.load.synthetic import SYNTHETIC
 from localpd.measure.predict import CARDS, FORMATS, ROUND_TRIP_US, Card, launch_us, predict
 from localpd.measure.predict_attention import predict_attention
+from localpd.quant.schemes import head_scheme
 
-HEAD_FORMAT = {"int4-g128": "int8"}  # quant/schemes.head_scheme: int4 schemes keep their output head at int8
 LAYOUTS = ("llama", "qwen2", "phi3")  # the decoders whose layers launch what small_launches counts (Qwen3's qk-norm
 # and Gemma 3's extra norms launch more)
 
@@ -91,7 +91,7 @@ def predict_step(card: Card, model: str = "llama3-8b", fmt: str = "int4-g128", k
                  kv: str = "bf16", context: int = 128, table: int | None = None) -> StepPrediction:
     c = check_layout(model)
     layers = [r for r in predict(model, [card], {fmt: FORMATS[fmt]}, (kernel,)) if r.linear != "lm_head"]
-    head_fmt = HEAD_FORMAT.get(fmt, fmt)
+    head_fmt = head_scheme("lm_head", fmt, tied=False)  # int8 under the int4 schemes
     (head,) = [r for r in predict(model, [card], {head_fmt: FORMATS[head_fmt]}, (kernel,)) if r.linear == "lm_head"]
     att = predict_attention(card, kv, context, c.n_heads, c.n_kv_heads, c.head_dim, table or c.max_context)
     small = small_launches(model)
