@@ -33,9 +33,15 @@ except ImportError:  # an older Triton: launches stay plain
 ENABLED = os.environ.get("LOCALPD_PDL", "1") != "0"  # LOCALPD_PDL=0: every kernel launched plainly (benchmarks)
 
 
+def arch_has_pdl(arch: int) -> bool:
+    """Whether a card of compute capability `arch` (90 for sm_90) takes PDL: sm_90 and later."""
+    return arch >= 90
+
+
 @functools.lru_cache(maxsize=None)
 def _capable(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
+    major, minor = torch.cuda.get_device_capability(index)
+    return arch_has_pdl(10 * major + minor)
 
 
 def pdl(t: torch.Tensor) -> bool:

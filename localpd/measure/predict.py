@@ -43,17 +43,23 @@ LAUNCH_ONE_US = 0.51  # an empty kernel of one program
 LAUNCH_PROGRAMS = 1056  # ... and of LAUNCH_US's 1056 (8 an SM)
 ROUND_TRIP_US = 0.8
 REDUCE_ROUND_TRIPS = 2  # split-K's fenced atomic and the partials' reload
+# A launch's cost more on a card without PDL (sm_86, sm_89: kernels/pdl.py), where a kernel's programs start only
+# once the one before has finished: the H100's GEMVs with PDL off took 0.7-2.2 us more a launch than with it on
+# (gpu_floor.py, 2026-11-26, CUDA-graph replays: 128 x 4096 0.94, o 2.18, qkv 2.19, down 1.66, int8 4096 x 4096
+# 0.69; their mean). Not measured on those cards.
+NO_PDL_US = 1.5
 
 
-def launch_us(programs: int) -> float:
-    """A launch of this many programs, PDL on (LAUNCH_ONE_US to LAUNCH_US, in proportion)."""
+def launch_us(programs: int, pdl: bool = True) -> float:
+    """A launch of this many programs, PDL on (LAUNCH_ONE_US to LAUNCH_US, in proportion); NO_PDL_US more where
+    the card has no PDL."""
     share = (min(programs, LAUNCH_PROGRAMS) - 1) / (LAUNCH_PROGRAMS - 1)
-    return LAUNCH_ONE_US + (LAUNCH_US - LAUNCH_ONE_US) * max(0.0, share)
+    return LAUNCH_ONE_US + (LAUNCH_US - LAUNCH_ONE_US) * max(0.0, share) + (0.0 if pdl else NO_PDL_US)
 
 
-def floor_us(split: int, programs: int = LAUNCH_PROGRAMS) -> float:
+def floor_us(split: int, programs: int = LAUNCH_PROGRAMS, pdl: bool = True) -> float:
     """The predicted time above a GEMV's bytes for a launch of `split` slices of K and `programs` programs."""
-    return launch_us(programs) + ROUND_TRIP_US * (1 + (REDUCE_ROUND_TRIPS if split > 1 else 0))
+    return launch_us(programs, pdl) + ROUND_TRIP_US * (1 + (REDUCE_ROUND_TRIPS if split > 1 else 0))
 
 
 LATENCY_US = 0.7  # DRAM latency a load waits, for Little's law (issue 32: 2.95 TB/s x 0.7 us / 132 = 16 KB an SM)
@@ -72,6 +78,13 @@ class Card:
     shared_kb: int  # shared memory an SM gives its programs (CUDA's occupancy tables)
     max_programs: int = 32  # resident blocks an SM (CUDA's tables: 9.0 32, 8.9 24, 8.6 16; 12.0 taken as 24)
     max_threads: int = 2048  # resident threads an SM (1536 on 8.6, 8.9 and 12.0)
+
+    @property
+    def pdl(self) -> bool:
+        """Whether its kernels take programmatic dependent launch (kernels/pdl.py)."""
+        from localpd.kernels.pdl import arch_has_pdl
+
+        return arch_has_pdl(self.arch)
 
     def budget(self) -> float:
         """Instruction slots per 4-byte word at full bandwidth."""
@@ -235,7 +248,7 @@ def predict(model: str = "llama3-8b", cards=CARDS, formats=FORMATS, kernels=("dp
                     trip_bytes = launch.words_per_thread * 4 * launch.threads * (1 + int(launch.prefetch))
                     in_flight = int(resident * trip_bytes)
                     eff = card.efficiency(stats.per_word, in_flight)
-                    seconds = floor_us(split, programs) * 1e-6 + nbytes / (eff * card.gbs * 1e9)
+                    seconds = floor_us(split, programs, card.pdl) * 1e-6 + nbytes / (eff * card.gbs * 1e9)
                     rows.append(Prediction(card.name, kernel, fmt, name, n, k, programs, split,
                                            round(programs / (fit * card.sms), 2), nbytes // programs,
                                            f"{wide}/{weight_wide}", in_flight, stats.per_word, stats.registers,
@@ -256,13 +269,14 @@ def run(args) -> int:
     rows = predict(args.model or "llama3-8b", cards, kernels=kernels)
     print(f"# {args.model or 'llama3-8b'}: batch-1 decode GEMVs compiled per card, no GPU used: "
           f"{'; '.join(named[k] for k in kernels)}; model: time = launch ({LAUNCH_ONE_US} us for one program to "
-          f"{LAUNCH_US} for {LAUNCH_PROGRAMS} and more, in proportion) + {ROUND_TRIP_US} us x (1 + "
+          f"{LAUNCH_US} for {LAUNCH_PROGRAMS} and more, in proportion; {NO_PDL_US} us more without PDL) + "
+          f"{ROUND_TRIP_US} us x (1 + "
           f"{REDUCE_ROUND_TRIPS} with split-K) + bytes / (efficiency x bandwidth), efficiency = min(1, budget / "
           f"instructions a word, in flight / (bandwidth x {LATENCY_US} us / "
           f"SMs))")
     for card in cards:
         print(f"#   {card.name} sm_{card.arch}: {card.sms} SMs, {card.gbs} GB/s ({card.source}), "
-              f"{card.budget():.0f} instruction slots a word")
+              f"{card.budget():.0f} instruction slots a word{'' if card.pdl else ', no PDL'}")
     print(f"{'card':>9} {'kernel':>11} {'format':>9} {'linear':>8} {'N':>6} {'K':>6} {'programs':>8} {'split':>5} {'waves':>5} "
           f"{'KB/prog':>7} {'16B ld':>6} "
           f"{'KB flight/SM':>12} {'instr/word':>10} {'regs':>4} {'spill':>5} {'bar':>3} {'predicted':>9}")
@@ -273,7 +287,8 @@ def run(args) -> int:
               f"{r.predicted:>5.0%} {r.predicted_us:5.1f}us")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model or "llama3-8b", "launch_us": LAUNCH_US, "round_trip_us": ROUND_TRIP_US,
+            json.dump({"model": args.model or "llama3-8b", "launch_us": LAUNCH_US, "no_pdl_us": NO_PDL_US,
+                       "round_trip_us": ROUND_TRIP_US,
                        "reduce_round_trips": REDUCE_ROUND_TRIPS, "latency_us": LATENCY_US,
                        "cards": [asdict(c) for c in cards], "rows": [asdict(r) for r in rows]}, f, indent=1)
     return 0

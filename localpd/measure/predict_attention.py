@@ -124,7 +124,8 @@ def predict_attention(card: Card, kv_dtype: str, context: int, n_heads: int = 32
     waited, waits = in_trip_loads(loop_body(cuobjdump(kernel.asm["cubin"])), cover)
     eff = card.efficiency(stats.per_word, resident * AHEAD * block_t * per_token / n_kv_heads)
     nbytes = context * per_token
-    launches = launch_us(programs) + launch_us(n_heads) + 2 * ROUND_TRIP_US  # the decode kernel's, its reduce's
+    # the decode kernel's launch and its reduce's, each with its first round trip
+    launches = launch_us(programs, card.pdl) + launch_us(n_heads, card.pdl) + 2 * ROUND_TRIP_US
     us = launches + ROUND_TRIP_US * trips * waits + nbytes / (eff * card.gbs * 1e9) * 1e6
     return AttentionPrediction(card.name, kv_dtype, context, programs, trips, nbytes, stats.per_word,
                                stats.registers, stats.spilled, waited, waits, us)

@@ -84,7 +84,7 @@ def small_launches(model: str) -> list[tuple[str, int, int, int]]:
 
 def small_us(card: Card, programs: int, nbytes: int) -> float:
     """A small launch's predicted time: its launch, the round trip of its loads, its bytes at copy bandwidth."""
-    return launch_us(programs) + ROUND_TRIP_US + nbytes / (card.gbs * 1e9) * 1e6
+    return launch_us(programs, card.pdl) + ROUND_TRIP_US + nbytes / (card.gbs * 1e9) * 1e6
 
 
 def predict_step(card: Card, model: str = "llama3-8b", fmt: str = "int4-g128", kernel: str = "dp4a",

@@ -107,3 +107,15 @@ def test_the_strip_gemv_is_predicted_at_issue_32s_targets_in_programs_of_16_outp
     assert llama["o"]["programs"] == llama["down"]["programs"] == 256, llama
     for name, target in (("qkv", 0.6), ("o", 0.6), ("gate_up", 0.85), ("down", 0.85), ("lm_head", 0.85)):
         assert llama[name]["predicted"] >= target, llama[name]
+
+
+def test_a_card_without_pdl_pays_more_a_launch():
+    """sm_86 and sm_89 have no programmatic dependent launch (kernels/pdl.py), so each launch is predicted
+    NO_PDL_US dearer there (the H100's GEMVs with PDL off: 0.7-2.2 us more)."""
+    from localpd.measure.predict import CARDS, NO_PDL_US, floor_us, launch_us
+
+    assert {c.name: c.pdl for c in CARDS} == {"H100 SXM": True, "H200": True, "RTX 5090": True, "RTX 4090": False,
+                                              "RTX 3090": False}
+    for programs in (1, 256, 1056, 4096):
+        assert launch_us(programs, pdl=False) == pytest.approx(launch_us(programs) + NO_PDL_US)
+    assert floor_us(4, 1056, pdl=False) - floor_us(4, 1056) == pytest.approx(NO_PDL_US)
