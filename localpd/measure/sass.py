@@ -77,31 +77,28 @@ def cuobjdump(cubin: bytes) -> str:
                               capture_output=True, text=True, check=True).stdout
 
 
-def loop_body(sass: str) -> list[str]:
-    """The whole instructions (opcode and operands, predicate dropped) of the largest loop body (a backward branch
-    and everything from its target to it)."""
-    code = [(int(a, 16), op.strip()) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    best: list[str] = []
+def _loops(sass: str) -> list[list[tuple[int, str]]]:
+    """Each loop body (a backward branch and everything from its target to it) as its (address, instruction)
+    pairs, the instructions' predicates dropped."""
+    code = [(int(a, 16), re.sub(r"^@!?U?P\w+\s+", "", op.strip()))
+            for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    loops = []
     for addr, op in code:
         jump = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", op)
         if jump and int(jump.group(1), 16) < addr:
-            body = [re.sub(r"^@!?U?P\w+\s+", "", o) for a, o in code if int(jump.group(1), 16) <= a <= addr]
-            best = max(best, body, key=len)
-    return best
+            loops.append([(a, o) for a, o in code if int(jump.group(1), 16) <= a <= addr])
+    return loops
+
+
+def loop_body(sass: str) -> list[str]:
+    """The whole instructions (opcode and operands, predicate dropped) of the largest loop body."""
+    return max(([op for _, op in body] for body in _loops(sass)), key=len, default=[])
 
 
 def local_in_loops(sass: str) -> int:
-    """Local-memory loads and stores (LDL, STL: spilled registers) inside any loop body (from a backward branch's
-    target to it): the spills that cost every trip, where one stored before a loop and reloaded after it costs a
-    program two accesses."""
-    code = [(int(a, 16), op.strip()) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    inside = set()
-    for addr, op in code:
-        jump = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", op)
-        if jump and int(jump.group(1), 16) < addr:
-            inside.update(a for a, o in code if int(jump.group(1), 16) <= a <= addr
-                          and re.sub(r"^@!?U?P\w+\s+", "", o).startswith(("LDL", "STL")))
-    return len(inside)
+    """Local-memory loads and stores (LDL, STL: spilled registers) inside any loop body: the spills that cost every
+    trip, where one stored before a loop and reloaded after it costs a program two accesses."""
+    return len({a for body in _loops(sass) for a, op in body if op.startswith(("LDL", "STL"))})
 
 
 def main_loop(sass: str) -> list[str]:
