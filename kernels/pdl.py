@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from localpd.kernels.dispatch import triton_interpreting
+from localpd.kernels.dispatch import device_arch, triton_interpreting
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -40,8 +40,7 @@ def arch_has_pdl(arch: int) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _capable(index: int) -> bool:
-    major, minor = torch.cuda.get_device_capability(index)
-    return arch_has_pdl(10 * major + minor)
+    return arch_has_pdl(device_arch(torch.device("cuda", index)))
 
 
 def pdl(t: torch.Tensor) -> bool:
