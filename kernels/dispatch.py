@@ -27,6 +27,7 @@ from localpd.quant.int4k import Int4KWeight
 from localpd.quant.int5 import Int5KWeight, Int5Weight
 from localpd.quant.int6k import Int3KWeight, Int6KWeight
 from localpd.quant.kmajor import KMajorWeight, KStripWeight
+from localpd.quant.tinygemm import TinyGemmInt4, tinygemm_matmul
 from localpd.quant.weights import Int4Weight, Int8Weight
 
 GEMV_MAX_M = 16  # the most rows the GEMV path takes (it is the default only up to quant_matmul.GEMV_AUTO_M)
@@ -388,6 +389,16 @@ def linear_kstrip(x: torch.Tensor, w: KStripWeight, bias: torch.Tensor | None = 
         return y if n is None else (y, s)
 
     return _linear(x, w.shape, run, gated, norm)
+
+
+def linear_tinygemm(x: torch.Tensor, w: TinyGemmInt4, bias: torch.Tensor | None = None, gated: str | None = None,
+                    norm: PreNorm | None = None):
+    """linear_int4 for a weight in torch's tinygemm layout (quant/tinygemm.py, the per-shape fallback of
+    kernels/tinygemm.py): torch's kernel for every row count, after the input step (RMSNorm, SiLU * up) in a kernel
+    of its own, as for the float K-major GEMV."""
+    return _linear(x, w.shape, lambda x2, n: _after_input_step(x2, n, gated,
+                                                               lambda h: _plus(tinygemm_matmul(h, w), bias)),
+                   gated, norm)
 
 
 def as_int4(w: Int4KWeight) -> Int4Weight:

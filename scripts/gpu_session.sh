@@ -5,7 +5,8 @@
 #   ncugemv tilesab stagedab kvsplits (all of test_decode_attention.py) floor actsab kvprefill (prefill attention
 #   over each KV format, a 512-token chunk after 4k/32k)
 #   int8actsab halfab (the decode attention's float16 values, A/B) strip (kernels/gemv_strip.py: tests, GEMVs)
-#   stripsweep (its tiles per shape) stripab (the model in strips against K-major, end to end)
+#   stripsweep (its tiles per shape) stripab (the model in strips against K-major, end to end); kernels also writes
+#   kernels/tinygemm_faster.json (the shapes the model hands to tinygemm on this card) and returns it
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -86,7 +87,9 @@ json.dump(t, open('/tmp/tiles_int8acts.json', 'w'), indent=1)"
                --short --repeats 5; done ;;
   ncugemv) TAIL=200 stage ncu_gemv 200 ncu --profile-from-start off --section SpeedOfLight --section Occupancy \
              --section LaunchStats --section WarpStateStats python3 scripts/ncu_gemv.py --formats int4-g128,int8 ;;
-  kernels) stage bench_kernels 200 localpd bench kernels --json "$OUT/bench_kernels.json" ;;
+  kernels) stage bench_kernels 200 localpd bench kernels --json "$OUT/bench_kernels.json" \
+             --tinygemm-table kernels/tinygemm_faster.json  # where tinygemm ran faster (kernels/tinygemm.py)
+           cp kernels/tinygemm_faster.json "$OUT/" ;;
   kmsweep) TAIL=14 stage sweep_kmajor 300 python3 scripts/sweep_kmajor.py --json "$OUT/sweep_kmajor.json" ;;
   kernels1) TAIL=12 stage bench_kernels_m1 200 localpd bench kernels --m 1,4 \
               --formats "int4-g128 K-major,int8 K-major,int4-g128 strips,int8 strips" --json "$OUT/bench_kernels_m1.json" ;;
@@ -117,7 +120,8 @@ json.dump(t, open('/tmp/tiles_int8acts.json', 'w'), indent=1)"
              -p no:cacheprovider -rf --tb=short tests/kernels/test_decode_attention.py -k "reduce_rounds or long_contexts" ;;
   kvfull) TAIL=30 stage bench_kv_full 400 python3 scripts/bench_kv.py --model synthetic:llama3-8b --contexts 4096 --streams 2 ;;
   strip) TO="-s INT" stage gpu_strip_tests 120 env LOCALPD_TEST_DEVICE=cuda python3 -m pytest -q -n 8 -W ignore \
-           -p no:cacheprovider -rf --tb=short tests/kernels/test_gemv_strip.py  # the GEMV over strips, its layout
+           -p no:cacheprovider -rf --tb=short tests/kernels/test_gemv_strip.py tests/quant/test_tinygemm.py  # the GEMV over
+           # strips, its layout; tinygemm's layout (quant/tinygemm.py) on the CUDA kernel
          stage gpu_check_strips 150 env LOCALPD_GEMV=strip python3 scripts/gpu_check.py  # the model in strips
          TAIL=24 stage bench_strip 200 python3 scripts/bench_strip.py --json "$OUT/bench_strip.json" ;;  # against dp4a
   stripsweep) TAIL=12 stage sweep_strip 240 python3 scripts/bench_strip.py --tiles --table kernels/gemv_strip_tiles.json

@@ -14,6 +14,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -21,9 +22,11 @@ from localpd.errors import LocalpdError
 from localpd.load.synthetic import SYNTHETIC
 from localpd.measure.device import device_info, measure_copy_bandwidth
 from localpd.kernels import cpu
+from localpd.kernels import tinygemm as tinygemm_table
 from localpd.kernels.dispatch import int4_matmul_ref, int8_matmul_ref, kmajor_matmul_ref, linear_int4, linear_int8
 from localpd.model.linear import KERNELS
 from localpd.quant.kmajor import KMajorWeight, KStripWeight, to_kmajor, to_strips
+from localpd.quant.tinygemm import tinygemm_matmul, to_tinygemm
 from localpd.quant.weights import Int4Weight, Int8Weight
 
 # Llama-3-8B: (name, N, K) with q/k/v and gate/up fused as localpd runs them
@@ -129,16 +132,11 @@ def cpu_time(fns: list) -> float:
 
 
 def tinygemm(w_dense: torch.Tensor, group: int):
-    """torch's int4 kernel (gpt-fast's): packing API differs across torch versions, tried in turn."""
+    """torch's int4 kernel (gpt-fast's) over random int4 codes of w_dense's shape, held as a model holds its
+    fallback (quant/tinygemm.py)."""
     n, k = w_dense.shape
-    q = torch.randint(0, 16, (n, k), dtype=torch.int32, device=w_dense.device)
-    try:
-        packed = torch.ops.aten._convert_weight_to_int4pack(((q[:, ::2] << 4) | q[:, 1::2]).to(torch.uint8), 8)
-    except RuntimeError:
-        packed = torch.ops.aten._convert_weight_to_int4pack(q, 8)
-    sz = torch.rand(k // group, n, 2, device=w_dense.device, dtype=torch.bfloat16) * 0.01
-    nbytes = n * k // 2 + sz.numel() * 2
-    return (lambda x: torch.ops.aten._weight_int4pack_mm(x, packed, group, sz)), nbytes
+    w = to_tinygemm(random_int4(n, k, group, w_dense.device), torch.bfloat16)
+    return (lambda x: tinygemm_matmul(x, w)), w.nbytes
 
 
 def bnb_nf4(w_dense: torch.Tensor):
@@ -153,6 +151,8 @@ def bnb_nf4(w_dense: torch.Tensor):
 def run(args) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     gpu = device.type == "cuda"
+    if args.tinygemm_table and not gpu:
+        raise LocalpdError("--tinygemm-table needs a GPU: it records where tinygemm ran faster on that card")
     scale = 1 if gpu else 16
     ms = [int(m) for m in args.m.split(",")] if args.m else (MS if gpu else (1, 16))
     dtype = torch.bfloat16 if gpu else torch.float32
@@ -189,6 +189,10 @@ def run(args) -> int:
             else:
                 got, ref = linear_int8(x, w), int8_matmul_ref(x, w.data, w.scales, w.group)
             errors[label] = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+        if gpu:  # the fallback's layout (quant/tinygemm.py) against the int4 weight it was made from
+            w, x = random_int4(n, k, 128, device), torch.randn(max(ms), k, device=device, dtype=dtype)
+            got, ref = tinygemm_matmul(x, to_tinygemm(w, dtype)), int4_matmul_ref(x, w.packed, w.scales, w.biases, 128)
+            errors["tinygemm"] = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
         dense = "torch bf16" if gpu else "torch fp32"
         dense_ws = [w_dense] + [w_dense.clone() for _ in range(copies_for(w_dense.nbytes, device) - 1)]
         peers = {dense: ([lambda x, w=w: torch.nn.functional.linear(x, w) for w in dense_ws], w_dense.nbytes)}
@@ -219,6 +223,11 @@ def run(args) -> int:
                     cells[label] = f"n/a ({type(e).__name__})"
             rows.append({"shape": name, "n": n, "k": k, "m": m, "cells": cells, "rel_err": errors})
             print_row(rows[-1], copy_bw)
+    if args.tinygemm_table:
+        entries = tinygemm_table.wins(rows)
+        tinygemm_table.write(Path(args.tinygemm_table), info.name, entries)
+        print(f"# {args.tinygemm_table}: on {info.name} tinygemm measured faster than "
+              + ("; ".join(f"{g}: {', '.join(e)}" for g, e in entries.items()) or "neither GEMV on any shape"))
     if args.json:
         out = [{**r, "cells": {k: (list(v) if isinstance(v, tuple) else v) for k, v in r["cells"].items()}}
                for r in rows]
@@ -247,6 +256,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--formats", help="comma-separated formats of ours to time (default all: int4-g128, int4-g32, "
                    "int8, and on a GPU int4-g128 K-major, int8 K-major)")
     p.add_argument("--json", help="write the rows as JSON")
+    p.add_argument("--tinygemm-table", metavar="PATH",
+                   help="on a GPU: write this card's shapes where tinygemm ran faster than our GEMVs into the table at "
+                   "PATH (kernels/tinygemm_faster.json is the model's: kernels/tinygemm.py)")
     p.add_argument("--predict", action="store_true",
                    help="no timing: compile the model's batch-1 decode GEMVs for each card and predict their share "
                    "of copy bandwidth from the compiled code (no GPU needed; measure/predict.py)")
@@ -281,4 +293,8 @@ def main(argv: list[str]) -> int:
         from localpd.measure import predict
 
         return predict.run(args)
-    return run(args)
+    try:
+        return run(args)
+    except LocalpdError as e:
+        print(f"localpd: error: {e}", file=sys.stderr)
+        return 1

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from localpd.kernels.dispatch import (PreNorm, kmajor_rounding, kstrip_rounding, linear_bnb_int8, linear_bnb_nf4,
                                      linear_codebook, linear_int4, linear_int4k, linear_int5, linear_int8,
-                                     linear_kmajor, linear_kstrip)
+                                     linear_kmajor, linear_kstrip, linear_tinygemm)
 from localpd.kernels.fused_dispatch import act_mul, add_rms_norm
 from localpd.quant.bnb import BnbInt8Weight, Nf4Weight
 from localpd.quant.codebook import CODEBOOK_TYPES
@@ -20,6 +20,7 @@ from localpd.quant.int4k import Int4KWeight
 from localpd.quant.int5 import Int5KWeight, Int5Weight
 from localpd.quant.int6k import Int3KWeight, Int6KWeight
 from localpd.quant.kmajor import KMajorInt4, KMajorInt8, KStripInt4, KStripInt8
+from localpd.quant.tinygemm import TinyGemmInt4
 from localpd.quant.weights import Int4Weight, Int8Weight, Weight, cat_rows, weight_nbytes
 
 
@@ -46,6 +47,7 @@ KERNELS: dict[type, Kernel] = {
     KMajorInt8: Kernel(linear_kmajor, fuses=True, rounding=kmajor_rounding),  # (to_gpu_layout)
     KStripInt4: Kernel(linear_kstrip, fuses=True, rounding=kstrip_rounding),  # the same in strips of 4 outputs
     KStripInt8: Kernel(linear_kstrip, fuses=True, rounding=kstrip_rounding),
+    TinyGemmInt4: Kernel(linear_tinygemm, fuses=True),  # torch's int4 kernel where measured faster (kernels/tinygemm.py)
     Nf4Weight: Kernel(linear_bnb_nf4),
     BnbInt8Weight: Kernel(linear_bnb_int8),
 }

@@ -28,6 +28,7 @@ from localpd.quant.int4k import Int4KWeight
 from localpd.quant.int5 import Int5KWeight, Int5Weight
 from localpd.quant.int6k import Int3KWeight, Int6KWeight
 from localpd.quant.kmajor import to_kmajor, to_strips
+from localpd.quant.tinygemm import to_tinygemm
 from localpd.kvcache.formats import KVPool
 from localpd.quant.weights import Int4Weight, Int8Weight
 from localpd.quant.weights import take_rows, weight_nbytes
@@ -127,6 +128,28 @@ def rope_tables(config: ModelConfig, rope_freqs: torch.Tensor | None = None,
     return torch.cat((inv, pad)).float(), scale
 
 
+def gpu_form(w, card: str, strips: bool, dtype: torch.dtype, rows_read: bool = False):
+    """An int4/int8 matrix (int4-k's as its int4 groups, a codebook's as its int8 values, a 5- or 6-bit one's as its
+    nearest int8) in the K-major layout the batch-1 GEMV streams (quant/kmajor.py), in strips of 4 outputs where
+    kernels/gemv_strip.py's GEMV decodes on this card (strips: holds_strips), or in torch's tinygemm layout where
+    kernels/tinygemm.py's table says tinygemm ran this shape faster on this card than that GEMV (not for a matrix
+    whose rows are read, rows_read: a tied head's embedding lookup); any other weight as it is."""
+    from localpd.kernels import gemv_strip, tinygemm
+    from localpd.kernels.gemv_kmajor import takes  # imports Triton
+
+    if isinstance(w, Int4KWeight):
+        w = as_int4(w)
+    elif isinstance(w, (CodebookWeight, Int5Weight, Int5KWeight, Int6KWeight, Int3KWeight)):
+        w = as_int8(w)
+    bits = 4 if isinstance(w, Int4Weight) else 8 if isinstance(w, Int8Weight) else 0
+    if not bits or not takes(w.shape, bits, w.group):  # else the row-major kernels, as before
+        return w
+    in_strips = strips and gemv_strip.takes(w.shape, bits, w.group)
+    if bits == 4 and not rows_read and tinygemm.holds(card, "strip" if in_strips else "kmajor", w, dtype):
+        return to_tinygemm(w, dtype)
+    return to_strips(w) if in_strips else to_kmajor(w)
+
+
 class Transformer:
     # False runs the steps between the matmuls as kernels of their own (RMSNorm, SiLU * mul, RoPE, the K and V
     # writes), as before the fusions: for measuring what the fusions save (scripts/bench_decode_peers.py)
@@ -192,28 +215,17 @@ class Transformer:
                                + [self.embed])  # a StackedLinear (int4 beside int8) gathers each of its parts
 
     def _to_gpu_layout(self) -> None:
-        """Every int4/int8 matrix (int4-k's as its int4 groups, a codebook's as its int8 values, a 5- or 6-bit one's
-        as its nearest int8) moved to the K-major layout the batch-1 GEMV streams (quant/kmajor.py), in strips of 4
-        outputs where kernels/gemv_strip.py's GEMV decodes on this card (holds_strips); a tied output head keeps one
-        copy, which the embedding lookup reads too."""
+        """Every int4/int8 matrix moved to the layout the GPU's batch-1 GEMV streams (gpu_form); a tied output head
+        keeps one copy, which the embedding lookup reads too."""
         from localpd.kernels import gemv_strip
-        from localpd.kernels.gemv_kmajor import takes  # imports Triton
 
         strips = gemv_strip.holds_strips(self.device)
-
+        card = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else ""  # "": tests, interpreted
         tied = self.lm_head.weight is self.embed
         linears = [lin for L in self.layers for lin in (L.qkv, L.o, L.gate_up, L.down)] + [self.lm_head]
         for lin in linears:
             for part in getattr(lin, "parts", [lin]):
-                w = part.weight
-                if isinstance(w, Int4KWeight):
-                    w = as_int4(w)
-                elif isinstance(w, (CodebookWeight, Int5Weight, Int5KWeight, Int6KWeight, Int3KWeight)):
-                    w = as_int8(w)
-                bits = 4 if isinstance(w, Int4Weight) else 8 if isinstance(w, Int8Weight) else 0
-                if bits and takes(w.shape, bits, w.group):  # else the row-major kernels, as before
-                    in_strips = strips and gemv_strip.takes(w.shape, bits, w.group)
-                    part.weight = to_strips(w) if in_strips else to_kmajor(w)
+                part.weight = gpu_form(part.weight, card, strips, self.dtype, rows_read=tied and lin is self.lm_head)
         if tied:
             self.embed = self.lm_head.weight
 

@@ -67,6 +67,14 @@ def test_bench_kernels_without_a_gpu_runs_the_cpu_path_and_says_so(tmp_path, cap
     assert "CPU path: localpd kernels" in text
 
 
+def test_bench_kernels_writes_no_tinygemm_table_without_a_gpu(tmp_path, capsys):
+    """The table says where tinygemm ran faster on a card (kernels/tinygemm.py): the CPU measures no card."""
+    out = tmp_path / "t.json"
+    assert main(["bench", "kernels", "--device", "cpu", "--tinygemm-table", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--tinygemm-table needs a GPU" in err and not out.exists()
+
+
 def test_a_chained_benchmark_counts_one_token_a_pass(default_gguf, monkeypatch):
     """A decode step that chains 4 steps (Engine._chain) writes 4 tokens in 4 passes over the weights: the bench
     point's tokens a pass stay 1 at batch 1 and 2, not the tokens a step."""
