@@ -1347,6 +1347,33 @@ static inline __attribute__((always_inline)) void gemv4_as(const gemm_args *a, w
             }
         }
         for (int b = full; b < nb; b++) gemv4_block(a, f, w, b, b & 3, ds, tab, acc);
+    } else if (f.lut && !f.top && !f.high) { /* a codebook: a pair of blocks a row from its one 32-byte load, split
+                                               * into the two blocks' codes by constant shifts, where each block
+                                               * loaded the pair again and shifted it by a count (gemv4_block's
+                                               * codebook_block: 27 instructions a block a row, 12 here), the sums in
+                                               * gemv4_block's order */
+        const __m256i m = _mm256_set1_epi8(15), tab2 = _mm256_broadcastsi128_si256(tab);
+        const int fc = K / 32;
+        for (int b = 0; b + 2 <= nb; b += 2) {
+            const int16_t *x = a->x16 + b * 32;
+            __m256i x00 = _mm256_loadu_si256((const __m256i *)x), x01 = _mm256_loadu_si256((const __m256i *)(x + 16));
+            __m256i x10 = _mm256_loadu_si256((const __m256i *)(x + 32));
+            __m256i x11 = _mm256_loadu_si256((const __m256i *)(x + 48));
+            prefetch_run(w[0], b * 64, 128);
+#pragma GCC unroll 4
+            for (int r = 0; r < 4; r++) {
+                __m256i raw = _mm256_loadu_si256((const __m256i *)(w[r] + b * 16));
+                __m256i v0 = _mm256_shuffle_epi8(tab2, _mm256_and_si256(raw, m));
+                __m256i v1 = _mm256_shuffle_epi8(tab2, _mm256_and_si256(_mm256_srli_epi16(raw, 4), m));
+                __m256i p0 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(v0)), x00),
+                                              _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(v0, 1)), x01));
+                __m256i p1 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(v1)), x10),
+                                              _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(v1, 1)), x11));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(ds[r * fc + b]), acc[r]);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(ds[r * fc + b + 1]), acc[r]);
+            }
+        }
+        if (nb & 1) gemv4_block(a, f, w, nb - 1, (nb - 1) & 3, ds, tab, acc); /* a last odd block: 16 bytes */
     } else if (f.top) {
         for (int b = 0; b < nb; b += 4) {
             gemv4_block(a, f, w, b, 0, ds, tab, acc);
@@ -1393,21 +1420,27 @@ static __attribute__((noinline)) void gemv4(const gemm_args *a, int n, const flo
  * format (gemm16x). */
 #define AVX2_ROWS 8
 /* gemm_tile16_as's step: block b (j = b & 3) of weight row wrow against the MM rows into their sums acc. */
-static inline __attribute__((always_inline)) void tile16_block(const gemm_args *a, wfmt f, const uint8_t *wrow,
-                                                                 int b, int j, int m0, const int MM, const float *ds,
-                                                                 __m128i tab, __m256 *acc) {
+/* tile16_block's products: block b's codes w0, w1 (widen16_as's) against the MM rows into their sums acc. */
+static inline __attribute__((always_inline)) void tile16_widened(const gemm_args *a, wfmt f, int b, int m0,
+                                                                   const int MM, const float *ds, __m256i w0,
+                                                                   __m256i w1, __m256 *acc) {
     int K = a->K, fc = f.sc16 ? K / 16 : K / 32;
-    size_t step = f.b4 ? 16 : 32;
-    __m256i w0, w1;
-    prefetch_run(wrow, b * step, step);
-    prefetch_fifth_as(a, f, wrow, b * step, step);
-    widen16_as(a, f, wrow, b, j, tab, &w0, &w1);
     for (int m = 0; m < MM; m++) {
         const int16_t *x = a->x16 + (size_t)(m0 + m) * K + b * 32;
         __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)x)),
                                      _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(x + 16))));
         acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), block_factor_as(f, ds + m * fc, b), acc[m]);
     }
+}
+static inline __attribute__((always_inline)) void tile16_block(const gemm_args *a, wfmt f, const uint8_t *wrow,
+                                                                 int b, int j, int m0, const int MM, const float *ds,
+                                                                 __m128i tab, __m256 *acc) {
+    size_t step = f.b4 ? 16 : 32;
+    __m256i w0, w1;
+    prefetch_run(wrow, b * step, step);
+    prefetch_fifth_as(a, f, wrow, b * step, step);
+    widen16_as(a, f, wrow, b, j, tab, &w0, &w1);
+    tile16_widened(a, f, b, m0, MM, ds, w0, w1, acc);
 }
 static inline __attribute__((always_inline)) void gemm_tile16_as(const gemm_args *a, wfmt f, int n, int m0,
                                                                   const int MM, const float *ds, const float *extra) {
@@ -1423,6 +1456,19 @@ static inline __attribute__((always_inline)) void gemm_tile16_as(const gemm_args
             tile16_block(a, f, wrow, b + 2, 2, m0, MM, ds, tab, acc);
             tile16_block(a, f, wrow, b + 3, 3, m0, MM, ds, tab, acc);
         }
+    } else if (f.lut && !f.top && !f.high) { /* a codebook: a pair of blocks from one load (gemv4_as's) */
+        const __m256i m15 = _mm256_set1_epi8(15), tab2 = _mm256_broadcastsi128_si256(tab);
+        for (int b = 0; b + 2 <= nb; b += 2) {
+            prefetch_run(wrow, b * 16, 32);
+            __m256i raw = _mm256_loadu_si256((const __m256i *)(wrow + b * 16));
+            __m256i v = _mm256_shuffle_epi8(tab2, _mm256_and_si256(raw, m15));
+            tile16_widened(a, f, b, m0, MM, ds, _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v)),
+                           _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1)), acc);
+            v = _mm256_shuffle_epi8(tab2, _mm256_and_si256(_mm256_srli_epi16(raw, 4), m15));
+            tile16_widened(a, f, b + 1, m0, MM, ds, _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v)),
+                           _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1)), acc);
+        }
+        if (nb & 1) tile16_block(a, f, wrow, nb - 1, (nb - 1) & 3, m0, MM, ds, tab, acc);
     } else {
         for (int b = 0; b < nb; b++) tile16_block(a, f, wrow, b, b & 3, m0, MM, ds, tab, acc);
     }

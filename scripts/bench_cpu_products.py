@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from localpd.kernels import cpu
+from localpd.quant.codebook import IQ4Weight
 from localpd.quant.int4k import Int4KWeight
 from localpd.quant.int5 import Int5Weight
 from localpd.quant.int6k import Int6KWeight
@@ -54,13 +55,22 @@ def random_q5(w: torch.Tensor) -> Int5Weight:
                                  (torch.rand(n, k // 32, generator=g) * -0.1).half())
 
 
+def random_iq4(w: torch.Tensor) -> IQ4Weight:
+    """Random IQ4_NL / IQ4_XS codes and scales of w's shape."""
+    n, k = w.shape
+    g = torch.Generator().manual_seed(n * k)
+    return IQ4Weight(torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8),
+                     (torch.rand(n, k // 32, generator=g) * 1e-2).half())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--against", required=True, help="another cpu_kernels.c, e.g. `git show main:kernels/cpu_kernels.c`")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--kind", choices=("int4", "int4k", "q5", "q6k", "int8"), default="int4",
+    ap.add_argument("--kind", choices=("int4", "int4k", "q5", "q6k", "int8", "iq4"), default="int4",
                     help="int4: Q4_1's (groups of 32 with biases); int4k: Q4_K's (their scales quantized a "
-                         "super-block); q5: Q5_1's (every 5-bit type's products); q6k: Q6_K's")
+                         "super-block); q5: Q5_1's (every 5-bit type's products); q6k: Q6_K's; iq4: IQ4_NL's "
+                         "and IQ4_XS's (codebook)")
     ap.add_argument("--reps", type=int, default=8)
     ap.add_argument("--rows", default=ROWS)
     ap.add_argument("--march", default="native", help="the processor both sources are built for")
@@ -73,7 +83,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     make = {"int4": lambda w: Int4Weight.quantize_rtn(w, 32), "int8": lambda w: Int8Weight.quantize(w, 32),
             "int4k": lambda w: Int4KWeight.from_int4(Int4Weight.quantize_rtn(w, 32)), "q5": random_q5,
-            "q6k": random_q6k}[args.kind]
+            "q6k": random_q6k, "iq4": random_iq4}[args.kind]
     weights = [make(torch.randn(n, k, generator=g)) for n, k in SHAPES[args.shapes]]
     rows = [int(r) for r in args.rows.split(",")]
     inputs = {m: [torch.randn(m, k, generator=g) for _, k in SHAPES[args.shapes]] for m in rows}
