@@ -1262,6 +1262,16 @@ static inline __m128i lut_table(const gemm_args *a) {
     return a->lut ? _mm_loadu_si128((const __m128i *)a->lut) : _mm_setzero_si128();
 }
 
+/* Block `second` (0 or 1, a constant) of a codebook pair whose 32 bytes are raw (codebook_code's layout), looked up in
+ * tab2 (lut_table's, in both lanes) and widened to int16 as widen16_as's: w0 its columns 0-15, w1 16-31. */
+static inline __attribute__((always_inline)) void codebook_pair_block(__m256i raw, int second, __m256i tab2,
+                                                                        __m256i *w0, __m256i *w1) {
+    __m256i codes = _mm256_and_si256(second ? _mm256_srli_epi16(raw, 4) : raw, _mm256_set1_epi8(15));
+    __m256i v = _mm256_shuffle_epi8(tab2, codes);
+    *w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v));
+    *w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1));
+}
+
 /* gemv4_as's step: block b (j = b & 3) of the four rows w into their sums acc. */
 static inline __attribute__((always_inline)) void gemv4_block(const gemm_args *a, wfmt f, const uint8_t *const *w,
                                                                 int b, int j, const float *ds, __m128i tab,
@@ -1350,9 +1360,9 @@ static inline __attribute__((always_inline)) void gemv4_as(const gemm_args *a, w
     } else if (f.lut && !f.top && !f.high) { /* a codebook: a pair of blocks a row from its one 32-byte load, split
                                                * into the two blocks' codes by constant shifts, where each block
                                                * loaded the pair again and shifted it by a count (gemv4_block's
-                                               * codebook_block: 27 instructions a block a row, 12 here), the sums in
-                                               * gemv4_block's order */
-        const __m256i m = _mm256_set1_epi8(15), tab2 = _mm256_broadcastsi128_si256(tab);
+                                               * codebook_block: about 27 instructions a block a row, 13.6 here on
+                                               * haswell), the sums in gemv4_block's order */
+        const __m256i tab2 = _mm256_broadcastsi128_si256(tab);
         const int fc = K / 32;
         for (int b = 0; b + 2 <= nb; b += 2) {
             const int16_t *x = a->x16 + b * 32;
@@ -1362,13 +1372,11 @@ static inline __attribute__((always_inline)) void gemv4_as(const gemm_args *a, w
             prefetch_run(w[0], b * 64, 128);
 #pragma GCC unroll 4
             for (int r = 0; r < 4; r++) {
-                __m256i raw = _mm256_loadu_si256((const __m256i *)(w[r] + b * 16));
-                __m256i v0 = _mm256_shuffle_epi8(tab2, _mm256_and_si256(raw, m));
-                __m256i v1 = _mm256_shuffle_epi8(tab2, _mm256_and_si256(_mm256_srli_epi16(raw, 4), m));
-                __m256i p0 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(v0)), x00),
-                                              _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(v0, 1)), x01));
-                __m256i p1 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(v1)), x10),
-                                              _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(v1, 1)), x11));
+                __m256i raw = _mm256_loadu_si256((const __m256i *)(w[r] + b * 16)), a0, a1, b0, b1;
+                codebook_pair_block(raw, 0, tab2, &a0, &a1);
+                codebook_pair_block(raw, 1, tab2, &b0, &b1);
+                __m256i p0 = _mm256_add_epi32(_mm256_madd_epi16(a0, x00), _mm256_madd_epi16(a1, x01));
+                __m256i p1 = _mm256_add_epi32(_mm256_madd_epi16(b0, x10), _mm256_madd_epi16(b1, x11));
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(ds[r * fc + b]), acc[r]);
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(ds[r * fc + b + 1]), acc[r]);
             }
@@ -1419,7 +1427,6 @@ static __attribute__((noinline)) void gemv4(const gemm_args *a, int n, const flo
  * order (so each row is its one-row product). ds[m * nb + b], extra[m]: row_factors' for input row m0 + m; f: a's
  * format (gemm16x). */
 #define AVX2_ROWS 8
-/* gemm_tile16_as's step: block b (j = b & 3) of weight row wrow against the MM rows into their sums acc. */
 /* tile16_block's products: block b's codes w0, w1 (widen16_as's) against the MM rows into their sums acc. */
 static inline __attribute__((always_inline)) void tile16_widened(const gemm_args *a, wfmt f, int b, int m0,
                                                                    const int MM, const float *ds, __m256i w0,
@@ -1432,6 +1439,7 @@ static inline __attribute__((always_inline)) void tile16_widened(const gemm_args
         acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), block_factor_as(f, ds + m * fc, b), acc[m]);
     }
 }
+/* gemm_tile16_as's step: block b (j = b & 3) of weight row wrow against the MM rows into their sums acc. */
 static inline __attribute__((always_inline)) void tile16_block(const gemm_args *a, wfmt f, const uint8_t *wrow,
                                                                  int b, int j, int m0, const int MM, const float *ds,
                                                                  __m128i tab, __m256 *acc) {
@@ -1457,16 +1465,14 @@ static inline __attribute__((always_inline)) void gemm_tile16_as(const gemm_args
             tile16_block(a, f, wrow, b + 3, 3, m0, MM, ds, tab, acc);
         }
     } else if (f.lut && !f.top && !f.high) { /* a codebook: a pair of blocks from one load (gemv4_as's) */
-        const __m256i m15 = _mm256_set1_epi8(15), tab2 = _mm256_broadcastsi128_si256(tab);
+        const __m256i tab2 = _mm256_broadcastsi128_si256(tab);
         for (int b = 0; b + 2 <= nb; b += 2) {
             prefetch_run(wrow, b * 16, 32);
-            __m256i raw = _mm256_loadu_si256((const __m256i *)(wrow + b * 16));
-            __m256i v = _mm256_shuffle_epi8(tab2, _mm256_and_si256(raw, m15));
-            tile16_widened(a, f, b, m0, MM, ds, _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v)),
-                           _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1)), acc);
-            v = _mm256_shuffle_epi8(tab2, _mm256_and_si256(_mm256_srli_epi16(raw, 4), m15));
-            tile16_widened(a, f, b + 1, m0, MM, ds, _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v)),
-                           _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1)), acc);
+            __m256i raw = _mm256_loadu_si256((const __m256i *)(wrow + b * 16)), w0, w1;
+            codebook_pair_block(raw, 0, tab2, &w0, &w1);
+            tile16_widened(a, f, b, m0, MM, ds, w0, w1, acc);
+            codebook_pair_block(raw, 1, tab2, &w0, &w1);
+            tile16_widened(a, f, b + 1, m0, MM, ds, w0, w1, acc);
         }
         if (nb & 1) tile16_block(a, f, wrow, nb - 1, (nb - 1) & 3, m0, MM, ds, tab, acc);
     } else {
