@@ -1,8 +1,8 @@
 """localpd against llama.cpp on the CPU: the same GGUF file, the same threads, in one run.
 
 llama.cpp's `llama-bench -m FILE -t T -p 128 -n 0` and `-p 0 -n 128 -d 128` (`-o json`) and `localpd bench
---prompt-len 128 --gen-len 128 --batch 1,8 --threads T --json` run in turn (llama.cpp, localpd, llama.cpp, localpd ... for --repeats rounds),
-since this shared machine's speed drifts; each round's pair is as close in time as a pair can be. The table gives
+--prompt-len 128 --gen-len 128 --batch 1,8 --threads T --json` run in turn (llama.cpp, localpd, llama.cpp, localpd
+... for --repeats rounds), since this shared machine's speed drifts; each round's pair is as close in time as a pair can be. The table gives
 every round and the median of the rounds: decode tok/s at batch 1, prefill tok/s of the 128-token prompt, their
 ratio (localpd / llama.cpp), and localpd's batch-8 decode (tokens/s summed over the 8 sequences) beside llama.cpp's
 batch 1. Both decode after 128 tokens of context: localpd's decode follows its 128-token prompt, and llama.cpp's
