@@ -688,6 +688,39 @@ typedef struct { int lut, b4, high, top, sc16; } wfmt;
 static inline wfmt fmt_of(const gemm_args *a) {
     return (wfmt){a->lut != 0, a->bits == 4, a->high != 0, a->top != 0, a->sc16 != 0};
 }
+/* The weight formats the loader makes, as wfmt's flags (lut, b4, high, top, sc16): a loop that takes its format as
+ * constants is compiled once for each (LPD_DISPATCH), a weight of any other on its own flags. */
+#define LPD_FORMATS(X)                                                                                             \
+    X(0, 1, 0, 0, 0) /* int4 */                                                                                    \
+    X(0, 0, 0, 0, 0) /* int8 */                                                                                    \
+    X(1, 1, 0, 0, 0) /* codebooks */                                                                               \
+    X(0, 1, 1, 0, 0) /* 5-bit */                                                                                   \
+    X(0, 1, 0, 1, 1) /* Q6_K */                                                                                    \
+    X(0, 1, 0, 0, 1) /* Q3_K */
+/* LPD_CALL(F) (the caller's macro) with F the constant wfmt of the format f is, else f itself. */
+#define LPD_DISPATCH(f)                                                                                            \
+    do {                                                                                                           \
+        const wfmt lpd_f = (f);                                                                                    \
+        LPD_FORMATS(LPD_IF_FORMAT)                                                                                 \
+        LPD_CALL(lpd_f);                                                                                           \
+    } while (0)
+/* The formats with a factor a block (not Q6_K's or Q3_K's a sub-block of 16), for loops that take no other. */
+#define LPD_BY_BLOCK(X)                                                                                            \
+    X(0, 1, 0, 0, 0) /* int4 */                                                                                    \
+    X(0, 0, 0, 0, 0) /* int8 */                                                                                    \
+    X(1, 1, 0, 0, 0) /* codebooks */                                                                               \
+    X(0, 1, 1, 0, 0) /* 5-bit */
+#define LPD_DISPATCH_BY_BLOCK(f)                                                                                   \
+    do {                                                                                                           \
+        const wfmt lpd_f = (f);                                                                                    \
+        LPD_BY_BLOCK(LPD_IF_FORMAT)                                                                                \
+        LPD_CALL(lpd_f);                                                                                           \
+    } while (0)
+#define LPD_IF_FORMAT(LUT, B4, HIGH, TOP, SC16)                                                                    \
+    if (lpd_f.lut == LUT && lpd_f.b4 == B4 && lpd_f.high == HIGH && lpd_f.top == TOP && lpd_f.sc16 == SC16) {      \
+        LPD_CALL(((wfmt){LUT, B4, HIGH, TOP, SC16}));                                                              \
+        break;                                                                                                     \
+    }
 static inline int codebook_code(const uint8_t *wrow, int nb, int b, int j) { /* column j of block b's code */
     if ((nb & 1) && b == nb - 1) return (wrow[b * 16 + (j & 15)] >> (j & 16 ? 4 : 0)) & 15;
     return (wrow[b / 2 * 32 + j] >> (b & 1 ? 4 : 0)) & 15;
@@ -842,8 +875,9 @@ static inline __m512i expand_int4_pair(const uint8_t *p) {
  * bytes in both halves, the upper half shifted by 4 bits, and the low nibble of each byte looked up (vpermb takes
  * an index's low six bits, and the table fills all four of its 16-byte lanes, so the two bits above the nibble
  * pick a copy of it and need no mask). */
-static inline __m512i load_pair(const gemm_args *a, const uint8_t *wrow, int b, __m512i tab) {
-    if (a->lut) {
+static inline __attribute__((always_inline)) __m512i load_pair_as(const gemm_args *a, wfmt f, const uint8_t *wrow,
+                                                                   int b, __m512i tab) {
+    if (f.lut) {
         __m512i both = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(wrow + b * 16)));
         __m512i idx = _mm512_srlv_epi64(both, _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0));
 #if defined(__AVX512VBMI__)
@@ -852,15 +886,15 @@ static inline __m512i load_pair(const gemm_args *a, const uint8_t *wrow, int b, 
         return _mm512_shuffle_epi8(tab, _mm512_and_si512(idx, _mm512_set1_epi8(15)));
 #endif
     }
-    if (a->bits == 4) {
+    if (f.b4) {
         __m512i v = expand_int4_pair(wrow + b * 16);
-        if (a->top) { /* Q6_K: b even, so b and b + 1 are blocks j, j + 1 of one upper group (upper_bytes' shifts) */
+        if (f.top) { /* Q6_K: b even, so b and b + 1 are blocks j, j + 1 of one upper group (upper_bytes' shifts) */
             __m512i u = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)upper_of(a, wrow, b)));
             long long s = 2 * (b & 3);
             u = _mm512_srlv_epi64(u, _mm512_set_epi64(s + 2, s + 2, s + 2, s + 2, s, s, s, s));
             return _mm512_or_si512(v, _mm512_and_si512(_mm512_slli_epi16(u, 4), _mm512_set1_epi8(0x30)));
         }
-        if (!a->high) return v;
+        if (!f.high) return v;
         const uint8_t *row = a->high + plane_row(a, wrow);
         __mmask64 f; /* the pair's fifth bits, bit e for byte e; b even, so a grouped pair is bits j, j + 1 of one
                       * group's 32 bytes: one test of them */
@@ -877,6 +911,9 @@ static inline __m512i load_pair(const gemm_args *a, const uint8_t *wrow, int b, 
         return _mm512_mask_add_epi8(v, f, v, _mm512_set1_epi8(16)); /* a nibble + 16 */
     }
     return _mm512_xor_si512(_mm512_loadu_si512(wrow + b * 32), _mm512_set1_epi8((char)0x80));
+}
+static inline __m512i load_pair(const gemm_args *a, const uint8_t *wrow, int b, __m512i tab) {
+    return load_pair_as(a, fmt_of(a), wrow, b, tab);
 }
 /* Each lane's four products of the weight bytes wv with the input's values, 256 x (with its high levels x) + (with
  * its low ones xl): the low products added onto the shifted high sums by the second vpdpbusd itself, where adding
@@ -992,10 +1029,11 @@ static inline __m512 pair_factors(const float *f, int b, int sub16, __m512i pick
     __m128 v = sub16 ? _mm_loadu_ps(f + 2 * b) : _mm_castpd_ps(_mm_load_sd((const double *)(f + b)));
     return _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(v));
 }
-static inline __attribute__((always_inline)) void gemv4_rows(const gemm_args *a, int n, const float *ds,
-                                                              const float *extra, const int SUB16) {
+static inline __attribute__((always_inline)) void gemv4_as(const gemm_args *a, wfmt f, int n, const float *ds,
+                                                            const float *extra) {
+    const int SUB16 = f.sc16;
     int K = a->K, nb = K / 32, stride = DSTRIDE(SUB16 ? 2 * nb : nb);
-    size_t row_bytes = a->bits == 4 ? K / 2 : K;
+    size_t row_bytes = f.b4 ? K / 2 : K;
     const uint8_t *w0 = a->w + (size_t)n * row_bytes, *w1 = w0 + row_bytes, *w2 = w1 + row_bytes, *w3 = w2 + row_bytes;
     __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
     const __m512i tab = lut_table(a);
@@ -1006,15 +1044,15 @@ static inline __attribute__((always_inline)) void gemv4_rows(const gemm_args *a,
         __m512i p = hi_lo_sums(wv, x, xl);                                                                         \
         acc##r = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), pair_factors(ds + r * stride, b, SUB16, pick), acc##r);  \
     }
-    size_t step = a->bits == 4 ? 64 : 128; /* the four rows' bytes a block */
+    const size_t step = f.b4 ? 64 : 128; /* the four rows' bytes a block */
     for (int b = 0; b < nb; b += 2) {
         __m512i x = _mm512_loadu_si512(a->xq + b * 32), xl = _mm512_loadu_si512(a->xq + a->lo + b * 32);
         prefetch_run(w0, b * step, 2 * step);
-        prefetch_fifth(a, w0, b * step, 2 * step);
-        LPD_ROW(0, load_pair(a, w0, b, tab));
-        LPD_ROW(1, load_pair(a, w1, b, tab));
-        LPD_ROW(2, load_pair(a, w2, b, tab));
-        LPD_ROW(3, load_pair(a, w3, b, tab));
+        prefetch_fifth_as(a, f, w0, b * step, 2 * step);
+        LPD_ROW(0, load_pair_as(a, f, w0, b, tab));
+        LPD_ROW(1, load_pair_as(a, f, w1, b, tab));
+        LPD_ROW(2, load_pair_as(a, f, w2, b, tab));
+        LPD_ROW(3, load_pair_as(a, f, w3, b, tab));
     }
 #undef LPD_ROW
     float *y = a->y + n;
@@ -1024,8 +1062,9 @@ static inline __attribute__((always_inline)) void gemv4_rows(const gemm_args *a,
     y[3] = _mm512_reduce_add_ps(acc3) + extra[3];
 }
 static __attribute__((noinline)) void gemv4(const gemm_args *a, int n, const float *ds, const float *extra) {
-    if (a->sc16) gemv4_rows(a, n, ds, extra, 1);
-    else gemv4_rows(a, n, ds, extra, 0);
+#define LPD_CALL(F) gemv4_as(a, F, n, ds, extra)
+    LPD_DISPATCH(fmt_of(a));
+#undef LPD_CALL
 }
 #endif
 
@@ -1394,27 +1433,6 @@ static inline __attribute__((always_inline)) void gemv4_as(const gemm_args *a, w
     }
     for (int r = 0; r < 4; r++) a->y[n + r] = hsum8(acc[r]) + extra[r];
 }
-/* The weight formats the loader makes, as wfmt's flags (lut, b4, high, top, sc16): a loop that takes its format as
- * constants is compiled once for each (LPD_DISPATCH), a weight of any other on its own flags. */
-#define LPD_FORMATS(X)                                                                                             \
-    X(0, 1, 0, 0, 0) /* int4 */                                                                                    \
-    X(0, 0, 0, 0, 0) /* int8 */                                                                                    \
-    X(1, 1, 0, 0, 0) /* codebooks */                                                                               \
-    X(0, 1, 1, 0, 0) /* 5-bit */                                                                                   \
-    X(0, 1, 0, 1, 1) /* Q6_K */                                                                                    \
-    X(0, 1, 0, 0, 1) /* Q3_K */
-/* LPD_CALL(F) (the caller's macro) with F the constant wfmt of the format f is, else f itself. */
-#define LPD_DISPATCH(f)                                                                                            \
-    do {                                                                                                           \
-        const wfmt lpd_f = (f);                                                                                    \
-        LPD_FORMATS(LPD_IF_FORMAT)                                                                                 \
-        LPD_CALL(lpd_f);                                                                                           \
-    } while (0)
-#define LPD_IF_FORMAT(LUT, B4, HIGH, TOP, SC16)                                                                    \
-    if (lpd_f.lut == LUT && lpd_f.b4 == B4 && lpd_f.high == HIGH && lpd_f.top == TOP && lpd_f.sc16 == SC16) {      \
-        LPD_CALL(((wfmt){LUT, B4, HIGH, TOP, SC16}));                                                              \
-        break;                                                                                                     \
-    }
 /* (A function of its own, whose loops tests/kernels/test_cpu_compiled.py reads.) */
 static __attribute__((noinline)) void gemv4(const gemm_args *a, int n, const float *ds, const float *extra) {
 #define LPD_CALL(F) gemv4_as(a, F, n, ds, extra)
@@ -1914,6 +1932,117 @@ static inline __attribute__((always_inline)) void row_factors(const gemm_args *a
 #endif
 
 #if defined(LPD_AVX512)
+static inline __mmask16 first16(int n) { return n >= 16 ? 0xffff : n > 0 ? (__mmask16)((1u << n) - 1) : 0; }
+/* block_side8 of blocks c .. c + 15, a row's factors ws and terms' side wb (zeros past the row: block_side8 reads no
+ * factor of a block it is not given); a scale (and bias) a block sixteen converted at once, and int4-k's two
+ * super-blocks at once where the chunk is whole: block_side8's floats, lane for lane. */
+static inline __attribute__((always_inline)) void block_side16(const gemm_args *a, int n, int c, __m512 *ws,
+                                                                __m512 *wb) {
+    int nb = a->K / 32;
+    if (!a->sub && a->group == 32) {
+        __mmask16 k = first16(nb - c);
+        __m512 w = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, a->scales + (size_t)n * nb + c));
+        *ws = w;
+        *wb = !deinterleaved(a->bits, a->lut) ? _mm512_setzero_ps()
+              : a->biases ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, a->biases + (size_t)n * nb + c))
+                          : _mm512_mul_ps(w, _mm512_set1_ps(symmetric_bias(a->high)));
+        return;
+    }
+    if (a->sub && c + 16 <= nb) {
+        k_row r = k_row_at(a->scales, a->biases, a->sub, n, nb);
+        const __m512i pair = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+        uint32_t d2, m2;
+        memcpy(&d2, r.d + c / 8, 4);
+        memcpy(&m2, r.dmin + c / 8, 4);
+        __m512 dv = _mm512_permutexvar_ps(pair, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128((int)d2))));
+        __m512 mv = _mm512_permutexvar_ps(pair, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128((int)m2))));
+        __m512 w = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(r.sc + c)))));
+        __m512 m = _mm512_mul_ps(mv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(r.mn + c)))));
+        __asm__("" : "+v"(w), "+v"(m));
+        *ws = w, *wb = m;
+        return;
+    }
+    __m256 w0, b0, w1 = _mm256_setzero_ps(), b1 = w1;
+    block_side8(a, n, c, &w0, &b0);
+    if (c + 8 < nb) block_side8(a, n, c + 8, &w1, &b1);
+    *ws = _mm512_insertf32x8(_mm512_castps256_ps512(w0), w1, 1);
+    *wb = _mm512_insertf32x8(_mm512_castps256_ps512(b0), b1, 1);
+}
+
+/* One input row (decode) against weight rows n, n + 4, ... while four fit below n1 (nb even; not Q6_K or Q3_K, whose
+ * factors are a sub-block's: gemv4): row_factors and gemv4 in one pass over the rows. Sixteen blocks at a time, the
+ * four rows' factors (block_side16's, times the input's scales) stay in registers, each pair's two picked from the
+ * sixteen by a constant permute, and each row's term (int4's biases, int4-k's minima times the blocks' sums; the
+ * signed codes' factors times theirs) goes on in row_factors' eight-lane sums in its order, so that every row gets
+ * row_factors' and gemv4's floats whatever rows share the step. Where row_factors first wrote each row's factors and
+ * term to memory, a pass over the row of its own, and gemv4 read them back two at a time, the one-row products of a
+ * Q4_0 file took 1.5x the time (two layers of SmolLM2-1.7B's, the Zen 4). Returns the next row. */
+static inline __attribute__((always_inline)) int gemv1_as(const gemm_args *a, wfmt f, int n, int n1) {
+    int K = a->K, nb = K / 32;
+    size_t row_bytes = f.b4 ? K / 2 : K;
+    const size_t step = f.b4 ? 64 : 128; /* the four rows' bytes a block */
+    const int biased = a->sub || deinterleaved(a->bits, a->lut), by_block = !a->sub && a->group == 32;
+    const float sym = !a->sub && !a->biases ? symmetric_bias(a->high) : 1.f;
+    const __m512i tab = lut_table(a);
+    for (; n + 4 <= n1; n += 4) {
+        const uint8_t *w[4] = {a->w + (size_t)n * row_bytes, a->w + (size_t)(n + 1) * row_bytes,
+                               a->w + (size_t)(n + 2) * row_bytes, a->w + (size_t)(n + 3) * row_bytes};
+        __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        __m256 ext[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int c = 0; c < nb; c += 16) { /* sixteen blocks: the rows' factors and terms, then the eight pairs */
+            __mmask16 k = first16(nb - c);
+            __m512 ds[4], xd = _mm512_maskz_loadu_ps(k, a->xd + c);
+            /* the input's side of the terms: the blocks' sums in float (a symmetric bias's -8 or -16 on this side,
+             * exact), or the signed codes' integer sums over the blocks (all: nb even) */
+            __m512 in = biased ? _mm512_maskz_loadu_ps(k, a->xsf + c)
+                               : _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(k, a->xsum + c));
+            if (biased && by_block && !a->biases) in = _mm512_mul_ps(in, _mm512_set1_ps(sym));
+#pragma GCC unroll 4
+            for (int r = 0; r < 4; r++) {
+                __m512 ws, wb;
+                if (by_block) { /* (block_side16's, with a symmetric bias's factor on the input's side) */
+                    ws = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, a->scales + (size_t)(n + r) * nb + c));
+                    wb = !biased ? ws : a->biases ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, a->biases + (size_t)(n + r) * nb + c)) : ws;
+                } else {
+                    block_side16(a, n + r, c, &ws, &wb);
+                }
+                ds[r] = _mm512_mul_ps(ws, xd);
+                __m512 side = biased ? wb : ds[r];
+                ext[r] = _mm256_fmadd_ps(_mm512_castps512_ps256(side), _mm512_castps512_ps256(in), ext[r]);
+                ext[r] = _mm256_fmadd_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(side), 1)),
+                                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(in), 1)), ext[r]);
+            }
+#pragma GCC unroll 8
+            for (int j = 0; j < 16; j += 2) {
+                int b = c + j;
+                if (b >= nb) break;
+                __m512i x = _mm512_loadu_si512(a->xq + b * 32), xl = _mm512_loadu_si512(a->xq + a->lo + b * 32);
+                prefetch_run(w[0], b * step, 2 * step);
+                prefetch_fifth_as(a, f, w[0], b * step, 2 * step);
+                const __m512i pick = _mm512_set_epi32(j + 1, j + 1, j + 1, j + 1, j + 1, j + 1, j + 1, j + 1,
+                                                      j, j, j, j, j, j, j, j);
+#pragma GCC unroll 4
+                for (int r = 0; r < 4; r++) {
+                    __m512i p = hi_lo_sums(load_pair_as(a, f, w[r], b, tab), x, xl);
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(pick, ds[r]), acc[r]);
+                }
+            }
+        }
+        for (int r = 0; r < 4; r++) { /* row_factors' extra, then gemv4's sum */
+            float e = hsum8(ext[r]), bias = a->bias ? a->bias[n + r] : 0.f;
+            a->y[n + r] = _mm512_reduce_add_ps(acc[r]) + ((biased ? e : -128.f * e) + bias);
+        }
+    }
+    return n;
+}
+static __attribute__((noinline)) int gemv1(const gemm_args *a, int n, int n1) {
+#define LPD_CALL(F) return gemv1_as(a, F, n, n1)
+    LPD_DISPATCH_BY_BLOCK(fmt_of(a));
+#undef LPD_CALL
+}
+#endif
+
+#if defined(LPD_AVX512)
 /* Weight rows n, n + 4, ... (while four fit below n1) against every input row (M >= TILE_FROM, nb even): each group
  * of four weight rows takes its factors (weight_side) and its terms for sixteen input rows at a time (tile_extras)
  * once, then 4 x 4 tiles (gemm4x) over the input rows, each tile's factors ws x xd sixteen blocks a multiply.
@@ -1964,6 +2093,9 @@ static void gemm_rows(const gemm_args *a, int n0, int n1, float *ds) {
     int vec_blocks = 0, xor_blocks = 0;
 #endif
     int n = n0;
+#if defined(LPD_AVX512)
+    if (a->M == 1 && vec_blocks == nb && !a->sc16) n = gemv1(a, n, n1);
+#endif
 #if defined(LPD_AVX512) || defined(LPD_AVX2)
     if (a->M == 1 && vec_blocks == nb) {
         for (; n + 4 <= n1; n += 4) {
