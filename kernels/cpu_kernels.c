@@ -1018,9 +1018,8 @@ static inline __attribute__((always_inline)) void prefetch_factors(const gemm_ar
 #endif
 
 #if defined(LPD_AVX512)
-/* One input row (decode) against weight rows n .. n + 3, every block in a pair (nb even): the four rows' sums stay
- * in registers and share each load of the input. ds: 4 x nb factors, extra: 4 per-row terms (as gemm_task's). */
-/* A pair's factors (blocks b, b + 1 of a row's, at f) out to their lanes (pair_pick): two, or Q6_K's four. */
+/* A pair's factors (blocks b, b + 1 of a row's, at f) out to their lanes (pair_pick): two, or Q6_K's four. The tiles
+ * and gemm1x4 take them so; the one-row products (gemv1, gemv1_sub16) pick them from registers in the same lanes. */
 static inline __m512i pair_pick(int sub16) {
     return sub16 ? _mm512_set_epi32(3, 3, 2, 2, 3, 3, 2, 2, 1, 1, 0, 0, 1, 1, 0, 0)
                  : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
@@ -1028,43 +1027,6 @@ static inline __m512i pair_pick(int sub16) {
 static inline __m512 pair_factors(const float *f, int b, int sub16, __m512i pick) {
     __m128 v = sub16 ? _mm_loadu_ps(f + 2 * b) : _mm_castpd_ps(_mm_load_sd((const double *)(f + b)));
     return _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(v));
-}
-static inline __attribute__((always_inline)) void gemv4_as(const gemm_args *a, wfmt f, int n, const float *ds,
-                                                            const float *extra) {
-    const int SUB16 = f.sc16;
-    int K = a->K, nb = K / 32, stride = DSTRIDE(SUB16 ? 2 * nb : nb);
-    size_t row_bytes = f.b4 ? K / 2 : K;
-    const uint8_t *w0 = a->w + (size_t)n * row_bytes, *w1 = w0 + row_bytes, *w2 = w1 + row_bytes, *w3 = w2 + row_bytes;
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
-    const __m512i tab = lut_table(a);
-    const __m512i pick = pair_pick(SUB16);
-#define LPD_ROW(r, wexpr)                                                                                          \
-    {                                                                                                              \
-        __m512i wv = wexpr;                                                                                        \
-        __m512i p = hi_lo_sums(wv, x, xl);                                                                         \
-        acc##r = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), pair_factors(ds + r * stride, b, SUB16, pick), acc##r);  \
-    }
-    const size_t step = f.b4 ? 64 : 128; /* the four rows' bytes a block */
-    for (int b = 0; b < nb; b += 2) {
-        __m512i x = _mm512_loadu_si512(a->xq + b * 32), xl = _mm512_loadu_si512(a->xq + a->lo + b * 32);
-        prefetch_run(w0, b * step, 2 * step);
-        prefetch_fifth_as(a, f, w0, b * step, 2 * step);
-        LPD_ROW(0, load_pair_as(a, f, w0, b, tab));
-        LPD_ROW(1, load_pair_as(a, f, w1, b, tab));
-        LPD_ROW(2, load_pair_as(a, f, w2, b, tab));
-        LPD_ROW(3, load_pair_as(a, f, w3, b, tab));
-    }
-#undef LPD_ROW
-    float *y = a->y + n;
-    y[0] = _mm512_reduce_add_ps(acc0) + extra[0];
-    y[1] = _mm512_reduce_add_ps(acc1) + extra[1];
-    y[2] = _mm512_reduce_add_ps(acc2) + extra[2];
-    y[3] = _mm512_reduce_add_ps(acc3) + extra[3];
-}
-static __attribute__((noinline)) void gemv4(const gemm_args *a, int n, const float *ds, const float *extra) {
-#define LPD_CALL(F) gemv4_as(a, F, n, ds, extra)
-    LPD_DISPATCH(fmt_of(a));
-#undef LPD_CALL
 }
 #endif
 
@@ -1101,15 +1063,15 @@ static void gemm1x4(const gemm_args *a, int n, int m0, int mm, const float *ds, 
 #if defined(LPD_AVX512)
 /* Weight rows n .. n + R - 1 against input rows m0 .. m0 + MM - 1 (R and MM constants where it is inlined: 4 x 1..4
  * or 1 x 2..15, the R x MM sums in registers): each expanded pair of weight blocks serves the MM input rows and each
- * pair of input blocks the R weight rows. Each (weight row, input row) takes gemv4's sums, scaled and added in
- * gemv4's order, so a row's result does not depend on how many rows share the step, nor on the tile it falls in (a
- * verification step's rows are the decode rows they check); a pair's two factors go out to their lanes in one
- * permute. ds[(r * rstride + m) * dstride + b] and extra[r * rstride + m]: the factors and terms of weight row n + r
+ * pair of input blocks the R weight rows. Each (weight row, input row) takes the one-row products' sums (gemv1's),
+ * scaled and added in their order, so a row's result does not depend on how many rows share the step, nor on the
+ * tile it falls in (a verification step's rows are the decode rows they check); a pair's two factors go out to their
+ * lanes in one permute. ds[(r * rstride + m) * dstride + b] and extra[r * rstride + m]: the factors and terms of weight row n + r
  * and input row m0 + m.
  * The input goes in whole, each value the int16 256 hi + lo (xw, widen_row), against the weight's bytes widened to
- * int16 once a tile: vpmaddwd and vpdpwssd give each int32 lane the four products gemv4's vpdpbusd sums (lane l:
+ * int16 once a tile: vpmaddwd and vpdpwssd give each int32 lane the four products gemv1's vpdpbusd sums (lane l:
  * bytes 4l .. 4l + 3 of the pair; the first takes bytes 4l, 4l + 1, the second 4l + 2, 4l + 3), so the lanes, and
- * the floats, are gemv4's exactly (|256 hi + lo| < 2^15, a weight byte < 2^8: no lane overflows), in two multiplies
+ * the floats, are gemv1's exactly (|256 hi + lo| < 2^15, a weight byte < 2^8: no lane overflows), in two multiplies
  * where two vpdpbusd, a shift and a zeroed register took four. */
 static inline __attribute__((always_inline)) void gemm_tile(const gemm_args *a, int n, int m0, const int R, const int MM,
                                                              const float *ds, int dstride, int rstride,
@@ -2040,6 +2002,61 @@ static __attribute__((noinline)) int gemv1(const gemm_args *a, int n, int n1) {
     LPD_DISPATCH_BY_BLOCK(fmt_of(a));
 #undef LPD_CALL
 }
+
+/* gemv1 for a factor a sub-block of 16 (Q6_K, Q3_K; K a multiple of 256): a super-block (eight blocks, sixteen
+ * sub-blocks) at a time, q6k_factors' sixteen factors of each of the four rows in a register and its term's fma in its
+ * order, each pair's four factors then picked from the sixteen (pair_pick's lanes); q6k_factors' and gemv4's floats.
+ * Where q6k_factors wrote them to memory first, a pass over each row of its own, the one-row Q6_K products of two
+ * SmolLM2-1.7B layers took 1.2x the time (the Zen 4). Returns the next row. */
+static inline __attribute__((always_inline)) int gemv1_sub16_as(const gemm_args *a, wfmt f, int n, int n1) {
+    int K = a->K, nb = K / 32, ns = 2 * nb;
+    const size_t step = 64; /* the four rows' bytes a block */
+    const __m512i twice = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i tab = lut_table(a);
+    const float off = -(float)sub16_offset(a->high, a->top);
+    for (; n + 4 <= n1; n += 4) {
+        const uint8_t *w[4] = {a->w + (size_t)n * (K / 2), a->w + (size_t)(n + 1) * (K / 2),
+                               a->w + (size_t)(n + 2) * (K / 2), a->w + (size_t)(n + 3) * (K / 2)};
+        __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        __m512 ext[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (int s = 0; s < ns; s += 16) { /* a super-block: the rows' factors and terms, then its four pairs */
+            __m512 xd = _mm512_permutexvar_ps(twice, _mm512_castps256_ps512(_mm256_loadu_ps(a->xd + s / 2)));
+            __m512 xs = _mm512_cvtepi32_ps(_mm512_loadu_si512(a->xs16 + s));
+            __m512 fs[4];
+#pragma GCC unroll 4
+            for (int r = 0; r < 4; r++) {
+                const int8_t *sc = a->sc16 + (size_t)(n + r) * ns + s;
+                __m512 wv = _mm512_mul_ps(_mm512_set1_ps(half_to_float(a->scales[(size_t)(n + r) * (K / 256) + s / 16])),
+                                          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)sc))));
+                fs[r] = _mm512_mul_ps(wv, xd);
+                ext[r] = _mm512_fmadd_ps(fs[r], xs, ext[r]);
+            }
+#pragma GCC unroll 4
+            for (int j = 0; j < 8; j += 2) {
+                int b = s / 2 + j;
+                __m512i x = _mm512_loadu_si512(a->xq + b * 32), xl = _mm512_loadu_si512(a->xq + a->lo + b * 32);
+                prefetch_run(w[0], b * step, 2 * step);
+                prefetch_fifth_as(a, f, w[0], b * step, 2 * step);
+                const int q = 2 * j; /* the pair's four factors: lanes q .. q + 3 of the sixteen */
+                const __m512i pick = _mm512_set_epi32(q + 3, q + 3, q + 2, q + 2, q + 3, q + 3, q + 2, q + 2,
+                                                      q + 1, q + 1, q, q, q + 1, q + 1, q, q);
+#pragma GCC unroll 4
+                for (int r = 0; r < 4; r++) {
+                    __m512i p = hi_lo_sums(load_pair_as(a, f, w[r], b, tab), x, xl);
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(pick, fs[r]), acc[r]);
+                }
+            }
+        }
+        for (int r = 0; r < 4; r++) /* q6k_factors' extra, then gemv4's sum */
+            a->y[n + r] = _mm512_reduce_add_ps(acc[r])
+                          + (off * _mm512_reduce_add_ps(ext[r]) + (a->bias ? a->bias[n + r] : 0.f));
+    }
+    return n;
+}
+static __attribute__((noinline)) int gemv1_sub16(const gemm_args *a, int n, int n1) {
+    if (a->top) return gemv1_sub16_as(a, (wfmt){0, 1, 0, 1, 1}, n, n1); /* Q6_K */
+    return gemv1_sub16_as(a, (wfmt){0, 1, 0, 0, 1}, n, n1);           /* Q3_K */
+}
 #endif
 
 #if defined(LPD_AVX512)
@@ -2095,8 +2112,9 @@ static void gemm_rows(const gemm_args *a, int n0, int n1, float *ds) {
     int n = n0;
 #if defined(LPD_AVX512)
     if (a->M == 1 && vec_blocks == nb && !a->sc16) n = gemv1(a, n, n1);
+    if (a->M == 1 && a->sc16 && a->K % 256 == 0 && !a->lut && !a->high && a->bits == 4) n = gemv1_sub16(a, n, n1);
 #endif
-#if defined(LPD_AVX512) || defined(LPD_AVX2)
+#if defined(LPD_AVX2)
     if (a->M == 1 && vec_blocks == nb) {
         for (; n + 4 <= n1; n += 4) {
             float extra[4];

@@ -14,14 +14,14 @@ import pytest
 from localpd.kernels import cpu
 
 PRODUCT = re.compile(r"\s(vpmaddwd|vpdpbusd|vpdpwssd|vpmaddubsw)\s")
-# the functions of decode's products on each: one input row (gemv4; AVX-512's gemv1 but for Q6_K and Q3_K), 2 to 15
-# (gemm16x; gemm1x and gemm4x)
-DECODE = {"haswell": ("gemv4", "gemm16x"), "icelake-server": ("gemv1", "gemv4", "gemm1x", "gemm4x")}
+# the functions of decode's products on each: one input row (gemv4; AVX-512's gemv1, and gemv1_sub16 for Q6_K and
+# Q3_K), 2 to 15 (gemm16x; gemm1x and gemm4x)
+DECODE = {"haswell": ("gemv4", "gemm16x"), "icelake-server": ("gemv1", "gemv1_sub16", "gemm1x", "gemm4x")}
 # the one-row products' loops, a loop a format they are compiled for (LPD_FORMATS' list or LPD_BY_BLOCK's, and a's
-# own flags): AVX2's gemv4 all seven; AVX-512's gemv4 (Q6_K and Q3_K) all seven too, and its gemv1 the four formats
-# with a factor a block and any other, whose loops over sixteen blocks (eight pairs unrolled) gcc 12 lays out as 2
-# innermost loops with products (416 vpdpbusd); with a's flags tested in the loop instead, 1 (160)
-ONE_ROW = {"haswell": (("gemv4", 7),), "icelake-server": (("gemv1", 2), ("gemv4", 7))}
+# own flags): AVX2's gemv4 all seven; AVX-512's gemv1 the four formats with a factor a block and any other, whose
+# loops over sixteen blocks (eight pairs unrolled) gcc 12 lays out as 2 innermost loops with products (416 vpdpbusd;
+# with a's flags tested in the loop instead, 1 and 160), and its gemv1_sub16 Q6_K and Q3_K
+ONE_ROW = {"haswell": (("gemv4", 7),), "icelake-server": (("gemv1", 2), ("gemv1_sub16", 2))}
 
 
 def _compiler() -> str | None:
