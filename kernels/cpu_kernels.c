@@ -697,25 +697,21 @@ static inline wfmt fmt_of(const gemm_args *a) {
     X(0, 1, 1, 0, 0) /* 5-bit */                                                                                   \
     X(0, 1, 0, 1, 1) /* Q6_K */                                                                                    \
     X(0, 1, 0, 0, 1) /* Q3_K */
-/* LPD_CALL(F) (the caller's macro) with F the constant wfmt of the format f is, else f itself. */
-#define LPD_DISPATCH(f)                                                                                            \
-    do {                                                                                                           \
-        const wfmt lpd_f = (f);                                                                                    \
-        LPD_FORMATS(LPD_IF_FORMAT)                                                                                 \
-        LPD_CALL(lpd_f);                                                                                           \
-    } while (0)
 /* The formats with a factor a block (not Q6_K's or Q3_K's a sub-block of 16), for loops that take no other. */
 #define LPD_BY_BLOCK(X)                                                                                            \
     X(0, 1, 0, 0, 0) /* int4 */                                                                                    \
     X(0, 0, 0, 0, 0) /* int8 */                                                                                    \
     X(1, 1, 0, 0, 0) /* codebooks */                                                                               \
     X(0, 1, 1, 0, 0) /* 5-bit */
-#define LPD_DISPATCH_BY_BLOCK(f)                                                                                   \
+/* LPD_CALL(F) (the caller's macro) with F the constant wfmt of the format f is among LIST's, else f itself. */
+#define LPD_DISPATCH_IN(LIST, f)                                                                                   \
     do {                                                                                                           \
         const wfmt lpd_f = (f);                                                                                    \
-        LPD_BY_BLOCK(LPD_IF_FORMAT)                                                                                \
+        LIST(LPD_IF_FORMAT)                                                                                        \
         LPD_CALL(lpd_f);                                                                                           \
     } while (0)
+#define LPD_DISPATCH(f) LPD_DISPATCH_IN(LPD_FORMATS, f)
+#define LPD_DISPATCH_BY_BLOCK(f) LPD_DISPATCH_IN(LPD_BY_BLOCK, f)
 #define LPD_IF_FORMAT(LUT, B4, HIGH, TOP, SC16)                                                                    \
     if (lpd_f.lut == LUT && lpd_f.b4 == B4 && lpd_f.high == HIGH && lpd_f.top == TOP && lpd_f.sc16 == SC16) {      \
         LPD_CALL(((wfmt){LUT, B4, HIGH, TOP, SC16}));                                                              \
@@ -1581,6 +1577,7 @@ static __attribute__((noinline)) void q6k_factors(const gemm_args *a, int n, int
 #if defined(LPD_AVX512)
 #define PAD16(n) (((n) + 15) & ~15)
 static inline __mmask8 first_lanes(int n) { return n >= 8 ? 0xff : n > 0 ? (1u << n) - 1 : 0; }
+static inline __mmask16 first16(int n) { return n >= 16 ? 0xffff : n > 0 ? (__mmask16)((1u << n) - 1) : 0; }
 
 /* int4-k's blocks b .. b + 7 of row r (lanes past k zero): ws = d x sc, wb = dmin x mn, as rounded here (an empty
  * asm keeps gcc's -fassociative-math from regrouping them with the caller's products, so that every path gets the
@@ -1623,6 +1620,42 @@ static inline void block_side8(const gemm_args *a, int n, int b, __m256 *ws, __m
     }
     *ws = _mm256_loadu_ps(s8);
     *wb = _mm256_loadu_ps(t8);
+}
+
+/* block_side8 of blocks c .. c + 15, a row's factors ws and terms' side wb (zeros past the row: block_side8 reads no
+ * factor of a block it is not given); a scale (and bias) a block sixteen converted at once, and int4-k's two
+ * super-blocks at once where the chunk is whole: block_side8's floats, lane for lane. */
+static inline __attribute__((always_inline)) void block_side16(const gemm_args *a, int n, int c, __m512 *ws,
+                                                                __m512 *wb) {
+    int nb = a->K / 32;
+    if (!a->sub && a->group == 32) {
+        __mmask16 k = first16(nb - c);
+        __m512 w = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, a->scales + (size_t)n * nb + c));
+        *ws = w;
+        *wb = !deinterleaved(a->bits, a->lut) ? _mm512_setzero_ps()
+              : a->biases ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, a->biases + (size_t)n * nb + c))
+                          : _mm512_mul_ps(w, _mm512_set1_ps(symmetric_bias(a->high)));
+        return;
+    }
+    if (a->sub && c + 16 <= nb) {
+        k_row r = k_row_at(a->scales, a->biases, a->sub, n, nb);
+        const __m512i pair = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+        uint32_t d2, m2;
+        memcpy(&d2, r.d + c / 8, 4);
+        memcpy(&m2, r.dmin + c / 8, 4);
+        __m512 dv = _mm512_permutexvar_ps(pair, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128((int)d2))));
+        __m512 mv = _mm512_permutexvar_ps(pair, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128((int)m2))));
+        __m512 w = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(r.sc + c)))));
+        __m512 m = _mm512_mul_ps(mv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(r.mn + c)))));
+        __asm__("" : "+v"(w), "+v"(m));
+        *ws = w, *wb = m;
+        return;
+    }
+    __m256 w0, b0, w1 = _mm256_setzero_ps(), b1 = w1;
+    block_side8(a, n, c, &w0, &b0);
+    if (c + 8 < nb) block_side8(a, n, c + 8, &w1, &b1);
+    *ws = _mm512_insertf32x8(_mm512_castps256_ps512(w0), w1, 1);
+    *wb = _mm512_insertf32x8(_mm512_castps256_ps512(b0), b1, 1);
 }
 
 /* Weight row n's block_side8, all of it: ws[b] and wb[b], zeros up to PAD16(nb). */
@@ -1707,16 +1740,9 @@ static void row_factors(const gemm_args *a, int n, int m0, int mm, int xor_block
         /* two super-blocks a step in 512-bit registers: k_side8's products, lane for lane (its d and dmin in float,
          * times each group's byte in float, kept apart by the empty asm), the terms summed eight lanes at a time in
          * its order; where eight a step took 1.3x int4-g32's one-row products of the same width */
-        const __m512i pair = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
         for (; b + 16 <= nb; b += 16) {
-            uint32_t d2, m2;
-            memcpy(&d2, r.d + b / 8, 4);
-            memcpy(&m2, r.dmin + b / 8, 4);
-            __m512 dv = _mm512_permutexvar_ps(pair, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128((int)d2))));
-            __m512 mv = _mm512_permutexvar_ps(pair, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128((int)m2))));
-            __m512 w = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(r.sc + b)))));
-            __m512 c = _mm512_mul_ps(mv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(r.mn + b)))));
-            __asm__("" : "+v"(w), "+v"(c));
+            __m512 w, c;
+            block_side16(a, n, b, &w, &c);
             _mm512_storeu_ps(ds + b, _mm512_mul_ps(w, _mm512_loadu_ps(xd + b)));
             acc = _mm256_fmadd_ps(_mm512_castps512_ps256(c), _mm256_loadu_ps(xsf + b), acc);
             acc = _mm256_fmadd_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(c), 1)),
@@ -1894,43 +1920,6 @@ static inline __attribute__((always_inline)) void row_factors(const gemm_args *a
 #endif
 
 #if defined(LPD_AVX512)
-static inline __mmask16 first16(int n) { return n >= 16 ? 0xffff : n > 0 ? (__mmask16)((1u << n) - 1) : 0; }
-/* block_side8 of blocks c .. c + 15, a row's factors ws and terms' side wb (zeros past the row: block_side8 reads no
- * factor of a block it is not given); a scale (and bias) a block sixteen converted at once, and int4-k's two
- * super-blocks at once where the chunk is whole: block_side8's floats, lane for lane. */
-static inline __attribute__((always_inline)) void block_side16(const gemm_args *a, int n, int c, __m512 *ws,
-                                                                __m512 *wb) {
-    int nb = a->K / 32;
-    if (!a->sub && a->group == 32) {
-        __mmask16 k = first16(nb - c);
-        __m512 w = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, a->scales + (size_t)n * nb + c));
-        *ws = w;
-        *wb = !deinterleaved(a->bits, a->lut) ? _mm512_setzero_ps()
-              : a->biases ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, a->biases + (size_t)n * nb + c))
-                          : _mm512_mul_ps(w, _mm512_set1_ps(symmetric_bias(a->high)));
-        return;
-    }
-    if (a->sub && c + 16 <= nb) {
-        k_row r = k_row_at(a->scales, a->biases, a->sub, n, nb);
-        const __m512i pair = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-        uint32_t d2, m2;
-        memcpy(&d2, r.d + c / 8, 4);
-        memcpy(&m2, r.dmin + c / 8, 4);
-        __m512 dv = _mm512_permutexvar_ps(pair, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128((int)d2))));
-        __m512 mv = _mm512_permutexvar_ps(pair, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128((int)m2))));
-        __m512 w = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(r.sc + c)))));
-        __m512 m = _mm512_mul_ps(mv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(r.mn + c)))));
-        __asm__("" : "+v"(w), "+v"(m));
-        *ws = w, *wb = m;
-        return;
-    }
-    __m256 w0, b0, w1 = _mm256_setzero_ps(), b1 = w1;
-    block_side8(a, n, c, &w0, &b0);
-    if (c + 8 < nb) block_side8(a, n, c + 8, &w1, &b1);
-    *ws = _mm512_insertf32x8(_mm512_castps256_ps512(w0), w1, 1);
-    *wb = _mm512_insertf32x8(_mm512_castps256_ps512(b0), b1, 1);
-}
-
 /* One input row (decode) against weight rows n, n + 4, ... while four fit below n1 (nb even; not Q6_K or Q3_K, whose
  * factors are a sub-block's: gemv4): row_factors and gemv4 in one pass over the rows. Sixteen blocks at a time, the
  * four rows' factors (block_side16's, times the input's scales) stay in registers, each pair's two picked from the
