@@ -1062,8 +1062,8 @@ static void gemm1x4(const gemm_args *a, int n, int m0, int mm, const float *ds, 
  * pair of input blocks the R weight rows. Each (weight row, input row) takes the one-row products' sums (gemv1's),
  * scaled and added in their order, so a row's result does not depend on how many rows share the step, nor on the
  * tile it falls in (a verification step's rows are the decode rows they check); a pair's two factors go out to their
- * lanes in one permute. ds[(r * rstride + m) * dstride + b] and extra[r * rstride + m]: the factors and terms of weight row n + r
- * and input row m0 + m.
+ * lanes in one permute. ds[(r * rstride + m) * dstride + b] and extra[r * rstride + m]: the factors and terms of
+ * weight row n + r and input row m0 + m.
  * The input goes in whole, each value the int16 256 hi + lo (xw, widen_row), against the weight's bytes widened to
  * int16 once a tile: vpmaddwd and vpdpwssd give each int32 lane the four products gemv1's vpdpbusd sums (lane l:
  * bytes 4l .. 4l + 3 of the pair; the first takes bytes 4l, 4l + 1, the second 4l + 2, 4l + 3), so the lanes, and
@@ -1933,7 +1933,6 @@ static inline __attribute__((always_inline)) int gemv1_as(const gemm_args *a, wf
     size_t row_bytes = f.b4 ? K / 2 : K;
     const size_t step = f.b4 ? 64 : 128; /* the four rows' bytes a block */
     const int biased = a->sub || deinterleaved(a->bits, a->lut), by_block = !a->sub && a->group == 32;
-    const float sym = !a->sub && !a->biases ? symmetric_bias(a->high) : 1.f;
     const __m512i tab = lut_table(a);
     for (; n + 4 <= n1; n += 4) {
         const uint8_t *w[4] = {a->w + (size_t)n * row_bytes, a->w + (size_t)(n + 1) * row_bytes,
@@ -1947,13 +1946,15 @@ static inline __attribute__((always_inline)) int gemv1_as(const gemm_args *a, wf
              * exact), or the signed codes' integer sums over the blocks (all: nb even) */
             __m512 in = biased ? _mm512_maskz_loadu_ps(k, a->xsf + c)
                                : _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(k, a->xsum + c));
-            if (biased && by_block && !a->biases) in = _mm512_mul_ps(in, _mm512_set1_ps(sym));
+            if (biased && by_block && !a->biases) in = _mm512_mul_ps(in, _mm512_set1_ps(symmetric_bias(a->high)));
 #pragma GCC unroll 4
             for (int r = 0; r < 4; r++) {
                 __m512 ws, wb;
                 if (by_block) { /* (block_side16's, with a symmetric bias's factor on the input's side) */
                     ws = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, a->scales + (size_t)(n + r) * nb + c));
-                    wb = !biased ? ws : a->biases ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, a->biases + (size_t)(n + r) * nb + c)) : ws;
+                    wb = biased && a->biases
+                             ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, a->biases + (size_t)(n + r) * nb + c))
+                             : ws;
                 } else {
                     block_side16(a, n + r, c, &ws, &wb);
                 }
