@@ -1522,6 +1522,14 @@ static inline float q6k_scale(const uint16_t *d, const int8_t *sc, int K, int n,
     return half_to_float(d[(size_t)n * (K / 256) + s / 16]) * (float)sc[(size_t)n * (K / 16) + s];
 }
 
+#if defined(LPD_AVX512)
+/* Row n's d x sc of sub-blocks s .. s + 15 (a super-block), for q6k_factors and gemv1_sub16 alike. */
+static inline __m512 q6k_side16(const gemm_args *a, int n, int s) {
+    const int8_t *sc = a->sc16 + (size_t)n * (a->K / 16) + s;
+    return _mm512_mul_ps(_mm512_set1_ps(half_to_float(a->scales[(size_t)n * (a->K / 256) + s / 16])),
+                         _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)sc))));
+}
+#endif
 /* Q6_K's (and Q3_K's) row_factors, for every path (one function, so every row count gets the same floats):
  * ds[m * stride + s] = (d x sc of sub-block s) x the input block's scale, two a block; extra[m] = -offset x the sum
  * of those times each sub-block's integer input sum (the codes q go in as they are, for q - offset: sub16_offset),
@@ -1529,8 +1537,10 @@ static inline float q6k_scale(const uint16_t *d, const int8_t *sc, int K, int n,
 static __attribute__((noinline)) void q6k_factors(const gemm_args *a, int n, int m0, int mm, int stride, float *ds,
                                                   float *extra) {
     int nb = a->K / 32, ns = 2 * nb;
+#if defined(LPD_AVX2)
     const int8_t *sc = a->sc16 + (size_t)n * ns;
     const uint16_t *d = a->scales + (size_t)n * (a->K / 256);
+#endif
     for (int m = 0; m < mm; m++) {
         const float *xd = a->xd + (size_t)(m0 + m) * nb;
         const int32_t *xs = a->xs16 + (size_t)(m0 + m) * ns;
@@ -1539,9 +1549,7 @@ static __attribute__((noinline)) void q6k_factors(const gemm_args *a, int n, int
         const __m512i twice = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
         __m512 acc = _mm512_setzero_ps();
         for (int s = 0; s < ns; s += 16) {
-            __m512 w = _mm512_mul_ps(_mm512_set1_ps(half_to_float(d[s / 16])),
-                                     _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sc + s)))));
-            __m512 f = _mm512_mul_ps(w, _mm512_permutexvar_ps(twice, _mm512_castps256_ps512(_mm256_loadu_ps(xd + s / 2))));
+            __m512 f = _mm512_mul_ps(q6k_side16(a, n, s), _mm512_permutexvar_ps(twice, _mm512_castps256_ps512(_mm256_loadu_ps(xd + s / 2))));
             _mm512_storeu_ps(dm + s, f);
             acc = _mm512_fmadd_ps(f, _mm512_cvtepi32_ps(_mm512_loadu_si512(xs + s)), acc);
         }
@@ -1921,18 +1929,19 @@ static inline __attribute__((always_inline)) void row_factors(const gemm_args *a
 
 #if defined(LPD_AVX512)
 /* One input row (decode) against weight rows n, n + 4, ... while four fit below n1 (nb even; not Q6_K or Q3_K, whose
- * factors are a sub-block's: gemv4): row_factors and gemv4 in one pass over the rows. Sixteen blocks at a time, the
+ * factors are a sub-block's: gemv1_sub16): row_factors and the products in one pass over the rows. Sixteen blocks at a time, the
  * four rows' factors (block_side16's, times the input's scales) stay in registers, each pair's two picked from the
  * sixteen by a constant permute, and each row's term (int4's biases, int4-k's minima times the blocks' sums; the
  * signed codes' factors times theirs) goes on in row_factors' eight-lane sums in its order, so that every row gets
- * row_factors' and gemv4's floats whatever rows share the step. Where row_factors first wrote each row's factors and
- * term to memory, a pass over the row of its own, and gemv4 read them back two at a time, the one-row products of a
+ * the floats of row_factors and the tiles (gemm_tile) whatever rows share the step. Where row_factors first wrote
+ * each row's factors and term to memory, a pass over the row of its own, and the old one-row loop (gemv4) read them
+ * back two at a time, the one-row products of a
  * Q4_0 file took 1.5x the time (two layers of SmolLM2-1.7B's, the Zen 4). Returns the next row. */
 static inline __attribute__((always_inline)) int gemv1_as(const gemm_args *a, wfmt f, int n, int n1) {
     int K = a->K, nb = K / 32;
     size_t row_bytes = f.b4 ? K / 2 : K;
     const size_t step = f.b4 ? 64 : 128; /* the four rows' bytes a block */
-    const int biased = a->sub || deinterleaved(a->bits, a->lut), by_block = !a->sub && a->group == 32;
+    const int biased = a->sub || deinterleaved(a->bits, a->lut);
     const __m512i tab = lut_table(a);
     for (; n + 4 <= n1; n += 4) {
         const uint8_t *w[4] = {a->w + (size_t)n * row_bytes, a->w + (size_t)(n + 1) * row_bytes,
@@ -1942,22 +1951,14 @@ static inline __attribute__((always_inline)) int gemv1_as(const gemm_args *a, wf
         for (int c = 0; c < nb; c += 16) { /* sixteen blocks: the rows' factors and terms, then the eight pairs */
             __mmask16 k = first16(nb - c);
             __m512 ds[4], xd = _mm512_maskz_loadu_ps(k, a->xd + c);
-            /* the input's side of the terms: the blocks' sums in float (a symmetric bias's -8 or -16 on this side,
-             * exact), or the signed codes' integer sums over the blocks (all: nb even) */
+            /* the input's side of the terms: the blocks' sums in float, or the signed codes' integer sums over the
+             * blocks (all: nb even) */
             __m512 in = biased ? _mm512_maskz_loadu_ps(k, a->xsf + c)
                                : _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(k, a->xsum + c));
-            if (biased && by_block && !a->biases) in = _mm512_mul_ps(in, _mm512_set1_ps(symmetric_bias(a->high)));
 #pragma GCC unroll 4
             for (int r = 0; r < 4; r++) {
                 __m512 ws, wb;
-                if (by_block) { /* (block_side16's, with a symmetric bias's factor on the input's side) */
-                    ws = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, a->scales + (size_t)(n + r) * nb + c));
-                    wb = biased && a->biases
-                             ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, a->biases + (size_t)(n + r) * nb + c))
-                             : ws;
-                } else {
-                    block_side16(a, n + r, c, &ws, &wb);
-                }
+                block_side16(a, n + r, c, &ws, &wb);
                 ds[r] = _mm512_mul_ps(ws, xd);
                 __m512 side = biased ? wb : ds[r];
                 ext[r] = _mm256_fmadd_ps(_mm512_castps512_ps256(side), _mm512_castps512_ps256(in), ext[r]);
@@ -1980,7 +1981,7 @@ static inline __attribute__((always_inline)) int gemv1_as(const gemm_args *a, wf
                 }
             }
         }
-        for (int r = 0; r < 4; r++) { /* row_factors' extra, then gemv4's sum */
+        for (int r = 0; r < 4; r++) { /* row_factors' extra, then the tiles' sum */
             float e = hsum8(ext[r]), bias = a->bias ? a->bias[n + r] : 0.f;
             a->y[n + r] = _mm512_reduce_add_ps(acc[r]) + ((biased ? e : -128.f * e) + bias);
         }
@@ -1995,7 +1996,7 @@ static __attribute__((noinline)) int gemv1(const gemm_args *a, int n, int n1) {
 
 /* gemv1 for a factor a sub-block of 16 (Q6_K, Q3_K; K a multiple of 256): a super-block (eight blocks, sixteen
  * sub-blocks) at a time, q6k_factors' sixteen factors of each of the four rows in a register and its term's fma in its
- * order, each pair's four factors then picked from the sixteen (pair_pick's lanes); q6k_factors' and gemv4's floats.
+ * order, each pair's four factors then picked from the sixteen (pair_pick's lanes); q6k_factors' and the tiles' floats.
  * Where q6k_factors wrote them to memory first, a pass over each row of its own, the one-row Q6_K products of two
  * SmolLM2-1.7B layers took 1.2x the time (the Zen 4). Returns the next row. */
 static inline __attribute__((always_inline)) int gemv1_sub16_as(const gemm_args *a, wfmt f, int n, int n1) {
@@ -2015,10 +2016,7 @@ static inline __attribute__((always_inline)) int gemv1_sub16_as(const gemm_args 
             __m512 fs[4];
 #pragma GCC unroll 4
             for (int r = 0; r < 4; r++) {
-                const int8_t *sc = a->sc16 + (size_t)(n + r) * ns + s;
-                __m512 wv = _mm512_mul_ps(_mm512_set1_ps(half_to_float(a->scales[(size_t)(n + r) * (K / 256) + s / 16])),
-                                          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)sc))));
-                fs[r] = _mm512_mul_ps(wv, xd);
+                fs[r] = _mm512_mul_ps(q6k_side16(a, n + r, s), xd);
                 ext[r] = _mm512_fmadd_ps(fs[r], xs, ext[r]);
             }
 #pragma GCC unroll 4
@@ -2037,7 +2035,7 @@ static inline __attribute__((always_inline)) int gemv1_sub16_as(const gemm_args 
                 }
             }
         }
-        for (int r = 0; r < 4; r++) /* q6k_factors' extra, then gemv4's sum */
+        for (int r = 0; r < 4; r++) /* q6k_factors' extra, then the tiles' sum */
             a->y[n + r] = _mm512_reduce_add_ps(acc[r])
                           + (off * _mm512_reduce_add_ps(ext[r]) + (a->bias ? a->bias[n + r] : 0.f));
     }
