@@ -49,6 +49,8 @@ SIGNATURES = {
     "lpd_huge_pages": ([_P, ctypes.c_size_t], _I),
     "lpd_threads": ([], ctypes.c_char_p),
     "lpd_linear": ([_I, _P, _P, _P, _F, _P, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _P, _P, _I], _I),
+    "lpd_prefill_gemm": ([_I, _P, _P, _P, _F, _P, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _P, _P, _I],
+                         _I),
     "lpd_attention": ([_P, _L, _L, _I, _I, _I, _P, _P, _I, _I, _P, _L, _I, _I, _P, _P, _I, _F, _I, _P, _P, _I], _I),
     "lpd_rope_write": ([_P, _L, _I, _I, _I, _I, _P, _P, _L, _P, _P, _I, _P, _P, _L], _I),
     "lpd_half_pages": ([], _I),
@@ -193,6 +195,15 @@ def prefill_bf16() -> bool:
     if torch_blas("cblas_gemm_bf16bf16f32") is None or env == "0":
         return False
     return env == "1" or "amx_bf16" in _processor().split()
+
+
+def integer_prefill() -> bool:
+    """Whether prefill's GEMMs try lpd_prefill_gemm's integer products first (AVX512-VNNI builds take them, others
+    say no): the rows rounded as decode rounds them, each value the int16 256 hi + lo, exact integer sums a block,
+    twice float32's multiplies a cycle (on the 2-core Zen 4 a 1.7B model's products at 2.0-2.5x the float32 GEMM's
+    speed, docs/PERF.md). An AMX processor's bfloat16 GEMMs (prefill_bf16) come first. LOCALPD_PREFILL_INT=0 keeps
+    the float32 GEMMs."""
+    return os.environ.get("LOCALPD_PREFILL_INT", "1") != "0"
 
 
 def unavailable() -> str | None:
@@ -369,13 +380,27 @@ def linear(x: torch.Tensor, w: Int4Weight | Int8Weight | Int4KWeight | CodebookW
         nw, eps = norm.weight, norm.eps
     pre = PRE["norm" if norm is not None else gated]
     if m >= GEMM_ROWS:
-        _gemm(lib, p, pre, x, res, nw, eps, s, bias, y)
+        if prefill_bf16() or not integer_prefill() or not _integer_gemm(lib, p, pre, x, res, nw, eps, s, bias, y):
+            _gemm(lib, p, pre, x, res, nw, eps, s, bias, y)
     elif m and lib.lpd_linear(pre, x.data_ptr(), _ptr(res), _ptr(nw), eps, _ptr(s), m, p.k, p.bits, p.data, p.scales,
                               p.biases, p.sub, p.lut, p.high, p.top, p.sc16, p.group, p.n, _ptr(bias), y.data_ptr(),
                               threads()):
         raise MemoryError("lpd_linear could not allocate its scratch")  # its only failure
     y = y.reshape(*lead, p.n)
     return y if norm is None else (y, s.reshape(*lead, p.k))
+
+
+def _integer_gemm(lib, p: Plan, pre: int, x, res, nw, eps: float, s, bias, y) -> bool:
+    """lpd_linear's arguments for many rows, into y, by lpd_prefill_gemm (AVX512-VNNI): the same rounded rows, each
+    value the int16 256 hi + lo, against the weight's codes widened to int16, exact integer sums a block (vpdpwssd:
+    twice float32's multiplies a cycle). False where the build or the weight's shape has no such path (then
+    _gemm's float GEMMs multiply)."""
+    rc = lib.lpd_prefill_gemm(pre, x.data_ptr(), _ptr(res), _ptr(nw), eps, _ptr(s), x.shape[0], p.k, p.bits, p.data,
+                              p.scales, p.biases, p.sub, p.lut, p.high, p.top, p.sc16, p.group, p.n, _ptr(bias),
+                              y.data_ptr(), threads())
+    if rc == -1:
+        raise MemoryError("lpd_prefill_gemm could not allocate its scratch")
+    return rc == 0
 
 
 def _gemm(lib, p: Plan, pre: int, x, res, nw, eps: float, s, bias, y) -> None:

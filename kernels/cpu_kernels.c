@@ -2312,6 +2312,250 @@ int lpd_linear(int pre, const float *x, const float *residual, const float *norm
 }
 
 /* ------------------------------------------------------------------------------------------------------------
+ * Prefill's products on AVX512-VNNI: the same rounded rows as lpd_linear's (input_task: each value 256 hi + lo
+ * at its block's scale), multiplied as whole int16 values against the weight's codes widened to int16, with
+ * vpdpwssd: sixteen input rows in the lanes and one weight row's pair of values broadcast, so each instruction
+ * makes 32 exact products, twice float32's FMAs a cycle (a float GEMM over the dequantized weight reached 61% of
+ * those, docs/PERF.md). Each block's integer sums become floats once a block: (weight scale x input scale) x sum,
+ * plus, for weights with a bias a block (int4's, int4-k's), that bias x the input block's sum. Symmetric weights go
+ * in with their offset taken off the codes (no term), Q6_K's and Q3_K's with their sub-block scales multiplied in
+ * (one factor a block: d). A lane's sum stays below 2^31: |256 hi + lo| <= 32639, and 32 products of it with values
+ * up to 2^11 (Q3_K's 8 x 128, int8's 128) fit, 16 with Q6_K's 32 x 128 (pf_cols_as). On the 2-core Zen 4 a 1.7B
+ * model's products ran at 300-330 GFLOP/s where the float32 GEMM ran 120-160 (docs/PERF.md). The rows' floats are
+ * not lpd_linear's (another order of the same exact block sums). */
+#if defined(LPD_AVX512)
+#define PF_COLS 6 /* weight rows a tile: 2 x 16 input rows x 6 weight rows of sums in registers */
+typedef struct {
+    const gemm_args *g;
+    int mp;            /* M rounded up to 16 */
+    const int32_t *xT; /* [mp / 16][K / 2][16]: each pair of input values (int16, the weight's column order) */
+    const float *xdT, *xsfT; /* [mp / 16][nb][16]: each block's scale, and its scale x its integer sum */
+    int asym;                /* the weight has a bias a block (stored int4 biases, int4-k's dmin x mn) */
+} pf_args;
+
+/* Rows of 16 at a time: thread ith's share of the pairs, transposed (rows padded with zeros up to mp). */
+static void pf_input_task(void *ctx, int ith, int nth) {
+    const pf_args *p = ctx;
+    const gemm_args *a = p->g;
+    int K = a->K, nb = K / 32, g0, g1;
+    share(p->mp / 16, ith, nth, &g0, &g1);
+    const __m512i idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                           _mm512_set1_epi32(16));
+    for (int g = g0; g < g1; g++) {
+        int32_t *out = (int32_t *)p->xT + (size_t)g * 16 * (K / 2);
+        float *xd = (float *)p->xdT + (size_t)g * 16 * nb, *xsf = (float *)p->xsfT + (size_t)g * 16 * nb;
+        for (int l = 0; l < 16; l++) {
+            int m = 16 * g + l;
+            if (m >= a->M) {
+                for (int q = 0; q < K / 2; q++) out[(size_t)q * 16 + l] = 0;
+                for (int b = 0; b < nb; b++) xd[b * 16 + l] = xsf[b * 16 + l] = 0.f;
+                continue;
+            }
+            const int8_t *hi = a->xq + (size_t)m * K, *lo = hi + a->lo;
+            for (int k = 0; k < K; k += 32) { /* 32 values: 16 pairs, pair q to out[q][l] */
+                __m512i h = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(hi + k)));
+                __m512i v = _mm512_add_epi16(_mm512_slli_epi16(h, 8),
+                                             _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(lo + k))));
+                _mm512_i32scatter_epi32(out + (size_t)(k / 2) * 16 + l, idx, v, 4);
+            }
+            for (int b = 0; b < nb; b++) {
+                xd[b * 16 + l] = a->xd[(size_t)m * nb + b];
+                xsf[b * 16 + l] = a->xd[(size_t)m * nb + b] * (float)a->xsum[(size_t)m * nb + b];
+            }
+        }
+    }
+}
+
+/* Weight rows n .. n + cols - 1 (cols <= PF_COLS; the rest zeros) as int16 values in wr [PF_COLS][K], in the
+ * input's column order, and their factors ws (and biases wb) [nb][PF_COLS]. */
+static inline __attribute__((always_inline)) void pf_pack_as(const pf_args *p, wfmt f, int n, int cols, int16_t *wr,
+                                                             float *ws, float *wb) {
+    const gemm_args *a = p->g;
+    int K = a->K, nb = K / 32;
+    size_t row_bytes = a->bits == 4 ? K / 2 : K;
+    const __m512i tab = lut_table(a);
+    /* what comes off a code: a symmetric weight's offset (int8's and codebooks' flip), none where a bias says */
+    int off = f.sc16 ? sub16_offset(a->high, a->top) : p->asym ? 0 : !f.b4 || f.lut ? 128 : f.high ? 16 : 8;
+    const __m512i voff = _mm512_set1_epi16((short)off);
+    for (int j = 0; j < PF_COLS; j++) {
+        int16_t *o = wr + (size_t)j * K;
+        if (j >= cols) {
+            memset(o, 0, sizeof(int16_t) * K);
+            for (int b = 0; b < nb; b++) ws[b * PF_COLS + j] = wb[b * PF_COLS + j] = 0.f;
+            continue;
+        }
+        const uint8_t *wrow = a->w + (size_t)(n + j) * row_bytes;
+        for (int b = 0; b < nb; b += 2) {
+            __m512i v = load_pair_as(a, f, wrow, b, tab);
+            __m512i v0 = _mm512_sub_epi16(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(v)), voff);
+            __m512i v1 = _mm512_sub_epi16(_mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(v, 1)), voff);
+            if (f.sc16) { /* block b's sub-blocks: positions 0 .. 7, 16 .. 23 (columns 0 .. 15), then the rest */
+                uint32_t s4;
+                memcpy(&s4, a->sc16 + (size_t)(n + j) * (K / 16) + 2 * b, 4);
+                __m512i sc = _mm512_cvtepi8_epi16(_mm256_castsi128_si256(_mm_cvtsi32_si128((int)s4)));
+                const __m512i pick0 = _mm512_set_epi16(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0,
+                                                       1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+                v0 = _mm512_mullo_epi16(v0, _mm512_permutexvar_epi16(pick0, sc));
+                const __m512i pick1 = _mm512_add_epi16(pick0, _mm512_set1_epi16(2)); /* block b + 1's */
+                v1 = _mm512_mullo_epi16(v1, _mm512_permutexvar_epi16(pick1, sc));
+            }
+            _mm512_storeu_si512(o + b * 32, v0);
+            _mm512_storeu_si512(o + b * 32 + 32, v1);
+        }
+        if (f.sc16) {
+            for (int b = 0; b < nb; b++) {
+                ws[b * PF_COLS + j] = half_to_float(a->scales[(size_t)(n + j) * (K / 256) + b / 8]);
+                wb[b * PF_COLS + j] = 0.f;
+            }
+            continue;
+        }
+        for (int c = 0; c < nb; c += 16) {
+            __m512 s, t;
+            float s16[16], t16[16];
+            block_side16(a, n + j, c, &s, &t);
+            _mm512_storeu_ps(s16, s);
+            _mm512_storeu_ps(t16, t);
+            for (int i = 0; i < 16 && c + i < nb; i++) {
+                ws[(c + i) * PF_COLS + j] = s16[i];
+                wb[(c + i) * PF_COLS + j] = p->asym ? t16[i] : 0.f;
+            }
+        }
+    }
+}
+
+/* Input rows m0 .. m0 + 16 MR - 1 against the packed weight rows n .. n + PF_COLS - 1 (those below N stored): the
+ * sums of a block in registers, the floats in acc (the thread's, in L1: a load and a store a block). */
+static inline __attribute__((always_inline)) void pf_tile(const pf_args *p, const int16_t *wr, const float *ws,
+                                                          const float *wb, float *acc, int n, int m0, const int MR,
+                                                          const int ASYM, const int HALVES) {
+    const gemm_args *a = p->g;
+    int K = a->K, nb = K / 32;
+    const int32_t *x[2];
+    const float *xd[2], *xsf[2];
+    for (int i = 0; i < MR; i++) {
+        x[i] = p->xT + (size_t)(m0 / 16 + i) * 16 * (K / 2);
+        xd[i] = p->xdT + (size_t)(m0 / 16 + i) * 16 * nb;
+        xsf[i] = p->xsfT + (size_t)(m0 / 16 + i) * 16 * nb;
+    }
+    memset(acc, 0, sizeof(float) * 16 * MR * PF_COLS);
+    for (int b = 0; b < nb; b++) {
+        const int16_t *wq = wr + 32 * b;
+        const int32_t *x0 = x[0] + (size_t)b * 256, *x1 = x[MR - 1] + (size_t)b * 256;
+        for (int h = 0; h < HALVES; h++) { /* each lane's sum of 32 / HALVES products */
+            __m512i s[2][PF_COLS];
+            for (int i = 0; i < MR; i++)
+                for (int j = 0; j < PF_COLS; j++) s[i][j] = _mm512_setzero_si512();
+#pragma GCC unroll 16
+            for (int q = h * 16 / HALVES; q < (h + 1) * 16 / HALVES; q++) {
+                __m512i xv[2] = {_mm512_loadu_si512(x0 + 16 * q), _mm512_loadu_si512(x1 + 16 * q)};
+                for (int j = 0; j < PF_COLS; j++) {
+                    int32_t wpair;
+                    memcpy(&wpair, wq + (size_t)j * K + 2 * q, 4);
+                    __m512i wv = _mm512_set1_epi32(wpair);
+                    for (int i = 0; i < MR; i++) s[i][j] = _mm512_dpwssd_epi32(s[i][j], xv[i], wv);
+                }
+            }
+            for (int i = 0; i < MR; i++) {
+                __m512 d = _mm512_loadu_ps(xd[i] + 16 * b), e = ASYM ? _mm512_loadu_ps(xsf[i] + 16 * b) : d;
+                for (int j = 0; j < PF_COLS; j++) {
+                    float *o = acc + (i * PF_COLS + j) * 16;
+                    __m512 f = _mm512_mul_ps(d, _mm512_set1_ps(ws[b * PF_COLS + j]));
+                    __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i][j]), f, _mm512_load_ps(o));
+                    if (ASYM) v = _mm512_fmadd_ps(e, _mm512_set1_ps(wb[b * PF_COLS + j]), v);
+                    _mm512_store_ps(o, v);
+                }
+            }
+        }
+    }
+    const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(a->N));
+    for (int i = 0; i < MR; i++) {
+        __mmask16 k = first16(a->M - (m0 + 16 * i));
+        for (int j = 0; j < PF_COLS && n + j < a->N; j++) {
+            __m512 v = _mm512_load_ps(acc + (i * PF_COLS + j) * 16);
+            if (a->bias) v = _mm512_add_ps(v, _mm512_set1_ps(a->bias[n + j]));
+            _mm512_mask_i32scatter_ps(a->y + (size_t)(m0 + 16 * i) * a->N + n + j, k, rows, v, 4);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void pf_cols_as(const pf_args *p, wfmt f, int g0, int g1, int16_t *wr,
+                                                             float *ws, float *wb, float *acc) {
+    const gemm_args *a = p->g;
+    for (int g = g0; g < g1; g++) {
+        int n = g * PF_COLS, cols = a->N - n < PF_COLS ? a->N - n : PF_COLS;
+        pf_pack_as(p, f, n, cols, wr, ws, wb);
+        int m0 = 0; /* 32 input rows a tile, then 16 (rows past M zeros) */
+#define LPD_TILES(ASYM, HALVES)                                                                                    \
+    for (; m0 + 32 <= p->mp; m0 += 32) pf_tile(p, wr, ws, wb, acc, n, m0, 2, ASYM, HALVES);                        \
+    if (m0 < p->mp) pf_tile(p, wr, ws, wb, acc, n, m0, 1, ASYM, HALVES);
+        if (f.top) { /* Q6_K: |sc x (q - 32)| <= 4096, so a lane sums 16 products (< 2^31) before its floats */
+            LPD_TILES(0, 2)
+        } else if (p->asym) {
+            LPD_TILES(1, 1)
+        } else {
+            LPD_TILES(0, 1)
+        }
+#undef LPD_TILES
+    }
+}
+
+static void pf_task(void *ctx, int ith, int nth) {
+    const pf_args *p = ctx;
+    const gemm_args *a = p->g;
+    int nb = a->K / 32, g0, g1;
+    share((a->N + PF_COLS - 1) / PF_COLS, ith, nth, &g0, &g1);
+    if (g0 == g1) return;
+    static __thread void *buf;
+    static __thread size_t cap;
+    float *acc = scratch(&buf, &cap, sizeof(float) * 32 * PF_COLS + sizeof(int16_t) * PF_COLS * (size_t)a->K
+                                         + 2 * sizeof(float) * PF_COLS * (size_t)nb + 64);
+    if (!acc) return; /* (lpd_prefill_gemm's caller sees no failure: the scratch is small, taken before) */
+    int16_t *wr = (int16_t *)(acc + 32 * PF_COLS);
+    float *ws = (float *)(wr + PF_COLS * (size_t)a->K), *wb = ws + PF_COLS * (size_t)nb;
+#define LPD_CALL(F) pf_cols_as(p, F, g0, g1, wr, ws, wb, acc)
+    LPD_DISPATCH(fmt_of(a));
+#undef LPD_CALL
+}
+#endif
+
+/* lpd_linear's y for many rows (prefill): its input step and rounding, the same rows, then pf_task's products.
+ * Returns 0, -1 without memory, -3 where it does not take the product (not an AVX512-VNNI build, or an odd number
+ * of blocks a row): lpd_dequant_gemm's float GEMMs then multiply. */
+int lpd_prefill_gemm(int pre, const float *x, const float *residual, const float *norm_w, float eps, float *sum_out,
+                     int M, int K, int bits, const void *w, const uint16_t *scales, const uint16_t *biases,
+                     const uint8_t *sub, const int8_t *lut, const uint8_t *high, const uint8_t *top, const int8_t *sc16,
+                     int group, int N, const float *bias, float *y, int nth) {
+#if defined(LPD_AVX512)
+    int nb = K / 32, mp = (M + 15) & ~15;
+    if (nb & 1 || M < 1) return -3;
+    static __thread void *buf;
+    static __thread size_t cap;
+    size_t q_bytes = (2 * (size_t)M * K + 63) / 64 * 64, d_bytes = ((size_t)M * nb * 4 + 63) / 64 * 64;
+    size_t t_bytes = (2 * (size_t)mp * K + 63) / 64 * 64, td_bytes = (4 * (size_t)mp * nb + 63) / 64 * 64;
+    char *mem = scratch(&buf, &cap, q_bytes + 2 * d_bytes + t_bytes + 2 * td_bytes);
+    if (!mem) return -1;
+    input_args in = {pre, M, K, deinterleaved(bits, lut), x, residual, norm_w, eps, sum_out, (int8_t *)mem,
+                     (float *)(mem + q_bytes), (int32_t *)(mem + q_bytes + d_bytes)};
+    parallel(input_task, &in, nth);
+    gemm_args g = {M, N, K, group, bits, in.xq, (size_t)M * K, in.xd, in.xsum, NULL, NULL, w, scales, biases,
+                   sub, lut, bias, y};
+    g.high = high, g.top = top, g.sc16 = sc16;
+    char *t = mem + q_bytes + 2 * d_bytes;
+    pf_args p = {&g, mp, (const int32_t *)t, (const float *)(t + t_bytes), (const float *)(t + t_bytes + td_bytes),
+                 deinterleaved(bits, lut) && !sc16 && (biases || sub)};
+    parallel(pf_input_task, &p, nth);
+    parallel(pf_task, &p, nth);
+    return 0;
+#else
+    (void)pre, (void)x, (void)residual, (void)norm_w, (void)eps, (void)sum_out, (void)M, (void)K, (void)bits, (void)w;
+    (void)scales, (void)biases, (void)sub, (void)lut, (void)high, (void)top, (void)sc16, (void)group, (void)N;
+    (void)bias, (void)y, (void)nth;
+    return -3;
+#endif
+}
+
+/* ------------------------------------------------------------------------------------------------------------
  * Paged attention over float or float16 pages [n_pages, PS, H, D]. Query rows of sequence b: q_starts[b] .. q_starts[b + 1];
  * its keys: positions 0 .. seq_lens[b] - 1 at page page_table[b, pos / PS]; its rows are the last positions. */
 typedef struct {

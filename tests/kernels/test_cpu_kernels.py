@@ -189,9 +189,10 @@ def test_prefill_takes_each_weight_in_bfloat16_as_its_value_rounded(lib, kind, g
 
 
 @pytest.mark.parametrize("kind", ["int4", "int8", "int4k", "int5k", "iq4"])
-def test_prefill_rows_without_a_blas_take_torch_mm_and_match(lib, kind):
+def test_prefill_rows_without_a_blas_take_torch_mm_and_match(lib, kind, monkeypatch):
     """Where torch's library exports no sgemm, lpd_dequant_gemm says so and the rows go through torch.mm over the
     dequantized weight: the same products."""
+    monkeypatch.setattr(cpu, "integer_prefill", lambda: False)
     g = torch.Generator().manual_seed(21)
     w = weights(kind, 300, 576, 32, g)
     x, bias = torch.randn(40, 576, generator=g), torch.randn(300, generator=g)
@@ -203,6 +204,88 @@ def test_prefill_rows_without_a_blas_take_torch_mm_and_match(lib, kind):
         lib.lpd_set_sgemm(cpu.torch_sgemm())
     assert rel_err(without, with_blas) < 1e-6
     assert rel_err(without, ref(w, rounded_rows(x), bias)) < 2e-5
+
+
+def integer_gemm(lib) -> bool:
+    """Whether the library multiplies prefill's rows in lpd_prefill_gemm's int16 products (AVX512-VNNI builds)."""
+    return lib.lpd_isa().decode() == "avx512-vnni"
+
+
+def prefill_gemm(lib, x, w, bias=None, nth=2):
+    """lpd_prefill_gemm on plain rows: its return code and y."""
+    p = cpu.weight_plan(w)
+    y = torch.full((x.shape[0], p.n), float("nan"))
+    rc = lib.lpd_prefill_gemm(0, x.data_ptr(), None, None, 0.0, None, x.shape[0], p.k, p.bits, p.data, p.scales,
+                              p.biases, p.sub, p.lut, p.high, p.top, p.sc16, p.group, p.n, cpu._ptr(bias),
+                              y.data_ptr(), nth)
+    return rc, y
+
+
+@pytest.mark.parametrize("kind,group", GROUPS)
+@pytest.mark.parametrize("m,n,k", [(16, 61, 256), (17, 7, 512), (45, 200, 768), (100, 13, 1536)])
+def test_the_integer_prefill_gemm_is_the_reference_on_its_rounded_input(lib, kind, group, m, n, k, monkeypatch):
+    """lpd_prefill_gemm (AVX512-VNNI; other builds say no, -3, and the float GEMM multiplies): every weight format,
+    rows past a tile's 32 and 16 (the rest padded), weight rows past a tile's 6, one or two threads, the layer's
+    bias: the torch reference on the rounded input within float32's summation, what cpu.linear gives, and the float
+    GEMM's product."""
+    group = k if group is None else group
+    if k % group:
+        pytest.skip(f"groups of {group} do not divide {k}")
+    g = torch.Generator().manual_seed(m * 7 + n + len(kind))
+    w = weights(kind, n, k, group, g)
+    x, bias = torch.randn(m, k, generator=g) * 3, torch.randn(n, generator=g)
+    rc, y = prefill_gemm(lib, x, w, bias, nth=1 + m % 2)
+    if not integer_gemm(lib):
+        assert rc == -3
+        return
+    assert rc == 0
+    assert rel_err(y, ref(w, rounded_rows(x), bias)) < 2e-5
+    assert torch.equal(cpu.linear(x, w, bias, lib=lib), y)
+    monkeypatch.setattr(cpu, "integer_prefill", lambda: False)
+    assert rel_err(cpu.linear(x, w, bias, lib=lib), y) < 2e-5
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8", "int4k", "int6k", "iq4"])
+def test_the_integer_prefill_gemm_with_the_norm_or_the_gate_in_front(lib, kind):
+    """The integer GEMM's input step is lpd_linear's: RMSNorm(x + residual) (the sum stored) or act(gate) * up."""
+    g = torch.Generator().manual_seed(17)
+    m, n, k = 40, 70, 512
+    w = weights(kind, n, k, 256 if kind == "int6k" else 32, g)
+    x, res, nw = torch.randn(m, k, generator=g), torch.randn(m, k, generator=g), torch.rand(k, generator=g) + 0.5
+    norm = PreNorm(res, nw, 1e-5)
+    y, s = cpu.linear(x, w, None, None, norm, lib=lib)
+    h, s_ref = add_rms_norm_ref(x, res, nw, 1e-5)
+    assert torch.equal(s, s_ref)
+    assert rel_err(y, ref(w, rounded_rows(h))) < 2e-5
+    x2 = torch.randn(m, 2 * k, generator=g) * 2
+    assert rel_err(cpu.linear(x2, w, None, "silu", lib=lib), ref(w, rounded_rows(act_mul_ref(x2, "silu")))) < 2e-5
+
+
+def test_the_integer_prefill_gemm_of_q6k_extremes_does_not_overflow(lib):
+    """Q6_K's values sc x (q - 32) reach 4096: against a block of one value (each 256 x 127 = 32512), 32 products
+    of them a lane would pass 2^31. A lane sums 16 of them before its floats: the reference's value."""
+    if not integer_gemm(lib):
+        pytest.skip("an AVX512-VNNI build's GEMM")
+    m, n, k = 16, 8, 512
+    codes = torch.zeros(n, k, dtype=torch.uint8)
+    codes[1::2] = 63  # q - 32 = 31 on every other weight row
+    w = Int6KWeight.from_codes(codes, torch.full((n, k // 256), 1e-3).half(), torch.full((n, k // 16), -128,
+                                                                                        dtype=torch.int8))
+    x = torch.ones(m, k)
+    x[::3] = -2.5
+    rc, y = prefill_gemm(lib, x, w)
+    assert rc == 0
+    want = ref(w, rounded_rows(x))
+    assert want.abs().min() > 1e3 and rel_err(y, want) < 1e-6
+
+
+def test_the_integer_prefill_gemm_declines_an_odd_number_of_blocks(lib):
+    """Rows of an odd number of blocks (96 columns) are not the integer GEMM's (-3): the float GEMM takes them."""
+    g = torch.Generator().manual_seed(4)
+    w = weights("int4", 30, 96, 32, g)
+    x = torch.randn(20, 96, generator=g)
+    assert prefill_gemm(lib, x, w)[0] == -3
+    assert rel_err(cpu.linear(x, w, lib=lib), ref(w, rounded_rows(x))) < 2e-5
 
 
 @pytest.mark.parametrize("n,k,nth", [(3072, 576, 2), (576, 1536, 2), (61, 96, 1), (10, 32768, 4)])
@@ -845,17 +928,22 @@ def test_q6_k_with_the_norm_or_the_gate_in_front(lib, kind, act):
 
 @pytest.mark.parametrize("kind,group", [("int4", 32), ("int4", 64), ("int5", 32)])
 @pytest.mark.parametrize("m", [1, 2, 5, 15, 16, 37])
-@pytest.mark.parametrize("integer_prefill", [True, False])
-def test_a_symmetric_weight_reads_no_biases_and_gives_the_same_floats(lib, kind, group, m, integer_prefill,
-                                                                       monkeypatch):
+@pytest.mark.parametrize("path", ["rows", "float_gemm", "integer_gemm"])
+def test_a_symmetric_weight_reads_no_biases_and_gives_the_same_floats(lib, kind, group, m, path, monkeypatch):
     """A Q4_0 or Q5_0 file's weight (each bias -8 or -16 times its scale, exactly) goes to the kernels without its
     biases (a tenth fewer bytes a decode step), which work them out from the scales: decode rows, a verification
-    step's, prefill's integer products and its dequantized float GEMM give the floats of the same weight with its
-    biases passed, bit for bit; and the bytes a step counts leave them out."""
-    if not integer_prefill and m < cpu.GEMM_ROWS:
-        pytest.skip("the float GEMM takes prefill's rows only")
-    if integer_prefill:
+    step's, prefill's integer products through lpd_linear ("rows") and its dequantized float GEMM give the floats of
+    the same weight with its biases passed, bit for bit; prefill's integer GEMM takes the offset off the codes where
+    the biases' term is added to the passed weight's, the same value within float32's rounding; and the bytes a step
+    counts leave them out."""
+    if path != "rows" and m < cpu.GEMM_ROWS:
+        pytest.skip("the GEMMs take prefill's rows only")
+    if path == "integer_gemm" and not integer_gemm(lib):
+        pytest.skip("an AVX512-VNNI build's GEMM")
+    if path == "rows":
         monkeypatch.setattr(cpu, "GEMM_ROWS", 1 << 20)
+    if path == "float_gemm":
+        monkeypatch.setattr(cpu, "integer_prefill", lambda: False)
     g = torch.Generator().manual_seed(m + group)
     n, k = 45, 576
     w = weights(kind, n, k, group, g)
@@ -867,5 +955,8 @@ def test_a_symmetric_weight_reads_no_biases_and_gives_the_same_floats(lib, kind,
     assert sym.nbytes == passed.nbytes - sym.biases.nbytes
     x, bias = torch.randn(m, k, generator=g) * 3, torch.randn(n, generator=g)
     y = cpu.linear(x, sym, bias, lib=lib)
-    assert torch.equal(y, cpu.linear(x, passed, bias, lib=lib))
-    assert rel_err(y, ref(passed, rounded_rows(x) if integer_prefill or m < cpu.GEMM_ROWS else x, bias)) < 1e-4
+    if path == "integer_gemm":
+        assert rel_err(y, cpu.linear(x, passed, bias, lib=lib)) < 1e-6
+    else:
+        assert torch.equal(y, cpu.linear(x, passed, bias, lib=lib))
+    assert rel_err(y, ref(passed, x if path == "float_gemm" else rounded_rows(x), bias)) < 1e-4
