@@ -62,6 +62,7 @@ SIGNATURES = {
     "lpd_decode_layers": ([_P, _P, _I, _P, _P, _I, _I, _P, _P, _P, _P, _P, _L, _P, _P, _I, _P, _L, _I, _I, _P, _P, _I,
                            _F, _I], _I),
 }
+NEWER = {"lpd_prefill_gemm"}  # entry points a baseline's older source may lack (open_library)
 # From this many rows on, a product dequantizes its weight a slice at a time and multiplies in float32 with
 # torch's GEMM (compute-bound prefill), where fewer rows (decode) take lpd_linear's int8 dot products.
 GEMM_ROWS = 16
@@ -137,8 +138,12 @@ def build(march: str = "native", out_dir: Path | None = None, openmp: bool = Tru
 
 
 def open_library(path: Path) -> ctypes.CDLL:
+    """The library at path with SIGNATURES' types; an entry point an older source lacks (a benchmark's baseline:
+    build(source=...)) is left out, and the products that would call it take the path before it."""
     lib = ctypes.CDLL(str(path))
     for name, (args, res) in SIGNATURES.items():
+        if name in NEWER and not hasattr(lib, name):
+            continue
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, res
     lib.lpd_set_sgemm(torch_sgemm())
@@ -395,6 +400,8 @@ def _integer_gemm(lib, p: Plan, pre: int, x, res, nw, eps: float, s, bias, y) ->
     value the int16 256 hi + lo, against the weight's codes widened to int16, exact integer sums a block (vpdpwssd:
     twice float32's multiplies a cycle). False where the build or the weight's shape has no such path (then
     _gemm's float GEMMs multiply)."""
+    if not hasattr(lib, "lpd_prefill_gemm"):
+        return False
     rc = lib.lpd_prefill_gemm(pre, x.data_ptr(), _ptr(res), _ptr(nw), eps, _ptr(s), x.shape[0], p.k, p.bits, p.data,
                               p.scales, p.biases, p.sub, p.lut, p.high, p.top, p.sc16, p.group, p.n, _ptr(bias),
                               y.data_ptr(), threads())

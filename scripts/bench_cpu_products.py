@@ -1,5 +1,6 @@
 """The CPU kernels' products at 1 to 256 rows: lpd_linear's integer products on this source's library and on another
-cpu_kernels.c's (--against), and the float GEMM prefill takes from cpu.GEMM_ROWS rows on, on the four product
+cpu_kernels.c's (--against), and prefill's GEMM from cpu.GEMM_ROWS rows on (lpd_prefill_gemm's integer products on
+AVX512-VNNI, the float GEMM elsewhere or with LOCALPD_PREFILL_INT=0), on the four product
 shapes of a decoder layer of the default model (SmolLM2-135M: qkv 960 x 576, o 576 x 576, gate_up 3072 x 576,
 down 576 x 1536; --shapes smollm2-1.7b: two of SmolLM2-1.7B's layers, which no cache holds), random weights of
 one scheme. The three take turns each repetition, each timed on its second call
@@ -12,7 +13,7 @@ one scheme. The three take turns each repetition, each timed on its second call
 AVX-512) instead of this one's.
 
 Prints each one's ms for the layer's four products, its time over its one-row time, this source over the other's,
-and this source's integer products over the float GEMM (from 16 rows).
+and this source's integer products over prefill's GEMM (from 16 rows).
 """
 
 from __future__ import annotations
@@ -87,15 +88,15 @@ def main() -> None:
     weights = [make(torch.randn(n, k, generator=g)) for n, k in SHAPES[args.shapes]]
     rows = [int(r) for r in args.rows.split(",")]
     inputs = {m: [torch.randn(m, k, generator=g) for _, k in SHAPES[args.shapes]] for m in rows}
-    # (name, library, GEMM_ROWS): the integer products at every row count, the float GEMM where prefill takes it
-    modes = [("this", this, 1 << 30), ("other", other, 1 << 30), ("float", this, cpu.GEMM_ROWS)]
+    # (name, library, GEMM_ROWS): lpd_linear's integer products at every row count, prefill's GEMM where it takes them
+    modes = [("this", this, 1 << 30), ("other", other, 1 << 30), ("prefill", this, cpu.GEMM_ROWS)]
     best: dict = {}
     kept = cpu.GEMM_ROWS
     try:
         for _ in range(args.reps):
             for m in rows:
                 for name, lib, gemm_rows in modes:
-                    if name == "float" and m < kept:
+                    if name == "prefill" and m < kept:
                         continue
                     cpu.GEMM_ROWS = gemm_rows
                     for timed in (False, True):  # the first call warms the caches after the others' data
@@ -112,8 +113,9 @@ def main() -> None:
         line = f"{m:4d} rows  this {best[m, 'this'] * 1e3:7.3f} (x{best[m, 'this'] / one['this']:6.2f})  other " \
                f"{best[m, 'other'] * 1e3:7.3f} (x{best[m, 'other'] / one['other']:6.2f})  this / other " \
                f"{best[m, 'this'] / best[m, 'other']:.2f}"
-        if (m, "float") in best:
-            line += f"  float {best[m, 'float'] * 1e3:7.3f}  this / float {best[m, 'this'] / best[m, 'float']:.2f}"
+        if (m, "prefill") in best:
+            line += (f"  prefill {best[m, 'prefill'] * 1e3:7.3f}  this / prefill "
+                     f"{best[m, 'this'] / best[m, 'prefill']:.2f}")
         print(line)
 
 
