@@ -26,7 +26,10 @@ class OutputProcessor:
         step, now = out.stats, out.now
         for w in out.work:  # before the events: a request's last step counts too
             if w.seq in requests:
-                requests[w.seq].handle.stats.bytes_moved += step.bytes
+                req = requests[w.seq]
+                req.handle.stats.bytes_moved += step.bytes
+                if req.first_token_at is None:
+                    req.handle.stats.prefill_steps.append(step)
         sampled = [w for w in out.work if w.sample]
         for w, req, outcome in zip(sampled, out.requests, out.outcomes):
             if req.embed:

@@ -64,6 +64,9 @@ class GenerationStats:
     accepted_tokens: int = 0  # of those, the ones the model confirmed
     bytes_moved: int = 0  # bytes of every step this request took part in
     finish_reason: str | None = None
+    # the steps that computed the prompt, each chunk of it (only the last one samples, so only it reaches an event):
+    # what a benchmark sums for the prefill's time and FLOPs
+    prefill_steps: list[StepStats] = field(default_factory=list)
 
     @property
     def ttft(self) -> float:

@@ -74,6 +74,8 @@ def run_point(engine: Engine, info: DeviceInfo, prompt_len: int, batch: int, gen
         t.start()
     for t in threads:
         t.join()
+    for h in handles:  # a long prompt's chunks before its last one reach no event
+        steps.update((id(s), s) for s in h.stats.prefill_steps)
     prefill = [s for s in steps.values() if s.phase != "decode"]
     decode = [s for s in steps.values() if s.phase == "decode"]
 

@@ -91,3 +91,27 @@ def test_a_chained_benchmark_counts_one_token_a_pass(default_gguf, monkeypatch):
             assert point.tokens_per_pass == 1.0 and point.decode_tps > 0
     finally:
         engine.close()
+
+
+def test_a_prompt_prefilled_in_chunks_counts_every_chunk(default_gguf):
+    """A prompt longer than a step's token budget is prefilled in chunks, and only the last one samples a token (an
+    event): the bench point's prefill counts every chunk's time and FLOPs (GenerationStats.prefill_steps), as one
+    step's prefill of the same prompt does, where it counted the last chunk alone (prefill tok/s at 1024 tokens
+    read 148 where the prompt took 80 a second)."""
+    from localpd.measure.bench import run_point
+    from localpd.measure.device import DeviceInfo
+
+    info = DeviceInfo("cpu", "cpu", 50e9, "table", 20e9, "measured", None, "unknown")
+    flops = {}
+    for budget in (16, 256):
+        engine = Engine(default_gguf, device="cpu", max_context=256, max_step_tokens=budget)
+        try:
+            point = run_point(engine, info, 40, 1, 2, seed=3)  # 16 + 16 + 8 tokens, or one step
+            handle = engine.submit(list(range(1, 41)), SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+            list(handle)
+        finally:
+            engine.close()
+        steps = handle.stats.prefill_steps
+        assert [s.tokens for s in steps] == ([16, 16, 8] if budget == 16 else [40])
+        flops[budget] = point.prefill_flops_per_s * 40 / point.prefill_tps  # the point's prefill FLOPs
+    assert abs(flops[16] / flops[256] - 1) < 0.02
