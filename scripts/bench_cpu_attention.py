@@ -35,7 +35,7 @@ def main() -> None:
     ap.add_argument("--shuffle", action="store_true",
                     help="the sequence's pages in a random order (an engine's, after some use)")
     ap.add_argument("--spread", type=int, default=1,
-                    help="a pool this many times the sequence's pages (with --shuffle: its pages drawn from all of them)")
+                    help="a pool this many times the sequence's pages (--shuffle draws them from all of it)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     hq, h, d = (int(x) for x in args.heads.split(","))
