@@ -202,6 +202,7 @@ def prefill_bf16() -> bool:
     return env == "1" or "amx_bf16" in _processor().split()
 
 
+@functools.cache
 def integer_prefill() -> bool:
     """Whether prefill's GEMMs try lpd_prefill_gemm's integer products first (AVX512-VNNI builds take them, others
     say no): the rows rounded as decode rounds them, each value the int16 256 hi + lo, exact integer sums a block,

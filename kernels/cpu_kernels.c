@@ -1106,6 +1106,12 @@ static inline __attribute__((always_inline)) void gemm_tile(const gemm_args *a, 
             a->y[(size_t)(m0 + m) * a->N + n + r] = _mm512_reduce_add_ps(acc[r][m]) + extra[r * rstride + m];
 }
 
+/* 32 input values whole, each the int16 256 hi + lo (|.| < 2^15): what gemm_tile and the prefill GEMM multiply. */
+static inline __m512i whole32(const int8_t *hi, const int8_t *lo) {
+    return _mm512_add_epi16(_mm512_slli_epi16(_mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)hi)), 8),
+                            _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)lo)));
+}
+
 /* An input row's pairs of blocks as gemm_tile takes them: of each pair's 64 values (256 hi + lo, in xq's order),
  * those at 4l and 4l + 1 (l = 0 .. 15) first, then those at 4l + 2 and 4l + 3. */
 static void widen_row(const int8_t *hi, const int8_t *lo, int K, int16_t *out) {
@@ -1113,10 +1119,7 @@ static void widen_row(const int8_t *hi, const int8_t *lo, int K, int16_t *out) {
                                            29, 28, 25, 24, 21, 20, 17, 16, 13, 12, 9, 8, 5, 4, 1, 0);
     const __m512i second = _mm512_add_epi16(first, _mm512_set1_epi16(2));
     for (int k = 0; k < K; k += 64) {
-        __m512i v0 = _mm512_add_epi16(_mm512_slli_epi16(_mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(hi + k))), 8),
-                                      _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(lo + k))));
-        __m512i v1 = _mm512_add_epi16(_mm512_slli_epi16(_mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(hi + k + 32))), 8),
-                                      _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(lo + k + 32))));
+        __m512i v0 = whole32(hi + k, lo + k), v1 = whole32(hi + k + 32, lo + k + 32);
         _mm512_storeu_si512(out + k, _mm512_permutex2var_epi16(v0, first, v1));
         _mm512_storeu_si512(out + k + 32, _mm512_permutex2var_epi16(v0, second, v1));
     }
@@ -2291,19 +2294,29 @@ static void input_task(void *ctx, int ith, int nth) { /* each thread its share o
  * PRE_NORM (x, residual or NULL, norm_w [K], eps; x + residual stored in sum_out [M, K], apart from both), or an
  * activation (x =
  * [gate | up], [M, 2K]). K a multiple of 32, group a multiple of 32 dividing K. Returns 0, or -1 without memory. */
-int lpd_linear(int pre, const float *x, const float *residual, const float *norm_w, float eps, float *sum_out, int M,
-               int K, int bits, const void *w, const uint16_t *scales, const uint16_t *biases, const uint8_t *sub,
-               const int8_t *lut, const uint8_t *high, const uint8_t *top, const int8_t *sc16, int group, int N,
-               const float *bias, float *y, int nth) {
+/* lpd_linear's and lpd_prefill_gemm's first step: x's M rows through the input step and rounded (input_task) into
+ * the thread's scratch, *in describing them, `extra` bytes after them for the caller; returns those, NULL without
+ * memory. */
+static char *round_rows(input_args *in, int pre, const float *x, const float *residual, const float *norm_w,
+                        float eps, float *sum_out, int M, int K, int deint, int nth, size_t extra) {
     static __thread void *buf;
     static __thread size_t cap;
     int nb = K / 32;
     size_t q_bytes = (2 * (size_t)M * K + 63) / 64 * 64, d_bytes = ((size_t)M * nb * 4 + 63) / 64 * 64;
-    char *mem = scratch(&buf, &cap, q_bytes + 2 * d_bytes);
-    if (!mem) return -1;
-    input_args in = {pre, M, K, deinterleaved(bits, lut), x, residual, norm_w, eps, sum_out, (int8_t *)mem,
-                     (float *)(mem + q_bytes), (int32_t *)(mem + q_bytes + d_bytes)};
-    parallel(input_task, &in, M >= 8 ? nth : 1);
+    char *mem = scratch(&buf, &cap, q_bytes + 2 * d_bytes + extra);
+    if (!mem) return NULL;
+    *in = (input_args){pre, M, K, deint, x, residual, norm_w, eps, sum_out, (int8_t *)mem, (float *)(mem + q_bytes),
+                       (int32_t *)(mem + q_bytes + d_bytes)};
+    parallel(input_task, in, M >= 8 ? nth : 1);
+    return mem + q_bytes + 2 * d_bytes;
+}
+
+int lpd_linear(int pre, const float *x, const float *residual, const float *norm_w, float eps, float *sum_out, int M,
+               int K, int bits, const void *w, const uint16_t *scales, const uint16_t *biases, const uint8_t *sub,
+               const int8_t *lut, const uint8_t *high, const uint8_t *top, const int8_t *sc16, int group, int N,
+               const float *bias, float *y, int nth) {
+    input_args in;
+    if (!round_rows(&in, pre, x, residual, norm_w, eps, sum_out, M, K, deinterleaved(bits, lut), nth, 0)) return -1;
     gemm_args g = {M, N, K, group, bits, in.xq, (size_t)M * K, in.xd, in.xsum, NULL, NULL, w, scales, biases,
                    sub, lut, bias, y};
     g.high = high, g.top = top, g.sc16 = sc16;
@@ -2352,12 +2365,8 @@ static void pf_input_task(void *ctx, int ith, int nth) {
                 continue;
             }
             const int8_t *hi = a->xq + (size_t)m * K, *lo = hi + a->lo;
-            for (int k = 0; k < K; k += 32) { /* 32 values: 16 pairs, pair q to out[q][l] */
-                __m512i h = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(hi + k)));
-                __m512i v = _mm512_add_epi16(_mm512_slli_epi16(h, 8),
-                                             _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(lo + k))));
-                _mm512_i32scatter_epi32(out + (size_t)(k / 2) * 16 + l, idx, v, 4);
-            }
+            for (int k = 0; k < K; k += 32) /* 32 values: 16 pairs, pair q to out[q][l] */
+                _mm512_i32scatter_epi32(out + (size_t)(k / 2) * 16 + l, idx, whole32(hi + k, lo + k), 4);
             for (int b = 0; b < nb; b++) {
                 xd[b * 16 + l] = a->xd[(size_t)m * nb + b];
                 xsf[b * 16 + l] = a->xd[(size_t)m * nb + b] * (float)a->xsum[(size_t)m * nb + b];
@@ -2375,7 +2384,8 @@ static inline __attribute__((always_inline)) void pf_pack_as(const pf_args *p, w
     size_t row_bytes = a->bits == 4 ? K / 2 : K;
     const __m512i tab = lut_table(a);
     /* what comes off a code: a symmetric weight's offset (int8's and codebooks' flip), none where a bias says */
-    int off = f.sc16 ? sub16_offset(a->high, a->top) : p->asym ? 0 : !f.b4 || f.lut ? 128 : f.high ? 16 : 8;
+    int off = f.sc16 ? sub16_offset(a->high, a->top) : p->asym ? 0 : signed_codes(a) ? 128
+                                                                       : (int)-symmetric_bias(a->high);
     const __m512i voff = _mm512_set1_epi16((short)off);
     for (int j = 0; j < PF_COLS; j++) {
         int16_t *o = wr + (size_t)j * K;
@@ -2529,19 +2539,14 @@ int lpd_prefill_gemm(int pre, const float *x, const float *residual, const float
 #if defined(LPD_AVX512)
     int nb = K / 32, mp = (M + 15) & ~15;
     if (nb & 1 || M < 1) return -3;
-    static __thread void *buf;
-    static __thread size_t cap;
-    size_t q_bytes = (2 * (size_t)M * K + 63) / 64 * 64, d_bytes = ((size_t)M * nb * 4 + 63) / 64 * 64;
     size_t t_bytes = (2 * (size_t)mp * K + 63) / 64 * 64, td_bytes = (4 * (size_t)mp * nb + 63) / 64 * 64;
-    char *mem = scratch(&buf, &cap, q_bytes + 2 * d_bytes + t_bytes + 2 * td_bytes);
-    if (!mem) return -1;
-    input_args in = {pre, M, K, deinterleaved(bits, lut), x, residual, norm_w, eps, sum_out, (int8_t *)mem,
-                     (float *)(mem + q_bytes), (int32_t *)(mem + q_bytes + d_bytes)};
-    parallel(input_task, &in, nth);
+    input_args in;
+    char *t = round_rows(&in, pre, x, residual, norm_w, eps, sum_out, M, K, deinterleaved(bits, lut), nth,
+                         t_bytes + 2 * td_bytes);
+    if (!t) return -1;
     gemm_args g = {M, N, K, group, bits, in.xq, (size_t)M * K, in.xd, in.xsum, NULL, NULL, w, scales, biases,
                    sub, lut, bias, y};
     g.high = high, g.top = top, g.sc16 = sc16;
-    char *t = mem + q_bytes + 2 * d_bytes;
     pf_args p = {&g, mp, (const int32_t *)t, (const float *)(t + t_bytes), (const float *)(t + t_bytes + td_bytes),
                  deinterleaved(bits, lut) && !sc16 && (biases || sub)};
     parallel(pf_input_task, &p, nth);
