@@ -63,8 +63,9 @@ SIGNATURES = {
                            _F, _I], _I),
 }
 NEWER = {"lpd_prefill_gemm"}  # entry points a baseline's older source may lack (open_library)
-# From this many rows on, a product dequantizes its weight a slice at a time and multiplies in float32 with
-# torch's GEMM (compute-bound prefill), where fewer rows (decode) take lpd_linear's int8 dot products.
+# From this many rows on (compute-bound prefill), a product takes lpd_prefill_gemm's integer GEMM (AVX512-VNNI) or
+# dequantizes its weight a slice at a time into torch's GEMM, where fewer rows (decode) take lpd_linear's int8 dot
+# products, each row bit for bit its one-row product.
 GEMM_ROWS = 16
 GEMM_SLICE = 1 << 22  # weight elements dequantized at a time (16 MiB of float32) where torch's GEMM multiplies
 SLICE_BYTES = 1 << 19  # a thread's dequantized weight rows where lpd_dequant_gemm multiplies: in its core's L2
