@@ -961,6 +961,30 @@ static void row_factors(const gemm_args *a, int n, int m0, int mm, int xor_block
 static inline __attribute__((always_inline)) void prefetch_run(const uint8_t *run, size_t at, size_t bytes) {
     for (size_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)(run + WEIGHT_AHEAD + at + o), _MM_HINT_T0);
 }
+/* Where four rows at a time (gemv1, gemv1_sub16) prefetch their run: WEIGHT_AHEAD along it, or from the next four
+ * rows' start where four rows pass that (lead: the bytes further), so that every row of the next four is requested
+ * before its first block is read; and into L2 (T1) where the input's two int8 levels and the bytes in flight ahead
+ * (the codes' and a fifth or upper plane's: `quarters` quarters of the codes' bytes) pass half a 32 KiB L1, where
+ * in L1 they pushed the input and one another out before their use. SmolLM2-1.7B's down (K = 8192: 4 KiB rows of
+ * Q4_K) read 21-23 GB/s where its other products read 31-34; so 28-31 (Q4_K, Q4_1, Q6_K; 2 threads, Zen 4). */
+typedef struct {
+    size_t lead;
+    int l2;
+} run_plan;
+static inline run_plan plan_run(size_t group, int K, int quarters) {
+    run_plan p = {group > WEIGHT_AHEAD ? group - WEIGHT_AHEAD : 0, 0};
+    p.l2 = 2 * (size_t)K + (p.lead + WEIGHT_AHEAD) * quarters / 4 > 16384;
+    return p;
+}
+static inline __attribute__((always_inline)) void prefetch_planned(run_plan p, const uint8_t *run, size_t at,
+                                                                     size_t bytes) {
+    if (!p.l2) {
+        prefetch_run(run + p.lead, at, bytes);
+        return;
+    }
+    for (size_t o = 0; o < bytes; o += 64)
+        _mm_prefetch((const char *)(run + p.lead + WEIGHT_AHEAD + at + o), _MM_HINT_T1);
+}
 /* A 5-bit weight's fifth bits (a quarter of the codes' bytes) or Q6_K's upper ones (half) for prefetch_run's bytes of
  * a code run (rows one after another), as many blocks ahead; each line once, by the call whose bytes reach its
  * start. */
@@ -1946,6 +1970,7 @@ static inline __attribute__((always_inline)) int gemv1_as(const gemm_args *a, wf
     const size_t step = f.b4 ? 64 : 128; /* the four rows' bytes a block */
     const int biased = a->sub || deinterleaved(a->bits, a->lut);
     const __m512i tab = lut_table(a);
+    const run_plan ahead = plan_run(4 * row_bytes, K, f.high ? 5 : 4);
     for (; n + 4 <= n1; n += 4) {
         const uint8_t *w[4] = {a->w + (size_t)n * row_bytes, a->w + (size_t)(n + 1) * row_bytes,
                                a->w + (size_t)(n + 2) * row_bytes, a->w + (size_t)(n + 3) * row_bytes};
@@ -1973,8 +1998,8 @@ static inline __attribute__((always_inline)) int gemv1_as(const gemm_args *a, wf
                 int b = c + j;
                 if (b >= nb) break;
                 __m512i x = _mm512_loadu_si512(a->xq + b * 32), xl = _mm512_loadu_si512(a->xq + a->lo + b * 32);
-                prefetch_run(w[0], b * step, 2 * step);
-                prefetch_fifth_as(a, f, w[0], b * step, 2 * step);
+                prefetch_planned(ahead, w[0], b * step, 2 * step);
+                prefetch_fifth_as(a, f, w[0] + ahead.lead, b * step, 2 * step);
                 const __m512i pick = _mm512_set_epi32(j + 1, j + 1, j + 1, j + 1, j + 1, j + 1, j + 1, j + 1,
                                                       j, j, j, j, j, j, j, j);
 #pragma GCC unroll 4
@@ -2008,6 +2033,7 @@ static inline __attribute__((always_inline)) int gemv1_sub16_as(const gemm_args 
     const __m512i twice = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     const __m512i tab = lut_table(a);
     const float off = -(float)sub16_offset(a->high, a->top);
+    const run_plan ahead = plan_run(4 * (size_t)(K / 2), K, f.top ? 6 : 5);
     for (; n + 4 <= n1; n += 4) {
         const uint8_t *w[4] = {a->w + (size_t)n * (K / 2), a->w + (size_t)(n + 1) * (K / 2),
                                a->w + (size_t)(n + 2) * (K / 2), a->w + (size_t)(n + 3) * (K / 2)};
@@ -2026,8 +2052,8 @@ static inline __attribute__((always_inline)) int gemv1_sub16_as(const gemm_args 
             for (int j = 0; j < 8; j += 2) {
                 int b = s / 2 + j;
                 __m512i x = _mm512_loadu_si512(a->xq + b * 32), xl = _mm512_loadu_si512(a->xq + a->lo + b * 32);
-                prefetch_run(w[0], b * step, 2 * step);
-                prefetch_fifth_as(a, f, w[0], b * step, 2 * step);
+                prefetch_planned(ahead, w[0], b * step, 2 * step);
+                prefetch_fifth_as(a, f, w[0] + ahead.lead, b * step, 2 * step);
                 const int q = 2 * j; /* the pair's four factors: lanes q .. q + 3 of the sixteen */
                 const __m512i pick = _mm512_set_epi32(q + 3, q + 3, q + 2, q + 2, q + 3, q + 3, q + 2, q + 2,
                                                       q + 1, q + 1, q, q, q + 1, q + 1, q, q);
