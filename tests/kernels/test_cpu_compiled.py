@@ -174,6 +174,20 @@ def test_one_row_products_can_prefetch_into_l2(assembly):
                 assert any("prefetcht0" in l for l in lines), f"{f}: a product loop without an L1 prefetch"
 
 
+def test_decode_attention_prefetches_rows_into_l2(assembly):
+    """Decode attention's rows ahead (load_chunk's and the one-key-at-a-time walk's) go to L2 (prefetcht1), none to
+    L1: a head's rows lie a position apart (4 KiB for SmolLM2-1.7B's float16 pages), so rows requested into L1 fell
+    into the same few sets and pushed each other out unread (7-10 GB/s where L2 gives 18-19)."""
+    march, asm = assembly
+    fns = functions(asm)
+    for name in ("load_chunk", "attention_task"):
+        found = _named(fns, name)
+        assert found, f"{name} is not a function of its own in the {march} build (inlined?)"
+        for f in found:
+            assert any("prefetcht1" in l for l in fns[f]), f"{march} {f}: no row requested into L2"
+            assert not any("prefetcht0" in l for l in fns[f]), f"{march} {f}: a row requested into L1"
+
+
 def test_one_row_products_built_once_a_format(assembly):
     """The one-row products' loop a weight format (each a copy with its flags constant, where testing them in the
     loop cost AVX2's decode half its speed and AVX-512's one-row Q4_0 products 1.1x the time), each prefetched."""
