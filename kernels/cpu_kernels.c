@@ -961,12 +961,13 @@ static void row_factors(const gemm_args *a, int n, int m0, int mm, int xor_block
 static inline __attribute__((always_inline)) void prefetch_run(const uint8_t *run, size_t at, size_t bytes) {
     for (size_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)(run + WEIGHT_AHEAD + at + o), _MM_HINT_T0);
 }
-/* Where four rows at a time (gemv1, gemv1_sub16) prefetch their run: WEIGHT_AHEAD along it, or from the next four
+/* Where four rows at a time (gemv1, gemv1_sub16, AVX2's gemv4) prefetch their run: WEIGHT_AHEAD along it, or from the next four
  * rows' start where four rows pass that (lead: the bytes further), so that every row of the next four is requested
  * before its first block is read; and into L2 (T1) where the input's two int8 levels and the bytes in flight ahead
  * (the codes' and a fifth or upper plane's: `quarters` quarters of the codes' bytes) pass half a 32 KiB L1, where
  * in L1 they pushed the input and one another out before their use. SmolLM2-1.7B's down (K = 8192: 4 KiB rows of
- * Q4_K) read 21-23 GB/s where its other products read 31-34; so 28-31 (Q4_K, Q4_1, Q6_K; 2 threads, Zen 4). */
+ * Q4_K) read 21-23 GB/s where its other products read 31-34; so 28-31 (Q4_K, Q4_1, Q6_K; 2 threads, Zen 4; AVX2's
+ * Q4_K and Q4_1 20-22 -> 29 on the same processor). */
 typedef struct {
     size_t lead;
     int l2;
@@ -1299,13 +1300,13 @@ static inline __attribute__((always_inline)) void codebook_pair_block(__m256i ra
 /* gemv4_as's step: block b (j = b & 3) of the four rows w into their sums acc. */
 static inline __attribute__((always_inline)) void gemv4_block(const gemm_args *a, wfmt f, const uint8_t *const *w,
                                                                 int b, int j, const float *ds, __m128i tab,
-                                                                __m256 *acc) {
+                                                                run_plan ahead, __m256 *acc) {
     int fc = f.sc16 ? a->K / 16 : a->K / 32;
     size_t step = f.b4 ? 64 : 128; /* the four rows' bytes a block */
     __m256i x0 = _mm256_loadu_si256((const __m256i *)(a->x16 + b * 32));
     __m256i x1 = _mm256_loadu_si256((const __m256i *)(a->x16 + b * 32 + 16));
-    prefetch_run(w[0], b * step, step);
-    prefetch_fifth_as(a, f, w[0], b * step, step);
+    prefetch_planned(ahead, w[0], b * step, step);
+    prefetch_fifth_as(a, f, w[0] + ahead.lead, b * step, step);
 #pragma GCC unroll 4
     for (int r = 0; r < 4; r++) {
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot16_as(a, f, w[r], b, j, x0, x1, tab)),
@@ -1324,6 +1325,7 @@ static inline __attribute__((always_inline)) void gemv4_as(const gemm_args *a, w
                            a->w + (size_t)(n + 2) * row_bytes, a->w + (size_t)(n + 3) * row_bytes};
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     const __m128i tab = lut_table(a);
+    const run_plan ahead = plan_run(4 * row_bytes, K, f.top ? 6 : f.high ? 5 : 4);
     if (f.top && !f.high && !f.lut) { /* Q6_K: a group of four blocks a row at a time, its upper bits widened
                                         * once for the four (widen16_as's codes, the inputs read again a row) */
         const uint8_t *up[4] = {upper_of(a, w[0], 0), upper_of(a, w[1], 0), upper_of(a, w[2], 0),
@@ -1332,8 +1334,8 @@ static inline __attribute__((always_inline)) void gemv4_as(const gemm_args *a, w
         int fc = K / 16;
         for (int b = 0; b < nb; b += 4) {
             for (int j = 0; j < 4; j++) {
-                prefetch_run(w[0], (b + j) * 64, 64);
-                prefetch_fifth_as(a, f, w[0], (b + j) * 64, 64);
+                prefetch_planned(ahead, w[0], (b + j) * 64, 64);
+                prefetch_fifth_as(a, f, w[0] + ahead.lead, (b + j) * 64, 64);
             }
 #pragma GCC unroll 4
             for (int r = 0; r < 4; r++) {
@@ -1360,8 +1362,8 @@ static inline __attribute__((always_inline)) void gemv4_as(const gemm_args *a, w
         for (int gi = 0; gi < full / FIFTH_GROUP; gi++) {
             int b = gi * FIFTH_GROUP;
             for (int j = 0; j < FIFTH_GROUP; j++) {
-                prefetch_run(w[0], (b + j) * 64, 64);
-                prefetch_fifth_as(a, f, w[0], (b + j) * 64, 64);
+                prefetch_planned(ahead, w[0], (b + j) * 64, 64);
+                prefetch_fifth_as(a, f, w[0] + ahead.lead, (b + j) * 64, 64);
             }
 #pragma GCC unroll 4
             for (int r = 0; r < 4; r++) {
@@ -1380,7 +1382,7 @@ static inline __attribute__((always_inline)) void gemv4_as(const gemm_args *a, w
                 }
             }
         }
-        for (int b = full; b < nb; b++) gemv4_block(a, f, w, b, b & 3, ds, tab, acc);
+        for (int b = full; b < nb; b++) gemv4_block(a, f, w, b, b & 3, ds, tab, ahead, acc);
     } else if (f.lut && !f.top && !f.high) { /* a codebook: a pair of blocks a row from its one 32-byte load, split
                                                * into the two blocks' codes by constant shifts, where each block
                                                * loaded the pair again and shifted it by a count (gemv4_block's
@@ -1393,7 +1395,7 @@ static inline __attribute__((always_inline)) void gemv4_as(const gemm_args *a, w
             __m256i x00 = _mm256_loadu_si256((const __m256i *)x), x01 = _mm256_loadu_si256((const __m256i *)(x + 16));
             __m256i x10 = _mm256_loadu_si256((const __m256i *)(x + 32));
             __m256i x11 = _mm256_loadu_si256((const __m256i *)(x + 48));
-            prefetch_run(w[0], b * 64, 128);
+            prefetch_planned(ahead, w[0], b * 64, 128);
 #pragma GCC unroll 4
             for (int r = 0; r < 4; r++) {
                 __m256i raw = _mm256_loadu_si256((const __m256i *)(w[r] + b * 16)), a0, a1, b0, b1;
@@ -1405,16 +1407,16 @@ static inline __attribute__((always_inline)) void gemv4_as(const gemm_args *a, w
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(ds[r * fc + b + 1]), acc[r]);
             }
         }
-        if (nb & 1) gemv4_block(a, f, w, nb - 1, (nb - 1) & 3, ds, tab, acc); /* a last odd block: 16 bytes */
+        if (nb & 1) gemv4_block(a, f, w, nb - 1, (nb - 1) & 3, ds, tab, ahead, acc); /* a last odd block: 16 bytes */
     } else if (f.top) {
         for (int b = 0; b < nb; b += 4) {
-            gemv4_block(a, f, w, b, 0, ds, tab, acc);
-            gemv4_block(a, f, w, b + 1, 1, ds, tab, acc);
-            gemv4_block(a, f, w, b + 2, 2, ds, tab, acc);
-            gemv4_block(a, f, w, b + 3, 3, ds, tab, acc);
+            gemv4_block(a, f, w, b, 0, ds, tab, ahead, acc);
+            gemv4_block(a, f, w, b + 1, 1, ds, tab, ahead, acc);
+            gemv4_block(a, f, w, b + 2, 2, ds, tab, ahead, acc);
+            gemv4_block(a, f, w, b + 3, 3, ds, tab, ahead, acc);
         }
     } else {
-        for (int b = 0; b < nb; b++) gemv4_block(a, f, w, b, b & 3, ds, tab, acc);
+        for (int b = 0; b < nb; b++) gemv4_block(a, f, w, b, b & 3, ds, tab, ahead, acc);
     }
     for (int r = 0; r < 4; r++) a->y[n + r] = hsum8(acc[r]) + extra[r];
 }

@@ -22,6 +22,7 @@ DECODE = {"haswell": ("gemv4", "gemm16x"), "icelake-server": ("gemv1", "gemv1_su
 # loops over sixteen blocks (eight pairs unrolled) gcc 12 lays out as 2 innermost loops with products (416 vpdpbusd;
 # with a's flags tested in the loop instead, 1 and 160), and its gemv1_sub16 Q6_K and Q3_K
 ONE_ROW = {"haswell": (("gemv4", 7),), "icelake-server": (("gemv1", 2), ("gemv1_sub16", 2))}
+ONE_ROW_NAMES = {march: tuple(name for name, _ in fns) for march, fns in ONE_ROW.items()}
 
 
 def _compiler() -> str | None:
@@ -155,14 +156,12 @@ def test_decode_products_prefetch_their_weights(assembly):
 
 
 def test_one_row_products_can_prefetch_into_l2(assembly):
-    """AVX-512's one-row products (gemv1, gemv1_sub16) request long rows' runs into L2 (plan_run): every product
-    loop holds a prefetcht1 beside its prefetcht0, where L1 alone left SmolLM2-1.7B's down (K = 8192) at 0.7x the
-    bandwidth of its other products."""
+    """The one-row products (AVX-512's gemv1 and gemv1_sub16, AVX2's gemv4) request long rows' runs into L2
+    (plan_run): every product loop holds a prefetcht1 beside its prefetcht0, where L1 alone left SmolLM2-1.7B's down
+    (K = 8192) at 0.7x the bandwidth of its other products."""
     march, asm = assembly
-    if march != "icelake-server":
-        pytest.skip("AVX-512's one-row products")
     fns = functions(asm)
-    for name in ("gemv1", "gemv1_sub16"):
+    for name in ONE_ROW_NAMES[march]:
         for f in _named(fns, name):
             code, all_loops = loops(fns[f])
             product = [s for s in all_loops if any(PRODUCT.search(l) for k in s for l in code[k])]
