@@ -10,6 +10,10 @@ tg128 runs at `-d 128` (its pp128 at depth 0). Figures in docs/PERF.md before 20
 an empty context, which reads a third of the KV cache that localpd's decode reads.
 
     python scripts/bench_cpu_vs_llamacpp.py [--model FILE] [--threads 2] [--quant SCHEME] [--repeats 2]
+                                            [--context 1024]
+
+--context N has both decode after N tokens of context instead (llama.cpp's tg128 at `-d N`, localpd's batch-1
+decode after an N-token prompt, a `localpd bench` run of its own); prefill and localpd's batch 8 stay at 128.
 
 --int-prefill runs localpd a second time each round with the prefill's products (cpu.GEMM_ROWS rows and more) on
 the integer products decode takes (lpd_linear) in place of the float GEMM, and prints its prefill beside the float
@@ -52,12 +56,12 @@ def llama_bin() -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
-def llama_round(bin_dir: str, model: str, threads: int) -> dict:
-    """llama-bench's pp128 from an empty context and tg128 after 128 tokens of it (localpd's decode's context), in
-    two runs (one run of both depths would also time pp128 at 128 and tg128 at 0): {"prefill": tok/s, "decode":
-    tok/s}."""
+def llama_round(bin_dir: str, model: str, threads: int, context: int = TOKENS) -> dict:
+    """llama-bench's pp128 from an empty context and tg128 after `context` tokens of it (localpd's decode's context),
+    in two runs (one run of both depths would also time pp128 at that depth and tg128 at 0): {"prefill": tok/s,
+    "decode": tok/s}."""
     rows = []
-    for test in (["-p", str(TOKENS), "-n", "0"], ["-p", "0", "-n", str(TOKENS), "-d", str(TOKENS)]):
+    for test in (["-p", str(TOKENS), "-n", "0"], ["-p", "0", "-n", str(TOKENS), "-d", str(context)]):
         out = subprocess.run([str(Path(bin_dir) / "llama-bench"), "-m", model, "-t", str(threads), *test, "-o", "json"],
                              capture_output=True, text=True)
         if out.returncode:
@@ -67,21 +71,29 @@ def llama_round(bin_dir: str, model: str, threads: int) -> dict:
     return {"prefill": pick["prefill"], "decode": pick["decode"], "type": rows[0].get("model_type", "?")}
 
 
-def localpd_round(model: str, threads: int, quant: str | None, int_prefill: bool = False) -> dict:
-    """localpd bench at batch 1 and 8, read from its --json (localpd.bench.Point fields); int_prefill: prefill on the
-    integer products (INT_PREFILL)."""
+def localpd_bench(model: str, threads: int, quant: str | None, prompt: int, batches: str, int_prefill: bool) -> dict:
+    """`localpd bench`'s --json: {batch: its point's fields (localpd.bench.Point)} and the run's "quant", "device"."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "bench.json")
         run = ["-c", INT_PREFILL] if int_prefill else ["-m", "localpd.cli"]
         cmd = [sys.executable, *run, "bench", model, "--device", "cpu", "--threads", str(threads),
-               "--prompt-len", str(TOKENS), "--gen-len", str(TOKENS), "--batch", "1,8", "--json", path]
+               "--prompt-len", str(prompt), "--gen-len", str(TOKENS), "--batch", batches, "--json", path]
         out = subprocess.run(cmd + (["--quant", quant] if quant else []), capture_output=True, text=True, cwd=REPO)
         if out.returncode:
             sys.exit(f"localpd bench failed ({out.returncode}): {out.stderr.strip()[-800:]}")
         result = json.loads(Path(path).read_text())
-    points = {p["batch"]: p for p in result["points"]}
-    return {"prefill": points[1]["prefill_tps"], "decode": points[1]["decode_tps"], "decode8": points[8]["decode_tps"],
-            "mbu": points[1]["decode_mbu"], "quant": result["quant"], "device": result["device"]}
+    return {**{p["batch"]: p for p in result["points"]}, "quant": result["quant"], "device": result["device"]}
+
+
+def localpd_round(model: str, threads: int, quant: str | None, int_prefill: bool = False,
+                  context: int = TOKENS) -> dict:
+    """localpd bench at batch 1 and 8 after a 128-token prompt, and where context differs batch 1 after a prompt of
+    that many tokens (its decode then the round's decode); int_prefill: prefill on the integer products
+    (INT_PREFILL)."""
+    short = localpd_bench(model, threads, quant, TOKENS, "1,8", int_prefill)
+    deep = short if context == TOKENS else localpd_bench(model, threads, quant, context, "1", int_prefill)
+    return {"prefill": short[1]["prefill_tps"], "decode": deep[1]["decode_tps"], "decode8": short[8]["decode_tps"],
+            "mbu": deep[1]["decode_mbu"], "quant": short["quant"], "device": short["device"]}
 
 
 def main() -> int:
@@ -92,6 +104,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2, help="interleaved rounds (default 2)")
     ap.add_argument("--llama-bin", help="folder holding llama-bench (default: ../shared/peers/llama-cpp.sh's output)")
     ap.add_argument("--int-prefill", action="store_true", help="also localpd with prefill on the integer products")
+    ap.add_argument("--context", type=int, default=TOKENS,
+                    help=f"tokens of context before the batch-1 decode (default {TOKENS})")
     args = ap.parse_args()
     if args.model is None:
         sys.path.insert(0, str(REPO))
@@ -103,9 +117,9 @@ def main() -> int:
     load = [os.getloadavg()[0]]
     rounds = []
     for i in range(args.repeats):
-        llama = llama_round(bin_dir, args.model, args.threads)
+        llama = llama_round(bin_dir, args.model, args.threads, args.context)
         print(f"# round {i + 1}: llama.cpp decode {llama['decode']:.1f} tok/s", file=sys.stderr, flush=True)
-        ours = localpd_round(args.model, args.threads, args.quant)
+        ours = localpd_round(args.model, args.threads, args.quant, context=args.context)
         print(f"# round {i + 1}: localpd decode {ours['decode']:.1f} tok/s", file=sys.stderr, flush=True)
         if args.int_prefill:
             ours["int"] = localpd_round(args.model, args.threads, args.quant, int_prefill=True)
@@ -129,7 +143,10 @@ def main() -> int:
         mbu = "—" if ours["mbu"] is None else f"{ours['mbu']:.0%}"
         return (label, f"{llama['decode']:.1f}", f"{ours['decode']:.1f}", f"{ours['decode'] / llama['decode']:.2f}",
                 f"{llama['prefill']:.1f}", f"{ours['prefill']:.1f}", f"{ours['prefill'] / llama['prefill']:.2f}",
-                f"{ours['decode8']:.1f}", f"{ours['decode8'] / llama['decode']:.2f}", mbu)
+                f"{ours['decode8']:.1f}", x8_ratio(ours, llama), mbu)
+
+    def x8_ratio(ours, llama):  # batch 8 after 128 tokens against llama.cpp's decode after as many
+        return f"{ours['decode8'] / llama['decode']:.2f}" if args.context == TOKENS else "—"
 
     for i, (llama, ours) in enumerate(rounds):
         table.append(row(str(i + 1), llama, ours))
@@ -147,8 +164,9 @@ def main() -> int:
         print("# localpd pp128 with prefill on the integer products: " + ", ".join(
             f"{v:.1f} ({v / r[1]['prefill']:.2f}x the float path's, {v / r[0]['prefill']:.2f}x llama.cpp's)"
             for v, r in zip(ints, rounds)) + f"; median {statistics.median(ints):.1f}")
-    print("# tok/s; dec: batch-1 decode of 128 tokens after 128 of context (llama.cpp's tg128 at -d 128, localpd's after "
-          "its 128-token prompt); x8: localpd's 8 sequences together, summed")
+    print(f"# tok/s; dec: batch-1 decode of {TOKENS} tokens after {args.context} of context (llama.cpp's tg{TOKENS} at "
+          f"-d {args.context}, localpd's after its {args.context}-token prompt); x8: localpd's 8 sequences together, "
+          f"summed, after {TOKENS}")
     return 0
 
 
