@@ -961,18 +961,19 @@ static void row_factors(const gemm_args *a, int n, int m0, int mm, int xor_block
 static inline __attribute__((always_inline)) void prefetch_run(const uint8_t *run, size_t at, size_t bytes) {
     for (size_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)(run + WEIGHT_AHEAD + at + o), _MM_HINT_T0);
 }
-/* Where four rows at a time (gemv1, gemv1_sub16, AVX2's gemv4) prefetch their run: WEIGHT_AHEAD along it, or from the next four
- * rows' start where four rows pass that (lead: the bytes further), so that every row of the next four is requested
- * before its first block is read; and into L2 (T1) where the input's two int8 levels and the bytes in flight ahead
- * (the codes' and a fifth or upper plane's: `quarters` quarters of the codes' bytes) pass half a 32 KiB L1, where
- * in L1 they pushed the input and one another out before their use. SmolLM2-1.7B's down (K = 8192: 4 KiB rows of
- * Q4_K) read 21-23 GB/s where its other products read 31-34; so 28-31 (Q4_K, Q4_1, Q6_K; 2 threads, Zen 4; AVX2's
- * Q4_K and Q4_1 20-22 -> 29 on the same processor). */
+/* Where four rows at a time (gemv1, gemv1_sub16, AVX2's gemv4) prefetch their run: WEIGHT_AHEAD along it, or from
+ * the next four rows' start where four rows pass that (lead: the bytes further), so that every row of the next four
+ * is requested before its first block is read; and into L2 (T1) where the input's two int8 levels and the bytes in
+ * flight ahead (the codes' and a fifth or upper plane's) pass half a 32 KiB L1, where in L1 they pushed the input and
+ * one another out before their use. SmolLM2-1.7B's down (K = 8192: 4 KiB rows of Q4_K) read 21-23 GB/s where its
+ * other products read 31-34; so 28-31 (Q4_K, Q4_1, Q6_K; 2 threads, Zen 4; AVX2's Q4_K and Q4_1 20-22 -> 29 on the
+ * same processor). group: the four rows' code bytes. */
 typedef struct {
     size_t lead;
     int l2;
 } run_plan;
-static inline run_plan plan_run(size_t group, int K, int quarters) {
+static inline run_plan plan_run(size_t group, int K, wfmt f) {
+    int quarters = f.top ? 6 : f.high ? 5 : 4; /* the codes' bytes and their plane's, in quarters of the codes' */
     run_plan p = {group > WEIGHT_AHEAD ? group - WEIGHT_AHEAD : 0, 0};
     p.l2 = 2 * (size_t)K + (p.lead + WEIGHT_AHEAD) * quarters / 4 > 16384;
     return p;
@@ -1325,7 +1326,7 @@ static inline __attribute__((always_inline)) void gemv4_as(const gemm_args *a, w
                            a->w + (size_t)(n + 2) * row_bytes, a->w + (size_t)(n + 3) * row_bytes};
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     const __m128i tab = lut_table(a);
-    const run_plan ahead = plan_run(4 * row_bytes, K, f.top ? 6 : f.high ? 5 : 4);
+    const run_plan ahead = plan_run(4 * row_bytes, K, f);
     if (f.top && !f.high && !f.lut) { /* Q6_K: a group of four blocks a row at a time, its upper bits widened
                                         * once for the four (widen16_as's codes, the inputs read again a row) */
         const uint8_t *up[4] = {upper_of(a, w[0], 0), upper_of(a, w[1], 0), upper_of(a, w[2], 0),
@@ -1972,7 +1973,7 @@ static inline __attribute__((always_inline)) int gemv1_as(const gemm_args *a, wf
     const size_t step = f.b4 ? 64 : 128; /* the four rows' bytes a block */
     const int biased = a->sub || deinterleaved(a->bits, a->lut);
     const __m512i tab = lut_table(a);
-    const run_plan ahead = plan_run(4 * row_bytes, K, f.high ? 5 : 4);
+    const run_plan ahead = plan_run(4 * row_bytes, K, f);
     for (; n + 4 <= n1; n += 4) {
         const uint8_t *w[4] = {a->w + (size_t)n * row_bytes, a->w + (size_t)(n + 1) * row_bytes,
                                a->w + (size_t)(n + 2) * row_bytes, a->w + (size_t)(n + 3) * row_bytes};
@@ -2035,7 +2036,7 @@ static inline __attribute__((always_inline)) int gemv1_sub16_as(const gemm_args 
     const __m512i twice = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     const __m512i tab = lut_table(a);
     const float off = -(float)sub16_offset(a->high, a->top);
-    const run_plan ahead = plan_run(4 * (size_t)(K / 2), K, f.top ? 6 : 5);
+    const run_plan ahead = plan_run(4 * (size_t)(K / 2), K, f);
     for (; n + 4 <= n1; n += 4) {
         const uint8_t *w[4] = {a->w + (size_t)n * (K / 2), a->w + (size_t)(n + 1) * (K / 2),
                                a->w + (size_t)(n + 2) * (K / 2), a->w + (size_t)(n + 3) * (K / 2)};
