@@ -124,13 +124,18 @@ def loops(body: list[str]) -> tuple[list[list[str]], list[frozenset]]:
 PREFETCH = re.compile(r"prefetcht[01]\b")  # into L1, or L2 (plan_run: where L1 would not keep them until read)
 
 
+def product_loops(body: list[str]) -> tuple[list[list[str]], list[frozenset], list[frozenset]]:
+    """loops()' blocks and loops, and the innermost loops with an integer product."""
+    code, all_loops = loops(body)
+    product = [s for s in all_loops if any(PRODUCT.search(l) for k in s for l in code[k])]
+    return code, all_loops, [s for s in product if not any(o < s for o in product)]
+
+
 def unprefetched(body: list[str]) -> tuple[int, list[frozenset]]:
     """The innermost loops with an integer product, and those of them where neither the loop nor the one around it
     holds a prefetch."""
-    code, all_loops = loops(body)
+    code, all_loops, inner = product_loops(body)
     has = lambda loop, pat: any(pat(l) for k in loop for l in code[k])
-    product = [s for s in all_loops if has(s, PRODUCT.search)]
-    inner = [s for s in product if not any(o < s for o in product)]
     bad = []
     for s in inner:
         around = sorted((o for o in all_loops if s < o), key=len)
@@ -163,9 +168,7 @@ def test_one_row_products_can_prefetch_into_l2(assembly):
     fns = functions(asm)
     for name in ONE_ROW_NAMES[march]:
         for f in _named(fns, name):
-            code, all_loops = loops(fns[f])
-            product = [s for s in all_loops if any(PRODUCT.search(l) for k in s for l in code[k])]
-            inner = [s for s in product if not any(o < s for o in product)]
+            code, _, inner = product_loops(fns[f])
             assert inner, f"{f}: no product loop found"
             for s in inner:
                 lines = [l for k in s for l in code[k]]
