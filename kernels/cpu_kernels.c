@@ -945,6 +945,17 @@ static inline __m512i lut_table(const gemm_args *a) {
 /* Row n's factors and terms for input rows m0 .. m0 + mm - 1 (defined below with the int4-k helpers). */
 static void row_factors(const gemm_args *a, int n, int m0, int mm, int xor_blocks, float *ds, float *extra);
 
+/* `bytes` from row on requested into L2, not L1, where L1 would not keep them until they are read (decode
+ * attention's rows ahead: load_chunk; long weight rows' runs: plan_run). A prefetch never faults: past a page or a
+ * buffer is harmless. */
+static inline __attribute__((always_inline)) void prefetch_row(const char *row, int bytes) {
+#if defined(__x86_64__) || defined(__i386__)
+    for (int d = 0; d < bytes; d += 64) _mm_prefetch(row + d, _MM_HINT_T1);
+#else
+    (void)row, (void)bytes;
+#endif
+}
+
 #if defined(LPD_AVX512) || defined(LPD_AVX2)
 /* The products take four weight rows at a time, a block or two of each in turn: four streams of a few hundred bytes
  * each, which the processor's own prefetcher does not follow (4 x 576-byte rows so read: 10 GB/s on one thread of
@@ -978,15 +989,6 @@ static inline run_plan plan_run(size_t group, int K, wfmt f) {
     p.l2 = 2 * (size_t)K + (p.lead + WEIGHT_AHEAD) * quarters / 4 > 16384;
     return p;
 }
-static inline __attribute__((always_inline)) void prefetch_planned(run_plan p, const uint8_t *run, size_t at,
-                                                                     size_t bytes) {
-    if (!p.l2) {
-        prefetch_run(run + p.lead, at, bytes);
-        return;
-    }
-    for (size_t o = 0; o < bytes; o += 64)
-        _mm_prefetch((const char *)(run + p.lead + WEIGHT_AHEAD + at + o), _MM_HINT_T1);
-}
 /* A 5-bit weight's fifth bits (a quarter of the codes' bytes) or Q6_K's upper ones (half) for prefetch_run's bytes of
  * a code run (rows one after another), as many blocks ahead; each line once, by the call whose bytes reach its
  * start. */
@@ -1005,6 +1007,14 @@ static inline __attribute__((always_inline)) void prefetch_fifth_as(const gemm_a
     }
     for (size_t o = (from + 63) & ~(size_t)63; o < to; o += 64)
         _mm_prefetch((const char *)(plane + row + o), _MM_HINT_T0);
+}
+/* prefetch_run's and prefetch_fifth_as' bytes of the four rows' run as plan_run says: `lead` further, the codes into
+ * L2 where it says so. */
+static inline __attribute__((always_inline)) void prefetch_group(const gemm_args *a, wfmt f, run_plan p,
+                                                                   const uint8_t *run, size_t at, size_t bytes) {
+    if (p.l2) prefetch_row((const char *)(run + p.lead + WEIGHT_AHEAD + at), (int)bytes);
+    else prefetch_run(run + p.lead, at, bytes);
+    prefetch_fifth_as(a, f, run + p.lead, at, bytes);
 }
 static inline __attribute__((always_inline)) void prefetch_fifth(const gemm_args *a, const uint8_t *run, size_t at,
                                                                    size_t bytes) {
@@ -1306,8 +1316,7 @@ static inline __attribute__((always_inline)) void gemv4_block(const gemm_args *a
     size_t step = f.b4 ? 64 : 128; /* the four rows' bytes a block */
     __m256i x0 = _mm256_loadu_si256((const __m256i *)(a->x16 + b * 32));
     __m256i x1 = _mm256_loadu_si256((const __m256i *)(a->x16 + b * 32 + 16));
-    prefetch_planned(ahead, w[0], b * step, step);
-    prefetch_fifth_as(a, f, w[0] + ahead.lead, b * step, step);
+    prefetch_group(a, f, ahead, w[0], b * step, step);
 #pragma GCC unroll 4
     for (int r = 0; r < 4; r++) {
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot16_as(a, f, w[r], b, j, x0, x1, tab)),
@@ -1335,8 +1344,7 @@ static inline __attribute__((always_inline)) void gemv4_as(const gemm_args *a, w
         int fc = K / 16;
         for (int b = 0; b < nb; b += 4) {
             for (int j = 0; j < 4; j++) {
-                prefetch_planned(ahead, w[0], (b + j) * 64, 64);
-                prefetch_fifth_as(a, f, w[0] + ahead.lead, (b + j) * 64, 64);
+                prefetch_group(a, f, ahead, w[0], (b + j) * 64, 64);
             }
 #pragma GCC unroll 4
             for (int r = 0; r < 4; r++) {
@@ -1363,8 +1371,7 @@ static inline __attribute__((always_inline)) void gemv4_as(const gemm_args *a, w
         for (int gi = 0; gi < full / FIFTH_GROUP; gi++) {
             int b = gi * FIFTH_GROUP;
             for (int j = 0; j < FIFTH_GROUP; j++) {
-                prefetch_planned(ahead, w[0], (b + j) * 64, 64);
-                prefetch_fifth_as(a, f, w[0] + ahead.lead, (b + j) * 64, 64);
+                prefetch_group(a, f, ahead, w[0], (b + j) * 64, 64);
             }
 #pragma GCC unroll 4
             for (int r = 0; r < 4; r++) {
@@ -1396,7 +1403,7 @@ static inline __attribute__((always_inline)) void gemv4_as(const gemm_args *a, w
             __m256i x00 = _mm256_loadu_si256((const __m256i *)x), x01 = _mm256_loadu_si256((const __m256i *)(x + 16));
             __m256i x10 = _mm256_loadu_si256((const __m256i *)(x + 32));
             __m256i x11 = _mm256_loadu_si256((const __m256i *)(x + 48));
-            prefetch_planned(ahead, w[0], b * 64, 128);
+            prefetch_group(a, f, ahead, w[0], b * 64, 128);
 #pragma GCC unroll 4
             for (int r = 0; r < 4; r++) {
                 __m256i raw = _mm256_loadu_si256((const __m256i *)(w[r] + b * 16)), a0, a1, b0, b1;
@@ -2001,8 +2008,7 @@ static inline __attribute__((always_inline)) int gemv1_as(const gemm_args *a, wf
                 int b = c + j;
                 if (b >= nb) break;
                 __m512i x = _mm512_loadu_si512(a->xq + b * 32), xl = _mm512_loadu_si512(a->xq + a->lo + b * 32);
-                prefetch_planned(ahead, w[0], b * step, 2 * step);
-                prefetch_fifth_as(a, f, w[0] + ahead.lead, b * step, 2 * step);
+                prefetch_group(a, f, ahead, w[0], b * step, 2 * step);
                 const __m512i pick = _mm512_set_epi32(j + 1, j + 1, j + 1, j + 1, j + 1, j + 1, j + 1, j + 1,
                                                       j, j, j, j, j, j, j, j);
 #pragma GCC unroll 4
@@ -2055,8 +2061,7 @@ static inline __attribute__((always_inline)) int gemv1_sub16_as(const gemm_args 
             for (int j = 0; j < 8; j += 2) {
                 int b = s / 2 + j;
                 __m512i x = _mm512_loadu_si512(a->xq + b * 32), xl = _mm512_loadu_si512(a->xq + a->lo + b * 32);
-                prefetch_planned(ahead, w[0], b * step, 2 * step);
-                prefetch_fifth_as(a, f, w[0] + ahead.lead, b * step, 2 * step);
+                prefetch_group(a, f, ahead, w[0], b * step, 2 * step);
                 const int q = 2 * j; /* the pair's four factors: lanes q .. q + 3 of the sixteen */
                 const __m512i pick = _mm512_set_epi32(q + 3, q + 3, q + 2, q + 2, q + 3, q + 3, q + 2, q + 2,
                                                       q + 1, q + 1, q, q, q + 1, q + 1, q, q);
@@ -2641,23 +2646,14 @@ static inline long page_run(const int32_t *pages, int p, int PS, int left, long 
     *run = PS - slot < left ? PS - slot : left;
     return ((long)pages[p / PS] * PS + slot) * tok;
 }
-/* A key or value row requested ahead, into L2 (a prefetch never faults: past a page is harmless). Not into L1: a
- * head's rows lie a position's heads apart (4 KiB for SmolLM2-1.7B's float16 pages), so every row ahead fell into
- * the same few L1 sets and pushed out the ones before it unread; so one row of 1.7B's float16 pages read 7-10 GB/s,
- * into L2 18-19 (1024 and 4096 positions, 2 threads, Zen 4). */
-static inline __attribute__((always_inline)) void prefetch_row(const char *row, int bytes) {
-#if defined(__x86_64__) || defined(__i386__)
-    for (int d = 0; d < bytes; d += 64) _mm_prefetch(row + d, _MM_HINT_T1);
-#else
-    (void)row, (void)bytes;
-#endif
-}
-
 /* The rows of positions c0 .. c0 + kc - 1 of key head kvh (of H) of a side in float, kc rows of D into dst, page
  * by page, the row PREFETCH positions ahead requested early through the page table (positions below `limit` have
  * pages); positions from own_from on (a page's first) from `own` where given (own_page). The prefetch follows the
  * sequence's pages, which are seldom adjacent once pages are reused: PREFETCH rows ahead in memory read 6.7 GB/s
- * over shuffled pages, as with no prefetch at all. */
+ * over shuffled pages, as with no prefetch at all. Into L2, not L1 (prefetch_row): a head's rows lie a position's
+ * heads apart (4 KiB for SmolLM2-1.7B's float16 pages), so every row ahead fell into the same few L1 sets and pushed
+ * out the ones before it unread; so one row of 1.7B's float16 pages read 7-10 GB/s, into L2 18-19 (1024 and 4096
+ * positions, 2 threads, Zen 4). */
 static void load_chunk(float *dst, const kv_side *side, int kvh, int H, const int32_t *pages, int c0, int kc, int PS,
                        int D, const kv_side *own, int own_from, int limit) {
     size_t rb = kv_row_bytes(side->fmt, D);
@@ -2905,12 +2901,12 @@ static void attention_task(void *ctx, int ith, int nth) {
         for (int r = 0; r < nr; r++)
             for (int h = 0; h < per; h++) mx[r][h] = -INFINITY;
         int krb = (int)kv_row_bytes(a->k->fmt, D);
+#if defined(LPD_AVX2) || defined(LPD_AVX512)
 #if defined(LPD_AVX512)
         const int by_rows = D % 16 == 0 && D <= ROW_SCORES_MAX_D; /* scores16's keys, else the transposed chunk's */
 #else
         const int by_rows = 0;
 #endif
-#if defined(LPD_AVX2) || defined(LPD_AVX512)
         for (int c0 = walk0; D % 8 == 0 && c0 < walk1; c0 += VALUE_CHUNK) { /* keys a chunk at a time, transposed */
             int kc = walk1 - c0 < VALUE_CHUNK ? walk1 - c0 : VALUE_CHUNK;
             load_chunk(vc, a->k, kvh, H, pages, c0, kc, PS, D, own_k, own_from, walk1);
