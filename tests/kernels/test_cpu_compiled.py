@@ -222,3 +222,25 @@ def test_the_integer_prefill_gemm_keeps_its_sums_in_registers(assembly):
         instructions = count(b, lambda l: l.strip() and not l.strip().startswith(".") and not LABEL.match(l))
         assert count(b, PRODUCT.search) / instructions >= 0.4, f"{instructions} instructions for 192 products"
         assert not count(b, ZMM_STACK.search), "the loop spills vector registers"
+
+
+def test_gfni_splits_the_nibbles_in_one_operation(assembly):
+    """Where the processor has GFNI (icelake-server's build; Zen 4), the one-row products split a pair's nibbles, and
+    Q6_K's products move its upper bits into place, with one vgf2p8affineqb (an affine map of each byte's bits) where
+    a shift and a mask (two shifts and a mask for the upper bits) were: gemv1's nibble loops hold it, and gemv1_sub16's
+    (Q6_K, Q3_K: nibbles only, no codebook) one a pair of blocks and no 64-bit shift at all."""
+    march, asm = assembly
+    if march != "icelake-server":
+        pytest.skip("a GFNI build's products")
+    fns = functions(asm)
+    count = lambda lines, word: sum(1 for l in lines if re.search(rf"\s{word}\s", l))  # noqa: E731
+    gemv1 = [[l for k in s for l in code[k]] for f in _named(fns, "gemv1") for code, _, inner in
+             [product_loops(fns[f])] for s in inner]
+    assert any(count(lines, "vgf2p8affineqb") for lines in gemv1), "gemv1 splits no nibbles with GFNI"
+    for f in _named(fns, "gemv1_sub16"):
+        code, _, inner = product_loops(fns[f])
+        assert inner, f"{f}: no product loop found"
+        for s in inner:
+            lines = [l for k in s for l in code[k]]
+            assert count(lines, "vgf2p8affineqb") * 2 >= count(lines, "vpdpbusd"), f"{f}: a pair without GFNI"
+            assert not count(lines, "vpsrlvq"), f"{f}: nibbles or upper bits still shifted"
