@@ -2694,7 +2694,13 @@ static void load_chunk(float *dst, const kv_side *side, int kvh, int H, const in
 }
 
 #define GROUP_ROWS 16 /* rows of one sequence a task takes at most (a verification step's: MAX_DRAFT + 1) */
-#define VALUE_CHUNK 64 /* value rows a task converts to float at a time, for all its rows */
+/* Rows a task converts to float at a time, for all its rows: values, and keys that scores16 reads by rows. At 64, a
+ * chunk of 128-wide heads filled a 32 KiB L1, and a GQA group's query heads each read it again: at 32, the same floats
+ * (each output summed in the order of the positions) in 0.90-0.95x the time for Llama-3-8B's heads at 160 to 4096
+ * positions (AVX2's build 0.92-0.94x), 0.80-1.02x for SmolLM2-1.7B's (scripts/bench_cpu_attention.py's shapes, Zen 4).
+ * Keys transposed for scores_chunk (AVX2) go KEY_CHUNK at a time: its width, eight registers of eight. */
+#define VALUE_CHUNK 32
+#define KEY_CHUNK 64
 
 #if defined(LPD_AVX2) || defined(LPD_AVX512)
 /* dst row i (stride ds) = column i of the 8 x 8 floats at src (row stride ss). */
@@ -2719,13 +2725,13 @@ static inline void transpose8(const float *src, size_t ss, float *dst, size_t ds
     _mm256_storeu_ps(dst + 7 * ds, _mm256_permute2f128_ps(u3, u7, 0x31));
 }
 
-/* S[j] = scale x q . key j for the VALUE_CHUNK keys of kt (D rows of VALUE_CHUNK keys: transposed), eight keys a
+/* S[j] = scale x q . key j for the KEY_CHUNK keys of kt (D rows of KEY_CHUNK keys: transposed), eight keys a
  * register, each score summed over d in order: a key's score costs its D / 8 multiply-adds, where one key at a time
  * (dot_head) added up a register's lanes for each. */
 static inline void scores_chunk(const float *q, const float *kt, int D, float scale, float *S) {
     __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0;
     for (int d = 0; d < D; d++) {
-        const float *k = kt + (size_t)d * VALUE_CHUNK;
+        const float *k = kt + (size_t)d * KEY_CHUNK;
         __m256 x = _mm256_broadcast_ss(q + d);
         c0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k), c0), c1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 8), c1);
         c2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 16), c2), c3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 24), c3);
@@ -2906,11 +2912,11 @@ static void attention_task(void *ctx, int ith, int nth) {
             at[r + 1] = at[r] + (size_t)per * len[r];
         }
         float *s = scratch(&buf, &cap, sizeof(float) * (at[nr] + (size_t)nr * per * D
-                                                        + (size_t)(2 * VALUE_CHUNK + 1) * D + VALUE_CHUNK));
+                                                        + (size_t)(2 * KEY_CHUNK + 1) * D + KEY_CHUNK));
         if (!s) return;
         float *acc = s + at[nr], *row = acc + (size_t)nr * per * D; /* row: a float16 row in float */
         /* a chunk's value rows (or key rows) in float, its keys transposed, scores */
-        float *vc = row + D, *kt = vc + (size_t)VALUE_CHUNK * D, *S = kt + (size_t)VALUE_CHUNK * D;
+        float *vc = row + D, *kt = vc + (size_t)KEY_CHUNK * D, *S = kt + (size_t)KEY_CHUNK * D;
         const int32_t *pages = a->page_table + b * a->pt_stride;
         /* int4ch rows: one a group (lpd_attention), the row's own page rounded as its decode step saw it */
         static __thread void *own_buf;
@@ -2943,16 +2949,17 @@ static void attention_task(void *ctx, int ith, int nth) {
 #else
         const int by_rows = 0;
 #endif
-        for (int c0 = walk0; D % 8 == 0 && c0 < walk1; c0 += VALUE_CHUNK) { /* keys a chunk at a time, transposed */
-            int kc = walk1 - c0 < VALUE_CHUNK ? walk1 - c0 : VALUE_CHUNK;
+        const int chunk = by_rows ? VALUE_CHUNK : KEY_CHUNK;
+        for (int c0 = walk0; D % 8 == 0 && c0 < walk1; c0 += chunk) { /* keys a chunk at a time, transposed */
+            int kc = walk1 - c0 < chunk ? walk1 - c0 : chunk;
             load_chunk(vc, a->k, kvh, H, pages, c0, kc, PS, D, own_k, own_from, walk1);
-            if (kc < VALUE_CHUNK) /* past the last key: zeros (its block of 8 goes whole); the scores past it, and
-                                   * past the keys transposed, are never read */
-                memset(vc + (size_t)kc * D, 0, sizeof(float) * (VALUE_CHUNK - kc) * D);
+            if (kc < chunk) /* past the last key: zeros (its block of 8 goes whole); the scores past it, and
+                             * past the keys transposed, are never read */
+                memset(vc + (size_t)kc * D, 0, sizeof(float) * (chunk - kc) * D);
             if (!by_rows)
                 for (int j = 0; j < kc; j += 8)
                     for (int d = 0; d < D; d += 8)
-                        transpose8(vc + (size_t)j * D + d, D, kt + (size_t)d * VALUE_CHUNK + j, VALUE_CHUNK);
+                        transpose8(vc + (size_t)j * D + d, D, kt + (size_t)d * KEY_CHUNK + j, KEY_CHUNK);
             for (int r = 0; r < nr; r++) {
                 int j0 = from[r] > c0 ? from[r] : c0, j1 = from[r] + len[r] < c0 + kc ? from[r] + len[r] : c0 + kc;
                 const float *q = a->q + (t0 + r) * a->q_t + hq0 * a->q_h;
