@@ -861,7 +861,7 @@ static inline __m512i expand_int4_pair(const uint8_t *p) {
     __m512i both = _mm512_permutexvar_epi8(twice, raw);
 #if defined(__GFNI__) /* the shift and the mask in one operation: an affine map of each byte's bits over GF(2), the
                        * matrix a 64-bit lane's (bit i of the result from row i, byte 7 - i): bits 0-3 kept, or bits
-                       * 4-7 moved down. The same bytes; one-row Q4_K and Q4_0 products 1.03x to 1.07x the rate (the
+                       * 4-7 moved down. The same bytes; one-row Q4_K and Q4_0 products 1.01x to 1.07x the rate (the
                        * Zen 4, where they are bound by their vector operations, not by memory: docs/PERF.md) */
     const long long low = 0x0102040800000000LL, high = 0x1020408000000000LL;
     return _mm512_gf2p8affine_epi64_epi8(both, _mm512_set_epi64(high, high, low, low, high, high, low, low), 0);
@@ -2701,6 +2701,7 @@ static void load_chunk(float *dst, const kv_side *side, int kvh, int H, const in
  * Keys transposed for scores_chunk (AVX2) go KEY_CHUNK at a time: its width, eight registers of eight. */
 #define VALUE_CHUNK 32
 #define KEY_CHUNK 64
+_Static_assert(VALUE_CHUNK <= KEY_CHUNK, "a task's chunks of keys and of values share one buffer");
 
 #if defined(LPD_AVX2) || defined(LPD_AVX512)
 /* dst row i (stride ds) = column i of the 8 x 8 floats at src (row stride ss). */
