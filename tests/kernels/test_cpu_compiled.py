@@ -131,6 +131,12 @@ def product_loops(body: list[str]) -> tuple[list[list[str]], list[frozenset], li
     return code, all_loops, [s for s in product if not any(o < s for o in product)]
 
 
+def product_loop_lines(body: list[str]) -> list[list[str]]:
+    """The lines of each innermost loop with an integer product (product_loops')."""
+    code, _, inner = product_loops(body)
+    return [[l for k in s for l in code[k]] for s in inner]
+
+
 def unprefetched(body: list[str]) -> tuple[int, list[frozenset]]:
     """The innermost loops with an integer product, and those of them where neither the loop nor the one around it
     holds a prefetch."""
@@ -168,10 +174,9 @@ def test_one_row_products_can_prefetch_into_l2(assembly):
     fns = functions(asm)
     for name in ONE_ROW_NAMES[march]:
         for f in _named(fns, name):
-            code, _, inner = product_loops(fns[f])
+            inner = product_loop_lines(fns[f])
             assert inner, f"{f}: no product loop found"
-            for s in inner:
-                lines = [l for k in s for l in code[k]]
+            for lines in inner:
                 assert any("prefetcht1" in l for l in lines), f"{f}: a product loop without an L2 prefetch"
                 assert any("prefetcht0" in l for l in lines), f"{f}: a product loop without an L1 prefetch"
 
@@ -234,13 +239,11 @@ def test_gfni_splits_the_nibbles_in_one_operation(assembly):
         pytest.skip("a GFNI build's products")
     fns = functions(asm)
     count = lambda lines, word: sum(1 for l in lines if re.search(rf"\s{word}\s", l))  # noqa: E731
-    gemv1 = [[l for k in s for l in code[k]] for f in _named(fns, "gemv1") for code, _, inner in
-             [product_loops(fns[f])] for s in inner]
+    gemv1 = [lines for f in _named(fns, "gemv1") for lines in product_loop_lines(fns[f])]
     assert any(count(lines, "vgf2p8affineqb") for lines in gemv1), "gemv1 splits no nibbles with GFNI"
     for f in _named(fns, "gemv1_sub16"):
-        code, _, inner = product_loops(fns[f])
+        inner = product_loop_lines(fns[f])
         assert inner, f"{f}: no product loop found"
-        for s in inner:
-            lines = [l for k in s for l in code[k]]
+        for lines in inner:
             assert count(lines, "vgf2p8affineqb") * 2 >= count(lines, "vpdpbusd"), f"{f}: a pair without GFNI"
             assert not count(lines, "vpsrlvq"), f"{f}: nibbles or upper bits still shifted"
