@@ -33,7 +33,7 @@ from localpd.errors import LocalpdError
 from localpd.quant.codebook import CODEBOOK_TYPES, CodebookWeight
 from localpd.quant.int4k import Int4KWeight
 from localpd.quant.int5 import Int5KWeight, Int5Weight
-from localpd.quant.int6k import Int3KWeight, Int6KWeight
+from localpd.quant.int6k import Int2KWeight, Int3KWeight, Int6KWeight
 from localpd.quant.weights import Int4Weight, Int8Weight, symmetric
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
@@ -48,17 +48,17 @@ SIGNATURES = {
     "lpd_isa": ([], ctypes.c_char_p),
     "lpd_huge_pages": ([_P, ctypes.c_size_t], _I),
     "lpd_threads": ([], ctypes.c_char_p),
-    "lpd_linear": ([_I, _P, _P, _P, _F, _P, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _P, _P, _I], _I),
-    "lpd_prefill_gemm": ([_I, _P, _P, _P, _F, _P, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _P, _P, _I],
+    "lpd_linear": ([_I, _P, _P, _P, _F, _P, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _P, _P, _I], _I),
+    "lpd_prefill_gemm": ([_I, _P, _P, _P, _F, _P, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _P, _P, _I],
                          _I),
     "lpd_attention": ([_P, _L, _L, _I, _I, _I, _P, _P, _I, _I, _P, _L, _I, _I, _P, _P, _I, _F, _I, _P, _P, _I], _I),
     "lpd_rope_write": ([_P, _L, _I, _I, _I, _I, _P, _P, _L, _P, _P, _I, _P, _P, _L], _I),
     "lpd_half_pages": ([], _I),
-    "lpd_dequantize": ([_I, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _I], None),
+    "lpd_dequantize": ([_I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _I], None),
     "lpd_round_input": ([_I, _P, _P, _P, _F, _P, _I, _I, _P, _I], None),
     "lpd_set_sgemm": ([_P], None),
     "lpd_set_bf16gemm": ([_P], None),
-    "lpd_dequant_gemm": ([_I, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _I, _I], _I),
+    "lpd_dequant_gemm": ([_I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _I, _I], _I),
     "lpd_decode_layers": ([_P, _P, _I, _P, _P, _I, _I, _P, _P, _P, _P, _P, _L, _P, _P, _I, _P, _L, _I, _I, _P, _P, _I,
                            _F, _I], _I),
 }
@@ -260,22 +260,25 @@ class Plan(NamedTuple):
     lut: int | None  # a codebook weight's 16 values (quant/codebook.py); else None
     high: int | None  # a 5-bit weight's fifth bits (quant/int5.py: bits 4, its low four bits int4's); else None
     top: int | None  # Q6_K's two upper bits (quant/int6k.py's `upper`; scales: its d); else None
-    sc16: int | None  # Q6_K's and Q3_K's int8 scale a sub-block of 16 (scales: their d); else None
+    sc16: int | None  # Q6_K's, Q3_K's and Q2_K's int8 scale a sub-block of 16 (scales: their d); else None
+    mn16: int | None  # Q2_K's int8 minimum a sub-block of 16 (biases: its dmin); else None
     group: int
     n: int
     k: int
 
 
 # The tensors of each format lpd_linear takes, in its argument order: codes, scales, biases, int4-k's group bytes,
-# a codebook's values, a 5-bit weight's fifth bits, Q6_K's upper bits, a scale a sub-block of 16
+# a codebook's values, a 5-bit weight's fifth bits, Q6_K's upper bits, a scale a sub-block of 16, a minimum a
+# sub-block of 16 (Q2_K's)
 FIELDS = {Int4Weight: ("packed", "scales", "biases"), Int8Weight: ("data", "scales"),
           Int4KWeight: ("packed", "d", "dmin", "sub"),
           Int5Weight: ("packed", "scales", "biases", None, None, "fifth"),
           Int5KWeight: ("packed", "d", "dmin", "sub", None, "fifth"),
           Int6KWeight: ("packed", "d", None, None, None, None, "upper", "sc"),
           Int3KWeight: ("packed", "d", None, None, None, None, None, "sc"),
+          Int2KWeight: ("packed", "d", "dmin", None, None, None, None, "sc", "mn"),
           **{cls: ("packed", "scales", None, None, "table") for cls in set(CODEBOOK_TYPES.values())}}
-PLAN_FIELDS = 8
+PLAN_FIELDS = 9
 
 
 def weight_plan(w) -> Plan | None:
@@ -390,7 +393,7 @@ def linear(x: torch.Tensor, w: Int4Weight | Int8Weight | Int4KWeight | CodebookW
         if prefill_bf16() or not integer_prefill() or not _integer_gemm(lib, p, pre, x, res, nw, eps, s, bias, y):
             _gemm(lib, p, pre, x, res, nw, eps, s, bias, y)
     elif m and lib.lpd_linear(pre, x.data_ptr(), _ptr(res), _ptr(nw), eps, _ptr(s), m, p.k, p.bits, p.data, p.scales,
-                              p.biases, p.sub, p.lut, p.high, p.top, p.sc16, p.group, p.n, _ptr(bias), y.data_ptr(),
+                              p.biases, p.sub, p.lut, p.high, p.top, p.sc16, p.mn16, p.group, p.n, _ptr(bias), y.data_ptr(),
                               threads()):
         raise MemoryError("lpd_linear could not allocate its scratch")  # its only failure
     y = y.reshape(*lead, p.n)
@@ -405,7 +408,7 @@ def _integer_gemm(lib, p: Plan, pre: int, x, res, nw, eps: float, s, bias, y) ->
     if not hasattr(lib, "lpd_prefill_gemm"):
         return False
     rc = lib.lpd_prefill_gemm(pre, x.data_ptr(), _ptr(res), _ptr(nw), eps, _ptr(s), x.shape[0], p.k, p.bits, p.data,
-                              p.scales, p.biases, p.sub, p.lut, p.high, p.top, p.sc16, p.group, p.n, _ptr(bias),
+                              p.scales, p.biases, p.sub, p.lut, p.high, p.top, p.sc16, p.mn16, p.group, p.n, _ptr(bias),
                               y.data_ptr(), threads())
     if rc == -1:
         raise MemoryError("lpd_prefill_gemm could not allocate its scratch")
@@ -424,14 +427,14 @@ def _gemm(lib, p: Plan, pre: int, x, res, nw, eps: float, s, bias, y) -> None:
     lib.lpd_round_input(pre, x.data_ptr(), _ptr(res), _ptr(nw), eps, _ptr(s), m, p.k, h.data_ptr(), nth)
     h16 = h.to(torch.bfloat16) if prefill_bf16() else None
     rows = gemm_slice(p.n, p.k, nth, 4 if h16 is not None else 1)
-    rc = lib.lpd_dequant_gemm(p.bits, p.data, p.scales, p.biases, p.sub, p.lut, p.high, p.top, p.sc16, p.group, p.k,
+    rc = lib.lpd_dequant_gemm(p.bits, p.data, p.scales, p.biases, p.sub, p.lut, p.high, p.top, p.sc16, p.mn16, p.group, p.k,
                               p.n, m, h.data_ptr(), _ptr(h16), y.data_ptr(), rows, nth)
     if rc == -3:  # no BLAS in torch's library
         rows = max(1, min(p.n, GEMM_SLICE // p.k))
         part = torch.empty(rows, p.k, dtype=torch.float32)
         for n0 in range(0, p.n, rows):
             n1 = min(p.n, n0 + rows)
-            lib.lpd_dequantize(p.bits, p.data, p.scales, p.biases, p.sub, p.lut, p.high, p.top, p.sc16, p.group, p.k,
+            lib.lpd_dequantize(p.bits, p.data, p.scales, p.biases, p.sub, p.lut, p.high, p.top, p.sc16, p.mn16, p.group, p.k,
                                n0, n1, part.data_ptr(), nth)
             torch.mm(h, part[:n1 - n0].T, out=y[:, n0:n1]) if rows == p.n else y[:, n0:n1].copy_(h @ part[:n1 - n0].T)
     else:
@@ -553,7 +556,7 @@ class LinPlan(ctypes.Structure):
     """lin_plan in cpu_kernels.c: one projection's weight (a Plan) and bias."""
 
     _fields_ = [("bits", _I), ("w", _P), ("scales", _P), ("biases", _P), ("sub", _P), ("group", _I), ("N", _I),
-                ("K", _I), ("bias", _P), ("lut", _P), ("high", _P), ("top", _P), ("sc16", _P)]
+                ("K", _I), ("bias", _P), ("lut", _P), ("high", _P), ("top", _P), ("sc16", _P), ("mn16", _P)]
 
 
 QKV_PARTS = 3  # cpu_kernels.c's: qkv in up to three weights of different formats (model.linear.StackedLinear)
@@ -572,7 +575,7 @@ def _lin_plan(lin) -> LinPlan | None:
     if plan is None or not _f32(lin.bias):
         return None
     return LinPlan(plan.bits, plan.data, plan.scales, plan.biases, plan.sub, plan.group, plan.n, plan.k,
-                   _ptr(lin.bias), plan.lut, plan.high, plan.top, plan.sc16)
+                   _ptr(lin.bias), plan.lut, plan.high, plan.top, plan.sc16, plan.mn16)
 
 
 def layer_plan(linears: list, attn_norm: torch.Tensor, mlp_norm: torch.Tensor, n_heads: int, n_kv_heads: int,

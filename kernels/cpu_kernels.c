@@ -605,8 +605,11 @@ typedef struct {
     const uint8_t *high; /* a 5-bit weight (bits 4, its low four bits int4's): each code's fifth bit; else NULL */
     const uint8_t *top;  /* a 6-bit weight (Q6_K): its codes' two upper bits (upper_group); else NULL */
     const int32_t *xs16; /* Q6_K: each input sub-block's integer sum (gemm_task fills it) */
-    const int8_t *sc16;  /* Q6_K, Q3_K: an int8 scale a sub-block of 16 columns (two a block), `scales` its float16
-                          * d a super-block of 256, no biases: value = d x sc x (q - sub16_offset); else NULL */
+    const int8_t *sc16;  /* Q6_K, Q3_K, Q2_K: an int8 scale a sub-block of 16 columns (two a block), `scales` its
+                          * float16 d a super-block of 256: value = d x sc x (q - sub16_offset) (- dmin x mn); else
+                          * NULL */
+    const int8_t *mn16;  /* Q2_K: an int8 minimum a sub-block of 16, `biases` its float16 dmin a super-block (Q6_K and
+                          * Q3_K: NULL, no biases) */
 } gemm_args;
 
 /* A 5-bit weight (quant/int5.py: GGUF's Q5_0, Q5_1, Q5_K) is an int4 weight, its scales, biases and int4-k
@@ -663,8 +666,11 @@ static inline int upper_code(uint8_t u, int j) { return ((u >> (2 * j)) & 3) << 
  * 16 .. 23, so int32 lanes 0, 1, 4, 5 of the block's eight (and AVX2's madd lanes 0 .. 3 of both halves). */
 static inline int factor_count(const gemm_args *a) { return a->sc16 ? a->K / 16 : a->K / 32; }
 /* A code with a scale a sub-block of 16 is signed, stored offset by half its range: Q6_K's six bits (with upper
- * bits) by 32, Q3_K's held in nibbles (no planes: quant/int6k.py's Int3KWeight) by 8. */
-static inline int sub16_offset(const uint8_t *high, const uint8_t *top) { return top ? 32 : high ? 16 : 8; }
+ * bits) by 32, Q3_K's held in nibbles (no planes: quant/int6k.py's Int3KWeight) by 8; Q2_K's (mn16 set) are
+ * unsigned, a minimum a sub-block taking the place of the offset. */
+static inline int sub16_offset(const uint8_t *high, const uint8_t *top, const int8_t *mn16) {
+    return mn16 ? 0 : top ? 32 : high ? 16 : 8;
+}
 
 /* A codebook weight (quant/codebook.py: IQ4_NL, IQ4_XS, MXFP4) holds 4-bit codes whose values are a 16-entry int8
  * table's, times a float16 scale a block of 32 (bits 4, lut set). The products look each code up in registers
@@ -1052,6 +1058,10 @@ static inline __attribute__((always_inline)) void prefetch_factors(const gemm_ar
     if (a->sc16) {
         prefetch_lines(a->scales + (size_t)n * (K / 256), (size_t)rows * (K / 256) * 2);
         prefetch_lines(a->sc16 + (size_t)n * (K / 16), (size_t)rows * (K / 16));
+        if (a->mn16) {
+            prefetch_lines(a->biases + (size_t)n * (K / 256), (size_t)rows * (K / 256) * 2);
+            prefetch_lines(a->mn16 + (size_t)n * (K / 16), (size_t)rows * (K / 16));
+        }
     } else if (a->sub) {
         size_t ns = (nb + 7) / 8;
         prefetch_lines(a->scales + n * ns, rows * ns * 2);
@@ -1574,6 +1584,10 @@ static void k_group_scales(k_row r, int nb, float *ws, float *wb) {
 static inline float q6k_scale(const uint16_t *d, const int8_t *sc, int K, int n, int s) {
     return half_to_float(d[(size_t)n * (K / 256) + s / 16]) * (float)sc[(size_t)n * (K / 16) + s];
 }
+/* Q2_K's row n, sub-block s: its minimum dmin x mn (q6k_scale's form); 0 for Q6_K and Q3_K (mn NULL). */
+static inline float q2k_minimum(const uint16_t *dmin, const int8_t *mn, int K, int n, int s) {
+    return mn ? half_to_float(dmin[(size_t)n * (K / 256) + s / 16]) * (float)mn[(size_t)n * (K / 16) + s] : 0.f;
+}
 
 #if defined(LPD_AVX512)
 /* Row n's d x sc of sub-blocks s .. s + 15 (a super-block), for q6k_factors and gemv1_sub16 alike. */
@@ -1582,11 +1596,21 @@ static inline __m512 q6k_side16(const gemm_args *a, int n, int s) {
     return _mm512_mul_ps(_mm512_set1_ps(half_to_float(a->scales[(size_t)n * (a->K / 256) + s / 16])),
                          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)sc))));
 }
+/* Q2_K's: row n's dmin x mn of sub-blocks s .. s + 15. */
+static inline __m512 q2k_min16(const gemm_args *a, int n, int s) {
+    const int8_t *mn = a->mn16 + (size_t)n * (a->K / 16) + s;
+    return _mm512_mul_ps(_mm512_set1_ps(half_to_float(a->biases[(size_t)n * (a->K / 256) + s / 16])),
+                         _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)mn))));
+}
 #endif
-/* Q6_K's (and Q3_K's) row_factors, for every path (one function, so every row count gets the same floats):
- * ds[m * stride + s] = (d x sc of sub-block s) x the input block's scale, two a block; extra[m] = -offset x the sum
- * of those times each sub-block's integer input sum (the codes q go in as they are, for q - offset: sub16_offset),
- * plus the layer's bias. */
+/* Q6_K's (and Q3_K's, Q2_K's) row_factors, for every path (one function, so every row count gets the same floats):
+ * ds[m * stride + s] = (d x sc of sub-block s) x the input block's scale, two a block; extra[m] = -term_times x the
+ * sum of each sub-block's term factor times its integer input sum, plus the layer's bias. The term factor is ds's
+ * (the codes q go in as they are, for q - offset: term_times = sub16_offset), Q2_K's its minimum dmin x mn times the
+ * input block's scale (term_times 1). */
+static inline float term_times(const gemm_args *a) {
+    return a->mn16 ? 1.f : (float)sub16_offset(a->high, a->top, a->mn16);
+}
 static __attribute__((noinline)) void q6k_factors(const gemm_args *a, int n, int m0, int mm, int stride, float *ds,
                                                   float *extra) {
     int nb = a->K / 32, ns = 2 * nb;
@@ -1602,9 +1626,11 @@ static __attribute__((noinline)) void q6k_factors(const gemm_args *a, int n, int
         const __m512i twice = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
         __m512 acc = _mm512_setzero_ps();
         for (int s = 0; s < ns; s += 16) {
-            __m512 f = _mm512_mul_ps(q6k_side16(a, n, s), _mm512_permutexvar_ps(twice, _mm512_castps256_ps512(_mm256_loadu_ps(xd + s / 2))));
+            __m512 x2 = _mm512_permutexvar_ps(twice, _mm512_castps256_ps512(_mm256_loadu_ps(xd + s / 2)));
+            __m512 f = _mm512_mul_ps(q6k_side16(a, n, s), x2);
             _mm512_storeu_ps(dm + s, f);
-            acc = _mm512_fmadd_ps(f, _mm512_cvtepi32_ps(_mm512_loadu_si512(xs + s)), acc);
+            __m512 t = a->mn16 ? _mm512_mul_ps(q2k_min16(a, n, s), x2) : f;
+            acc = _mm512_fmadd_ps(t, _mm512_cvtepi32_ps(_mm512_loadu_si512(xs + s)), acc);
         }
         e = _mm512_reduce_add_ps(acc);
 #elif defined(LPD_AVX2) /* a super-block a step (its d converted once), half of it a register, the four blocks'
@@ -1618,9 +1644,14 @@ static __attribute__((noinline)) void q6k_factors(const gemm_args *a, int n, int
                 __m128i sc8 = _mm_loadl_epi64((const __m128i *)(sc + h));
                 __m256 w = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8)));
                 __m256 x8 = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(xd + h / 2)), twice);
-                __m256 f = _mm256_mul_ps(w, x8);
+                __m256 f = _mm256_mul_ps(w, x8), t = f;
                 _mm256_storeu_ps(dm + h, f);
-                acc = _mm256_fmadd_ps(f, _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(xs + h))), acc);
+                if (a->mn16) { /* Q2_K's minima: dmin x mn, the same way */
+                    __m128i mn8 = _mm_loadl_epi64((const __m128i *)(a->mn16 + (size_t)n * ns + h));
+                    __m256 dmv = _mm256_set1_ps(half_to_float(a->biases[(size_t)n * (a->K / 256) + s / 16]));
+                    t = _mm256_mul_ps(_mm256_mul_ps(dmv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(mn8))), x8);
+                }
+                acc = _mm256_fmadd_ps(t, _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(xs + h))), acc);
             }
         }
         e = hsum8(acc);
@@ -1628,10 +1659,10 @@ static __attribute__((noinline)) void q6k_factors(const gemm_args *a, int n, int
         e = 0.f;
         for (int s = 0; s < ns; s++) {
             dm[s] = q6k_scale(a->scales, a->sc16, a->K, n, s) * xd[s >> 1];
-            e += dm[s] * (float)xs[s];
+            e += (a->mn16 ? q2k_minimum(a->biases, a->mn16, a->K, n, s) * xd[s >> 1] : dm[s]) * (float)xs[s];
         }
 #endif
-        extra[m] = -(float)sub16_offset(a->high, a->top) * e + (a->bias ? a->bias[n] : 0.f);
+        extra[m] = -term_times(a) * e + (a->bias ? a->bias[n] : 0.f);
     }
 }
 
@@ -2057,7 +2088,7 @@ static inline __attribute__((always_inline)) int gemv1_sub16_as(const gemm_args 
     const size_t step = 64; /* the four rows' bytes a block */
     const __m512i twice = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     const __m512i tab = lut_table(a);
-    const float off = -(float)sub16_offset(a->high, a->top);
+    const float off = -term_times(a);
     const run_plan ahead = plan_run(4 * (size_t)(K / 2), K, f);
     for (; n + 4 <= n1; n += 4) {
         const uint8_t *w[4] = {a->w + (size_t)n * (K / 2), a->w + (size_t)(n + 1) * (K / 2),
@@ -2071,7 +2102,8 @@ static inline __attribute__((always_inline)) int gemv1_sub16_as(const gemm_args 
 #pragma GCC unroll 4
             for (int r = 0; r < 4; r++) {
                 fs[r] = _mm512_mul_ps(q6k_side16(a, n + r, s), xd);
-                ext[r] = _mm512_fmadd_ps(fs[r], xs, ext[r]);
+                __m512 t = a->mn16 ? _mm512_mul_ps(q2k_min16(a, n + r, s), xd) : fs[r]; /* (term_times) */
+                ext[r] = _mm512_fmadd_ps(t, xs, ext[r]);
             }
 #pragma GCC unroll 4
             for (int j = 0; j < 8; j += 2) {
@@ -2096,7 +2128,7 @@ static inline __attribute__((always_inline)) int gemv1_sub16_as(const gemm_args 
 }
 static __attribute__((noinline)) int gemv1_sub16(const gemm_args *a, int n, int n1) {
     if (a->top) return gemv1_sub16_as(a, (wfmt){0, 1, 0, 1, 1}, n, n1); /* Q6_K */
-    return gemv1_sub16_as(a, (wfmt){0, 1, 0, 0, 1}, n, n1);           /* Q3_K */
+    return gemv1_sub16_as(a, (wfmt){0, 1, 0, 0, 1}, n, n1);           /* Q3_K, Q2_K */
 }
 #endif
 
@@ -2363,13 +2395,13 @@ static char *round_rows(input_args *in, int pre, const float *x, const float *re
 
 int lpd_linear(int pre, const float *x, const float *residual, const float *norm_w, float eps, float *sum_out, int M,
                int K, int bits, const void *w, const uint16_t *scales, const uint16_t *biases, const uint8_t *sub,
-               const int8_t *lut, const uint8_t *high, const uint8_t *top, const int8_t *sc16, int group, int N,
-               const float *bias, float *y, int nth) {
+               const int8_t *lut, const uint8_t *high, const uint8_t *top, const int8_t *sc16, const int8_t *mn16,
+               int group, int N, const float *bias, float *y, int nth) {
     input_args in;
     if (!round_rows(&in, pre, x, residual, norm_w, eps, sum_out, M, K, deinterleaved(bits, lut), nth, 0)) return -1;
     gemm_args g = {M, N, K, group, bits, in.xq, (size_t)M * K, in.xd, in.xsum, NULL, NULL, w, scales, biases,
                    sub, lut, bias, y};
-    g.high = high, g.top = top, g.sc16 = sc16;
+    g.high = high, g.top = top, g.sc16 = sc16, g.mn16 = mn16;
     parallel(gemm_task, &g, nth);
     return 0;
 }
@@ -2434,7 +2466,7 @@ static inline __attribute__((always_inline)) void pf_pack_as(const pf_args *p, w
     size_t row_bytes = a->bits == 4 ? K / 2 : K;
     const __m512i tab = lut_table(a);
     /* what comes off a code: a symmetric weight's offset (int8's and codebooks' flip), none where a bias says */
-    int off = f.sc16 ? sub16_offset(a->high, a->top) : p->asym ? 0 : signed_codes(a) ? 128
+    int off = f.sc16 ? sub16_offset(a->high, a->top, a->mn16) : p->asym ? 0 : signed_codes(a) ? 128
                                                                        : (int)-symmetric_bias(a->high);
     const __m512i voff = _mm512_set1_epi16((short)off);
     for (int j = 0; j < PF_COLS; j++) {
@@ -2585,10 +2617,10 @@ static void pf_task(void *ctx, int ith, int nth) {
 int lpd_prefill_gemm(int pre, const float *x, const float *residual, const float *norm_w, float eps, float *sum_out,
                      int M, int K, int bits, const void *w, const uint16_t *scales, const uint16_t *biases,
                      const uint8_t *sub, const int8_t *lut, const uint8_t *high, const uint8_t *top, const int8_t *sc16,
-                     int group, int N, const float *bias, float *y, int nth) {
+                     const int8_t *mn16, int group, int N, const float *bias, float *y, int nth) {
 #if defined(LPD_AVX512)
     int nb = K / 32, mp = (M + 15) & ~15;
-    if (nb & 1 || M < 1) return -3;
+    if (nb & 1 || M < 1 || mn16) return -3; /* (Q2_K's minima: a term a sub-block, where pf_task takes one a block) */
     size_t t_bytes = (2 * (size_t)mp * K + 63) / 64 * 64, td_bytes = (4 * (size_t)mp * nb + 63) / 64 * 64;
     input_args in;
     char *t = round_rows(&in, pre, x, residual, norm_w, eps, sum_out, M, K, deinterleaved(bits, lut), nth,
@@ -2596,7 +2628,7 @@ int lpd_prefill_gemm(int pre, const float *x, const float *residual, const float
     if (!t) return -1;
     gemm_args g = {M, N, K, group, bits, in.xq, (size_t)M * K, in.xd, in.xsum, NULL, NULL, w, scales, biases,
                    sub, lut, bias, y};
-    g.high = high, g.top = top, g.sc16 = sc16;
+    g.high = high, g.top = top, g.sc16 = sc16, g.mn16 = mn16;
     pf_args p = {&g, mp, (const int32_t *)t, (const float *)(t + t_bytes), (const float *)(t + t_bytes + td_bytes),
                  deinterleaved(bits, lut) && !sc16 && (biases || sub)};
     parallel(pf_input_task, &p, nth);
@@ -2604,8 +2636,8 @@ int lpd_prefill_gemm(int pre, const float *x, const float *residual, const float
     return 0;
 #else
     (void)pre, (void)x, (void)residual, (void)norm_w, (void)eps, (void)sum_out, (void)M, (void)K, (void)bits, (void)w;
-    (void)scales, (void)biases, (void)sub, (void)lut, (void)high, (void)top, (void)sc16, (void)group, (void)N;
-    (void)bias, (void)y, (void)nth;
+    (void)scales, (void)biases, (void)sub, (void)lut, (void)high, (void)top, (void)sc16, (void)mn16, (void)group;
+    (void)N, (void)bias, (void)y, (void)nth;
     return -3;
 #endif
 }
@@ -3397,6 +3429,7 @@ typedef struct {
     const uint8_t *high; /* a 5-bit weight's fifth bits (gemm_args; its groups are blocks) */
     const uint8_t *top;  /* Q6_K's upper bits, with sc16 its scales (gemm_args) */
     const int8_t *sc16;
+    const int8_t *mn16; /* Q2_K's minima (gemm_args) */
 } dequant_args;
 
 /* A 5-bit weight's fifth bits of block b of row n (fifth32's). */
@@ -3452,14 +3485,16 @@ static inline int dequant_group8(const dequant_args *a, int n, int g, float s, f
 #endif
 
 /* Q6_K's (or Q3_K's) row n into o [K]: (q - offset) x (d x sc), ggml's one product, a sub-block of 16 at a time
- * (AVX2: its codes as bytes, the nibbles and the upper bits, in column order). */
+ * (AVX2: its codes as bytes, the nibbles and the upper bits, in column order); Q2_K's q x (d x sc) - dmin x mn, its
+ * product exact, so one rounding as ggml's. */
 static void dequant_q6k_row(const dequant_args *a, int n, float *o) {
-    int K = a->K, nb = K / 32, offset = sub16_offset(a->high, a->top);
+    int K = a->K, nb = K / 32, offset = sub16_offset(a->high, a->top, a->mn16);
     for (int b = 0; b < nb; b++) {
         const uint8_t *p = a->w + (size_t)n * (K / 2) + b * 16;
         const uint8_t *u = a->top ? upper_group(a->top, (size_t)n * (K / 4), b) : NULL;
         for (int h = 0; h < 2; h++) { /* sub-block h: bytes 8h .. 8h + 7 (columns 16h .. 16h + 15) */
             float s = q6k_scale(a->scales, a->sc16, K, n, 2 * b + h);
+            float mn = q2k_minimum(a->biases, a->mn16, K, n, 2 * b + h);
             const uint8_t *q = p + 8 * h;
 #if defined(LPD_AVX512) || defined(LPD_AVX2)
             __m128i raw = _mm_loadl_epi64((const __m128i *)q), mask = _mm_set1_epi8(15);
@@ -3469,17 +3504,18 @@ static void dequant_q6k_row(const dequant_args *a, int n, float *o) {
                 hi = _mm_or_si128(hi, upper_bytes128(_mm_loadl_epi64((const __m128i *)(u + 16 + 8 * h)), b & 3));
             }
             __m128i both = _mm_sub_epi8(_mm_unpacklo_epi8(lo, hi), _mm_set1_epi8((char)offset)); /* in column order */
-            __m256 vs = _mm256_set1_ps(s);
-            _mm256_storeu_ps(o + 32 * b + 16 * h, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(both)), vs));
+            __m256 vs = _mm256_set1_ps(s), vm = _mm256_set1_ps(mn);
+            _mm256_storeu_ps(o + 32 * b + 16 * h,
+                             _mm256_fmsub_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(both)), vs, vm));
             _mm256_storeu_ps(o + 32 * b + 16 * h + 8,
-                             _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(both, 8))), vs));
+                             _mm256_fmsub_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(both, 8))), vs, vm));
 #else
             for (int j = 0; j < 8; j++) {
                 int e = 8 * h + j;
                 int c0 = (q[j] & 15) | (u ? upper_code(u[e], b & 3) : 0);
                 int c1 = (q[j] >> 4) | (u ? upper_code(u[16 + e], b & 3) : 0);
-                o[32 * b + 2 * e] = (float)(c0 - offset) * s;
-                o[32 * b + 2 * e + 1] = (float)(c1 - offset) * s;
+                o[32 * b + 2 * e] = (float)(c0 - offset) * s - mn;
+                o[32 * b + 2 * e + 1] = (float)(c1 - offset) * s - mn;
             }
 #endif
         }
@@ -3538,9 +3574,9 @@ static void dequant_task(void *ctx, int ith, int nth) {
 }
 
 void lpd_dequantize(int bits, const void *w, const uint16_t *scales, const uint16_t *biases, const uint8_t *sub,
-                    const int8_t *lut, const uint8_t *high, const uint8_t *top, const int8_t *sc16, int group, int K,
-                    int n0, int n1, float *out, int nth) {
-    dequant_args a = {bits, group, K, n0, n1, w, scales, biases, sub, lut, out, high, top, sc16};
+                    const int8_t *lut, const uint8_t *high, const uint8_t *top, const int8_t *sc16, const int8_t *mn16,
+                    int group, int K, int n0, int n1, float *out, int nth) {
+    dequant_args a = {bits, group, K, n0, n1, w, scales, biases, sub, lut, out, high, top, sc16, mn16};
     parallel(dequant_task, &a, nth);
 }
 
@@ -3587,9 +3623,9 @@ static inline void or_plane(__m128i *lo, __m128i *hi, uint32_t bits) {
 static void dequant_rows_bf16(const dequant_args *a, int r0, int r1, uint16_t *out, float *row) {
     int K = a->K, G = a->group, ng = K / G;
     const __m128i mask = _mm_set1_epi8(15);
-    if (a->sc16) { /* Q6_K, Q3_K: dequant_q6k_row's (q - offset) x (d x sc), a block of 32 (two sub-blocks) a step */
+    if (a->sc16) { /* Q6_K, Q3_K, Q2_K: dequant_q6k_row's values, a block of 32 (two sub-blocks) a step */
         int nb = K / 32;
-        __m128i offset = _mm_set1_epi8((char)sub16_offset(a->high, a->top));
+        __m128i offset = _mm_set1_epi8((char)sub16_offset(a->high, a->top, a->mn16));
         for (int n = r0; n < r1; n++) {
             uint16_t *o = out + (size_t)(n - r0) * K;
             for (int b = 0; b < nb; b++) {
@@ -3600,7 +3636,8 @@ static void dequant_rows_bf16(const dequant_args *a, int r0, int r1, uint16_t *o
                 for (int h = 0; h < 2; h++) {
                     __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_sub_epi8(c[h], offset)));
                     __m512 vs = _mm512_set1_ps(q6k_scale(a->scales, a->sc16, K, n, 2 * b + h));
-                    _mm256_storeu_si256((__m256i *)(o + 32 * b + 16 * h), bf16_of(_mm512_mul_ps(v, vs)));
+                    __m512 vm = _mm512_set1_ps(q2k_minimum(a->biases, a->mn16, K, n, 2 * b + h));
+                    _mm256_storeu_si256((__m256i *)(o + 32 * b + 16 * h), bf16_of(_mm512_fmsub_ps(v, vs, vm)));
                 }
             }
         }
@@ -3716,11 +3753,12 @@ static void dq_gemm_task(void *ctx, int ith, int nth) {
 /* h16: where given, h in bfloat16 ([M, K]), multiplied by the weight rounded to bfloat16 with lpd_set_bf16gemm's
  * GEMM. Returns 0, -1 without memory, -3 without a BLAS (lpd_set_sgemm, lpd_set_bf16gemm). */
 int lpd_dequant_gemm(int bits, const void *w, const uint16_t *scales, const uint16_t *biases, const uint8_t *sub,
-                     const int8_t *lut, const uint8_t *high, const uint8_t *top, const int8_t *sc16, int group, int K,
-                     int N, int M, const float *h, const uint16_t *h16, float *y, int slice, int nth) {
+                     const int8_t *lut, const uint8_t *high, const uint8_t *top, const int8_t *sc16,
+                     const int8_t *mn16, int group, int K, int N, int M, const float *h, const uint16_t *h16, float *y,
+                     int slice, int nth) {
     if (!blas_sgemm || (h16 && !blas_bf16gemm)) return -3;
-    dq_gemm_args a = {{bits, group, K, 0, N, w, scales, biases, sub, lut, NULL, high, top, sc16}, M, slice > 0 ? slice : 1, h, h16, y,
-                      0, 0};
+    dq_gemm_args a = {{bits, group, K, 0, N, w, scales, biases, sub, lut, NULL, high, top, sc16, mn16}, M,
+                      slice > 0 ? slice : 1, h, h16, y, 0, 0};
     parallel(dq_gemm_task, &a, nth);
     return atomic_load(&a.failed) ? -1 : 0;
 }
@@ -3740,6 +3778,7 @@ typedef struct {
     const uint8_t *high; /* a 5-bit weight's fifth bits (gemm_args) */
     const uint8_t *top;  /* Q6_K's upper bits, with sc16 its sub-block scales (gemm_args) */
     const int8_t *sc16;
+    const int8_t *mn16; /* Q2_K's minima (gemm_args) */
 } lin_plan;
 
 #define QKV_PARTS 3
@@ -3845,7 +3884,7 @@ static void linear_phase(layers_args *s, int ith, int nth, int pre, const lin_pl
     gemm_args g = {M, l->N, l->K, l->group, l->bits, s->xq, (size_t)M * l->K, s->xd, s->xsum, NULL, NULL, l->w,
                    l->scales, l->biases, l->sub, l->lut, l->bias, y}; /* equal shares: measured faster than
                                                                           * taking chunks from a counter */
-    g.high = l->high, g.top = l->top, g.sc16 = l->sc16;
+    g.high = l->high, g.top = l->top, g.sc16 = l->sc16, g.mn16 = l->mn16;
     gemm_task(&g, ith, nth);
     barrier_wait(&s->barrier, nth);
 }

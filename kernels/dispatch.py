@@ -25,7 +25,7 @@ from localpd.quant.bnb import LLM_INT8_THRESHOLD, BnbInt8Weight, Nf4Weight, bits
 from localpd.quant.codebook import CodebookWeight
 from localpd.quant.int4k import Int4KWeight
 from localpd.quant.int5 import Int5KWeight, Int5Weight
-from localpd.quant.int6k import Int3KWeight, Int6KWeight
+from localpd.quant.int6k import SubScaled
 from localpd.quant.kmajor import KMajorWeight, KStripWeight
 from localpd.quant.tinygemm import TinyGemmInt4, tinygemm_matmul
 from localpd.quant.weights import Int4Weight, Int8Weight
@@ -182,7 +182,7 @@ def codebook_matmul_ref(x, w: CodebookWeight, bias=None, gated: str | None = Non
     return _input_matmul_ref(x, w.dequantize(torch.float32), bias, gated, norm)
 
 
-def int5_matmul_ref(x, w: Int5Weight | Int5KWeight | Int6KWeight | Int3KWeight, bias=None, gated: str | None = None,
+def int5_matmul_ref(x, w: Int5Weight | Int5KWeight | SubScaled, bias=None, gated: str | None = None,
                     norm: PreNorm | None = None):
     """int4_matmul_ref for a 5- or 6-bit weight (quant/int5.py, quant/int6k.py), dequantized in fp32."""
     return _input_matmul_ref(x, w.dequantize(torch.float32), bias, gated, norm)
@@ -277,9 +277,9 @@ def linear_codebook(x: torch.Tensor, w: CodebookWeight, bias: torch.Tensor | Non
     return _linear_held(x, w, as_int8, codebook_matmul_ref, bias, gated, norm)
 
 
-def linear_int5(x: torch.Tensor, w: Int5Weight | Int5KWeight | Int6KWeight | Int3KWeight, bias: torch.Tensor | None = None,
+def linear_int5(x: torch.Tensor, w: Int5Weight | Int5KWeight | SubScaled, bias: torch.Tensor | None = None,
                 gated: str | None = None, norm: PreNorm | None = None):
-    """linear_int4 for a 5- or 6-bit weight (GGUF's Q5_0, Q5_1, Q5_K, Q6_K) or Q3_K's: localpd's CPU kernels read its high bits
+    """linear_int4 for a 5- or 6-bit weight (GGUF's Q5_0, Q5_1, Q5_K, Q6_K) or Q3_K's or Q2_K's: localpd's CPU kernels read its high bits
     beside its int4 codes and its factors; Triton's int8 kernels take its nearest int8 (as_int8: 8.5 bits a weight
     read on the GPU, not 5.5 to 6.6); elsewhere the torch reference."""
     return _linear_held(x, w, as_int8, int5_matmul_ref, bias, gated, norm)
@@ -411,7 +411,7 @@ def as_int4(w: Int4KWeight) -> Int4Weight:
     return int4
 
 
-def as_int8(w: CodebookWeight | Int5Weight | Int5KWeight | Int6KWeight | Int3KWeight) -> Int8Weight:
+def as_int8(w: CodebookWeight | Int5Weight | Int5KWeight | SubScaled) -> Int8Weight:
     """The int8 weight holding w's values (a codebook's exactly: its entries times the same scales; a 5-bit weight's
     nearest, quant/int5.py), made once and kept on w."""
     int8 = w.__dict__.get("_as_int8")

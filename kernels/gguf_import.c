@@ -15,7 +15,7 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4 };
+enum { Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4, Q2_K };
 
 /* The low four bits of a block's 32 codes as the nibbles of 16 bytes. */
 static void put_nibbles(uint8_t *dst, const uint8_t *q) {
@@ -126,7 +126,8 @@ typedef struct {
 
 static const Kind KINDS[] = {[Q8_0] = {32, 34}, [Q4_0] = {32, 18}, [Q4_1] = {32, 20}, [Q5_0] = {32, 22},
                              [Q5_1] = {32, 24}, [Q4_K] = {256, 144}, [Q5_K] = {256, 176}, [Q6_K] = {256, 210},
-                             [Q3_K] = {256, 110}, [IQ4_NL] = {32, 18}, [IQ4_XS] = {256, 136}, [MXFP4] = {32, 17}};
+                             [Q3_K] = {256, 110}, [IQ4_NL] = {32, 18}, [IQ4_XS] = {256, 136}, [MXFP4] = {32, 17},
+                             [Q2_K] = {256, 84}};
 
 /* A codebook type's row (quant/codebook.py): each block's codes (MXFP4's 0 as 8, its other zero, as the torch import
  * maps the value 0) and float16 scale, then the codes packed a pair of blocks at a time (byte j: column j of the
@@ -177,7 +178,7 @@ static int codebook_row(int type, const uint8_t *s, int64_t k, int64_t r, void *
 
 /* One row of nb blocks -> row r of the fields. */
 static int import_row(int type, const uint8_t *s, int64_t k, int64_t r, void **out) {
-    if (type >= IQ4_NL) return codebook_row(type, s, k, r, out);
+    if (type >= IQ4_NL && type <= MXFP4) return codebook_row(type, s, k, r, out);
     int64_t nb = k / KINDS[type].block, g32 = k / 32;
     uint8_t q[256];
     int ok = 1;
@@ -267,13 +268,28 @@ static int import_row(int type, const uint8_t *s, int64_t k, int64_t r, void **o
             }
             break;
         }
+        case Q2_K: {  /* 16 scale bytes (sc low, mn high), 64 of two-bit codes, d, dmin */
+            const uint8_t *sb = s, *qs = s + 16;
+            for (int h = 0; h < 2; h++)
+                for (int j = 0; j < 4; j++)
+                    for (int l = 0; l < 32; l++) q[128 * h + 32 * j + l] = (uint8_t)((qs[32 * h + l] >> (2 * j)) & 3);
+            for (int j = 0; j < 8; j++) put_nibbles((uint8_t *)out[0] + r * (k / 2) + 128 * b + 16 * j, q + 32 * j);
+            memcpy((uint16_t *)out[1] + r * nb + b, s + 80, 2);
+            memcpy((uint16_t *)out[2] + r * nb + b, s + 82, 2);
+            int8_t *sc = (int8_t *)out[3] + r * (k / 16) + 16 * b, *mn = (int8_t *)out[4] + r * (k / 16) + 16 * b;
+            for (int i = 0; i < 16; i++) {
+                sc[i] = (int8_t)(sb[i] & 15);
+                mn[i] = (int8_t)(sb[i] >> 4);
+            }
+            break;
+        }
         }
     }
     return ok;
 }
 
 int lpd_import(int type, const uint8_t *src, int64_t n, int64_t k, const int64_t *order, void **out) {
-    if (type < Q8_0 || type > MXFP4 || k % KINDS[type].block) return 2;
+    if (type < Q8_0 || type > Q2_K || k % KINDS[type].block) return 2;
     int64_t row_bytes = k / KINDS[type].block * KINDS[type].size;
     int failed = 0;
 #pragma omp parallel for schedule(static) reduction(| : failed)

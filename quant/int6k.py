@@ -61,6 +61,8 @@ class SubScaled:
     BITS = 0
     PLANES: dict[str, int] = {}  # a plane's field -> columns a byte
 
+    MINIMA: dict[str, tuple[torch.dtype, int]] = {}  # a minimum's field -> (dtype, columns an element)
+
     def __post_init__(self):
         if self.packed.dtype != torch.int32 or self.packed.dim() != 2:
             raise LocalpdError(f"{self.BITS}-bit packed weights must be a 2-D int32 tensor, got {self.packed.dtype} "
@@ -70,7 +72,8 @@ class SubScaled:
             raise LocalpdError(f"{self.BITS}-bit weights need the input dimension ({k}) to be a multiple of {SUPER}")
         check_fields(f"{self.BITS}-bit", self, {**{p: (torch.uint8, (n, k // c)) for p, c in self.PLANES.items()},
                                                 "d": (torch.float16, (n, k // SUPER)),
-                                                "sc": (torch.int8, (n, k // SUB))})
+                                                "sc": (torch.int8, (n, k // SUB)),
+                                                **{f: (t, (n, k // c)) for f, (t, c) in self.MINIMA.items()}})
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -136,6 +139,56 @@ class Int3KWeight(SubScaled):
         d = blocks[:, 108:110].contiguous().view(torch.float16).reshape(n, -1).clone()
         sc = (sc3.to(torch.int16) - 32).to(torch.int8).reshape(n, -1).contiguous()
         return cls(pack_int4(codes.reshape(n, k)), d, sc)
+
+
+@dataclass
+class Int2KWeight(SubScaled):
+    """Q2_K's codes in nibbles with a minimum a sub-block (the module docstring): value = d * sc * q - dmin * mn."""
+
+    packed: torch.Tensor  # int32 [N, K // 8]: the codes 0..3, Int4Weight's layout
+    d: torch.Tensor       # float16 [N, K // 256]
+    dmin: torch.Tensor    # float16 [N, K // 256]
+    sc: torch.Tensor      # int8 [N, K // 16]: 0..15
+    mn: torch.Tensor      # int8 [N, K // 16]: 0..15
+
+    OFFSET, BITS = 0, 2
+    MINIMA = {"dmin": (torch.float16, SUPER), "mn": (torch.int8, SUB)}
+
+    def codes(self) -> torch.Tensor:
+        """q as uint8 [N, K], 0..3."""
+        return unpack_int4(self.packed)
+
+    def sub_minima(self) -> torch.Tensor:
+        """Each sub-block's dmin * mn in float32, [N, K // 16], as ggml multiplies them."""
+        return self.dmin.float().repeat_interleave(SUPER // SUB, dim=1) * self.mn.float()
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        n, k = self.shape
+        q = self.codes().float().reshape(n, k // SUB, SUB)
+        return (self.sub_scales()[..., None] * q - self.sub_minima()[..., None]).reshape(n, k).to(dtype)
+
+    @classmethod
+    def from_q2_k(cls, blocks: torch.Tensor, shape: tuple[int, int]) -> Int2KWeight:
+        """A GGUF Q2_K tensor's blocks (uint8 [n_blocks, 84]: 16 bytes of scales (sc low, m high), 64 of two-bit
+        codes, d, dmin), bit for bit."""
+        n, k = shape
+        s, qs = blocks[:, :16], blocks[:, 16:80].reshape(-1, 2, 1, 32)
+        # ggml's order, per half h of 128 values: value 32 j + l (j = 0..3, l < 32) is qs[h][l]'s bits 2j, 2j + 1
+        codes = (qs >> torch.arange(0, 8, 2, dtype=torch.uint8).reshape(1, 1, 4, 1)) & 3
+        d = blocks[:, 80:82].contiguous().view(torch.float16).reshape(n, -1).clone()
+        dmin = blocks[:, 82:84].contiguous().view(torch.float16).reshape(n, -1).clone()
+        sc = (s & 15).to(torch.int8).reshape(n, -1).contiguous()
+        mn = (s >> 4).to(torch.int8).reshape(n, -1).contiguous()
+        return cls(pack_int4(codes.reshape(n, k)), d, dmin, sc, mn)
+
+    def to_q2_k(self) -> torch.Tensor:
+        """from_q2_k's inverse: the GGUF Q2_K blocks, uint8 [N * K // 256, 84]."""
+        n, k = self.shape
+        codes = self.codes().reshape(-1, 2, 4, 32)
+        qs = codes[:, :, 0] | codes[:, :, 1] << 2 | codes[:, :, 2] << 4 | codes[:, :, 3] << 6
+        s = (self.sc.to(torch.uint8) | self.mn.to(torch.uint8) << 4).reshape(-1, 16)
+        d, dmin = (t.reshape(-1, 1).view(torch.uint8) for t in (self.d, self.dmin))
+        return torch.cat([s, qs.reshape(-1, 64), d, dmin], dim=1)
 
 
 @dataclass

@@ -18,10 +18,10 @@ INT4_ZP = ("int4-zp-g32", "int4-zp-g64", "int4-zp-g128")
 BNB = {"bnb-nf4": Nf4Weight, "bnb-int8": BnbInt8Weight}  # bitsandbytes' formats and matmuls (optional)
 INT4_K = "int4-k"  # 4-bit codes, groups of 32, scales quantized within super-blocks of 256 (quant/int4k.py)
 SCHEMES = ("native", *DENSE, "int8", *INT4, INT4_K, *BNB)
-# GGUF block types that map onto our formats with group 32 (quant.gguf_blocks), and Q6_K and Q3_K (quant/int6k.py);
+# GGUF block types that map onto our formats with group 32 (quant.gguf_blocks), and Q6_K, Q3_K and Q2_K (quant/int6k.py);
 # under "native" every other quantized type is re-quantized to int8 with a scale per NATIVE_INT8_GROUP values
 # (native_weight)
-GGUF_NATIVE = set(DECODERS) | {"Q6_K", "Q3_K"}
+GGUF_NATIVE = set(DECODERS) | {"Q6_K", "Q3_K", "Q2_K"}
 GGUF_DENSE = {"F32", "F16", "BF16"}
 NATIVE_INT8_GROUP = 32
 
@@ -96,7 +96,7 @@ def from_blocks(w: Weight, scheme: str) -> Weight:
 
 def native_weight(dense: torch.Tensor, gguf_type: str, dtype: torch.dtype) -> Weight:
     """A GGUF matrix under "native" whose type has no import of its own (imports_exactly): a float type stays dense;
-    a quantized one (Q2_K, the 1-3 bit IQ types, TQ1_0/TQ2_0, NVFP4) becomes int8 with a float16 scale
+    a quantized one (the 1-3 bit IQ types, TQ1_0/TQ2_0, NVFP4) becomes int8 with a float16 scale
     per 32 values. Each group of 32 spans one or two of the type's sub-blocks, so its rounding step is at most 1/127
     of the group's largest value, a small fraction of the step of the type's own 1-6 bit codes (docs/PERF.md)."""
     if gguf_type in GGUF_DENSE:

@@ -20,13 +20,13 @@ from localpd.quant.bnb import BnbInt8Weight, Nf4Weight, bitsandbytes
 from localpd.quant.codebook import IQ4Weight, MXFP4Weight
 from localpd.quant.int4k import Int4KWeight
 from localpd.quant.int5 import Int5KWeight, Int5Weight
-from localpd.quant.int6k import Int3KWeight, Int6KWeight
+from localpd.quant.int6k import Int2KWeight, Int3KWeight, Int6KWeight
 from localpd.quant.weights import Int4Weight, Int8Weight, Weight
 
 FORMAT, VERSION = "localpd-quantized", 1
 MARKER, TENSORS, TOKENIZER = "localpd.json", "model.safetensors", "tokenizer_gguf.json"
 KINDS = {"int4": Int4Weight, "int8": Int8Weight, "int4-k": Int4KWeight, "int5": Int5Weight, "int5-k": Int5KWeight,
-         "int6-k": Int6KWeight, "int3-k": Int3KWeight,
+         "int6-k": Int6KWeight, "int3-k": Int3KWeight, "int2-k": Int2KWeight,
          "iq4": IQ4Weight, "mxfp4": MXFP4Weight,
          "bnb-nf4": Nf4Weight, "bnb-int8": BnbInt8Weight}
 

@@ -26,14 +26,14 @@ from localpd.load.loader import GGUF_NAMES, GGUF_TOP, qk_order, rows
 from localpd.model.config import ModelConfig
 from localpd.quant.int4k import GROUP, PER_SUPER, Int4KWeight, super_blocks
 from localpd.quant.int5 import Int5KWeight, Int5Weight
-from localpd.quant.int6k import Int3KWeight, Int6KWeight
+from localpd.quant.int6k import Int2KWeight, Int3KWeight, Int6KWeight
 from localpd.quant.weights import Int4Weight, Int8Weight, Weight, pack_int4, unpack_int4
 
 BLOCK = 32
 SUPER = GROUP * PER_SUPER  # 256: a Q4_K block
 DENSE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 FILE_TYPES = {"Q4_1": "MOSTLY_Q4_1", "Q8_0": "MOSTLY_Q8_0", "Q4_K": "MOSTLY_Q4_K_S", "Q5_1": "MOSTLY_Q5_1",
-              "Q5_K": "MOSTLY_Q5_K_S", "Q6_K": "MOSTLY_Q6_K", "F16": "MOSTLY_F16",
+              "Q5_K": "MOSTLY_Q5_K_S", "Q6_K": "MOSTLY_Q6_K", "Q2_K": "MOSTLY_Q2_K", "F16": "MOSTLY_F16",
               "BF16": "MOSTLY_BF16", "F32": "ALL_F32"}  # gguf.LlamaFileType, by the matrices' most common type
 GGUF_PART = {hf: g for g, hf in GGUF_NAMES.items() if hf != "qkv_proj"}
 GGUF_TOP_NAME = {hf: g for g, hf in GGUF_TOP.items()}
@@ -163,6 +163,8 @@ def encode(w: Weight) -> tuple[str, np.ndarray, Weight]:
         return DENSE[w.dtype], raw, w
     if w.shape[1] % BLOCK:
         raise LocalpdError(f"a {w.shape[0]}x{w.shape[1]} matrix is not whole blocks of {BLOCK} along its input")
+    if isinstance(w, Int2KWeight):
+        return "Q2_K", w.to_q2_k().numpy(), w  # a Q2_K import's own blocks
     if isinstance(w, Int3KWeight):
         w = w.as_6_bit()  # the same values (a Q3_K import's; its own blocks are not written)
     if isinstance(w, Int6KWeight):

@@ -22,7 +22,7 @@ from localpd.load.gguf import BLOCKS
 from localpd.quant.codebook import IQ4Weight, MXFP4Weight
 from localpd.quant.int4k import Int4KWeight
 from localpd.quant.int5 import Int5KWeight, Int5Weight
-from localpd.quant.int6k import Int3KWeight, Int6KWeight
+from localpd.quant.int6k import Int2KWeight, Int3KWeight, Int6KWeight
 from localpd.quant.weights import Int4Weight, Int8Weight
 
 SOURCE = Path(cpu.__file__).with_name("gguf_import.c")
@@ -55,6 +55,7 @@ TYPES = {
     "IQ4_NL": (9, IQ4Weight, [_per(U8, 2), _per(F16, 32)]),
     "IQ4_XS": (10, IQ4Weight, [_per(U8, 2), _per(F16, 32)]),
     "MXFP4": (11, MXFP4Weight, [_per(U8, 2), _per(F16, 32)]),
+    "Q2_K": (12, Int2KWeight, [_packed, _per(F16, 256), _per(F16, 256), _per(I8, 16), _per(I8, 16)]),
 }
 
 

@@ -18,7 +18,7 @@ from localpd.quant.bnb import BnbInt8Weight, Nf4Weight
 from localpd.quant.codebook import CODEBOOK_TYPES
 from localpd.quant.int4k import Int4KWeight
 from localpd.quant.int5 import Int5KWeight, Int5Weight
-from localpd.quant.int6k import Int3KWeight, Int6KWeight
+from localpd.quant.int6k import Int2KWeight, Int3KWeight, Int6KWeight
 from localpd.quant.kmajor import KMajorInt4, KMajorInt8, KStripInt4, KStripInt8
 from localpd.quant.tinygemm import TinyGemmInt4
 from localpd.quant.weights import Int4Weight, Int8Weight, Weight, cat_rows, weight_nbytes
@@ -42,6 +42,7 @@ KERNELS: dict[type, Kernel] = {
     Int5KWeight: Kernel(linear_int5, fuses=True),
     Int6KWeight: Kernel(linear_int5, fuses=True),
     Int3KWeight: Kernel(linear_int5, fuses=True),
+    Int2KWeight: Kernel(linear_int5, fuses=True),
     **{cls: Kernel(linear_codebook, fuses=True) for cls in set(CODEBOOK_TYPES.values())},
     KMajorInt4: Kernel(linear_kmajor, fuses=True, rounding=kmajor_rounding),  # the GPU's layout of the two above
     KMajorInt8: Kernel(linear_kmajor, fuses=True, rounding=kmajor_rounding),  # (to_gpu_layout)

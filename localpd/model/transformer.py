@@ -26,7 +26,7 @@ from localpd.model.linear import QuantLinear, StackedLinear, fuse, normed_separa
 from localpd.quant.codebook import CodebookWeight
 from localpd.quant.int4k import Int4KWeight
 from localpd.quant.int5 import Int5KWeight, Int5Weight
-from localpd.quant.int6k import Int3KWeight, Int6KWeight
+from localpd.quant.int6k import SubScaled
 from localpd.quant.kmajor import to_kmajor, to_strips
 from localpd.quant.tinygemm import to_tinygemm
 from localpd.kvcache.formats import KVPool
@@ -139,7 +139,7 @@ def gpu_form(w, card: str, strips: bool, dtype: torch.dtype, rows_read: bool = F
 
     if isinstance(w, Int4KWeight):
         w = as_int4(w)
-    elif isinstance(w, (CodebookWeight, Int5Weight, Int5KWeight, Int6KWeight, Int3KWeight)):
+    elif isinstance(w, (CodebookWeight, Int5Weight, Int5KWeight, SubScaled)):
         w = as_int8(w)
     bits = 4 if isinstance(w, Int4Weight) else 8 if isinstance(w, Int8Weight) else 0
     if not bits or not takes(w.shape, bits, w.group):  # else the row-major kernels, as before

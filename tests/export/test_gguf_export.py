@@ -402,6 +402,30 @@ def test_6_bit_weights_are_the_q6_k_blocks_they_were_imported_from():
     assert kind == "Q6_K" and torch.equal(back.dequantize(), w.dequantize()) and torch.equal(decoded, w.dequantize())
 
 
+def test_q2_k_weights_are_the_q2_k_blocks_they_were_imported_from():
+    """A Q2_K import (2-bit codes held in nibbles, a scale and a minimum a sub-block of 16) exports as Q2_K: the
+    file's bytes, byte for byte, read back as the same fields and decoded by gguf as the same values."""
+    import numpy as np
+
+    from localpd.export.gguf import encode
+    from localpd.quant.int6k import Int2KWeight
+    from localpd.quant.weights import from_gguf
+
+    rng = np.random.default_rng(2)
+    raw = rng.integers(0, 256, (6 * 768 // 256, 84), dtype=np.uint8)
+    raw[:, 80:84] = rng.uniform(-2, 2, (raw.shape[0], 2)).astype(np.float16).view(np.uint8)
+    w = from_gguf("Q2_K", torch.from_numpy(raw), (6, 768))
+    kind, data, stored = encode(w)
+    assert kind == "Q2_K" and stored is w and np.array_equal(data.reshape(-1), raw.reshape(-1))
+    kind, back, decoded = blocks_round_trip(w)
+    assert isinstance(back, Int2KWeight) and same_weight(back, w) and torch.equal(decoded, w.dequantize())
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    assert torch.equal(torch.from_numpy(dequantize(data.reshape(-1), GGMLQuantizationType.Q2_K)).reshape(6, 768),
+                       w.dequantize())
+
+
 def test_5_bit_weights_are_q5_1_and_q5_k_blocks_without_loss():
     """A Q5_0 or Q5_1 import (5-bit codes, a float16 scale and bias a block) is Q5_1; a Q5_K import (5-bit int4-k with
     six-bit scales) is Q5_K: each read back by localpd's import as the same fields, bit for bit. 5-bit int4-k with

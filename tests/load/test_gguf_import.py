@@ -19,7 +19,7 @@ from localpd.quant.weights import from_gguf
 pytestmark = pytest.mark.skipif(not gguf_import.available(), reason="the C import is not built here (no compiler)")
 
 F16_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2],
-              "Q6_K": [208], "Q3_K": [108], "IQ4_NL": [0], "IQ4_XS": [0], "MXFP4": []}
+              "Q6_K": [208], "Q3_K": [108], "IQ4_NL": [0], "IQ4_XS": [0], "MXFP4": [], "Q2_K": [80, 82]}
 # float16 scales at the edges: -0.0, the smallest subnormal, a subnormal, a large one whose -16 d (Q5_0) and
 # d (ls - 32) (IQ4_XS) float16 still holds
 EDGES = np.array([-0.0, 2.0 ** -24, -3.0 * 2.0 ** -20, 2046.0], dtype=np.float16)
@@ -76,7 +76,7 @@ def test_what_it_does_not_take_goes_to_the_torch_import():
     raw = blocks("Q4_0", 2, 64, rng)
     assert gguf_import.import_matrix("Q4_0", raw[:-1], (2, 64)) is None  # bytes that do not fit the shape
     assert gguf_import.import_matrix("Q4_0", raw, (2, 64), torch.tensor([0, 2])) is None  # a row not in the file
-    assert gguf_import.import_matrix("Q2_K", raw, (2, 64)) is None  # a type it has no code for
+    assert gguf_import.import_matrix("IQ2_XS", raw, (2, 64)) is None  # a type it has no code for
     wrong = [torch.empty(s, dtype=torch.float32) for _, s in gguf_import.field_specs("Q4_0", (2, 64))]
     assert gguf_import.import_matrix("Q4_0", raw, (2, 64), out=wrong) is None
     raw[1, 0:2] = np.array([65504.0], dtype=np.float16).view(np.uint8)  # -8 d does not fit float16

@@ -13,7 +13,7 @@ from localpd.load.loader import load_model
 from localpd.quant.codebook import CodebookWeight, IQ4Weight, MXFP4Weight
 from localpd.quant.int4k import Int4KWeight
 from localpd.quant.int5 import Int5KWeight, Int5Weight
-from localpd.quant.int6k import Int3KWeight, Int6KWeight
+from localpd.quant.int6k import Int2KWeight, Int3KWeight, Int6KWeight
 from localpd.quant.weights import Int4Weight, Int8Weight
 
 Q = gguf.GGMLQuantizationType
@@ -22,6 +22,7 @@ QUANTIZABLE = {"Q5_0", "Q5_1", "MXFP4", "TQ1_0", "TQ2_0"}  # gguf.quants makes t
 TYPES = ["Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "IQ3_XXS", "IQ3_S", "IQ2_XXS",
          "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4"]
 EXACT = {"Q5_0": Int5Weight, "Q5_1": Int5Weight, "Q5_K": Int5KWeight, "Q6_K": Int6KWeight, "Q3_K": Int3KWeight,
+         "Q2_K": Int2KWeight,
          "IQ4_NL": IQ4Weight,
          "MXFP4": MXFP4Weight, "Q4_K": Int4KWeight}  # bit for bit on import
 NEAR = {"IQ4_XS": (IQ4Weight, 1e-3)}  # within float16 rounding of scales (the others: int8 rounding)
@@ -89,11 +90,11 @@ def logits(lm, ids):
         return model.forward(Batch.single(ids, 0, 2, 16, model.device, all_logits=True), pool)
 
 
-def requantize(llama_quantize, source, path, file_type: str) -> None:
-    """llama.cpp's llama-quantize of source into path as file_type (--allow-requantize, 2 threads)."""
+def requantize(llama_quantize, source, path, file_type: str, *options: str) -> None:
+    """llama.cpp's llama-quantize of source into path as file_type (--allow-requantize, 2 threads, and options)."""
     import subprocess
 
-    made = subprocess.run([str(llama_quantize), "--allow-requantize", str(source), str(path), file_type, "2"],
+    made = subprocess.run([str(llama_quantize), "--allow-requantize", *options, str(source), str(path), file_type, "2"],
                           capture_output=True, text=True, timeout=300)
     assert made.returncode == 0, made.stderr[-2000:]
 
@@ -124,7 +125,7 @@ def test_small_file_of_each_type_loads_and_runs(tmp_path, type_name):
         if not name.endswith("_proj"):
             continue
         assert isinstance(w, (Int4Weight, Int8Weight, Int4KWeight, Int5Weight, Int5KWeight, Int6KWeight,
-                              Int3KWeight, CodebookWeight)), name
+                              Int3KWeight, Int2KWeight, CodebookWeight)), name
         assert w.group == 32, name
         want, got = exact.weights[name], w.dequantize()
         if type_name in EXACT:
@@ -167,6 +168,24 @@ def test_k_quant_mixes_made_by_llama_cpp_decode_as_their_exact_values(tmp_path, 
         if scheme == "native":
             kinds = {type(w) for w in lm.weights.values()}
             assert {Int6KWeight, Int5Weight} <= kinds and (Int4KWeight in kinds or Int5KWeight in kinds)
+        steps.append(greedy_steps(lm.config, lm.weights, "fp32", 10, 6))
+    assert (steps[0] - steps[1]).abs().max().item() < 0.05
+
+
+def test_q2_k_made_by_llama_cpp_decodes_as_its_exact_values(tmp_path, default_gguf, llama_quantize):
+    """llama.cpp's Q2_K blocks in the default model's down projections (the only matrices whose width 256 divides:
+    --tensor-type ffn_down=q2_k, where its Q2_K mix falls back to Q4_0 and Q3_K throughout), held as their codes in
+    nibbles with each sub-block's scale and minimum (5.1 bits a weight, not int8's 8.5): a prompt and greedy decode
+    steps on the CPU give the logits of the same weights dequantized to float32 (the torch path) within the
+    input's rounding."""
+    path = tmp_path / "q2_k.gguf"
+    requantize(llama_quantize, default_gguf, path, "Q2_K", "--tensor-type", "ffn_down=q2_k")
+    steps = []
+    for scheme in ("native", "fp32"):
+        lm = load_model(path, scheme=scheme)
+        if scheme == "native":
+            down = [w for name, w in lm.weights.items() if name.endswith("down_proj")]
+            assert len(down) == lm.config.n_layers and all(isinstance(w, Int2KWeight) for w in down)
         steps.append(greedy_steps(lm.config, lm.weights, "fp32", 10, 6))
     assert (steps[0] - steps[1]).abs().max().item() < 0.05
 

@@ -1,6 +1,6 @@
 """6-bit weights (quant/int6k.py): Q6_K blocks import bit for bit as gguf's own dequantization reads them, at the
-file's bytes (and 2 more a super-block: nothing else); the GPU's int8 form is near; malformed tensors are one-line
-errors; a quantized directory keeps the format."""
+file's bytes (and 2 more a super-block: nothing else); Q3_K's and Q2_K's as nibbles; the GPU's int8 form is near;
+malformed tensors are one-line errors; a quantized directory keeps the format."""
 
 import numpy as np
 import pytest
@@ -10,7 +10,7 @@ from gguf.quants import dequantize as ref_dequantize
 
 from localpd.errors import LocalpdError
 from localpd.quant.int5 import bit_plane
-from localpd.quant.int6k import Int3KWeight, Int6KWeight, upper_codes, upper_plane
+from localpd.quant.int6k import Int2KWeight, Int3KWeight, Int6KWeight, upper_codes, upper_plane
 from localpd.quant.store import TENSORS, load_quantized, save_quantized
 from localpd.quant.weights import from_gguf
 
@@ -28,6 +28,13 @@ def q6_k_blocks(n_blocks: int, rng) -> np.ndarray:
 
 def q3_k_blocks(n_blocks: int, rng) -> np.ndarray:
     return last_d_blocks(n_blocks, 110, rng)
+
+
+def q2_k_blocks(n_blocks: int, rng) -> np.ndarray:
+    """Random Q2_K blocks (84 bytes: scales and minima, codes, d, dmin) whose d and dmin are finite."""
+    raw = last_d_blocks(n_blocks, 84, rng)
+    raw[:, 80:82] = rng.uniform(-2, 2, (n_blocks, 1)).astype(np.float16).view(np.uint8)
+    return raw
 
 
 @pytest.mark.parametrize("rows,cols", [(3, 256), (5, 768), (1, 4096)])
@@ -56,6 +63,23 @@ def test_q3_k_imports_bit_for_bit_as_nibbles(rows, cols):
     codes = w.codes()
     assert codes.min() >= 4 and codes.max() <= 11 and w.sc.min() >= -32 and w.sc.max() <= 31
     assert w.nbytes * 8 / (rows * cols) == 4.5625
+
+
+@pytest.mark.parametrize("rows,cols", [(3, 256), (5, 768), (1, 4096)])
+def test_q2_k_imports_bit_for_bit_as_nibbles_with_minima(rows, cols):
+    """Q2_K's d x sc x q - dmin x m: every value as gguf's own dequantization reads it (random bytes: every code,
+    scale and minimum), codes 0..3 in nibbles and sc, m 0..15 a byte each, at 5.125 bits a weight; its blocks come
+    back byte for byte (what GGUF export writes)."""
+    rng = np.random.default_rng(rows * 3 + cols)
+    raw = q2_k_blocks(rows * cols // 256, rng)
+    w = from_gguf("Q2_K", torch.from_numpy(raw), (rows, cols))
+    assert isinstance(w, Int2KWeight) and w.shape == (rows, cols)
+    want = torch.from_numpy(ref_dequantize(raw.reshape(-1), GGMLQuantizationType.Q2_K).reshape(rows, cols))
+    assert torch.equal(w.dequantize(), want)
+    assert torch.equal(w.to_q2_k(), torch.from_numpy(raw))
+    codes = w.codes()
+    assert codes.max() == 3 and min(w.sc.min(), w.mn.min()) >= 0 and max(w.sc.max(), w.mn.max()) == 15
+    assert w.nbytes * 8 / (rows * cols) == 5.125
 
 
 def test_the_gpus_int8_form_is_near():
@@ -113,8 +137,17 @@ def test_a_directory_of_bit_planes_loads_as_the_same_weight(tmp_path):
     assert all(torch.equal(getattr(got, f), getattr(w, f)) for f in ("packed", "upper", "d", "sc"))
 
 
-def test_a_quantized_directory_keeps_q3_k_weights(tmp_path):
-    w = from_gguf("Q3_K", torch.from_numpy(q3_k_blocks(4, np.random.default_rng(5))), (2, 512))
+@pytest.mark.parametrize("name,blocks,cls", [("Q3_K", q3_k_blocks, Int3KWeight), ("Q2_K", q2_k_blocks, Int2KWeight)])
+def test_a_quantized_directory_keeps_q3_k_and_q2_k_weights(tmp_path, name, blocks, cls):
+    w = from_gguf(name, torch.from_numpy(blocks(4, np.random.default_rng(5))), (2, 512))
     save_quantized(tmp_path / "m", {"a.v_proj": w}, {}, "native", {})
     _, back, _ = load_quantized(tmp_path / "m", "cpu")
-    assert type(back["a.v_proj"]) is Int3KWeight and torch.equal(back["a.v_proj"].dequantize(), w.dequantize())
+    assert type(back["a.v_proj"]) is cls and torch.equal(back["a.v_proj"].dequantize(), w.dequantize())
+
+
+def test_malformed_q2_k_minima_are_one_line_errors():
+    w = from_gguf("Q2_K", torch.from_numpy(q2_k_blocks(2, np.random.default_rng(8))), (1, 512))
+    with pytest.raises(LocalpdError, match="mn must be"):
+        Int2KWeight(w.packed, w.d, w.dmin, w.sc, w.mn[:, :4])
+    with pytest.raises(LocalpdError, match="dmin must be"):
+        Int2KWeight(w.packed, w.d, w.dmin.float(), w.sc, w.mn)

@@ -237,8 +237,8 @@ def test_gguf_import_scale_beyond_float16():
 
 
 def test_gguf_import_errors():
-    with pytest.raises(LocalpdError, match="Q2_K"):  # no import of its own: re-quantized from its values
-        from_gguf("Q2_K", torch.zeros(84, dtype=torch.uint8), (1, 256))
+    with pytest.raises(LocalpdError, match="IQ2_XS"):  # no import of its own: re-quantized from its values
+        from_gguf("IQ2_XS", torch.zeros(74, dtype=torch.uint8), (1, 256))
     with pytest.raises(LocalpdError, match="multiple of 32"):
         from_gguf("Q8_0", torch.zeros(34, dtype=torch.uint8), (1, 48))
     with pytest.raises(LocalpdError, match="bytes"):
