@@ -2611,20 +2611,74 @@ static void pf_task(void *ctx, int ith, int nth) {
 }
 #endif
 
-/* lpd_linear's y for many rows (prefill): its input step and rounding, the same rows, then pf_task's products.
- * Returns 0, -1 without memory, -3 where it does not take the product (not an AVX512-VNNI build, or an odd number
- * of blocks a row): lpd_dequant_gemm's float GEMMs then multiply. */
+#if defined(LPD_AVX512)
+/* Q2_K (mn16 set) in prefill's products: pf_task multiplies its d x sc x q (sub16_offset 0, no term a block); these
+ * take each output's minima term off, y[m, n] -= the sum over sub-blocks s of (dmin x mn) x the input's sub-block
+ * sum (its block's scale x its integer sum, gemm_task's xs16). x16 [K / 16][mp]: those sums by sub-block, sixteen
+ * input rows in a register (no sum across lanes), the rows past M zeros. */
+typedef struct {
+    const gemm_args *g;
+    int mp;
+    float *x16;
+} pf_minima_args;
+static void pf_minima_input_task(void *ctx, int ith, int nth) {
+    const pf_minima_args *p = ctx;
+    const gemm_args *a = p->g;
+    int nb = a->K / 32, m0, m1;
+    share(p->mp, ith, nth, &m0, &m1);
+    for (int m = m0; m < m1; m++)
+        for (int b = 0; b < nb; b++) { /* positions 0 .. 7, 16 .. 23: columns 0 .. 15 */
+            int32_t s0 = 0, s1 = 0;
+            float d = 0.f;
+            if (m < a->M) {
+                size_t i = (size_t)m * nb + b;
+                const int8_t *h = a->xq + 32 * i, *l = h + a->lo;
+                for (int j = 0; j < 8; j++) {
+                    s0 += 256 * (h[j] + h[16 + j]) + l[j] + l[16 + j];
+                    s1 += 256 * (h[8 + j] + h[24 + j]) + l[8 + j] + l[24 + j];
+                }
+                d = a->xd[i];
+            }
+            p->x16[(size_t)(2 * b) * p->mp + m] = d * (float)s0, p->x16[(size_t)(2 * b + 1) * p->mp + m] = d * (float)s1;
+        }
+}
+static void pf_minima_task(void *ctx, int ith, int nth) {
+    const pf_minima_args *p = ctx;
+    const gemm_args *a = p->g;
+    int ns = a->K / 16, n0, n1;
+    share(a->N, ith, nth, &n0, &n1);
+    float mins[ns];
+    const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(a->N));
+    for (int n = n0; n < n1; n++) {
+        for (int s = 0; s < ns; s += 16) _mm512_storeu_ps(mins + s, q2k_min16(a, n, s));
+        for (int m = 0; m < p->mp; m += 16) {
+            __m512 acc = _mm512_setzero_ps();
+            for (int s = 0; s < ns; s++)
+                acc = _mm512_fmadd_ps(_mm512_set1_ps(mins[s]), _mm512_loadu_ps(p->x16 + (size_t)s * p->mp + m), acc);
+            __mmask16 k = first16(a->M - m);
+            float *y = a->y + (size_t)m * a->N + n;
+            _mm512_mask_i32scatter_ps(y, k, rows, _mm512_sub_ps(_mm512_mask_i32gather_ps(acc, k, rows, y, 4), acc), 4);
+        }
+    }
+}
+#endif
+
+/* lpd_linear's y for many rows (prefill): its input step and rounding, the same rows, then pf_task's products
+ * (Q2_K's: then its minima, pf_minima_task). Returns 0, -1 without memory, -3 where it does not take the product (not
+ * an AVX512-VNNI build, or an odd number of blocks a row): lpd_dequant_gemm's float GEMMs then multiply. */
 int lpd_prefill_gemm(int pre, const float *x, const float *residual, const float *norm_w, float eps, float *sum_out,
                      int M, int K, int bits, const void *w, const uint16_t *scales, const uint16_t *biases,
                      const uint8_t *sub, const int8_t *lut, const uint8_t *high, const uint8_t *top, const int8_t *sc16,
                      const int8_t *mn16, int group, int N, const float *bias, float *y, int nth) {
 #if defined(LPD_AVX512)
     int nb = K / 32, mp = (M + 15) & ~15;
-    if (nb & 1 || M < 1 || mn16) return -3; /* (Q2_K's minima: a term a sub-block, where pf_task takes one a block) */
+    if (nb & 1 || M < 1) return -3;
     size_t t_bytes = (2 * (size_t)mp * K + 63) / 64 * 64, td_bytes = (4 * (size_t)mp * nb + 63) / 64 * 64;
+    size_t x16_bytes = mn16 ? sizeof(float) * (size_t)mp * (K / 16) : 0;
     input_args in;
     char *t = round_rows(&in, pre, x, residual, norm_w, eps, sum_out, M, K, deinterleaved(bits, lut), nth,
-                         t_bytes + 2 * td_bytes);
+                         t_bytes + 2 * td_bytes + x16_bytes);
     if (!t) return -1;
     gemm_args g = {M, N, K, group, bits, in.xq, (size_t)M * K, in.xd, in.xsum, NULL, NULL, w, scales, biases,
                    sub, lut, bias, y};
@@ -2633,6 +2687,11 @@ int lpd_prefill_gemm(int pre, const float *x, const float *residual, const float
                  deinterleaved(bits, lut) && !sc16 && (biases || sub)};
     parallel(pf_input_task, &p, nth);
     parallel(pf_task, &p, nth);
+    if (mn16) {
+        pf_minima_args pm = {&g, mp, (float *)(t + t_bytes + 2 * td_bytes)};
+        parallel(pf_minima_input_task, &pm, nth);
+        parallel(pf_minima_task, &pm, nth);
+    }
     return 0;
 #else
     (void)pre, (void)x, (void)residual, (void)norm_w, (void)eps, (void)sum_out, (void)M, (void)K, (void)bits, (void)w;
