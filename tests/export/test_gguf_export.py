@@ -377,24 +377,36 @@ def test_llama_cpp_tokenizes_the_sentencepiece_export_as_the_tokenizer_json_does
             assert got == hf_tok.encode(text).ids, text
 
 
+def exports_as_its_blocks(type_name: str, size: int, halves: list[int], cls, rng):
+    """A 6 x 768 import of random `type_name` blocks (`size` bytes, float16 fields at `halves` finite) exports as
+    the same type, the file's bytes byte for byte, read back as the same fields: (the weight, the blocks written)."""
+    import numpy as np
+
+    from localpd.export.gguf import encode
+    from localpd.quant.weights import from_gguf
+
+    raw = rng.integers(0, 256, (6 * 768 // 256, size), dtype=np.uint8)
+    for at in halves:
+        raw[:, at:at + 2] = rng.uniform(-2, 2, (raw.shape[0], 1)).astype(np.float16).view(np.uint8)
+    w = from_gguf(type_name, torch.from_numpy(raw), (6, 768))
+    kind, data, stored = encode(w)
+    assert kind == type_name and stored is w and np.array_equal(data.reshape(-1), raw.reshape(-1))
+    kind, back, decoded = blocks_round_trip(w)
+    assert isinstance(back, cls) and same_weight(back, w) and torch.equal(decoded, w.dequantize())
+    return w, data
+
+
 def test_6_bit_weights_are_the_q6_k_blocks_they_were_imported_from():
     """A Q6_K import (6-bit codes, an int8 scale a sub-block of 16, a float16 d a super-block) exports as Q6_K:
     the blocks written are the file's bytes, byte for byte, and read back as the same fields. A Q3_K import
     exports as the Q6_K blocks of its values, exactly."""
     import numpy as np
 
-    from localpd.export.gguf import encode
     from localpd.quant.int6k import Int6KWeight
     from localpd.quant.weights import from_gguf
 
     rng = np.random.default_rng(6)
-    raw = rng.integers(0, 256, (6 * 768 // 256, 210), dtype=np.uint8)
-    raw[:, 208:210] = rng.uniform(-2, 2, (raw.shape[0], 1)).astype(np.float16).view(np.uint8)
-    w = from_gguf("Q6_K", torch.from_numpy(raw), (6, 768))
-    kind, data, stored = encode(w)
-    assert kind == "Q6_K" and stored is w and np.array_equal(data.reshape(-1), raw.reshape(-1))
-    kind, back, decoded = blocks_round_trip(w)
-    assert isinstance(back, Int6KWeight) and same_weight(back, w) and torch.equal(decoded, w.dequantize())
+    exports_as_its_blocks("Q6_K", 210, [208], Int6KWeight, rng)
     q3 = rng.integers(0, 256, (6 * 768 // 256, 110), dtype=np.uint8)
     q3[:, 108:110] = rng.uniform(-2, 2, (q3.shape[0], 1)).astype(np.float16).view(np.uint8)
     w = from_gguf("Q3_K", torch.from_numpy(q3), (6, 768))  # a Q3_K import, written as the Q6_K of its values
@@ -406,22 +418,12 @@ def test_q2_k_weights_are_the_q2_k_blocks_they_were_imported_from():
     """A Q2_K import (2-bit codes held in nibbles, a scale and a minimum a sub-block of 16) exports as Q2_K: the
     file's bytes, byte for byte, read back as the same fields and decoded by gguf as the same values."""
     import numpy as np
-
-    from localpd.export.gguf import encode
-    from localpd.quant.int6k import Int2KWeight
-    from localpd.quant.weights import from_gguf
-
-    rng = np.random.default_rng(2)
-    raw = rng.integers(0, 256, (6 * 768 // 256, 84), dtype=np.uint8)
-    raw[:, 80:84] = rng.uniform(-2, 2, (raw.shape[0], 2)).astype(np.float16).view(np.uint8)
-    w = from_gguf("Q2_K", torch.from_numpy(raw), (6, 768))
-    kind, data, stored = encode(w)
-    assert kind == "Q2_K" and stored is w and np.array_equal(data.reshape(-1), raw.reshape(-1))
-    kind, back, decoded = blocks_round_trip(w)
-    assert isinstance(back, Int2KWeight) and same_weight(back, w) and torch.equal(decoded, w.dequantize())
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
+    from localpd.quant.int6k import Int2KWeight
+
+    w, data = exports_as_its_blocks("Q2_K", 84, [80, 82], Int2KWeight, np.random.default_rng(2))
     assert torch.equal(torch.from_numpy(dequantize(data.reshape(-1), GGMLQuantizationType.Q2_K)).reshape(6, 768),
                        w.dequantize())
 
