@@ -2271,6 +2271,18 @@ static void gemm_rows(const gemm_args *a, int n0, int n1, float *ds) {
     }
 }
 
+/* Input block i's two sub-block integer sums (each value 256 hi + lo): block positions 0 .. 7 and 16 .. 23 (columns
+ * 0 .. 15), then the rest (the input is deinterleaved as the nibbles are). */
+static inline void sub16_sums(const gemm_args *a, size_t i, int32_t *out) {
+    const int8_t *h = a->xq + 32 * i, *l = h + a->lo;
+    int32_t s0 = 0, s1 = 0;
+    for (int j = 0; j < 8; j++) {
+        s0 += 256 * (h[j] + h[16 + j]) + l[j] + l[16 + j];
+        s1 += 256 * (h[8 + j] + h[24 + j]) + l[8 + j] + l[24 + j];
+    }
+    out[0] = s0, out[1] = s1;
+}
+
 static void gemm_task(void *ctx, int ith, int nth) {
     const gemm_args *a = ctx;
     int K = a->K, nb = K / 32;
@@ -2294,18 +2306,9 @@ static void gemm_task(void *ctx, int ith, int nth) {
     float *xsf = ds + 4 * ROWS_AT_ONCE * DSTRIDE(fc) + ROWS_AT_ONCE * fc;
     for (size_t i = 0; i < (size_t)a->M * nb; i++) xsf[i] = a->xd[i] * (float)a->xsum[i];
     own.xsf = xsf;
-    if (a->sc16) { /* each sub-block's integer input sum: block positions 0 .. 7 and 16 .. 23 (columns 0 .. 15), then
-                    * the rest (the input is deinterleaved as the nibbles are) */
+    if (a->sc16) { /* each sub-block's integer input sum */
         int32_t *xs16 = (int32_t *)(xsf + (size_t)a->M * nb);
-        for (size_t i = 0; i < (size_t)a->M * nb; i++) {
-            const int8_t *h = a->xq + 32 * i, *l = h + a->lo;
-            int32_t s0 = 0, s1 = 0;
-            for (int j = 0; j < 8; j++) {
-                s0 += 256 * (h[j] + h[16 + j]) + l[j] + l[16 + j];
-                s1 += 256 * (h[8 + j] + h[24 + j]) + l[8 + j] + l[24 + j];
-            }
-            xs16[2 * i] = s0, xs16[2 * i + 1] = s1;
-        }
+        for (size_t i = 0; i < (size_t)a->M * nb; i++) sub16_sums(a, i, xs16 + 2 * i);
         own.xs16 = xs16;
     }
 #if defined(LPD_AVX512)
@@ -2627,19 +2630,15 @@ static void pf_minima_input_task(void *ctx, int ith, int nth) {
     int nb = a->K / 32, m0, m1;
     share(p->mp, ith, nth, &m0, &m1);
     for (int m = m0; m < m1; m++)
-        for (int b = 0; b < nb; b++) { /* positions 0 .. 7, 16 .. 23: columns 0 .. 15 */
-            int32_t s0 = 0, s1 = 0;
+        for (int b = 0; b < nb; b++) {
+            int32_t s[2] = {0, 0};
             float d = 0.f;
             if (m < a->M) {
-                size_t i = (size_t)m * nb + b;
-                const int8_t *h = a->xq + 32 * i, *l = h + a->lo;
-                for (int j = 0; j < 8; j++) {
-                    s0 += 256 * (h[j] + h[16 + j]) + l[j] + l[16 + j];
-                    s1 += 256 * (h[8 + j] + h[24 + j]) + l[8 + j] + l[24 + j];
-                }
-                d = a->xd[i];
+                sub16_sums(a, (size_t)m * nb + b, s);
+                d = a->xd[(size_t)m * nb + b];
             }
-            p->x16[(size_t)(2 * b) * p->mp + m] = d * (float)s0, p->x16[(size_t)(2 * b + 1) * p->mp + m] = d * (float)s1;
+            p->x16[(size_t)(2 * b) * p->mp + m] = d * (float)s[0];
+            p->x16[(size_t)(2 * b + 1) * p->mp + m] = d * (float)s[1];
         }
 }
 static void pf_minima_task(void *ctx, int ith, int nth) {
@@ -3564,10 +3563,10 @@ static void dequant_q6k_row(const dequant_args *a, int n, float *o) {
             }
             __m128i both = _mm_sub_epi8(_mm_unpacklo_epi8(lo, hi), _mm_set1_epi8((char)offset)); /* in column order */
             __m256 vs = _mm256_set1_ps(s), vm = _mm256_set1_ps(mn);
-            _mm256_storeu_ps(o + 32 * b + 16 * h,
-                             _mm256_fmsub_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(both)), vs, vm));
-            _mm256_storeu_ps(o + 32 * b + 16 * h + 8,
-                             _mm256_fmsub_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(both, 8))), vs, vm));
+            for (int half = 0; half < 2; half++) {
+                __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(half ? _mm_srli_si128(both, 8) : both));
+                _mm256_storeu_ps(o + 32 * b + 16 * h + 8 * half, _mm256_fmsub_ps(v, vs, vm));
+            }
 #else
             for (int j = 0; j < 8; j++) {
                 int e = 8 * h + j;
