@@ -16,8 +16,9 @@ an empty context, which reads a third of the KV cache that localpd's decode read
 decode after an N-token prompt, a `localpd bench` run of its own); prefill and localpd's batch 8 stay at 128.
 
 --int-prefill runs localpd a second time each round with the prefill's products (cpu.GEMM_ROWS rows and more) on
-the integer products decode takes (lpd_linear) in place of the float GEMM, and prints its prefill beside the float
-path's: what making the integer products the prefill path would cost or gain.
+the integer products decode takes (lpd_linear) in place of prefill's GEMM (lpd_prefill_gemm's on AVX512-VNNI, the
+float GEMM elsewhere), and prints its prefill beside the GEMM's: what taking decode's products for prefill would cost
+or gain.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 TOKENS = 128
-# `localpd` with every product on lpd_linear's integer products, prefill's rows too (cpu._gemm replaced)
+# `localpd` with every product on lpd_linear's integer products, prefill's rows too (cpu._gemm replaced, and
+# cpu.integer_prefill off so that prefill takes it)
 INT_PREFILL = """
 import runpy, sys
 from localpd.kernels import cpu
@@ -45,6 +47,7 @@ def _gemm(lib, p, pre, x, res, nw, eps, s, bias, y):
         raise MemoryError("lpd_linear could not allocate its scratch")
 
 cpu._gemm = _gemm
+cpu.integer_prefill = lambda: False
 sys.argv = ["localpd", *sys.argv[1:]]
 runpy.run_module("localpd.cli", run_name="__main__")
 """
@@ -162,7 +165,7 @@ def main() -> int:
     if args.int_prefill:
         ints = [r[1]["int"]["prefill"] for r in rounds]
         print("# localpd pp128 with prefill on the integer products: " + ", ".join(
-            f"{v:.1f} ({v / r[1]['prefill']:.2f}x the float path's, {v / r[0]['prefill']:.2f}x llama.cpp's)"
+            f"{v:.1f} ({v / r[1]['prefill']:.2f}x prefill's GEMM's, {v / r[0]['prefill']:.2f}x llama.cpp's)"
             for v, r in zip(ints, rounds)) + f"; median {statistics.median(ints):.1f}")
     print(f"# tok/s; dec: batch-1 decode of {TOKENS} tokens after {args.context} of context (llama.cpp's tg{TOKENS} at "
           f"-d {args.context}, localpd's after its {args.context}-token prompt); x8: localpd's 8 sequences together, "
