@@ -2101,6 +2101,12 @@ static inline __attribute__((always_inline)) int gemv1_sub16_as(const gemm_args 
             __m512 fs[4];
 #pragma GCC unroll 4
             for (int r = 0; r < 4; r++) {
+                /* the rows' scales (and Q2_K's minima) eight super-blocks ahead: four rows of each are streams
+                 * apart from the codes', which the processor's prefetchers left waiting (2048 x 8192 Q2_K products
+                 * 1.08-1.11x as fast, Q6_K's 1.01-1.04x) */
+                const size_t ahead16 = (size_t)(n + r) * ns + s + 128;
+                _mm_prefetch((const char *)(a->sc16 + ahead16), _MM_HINT_T0);
+                if (a->mn16) _mm_prefetch((const char *)(a->mn16 + ahead16), _MM_HINT_T0);
                 fs[r] = _mm512_mul_ps(q6k_side16(a, n + r, s), xd);
                 __m512 t = a->mn16 ? _mm512_mul_ps(q2k_min16(a, n + r, s), xd) : fs[r]; /* (term_times) */
                 ext[r] = _mm512_fmadd_ps(t, xs, ext[r]);
