@@ -393,8 +393,8 @@ def linear(x: torch.Tensor, w: Int4Weight | Int8Weight | Int4KWeight | CodebookW
         if prefill_bf16() or not integer_prefill() or not _integer_gemm(lib, p, pre, x, res, nw, eps, s, bias, y):
             _gemm(lib, p, pre, x, res, nw, eps, s, bias, y)
     elif m and lib.lpd_linear(pre, x.data_ptr(), _ptr(res), _ptr(nw), eps, _ptr(s), m, p.k, p.bits, p.data, p.scales,
-                              p.biases, p.sub, p.lut, p.high, p.top, p.sc16, p.mn16, p.group, p.n, _ptr(bias), y.data_ptr(),
-                              threads()):
+                              p.biases, p.sub, p.lut, p.high, p.top, p.sc16, p.mn16, p.group, p.n, _ptr(bias),
+                              y.data_ptr(), threads()):
         raise MemoryError("lpd_linear could not allocate its scratch")  # its only failure
     y = y.reshape(*lead, p.n)
     return y if norm is None else (y, s.reshape(*lead, p.k))
@@ -427,15 +427,15 @@ def _gemm(lib, p: Plan, pre: int, x, res, nw, eps: float, s, bias, y) -> None:
     lib.lpd_round_input(pre, x.data_ptr(), _ptr(res), _ptr(nw), eps, _ptr(s), m, p.k, h.data_ptr(), nth)
     h16 = h.to(torch.bfloat16) if prefill_bf16() else None
     rows = gemm_slice(p.n, p.k, nth, 4 if h16 is not None else 1)
-    rc = lib.lpd_dequant_gemm(p.bits, p.data, p.scales, p.biases, p.sub, p.lut, p.high, p.top, p.sc16, p.mn16, p.group, p.k,
-                              p.n, m, h.data_ptr(), _ptr(h16), y.data_ptr(), rows, nth)
+    rc = lib.lpd_dequant_gemm(p.bits, p.data, p.scales, p.biases, p.sub, p.lut, p.high, p.top, p.sc16, p.mn16, p.group,
+                              p.k, p.n, m, h.data_ptr(), _ptr(h16), y.data_ptr(), rows, nth)
     if rc == -3:  # no BLAS in torch's library
         rows = max(1, min(p.n, GEMM_SLICE // p.k))
         part = torch.empty(rows, p.k, dtype=torch.float32)
         for n0 in range(0, p.n, rows):
             n1 = min(p.n, n0 + rows)
-            lib.lpd_dequantize(p.bits, p.data, p.scales, p.biases, p.sub, p.lut, p.high, p.top, p.sc16, p.mn16, p.group, p.k,
-                               n0, n1, part.data_ptr(), nth)
+            lib.lpd_dequantize(p.bits, p.data, p.scales, p.biases, p.sub, p.lut, p.high, p.top, p.sc16, p.mn16, p.group,
+                               p.k, n0, n1, part.data_ptr(), nth)
             torch.mm(h, part[:n1 - n0].T, out=y[:, n0:n1]) if rows == p.n else y[:, n0:n1].copy_(h @ part[:n1 - n0].T)
     else:
         _check(rc, "lpd_dequant_gemm")

@@ -1584,24 +1584,22 @@ static void k_group_scales(k_row r, int nb, float *ws, float *wb) {
 static inline float q6k_scale(const uint16_t *d, const int8_t *sc, int K, int n, int s) {
     return half_to_float(d[(size_t)n * (K / 256) + s / 16]) * (float)sc[(size_t)n * (K / 16) + s];
 }
-/* Q2_K's row n, sub-block s: its minimum dmin x mn (q6k_scale's form); 0 for Q6_K and Q3_K (mn NULL). */
+/* Q2_K's row n, sub-block s: its minimum dmin x mn (q6k_scale's product); 0 for Q6_K and Q3_K (mn NULL). */
 static inline float q2k_minimum(const uint16_t *dmin, const int8_t *mn, int K, int n, int s) {
-    return mn ? half_to_float(dmin[(size_t)n * (K / 256) + s / 16]) * (float)mn[(size_t)n * (K / 16) + s] : 0.f;
+    return mn ? q6k_scale(dmin, mn, K, n, s) : 0.f;
 }
 
 #if defined(LPD_AVX512)
-/* Row n's d x sc of sub-blocks s .. s + 15 (a super-block), for q6k_factors and gemv1_sub16 alike. */
-static inline __m512 q6k_side16(const gemm_args *a, int n, int s) {
-    const int8_t *sc = a->sc16 + (size_t)n * (a->K / 16) + s;
-    return _mm512_mul_ps(_mm512_set1_ps(half_to_float(a->scales[(size_t)n * (a->K / 256) + s / 16])),
-                         _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)sc))));
+/* Row n's q6k_scale of sub-blocks s .. s + 15 (a super-block): d a super-block times v a sub-block. */
+static inline __m512 scale16(const uint16_t *d, const int8_t *v, int K, int n, int s) {
+    const int8_t *p = v + (size_t)n * (K / 16) + s;
+    return _mm512_mul_ps(_mm512_set1_ps(half_to_float(d[(size_t)n * (K / 256) + s / 16])),
+                         _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))));
 }
+/* Row n's d x sc of sub-blocks s .. s + 15, for q6k_factors and gemv1_sub16 alike. */
+static inline __m512 q6k_side16(const gemm_args *a, int n, int s) { return scale16(a->scales, a->sc16, a->K, n, s); }
 /* Q2_K's: row n's dmin x mn of sub-blocks s .. s + 15. */
-static inline __m512 q2k_min16(const gemm_args *a, int n, int s) {
-    const int8_t *mn = a->mn16 + (size_t)n * (a->K / 16) + s;
-    return _mm512_mul_ps(_mm512_set1_ps(half_to_float(a->biases[(size_t)n * (a->K / 256) + s / 16])),
-                         _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)mn))));
-}
+static inline __m512 q2k_min16(const gemm_args *a, int n, int s) { return scale16(a->biases, a->mn16, a->K, n, s); }
 #endif
 /* Q6_K's (and Q3_K's, Q2_K's) row_factors, for every path (one function, so every row count gets the same floats):
  * ds[m * stride + s] = (d x sc of sub-block s) x the input block's scale, two a block; extra[m] = -term_times x the
@@ -2524,6 +2522,12 @@ static inline __attribute__((always_inline)) void pf_pack_as(const pf_args *p, w
     }
 }
 
+/* The offsets of sixteen rows of an output y [M, N], 0, N, .. 15 N: one column's sixteen input rows, scattered. */
+static inline __m512i row_offsets16(int N) {
+    return _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                              _mm512_set1_epi32(N));
+}
+
 /* Input rows m0 .. m0 + 16 MR - 1 against the packed weight rows n .. n + PF_COLS - 1 (those below N stored): the
  * sums of a block in registers, the floats in acc (the thread's, in L1: a load and a store a block). */
 static inline __attribute__((always_inline)) void pf_tile(const pf_args *p, const int16_t *wr, const float *ws,
@@ -2568,8 +2572,7 @@ static inline __attribute__((always_inline)) void pf_tile(const pf_args *p, cons
             }
         }
     }
-    const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                            _mm512_set1_epi32(a->N));
+    const __m512i rows = row_offsets16(a->N);
     for (int i = 0; i < MR; i++) {
         __mmask16 k = first16(a->M - (m0 + 16 * i));
         for (int j = 0; j < PF_COLS && n + j < a->N; j++) {
@@ -2653,8 +2656,7 @@ static void pf_minima_task(void *ctx, int ith, int nth) {
     int ns = a->K / 16, n0, n1;
     share(a->N, ith, nth, &n0, &n1);
     float mins[ns];
-    const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                            _mm512_set1_epi32(a->N));
+    const __m512i rows = row_offsets16(a->N);
     for (int n = n0; n < n1; n++) {
         for (int s = 0; s < ns; s += 16) _mm512_storeu_ps(mins + s, q2k_min16(a, n, s));
         for (int m = 0; m < p->mp; m += 16) {

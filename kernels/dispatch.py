@@ -279,9 +279,9 @@ def linear_codebook(x: torch.Tensor, w: CodebookWeight, bias: torch.Tensor | Non
 
 def linear_int5(x: torch.Tensor, w: Int5Weight | Int5KWeight | SubScaled, bias: torch.Tensor | None = None,
                 gated: str | None = None, norm: PreNorm | None = None):
-    """linear_int4 for a 5- or 6-bit weight (GGUF's Q5_0, Q5_1, Q5_K, Q6_K) or Q3_K's or Q2_K's: localpd's CPU kernels read its high bits
-    beside its int4 codes and its factors; Triton's int8 kernels take its nearest int8 (as_int8: 8.5 bits a weight
-    read on the GPU, not 5.5 to 6.6); elsewhere the torch reference."""
+    """linear_int4 for a 5- or 6-bit weight (GGUF's Q5_0, Q5_1, Q5_K, Q6_K) or Q3_K's or Q2_K's: localpd's CPU
+    kernels read its high bits beside its int4 codes and its factors; Triton's int8 kernels take its nearest int8
+    (as_int8: 8.5 bits a weight read on the GPU, not 4.6 to 6.6); elsewhere the torch reference."""
     return _linear_held(x, w, as_int8, int5_matmul_ref, bias, gated, norm)
 
 

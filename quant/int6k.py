@@ -53,6 +53,11 @@ def upper_codes(upper: torch.Tensor) -> torch.Tensor:
     return top[..., COLUMN_PLACE.to(upper.device)].reshape(n, k)
 
 
+def per_sub_block(per_super: torch.Tensor, per_sub: torch.Tensor) -> torch.Tensor:
+    """A float16 a super-block [N, K // 256] times an int8 a sub-block [N, K // 16], in float32: [N, K // 16]."""
+    return per_super.float().repeat_interleave(SUPER // SUB, dim=1) * per_sub.float()
+
+
 class SubScaled:
     """What the two share: value = d * sc * (q - OFFSET), a float16 d a super-block of 256 and an int8 sc a
     sub-block of 16, the codes' low four bits in `packed`; each subclass its planes and OFFSET."""
@@ -89,7 +94,7 @@ class SubScaled:
 
     def sub_scales(self) -> torch.Tensor:
         """Each sub-block's scale d * sc in float32, [N, K // 16], as ggml multiplies them."""
-        return self.d.float().repeat_interleave(SUPER // SUB, dim=1) * self.sc.float()
+        return per_sub_block(self.d, self.sc)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         n, k = self.shape
@@ -160,7 +165,7 @@ class Int2KWeight(SubScaled):
 
     def sub_minima(self) -> torch.Tensor:
         """Each sub-block's dmin * mn in float32, [N, K // 16], as ggml multiplies them."""
-        return self.dmin.float().repeat_interleave(SUPER // SUB, dim=1) * self.mn.float()
+        return per_sub_block(self.dmin, self.mn)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         n, k = self.shape
@@ -232,3 +237,7 @@ class Int6KWeight(SubScaled):
         (quant/int5.py's bit_plane, uint8 [N, K // 8] each)."""
         codes = unpack_int4(packed) | plane_bits(high) << 4 | plane_bits(top) << 5
         return cls.from_codes(codes, d, sc)
+
+
+# GGUF's types with a scale a sub-block of 16 (quant/weights.py's SUB16_TYPES) -> their import of a tensor's blocks
+FROM_BLOCKS = {"Q6_K": Int6KWeight.from_q6_k, "Q3_K": Int3KWeight.from_q3_k, "Q2_K": Int2KWeight.from_q2_k}

@@ -8,7 +8,7 @@ from localpd.errors import LocalpdError
 from localpd.quant.gguf_blocks import DECODERS
 from localpd.quant.bnb import BnbInt8Weight, Nf4Weight, bitsandbytes
 from localpd.quant.int4k import Int4KWeight
-from localpd.quant.weights import INT4_GROUPS, Int4Weight, Int8Weight, Weight
+from localpd.quant.weights import INT4_GROUPS, SUB16_TYPES, Int4Weight, Int8Weight, Weight
 
 DENSE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # int4 in groups (Int4Weight, a float16 scale and bias a group); the -zp schemes keep each bias a whole number of
@@ -18,10 +18,10 @@ INT4_ZP = ("int4-zp-g32", "int4-zp-g64", "int4-zp-g128")
 BNB = {"bnb-nf4": Nf4Weight, "bnb-int8": BnbInt8Weight}  # bitsandbytes' formats and matmuls (optional)
 INT4_K = "int4-k"  # 4-bit codes, groups of 32, scales quantized within super-blocks of 256 (quant/int4k.py)
 SCHEMES = ("native", *DENSE, "int8", *INT4, INT4_K, *BNB)
-# GGUF block types that map onto our formats with group 32 (quant.gguf_blocks), and Q6_K, Q3_K and Q2_K (quant/int6k.py);
-# under "native" every other quantized type is re-quantized to int8 with a scale per NATIVE_INT8_GROUP values
-# (native_weight)
-GGUF_NATIVE = set(DECODERS) | {"Q6_K", "Q3_K", "Q2_K"}
+# GGUF block types that map onto our formats with group 32 (quant.gguf_blocks), and those with a scale a sub-block of
+# 16 (quant/int6k.py); under "native" every other quantized type is re-quantized to int8 with a scale per
+# NATIVE_INT8_GROUP values (native_weight)
+GGUF_NATIVE = set(DECODERS) | set(SUB16_TYPES)
 GGUF_DENSE = {"F32", "F16", "BF16"}
 NATIVE_INT8_GROUP = 32
 

@@ -328,17 +328,21 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((pairs & 15, pairs >> 4), dim=-1).reshape(n, -1)
 
 
+SUB16_TYPES = ("Q6_K", "Q3_K", "Q2_K")  # GGUF's types with a scale a sub-block of 16: quant/int6k.py's FROM_BLOCKS
+
+
 def from_gguf(type_name: str, raw_blocks_uint8: torch.Tensor, shape: tuple[int, int]):
     """Import of a GGUF block type whose groups of 32 are codes * scale (+ bias) (quant.gguf_blocks): Q4_0 and Q4_1
     -> Int4Weight, Q4_K -> Int4KWeight (quant/int4k.py), Q5_0 and Q5_1 -> Int5Weight, Q5_K -> Int5KWeight
-    (quant/int5.py), Q6_K -> Int6KWeight, Q3_K -> Int3KWeight and Q2_K -> Int2KWeight (quant/int6k.py), IQ4_NL, IQ4_XS and MXFP4 -> CodebookWeight (quant/codebook.py), Q8_0 -> Int8Weight, group 32.
+    (quant/int5.py), Q6_K -> Int6KWeight, Q3_K -> Int3KWeight and Q2_K -> Int2KWeight (quant/int6k.py), IQ4_NL,
+    IQ4_XS and MXFP4 -> CodebookWeight (quant/codebook.py), Q8_0 -> Int8Weight, group 32.
     Bit for bit, but for IQ4_XS's scales (products of two stored fields), which are rounded to float16.
 
     `raw_blocks_uint8` holds the tensor's blocks as stored (any shape); `shape` is (N rows, K columns) with blocks
     running along K.
     """
     type_name = type_name.upper()
-    if type_name not in gguf_blocks.DECODERS and type_name not in ("Q6_K", "Q3_K", "Q2_K"):
+    if type_name not in gguf_blocks.DECODERS and type_name not in SUB16_TYPES:
         raise LocalpdError(f"GGUF type {type_name} cannot be imported as int4/int8 "
                            f"(supported: {', '.join(gguf_blocks.DECODERS)})")
     n, k = shape
@@ -364,18 +368,10 @@ def _from_gguf_rows(type_name: str, blocks: torch.Tensor, shape: tuple[int, int]
         from localpd.quant.int4k import Int4KWeight  # it imports this module
 
         return Int4KWeight.from_q4_k(blocks, shape)
-    if type_name == "Q6_K":
-        from localpd.quant.int6k import Int6KWeight  # it imports this module
+    if type_name in SUB16_TYPES:
+        from localpd.quant.int6k import FROM_BLOCKS  # it imports this module
 
-        return Int6KWeight.from_q6_k(blocks, shape)
-    if type_name == "Q3_K":
-        from localpd.quant.int6k import Int3KWeight  # it imports this module
-
-        return Int3KWeight.from_q3_k(blocks, shape)
-    if type_name == "Q2_K":
-        from localpd.quant.int6k import Int2KWeight  # it imports this module
-
-        return Int2KWeight.from_q2_k(blocks, shape)
+        return FROM_BLOCKS[type_name](blocks, shape)
     if type_name in gguf_blocks.INT5_TYPES:
         from localpd.quant.int5 import Int5KWeight, from_q5  # it imports this module
 

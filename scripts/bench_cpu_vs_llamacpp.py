@@ -42,8 +42,8 @@ from localpd.kernels import cpu
 
 def _gemm(lib, p, pre, x, res, nw, eps, s, bias, y):
     if lib.lpd_linear(pre, x.data_ptr(), cpu._ptr(res), cpu._ptr(nw), eps, cpu._ptr(s), x.shape[0], p.k, p.bits, p.data,
-                      p.scales, p.biases, p.sub, p.lut, p.high, p.top, p.sc16, p.mn16, p.group, p.n, cpu._ptr(bias), y.data_ptr(),
-                      cpu.threads()):
+                      p.scales, p.biases, p.sub, p.lut, p.high, p.top, p.sc16, p.mn16, p.group, p.n, cpu._ptr(bias),
+                      y.data_ptr(), cpu.threads()):
         raise MemoryError("lpd_linear could not allocate its scratch")
 
 cpu._gemm = _gemm
